@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the local control plane's binaries once and caches them outside the repository:
+# etcd, kube-apiserver, kube-controller-manager, kube-scheduler (tools/go.mod), kwok and helm.
+# Prints the directory that holds them. KUBEBUILDER_ASSETS, when set, is used as it is.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+K8S_VERSION=v1.34.4
+KWOK_VERSION=v0.7.0
+HELM_VERSION=v3.19.2
+cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
+out=$cache/bin/k8s-$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION
+mkdir -p "$out"
+
+build() {  # name, package, ldflags
+  [ -x "$out/$1" ] && return 0
+  echo "building $1 (once; cached in $out)" >&2
+  go build -trimpath -ldflags "-s -w $3" -o "$out/$1.tmp" "$2" && mv "$out/$1.tmp" "$out/$1"
+}
+
+ver="-X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=34 -X k8s.io/component-base/version.gitTreeState=clean"
+ver="$ver -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=34"
+cd "$here/tools"
+build etcd ./etcd ""
+for c in kube-apiserver kube-controller-manager kube-scheduler; do
+  build "$c" "k8s.io/kubernetes/cmd/$c" "$ver"
+done
+# kwok and helm carry no replace directives, so `go install pkg@version` builds them as released.
+install() {  # name, package@version, ldflags
+  [ -x "$out/$1" ] && return 0
+  echo "building $1 (once; cached in $out)" >&2
+  GOBIN=$out GOFLAGS= go install -trimpath -ldflags "-s -w $3" "$2"
+}
+install kwok sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+install helm helm.sh/helm/v3/cmd/helm@$HELM_VERSION "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+echo "$out"

@@ -1,0 +1,351 @@
+"""The job contract, in one place.
+
+Parsing, defaulting and validating a WeightTransferJob (with the CRD's own schema, defaults and
+CEL rules, so the local runner refuses what the API server refuses), the ordinal -> role/rank
+layout, the names of every child object, and the environment variables and files a pod receives.
+The operator renders from this module; the worker and the local runner read from it.
+Nothing here imports torch or the Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+GROUP = "weightsync.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "WeightTransferJob"
+PLURAL = "weighttransferjobs"
+
+CONTROLLER, TRAINER, INFERENCE = "controller", "trainer", "inference"
+ROLES = (CONTROLLER, TRAINER, INFERENCE)
+WORKER_ROLES = (TRAINER, INFERENCE)
+
+LABEL_JOB = f"{GROUP}/job"
+LABEL_ROLE = f"{GROUP}/role"
+# Set by the StatefulSet controller on every pod; the downward API hands it to the worker.
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+STORE_PORT = 29500  # the controller's rendezvous store
+DATA_PORT = 29600  # an inference process listens on DATA_PORT + its local rank
+
+# What the operator mounts into every pod, and where.
+SPEC_KEY = "job.yaml"  # ConfigMap key: the defaulted job the workers read
+TOKEN_KEY = "token"  # Secret key: the per-job secret every connection proves it knows
+SPEC_MOUNT = "/etc/weightsync/spec"
+TOKEN_MOUNT = "/etc/weightsync/token"
+SHM_MOUNT = "/dev/shm"
+
+
+class Env:
+    """Names of the environment variables a worker pod receives."""
+
+    JOB = "WEIGHTSYNC_JOB"
+    NAMESPACE = "WEIGHTSYNC_NAMESPACE"
+    ORDINAL = "WEIGHTSYNC_ORDINAL"  # downward API: the pod-index label
+    POD_NAME = "WEIGHTSYNC_POD_NAME"
+    POD_IP = "WEIGHTSYNC_POD_IP"  # the address other ranks dial
+    CONTROLLER_HOST = "WEIGHTSYNC_CONTROLLER_HOST"
+    STORE_PORT = "WEIGHTSYNC_STORE_PORT"
+    DATA_PORT = "WEIGHTSYNC_DATA_PORT"
+    SPEC_FILE = "WEIGHTSYNC_SPEC_FILE"
+    TOKEN_FILE = "WEIGHTSYNC_TOKEN_FILE"
+    NETWORK_MODE = "WEIGHTSYNC_NETWORK_MODE"  # the resolved mode: rdma or tcp
+    REPORT_TO_KUBERNETES = "WEIGHTSYNC_REPORT_TO_KUBERNETES"  # "1": the controller patches job status
+
+
+class SpecError(ValueError):
+    """A job that the API server would refuse; the message says what to fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid WeightTransferJob:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------- the CRD's schema and defaults
+
+
+@functools.cache
+def crd() -> dict:
+    return yaml.safe_load((Path(__file__).parent / "crd.yaml").read_text())
+
+
+def schema() -> dict:
+    (version,) = [v for v in crd()["spec"]["versions"] if v["name"] == VERSION]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(node_schema: Mapping, value: Any) -> Any:
+    """Structural-schema defaulting as the API server does it: an absent property with a default
+    takes it, then defaulting recurses into what is there (including defaults just placed)."""
+    if isinstance(value, dict):
+        props = node_schema.get("properties", {})
+        for name, sub in props.items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(sub, value[name])
+        extra = node_schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name in value.keys() - props.keys():
+                value[name] = apply_defaults(extra, value[name])
+    elif isinstance(value, list) and "items" in node_schema:
+        return [apply_defaults(node_schema["items"], v) for v in value]
+    return value
+
+
+def _schema_problems(obj: dict) -> list[str]:
+    import jsonschema
+
+    def path(err) -> str:
+        return ".".join(str(p) for p in err.absolute_path) or "(root)"
+
+    validator = jsonschema.Draft4Validator(_strip_extensions(schema()))
+    return [f"{path(e)}: {e.message}" for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+def _strip_extensions(node: Any) -> Any:
+    """The schema as plain JSON Schema, without the x-kubernetes-* keys."""
+    if isinstance(node, dict):
+        return {k: _strip_extensions(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+    if isinstance(node, list):
+        return [_strip_extensions(v) for v in node]
+    return node
+
+
+def _cel_rules(node: Mapping, value: Any, where: str) -> list[str]:
+    """Evaluate the CRD's x-kubernetes-validations (transition rules, which need the old object,
+    are left to the API server)."""
+    problems: list[str] = []
+    for rule in node.get("x-kubernetes-validations", []):
+        if "oldSelf" in rule["rule"]:
+            continue
+        if not _cel(rule["rule"], value):
+            problems.append(f"{where or 'metadata.name'}: {rule.get('message', rule['rule'])}")
+    if isinstance(value, dict):
+        for name, sub in node.get("properties", {}).items():
+            if name in value:
+                problems += _cel_rules(sub, value[name], f"{where}.{name}" if where else name)
+    return problems
+
+
+def _cel(rule: str, value: Any) -> bool:
+    import celpy
+
+    env = celpy.Environment()
+    return bool(env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)}))
+
+
+def load_job(source: str | os.PathLike | Mapping, namespace: str = "default") -> "Job":
+    """Read a WeightTransferJob (a path or a parsed object), apply the CRD's defaults and refuse
+    it, with every problem named, where the API server would."""
+    if isinstance(source, Mapping):
+        obj = copy.deepcopy(dict(source))
+    else:
+        try:
+            obj = yaml.safe_load(Path(source).read_text())
+        except FileNotFoundError:
+            raise SpecError([f"{source}: no such file"]) from None
+    if not isinstance(obj, dict):
+        raise SpecError(["the file must hold one WeightTransferJob object"])
+    problems = []
+    if obj.get("apiVersion") != API_VERSION or obj.get("kind") != KIND:
+        problems.append(f"apiVersion/kind: expected {API_VERSION} {KIND}, got {obj.get('apiVersion')} {obj.get('kind')}")
+    obj.setdefault("metadata", {})
+    if not obj["metadata"].get("name"):
+        problems.append("metadata.name: required")
+    if problems:
+        raise SpecError(problems)
+    obj = apply_defaults(schema(), obj)
+    problems = _schema_problems(obj) or _cel_rules(schema(), obj, "")
+    if problems:
+        raise SpecError(problems)
+    return Job(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace") or namespace, spec=obj["spec"])
+
+
+# ---------------------------------------------------------------- the job, its layout, its names
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Global ordinals: 0 is the controller, 1..T the trainer pods, T+1..T+I the inference pods.
+    Ranks count processes within a role: trainer pod with ordinal o runs trainer ranks
+    (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1."""
+
+    trainers: int
+    trainer_procs: int
+    inferences: int
+    inference_procs: int
+
+    @classmethod
+    def from_spec(cls, spec: Mapping) -> "Layout":
+        return cls(spec["trainer"]["replicas"], spec["trainer"]["procsPerPod"],
+                   spec["inference"]["replicas"], spec["inference"]["procsPerPod"])
+
+    @property
+    def pods(self) -> int:
+        return 1 + self.trainers + self.inferences
+
+    def replicas(self, role: str) -> int:
+        return {CONTROLLER: 1, TRAINER: self.trainers, INFERENCE: self.inferences}[role]
+
+    def procs_per_pod(self, role: str) -> int:
+        return {CONTROLLER: 1, TRAINER: self.trainer_procs, INFERENCE: self.inference_procs}[role]
+
+    def first_ordinal(self, role: str) -> int:
+        return {CONTROLLER: 0, TRAINER: 1, INFERENCE: 1 + self.trainers}[role]
+
+    def ordinals(self, role: str) -> range:
+        start = self.first_ordinal(role)
+        return range(start, start + self.replicas(role))
+
+    def role_of(self, ordinal: int) -> str:
+        for role in ROLES:
+            if ordinal in self.ordinals(role):
+                return role
+        raise ValueError(f"ordinal {ordinal} is outside this job (0..{self.pods - 1})")
+
+    def ranks_of(self, ordinal: int) -> range:
+        """The role ranks of the processes a pod runs."""
+        role = self.role_of(ordinal)
+        procs = self.procs_per_pod(role)
+        first = (ordinal - self.first_ordinal(role)) * procs
+        return range(first, first + procs)
+
+    def world_size(self, role: str) -> int:
+        return self.replicas(role) * self.procs_per_pod(role)
+
+    def ordinal_of_rank(self, role: str, rank: int) -> int:
+        return self.first_ordinal(role) + rank // self.procs_per_pod(role)
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    namespace: str
+    spec: dict
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.from_spec(self.spec)
+
+    def to_object(self) -> dict:
+        """The defaulted job as the workers read it (the ConfigMap's content)."""
+        return {"apiVersion": API_VERSION, "kind": KIND,
+                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": self.spec}
+
+    # children
+    def child_name(self, role: str) -> str:
+        return f"{self.name}-{role}"
+
+    @property
+    def service_name(self) -> str:
+        return self.name
+
+    @property
+    def secret_name(self) -> str:
+        return f"{self.name}-token"
+
+    @property
+    def configmap_name(self) -> str:
+        return f"{self.name}-spec"
+
+    @property
+    def service_account_name(self) -> str:
+        """The controller pod's identity: allowed to patch this job's status, nothing else."""
+        return f"{self.name}-controller"
+
+    def pod_name(self, ordinal: int) -> str:
+        return f"{self.child_name(self.layout.role_of(ordinal))}-{ordinal}"
+
+    @property
+    def controller_host(self) -> str:
+        return f"{self.pod_name(0)}.{self.service_name}.{self.namespace}.svc"
+
+    def labels(self, role: str | None = None) -> dict[str, str]:
+        labels = {"app.kubernetes.io/name": "weightsync", "app.kubernetes.io/instance": self.name, LABEL_JOB: self.name}
+        if role:
+            labels[LABEL_ROLE] = role
+        return labels
+
+
+# ---------------------------------------------------------------- network settings
+
+
+def network_env(spec: Mapping, mode: str) -> dict[str, str]:
+    """NCCL and UCCL settings for a resolved network mode (rdma or tcp)."""
+    if mode == "rdma":
+        rdma = spec["network"]["rdma"]
+        env = {
+            "NCCL_IB_DISABLE": "0",
+            "NCCL_IB_GID_INDEX": str(rdma["gidIndex"]),
+            "NCCL_NET_GDR_LEVEL": rdma["gdrLevel"],
+            "NCCL_IB_TC": str(rdma["trafficClass"]),
+            "NCCL_IB_SL": str(rdma["serviceLevel"]),
+            "UCCL_P2P_IB_GID_INDEX": str(rdma["gidIndex"]),
+            "UCCL_P2P_IB_TC": str(rdma["trafficClass"]),
+            "UCCL_P2P_IB_SL": str(rdma["serviceLevel"]),
+        }
+        if rdma.get("hcas"):
+            env["NCCL_IB_HCA"] = ",".join(rdma["hcas"])
+            env["UCCL_P2P_IB_HCA"] = ",".join(rdma["hcas"])
+        return env
+    if mode == "tcp":
+        ifname = spec["network"]["tcp"]["socketIfname"]
+        return {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
+    raise ValueError(f"network mode must be resolved to rdma or tcp, not {mode!r}")
+
+
+# ---------------------------------------------------------------- what a worker process reads
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Everything a worker process learns from its pod: environment variables and mounted files."""
+
+    job: Job
+    ordinal: int
+    role: str
+    pod_ip: str
+    controller_host: str
+    store_port: int
+    data_port: int
+    network_mode: str
+    token: bytes
+    report_to_kubernetes: bool
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "WorkerContext":
+        def need(name: str) -> str:
+            if not environ.get(name):
+                raise SpecError([f"environment variable {name} is not set (the operator sets it in every pod)"])
+            return environ[name]
+
+        job = load_job(need(Env.SPEC_FILE), namespace=environ.get(Env.NAMESPACE, "default"))
+        ordinal = int(need(Env.ORDINAL))
+        token = Path(need(Env.TOKEN_FILE)).read_bytes().strip()
+        if len(token) < 16:
+            raise SpecError([f"the job token in {environ[Env.TOKEN_FILE]} is shorter than 16 bytes"])
+        return cls(
+            job=job,
+            ordinal=ordinal,
+            role=job.layout.role_of(ordinal),
+            pod_ip=environ.get(Env.POD_IP) or "127.0.0.1",
+            controller_host=need(Env.CONTROLLER_HOST),
+            store_port=int(environ.get(Env.STORE_PORT, STORE_PORT)),
+            data_port=int(environ.get(Env.DATA_PORT, DATA_PORT)),
+            network_mode=environ.get(Env.NETWORK_MODE, "tcp"),
+            token=token,
+            report_to_kubernetes=environ.get(Env.REPORT_TO_KUBERNETES) == "1",
+        )
+
+    @property
+    def ranks(self) -> range:
+        return self.job.layout.ranks_of(self.ordinal)
