@@ -1,0 +1,91 @@
+"""The job contract: CRD defaults, local validation, the ordinal layout and pod settings."""
+
+import pytest
+
+from weightsync import contract
+
+
+def job(spec=None, name="demo", **top):
+    obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+           "spec": {"model": {"config": {"model_type": "gpt2"}}, **(spec or {})}}
+    obj.update(top)
+    return obj
+
+
+def test_defaults_come_from_the_crd():
+    spec = contract.load_job(job()).spec
+    assert spec["model"]["dtype"] == "bfloat16"
+    assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1}
+    assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
+    assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300}
+    assert spec["network"]["mode"] == "auto"
+    assert spec["network"]["rdma"]["trafficClass"] == 104  # DSCP 26
+    assert spec["network"]["tcp"]["socketIfname"] == "^lo,docker0"
+
+
+def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
+    once = contract.load_job(job({"trainer": {"replicas": 3}, "network": {"mode": "tcp"}}))
+    assert once.spec["trainer"]["replicas"] == 3 and once.spec["network"]["mode"] == "tcp"
+    twice = contract.load_job(once.to_object())
+    assert twice == once
+
+
+@pytest.mark.parametrize("spec,name,expected", [
+    ({"model": {}}, "demo", "exactly one of spec.model.config"),
+    ({"model": {"config": {"model_type": "gpt2"}, "path": "/m"}}, "demo", "exactly one of spec.model.config"),
+    ({"trainer": {"replicas": 0}}, "demo", "spec.trainer.replicas: 0 is less than the minimum of 1"),
+    ({"network": {"mode": "infiniband"}}, "demo", "spec.network.mode: 'infiniband' is not one of"),
+    ({"model": {"path": "models/x"}}, "demo", "spec.model.path: 'models/x' does not match"),
+    ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
+    ({}, "Demo", "metadata.name must start with a lowercase letter"),
+    ({}, "a" * 43, "metadata.name must be at most 42 characters"),
+])
+def test_invalid_jobs_are_refused_with_what_to_fix(spec, name, expected):
+    with pytest.raises(contract.SpecError) as err:
+        contract.load_job(job(spec, name=name))
+    assert expected in str(err.value)
+
+
+def test_wrong_kind_is_refused():
+    with pytest.raises(contract.SpecError, match="expected weightsync.io/v1alpha1 WeightTransferJob"):
+        contract.load_job(job(kind="Job"))
+
+
+def test_layout_assigns_global_ordinals_and_role_ranks():
+    j = contract.load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4}, "inference": {"replicas": 3, "procsPerPod": 2}}))
+    layout = j.layout
+    assert layout.pods == 6
+    assert [layout.role_of(o) for o in range(6)] == ["controller", "trainer", "trainer", "inference", "inference", "inference"]
+    assert list(layout.ranks_of(2)) == [4, 5, 6, 7]
+    assert list(layout.ranks_of(5)) == [4, 5]
+    assert layout.world_size("trainer") == 8 and layout.world_size("inference") == 6
+    assert layout.ordinal_of_rank("inference", 5) == 5
+    assert j.pod_name(4) == "demo-inference-4"
+    assert j.controller_host == "demo-controller-0.demo.default.svc"
+    with pytest.raises(ValueError, match="outside this job"):
+        layout.role_of(6)
+
+
+def test_network_env_per_mode():
+    spec = contract.load_job(job({"network": {"rdma": {"hcas": ["mlx5_0", "mlx5_1"]}}})).spec
+    rdma = contract.network_env(spec, "rdma")
+    assert rdma["NCCL_IB_DISABLE"] == "0" and rdma["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
+    assert rdma["NCCL_IB_TC"] == "104" and rdma["UCCL_P2P_IB_GID_INDEX"] == "3"
+    tcp = contract.network_env(spec, "tcp")
+    assert tcp["NCCL_IB_DISABLE"] == "1" and tcp["NCCL_SOCKET_IFNAME"] == "^lo,docker0"
+    with pytest.raises(ValueError):
+        contract.network_env(spec, "auto")
+
+
+def test_worker_context_reads_env_and_files(tmp_path):
+    import yaml
+    j = contract.load_job(job({"trainer": {"replicas": 2}}))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(j.to_object()))
+    (tmp_path / "token").write_bytes(b"0123456789abcdef0123")
+    env = {contract.Env.SPEC_FILE: str(tmp_path / "job.yaml"), contract.Env.TOKEN_FILE: str(tmp_path / "token"),
+           contract.Env.ORDINAL: "2", contract.Env.CONTROLLER_HOST: "127.0.0.1"}
+    ctx = contract.WorkerContext.from_environ(env)
+    assert ctx.role == "trainer" and list(ctx.ranks) == [1] and ctx.token == b"0123456789abcdef0123"
+    del env[contract.Env.ORDINAL]
+    with pytest.raises(contract.SpecError, match="WEIGHTSYNC_ORDINAL is not set"):
+        contract.WorkerContext.from_environ(env)
