@@ -299,7 +299,12 @@ def network_env(spec: Mapping, mode: str) -> dict[str, str]:
         return env
     if mode == "tcp":
         ifname = spec["network"]["tcp"]["socketIfname"]
-        return {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
+        env = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": ifname}
+        # Gloo takes only interface names: it has no "^" exclusion syntax. Without the variable it
+        # binds the address the pod's hostname resolves to, which is the pod IP.
+        if not ifname.startswith("^"):
+            env["GLOO_SOCKET_IFNAME"] = ifname
+        return env
     raise ValueError(f"network mode must be resolved to rdma or tcp, not {mode!r}")
 
 
