@@ -201,14 +201,24 @@ class ControlPlane:
     def delete_node(self, name: str, wait: bool = True, timeout: float = 60) -> None:
         self.request("DELETE", f"/api/v1/nodes/{name}")
         if wait:
-            self._wait(f"node {name} deleted", lambda: not self._exists(f"/api/v1/nodes/{name}"), timeout)
+            self.wait(f"node {name} deleted", lambda: not self._exists(f"/api/v1/nodes/{name}"), timeout)
+
+    def reset_nodes(self, nodes=DEFAULT_NODES, timeout: float = 60) -> None:
+        """Makes the fake nodes exactly `nodes` again, for tests that added or removed some."""
+        want = {node[0]: node for node in nodes}
+        have = {n["metadata"]["name"] for n in self.request("GET", "/api/v1/nodes")["items"]}
+        for name in sorted(have - want.keys()):
+            self.delete_node(name, timeout=timeout)
+        for name in sorted(want.keys() - have):
+            self.add_node(*want[name], wait=False)
+        self.wait_nodes_ready(list(want), timeout)
 
     def wait_nodes_ready(self, names, timeout: float = 60) -> None:
         def ready(name):
             conds = self.request("GET", f"/api/v1/nodes/{name}").get("status", {}).get("conditions", [])
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
-        self._wait(f"nodes {', '.join(names)} Ready (KWOK)", lambda: all(ready(n) for n in names), timeout)
+        self.wait(f"nodes {', '.join(names)} Ready (KWOK)", lambda: all(ready(n) for n in names), timeout)
 
     # -- start and stop -------------------------------------------------------------------------
     def running(self) -> list[str]:
@@ -286,7 +296,7 @@ class ControlPlane:
             f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster=default={peer_url}", "--unsafe-no-fsync=true", "--log-level=warn",
         ])
-        self._wait("etcd", lambda: json.loads(_get(f"{etcd_url}/health"))["health"] == "true", timeout)
+        self.wait("etcd", lambda: json.loads(_get(f"{etcd_url}/health"))["health"] == "true", timeout)
         self.timings["etcd"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -307,7 +317,7 @@ class ControlPlane:
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
         ])
-        self._wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz") == "ok", timeout)
+        self.wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz") == "ok", timeout)
         self.timings["kube-apiserver"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -333,10 +343,10 @@ class ControlPlane:
         # Their own health endpoints serve self-signed certificates; this only asks "are you up".
         unverified = ssl._create_unverified_context()
         for name, port in (("kube-controller-manager", cm_port), ("kube-scheduler", sched_port)):
-            self._wait(f"{name} /healthz", lambda: _get(f"https://127.0.0.1:{port}/healthz", unverified) == "ok",
+            self.wait(f"{name} /healthz", lambda: _get(f"https://127.0.0.1:{port}/healthz", unverified) == "ok",
                        timeout)
         # The service-account controller is running once the default namespace has its account.
-        self._wait("default ServiceAccount", lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
+        self.wait("default ServiceAccount", lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
                    timeout)
         self.timings["controllers"] = time.monotonic() - t
 
@@ -353,7 +363,8 @@ class ControlPlane:
     # The CLI leaves the cluster running after it exits; a test session owns it.
     _owns_lifetime = True
 
-    def _wait(self, what: str, ready, timeout: float) -> None:
+    def wait(self, what: str, ready, timeout: float = 60) -> None:
+        """Polls ready() until it returns true; fails early, with the log, if a component exits."""
         deadline = time.monotonic() + timeout
         while True:
             for name, proc in self._procs.items():
