@@ -1,0 +1,170 @@
+"""The transfer plan: which trainer rank sends which bytes of a version.
+
+Every inference rank needs the whole version. The version's bytes are cut into one contiguous,
+near-equal segment per trainer rank (boundaries on ALIGN bytes, tensors split wherever the cut
+falls), and each segment into buckets of at most bucket_bytes. Every byte therefore comes from
+exactly one trainer, and all trainers send their share to every inference rank at the same time
+(M -> N), instead of one rank broadcasting everything. The controller computes the plan once and
+publishes its JSON; each version is then only "go".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from weightsync.flat import ALIGN, FlatLayout
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    trainer: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: FlatLayout
+    trainers: int
+    inferences: int
+    bucket_bytes: int
+    buckets: list
+
+    def buckets_of(self, trainer: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.trainer == trainer]
+
+    def ranges_of(self, trainer: int) -> list[tuple[int, int]]:
+        """(offset, length) of every bucket the trainer sends, in sending order."""
+        return [(b.offset, b.length) for b in self.buckets_of(trainer)]
+
+    def expected(self) -> dict[int, list[tuple[int, int]]]:
+        """What each inference rank receives, by trainer rank (trainers with no work left out)."""
+        return {t: r for t in range(self.trainers) if (r := self.ranges_of(t))}
+
+    def bytes_by_trainer(self) -> list[int]:
+        out = [0] * self.trainers
+        for b in self.buckets:
+            out[b.trainer] += b.length
+        return out
+
+    def balance(self) -> float:
+        """Largest trainer share over the mean share (1.0 is perfect)."""
+        shares = self.bytes_by_trainer()
+        mean = sum(shares) / len(shares)
+        return max(shares) / mean if mean else 1.0
+
+    @property
+    def version_bytes(self) -> int:
+        return self.layout.total_bytes
+
+    def to_json(self) -> str:
+        return json.dumps({"layout": json.loads(self.layout.to_json()), "trainers": self.trainers,
+                           "inferences": self.inferences, "bucket_bytes": self.bucket_bytes,
+                           "buckets": [[b.trainer, b.offset, b.length] for b in self.buckets]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        obj = json.loads(text)
+        buckets = [Bucket(i, t, o, n) for i, (t, o, n) in enumerate(obj["buckets"])]
+        return cls(FlatLayout.from_json(json.dumps(obj["layout"])), obj["trainers"], obj["inferences"],
+                   obj["bucket_bytes"], buckets)
+
+    def table(self) -> str:
+        """The plan as text: one row per trainer rank, then the totals and the balance."""
+        shares = self.bytes_by_trainer()
+        tensors = {t: _tensor_names(self, t) for t in range(self.trainers)}
+        lines = [f"version: {len(self.layout.slots)} tensors, {_size(self.version_bytes)} as {self.layout.dtype}; "
+                 f"{self.trainers} trainer rank(s) -> {self.inferences} inference rank(s); "
+                 f"buckets of at most {_size(self.bucket_bytes)}",
+                 f"{'trainer':>7}  {'bytes':>12}  {'share':>6}  {'buckets':>7}  {'peers':>5}  {'sends':>12}  tensors"]
+        for t in range(self.trainers):
+            n = len(self.buckets_of(t))
+            peers = self.inferences if n else 0
+            lines.append(f"{t:>7}  {_size(shares[t]):>12}  {shares[t] / max(1, self.version_bytes):>6.1%}  {n:>7}  "
+                         f"{peers:>5}  {_size(shares[t] * peers):>12}  {tensors[t]}")
+        lines.append(f"{'total':>7}  {_size(sum(shares)):>12}  {'':>6}  {len(self.buckets):>7}  {'':>5}  "
+                     f"{_size(sum(shares) * self.inferences):>12}")
+        lines.append(f"balance (largest trainer share / mean): {self.balance():.3f}")
+        return "\n".join(lines)
+
+
+def make_plan(layout: FlatLayout, trainers: int, inferences: int, bucket_bytes: int) -> Plan:
+    if trainers < 1 or inferences < 1:
+        raise ValueError(f"a plan needs at least one trainer and one inference rank (got {trainers} and {inferences})")
+    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
+    total = layout.total_bytes
+    if total % ALIGN:
+        raise ValueError(f"the layout's total ({total} bytes) is not a multiple of {ALIGN}")
+    units = total // ALIGN
+    # trainer t owns units [cuts[t], cuts[t+1]): near-equal integer shares, larger ones first
+    cuts = [t * units // trainers for t in range(trainers + 1)]
+    buckets: list[Bucket] = []
+    for t in range(trainers):
+        start, end = cuts[t] * ALIGN, cuts[t + 1] * ALIGN
+        for offset in range(start, end, bucket_bytes):
+            buckets.append(Bucket(len(buckets), t, offset, min(bucket_bytes, end - offset)))
+    return Plan(layout, trainers, inferences, bucket_bytes, buckets)
+
+
+def _tensor_names(plan: Plan, trainer: int) -> str:
+    buckets = plan.buckets_of(trainer)
+    if not buckets:
+        return "-"
+    names = []
+    for _, slot, _, _ in plan.layout.overlapping(buckets[0].offset, buckets[-1].end):
+        names.append(slot.name)
+    if not names:
+        return "(padding)"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- `weightsync plan job.yaml`
+
+
+def model_layout(job) -> FlatLayout:
+    """The flat layout of the job's model as the trainers publish it: the model is built on the
+    meta device (shapes only, no memory, no download) from spec.model.config, or from the
+    config.json in spec.model.path."""
+    import torch
+    import transformers
+
+    model_spec = job.spec["model"]
+    if "config" in model_spec:
+        cfg = dict(model_spec["config"])
+        config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    else:
+        config = transformers.AutoConfig.from_pretrained(model_spec["path"])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return FlatLayout.from_named_tensors(model.named_parameters(), model_spec["dtype"])
+
+
+def job_plan(job, layout: FlatLayout | None = None) -> Plan:
+    """The plan the controller computes for a job (contract.Job): every trainer and inference
+    process, buckets of spec.transfer.bucketMB."""
+    layout = layout or model_layout(job)
+    return make_plan(layout, job.layout.world_size("trainer"), job.layout.world_size("inference"),
+                     job.spec["transfer"]["bucketMB"] << 20)
+
+
+def print_plan(job, layout: FlatLayout | None = None) -> Plan:
+    """Entry point of `weightsync plan job.yaml`: print the job's plan as a table (per trainer
+    rank: bytes, share, buckets, peers; then the balance) and return it. `job` is a
+    contract.Job; `layout` defaults to model_layout(job)."""
+    plan = job_plan(job, layout)
+    print(plan.table())
+    return plan

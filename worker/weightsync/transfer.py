@@ -1,0 +1,151 @@
+"""Moving one weight version: the pipelined sender and the verifying receiver.
+
+The trainer role and `weightsync bench` both use exactly this code. A trainer rank sends the
+buckets the plan gives it to every inference rank: bucket k+1 is cast into a send buffer while
+bucket k is on the wire (depth buffers of one bucket each, allocated once and registered with
+the transport once); when no cast is needed the bytes go straight from the parameters. An
+inference rank receives every trainer's ranges straight into its staging buffer, each bucket
+checked against its xxh3_64 checksum, and gets back the version's digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from weightsync import flat
+from weightsync.plan import Plan
+from weightsync.transport.base import Receiver, Sender, TransferError
+from weightsync.transport.tcp import as_views, checksum_of
+
+
+def version_digest(checksums: dict[int, int]) -> str:
+    """The digest of a whole version from its per-bucket checksums ({offset: xxh3_64}); the
+    controller computes it from what the trainers report, every inference rank from what it
+    received, and the two must be equal."""
+    h = hashlib.sha256()
+    for offset in sorted(checksums):
+        h.update(struct.pack("<QQ", offset, checksums[offset]))
+    return h.hexdigest()
+
+
+def bucket_checksum(data) -> int:
+    """xxh3_64 of a bucket: host memory directly; device memory through one host copy."""
+    if hasattr(data, "data_ptr") and data.device.type != "cpu":
+        data = data.cpu()
+    return checksum_of(as_views(data))
+
+
+@dataclass
+class SentVersion:
+    version: int
+    bytes: int  # this rank's share of the version (each peer received it)
+    seconds: float
+    checksums: dict = field(default_factory=dict)  # {offset: xxh3_64} of this rank's buckets
+
+
+@dataclass
+class ReceivedVersion:
+    version: int
+    bytes: int
+    seconds: float
+    checksums: dict
+    digest: str
+
+
+class VersionSender:
+    """Sends this trainer rank's share of each version to every inference rank.
+
+    `params` passed to send() are the model's tensors in the plan's layout order (what
+    FlatLayout.from_named_tensors was given), in any dtype and on any device: they are cast to
+    the layout's dtype on the way. Send buffers: `depth` buffers of bucket_bytes, allocated on the
+    first version that needs a cast, then reused; buffer_bytes says how much that is."""
+
+    def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
+                 depth: int = 2, peers: list[int] | None = None):
+        if depth < 1:
+            raise ValueError("the pipeline depth must be at least 1")
+        self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
+        self.buckets = plan.buckets_of(trainer_rank)
+        self.bucket_bytes = bucket_bytes or plan.bucket_bytes
+        if self.buckets and max(b.length for b in self.buckets) > self.bucket_bytes:
+            raise ValueError(f"bucket_bytes {self.bucket_bytes} is smaller than the plan's buckets ({plan.bucket_bytes})")
+        self.peers = list(range(plan.inferences) if peers is None else peers)
+        self.buffers: list | None = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers) if self.buffers else 0
+
+    def _buffers(self, params) -> list:
+        if self.buffers is None:
+            import torch
+
+            device = getattr(self.sender, "buffer_device", "cpu")
+            size = min(self.bucket_bytes, max(b.length for b in self.buckets))
+            on_gpu = any(p.device.type == "cuda" for p in params)
+            if device == "cuda" and on_gpu:
+                kwargs = {"device": next(p.device for p in params if p.device.type == "cuda")}
+            else:
+                kwargs = {"pin_memory": on_gpu}  # host staging of device tensors
+            self.buffers = [torch.empty(size, dtype=torch.uint8, **kwargs) for _ in range(min(self.depth, len(self.buckets)))]
+            self.sender.register(self.buffers)
+        return self.buffers
+
+    def send(self, version: int, params) -> SentVersion:
+        layout = self.plan.layout
+        flat.check_sources(layout, params)
+        start = time.monotonic()
+        if not self.buckets:
+            return SentVersion(version, 0, 0.0, {})
+        in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
+        inflight: deque = deque()
+        sums: dict[int, int] = {}
+        for k, b in enumerate(self.buckets):
+            if in_place:
+                data = flat.range_views(layout, params, b.offset, b.end)
+            else:
+                buffers = self._buffers(params)
+                if len(inflight) == len(buffers):
+                    for f in inflight.popleft():  # the buffer about to be refilled must be off the wire
+                        f.result()
+                data = buffers[k % len(buffers)][:b.length]
+                flat.fill_range(layout, params, b.offset, b.end, data)
+                if data.device.type == "cuda":
+                    import torch
+
+                    torch.cuda.current_stream(data.device).synchronize()
+            sums[b.offset] = bucket_checksum(data)
+            inflight.append([self.sender.send(p, version, b.offset, data, sums[b.offset]) for p in self.peers])
+        self.sender.end_version(version)
+        total = sum(b.length for b in self.buckets)
+        return SentVersion(version, total, time.monotonic() - start, sums)
+
+
+class VersionReceiver:
+    """Receives whole versions on one inference rank into a staging buffer (a 1-d uint8 tensor
+    of at least plan.layout.total_bytes, registered once with the transport by the caller or on
+    first use), verifying every bucket."""
+
+    def __init__(self, receiver: Receiver, plan: Plan, inference_rank: int):
+        self.receiver, self.plan, self.rank = receiver, plan, inference_rank
+        self.expected = plan.expected()
+        self.registered: set[int] = set()
+
+    def receive(self, version: int, staging, timeout: float) -> ReceivedVersion:
+        if staging.numel() * staging.element_size() < self.plan.version_bytes:
+            raise ValueError(f"the staging buffer holds {staging.numel() * staging.element_size()} bytes, "
+                             f"a version needs {self.plan.version_bytes}")
+        if staging.data_ptr() not in self.registered:
+            self.receiver.register([staging])
+            self.registered.add(staging.data_ptr())
+        start = time.monotonic()
+        sums = self.receiver.receive(version, staging, self.expected, timeout)
+        want = {o for ranges in self.expected.values() for o, _ in ranges}
+        if set(sums) != want:
+            missing = sorted(want - set(sums))
+            raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
+        return ReceivedVersion(version, self.plan.version_bytes, time.monotonic() - start, sums, version_digest(sums))

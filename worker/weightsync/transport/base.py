@@ -1,0 +1,89 @@
+"""The transport interface: register buffers once, move version-tagged byte ranges, complete.
+
+A Sender lives on a trainer rank and a Receiver on an inference rank. Connections are opened
+once and kept across versions. Every byte range travels with the xxh3_64 checksum of its bytes,
+which the receiver verifies before it reports the range delivered.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from typing import Any
+
+
+class TransferError(RuntimeError):
+    """A version could not be moved. `peer` names the rank at fault ("trainer rank 1",
+    "inference rank 0"); the message says what happened."""
+
+    def __init__(self, peer: str, message: str):
+        self.peer = peer
+        super().__init__(f"{peer}: {message}")
+
+
+class TransportUnavailable(RuntimeError):
+    """This transport cannot run here; the message says why (never a silent fallback)."""
+
+
+class Sender(abc.ABC):
+    """One per trainer rank."""
+
+    rank: int
+
+    @abc.abstractmethod
+    def connect(self, peers: dict[int, str]) -> None:
+        """Open (once) a connection to every inference rank: {inference rank: endpoint}."""
+
+    def register(self, buffers: list) -> None:
+        """Register the send buffers once (memory registration for RDMA; a no-op for sockets)."""
+
+    @abc.abstractmethod
+    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+        """Queue the bytes `data` (a buffer, a uint8 tensor or a list of memoryviews) for version
+        byte offset `offset` on inference rank `peer`. Sends to one peer go out in order; sends to
+        different peers run concurrently. `checksum` is xxh3_64 of the bytes (computed when None).
+        The future completes when the bytes have left `data` (it may then be reused)."""
+
+    @abc.abstractmethod
+    def end_version(self, version: int) -> None:
+        """Tell every peer this rank has sent all it will send for `version`; waits for all of
+        this version's sends and raises TransferError naming the first peer that failed."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Receiver(abc.ABC):
+    """One per inference rank."""
+
+    rank: int
+
+    @abc.abstractmethod
+    def listen(self, host: str, port: int) -> str:
+        """Start accepting connections; return the endpoint senders connect to."""
+
+    def register(self, buffers: list) -> None:
+        """Register the staging buffers once (memory registration for RDMA; a no-op for sockets)."""
+
+    @abc.abstractmethod
+    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
+        """Block until every trainer rank in `expected` has delivered exactly its (offset, length)
+        ranges of `version` into `buffer` and ended the version. Returns {offset: checksum}.
+        Raises TransferError naming the trainer rank on a timeout (`timeout` seconds of silence
+        or of waiting for its connection), a closed connection, a bad checksum, or a range it
+        was not expected to send."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    """Makes the senders and receivers of one kind of transport."""
+
+    name: str
+
+    @abc.abstractmethod
+    def sender(self, rank: int) -> Sender: ...
+
+    @abc.abstractmethod
+    def receiver(self, rank: int) -> Receiver: ...

@@ -1,0 +1,522 @@
+"""TCP transport: sockets between every trainer rank and every inference rank.
+
+Bytes leave straight from the sender's buffers (sendmsg of memoryviews, no joining) and land
+straight in place in the receiver's staging buffer (recv_into). One connection per (trainer,
+inference) pair, opened once and kept across versions; a rank runs its connections in parallel
+threads (socket calls release the GIL). Every socket call has a timeout, so a dead or silent peer
+becomes a TransferError naming its rank, never a hang.
+
+Wire format (little-endian; this is the one place it is defined)
+----------------------------------------------------------------
+Handshake, as soon as the sender (trainer) connects to the receiver (inference):
+  receiver -> sender  CHALLENGE  b"WSHC" | u32 inference rank | 32 random bytes             40 bytes
+  sender -> receiver  ANSWER     b"WSHA" | u32 trainer rank | u32 inference rank |
+                                 HMAC-SHA256(token, CHALLENGE || first 12 bytes of ANSWER)  44 bytes
+  receiver -> sender  VERDICT    b"WSOK" | HMAC-SHA256(token, b"accept" || CHALLENGE || ANSWER)  36 bytes
+  The receiver checks the MAC with hmac.compare_digest and that the answer names its own rank;
+  on failure it logs the attempt and closes the connection without a verdict, and nothing the
+  connection sent is ever read. The verdict proves the receiver knows the token too.
+Then frames, each a 40-byte header
+  b"WSYN" | u8 kind | 3 zero bytes | u64 version | u64 offset | u64 length | u64 checksum
+  DATA     (1) sender -> receiver: `length` payload bytes follow, to land at version byte
+               `offset`; checksum = xxh3_64 of the payload.
+  END      (2) sender -> receiver: the sender is done with `version`; offset = the number of
+               DATA/WRITTEN frames it sent for it, length = their total bytes, checksum = 0.
+  WRITTEN  (3) sender -> receiver, RDMA transports: the range [offset, offset+length) was
+               written one-sided into the receiver's buffer; checksum as for DATA; no payload.
+  ADVERT   (4) receiver -> sender, RDMA transports: `length` payload bytes follow, the remote
+               access descriptors of the receiver's buffer for `version` (transport-defined).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import xxhash
+
+from weightsync.transport.base import Receiver, Sender, TransferError, Transport
+
+log = logging.getLogger("weightsync.transport")
+
+CHALLENGE = struct.Struct("<4sI32s")
+ANSWER = struct.Struct("<4sII32s")
+VERDICT = struct.Struct("<4s32s")
+HEADER = struct.Struct("<4sB3xQQQQ")
+MAGIC = b"WSYN"
+DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
+KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
+
+SOCKET_BUFFER = 4 << 20
+HASH_CHUNK = 4 << 20  # receive this much, then hash it while the kernel queues the next
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
+
+
+def checksum_of(views: list) -> int:
+    """xxh3_64 of the concatenated bytes."""
+    if len(views) == 1:
+        return xxhash.xxh3_64_intdigest(views[0])
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()
+
+
+def as_views(data: Any) -> list[memoryview]:
+    """Byte views of what a caller hands to send(): bytes-like objects, CPU tensors, or lists."""
+    if isinstance(data, (list, tuple)):
+        return [v for d in data for v in as_views(d)]
+    if hasattr(data, "data_ptr"):  # a torch tensor
+        if data.device.type != "cpu":
+            raise ValueError("the TCP transport sends host memory: stage device tensors into a host buffer first")
+        from weightsync.flat import byte_view
+
+        return [memoryview(byte_view(data).numpy())]
+    return [memoryview(data).cast("B")]
+
+
+def _mac(token: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
+
+
+def tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+    sock.settimeout(timeout)
+
+
+def send_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendmsg until every byte of `views` is on its way (no copies into a joined buffer)."""
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i:i + IOV_MAX])
+        while sent:
+            n = len(views[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
+def recv_into_all(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_all(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+# ---------------------------------------------------------------- sender (trainer rank)
+
+
+class Connection:
+    """One authenticated socket to a peer, with the single thread that writes to it."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=peer.replace(" ", "-"))
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def dial(host: str, port: int, deadline: float, buffer_bytes: int, timeout: float) -> socket.socket:
+    """Connect, retrying while the peer is not listening yet, until `deadline`."""
+    delay = 0.02
+    while True:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        tune(sock, buffer_bytes, max(0.1, min(timeout, deadline - time.monotonic())))
+        try:
+            sock.connect((host, port))
+            sock.settimeout(timeout)
+            return sock
+        except (ConnectionRefusedError, socket.timeout, OSError) as e:
+            sock.close()
+            if time.monotonic() + delay > deadline:
+                raise TimeoutError(f"could not connect to {host}:{port}: {e}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: int) -> None:
+    """The sender's side of the handshake; raises ConnectionError if the receiver refuses us or
+    cannot prove it knows the token."""
+    challenge = recv_exact(sock, CHALLENGE.size)
+    magic, their_rank, _ = CHALLENGE.unpack(challenge)
+    if magic != b"WSHC":
+        raise ConnectionError("the peer does not speak the weightsync protocol")
+    if their_rank != peer_rank:
+        raise ConnectionError(f"the endpoint belongs to inference rank {their_rank}, not {peer_rank}")
+    head = struct.pack("<4sII", b"WSHA", rank, peer_rank)
+    answer = head + _mac(token, challenge, head)
+    sock.sendall(answer)
+    try:
+        verdict = recv_exact(sock, VERDICT.size)
+    except ConnectionError:
+        raise ConnectionError("the peer refused the handshake (wrong job token?)") from None
+    magic, mac = VERDICT.unpack(verdict)
+    if magic != b"WSOK" or not hmac.compare_digest(mac, _mac(token, b"accept", challenge, answer)):
+        raise ConnectionError("the peer's handshake verdict does not prove the job token")
+
+
+class TcpSender(Sender):
+    in_place = True  # accepts lists of memoryviews straight into parameter memory
+    buffer_device = "cpu"
+
+    def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
+        if len(token) < 16:
+            raise ValueError("the job token must be at least 16 bytes")
+        self.rank, self.token, self.timeout, self.socket_buffer = rank, token, timeout, socket_buffer
+        self.conns: dict[int, Connection] = {}
+        self.pending: dict[int, list[tuple[int, Future]]] = {}
+        self.counts: dict[tuple[int, int], list[int]] = {}
+
+    def connect(self, peers: dict[int, str]) -> None:
+        deadline = time.monotonic() + self.timeout
+
+        def one(peer: int, endpoint: str) -> Connection:
+            host, port = parse_endpoint(endpoint)
+            name = f"inference rank {peer}"
+            try:
+                sock = dial(host, port, deadline, self.socket_buffer, self.timeout)
+            except TimeoutError as e:
+                raise TransferError(name, str(e)) from None
+            try:
+                self.handshake(sock, peer)
+            except (OSError, ConnectionError) as e:
+                sock.close()
+                raise TransferError(name, f"handshake with {endpoint} failed: {e}") from None
+            return Connection(sock, name)
+
+        new = {p: e for p, e in peers.items() if p not in self.conns}
+        with ThreadPoolExecutor(max_workers=max(1, len(new))) as pool:
+            futures = {p: pool.submit(one, p, e) for p, e in new.items()}
+        errors = []
+        for p, f in futures.items():
+            if f.exception():
+                errors.append(f.exception())
+            else:
+                self.conns[p] = f.result()
+        if errors:
+            raise errors[0]
+
+    def handshake(self, sock: socket.socket, peer: int) -> None:
+        client_handshake(sock, self.token, self.rank, peer)
+
+    def _conn(self, peer: int) -> Connection:
+        try:
+            return self.conns[peer]
+        except KeyError:
+            raise TransferError(f"inference rank {peer}", "not connected") from None
+
+    def submit(self, peer: int, version: int, work: Callable[[Connection], None]) -> Future:
+        """Run `work` on the peer's connection thread, in order with its other work; failures
+        become TransferError naming the peer."""
+        conn = self._conn(peer)
+
+        def run():
+            try:
+                work(conn)
+            except socket.timeout:
+                raise TransferError(conn.peer, f"no progress for {self.timeout:g}s while sending version {version}") from None
+            except (OSError, ConnectionError) as e:
+                raise TransferError(conn.peer, f"connection lost while sending version {version}: {e}") from None
+
+        future = conn.pool.submit(run)
+        self.pending.setdefault(version, []).append((peer, future))
+        return future
+
+    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+        views = as_views(data)
+        length = sum(len(v) for v in views)
+        digest = checksum_of(views) if checksum is None else checksum
+        count = self.counts.setdefault((version, peer), [0, 0])
+        count[0] += 1
+        count[1] += length
+        header = HEADER.pack(MAGIC, DATA, version, offset, length, digest)
+        return self.submit(peer, version, lambda c: send_all(c.sock, [memoryview(header)] + views))
+
+    def end_version(self, version: int) -> None:
+        for peer in self.conns:
+            frames, nbytes = self.counts.pop((version, peer), (0, 0))
+            header = HEADER.pack(MAGIC, END, version, frames, nbytes, 0)
+            self.submit(peer, version, lambda c, h=header: c.sock.sendall(h))
+        self.wait(version)
+
+    def wait(self, version: int) -> None:
+        """Wait for every queued send of `version`; raise the first failure."""
+        first = None
+        for _, future in self.pending.pop(version, []):
+            e = future.exception()
+            if e is not None and first is None:
+                first = e
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+
+
+# ---------------------------------------------------------------- receiver (inference rank)
+
+
+class Landing:
+    """Where received ranges land: a host buffer directly, or a device tensor through a host
+    bounce buffer (TCP carries host memory)."""
+
+    def __init__(self, buffer: Any):
+        self.device = None
+        if hasattr(buffer, "data_ptr") and buffer.device.type != "cpu":
+            self.device = buffer
+            self.size = buffer.numel() * buffer.element_size()
+        else:
+            self.view = as_views(buffer)[0]
+            self.size = len(self.view)
+
+    def receive(self, sock: socket.socket, offset: int, length: int, bounce: dict) -> int:
+        """Receive `length` bytes for `offset`, hashing as they arrive; returns the xxh3_64."""
+        if self.device is None:
+            target = self.view[offset:offset + length]
+        else:
+            if len(bounce.get("buf", b"")) < length:
+                bounce["buf"] = bytearray(length)
+            target = memoryview(bounce["buf"])[:length]
+        h = xxhash.xxh3_64()
+        for a in range(0, length, HASH_CHUNK):
+            chunk = target[a:a + HASH_CHUNK]
+            recv_into_all(sock, chunk)
+            h.update(chunk)
+        if self.device is not None:
+            import torch
+
+            host = torch.frombuffer(target, dtype=torch.uint8)
+            self.device.view(torch.uint8).reshape(-1)[offset:offset + length].copy_(host)
+        return h.intdigest()
+
+
+class TcpReceiver(Receiver):
+    def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
+        if len(token) < 16:
+            raise ValueError("the job token must be at least 16 bytes")
+        self.rank, self.token, self.timeout, self.socket_buffer = rank, token, timeout, socket_buffer
+        self.conns: dict[int, socket.socket] = {}
+        self.refused: list[str] = []  # why each refused connection was refused
+        self.cond = threading.Condition()
+        self.listener: socket.socket | None = None
+        self.closed = False
+
+    def listen(self, host: str, port: int) -> str:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((host, port))
+        self.listener.listen(64)
+        threading.Thread(target=self._accept_loop, name=f"accept-inference-{self.rank}", daemon=True).start()
+        return f"{host}:{self.listener.getsockname()[1]}"
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, addr = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        tune(sock, self.socket_buffer, min(self.timeout, 30.0))
+        try:
+            trainer = self.handshake(sock)
+        except (OSError, ConnectionError, ValueError) as e:
+            reason = f"refused connection from {addr[0]}:{addr[1]}: {e}"
+            log.warning("inference rank %d %s", self.rank, reason)
+            with self.cond:
+                self.refused.append(reason)
+                self.cond.notify_all()
+            sock.close()
+            return
+        sock.settimeout(self.timeout)
+        with self.cond:
+            old = self.conns.pop(trainer, None)
+            if old is not None:
+                log.warning("inference rank %d: trainer rank %d reconnected; dropping its old connection", self.rank, trainer)
+                old.close()
+            self.conns[trainer] = sock
+            self.cond.notify_all()
+
+    def handshake(self, sock: socket.socket) -> int:
+        """The receiver's side: returns the proven trainer rank, or raises without having read
+        anything beyond the answer."""
+        challenge = CHALLENGE.pack(b"WSHC", self.rank, os.urandom(32))
+        sock.sendall(challenge)
+        answer = recv_exact(sock, ANSWER.size)
+        magic, trainer, target, mac = ANSWER.unpack(answer)
+        if magic != b"WSHA":
+            raise ConnectionError("not a weightsync handshake")
+        if not hmac.compare_digest(mac, _mac(self.token, challenge, answer[:12])):
+            raise ConnectionError(f"wrong token (claimed trainer rank {trainer})")
+        if target != self.rank:
+            raise ConnectionError(f"trainer rank {trainer} meant inference rank {target}, this is {self.rank}")
+        self.after_handshake(sock, trainer)
+        sock.sendall(VERDICT.pack(b"WSOK", _mac(self.token, b"accept", challenge, answer)))
+        return trainer
+
+    def after_handshake(self, sock: socket.socket, trainer: int) -> None:
+        """Hook for transports that set up more per connection (RDMA) before the verdict."""
+
+    def wait_connection(self, trainer: int, deadline: float, abandon: list) -> socket.socket:
+        """The trainer's connection, once it has proven itself; gives up at `deadline` or as soon
+        as `abandon` (another peer's failure) is non-empty."""
+        with self.cond:
+            while trainer not in self.conns:
+                left = deadline - time.monotonic()
+                if abandon:
+                    raise TransferError(f"trainer rank {trainer}", "not connected when the version was abandoned")
+                if left <= 0 or self.closed:
+                    refused = f" (refused meanwhile: {'; '.join(self.refused[-3:])})" if self.refused else ""
+                    raise TransferError(f"trainer rank {trainer}", f"did not connect within {self.timeout:g}s{refused}")
+                self.cond.wait(left)
+            return self.conns[trainer]
+
+    def drop(self, trainer: int) -> None:
+        with self.cond:
+            sock = self.conns.pop(trainer, None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
+        landing = Landing(buffer)
+        for trainer, ranges in expected.items():
+            for offset, length in ranges:
+                if offset < 0 or offset + length > landing.size:
+                    raise ValueError(f"trainer rank {trainer}'s range [{offset}, {offset + length}) is outside the "
+                                     f"{landing.size}-byte buffer")
+        deadline = time.monotonic() + timeout
+        results: dict[int, dict[int, int]] = {}
+        errors: list[tuple[float, Exception]] = []
+
+        def run(trainer: int) -> None:
+            try:
+                results[trainer] = self.receive_from(trainer, version, landing, expected[trainer], deadline, errors)
+            except Exception as e:  # noqa: BLE001 - handed to the caller below
+                with self.cond:
+                    errors.append((time.monotonic(), e))
+                    self.cond.notify_all()
+                for other in expected:  # unblock the others: this version is lost
+                    self.drop(other)
+
+        threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in expected]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]
+        out: dict[int, int] = {}
+        for r in results.values():
+            out.update(r)
+        return out
+
+    def receive_from(self, trainer: int, version: int, landing: Landing, ranges: list[tuple[int, int]],
+                     deadline: float, abandon: list) -> dict[int, int]:
+        peer = f"trainer rank {trainer}"
+        sock = self.wait_connection(trainer, deadline, abandon)
+        left = {(o, n) for o, n in ranges}
+        sums: dict[int, int] = {}
+        bounce: dict = {}
+        frames = nbytes = 0
+        try:
+            while True:
+                magic, kind, v, offset, length, digest = HEADER.unpack(recv_exact(sock, HEADER.size))
+                if magic != MAGIC:
+                    raise TransferError(peer, "sent a frame without the weightsync magic")
+                if v != version:
+                    raise TransferError(peer, f"sent version {v} while version {version} was expected")
+                if kind == END:
+                    if left:
+                        raise TransferError(peer, f"ended version {version} with {len(left)} of {len(ranges)} ranges missing, "
+                                                  f"first at byte {min(left)[0]}")
+                    if (offset, length) != (frames, nbytes):
+                        raise TransferError(peer, f"says it sent {offset} ranges / {length} bytes, {frames} / {nbytes} arrived")
+                    return sums
+                if kind not in (DATA, WRITTEN) or (offset, length) not in left:
+                    raise TransferError(peer, f"sent {KIND_NAMES.get(kind, kind)} for bytes [{offset}, {offset + length}) "
+                                              f"of version {version}, which the plan does not give it")
+                left.discard((offset, length))
+                got = landing.receive(sock, offset, length, bounce) if kind == DATA else self.written(landing, offset, length)
+                if got != digest:
+                    raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
+                                              f"{version}: sent {digest:016x}, received {got:016x}")
+                sums[offset] = got
+                frames += 1
+                nbytes += length
+        except socket.timeout:
+            raise TransferError(peer, f"silent for {self.timeout:g}s during version {version}") from None
+        except (OSError, ConnectionError) as e:
+            raise TransferError(peer, f"connection lost during version {version}: {e}") from None
+
+    def written(self, landing: Landing, offset: int, length: int) -> int:
+        raise TransferError("transport", "WRITTEN frames need an RDMA transport")
+
+    def close(self) -> None:
+        self.closed = True
+        if self.listener is not None:
+            self.listener.close()
+        with self.cond:
+            socks = list(self.conns.values())
+            self.conns.clear()
+            self.cond.notify_all()
+        for s in socks:
+            s.close()
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(self, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
+        self.token, self.timeout, self.socket_buffer = token, timeout, socket_buffer
+
+    def sender(self, rank: int) -> TcpSender:
+        return TcpSender(rank, self.token, self.timeout, self.socket_buffer)
+
+    def receiver(self, rank: int) -> TcpReceiver:
+        return TcpReceiver(rank, self.token, self.timeout, self.socket_buffer)
