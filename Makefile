@@ -75,3 +75,15 @@ undeploy: ## Delete the example jobs and uninstall the chart (the CRD stays, as 
 	$(KUBECTL) delete --ignore-not-found --wait -f examples/tcp-job.yaml -f examples/rdma-job.yaml
 	$(HELM) uninstall $(RELEASE) --namespace $(NAMESPACE) --ignore-not-found --wait
 	@echo "the CRD and any other jobs stay; remove both with: $(KUBECTL) delete crd weighttransferjobs.weightsync.io"
+
+# The local control plane (tests/cluster/controlplane.py; needs only python3 and the binaries,
+# which are built once into $(CACHE)/bin, or taken from KUBEBUILDER_ASSETS).
+CLUSTER_DIR ?= .cluster
+
+.PHONY: cluster-up
+cluster-up: ## Start etcd, kube-apiserver, controller-manager, scheduler and KWOK GPU/RDMA nodes on loopback (kubeconfig: .cluster/kubeconfig)
+	python3 tests/cluster/controlplane.py up --dir $(CLUSTER_DIR)
+
+.PHONY: cluster-down
+cluster-down: ## Stop the local control plane started by cluster-up; nothing keeps running
+	python3 tests/cluster/controlplane.py down --dir $(CLUSTER_DIR)
