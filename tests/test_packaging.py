@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import re
-import shlex
 import subprocess
 import sys
 import tomllib
@@ -15,41 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dockerfiles import DOCKERFILES, ROOT, exec_form, installed_extras, instructions
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCKERFILES = ("Dockerfile.operator", "Dockerfile.worker")
 BIN = Path(sys.executable).parent
-
-
-def instructions(dockerfile: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, pending = [], ""
-    for line in (ROOT / dockerfile).read_text().splitlines():
-        if line.lstrip().startswith("#") or not line.strip():
-            continue
-        pending += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
-        if not line.rstrip().endswith("\\"):
-            word, _, rest = pending.strip().partition(" ")
-            out.append((word.upper(), rest.strip()))
-            pending = ""
-    return out
-
-
-def exec_form(dockerfile: str, instruction: str) -> list[str]:
-    (args,) = [a for i, a in instructions(dockerfile) if i == instruction][-1:]
-    return json.loads(args)
-
-
-def installed_extras(dockerfile: str) -> set[str]:
-    """The extras of this project that the Dockerfile's `pip install "./[...]"` installs."""
-    extras = set()
-    for instruction, args in instructions(dockerfile):
-        if instruction == "RUN" and "pip install" in args:
-            for word in shlex.split(args):
-                m = re.fullmatch(r"\./\[([a-z0-9,_-]+)\]", word)
-                if m:
-                    extras |= set(m.group(1).split(","))
-    return extras
 
 
 def pyproject() -> dict:
@@ -144,5 +110,8 @@ def test_chart_and_package_versions_agree():
     chart = yaml.safe_load((ROOT / "charts/weightsync/Chart.yaml").read_text())
     version = pyproject()["project"]["version"]
     assert chart["appVersion"] == version
-    values = yaml.safe_load((ROOT / "charts/weightsync/values.yaml").read_text())
-    assert values["worker"]["image"].endswith(f":{version}")
+    # `make images` tags both images with the package version; the CRD's default worker image
+    # and the chart's operator image (its appVersion) are those tags.
+    crd = yaml.safe_load((ROOT / "crds/weightsync.io_weighttransferjobs.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["image"]["default"] == f"ghcr.io/weightsync/worker:{version}"

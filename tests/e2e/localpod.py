@@ -1,0 +1,333 @@
+"""Running a pod that the API server holds as a local process, the way a kubelet would run its one
+container, for a cluster whose nodes are KWOK's (they schedule pods and report them Running, but
+run nothing).
+
+What the process gets is read from the stored Pod and nothing else: its command and args (over
+the image's ENTRYPOINT/CMD, read from the project's Dockerfile), its environment with every
+`valueFrom` resolved (downward API fields, Secret and ConfigMap keys read through the API), and
+its volumes mounted at their mount paths: ConfigMaps, Secrets, the downward API, memory-backed
+emptyDirs, and the projected ServiceAccount token (a TokenRequest bound to the pod, as the kubelet
+makes one) with the cluster's CA, so that in-cluster configuration works as in a real pod.
+
+The process runs in its own mount and UTS namespace (as a container does): /etc is an overlay of
+the host's, so mounts under /etc and the pod's /etc/hosts stay private, and /run (so also
+/var/run) is a fresh tmpfs. Where a real pod and this runner must differ, they differ here:
+- The pod's IP: KWOK hands out addresses that are not routable on this machine, so the pod gets
+  a loopback address of its own (127.a.b.c) instead, for status.podIP and for what it binds;
+  a command-line address 0.0.0.0 (all of the pod's interfaces) becomes that address.
+- Cluster DNS: the pod's /etc/hosts maps the names the job's headless Service would resolve
+  (`<pod>.<service>.<namespace>.svc[.cluster.local]`) to those loopback addresses; only the
+  address resolution is replaced, the names are the ones the operator wrote.
+- The API server: KUBERNETES_SERVICE_HOST/PORT name the local API server (the kubelet would
+  name the `kubernetes` Service's cluster IP).
+- The process runs as this test's user, with the host's Python environment as its image.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import dockerfiles
+
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+# Mount paths this runner can provide without touching the host's own filesystem.
+PRIVATE_ROOTS = ("/etc/", "/run/", "/var/run/", "/dev/shm")
+BIN = Path(sys.executable).parent
+
+
+class PodError(RuntimeError):
+    """A pod this runner cannot run as the kubelet would; the message says what is missing."""
+
+
+def mount_namespaces_work() -> str | None:
+    """None when this machine lets us make private mount namespaces, else why not."""
+    proc = subprocess.run(["unshare", "--mount", "--uts", "--propagation", "private", "true"],
+                          capture_output=True, text=True)
+    return None if proc.returncode == 0 else f"unshare --mount --uts failed: {proc.stderr.strip()}"
+
+
+class LocalPod:
+    def __init__(self, cluster, pod: dict, ip: str, hosts: dict[str, str], workdir: Path,
+                 dockerfile: str):
+        if len(pod["spec"]["containers"]) != 1:
+            raise PodError(f"pod {pod['metadata']['name']} has {len(pod['spec']['containers'])} containers; one is supported")
+        self.cluster, self.pod, self.ip, self.hosts = cluster, pod, ip, hosts
+        self.name = pod["metadata"]["name"]
+        self.namespace = pod["metadata"]["namespace"]
+        self.container = pod["spec"]["containers"][0]
+        self.dockerfile = dockerfile
+        self.dir = workdir / self.name
+        self.dir.mkdir(parents=True)
+        self.log = self.dir / "log"
+        self.proc: subprocess.Popen | None = None
+
+    # -- what the kubelet would resolve -----------------------------------------------------------
+    def field(self, path: str) -> str:
+        """A downward API fieldRef."""
+        meta, spec = self.pod["metadata"], self.pod["spec"]
+        m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+        if m:
+            value = (meta.get(m.group(1)) or {}).get(m.group(2))
+            if value is None:
+                raise PodError(f"pod {self.name} has no {m.group(1)[:-1]} {m.group(2)!r} (fieldRef {path})")
+            return value
+        fields = {
+            "metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
+            "spec.nodeName": spec.get("nodeName", ""), "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+            "status.podIP": self.ip, "status.podIPs": self.ip, "status.hostIP": self.ip,
+        }
+        if path not in fields:
+            raise PodError(f"fieldRef {path} is not supported by this runner")
+        return fields[path]
+
+    def _get(self, kind: str, name: str) -> dict:
+        return self.cluster.request("GET", f"/api/v1/namespaces/{self.namespace}/{kind}/{name}")
+
+    def _key(self, ref: dict, kind: str) -> str | None:
+        try:
+            obj = self._get(kind, ref["name"])
+        except urllib.error.HTTPError as e:
+            if e.code == 404 and ref.get("optional"):
+                return None
+            raise PodError(f"{kind[:-1]} {ref['name']} for pod {self.name}: {e.code} {e.reason}") from None
+        data = obj.get("data") or {}
+        if ref["key"] not in data:
+            if ref.get("optional"):
+                return None
+            raise PodError(f"{kind[:-1]} {ref['name']} has no key {ref['key']!r}")
+        return base64.b64decode(data[ref["key"]]).decode() if kind == "secrets" else data[ref["key"]]
+
+    def environment(self) -> dict[str, str]:
+        """The process environment: the image's ENV, what the kubelet adds, the container's env."""
+        api = urllib.parse.urlsplit(self.cluster.server)
+        out = {
+            "PATH": f"{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            **dockerfiles.env(self.dockerfile),
+            "HOSTNAME": self.name,
+            "HOME": str(self.dir / "home"),
+            "KUBERNETES_SERVICE_HOST": api.hostname,
+            "KUBERNETES_SERVICE_PORT": str(api.port),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(api.port),
+        }
+        (self.dir / "home").mkdir(exist_ok=True)
+        for source in self.container.get("envFrom") or []:
+            kind = "configmaps" if "configMapRef" in source else "secrets"
+            ref = source.get("configMapRef") or source["secretRef"]
+            data = self._get(kind, ref["name"]).get("data") or {}
+            for key, value in data.items():
+                out[source.get("prefix", "") + key] = base64.b64decode(value).decode() if kind == "secrets" else value
+        for var in self.container.get("env") or []:
+            if "value" in var:
+                # $(NAME) refers to a variable defined before it, as the kubelet expands it.
+                out[var["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                                          lambda m: out.get(m.group(1), m.group(0)), var["value"])
+                continue
+            source = var.get("valueFrom") or {}
+            if "fieldRef" in source:
+                value = self.field(source["fieldRef"]["fieldPath"])
+            elif "configMapKeyRef" in source:
+                value = self._key(source["configMapKeyRef"], "configmaps")
+            elif "secretKeyRef" in source:
+                value = self._key(source["secretKeyRef"], "secrets")
+            elif not source:
+                value = ""
+            else:
+                raise PodError(f"env {var['name']} of pod {self.name}: {list(source)} is not supported by this runner")
+            if value is not None:
+                out[var["name"]] = value
+        return out
+
+    def _token(self, source: dict) -> str:
+        """A TokenRequest for the pod's ServiceAccount, bound to the pod, as the kubelet makes it."""
+        account = self.pod["spec"].get("serviceAccountName") or "default"
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
+            "audiences": [source["audience"]] if source.get("audience") else [],
+            "expirationSeconds": source.get("expirationSeconds", 3607),
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.pod["metadata"]["uid"]},
+        }}
+        answer = self.cluster.request(
+            "POST", f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token", request)
+        return answer["status"]["token"]
+
+    def _write(self, root: Path, path: str, content: str | bytes, mode: int | None) -> None:
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content.encode() if isinstance(content, str) else content)
+        target.chmod(mode if mode is not None else 0o644)
+
+    def _items(self, root: Path, data: dict, items: list | None, mode: int | None, decode: bool) -> None:
+        chosen = items or [{"key": k, "path": k} for k in data]
+        for item in chosen:
+            if item["key"] not in data:
+                raise PodError(f"pod {self.name}: volume item {item['key']!r} is missing from its source")
+            value = base64.b64decode(data[item["key"]]) if decode else data[item["key"]]
+            self._write(root, item["path"], value, item.get("mode", mode))
+
+    def volume(self, volume: dict) -> tuple[Path, str]:
+        """Materialises one volume; returns (directory, how to mount it: bind or tmpfs)."""
+        root = self.dir / "volumes" / volume["name"]
+        root.mkdir(parents=True, exist_ok=True)
+        if "emptyDir" in volume:
+            return root, "tmpfs" if (volume["emptyDir"] or {}).get("medium") == "Memory" else "bind"
+        if "configMap" in volume:
+            cm = volume["configMap"]
+            self._items(root, self._get("configmaps", cm["name"]).get("data") or {}, cm.get("items"),
+                        cm.get("defaultMode"), False)
+        elif "secret" in volume:
+            sec = volume["secret"]
+            self._items(root, self._get("secrets", sec["secretName"]).get("data") or {}, sec.get("items"),
+                        sec.get("defaultMode"), True)
+        elif "downwardAPI" in volume:
+            for item in volume["downwardAPI"]["items"]:
+                self._write(root, item["path"], self.field(item["fieldRef"]["fieldPath"]), item.get("mode"))
+        elif "projected" in volume:
+            mode = volume["projected"].get("defaultMode")
+            for source in volume["projected"]["sources"]:
+                if "serviceAccountToken" in source:
+                    sat = source["serviceAccountToken"]
+                    self._write(root, sat["path"], self._token(sat), mode)
+                elif "configMap" in source:
+                    cm = source["configMap"]
+                    self._items(root, self._get("configmaps", cm["name"]).get("data") or {}, cm.get("items"), mode, False)
+                elif "secret" in source:
+                    sec = source["secret"]
+                    self._items(root, self._get("secrets", sec["name"]).get("data") or {}, sec.get("items"), mode, True)
+                elif "downwardAPI" in source:
+                    for item in source["downwardAPI"]["items"]:
+                        self._write(root, item["path"], self.field(item["fieldRef"]["fieldPath"]), item.get("mode", mode))
+                else:
+                    raise PodError(f"projected source {list(source)} of pod {self.name} is not supported by this runner")
+        else:
+            kinds = [k for k in volume if k != "name"]
+            raise PodError(f"volume {volume['name']} of pod {self.name} ({kinds}) is not supported by this runner")
+        return root, "bind"
+
+    def argv(self) -> list[str]:
+        """command/args over the image's ENTRYPOINT/CMD, with Kubernetes' rules and $(VAR) expansion."""
+        command = self.container.get("command")
+        args = self.container.get("args")
+        if command:
+            argv = command + (args or [])
+        else:
+            argv = dockerfiles.exec_form(self.dockerfile, "ENTRYPOINT") + (
+                args if args is not None else dockerfiles.exec_form(self.dockerfile, "CMD"))
+        if not argv:
+            raise PodError(f"pod {self.name} has no command and {self.dockerfile} no ENTRYPOINT")
+        env = self.environment()
+        expanded = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in argv]
+        # 0.0.0.0 is every interface of the pod's own network; here the pod has one address.
+        return [a.replace("0.0.0.0", self.ip) for a in expanded]
+
+    # -- running it --------------------------------------------------------------------------------
+    def start(self) -> subprocess.Popen:
+        volumes = {v["name"]: v for v in self.pod["spec"].get("volumes") or []}
+        lines = [
+            "set -eu",
+            f"mkdir -p {self.dir}/etc-upper {self.dir}/etc-work",
+            f"mount -t overlay overlay -o lowerdir=/etc,upperdir={self.dir}/etc-upper,workdir={self.dir}/etc-work /etc",
+            f"cp {self.dir}/hosts /etc/hosts",
+            "mount -t tmpfs -o mode=0755 tmpfs /run",
+            f"hostname {shlex.quote(self.name)}",
+        ]
+        hosts = ["127.0.0.1 localhost", f"{self.ip} {self.name}"]
+        hosts += [f"{ip} {' '.join(names)}" for ip, names in self._host_lines().items()]
+        (self.dir / "hosts").write_text("\n".join(hosts) + "\n")
+        for mount in self.container.get("volumeMounts") or []:
+            target = mount["mountPath"]
+            if not target.startswith(PRIVATE_ROOTS):
+                raise PodError(f"pod {self.name} mounts {target}; this runner mounts only under {', '.join(PRIVATE_ROOTS)}")
+            if mount["name"] not in volumes:
+                raise PodError(f"pod {self.name} mounts volume {mount['name']}, which it does not define")
+            source, how = self.volume(volumes[mount["name"]])
+            if mount.get("subPath"):
+                source = source / mount["subPath"]
+            lines.append(f"mkdir -p {shlex.quote(target)}" if source.is_dir() else
+                         f"mkdir -p {shlex.quote(os.path.dirname(target))}; touch {shlex.quote(target)}")
+            if how == "tmpfs":
+                lines.append(f"mount -t tmpfs tmpfs {shlex.quote(target)}")
+            else:
+                lines.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+                if mount.get("readOnly"):
+                    lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        lines.append(f"cd {shlex.quote(str(self.dir / 'home'))}")
+        lines.append('exec "$@"')
+        script = self.dir / "start.sh"
+        script.write_text("\n".join(lines) + "\n")
+        argv = self.argv()
+        (self.dir / "command.json").write_text(json.dumps(argv))
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                ["unshare", "--mount", "--uts", "--propagation", "private", "bash", str(script), *argv],
+                env=self.environment(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        return self.proc
+
+    def _host_lines(self) -> dict[str, list[str]]:
+        by_ip: dict[str, list[str]] = {}
+        for name, ip in self.hosts.items():
+            by_ip.setdefault(ip, []).append(name)
+        return by_ip
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 10) -> int | None:
+        """SIGTERM, then SIGKILL after the grace period, to the pod's whole process group."""
+        if self.proc is None:
+            return None
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+        # Whatever the container left behind in its group goes with it, as with a container.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.wait(10)
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def service_hosts(job: str, namespace: str, pods: dict[str, str]) -> dict[str, str]:
+    """The names cluster DNS gives the pods of a headless Service named after the job."""
+    out = {}
+    for pod, ip in pods.items():
+        for suffix in ("", ".svc", ".svc.cluster.local"):
+            out[f"{pod}.{job}.{namespace}{suffix}"] = ip
+    return out
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.5, failed=None):
+    """Polls check() until it returns something truthy; failed() may raise early with a reason."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if failed is not None:
+            failed()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout:.0f}s")
+        time.sleep(interval)
