@@ -1,0 +1,256 @@
+"""A WeightTransferJob's children as manifests: pure functions of the defaulted job, its resolved
+network mode and its token. Ownership (kopf.adopt) and the API calls are the handlers' business."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+
+import yaml
+
+from weightsync import contract
+from weightsync.contract import CONTROLLER, ROLES, Env, Job
+
+GPU_RESOURCE = "nvidia.com/gpu"
+MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+SPEC_HASH_ANNOTATION = f"{contract.GROUP}/spec-hash"
+CONTAINER = "worker"
+WORKER_COMMAND = ["weightsync", "worker"]
+MODES = ("rdma", "tcp")
+
+
+def children(job: Job, mode: str, token: str, *, finished: bool = False) -> list[dict]:
+    """Every object the job owns, in creation order (what the pods mount comes before the pods).
+    `finished`: the controller reported completion, so the StatefulSets run no pods."""
+    return [
+        service(job),
+        secret(job, token),
+        configmap(job),
+        service_account(job),
+        role(job),
+        role_binding(job),
+        *(statefulset(job, r, mode, finished=finished) for r in ROLES),
+    ]
+
+
+def _meta(job: Job, name: str, role: str | None = None) -> dict:
+    return {"name": name, "namespace": job.namespace, "labels": job.labels(role)}
+
+
+def spec_document(job: Job) -> str:
+    """The ConfigMap content: the defaulted job, as the workers load it."""
+    return yaml.safe_dump(job.to_object(), sort_keys=True)
+
+
+def service(job: Job) -> dict:
+    # Headless, and publishing addresses of pods that are not ready: ranks must resolve each
+    # other while they rendezvous, which happens before any of them is ready.
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, job.service_name),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": job.labels(),
+            "ports": [
+                {"name": "store", "port": contract.STORE_PORT, "targetPort": contract.STORE_PORT, "protocol": "TCP"},
+                {"name": "data", "port": contract.DATA_PORT, "targetPort": contract.DATA_PORT, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def secret(job: Job, token: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, job.secret_name),
+        "type": "Opaque",
+        "data": {contract.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def configmap(job: Job) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, job.configmap_name),
+        "data": {contract.SPEC_KEY: spec_document(job)},
+    }
+
+
+def service_account(job: Job) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(job, job.service_account_name, CONTROLLER),
+        "automountServiceAccountToken": True,
+    }
+
+
+def role(job: Job) -> dict:
+    """The controller pod may read its own job and patch its status: nothing else."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(job, job.service_account_name, CONTROLLER),
+        "rules": [
+            {"apiGroups": [contract.GROUP], "resources": [contract.PLURAL],
+             "resourceNames": [job.name], "verbs": ["get"]},
+            {"apiGroups": [contract.GROUP], "resources": [f"{contract.PLURAL}/status"],
+             "resourceNames": [job.name], "verbs": ["get", "patch"]},
+        ],
+    }
+
+
+def role_binding(job: Job) -> dict:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(job, job.service_account_name, CONTROLLER),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": job.service_account_name},
+        "subjects": [{"kind": "ServiceAccount", "name": job.service_account_name, "namespace": job.namespace}],
+    }
+
+
+def statefulset(job: Job, role: str, mode: str, *, finished: bool = False) -> dict:
+    layout = job.layout
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(job, job.child_name(role), role),
+        "spec": {
+            "replicas": 0 if finished else layout.replicas(role),
+            "ordinals": {"start": layout.first_ordinal(role)},
+            "serviceName": job.service_name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": job.labels(role)},
+            "template": pod_template(job, role, mode),
+        },
+    }
+
+
+def pod_template(job: Job, role: str, mode: str) -> dict:
+    if mode not in MODES:
+        raise ValueError(f"network mode must be resolved to one of {MODES} before rendering, not {mode!r}")
+    spec = job.spec
+    role_spec = spec[role]
+    worker = role != CONTROLLER
+    rdma = worker and mode == "rdma"
+    procs = job.layout.procs_per_pod(role)
+
+    volumes = [
+        {"name": "spec", "configMap": {"name": job.configmap_name}},
+        {"name": "token", "secret": {"secretName": job.secret_name}},
+    ]
+    mounts = [
+        {"name": "spec", "mountPath": contract.SPEC_MOUNT, "readOnly": True},
+        {"name": "token", "mountPath": contract.TOKEN_MOUNT, "readOnly": True},
+    ]
+    # RDMA registers pinned buffers, and NCCL moves data between the processes of one pod through
+    # /dev/shm; the container runtime's default /dev/shm is 64 MiB.
+    if rdma or (worker and procs > 1):
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": contract.SHM_MOUNT})
+
+    container = {
+        "name": CONTAINER,
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": list(WORKER_COMMAND),
+        "env": env(job, role, mode),
+        "ports": ports(job, role),
+        "volumeMounts": mounts,
+    }
+    res = resources(job, role, mode)
+    if res:
+        container["resources"] = res
+    if rdma:
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+
+    pod: dict = {
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+    }
+    if worker:
+        pod["automountServiceAccountToken"] = False
+    else:
+        pod["serviceAccountName"] = job.service_account_name
+        pod["automountServiceAccountToken"] = True
+    if rdma and spec["network"]["rdma"]["hostNetwork"]:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+    if role_spec.get("nodeSelector"):
+        pod["nodeSelector"] = dict(role_spec["nodeSelector"])
+    if role_spec.get("tolerations"):
+        pod["tolerations"] = copy.deepcopy(role_spec["tolerations"])
+    if spec.get("imagePullSecrets"):
+        pod["imagePullSecrets"] = [{"name": s["name"]} for s in spec["imagePullSecrets"]]
+
+    # Pods of every role must read the same spec: a changed spec rolls all of them.
+    annotations = {SPEC_HASH_ANNOTATION: hashlib.sha256(spec_document(job).encode()).hexdigest()[:16]}
+    if rdma and spec["network"]["rdma"]["networks"]:
+        annotations[MULTUS_ANNOTATION] = spec["network"]["rdma"]["networks"]
+    return {"metadata": {"labels": job.labels(role), "annotations": annotations}, "spec": pod}
+
+
+def env(job: Job, role: str, mode: str) -> list[dict]:
+    def field(path: str) -> dict:
+        return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+    variables = [
+        {"name": Env.JOB, "value": job.name},
+        {"name": Env.NAMESPACE, **field("metadata.namespace")},
+        {"name": Env.ORDINAL, **field(f"metadata.labels['{contract.POD_INDEX_LABEL}']")},
+        {"name": Env.POD_NAME, **field("metadata.name")},
+        {"name": Env.POD_IP, **field("status.podIP")},
+        {"name": Env.CONTROLLER_HOST, "value": job.controller_host},
+        {"name": Env.STORE_PORT, "value": str(contract.STORE_PORT)},
+        {"name": Env.DATA_PORT, "value": str(contract.DATA_PORT)},
+        {"name": Env.SPEC_FILE, "value": f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"},
+        {"name": Env.TOKEN_FILE, "value": f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"},
+        {"name": Env.NETWORK_MODE, "value": mode},
+    ]
+    if role == CONTROLLER:
+        # The controller moves no weights: it reports to the API server and needs no NCCL settings.
+        variables.append({"name": Env.REPORT_TO_KUBERNETES, "value": "1"})
+    else:
+        variables += [{"name": k, "value": v} for k, v in contract.network_env(job.spec, mode).items()]
+    return variables
+
+
+def ports(job: Job, role: str) -> list[dict]:
+    if role == CONTROLLER:
+        return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}]
+    if role == contract.INFERENCE:
+        return [{"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
+                for i in range(job.layout.procs_per_pod(role))]
+    return []
+
+
+def resources(job: Job, role: str, mode: str) -> dict:
+    """The role's resources from the spec, plus the GPUs its processes need and, for rdma, the
+    RDMA device: each only where the spec does not name that resource itself. The controller
+    asks for neither."""
+    role_spec = job.spec[role]
+    given = role_spec.get("resources") or {}
+    out = {k: dict(given[k]) for k in ("limits", "requests") if given.get(k)}
+    if role == CONTROLLER:
+        return out
+    extra = {}
+    gpus = role_spec["procsPerPod"] * role_spec["gpusPerProc"]
+    if gpus:
+        extra[GPU_RESOURCE] = str(gpus)
+    if mode == "rdma":
+        rdma = job.spec["network"]["rdma"]
+        extra[rdma["resourceName"]] = str(rdma["resourceCount"])
+    for name, count in extra.items():
+        if any(name in out.get(k, {}) for k in ("limits", "requests")):
+            continue
+        # Extended resources cannot be overcommitted: requests must equal limits.
+        out.setdefault("limits", {})[name] = count
+        out.setdefault("requests", {})[name] = count
+    return out

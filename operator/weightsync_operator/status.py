@@ -1,0 +1,153 @@
+"""A job's status as the operator owns it (phase, conditions, per-role replicas), computed from
+what the cluster shows: pure functions, so that every handler writes the same answer."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Iterable, Mapping
+
+from weightsync.contract import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
+
+# Condition types.
+NETWORK_RESOLVED = "NetworkResolved"
+CHILDREN_CREATED = "ChildrenCreated"
+READY = "Ready"
+COMPLETED = "Completed"
+FAILED = "Failed"
+
+# ChildrenCreated reasons that no retry can fix: the job fails until its spec changes.
+PERMANENT_REASONS = {"ChildRefused", "InvalidSpec"}
+# Container waiting reasons that mean a pod will not run without someone's help.
+WAITING_PROBLEMS = {
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+    "CreateContainerError", "CrashLoopBackOff", "RunContainerError",
+}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type: str, ok: bool, reason: str, message: str) -> dict:
+    return {"type": type, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def pod_problem(pod_status: Mapping) -> tuple[str, str] | None:
+    """(reason, message) when a pod is stuck for a reason someone must fix, else None."""
+    for c in pod_status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return "Unschedulable", c.get("message") or "no node can run the pod"
+    statuses = list(pod_status.get("initContainerStatuses") or []) + list(pod_status.get("containerStatuses") or [])
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in WAITING_PROBLEMS:
+            return waiting["reason"], waiting.get("message") or f"container {cs.get('name')} is waiting: {waiting['reason']}"
+    return None
+
+
+def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping],
+            problems: Iterable[tuple[str, str, str]], set_conditions: Iterable[Mapping] = (),
+            at: str | None = None) -> dict:
+    """The operator-owned part of the status.
+
+    current: the job's status now (the controller pod's `completion` included);
+    statefulsets: role -> {"ready": int} for the StatefulSets that exist;
+    problems: (pod name, reason, message) of the job's stuck pods;
+    set_conditions: conditions the caller decided (NetworkResolved, ChildrenCreated)."""
+    at = at or now()
+    completion = current.get("completion") or {}
+    finished = completion.get("state") in ("Succeeded", "Failed")
+    conditions = {c["type"]: dict(c) for c in current.get("conditions") or []}
+    for c in set_conditions:
+        conditions[c["type"]] = dict(c)
+
+    replicas = {}
+    for role in ROLES:
+        desired = 0 if finished else layout.replicas(role)
+        ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
+        replicas[role] = {"ready": ready, "desired": desired, "summary": f"{ready}/{desired}"}
+    all_ready = not finished and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
+
+    problems = sorted(problems)
+    if finished:
+        conditions[READY] = condition(READY, False, "Finished", "the job finished; its StatefulSets are scaled to zero")
+    elif all_ready:
+        conditions[READY] = condition(READY, True, "AllPodsReady", _counts(replicas) + " are ready")
+    elif problems:
+        pod, reason, message = problems[0]
+        more = f" (and {len(problems) - 1} more pods)" if len(problems) > 1 else ""
+        conditions[READY] = condition(READY, False, reason, f"pod {pod}: {message}{more}")
+    else:
+        ready = ", ".join(f"{r} {replicas[r]['summary']}" for r in ROLES)
+        conditions[READY] = condition(READY, False, "PodsNotReady", f"ready pods: {ready}")
+
+    created = conditions.get(CHILDREN_CREATED)
+    if completion.get("state") == "Succeeded":
+        conditions[COMPLETED] = condition(COMPLETED, True, "Succeeded", _completion_message(completion))
+    if completion.get("state") == "Failed":
+        conditions[FAILED] = condition(FAILED, True, "WorkersFailed", _completion_message(completion))
+    elif created and created["status"] == "False" and created.get("reason") in PERMANENT_REASONS:
+        conditions[FAILED] = condition(FAILED, True, created["reason"], created.get("message", ""))
+    else:
+        conditions.pop(FAILED, None)
+
+    if finished:
+        phase = completion["state"]
+    elif FAILED in conditions:
+        phase = "Failed"
+    elif all_ready or (current.get("phase") == "Running" and created and created["status"] == "True"):
+        # A restarting pod does not send a running job back to Pending: Ready says what is wrong.
+        phase = "Running"
+    else:
+        phase = "Pending"
+
+    old = {c["type"]: c for c in current.get("conditions") or []}
+    merged = []
+    for type, c in conditions.items():
+        before = old.get(type)
+        c["lastTransitionTime"] = (before["lastTransitionTime"] if before and before.get("status") == c["status"]
+                                   and before.get("lastTransitionTime") else at)
+        merged.append(c)
+    merged.sort(key=lambda c: _ORDER.get(c["type"], len(_ORDER)))
+    return {"phase": phase, "conditions": merged, "replicas": replicas}
+
+
+_ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, READY, COMPLETED, FAILED))}
+
+
+def _counts(replicas: Mapping) -> str:
+    r = {role: replicas[role]["desired"] for role in ROLES}
+    return f"{r[CONTROLLER]} controller, {r[TRAINER]} trainer and {r[INFERENCE]} inference pods"
+
+
+def _completion_message(completion: Mapping) -> str:
+    message = completion.get("message") or ""
+    if completion.get("versions") is not None:
+        message = f"{completion['versions']} weight versions delivered" + (f": {message}" if message else "")
+    return message or f"the job's controller reported {completion.get('state')}"
+
+
+def changes(current: Mapping, new: Mapping) -> dict:
+    """The top-level status fields whose values differ (what a merge patch must carry)."""
+    return {k: v for k, v in new.items() if current.get(k) != v}
+
+
+def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Kubernetes Events that the change from `current` to `new`
+    deserves: a chosen network, a condition turning bad, a new phase."""
+    old = {c["type"]: c for c in current.get("conditions") or []}
+    out = []
+    for c in new.get("conditions", []):
+        before = old.get(c["type"])
+        if before and (before.get("status"), before.get("reason")) == (c["status"], c.get("reason")):
+            continue
+        if c["type"] == NETWORK_RESOLVED:
+            out.append(("Normal", NETWORK_RESOLVED, c.get("message", "")))
+        elif c["status"] == "False" and c["type"] in (CHILDREN_CREATED, READY) and c.get("reason") not in ("PodsNotReady", "Finished"):
+            out.append(("Warning", c["reason"], c.get("message", "")))
+    phase = new.get("phase")
+    if phase in ("Running", "Succeeded", "Failed") and phase != current.get("phase"):
+        by_type = {c["type"]: c for c in new.get("conditions", [])}
+        source = by_type.get({"Running": READY, "Succeeded": COMPLETED, "Failed": FAILED}[phase]) or {}
+        out.append(("Warning" if phase == "Failed" else "Normal", phase, source.get("message", "")))
+    return out

@@ -1,0 +1,320 @@
+"""Rendering a job's children, choosing its network, computing its status: the operator's pure
+functions, without a cluster."""
+
+import base64
+import re
+
+import pytest
+import yaml
+
+from weightsync import contract
+from weightsync.contract import CONTROLLER, INFERENCE, TRAINER, Env
+from weightsync_operator import network, render, status
+from weightsync_operator.kube import matches
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def job(spec=None, name="demo", namespace="team-a"):
+    return contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2}}, **(spec or {})}})
+
+
+def by_kind(objs):
+    out = {}
+    for o in objs:
+        out.setdefault(o["kind"], {})[o["metadata"]["name"]] = o
+    return out
+
+
+def pod(job, role, mode):
+    return render.statefulset(job, role, mode)["spec"]["template"]
+
+
+def container(job, role, mode):
+    return pod(job, role, mode)["spec"]["containers"][0]
+
+
+def env(job, role, mode):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(job, role, mode)["env"]}
+
+
+# ------------------------------------------------------------------ defaulting and the spec file
+
+def test_configmap_holds_the_defaulted_job_that_the_workers_load():
+    j = job({"trainer": {"replicas": 3}})
+    cm = render.configmap(j)
+    doc = yaml.safe_load(cm["data"][contract.SPEC_KEY])
+    assert doc["spec"]["training"]["steps"] == 100  # a CRD default, applied before rendering
+    assert doc["spec"]["trainer"] == {"replicas": 3, "procsPerPod": 1, "gpusPerProc": 1}
+    assert contract.load_job(doc) == j
+
+
+def test_every_child_is_named_after_the_job_and_labelled_with_it():
+    j = job({"trainer": {"replicas": 2}, "inference": {"replicas": 3}})
+    kinds = by_kind(render.children(j, "tcp", "t" * 32))
+    assert set(kinds) == {"Service", "Secret", "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "StatefulSet"}
+    assert set(kinds["StatefulSet"]) == {"demo-controller", "demo-trainer", "demo-inference"}
+    assert set(kinds["Service"]) == {j.service_name} and set(kinds["Secret"]) == {j.secret_name}
+    for objs in kinds.values():
+        for o in objs.values():
+            assert o["metadata"]["namespace"] == "team-a"
+            assert o["metadata"]["labels"][contract.LABEL_JOB] == "demo"
+
+
+def test_statefulsets_share_one_ordinal_space_and_the_headless_service():
+    j = job({"trainer": {"replicas": 2}, "inference": {"replicas": 3}})
+    sets = by_kind(render.children(j, "tcp", "t" * 32))["StatefulSet"]
+    assert [(sets[f"demo-{r}"]["spec"]["ordinals"]["start"], sets[f"demo-{r}"]["spec"]["replicas"])
+            for r in (CONTROLLER, TRAINER, INFERENCE)] == [(0, 1), (1, 2), (3, 3)]
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        s = sets[f"demo-{role}"]["spec"]
+        assert s["serviceName"] == "demo" and s["podManagementPolicy"] == "Parallel"
+        assert s["selector"]["matchLabels"] == j.labels(role) == s["template"]["metadata"]["labels"]
+    svc = render.service(j)["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    assert svc["selector"] == j.labels()  # all three roles
+
+
+def test_finished_jobs_run_no_pods():
+    j = job({"trainer": {"replicas": 2}})
+    assert all(s["spec"]["replicas"] == 0 for s in render.children(j, "tcp", "t" * 32, finished=True)
+               if s["kind"] == "StatefulSet")
+
+
+def test_longest_allowed_name_keeps_every_child_name_valid():
+    name = "j" * 42  # the CRD's limit
+    j = job({"trainer": {"replicas": 1024}, "inference": {"replicas": 1024}}, name=name)
+    for o in render.children(j, "tcp", "t" * 32):
+        assert DNS_LABEL.match(o["metadata"]["name"]) and len(o["metadata"]["name"]) <= 63
+    last = j.layout.pods - 1
+    assert len(j.pod_name(last)) <= 63 and DNS_LABEL.match(j.pod_name(last))
+    # The StatefulSet controller labels pods with "<statefulset>-<10-character hash>".
+    assert len(j.child_name(INFERENCE)) + 11 <= 63
+    with pytest.raises(contract.SpecError, match="at most 42 characters"):
+        job(name="j" * 43)
+
+
+def test_secret_and_rbac():
+    j = job()
+    sec = render.secret(j, "s3cret-token-value")
+    assert base64.b64decode(sec["data"][contract.TOKEN_KEY]) == b"s3cret-token-value"
+    rules = render.role(j)["rules"]
+    assert all(r["resourceNames"] == ["demo"] for r in rules)
+    assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in rules} == {
+        ((contract.PLURAL,), ("get",)), ((f"{contract.PLURAL}/status",), ("get", "patch"))}
+    binding = render.role_binding(j)
+    assert binding["roleRef"]["name"] == j.service_account_name
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": j.service_account_name, "namespace": "team-a"}]
+
+
+# ------------------------------------------------------------------ pods per role and mode
+
+def test_every_pod_learns_its_ordinal_job_and_files():
+    j = job()
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        e = env(j, role, "tcp")
+        assert e[Env.ORDINAL] == {"fieldRef": {"apiVersion": "v1",
+                                               "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+        assert e[Env.POD_IP]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert e[Env.POD_NAME]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert e[Env.NAMESPACE]["fieldRef"]["fieldPath"] == "metadata.namespace"
+        assert e[Env.CONTROLLER_HOST] == "demo-controller-0.demo.team-a.svc" == j.controller_host
+        assert e[Env.SPEC_FILE] == f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"
+        assert e[Env.TOKEN_FILE] == f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"
+        assert e[Env.NETWORK_MODE] == "tcp"
+        assert (Env.REPORT_TO_KUBERNETES in e) == (role == CONTROLLER)
+        c = container(j, role, "tcp")
+        assert c["command"] == ["weightsync", "worker"] and c["image"] == j.spec["image"]
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {contract.SPEC_MOUNT, contract.TOKEN_MOUNT} <= mounts
+
+
+def test_only_the_controller_holds_an_api_identity():
+    j = job()
+    ctl = pod(j, CONTROLLER, "tcp")["spec"]
+    assert ctl["serviceAccountName"] == j.service_account_name and ctl["automountServiceAccountToken"] is True
+    for role in (TRAINER, INFERENCE):
+        spec = pod(j, role, "tcp")["spec"]
+        assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
+
+
+def test_tcp_pods():
+    j = job({"network": {"mode": "tcp", "tcp": {"socketIfname": "eth0"}}})
+    for role in (TRAINER, INFERENCE):
+        e = env(j, role, "tcp")
+        assert e["NCCL_IB_DISABLE"] == "1" and e["NCCL_SOCKET_IFNAME"] == "eth0"
+        c = container(j, role, "tcp")
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}
+        assert "securityContext" not in c
+        spec = pod(j, role, "tcp")["spec"]
+        assert "hostNetwork" not in spec and all(v["name"] != "dshm" for v in spec["volumes"])
+        assert render.MULTUS_ANNOTATION not in pod(j, role, "tcp")["metadata"]["annotations"]
+
+
+def test_rdma_pods():
+    j = job({"network": {"mode": "rdma", "rdma": {"resourceCount": 2, "hcas": ["mlx5_0", "mlx5_1"], "gidIndex": 5,
+                                                  "networks": "default/rdma-net", "hostNetwork": True}}})
+    for role in (TRAINER, INFERENCE):
+        e = env(j, role, "rdma")
+        assert e["NCCL_IB_DISABLE"] == "0" and e["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" == e["UCCL_P2P_IB_HCA"]
+        assert e["NCCL_IB_GID_INDEX"] == "5" and e["NCCL_IB_TC"] == "104" and e["NCCL_NET_GDR_LEVEL"] == "PHB"
+        c = container(j, role, "rdma")
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "2" == c["resources"]["requests"]["rdma/rdma_shared_device_a"]
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        p = pod(j, role, "rdma")
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in p["spec"]["volumes"]
+        assert p["spec"]["hostNetwork"] is True and p["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert p["metadata"]["annotations"][render.MULTUS_ANNOTATION] == "default/rdma-net"
+    # The controller: no GPU, no RDMA device, no special networking.
+    c = container(j, CONTROLLER, "rdma")
+    assert "resources" not in c and "securityContext" not in c
+    p = pod(j, CONTROLLER, "rdma")
+    assert "hostNetwork" not in p["spec"] and render.MULTUS_ANNOTATION not in p["metadata"]["annotations"]
+    assert not any(k.startswith("NCCL_") for k in env(j, CONTROLLER, "rdma"))
+
+
+def test_rdma_without_networks_or_host_network():
+    j = job({"network": {"mode": "rdma"}})
+    p = pod(j, TRAINER, "rdma")
+    assert render.MULTUS_ANNOTATION not in p["metadata"]["annotations"] and "hostNetwork" not in p["spec"]
+    assert "NCCL_IB_HCA" not in env(j, TRAINER, "rdma")
+
+
+def test_auto_must_be_resolved_before_rendering():
+    with pytest.raises(ValueError, match="resolved"):
+        render.statefulset(job(), TRAINER, "auto")
+
+
+def test_gpu_requests_follow_procs_per_pod_unless_resources_say_otherwise():
+    j = job({"trainer": {"procsPerPod": 4, "gpusPerProc": 2, "resources": {"limits": {"cpu": "8", "memory": "64Gi"}}},
+             "inference": {"procsPerPod": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+             "controller": {"resources": {"requests": {"cpu": "500m"}}}})
+    trainer = container(j, TRAINER, "tcp")["resources"]
+    assert trainer["limits"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "8"}
+    assert trainer["requests"] == {"nvidia.com/gpu": "8"}
+    assert container(j, INFERENCE, "tcp")["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert container(j, CONTROLLER, "tcp")["resources"] == {"requests": {"cpu": "500m"}}
+    cpu_only = job({"trainer": {"gpusPerProc": 0}})
+    assert "resources" not in container(cpu_only, TRAINER, "tcp")
+    # Several processes in one pod share /dev/shm: memory-backed even over TCP.
+    assert any(v["name"] == "dshm" for v in pod(j, TRAINER, "tcp")["spec"]["volumes"])
+    assert [p["containerPort"] for p in container(j, INFERENCE, "tcp")["ports"]] == [contract.DATA_PORT, contract.DATA_PORT + 1]
+
+
+def test_scheduling_and_pull_secrets_per_role():
+    j = job({"trainer": {"nodeSelector": {"pool": "train"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+             "imagePullSecrets": [{"name": "registry"}]})
+    t = pod(j, TRAINER, "tcp")["spec"]
+    assert t["nodeSelector"] == {"pool": "train"} and t["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    i = pod(j, INFERENCE, "tcp")["spec"]
+    assert "nodeSelector" not in i and "tolerations" not in i
+    assert t["imagePullSecrets"] == i["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def test_a_spec_change_rolls_every_role():
+    before, after = job(), job({"training": {"steps": 7}})
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        assert (pod(before, role, "tcp")["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION]
+                != pod(after, role, "tcp")["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION])
+
+
+# ------------------------------------------------------------------ network resolution
+
+def node(name, allocatable, unschedulable=False):
+    return {"metadata": {"name": name}, "spec": {"unschedulable": unschedulable}, "status": {"allocatable": allocatable}}
+
+
+def test_auto_takes_rdma_where_a_node_offers_it():
+    spec = job().spec
+    mode, reason = network.resolve(spec, [node("gpu-0", {"nvidia.com/gpu": "8"}),
+                                          node("rdma-0", {"rdma/rdma_shared_device_a": "1k"})])
+    assert mode == "rdma" and "rdma-0" in reason
+
+
+def test_auto_takes_tcp_where_no_node_offers_rdma():
+    spec = job().spec
+    nodes = [node("gpu-0", {"nvidia.com/gpu": "8"}), node("cordoned", {"rdma/rdma_shared_device_a": "4"}, True),
+             node("zero", {"rdma/rdma_shared_device_a": "0"})]
+    mode, reason = network.resolve(spec, nodes)
+    assert mode == "tcp" and "no schedulable node offers 1 rdma/rdma_shared_device_a" in reason
+    assert network.resolve(spec, [])[0] == "tcp"
+
+
+def test_explicit_modes_need_no_nodes():
+    assert network.resolve(job({"network": {"mode": "rdma"}}).spec, []) == ("rdma", "spec.network.mode is rdma")
+    assert network.resolve(job({"network": {"mode": "tcp"}}).spec, [node("r", {"rdma/rdma_shared_device_a": "1"})])[0] == "tcp"
+
+
+# ------------------------------------------------------------------ status
+
+LAYOUT = contract.Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
+READY = {"controller": {"ready": 1}, "trainer": {"ready": 2}, "inference": {"ready": 1}}
+CREATED = status.condition(status.CHILDREN_CREATED, True, "Created", "ok")
+
+
+def test_phase_follows_readiness_and_completion():
+    pending = status.compute({}, LAYOUT, {"trainer": {"ready": 1}}, [], [CREATED], at="t0")
+    assert pending["phase"] == "Pending"
+    assert pending["replicas"]["trainer"] == {"ready": 1, "desired": 2, "summary": "1/2"}
+    ready = {c["type"]: c for c in pending["conditions"]}[status.READY]
+    assert ready["status"] == "False" and ready["reason"] == "PodsNotReady"
+
+    running = status.compute(pending, LAYOUT, READY, [], at="t1")
+    assert running["phase"] == "Running"
+    conditions = {c["type"]: c for c in running["conditions"]}
+    assert conditions[status.READY]["status"] == "True" and conditions[status.READY]["lastTransitionTime"] == "t1"
+    assert conditions[status.CHILDREN_CREATED]["lastTransitionTime"] == "t0"  # unchanged status keeps its time
+
+    # A pod restarting does not send the job back to Pending.
+    again = status.compute(running, LAYOUT, {**READY, "trainer": {"ready": 1}}, [], at="t2")
+    assert again["phase"] == "Running"
+
+    done = status.compute({**running, "completion": {"state": "Succeeded", "versions": 3}}, LAYOUT, READY, [], at="t3")
+    assert done["phase"] == "Succeeded"
+    assert all(r["desired"] == 0 for r in done["replicas"].values())
+    conditions = {c["type"]: c for c in done["conditions"]}
+    assert conditions[status.COMPLETED]["status"] == "True" and "3 weight versions" in conditions[status.COMPLETED]["message"]
+    assert conditions[status.READY]["reason"] == "Finished"
+
+    failed = status.compute({**running, "completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [])
+    assert failed["phase"] == "Failed"
+    assert {c["type"]: c for c in failed["conditions"]}[status.FAILED]["message"] == "rank 3 timed out"
+
+
+def test_refusals_fail_the_job_and_stuck_pods_say_why():
+    refused = status.compute({}, LAYOUT, {}, [], [status.condition(status.CHILDREN_CREATED, False, "ChildRefused", "bad")])
+    assert refused["phase"] == "Failed"
+    stuck = status.compute({}, LAYOUT, {}, [("demo-trainer-2", "Unschedulable", "0/5 nodes"), ("demo-trainer-1", "Unschedulable", "0/5 nodes")], [CREATED])
+    ready = {c["type"]: c for c in stuck["conditions"]}[status.READY]
+    assert stuck["phase"] == "Pending" and ready["reason"] == "Unschedulable"
+    assert ready["message"] == "pod demo-trainer-1: 0/5 nodes (and 1 more pods)"
+    events = status.events({}, stuck)
+    assert ("Warning", "Unschedulable", ready["message"]) in events
+    # The same problem again is no new Event.
+    assert status.events(stuck, status.compute(stuck, LAYOUT, {}, [("demo-trainer-1", "Unschedulable", "x")])) == []
+
+
+def test_pod_problems():
+    assert status.pod_problem({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                               "message": "0/5 nodes are available: 5 Insufficient nvidia.com/gpu."}]}) == (
+        "Unschedulable", "0/5 nodes are available: 5 Insufficient nvidia.com/gpu.")
+    assert status.pod_problem({"containerStatuses": [{"name": "worker", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]})[0] == "ImagePullBackOff"
+    assert status.pod_problem({"containerStatuses": [{"name": "worker", "state": {"waiting": {"reason": "ContainerCreating"}}}]}) is None
+    assert status.pod_problem({"phase": "Running"}) is None
+
+
+# ------------------------------------------------------------------ create-or-compare
+
+def test_stored_objects_match_when_every_rendered_field_is_there():
+    desired = {"spec": {"replicas": 2, "hostNetwork": False, "volumes": [], "resources": {"limits": {"cpu": "0.5", "memory": "1Gi"}},
+                        "env": [{"name": "A", "value": "1"}]}}
+    stored = {"metadata": {"uid": "x"}, "spec": {"replicas": 2, "resources": {"limits": {"cpu": "500m", "memory": "1024Mi"}},
+                                                 "env": [{"name": "A", "value": "1"}], "dnsPolicy": "ClusterFirst"}}
+    assert matches(desired, stored)
+    assert not matches(desired, {**stored, "spec": {**stored["spec"], "replicas": 0}})
+    assert not matches(desired, {**stored, "spec": {**stored["spec"], "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}})
+    assert not matches({"spec": {"replicas": 0}}, {"spec": {}})
+    assert not matches({"metadata": {"labels": {"a": "1"}}}, {"metadata": {}})
