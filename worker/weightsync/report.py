@@ -1,0 +1,95 @@
+"""What the controller reports: one JSON line per delivered version and one at the job's end on
+stdout, always; and, in a cluster (Env.REPORT_TO_KUBERNETES is "1"), the same through the
+Kubernetes API as the job's status.transfer and status.completion (a merge patch of the status
+subresource, with the controller pod's ServiceAccount)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import IO
+
+from .contract import GROUP, PLURAL, VERSION, Job
+
+PATCH_ATTEMPTS = 4
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reporter:
+    def __init__(self, job: Job, to_kubernetes: bool, out: IO[str] = sys.stdout):
+        self.job, self.out = job, out
+        self.api = _custom_objects_api() if to_kubernetes else None
+
+    def transfer(self, version: int, step: int, bytes: int, seconds: float, transport: str,
+                 loss: float | None, **extra) -> dict:
+        record = {"version": version, "step": step, "bytes": bytes, "seconds": round(seconds, 6),
+                  "gbps": round(bytes / seconds / 1e9, 4) if seconds > 0 else 0.0, "time": now(),
+                  "transport": transport}
+        if loss is not None:
+            record["loss"] = round(loss, 6)
+        self._line({"event": "transfer", **record, **extra})
+        self._patch({"transfer": record})
+        return record
+
+    def completion(self, state: str, message: str, versions: int, **extra) -> dict:
+        record = {"state": state, "message": message, "versions": versions, "time": now()}
+        self._line({"event": "completion", **record, **extra})
+        self._patch({"completion": record})
+        return record
+
+    def _line(self, obj: dict) -> None:
+        self.out.write(json.dumps(obj) + "\n")
+        self.out.flush()
+
+    def _patch(self, status: dict) -> None:
+        if self.api is None:
+            return
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        body = {"status": status}
+        for attempt in range(PATCH_ATTEMPTS):
+            try:
+                self.api.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, self.job.namespace, PLURAL, self.job.name, body,
+                    _content_type="application/merge-patch+json")
+                return
+            except ApiException as e:
+                # 4xx other than throttling will not get better by retrying: say so and go on
+                if e.status and e.status < 500 and e.status != 429 or attempt == PATCH_ATTEMPTS - 1:
+                    print(f"weightsync: could not write status to WeightTransferJob {self.job.namespace}/{self.job.name}: "
+                          f"{e.status} {e.reason}: {_api_message(e)}", file=sys.stderr, flush=True)
+                    return
+            except (OSError, HTTPError) as e:  # the API server is unreachable
+                if attempt == PATCH_ATTEMPTS - 1:
+                    print(f"weightsync: could not reach the Kubernetes API to write status: {e}", file=sys.stderr, flush=True)
+                    return
+            time.sleep(0.5 * 2 ** attempt)
+
+
+def _api_message(e) -> str:
+    try:
+        return json.loads(e.body).get("message", e.body)
+    except (TypeError, ValueError):
+        return str(e.body)
+
+
+def _custom_objects_api():
+    """In a pod: the ServiceAccount's in-cluster config. Outside one (worker processes started
+    next to a cluster, as the end-to-end tests do): $KUBECONFIG."""
+    from kubernetes import client, config
+
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+    elif os.environ.get("KUBECONFIG"):
+        config.load_kube_config()
+    else:
+        raise RuntimeError("reporting to Kubernetes was asked for, but this process is neither in a pod "
+                           "(KUBERNETES_SERVICE_HOST unset) nor given a KUBECONFIG")
+    return client.CustomObjectsApi()

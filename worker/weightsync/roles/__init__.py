@@ -1,0 +1,102 @@
+"""The worker every pod runs: its ordinal picks the role, and a trainer or inference pod runs one
+process per rank (procsPerPod, one per GPU)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing.connection import wait
+from typing import Mapping
+
+from ..contract import CONTROLLER, TRAINER, SpecError, WorkerContext
+
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the other ranks of a failed pod
+
+
+def main(environ: Mapping[str, str] = os.environ) -> int:
+    """`weightsync worker`: raises contract.SpecError on a bad environment or spec."""
+    try:
+        ctx = WorkerContext.from_environ(environ)
+    except (OSError, ValueError) as e:
+        if isinstance(e, SpecError):
+            raise
+        raise SpecError([f"the pod's environment or files: {e}"]) from None
+    if ctx.role == CONTROLLER:
+        from .controller import run
+
+        return run(ctx)
+    ranks = list(ctx.ranks)
+    if len(ranks) == 1:
+        return run_rank(ctx.role, ranks[0], 0)
+    return supervise(ctx.role, ranks)
+
+
+def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = None) -> int:
+    ctx = ctx or WorkerContext.from_environ()
+    if role == TRAINER:
+        from .trainer import run
+    else:
+        from .inference import run
+    return run(ctx, rank, local_rank)
+
+
+def _child(role: str, rank: int, local_rank: int, parent: int) -> None:
+    die_with_parent(parent)
+    sys.exit(run_rank(role, rank, local_rank))
+
+
+def supervise(role: str, ranks: list[int]) -> int:
+    """One process per rank; when one fails the pod fails (so it restarts, and the controller
+    hears of it from the rank); SIGTERM is passed on to every rank."""
+    spawn = multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=_child, args=(role, rank, i, os.getpid()), name=f"{role}-rank-{rank}")
+             for i, rank in enumerate(ranks)]
+    for p in procs:
+        p.start()
+
+    def stop(signum, _frame):
+        _terminate(procs)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    running = list(procs)
+    while running:
+        for sentinel in wait([p.sentinel for p in running]):
+            p = next(p for p in running if p.sentinel == sentinel)
+            p.join()
+            running.remove(p)
+            if p.exitcode != 0:
+                print(f"weightsync worker: {p.name} exited with {_status(p.exitcode)}; stopping the pod's other ranks",
+                      file=sys.stderr, flush=True)
+                _terminate(running)
+                return 1
+    return 0
+
+
+def _terminate(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(STOP_GRACE)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _status(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no rank outlives its pod."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)

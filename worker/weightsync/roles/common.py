@@ -1,0 +1,130 @@
+"""What the trainer and inference roles share: device, transport, logging, the end of a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+
+from ..contract import INFERENCE, WorkerContext
+from ..rendezvous import JobEnded, Member, Restarted, who
+
+JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
+
+# Tests only: a directory where trainer and inference ranks save, after every version, the
+# version's tensors and the logits on model.PROMPT, so that tests compare real weights and logits.
+DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
+
+
+def log(who: str, message: str) -> None:
+    print(f"[{who}] {message}", file=sys.stderr, flush=True)
+
+
+class Expected(RuntimeError):
+    """A failure whose message says it all (no traceback)."""
+
+
+def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) -> int:
+    """Run one rank: body(ctx, member, rank, local_rank).run() returns the job's end state.
+    A failure is reported to the controller, which fails the job naming this rank."""
+    me = who(role, rank)
+    member = Member(ctx.controller_host, ctx.store_port, ctx.token, role, rank, JOIN_TIMEOUT)
+    try:
+        state = body(ctx, member, rank, local_rank).run()
+    except Restarted as e:
+        if member.has("end"):  # a pod restarted after its job ended: nothing to do
+            log(me, "restarted after the job ended")
+            linger(ctx, me)
+            return 0
+        log(me, str(e))
+        member.fail(str(e))
+        return 1
+    except JobEnded as e:
+        log(me, str(e))
+        member.bye()
+        linger(ctx, me)
+        return 1
+    except Exception as e:  # noqa: BLE001 - reported to the controller, which fails the job
+        if not isinstance(e, Expected):
+            traceback.print_exc()
+        log(me, f"failed: {e}")
+        member.fail(f"{type(e).__name__}: {e}")
+        return 1
+    member.bye()
+    if state != "Succeeded":
+        log(me, "the job failed elsewhere")
+    linger(ctx, me)
+    return 0 if state == "Succeeded" else 1
+
+
+def in_cluster(ctx: WorkerContext) -> bool:
+    """In a pod, an exiting process is restarted, so a rank whose job has ended stays up."""
+    return ctx.report_to_kubernetes or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def linger(ctx: WorkerContext, who: str) -> None:
+    """After the job's end: in a cluster, wait for the operator to scale the pod down."""
+    if not in_cluster(ctx):
+        return
+    log(who, "the job has ended; waiting for the operator to remove this pod")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+
+
+def device_for(ctx: WorkerContext, role: str, local_rank: int):
+    """cuda:<local rank> when the role asks for GPUs (gpusPerProc > 0), else the CPU."""
+    import torch
+
+    spec = ctx.job.spec[role]
+    if spec["gpusPerProc"] == 0:
+        return torch.device("cpu")
+    need = spec["procsPerPod"] * spec["gpusPerProc"]
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < need:
+        raise RuntimeError(f"spec.{role} asks for {need} GPUs per pod (procsPerPod {spec['procsPerPod']} x gpusPerProc "
+                           f"{spec['gpusPerProc']}) but this process sees {have}; set spec.{role}.gpusPerProc: 0 to run on CPU")
+    index = local_rank * spec["gpusPerProc"]
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def transport_for(ctx: WorkerContext, store, role: str, rank: int, local_rank: int):
+    """This rank's end of the job's transport: (name, why, Sender or Receiver)."""
+    from ..transport import make_transport, resolve_transport
+
+    spec = ctx.job.spec
+    name, why = resolve_transport(spec["transfer"]["transport"], ctx.network_mode)
+    options: dict = {}
+    if name == "nccl":
+        import torch.distributed as dist
+
+        layout = ctx.job.layout
+        options = {"store": dist.PrefixStore("transfer/", store), "trainers": layout.world_size("trainer"),
+                   "inferences": layout.world_size(INFERENCE)}
+    elif name == "uccl":
+        options = {"gpu": local_rank}
+    transport = make_transport(name, token=ctx.token, timeout=float(spec["transfer"]["timeoutSeconds"]), **options)
+    end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)
+    return name, why, end
+
+
+def info(ctx: WorkerContext, transport: str, why: str, device) -> str:
+    """What a rank tells the controller about itself besides endpoint and layout."""
+    return json.dumps({"transport": transport, "why": why, "device": str(device),
+                       "pod": ctx.job.pod_name(ctx.ordinal)}, sort_keys=True)
+
+
+def dumping() -> bool:
+    return bool(os.environ.get(DUMP_DIR_ENV))
+
+
+def dump(role: str, rank: int, version: int, tensors: dict, logits) -> None:
+    """Tests only (DUMP_DIR_ENV): save this rank's tensors of a version and its logits on the prompt."""
+    import torch
+
+    torch.save({"tensors": tensors, "logits": logits},
+               os.path.join(os.environ[DUMP_DIR_ENV], f"{role}-{rank}-v{version}.pt"))

@@ -1,0 +1,155 @@
+"""An inference rank: generates with the latest verified weights, switching versions atomically.
+
+The model's parameters are views into one of two flat buffers. A background thread receives
+each new version into the other one (staging) and verifies it; the generation loop switches the
+parameters to it between two generations. A model never runs on half-updated weights, and a
+version that fails verification is never switched to: the old one stays and the rank fails.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..contract import INFERENCE, WorkerContext
+from ..flat import views
+from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
+from ..rendezvous import Member, versions, who
+from ..transfer import VersionReceiver
+from .common import JOIN_TIMEOUT, Expected, device_for, dump, dumping, info, log, run_rank, transport_for
+
+GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
+NEW_TOKENS = 8
+
+
+class VerificationError(Expected):
+    pass
+
+
+def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
+    return run_rank(ctx, INFERENCE, rank, local_rank, Inference)
+
+
+class Generations:
+    """The double buffer. The receiving thread offers a verified version in the staging buffer;
+    the generation loop switches to it between generations, and only then does the staging
+    buffer become the other one."""
+
+    def __init__(self, model, buffers: list, layout):
+        self.model, self.buffers = model, buffers
+        self.views = [views(b, layout) for b in buffers]
+        self.active = 0
+        self.version: int | None = None  # the version the model runs on
+        self.staged: int | None = None
+        self.end: dict | None = None
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        point_at(model, self.views[self.active])
+
+    @property
+    def staging(self):
+        return self.buffers[1 - self.active]
+
+    # the receiving thread
+    def offer(self, version: int) -> None:
+        """Hand over the version in the staging buffer and wait until the model runs on it."""
+        with self.cond:
+            self.staged = version
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.staged is None)
+
+    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
+        with self.cond:
+            self.end, self.error = end, error
+            self.cond.notify_all()
+
+    # the generation loop
+    def next_event(self, timeout: float | None) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
+
+    def switch(self) -> int | None:
+        """Point the model at the staged version, if one is waiting; returns its number."""
+        with self.cond:
+            if self.staged is None:
+                return None
+            self.active = 1 - self.active
+            point_at(self.model, self.views[self.active])
+            self.version, self.staged = self.staged, None
+            self.cond.notify_all()
+            return self.version
+
+
+class Inference:
+    def __init__(self, ctx: WorkerContext, member: Member, rank: int, local_rank: int):
+        self.ctx, self.member, self.rank, self.local_rank = ctx, member, rank, local_rank
+        self.spec = ctx.job.spec
+        self.me = who(INFERENCE, rank)
+
+    def run(self) -> str:
+        spec, member = self.spec, self.member
+        dtype = spec["model"]["dtype"]
+        device = device_for(self.ctx, INFERENCE, self.local_rank)
+        member.start_heartbeat()
+
+        model = build(spec["model"], dtype=dtype, device=device, seed=spec["training"]["seed"], load_weights=False)
+        model.eval()
+        layout = layout_of(model, dtype)
+        buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
+        name, why, receiver = transport_for(self.ctx, member.client().store, INFERENCE, self.rank, self.local_rank)
+        endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
+        member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
+        plan, _ = member.plan(JOIN_TIMEOUT)
+        log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; "
+                     f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
+
+        mover = threading.Thread(target=self._receive, args=(VersionReceiver(receiver, plan, self.rank), gens),
+                                 name="receive", daemon=True)
+        mover.start()
+        try:
+            self._generate(model, gens, device)
+        finally:
+            mover.join(timeout=5.0)
+            member.stop_heartbeat()
+            receiver.close()
+        return gens.end["state"]
+
+    def _generate(self, model, gens: Generations, device) -> None:
+        """Generate from the fixed prompt with whatever version is active; switch between generations."""
+        ids = prompt(model, device)
+        while True:
+            gens.next_event(GENERATE_EVERY if gens.version is not None else None)
+            if gens.error is not None:
+                raise gens.error
+            switched = gens.switch()
+            if switched is not None and dumping():
+                tensors = {n: p.detach().cpu().clone() for n, p in parameters(model)}
+                dump(INFERENCE, self.rank, switched, tensors, logits(model, ids).cpu())
+            if gens.end is not None:
+                return
+            if gens.version is not None:
+                log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")
+
+    def _receive(self, receiver: VersionReceiver, gens: Generations) -> None:
+        """The receiving thread: the only user of the member's store client from now on."""
+        member, transfer = self.member, self.spec["transfer"]
+        timeout = float(transfer["timeoutSeconds"])
+        try:
+            for version, _ in versions(self.spec):
+                member.wait_for(f"go/{version}", f"the controller's go for version {version}", poll_max=0.002)
+                got = receiver.receive(version, gens.staging, timeout)
+                if transfer["verify"] == "digest":
+                    member.wait_for(f"ref/{version}", f"the reference digest of version {version}", timeout, poll_max=0.002)
+                    reference = member.get(f"ref/{version}").decode()
+                    if got.digest != reference:
+                        member.store.add("verify_failures", 1)
+                        raise VerificationError(
+                            f"version {version} failed verification: digest {got.digest[:16]} received, the trainers "
+                            f"sent {reference[:16]}; still on version {gens.version}")
+                gens.offer(version)
+                member.set(f"applied/{version}/{self.rank}", {"digest": got.digest, "seconds": got.seconds})
+            gens.finish(end=member.wait_for_end())
+        except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
+            gens.finish(error=e)

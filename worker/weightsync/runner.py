@@ -1,0 +1,327 @@
+"""`weightsync run job.yaml`: a whole WeightTransferJob as local processes, one per pod, on
+127.0.0.1. Each gets the files (the defaulted spec, the job token) and the environment that its
+pod gets in a cluster, with network mode tcp and ports of its own. Progress goes to stderr; the
+run ends with a summary. Every process started here is stopped when the run ends, fails or is
+interrupted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Mapping
+
+import yaml
+
+from .contract import CONTROLLER, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
+
+LOOPBACK = "127.0.0.1"
+FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
+LOG_TAIL = 15
+# The pod's environment decides these; the shell's values must not leak into a local pod.
+POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG")
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Pod:
+    ordinal: int
+    role: str
+    name: str
+    env: dict
+    log: Path
+    ranks: range
+    proc: subprocess.Popen | None = None
+
+    def describe(self) -> str:
+        if self.role == CONTROLLER:
+            return f"controller pod {self.name} (ordinal 0)"
+        ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {self.ranks[0]}-{self.ranks[-1]}"
+        return f"{self.role} pod {self.name} (ordinal {self.ordinal}, {self.role} {ranks})"
+
+
+class LocalJob:
+    def __init__(self, job: Job, workdir: Path, extra_env: Mapping[str, str] | None = None,
+                 progress: IO[str] = sys.stderr):
+        self.job, self.workdir, self.progress = job, Path(workdir), progress
+        self.extra_env = dict(extra_env or {})
+        self.events: queue.Queue = queue.Queue()
+        self.transfers: list[dict] = []
+        self.completion: dict | None = None
+        self.pods = self._pods()
+
+    # ------------------------------------------------------------ what each pod gets
+
+    def _files(self) -> tuple[Path, Path]:
+        """The ConfigMap's and the Secret's content, where the pod's mounts would put them."""
+        spec_file = self.workdir / "spec" / SPEC_KEY
+        token_file = self.workdir / "token" / TOKEN_KEY
+        spec_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        spec_file.write_text(yaml.safe_dump(self.job.to_object(), sort_keys=False))
+        token_file.write_text(secrets.token_hex(32))
+        token_file.chmod(0o600)
+        return spec_file, token_file
+
+    def _pods(self) -> list[Pod]:
+        layout = self.job.layout
+        spec_file, token_file = self._files()
+        inference_procs = layout.procs_per_pod("inference")
+        store_port, *data_ports = free_ports([1] + [inference_procs] * layout.inferences)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES)}
+        base["PYTHONUNBUFFERED"] = "1"
+        # the pods share this machine's cores
+        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
+        pods = []
+        for ordinal in range(layout.pods):
+            role = layout.role_of(ordinal)
+            first_inference = layout.first_ordinal("inference")
+            env = {
+                **base,
+                Env.JOB: self.job.name,
+                Env.NAMESPACE: self.job.namespace,
+                Env.ORDINAL: str(ordinal),
+                Env.POD_NAME: self.job.pod_name(ordinal),
+                Env.POD_IP: LOOPBACK,
+                Env.CONTROLLER_HOST: LOOPBACK,
+                Env.STORE_PORT: str(store_port),
+                Env.DATA_PORT: str(data_ports[ordinal - first_inference] if role == "inference" else 0),
+                Env.SPEC_FILE: str(spec_file),
+                Env.TOKEN_FILE: str(token_file),
+                Env.NETWORK_MODE: "tcp",
+                Env.REPORT_TO_KUBERNETES: "0",
+                **network_env(self.job.spec, "tcp"),
+                **self.extra_env,
+            }
+            name = self.job.pod_name(ordinal)
+            pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal)))
+        return pods
+
+    # ------------------------------------------------------------ running
+
+    def start(self) -> None:
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        for pod in self.pods:
+            log = open(pod.log, "wb")
+            pod.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=self.workdir,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.role == CONTROLLER else log, stderr=log,
+                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+            log.close()
+        controller = self.pods[0].proc
+        threading.Thread(target=self._read_controller, args=(controller.stdout,), daemon=True).start()
+
+    def _read_controller(self, stream) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace").strip()
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict) and "event" in event:
+                self.events.put(event)
+            elif line:
+                self.say(f"controller: {line}")
+
+    def say(self, text: str) -> None:
+        self.progress.write(f"weightsync: {text}\n")
+        self.progress.flush()
+
+    def _drain(self, timeout: float = 0.0) -> None:
+        try:
+            while True:
+                event = self.events.get(timeout=timeout)
+                timeout = 0.0
+                if event["event"] == "transfer":
+                    self.transfers.append(event)
+                    self.say(_describe_transfer(event))
+                elif event["event"] == "completion":
+                    self.completion = event
+        except queue.Empty:
+            pass
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Follow the job to its end; return the summary or raise RunFailed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.completion is None:
+            self._drain(0.1)
+            dead = next((p for p in self.pods if p.proc.poll() is not None), None)
+            if dead is not None and self.completion is None:
+                self._drain_until(time.monotonic() + FAIL_GRACE)
+                cause = f"; the controller reports: {self.completion['message']}" if self.completion and self.completion["state"] == "Failed" else ""
+                raise RunFailed(f"{dead.describe()} exited with {_status(dead.proc.returncode)}{cause}\n{_tail(dead.log)}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RunFailed(f"the job did not finish within {timeout:.0f}s")
+        if self.completion["state"] != "Succeeded":
+            raise RunFailed(f"the job failed: {self.completion['message']}")
+        exit_by = time.monotonic() + EXIT_TIMEOUT
+        for pod in self.pods:
+            try:
+                code = pod.proc.wait(max(0.0, exit_by - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended") from None
+            if code != 0:
+                raise RunFailed(f"{pod.describe()} exited with {_status(code)} after the job ended\n{_tail(pod.log)}")
+        self._drain()
+        return self.summary()
+
+    def _drain_until(self, deadline: float) -> None:
+        while self.completion is None and time.monotonic() < deadline:
+            self._drain(0.1)
+
+    def summary(self) -> dict:
+        seconds = [t["seconds"] for t in self.transfers]
+        median = statistics.median(seconds) if seconds else 0.0
+        bytes_per_version = self.transfers[-1]["bytes"] if self.transfers else 0
+        completion = self.completion or {}
+        return {"versions": len(self.transfers),
+                "failed_verifications": completion.get("failed_verifications", 0),
+                "bytes_per_version": bytes_per_version,
+                "seconds_per_version": round(median, 6),
+                "gbps": round(bytes_per_version / median / 1e9, 4) if median else 0.0,
+                "final_loss": completion.get("final_loss")}
+
+    def stop(self) -> None:
+        """Stop every process this run started (whole process groups), then reap them."""
+        started = [p for p in self.pods if p.proc is not None]
+        for pod in started:
+            _signal_group(pod.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for pod in started:
+            try:
+                pod.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pod in started:
+            _signal_group(pod.proc.pid, signal.SIGKILL)  # whatever is left of the pod, ranks included
+            pod.proc.wait()
+            if pod.proc.stdout:
+                pod.proc.stdout.close()
+
+
+def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
+        progress: IO[str] = sys.stderr, timeout: float | None = None) -> dict:
+    """Run a job to its end; returns the summary, raises RunFailed (or contract.SpecError)."""
+    job = source if isinstance(source, Job) else load_job(source)
+    keep = logs is not None
+    workdir = Path(logs) if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
+    local = LocalJob(job, workdir, extra_env, progress)
+    layout = job.layout
+    local.say(f"job {job.name}: 1 controller, {layout.trainers} trainer pod(s) x {layout.trainer_procs} and "
+              f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}; logs in {workdir / 'logs'}")
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    ok = False
+    try:
+        local.start()
+        summary = local.wait(timeout)
+        ok = True
+        return summary
+    except Interrupted as e:
+        raise RunFailed(f"interrupted by {e}; stopped every process") from None
+    finally:
+        local.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if ok and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif not ok:
+            local.say(f"logs kept in {workdir / 'logs'}")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, _frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn for a pod process: SIGKILL it if this runner dies (Linux), so nothing outlives the run."""
+    if sys.platform != "linux":
+        return None
+
+    def arm():
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+def free_ports(runs: list[int]) -> list[int]:
+    """For each n in `runs`, the first of n consecutive free loopback ports (all distinct)."""
+    held: list[socket.socket] = []
+    out = []
+    try:
+        for n in runs:
+            while True:
+                first = _bind(0, held)
+                port = first.getsockname()[1]
+                extra = []
+                try:
+                    for k in range(1, n):
+                        extra.append(_bind(port + k, held))
+                except OSError:
+                    continue  # keep the sockets held (so these ports are not offered again) and retry
+                out.append(port)
+                break
+    finally:
+        for s in held:
+            s.close()
+    return out
+
+
+def _bind(port: int, held: list) -> socket.socket:
+    s = socket.socket()
+    try:
+        s.bind((LOOPBACK, port))
+    except OSError:
+        s.close()
+        raise
+    held.append(s)
+    return s
+
+
+def _status(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+    except OSError:
+        return ""
+    return f"last lines of {path}:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _describe_transfer(t: dict) -> str:
+    loss = f", loss {t['loss']:.4f}" if "loss" in t else ""
+    return (f"version {t['version']} (step {t['step']}{loss}): {t['bytes'] / 1e6:.2f} MB to {t.get('inference_ranks', '?')} "
+            f"inference ranks in {t['seconds']:.4f}s, {t['gbps']:.3f} GB/s over {t['transport']}")
