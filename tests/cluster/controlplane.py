@@ -59,7 +59,7 @@ class PortTaken(ClusterError):
     """A component could not bind its port (another process took it after we picked it)."""
 
 
-def find_binaries(log=sys.stderr) -> dict[str, Path]:
+def find_binaries(log=None) -> dict[str, Path]:
     """Path of every binary: from KUBEBUILDER_ASSETS where it has it, else from the cache that
     build-binaries.sh fills once (it builds what is missing and prints the directory)."""
     assets = os.environ.get("KUBEBUILDER_ASSETS")
@@ -71,7 +71,7 @@ def find_binaries(log=sys.stderr) -> dict[str, Path]:
         with open(cache / ".build-binaries.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             out = subprocess.run(
-                ["bash", str(HERE / "build-binaries.sh")], stdout=subprocess.PIPE, stderr=log, text=True
+                ["bash", str(HERE / "build-binaries.sh")], stdout=subprocess.PIPE, stderr=log or sys.stderr, text=True
             )
         if out.returncode != 0:
             raise ClusterError(f"tests/cluster/build-binaries.sh failed (exit {out.returncode}); see its output above")
@@ -177,7 +177,8 @@ class ControlPlane:
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
-    def request(self, method: str, path: str, body: dict | None = None, token: str | None = None):
+    def request(self, method: str, path: str, body: dict | None = None, token: str | None = None,
+                timeout: float = 30):
         """One call to the API server; JSON in and out (text for non-JSON answers)."""
         req = urllib.request.Request(
             self.server + path, method=method,
@@ -186,9 +187,26 @@ class ControlPlane:
                      "Accept": "application/json"},
         )
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
-        with urllib.request.urlopen(req, context=ctx, timeout=15) as resp:
-            data = resp.read().decode()
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
+                data = resp.read().decode()
+        except urllib.error.HTTPError as e:
+            # Keep the status code for callers; make the message say what the API server said.
+            detail = e.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("message", detail)
+            except ValueError:
+                pass
+            e.msg = f"{e.msg}: {method} {path}: {detail}"
+            raise
         return json.loads(data) if data.startswith(("{", "[")) else data
+
+    def create_namespace(self, name: str, timeout: float = 60) -> None:
+        """Creates a namespace and waits for its default ServiceAccount, without which the API
+        server refuses the namespace's first pods."""
+        self.request("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+        self.wait(f"ServiceAccount {name}/default",
+                  lambda: self._exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"), timeout)
 
     def add_node(self, name: str, gpus: int = 0, rdma: int = 0, labels: dict | None = None,
                  wait: bool = True, timeout: float = 60, **resources) -> dict:
@@ -224,7 +242,7 @@ class ControlPlane:
     def running(self) -> list[str]:
         return [name for name in COMPONENTS if self._live_pid(name)]
 
-    def up(self, nodes=DEFAULT_NODES, timeout: float = 180, attempts: int = 3, log=sys.stderr) -> "ControlPlane":
+    def up(self, nodes=DEFAULT_NODES, timeout: float = 180, attempts: int = 3, log=None) -> "ControlPlane":
         """Starts the cluster afresh and creates `nodes`; returns once everything is ready."""
         if self.running():
             raise ClusterError(f"a cluster is already running in {self.dir} ({', '.join(self.running())}); stop it first")
@@ -238,7 +256,7 @@ class ControlPlane:
                 self.down()
                 if attempt == attempts:
                     raise
-                print(f"{e}; starting again with other ports", file=log)
+                print(f"{e}; starting again with other ports", file=log or sys.stderr)
             except BaseException:
                 self.down()
                 raise
@@ -317,7 +335,7 @@ class ControlPlane:
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
         ])
-        self.wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz") == "ok", timeout)
+        self.wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz", timeout=3) == "ok", timeout)
         self.timings["kube-apiserver"] = time.monotonic() - t
 
         t = time.monotonic()

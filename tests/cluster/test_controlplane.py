@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture
 def namespace(cluster):
     name = f"t-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
+    cluster.create_namespace(name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false")
 
