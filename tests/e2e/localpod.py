@@ -244,24 +244,32 @@ class LocalPod:
         hosts = ["127.0.0.1 localhost", f"{self.ip} {self.name}"]
         hosts += [f"{ip} {' '.join(names)}" for ip, names in self._host_lines().items()]
         (self.dir / "hosts").write_text("\n".join(hosts) + "\n")
+        early, late = [], []
         for mount in self.container.get("volumeMounts") or []:
             target = mount["mountPath"]
-            if not target.startswith(PRIVATE_ROOTS):
-                raise PodError(f"pod {self.name} mounts {target}; this runner mounts only under {', '.join(PRIVATE_ROOTS)}")
+            # Under /etc and /run the mount point is made in the pod's private overlay or tmpfs;
+            # elsewhere only an existing directory is mounted over, so the host gains nothing.
+            if not (target.startswith(PRIVATE_ROOTS) or os.path.isdir(target)):
+                raise PodError(f"pod {self.name} mounts {target}: this runner mounts only under "
+                               f"{', '.join(PRIVATE_ROOTS)} or over an existing directory")
             if mount["name"] not in volumes:
                 raise PodError(f"pod {self.name} mounts volume {mount['name']}, which it does not define")
             source, how = self.volume(volumes[mount["name"]])
             if mount.get("subPath"):
                 source = source / mount["subPath"]
-            lines.append(f"mkdir -p {shlex.quote(target)}" if source.is_dir() else
-                         f"mkdir -p {shlex.quote(os.path.dirname(target))}; touch {shlex.quote(target)}")
+            steps = [f"mkdir -p {shlex.quote(target)}" if source.is_dir() else
+                     f"mkdir -p {shlex.quote(os.path.dirname(target))}; touch {shlex.quote(target)}"]
             if how == "tmpfs":
-                lines.append(f"mount -t tmpfs tmpfs {shlex.quote(target)}")
+                steps.append(f"mount -t tmpfs tmpfs {shlex.quote(target)}")
             else:
-                lines.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+                steps.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
                 if mount.get("readOnly"):
-                    lines.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+                    steps.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+            # A mount over a directory that holds this runner's files (an emptyDir on /tmp) goes last.
+            (late if str(self.dir).startswith(target.rstrip("/") + "/") else early).extend(steps)
+        lines += early
         lines.append(f"cd {shlex.quote(str(self.dir / 'home'))}")
+        lines += late
         lines.append('exec "$@"')
         script = self.dir / "start.sh"
         script.write_text("\n".join(lines) + "\n")
