@@ -173,7 +173,7 @@ class ControlPlane:
 
     def api(self):
         """A kubernetes.client.ApiClient for the admin."""
-        from kubernetes import client, config
+        from kubernetes import config
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 

@@ -1,7 +1,6 @@
 """The local control plane itself: real API server version, KWOK nodes with GPU/RDMA capacity,
 scheduling onto them, StatefulSet start ordinals, service-account tokens and RBAC, clean stop."""
 import json
-import os
 import socket
 import subprocess
 import sys
