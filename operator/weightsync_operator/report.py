@@ -48,6 +48,8 @@ def report(kube: Kube, namespace: str, name: str, statefulsets_by_job: Mapping, 
         except ApiError as e:
             if e.status == 409:
                 continue
+            if e.status == 404:  # deleted since it was read
+                return None
             raise
         for type, reason, message in status.events(current, {**current, **patch}):
             kopf.event(job, type=type, reason=reason, message=message)

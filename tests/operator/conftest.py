@@ -1,0 +1,36 @@
+"""Fixtures: the CRD applied, the operator running against the session's cluster, and one
+namespace per test."""
+
+import uuid
+from pathlib import Path
+
+import pytest
+from operator_harness import CRD, Namespace, Operator
+
+
+@pytest.fixture(scope="session")
+def crd_applied(cluster):
+    out = cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
+    return out
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, crd_applied, tmp_path_factory):
+    op = Operator(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator") / "operator.log").start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        # Shown with the test output when something failed.
+        print(f"operator log: {op.log_path}")
+
+
+@pytest.fixture
+def ns(cluster, operator):
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    try:
+        yield Namespace(cluster, name)
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -1,0 +1,151 @@
+"""Running the operator as users run it (`kopf run` in its own process) and reading a job and
+its children back from the API server: shared by the operator tests and the benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from weightsync import contract
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "weightsync.io_weighttransferjobs.yaml"
+
+
+def wait_for(what: str, check, timeout: float = 60, interval: float = 0.2):
+    """Polls check() until it returns something true, which it returns; fails after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout:.0f}s (last: {value!r})")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Operator:
+    """One `kopf run` process; restartable. Its log accumulates in one file."""
+
+    def __init__(self, kubeconfig: Path, log: Path):
+        self.kubeconfig, self.log_path = kubeconfig, log
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+
+    def start(self, timeout: float = 60) -> "Operator":
+        self.port = free_port()
+        self.starts += 1
+        with open(self.log_path, "a") as log:
+            log.write(f"===== operator start {self.starts}\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
+                 f"--liveness=http://127.0.0.1:{self.port}/healthz", "-m", "weightsync_operator"],
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_for("operator liveness endpoint", self.healthy, timeout)
+        return self
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited ({self.proc and self.proc.returncode}):\n{self.log()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self) -> "Operator":
+        self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_since_start(self) -> str:
+        return self.log().rsplit(f"===== operator start {self.starts}\n", 1)[-1]
+
+
+class Namespace:
+    """One test's namespace and the job helpers that read everything back from the API server."""
+
+    def __init__(self, cluster, name: str):
+        self.cluster, self.name = cluster, name
+
+    def kubectl(self, *args, input=None, check=True):
+        return self.cluster.kubectl("-n", self.name, *args, input=input, check=check)
+
+    def get(self, kind: str, name: str | None = None, selector: str | None = None):
+        args = ["get", kind, "-o", "json"] + ([name] if name else []) + (["-l", selector] if selector else [])
+        proc = self.kubectl(*args, check=False)
+        if proc.returncode != 0:
+            if "NotFound" in proc.stderr:
+                return None
+            raise AssertionError(proc.stderr)
+        return json.loads(proc.stdout)
+
+    def apply_job(self, name: str, spec: dict, check=True):
+        obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+               "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
+                                             "vocab_size": 1024}}, **spec}}
+        return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=check)
+
+    def job(self, name: str) -> dict | None:
+        return self.get(contract.PLURAL, name)
+
+    def status(self, name: str) -> dict:
+        return (self.job(name) or {}).get("status") or {}
+
+    def condition(self, name: str, type: str) -> dict:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type), {})
+
+    def children(self, name: str) -> dict[str, dict]:
+        """Every object labelled as the job's, by "Kind/name"."""
+        items = self.get("services,secrets,configmaps,serviceaccounts,roles,rolebindings,statefulsets",
+                         selector=f"{contract.LABEL_JOB}={name}")["items"]
+        return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
+
+    def pods(self, name: str) -> list[dict]:
+        return self.get("pods", selector=f"{contract.LABEL_JOB}={name}")["items"]
+
+    def events(self, name: str) -> list[dict]:
+        return [e for e in self.get("events")["items"]
+                if e["involvedObject"].get("kind") == contract.KIND and e["involvedObject"].get("name") == name]
+
+    def wait_children(self, name: str, timeout: float = 60) -> dict[str, dict]:
+        return wait_for(f"all 9 children of {name}", lambda: c if len(c := self.children(name)) == 9 else None,
+                        timeout)
+
+    def wait_phase(self, name: str, phase: str, timeout: float = 60) -> dict:
+        return wait_for(f"{name} phase {phase}",
+                        lambda: s if (s := self.status(name)).get("phase") == phase else None, timeout)
+
+    def wait_event(self, name: str, reason: str, timeout: float = 30) -> dict:
+        return wait_for(f"Event {reason} for {name}",
+                        lambda: next((e for e in self.events(name) if e["reason"] == reason), None), timeout)
