@@ -16,10 +16,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import xxhash
+
 from weightsync import flat
 from weightsync.plan import Plan
 from weightsync.transport.base import Receiver, Sender, TransferError
 from weightsync.transport.tcp import as_views, checksum_of
+
+CAST_CHUNK = 1 << 20  # bytes cast (and hashed) at a time: stays in cache between the two
 
 
 def version_digest(checksums: dict[int, int]) -> str:
@@ -62,10 +66,12 @@ class VersionSender:
     `params` passed to send() are the model's tensors in the plan's layout order (what
     FlatLayout.from_named_tensors was given), in any dtype and on any device: they are cast to
     the layout's dtype on the way. Send buffers: `depth` buffers of bucket_bytes, allocated on the
-    first version that needs a cast, then reused; buffer_bytes says how much that is."""
+    first version that needs a cast, then reused; buffer_bytes says how much that is. The cast
+    of host tensors runs on `cast_threads` intra-op threads (one thread casting cache-sized
+    chunks leaves the other cores to the connections, which run at the same time)."""
 
     def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
-                 depth: int = 2, peers: list[int] | None = None):
+                 depth: int = 2, peers: list[int] | None = None, cast_threads: int = 1):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
@@ -74,6 +80,7 @@ class VersionSender:
         if self.buckets and max(b.length for b in self.buckets) > self.bucket_bytes:
             raise ValueError(f"bucket_bytes {self.bucket_bytes} is smaller than the plan's buckets ({plan.bucket_bytes})")
         self.peers = list(range(plan.inferences) if peers is None else peers)
+        self.cast_threads = cast_threads
         self.buffers: list | None = None
 
     @property
@@ -95,6 +102,28 @@ class VersionSender:
             self.sender.register(self.buffers)
         return self.buffers
 
+    def _fill(self, layout, params, bucket, data) -> int | None:
+        """Cast the bucket into `data`; for host buffers, in cache-sized chunks, each hashed while
+        it is still in cache. Returns the bucket's checksum, or None when it is computed later."""
+        import torch
+
+        if data.device.type == "cuda":
+            flat.fill_range(layout, params, bucket.offset, bucket.end, data)
+            torch.cuda.current_stream(data.device).synchronize()
+            return None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.cast_threads)
+        try:
+            h = xxhash.xxh3_64()
+            view = memoryview(data.numpy())
+            for a in range(0, bucket.length, CAST_CHUNK):
+                b = min(a + CAST_CHUNK, bucket.length)
+                flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b])
+                h.update(view[a:b])
+            return h.intdigest()
+        finally:
+            torch.set_num_threads(threads)
+
     def send(self, version: int, params) -> SentVersion:
         layout = self.plan.layout
         flat.check_sources(layout, params)
@@ -105,6 +134,7 @@ class VersionSender:
         inflight: deque = deque()
         sums: dict[int, int] = {}
         for k, b in enumerate(self.buckets):
+            digest = None
             if in_place:
                 data = flat.range_views(layout, params, b.offset, b.end)
             else:
@@ -113,12 +143,8 @@ class VersionSender:
                     for f in inflight.popleft():  # the buffer about to be refilled must be off the wire
                         f.result()
                 data = buffers[k % len(buffers)][:b.length]
-                flat.fill_range(layout, params, b.offset, b.end, data)
-                if data.device.type == "cuda":
-                    import torch
-
-                    torch.cuda.current_stream(data.device).synchronize()
-            sums[b.offset] = bucket_checksum(data)
+                digest = self._fill(layout, params, b, data)
+            sums[b.offset] = bucket_checksum(data) if digest is None else digest
             inflight.append([self.sender.send(p, version, b.offset, data, sums[b.offset]) for p in self.peers])
         self.sender.end_version(version)
         total = sum(b.length for b in self.buckets)

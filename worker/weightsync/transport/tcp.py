@@ -56,7 +56,7 @@ DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
 KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
 
 SOCKET_BUFFER = 4 << 20
-HASH_CHUNK = 4 << 20  # receive this much, then hash it while the kernel queues the next
+HASH_CHUNK = 1 << 20  # receive this much, then hash it (still in cache) while the kernel queues the next
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
 
 
@@ -172,9 +172,11 @@ def dial(host: str, port: int, deadline: float, buffer_bytes: int, timeout: floa
             delay = min(delay * 2, 0.5)
 
 
-def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: int) -> None:
+def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: int,
+                     before_verdict: Callable[[socket.socket], None] | None = None) -> None:
     """The sender's side of the handshake; raises ConnectionError if the receiver refuses us or
-    cannot prove it knows the token."""
+    cannot prove it knows the token. `before_verdict` runs the transport's own set-up steps
+    (RDMA) between the answer and the verdict."""
     challenge = recv_exact(sock, CHALLENGE.size)
     magic, their_rank, _ = CHALLENGE.unpack(challenge)
     if magic != b"WSHC":
@@ -185,6 +187,8 @@ def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: in
     answer = head + _mac(token, challenge, head)
     sock.sendall(answer)
     try:
+        if before_verdict is not None:
+            before_verdict(sock)
         verdict = recv_exact(sock, VERDICT.size)
     except ConnectionError:
         raise ConnectionError("the peer refused the handshake (wrong job token?)") from None
@@ -264,11 +268,15 @@ class TcpSender(Sender):
         views = as_views(data)
         length = sum(len(v) for v in views)
         digest = checksum_of(views) if checksum is None else checksum
+        self.count(version, peer, length)
+        header = HEADER.pack(MAGIC, DATA, version, offset, length, digest)
+        return self.submit(peer, version, lambda c: send_all(c.sock, [memoryview(header)] + views))
+
+    def count(self, version: int, peer: int, length: int) -> None:
+        """Tally the ranges sent to a peer; END carries the tally."""
         count = self.counts.setdefault((version, peer), [0, 0])
         count[0] += 1
         count[1] += length
-        header = HEADER.pack(MAGIC, DATA, version, offset, length, digest)
-        return self.submit(peer, version, lambda c: send_all(c.sock, [memoryview(header)] + views))
 
     def end_version(self, version: int) -> None:
         for peer in self.conns:
@@ -465,6 +473,7 @@ class TcpReceiver(Receiver):
         bounce: dict = {}
         frames = nbytes = 0
         try:
+            self.before_receive(sock, trainer, version, landing, ranges)
             while True:
                 magic, kind, v, offset, length, digest = HEADER.unpack(recv_exact(sock, HEADER.size))
                 if magic != MAGIC:
@@ -494,7 +503,12 @@ class TcpReceiver(Receiver):
         except (OSError, ConnectionError) as e:
             raise TransferError(peer, f"connection lost during version {version}: {e}") from None
 
+    def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
+                       ranges: list[tuple[int, int]]) -> None:
+        """Hook for transports that tell the sender where to write (RDMA advertisements)."""
+
     def written(self, landing: Landing, offset: int, length: int) -> int:
+        """Checksum of a range the sender wrote one-sided (RDMA transports only)."""
         raise TransferError("transport", "WRITTEN frames need an RDMA transport")
 
     def close(self) -> None:

@@ -1,0 +1,111 @@
+"""The flat layout of a version: offsets, JSON, mismatch messages, views, and the sender-side
+fill of byte ranges (cast into a buffer, or straight from the parameters)."""
+
+import pytest
+import torch
+
+from weightsync import flat
+from weightsync.flat import ALIGN, FlatLayout, LayoutMismatch
+
+
+def tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 3), (1,), (33,), (5, 5, 5), (2, 64)]  # odd element counts on purpose
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def layout_of(params, dtype):
+    return FlatLayout.from_named_tensors([(f"t{i}", p) for i, p in enumerate(params)], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offsets_are_aligned_and_in_order(dtype):
+    params = tensors()
+    layout = layout_of(params, dtype)
+    item = flat.ITEMSIZE[dtype]
+    prev_end = 0
+    for slot, p in zip(layout.slots, params):
+        assert slot.offset % ALIGN == 0 and slot.offset >= prev_end
+        assert slot.nbytes == p.numel() * item and slot.shape == tuple(p.shape) and slot.dtype == dtype
+        prev_end = slot.offset + slot.nbytes
+    assert layout.total_bytes % ALIGN == 0 and layout.total_bytes >= prev_end
+    assert layout.payload_bytes == sum(p.numel() for p in params) * item
+
+
+def test_the_same_tensor_under_two_names_is_kept_once():
+    shared = torch.zeros(4, 8)
+    layout = FlatLayout.from_named_tensors([("emb", shared), ("head", shared), ("bias", torch.zeros(3))], "float32")
+    assert layout.names == ["emb", "bias"]
+
+
+def test_json_round_trip_and_mismatch_names_the_tensor():
+    layout = layout_of(tensors(), "bfloat16")
+    assert FlatLayout.from_json(layout.to_json()) == layout
+    layout.check_matches(FlatLayout.from_json(layout.to_json()))
+    other = FlatLayout.from_shapes([("t0", (7, 3)), ("t1", (1,)), ("t2", (34,)), ("t3", (5, 5, 5)), ("t4", (2, 64))], "bfloat16")
+    with pytest.raises(LayoutMismatch, match="t2 shape=\\[33\\]"):
+        layout.check_matches(other, "trainer rank 1")
+    with pytest.raises(LayoutMismatch, match="dtype differs"):
+        layout.check_matches(layout_of(tensors(), "float32"))
+    shorter = FlatLayout.from_shapes([("t0", (7, 3))], "bfloat16")
+    with pytest.raises(LayoutMismatch, match="first extra one here: t1"):
+        layout.check_matches(shorter)
+
+
+def test_views_point_into_the_buffer():
+    params = tensors()
+    layout = layout_of(params, "float32")
+    buf = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    vs = flat.views(buf, layout)
+    for v, p in zip(vs, params):
+        v.copy_(p)
+    again = flat.views(buf, layout)
+    assert all(torch.equal(a, p) for a, p in zip(again, params))
+    assert vs[0].data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError, match="uint8"):
+        flat.views(torch.zeros(layout.total_bytes // 4), layout)
+
+
+def whole_version(layout, params):
+    """Reference bytes: every tensor cast on its own, placed at its offset, zero padding."""
+    out = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    for slot, p in zip(layout.slots, params):
+        out[slot.offset:slot.offset + slot.nbytes] = flat.byte_view(p.to(flat.torch_dtype(layout.dtype)).contiguous())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_fill_range_casts_every_slice_into_place(dtype):
+    params = tensors(1)
+    layout = layout_of(params, dtype)
+    want = whole_version(layout, params)
+    cuts = list(range(0, layout.total_bytes, ALIGN)) + [layout.total_bytes]
+    for a, b in [(0, layout.total_bytes), (cuts[1], cuts[4]), (cuts[3], cuts[-1]), (cuts[2], cuts[3])]:
+        dest = torch.full((b - a,), 0xAB, dtype=torch.uint8)  # stale bytes must not survive in padding
+        flat.fill_range(layout, params, a, b, dest)
+        assert torch.equal(dest, want[a:b]), (a, b)
+
+
+def test_in_place_views_equal_the_filled_bytes():
+    params = tensors(2)
+    layout = layout_of(params, "float32")
+    assert flat.can_send_in_place(layout, params)
+    assert not flat.can_send_in_place(layout_of(params, "bfloat16"), params)
+    assert not flat.can_send_in_place(layout, [p.t() if p.dim() == 2 else p for p in params])
+    want = whole_version(layout, params)
+    for a, b in [(0, layout.total_bytes), (ALIGN, 5 * ALIGN), (2 * ALIGN, layout.total_bytes)]:
+        views = flat.range_views(layout, params, a, b)
+        assert b"".join(bytes(v) for v in views) == bytes(want[a:b].numpy())
+        # no copies: the slices point into the parameters' memory
+        ptrs = {p.data_ptr() for p in params}
+        assert any(torch.frombuffer(v, dtype=torch.uint8).data_ptr() in {x + k for x in ptrs for k in range(0, 4096, 4)}
+                   for v in views if len(v) > ALIGN)
+
+
+def test_fill_range_refuses_wrong_sources():
+    params = tensors()
+    layout = layout_of(params, "float32")
+    with pytest.raises(LayoutMismatch, match="t1: shape \\[2\\]"):
+        flat.check_sources(layout, [params[0], torch.zeros(2)] + params[2:])
+    with pytest.raises(LayoutMismatch, match="4 tensors given"):
+        flat.check_sources(layout, params[:4])

@@ -1,0 +1,206 @@
+"""The TCP transport: framing, the HMAC handshake (wrong tokens refused, nothing they send used),
+checksums, ranges the plan does not give, silent and dead peers. Ranks run as threads here; the
+multi-process tests of the whole path are in test_transfer.py."""
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import xxhash
+
+from weightsync.transport import TransferError, make_transport
+from weightsync.transport import tcp
+
+TOKEN = b"0123456789abcdef-job-token"
+
+
+def pair(timeout=10.0, token=TOKEN, inference_rank=0):
+    receiver = make_transport("tcp", token=TOKEN, timeout=timeout).receiver(inference_rank)
+    endpoint = receiver.listen("127.0.0.1", 0)
+    return receiver, endpoint
+
+
+def receive_in_thread(receiver, version, buf, expected, timeout):
+    out = {}
+
+    def run():
+        try:
+            out["sums"] = receiver.receive(version, buf, expected, timeout)
+        except Exception as e:  # noqa: BLE001 - examined by the test
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def authenticated_raw_client(endpoint, trainer_rank=0, inference_rank=0, token=TOKEN):
+    host, port = tcp.parse_endpoint(endpoint)
+    sock = socket.create_connection((host, port), timeout=5)
+    tcp.client_handshake(sock, token, trainer_rank, inference_rank)
+    return sock
+
+
+def test_frame_header_layout():
+    assert tcp.HEADER.size == 40 and tcp.CHALLENGE.size == 40 and tcp.ANSWER.size == 44 and tcp.VERDICT.size == 36
+    raw = tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 7, 4096, 128, 2**64 - 1)
+    assert raw[:4] == b"WSYN" and raw[4] == tcp.DATA and raw[5:8] == b"\0\0\0"
+    assert struct.unpack_from("<QQQQ", raw, 8) == (7, 4096, 128, 2**64 - 1)
+    assert "DATA" in tcp.__doc__ and "END" in tcp.__doc__ and "HMAC-SHA256" in tcp.__doc__
+
+
+def test_send_all_handles_partial_sends_of_many_views():
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    payload = bytes(range(256)) * 4096  # 1 MiB, far more than one sendmsg moves
+    views = [memoryview(payload)[i:i + 1000] for i in range(0, len(payload), 1000)]  # > IOV_MAX entries
+    got = bytearray(len(payload))
+    t = threading.Thread(target=tcp.recv_into_all, args=(b, memoryview(got)))
+    t.start()
+    tcp.send_all(a, views)
+    t.join(5)
+    assert bytes(got) == payload
+    a.close(), b.close()
+
+
+def test_two_versions_over_one_connection_land_in_place():
+    receiver, endpoint = pair()
+    sender = make_transport("tcp", token=TOKEN, timeout=10).sender(0)
+    sender.connect({0: endpoint})
+    conn = sender.conns[0].sock
+    for version in (1, 2):
+        buf = bytearray(256)
+        payload = bytes([version]) * 128
+        t, out = receive_in_thread(receiver, version, buf, {0: [(64, 64), (128, 128)]}, 10)
+        sender.send(0, version, 128, [memoryview(payload)[:100], memoryview(payload)[100:]])
+        sender.send(0, version, 64, payload[:64])
+        sender.end_version(version)
+        t.join(10)
+        assert "error" not in out, out.get("error")
+        assert out["sums"] == {128: xxhash.xxh3_64_intdigest(payload), 64: xxhash.xxh3_64_intdigest(payload[:64])}
+        assert buf[:64] == bytes(64) and buf[64:] == payload[:64] + payload
+        assert sender.conns[0].sock is conn  # kept open across versions
+    sender.close(), receiver.close()
+
+
+def test_wrong_token_is_refused_logged_and_nothing_is_used(caplog):
+    receiver, endpoint = pair()
+    intruder = make_transport("tcp", token=b"not-the-job-token-at-all", timeout=5).sender(0)
+    with pytest.raises(TransferError, match="inference rank 0: handshake .* failed: the peer refused"):
+        intruder.connect({0: endpoint})
+    # a raw client that ignores the refusal and pushes a frame anyway
+    host, port = tcp.parse_endpoint(endpoint)
+    raw = socket.create_connection((host, port), timeout=5)
+    challenge = tcp.recv_exact(raw, tcp.CHALLENGE.size)
+    head = struct.pack("<4sII", b"WSHA", 0, 0)
+    bogus = head + tcp._mac(b"guessed-token-guessed-token", challenge, head)
+    payload = b"\xff" * 64
+    raw.sendall(bogus + tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 0, 64, xxhash.xxh3_64_intdigest(payload)) + payload)
+    try:  # closed without a verdict (a reset, since what it sent was never read)
+        assert raw.recv(64) == b""
+    except ConnectionResetError:
+        pass
+    raw.close()
+    buf = bytearray(64)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="trainer rank 0: did not connect within .*wrong token"):
+        receiver.receive(1, buf, {0: [(0, 64)]}, timeout=1.0)
+    assert time.monotonic() - start < 5
+    assert buf == bytes(64)
+    assert len(receiver.refused) == 2 and all("wrong token" in r for r in receiver.refused)
+    assert any("refused connection" in r.message for r in caplog.records)
+    # the real trainer still gets through afterwards
+    sender = make_transport("tcp", token=TOKEN, timeout=5).sender(0)
+    sender.connect({0: endpoint})
+    t, out = receive_in_thread(receiver, 1, buf, {0: [(0, 64)]}, 5)
+    sender.send(0, 1, 0, b"\x01" * 64)
+    sender.end_version(1)
+    t.join(5)
+    assert "error" not in out and buf == b"\x01" * 64
+    sender.close(), receiver.close()
+
+
+def test_a_connection_meant_for_another_rank_is_refused():
+    receiver, endpoint = pair(inference_rank=1)
+    sender = make_transport("tcp", token=TOKEN, timeout=5).sender(0)
+    with pytest.raises(TransferError, match="belongs to inference rank 1, not 0"):
+        sender.connect({0: endpoint})
+    receiver.close()
+
+
+def test_bad_checksum_names_the_trainer():
+    receiver, endpoint = pair()
+    sock = authenticated_raw_client(endpoint, trainer_rank=3)
+    buf = bytearray(64)
+    t, out = receive_in_thread(receiver, 5, buf, {3: [(0, 64)]}, 5)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 5, 0, 64, 12345) + b"\x07" * 64)
+    t.join(5)
+    assert isinstance(out.get("error"), TransferError) and out["error"].peer == "trainer rank 3"
+    assert "checksum mismatch for bytes [0, 64) of version 5" in str(out["error"])
+    sock.close(), receiver.close()
+
+
+def test_a_range_outside_the_plan_is_refused_before_its_bytes_are_read():
+    receiver, endpoint = pair()
+    sock = authenticated_raw_client(endpoint)
+    buf = bytearray(128)
+    t, out = receive_in_thread(receiver, 1, buf, {0: [(0, 64)]}, 5)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 64, 64, 0) + b"\x09" * 64)
+    t.join(5)
+    assert "bytes [64, 128) of version 1, which the plan does not give it" in str(out["error"])
+    assert buf == bytes(128)
+    sock.close(), receiver.close()
+
+
+def test_end_with_missing_ranges_and_wrong_version_are_errors():
+    receiver, endpoint = pair()
+    sock = authenticated_raw_client(endpoint)
+    t, out = receive_in_thread(receiver, 2, bytearray(128), {0: [(0, 64), (64, 64)]}, 5)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.END, 2, 0, 0, 0))
+    t.join(5)
+    assert "ended version 2 with 2 of 2 ranges missing" in str(out["error"])
+    sock.close()
+    sock = authenticated_raw_client(endpoint)
+    t, out = receive_in_thread(receiver, 3, bytearray(128), {0: [(0, 64)]}, 5)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.END, 2, 0, 0, 0))
+    t.join(5)
+    assert "sent version 2 while version 3 was expected" in str(out["error"])
+    sock.close(), receiver.close()
+
+
+def test_a_silent_peer_times_out_with_its_rank():
+    receiver, endpoint = pair(timeout=1.0)
+    sock = authenticated_raw_client(endpoint, trainer_rank=1)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="trainer rank 1: silent for 1s during version 4"):
+        receiver.receive(4, bytearray(64), {1: [(0, 64)]}, timeout=30)
+    assert time.monotonic() - start < 5
+    sock.close(), receiver.close()
+
+
+def test_a_peer_that_dies_mid_frame_is_named_at_once():
+    receiver, endpoint = pair(timeout=60)
+    sock = authenticated_raw_client(endpoint, trainer_rank=1)
+    t, out = receive_in_thread(receiver, 1, bytearray(1 << 20), {1: [(0, 1 << 20)]}, 60)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 0, 1 << 20, 0) + b"\x01" * 1000)
+    start = time.monotonic()
+    sock.close()
+    t.join(10)
+    assert time.monotonic() - start < 5
+    assert out["error"].peer == "trainer rank 1" and "connection lost during version 1" in str(out["error"])
+    receiver.close()
+
+
+def test_sender_names_the_inference_rank_it_cannot_reach():
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender = make_transport("tcp", token=TOKEN, timeout=0.5).sender(0)
+    with pytest.raises(TransferError, match="inference rank 4: could not connect"):
+        sender.connect({4: f"127.0.0.1:{port}"})
+
+
+def test_short_tokens_are_refused():
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        make_transport("tcp", token=b"short").sender(0)

@@ -1,0 +1,217 @@
+"""UCCL P2P transport: one-sided RDMA writes straight into the inference rank's staging buffer.
+
+Built on the `uccl` package's P2P engine (`from uccl import p2p`, pip name uccl, v0.1.x):
+`p2p.Endpoint(local_gpu_idx)`, `get_metadata()` / `Endpoint.parse_metadata()`, `connect()` /
+`accept()`, `reg(ptr, size)` to register memory once, `advertise(conn_id, mr_id, ptr, size)` for
+the 64-byte descriptor of a remote-writable region, `write_async(conn_id, mr_id, ptr, size,
+descriptor)` and `poll_async(transfer_id)`.
+
+Control travels over the TCP transport's authenticated connection and frames (tcp.py): the
+HMAC handshake first, then, before the verdict, the receiver's endpoint metadata and the RDMA
+connect/accept. For each version the receiver advertises every range it expects from that trainer
+(an ADVERT frame); the trainer RDMA-writes each bucket from its registered send buffer into
+place, then sends a WRITTEN frame with the bucket's checksum, which the receiver verifies over
+the landed bytes; END closes the version as over TCP.
+"""
+
+from __future__ import annotations
+
+import glob
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from weightsync.transport.base import TransferError, Transport, TransportUnavailable
+from weightsync.transport.tcp import (ADVERT, HEADER, MAGIC, WRITTEN, Landing, TcpReceiver, TcpSender,
+                                      client_handshake, recv_exact, send_all)
+
+ADVERT_ENTRY = struct.Struct("<QQ64s")  # offset, length, the engine's 64-byte descriptor
+
+
+def unavailable_reason() -> str | None:
+    """Why UCCL P2P cannot run here, or None."""
+    try:
+        from uccl import p2p  # noqa: F401
+    except ImportError as e:
+        return f"the uccl package is not installed (pip install uccl): {e}"
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch is not installed ({e})"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    if not glob.glob("/sys/class/infiniband/*"):
+        return "no RDMA device (/sys/class/infiniband is empty)"
+    return None
+
+
+class UcclTransport(Transport):
+    name = "uccl"
+
+    def __init__(self, token: bytes, timeout: float, gpu: int = 0):
+        reason = unavailable_reason()
+        if reason:
+            raise TransportUnavailable(f"uccl: {reason}")
+        from uccl import p2p
+
+        self.p2p, self.token, self.timeout, self.gpu = p2p, token, timeout, gpu
+        self._endpoint = None
+        self.lock = threading.Lock()
+
+    @property
+    def endpoint(self):
+        with self.lock:
+            if self._endpoint is None:
+                self._endpoint = self.p2p.Endpoint(self.gpu)
+            return self._endpoint
+
+    def sender(self, rank: int) -> "UcclSender":
+        return UcclSender(self, rank)
+
+    def receiver(self, rank: int) -> "UcclReceiver":
+        return UcclReceiver(self, rank)
+
+
+class Registered:
+    """Memory regions registered once with the engine, found again by address."""
+
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+        self.regions: list[tuple[int, int, int]] = []  # (ptr, size, mr_id)
+
+    def add(self, tensors: list) -> None:
+        for t in tensors:
+            ptr, size = t.data_ptr(), t.numel() * t.element_size()
+            if self.find(ptr, size) is None:
+                ok, mr_id = self.endpoint.reg(ptr, size)
+                if not ok:
+                    raise TransferError("uccl", f"registering {size} bytes at {ptr:#x} failed")
+                self.regions.append((ptr, size, mr_id))
+
+    def find(self, ptr: int, size: int) -> int | None:
+        for base, n, mr_id in self.regions:
+            if base <= ptr and ptr + size <= base + n:
+                return mr_id
+        return None
+
+
+class UcclSender(TcpSender):
+    in_place = False  # one-sided writes go out of registered memory
+    buffer_device = "cuda"
+
+    def __init__(self, transport: UcclTransport, rank: int):
+        super().__init__(rank, transport.token, transport.timeout)
+        self.t = transport
+        self.memory = Registered(transport.endpoint)
+        self.rdma: dict[int, int] = {}  # inference rank -> engine conn_id
+        self.adverts: dict[tuple[int, int], dict[int, tuple[int, bytes]]] = {}
+
+    def handshake(self, sock: socket.socket, peer: int) -> None:
+        def rdma_connect(s: socket.socket) -> None:
+            (n,) = struct.unpack("<I", recv_exact(s, 4))
+            ip, port, gpu = self.t.p2p.Endpoint.parse_metadata(recv_exact(s, n))
+            ok, conn_id = self.t.endpoint.connect(ip, gpu, remote_port=port)
+            if not ok:
+                raise ConnectionError(f"UCCL connect to {ip}:{port} failed")
+            self.rdma[peer] = conn_id
+
+        client_handshake(sock, self.token, self.rank, peer, before_verdict=rdma_connect)
+
+    def register(self, buffers: list) -> None:
+        self.memory.add(buffers)
+
+    def _advert(self, sock: socket.socket, peer: int, version: int, offset: int) -> tuple[int, bytes]:
+        key = (peer, version)
+        if key not in self.adverts:
+            magic, kind, v, count, length, _ = HEADER.unpack(recv_exact(sock, HEADER.size))
+            if magic != MAGIC or kind != ADVERT or v != version:
+                raise ConnectionError(f"expected the advertisement of version {version}, got kind {kind} version {v}")
+            payload = recv_exact(sock, length)
+            entries = [ADVERT_ENTRY.unpack_from(payload, i * ADVERT_ENTRY.size) for i in range(count)]
+            self.adverts = {k: a for k, a in self.adverts.items() if k[0] != peer}
+            self.adverts[key] = {o: (n, blob) for o, n, blob in entries}
+        try:
+            return self.adverts[key][offset]
+        except KeyError:
+            raise ConnectionError(f"inference rank {peer} did not advertise byte {offset} of version {version}") from None
+
+    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+        from weightsync.transfer import bucket_checksum
+
+        length = data.numel() * data.element_size()
+        mr_id = self.memory.find(data.data_ptr(), length)
+        if mr_id is None:
+            raise ValueError("UCCL writes from registered memory: register() the send buffers first")
+        digest = bucket_checksum(data) if checksum is None else checksum
+        self.count(version, peer, length)
+        endpoint, conn_id = self.t.endpoint, self.rdma[peer]
+
+        def work(conn) -> None:
+            size, blob = self._advert(conn.sock, peer, version, offset)
+            if size != length:
+                raise ConnectionError(f"advertised {size} bytes at {offset}, the bucket has {length}")
+            ok, transfer = endpoint.write_async(conn_id, mr_id, data.data_ptr(), length, blob)
+            if not ok:
+                raise ConnectionError(f"RDMA write of bytes [{offset}, {offset + length}) could not start")
+            deadline = time.monotonic() + self.timeout
+            while True:
+                ok, done = endpoint.poll_async(transfer)
+                if not ok:
+                    raise ConnectionError(f"RDMA write of bytes [{offset}, {offset + length}) failed")
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    raise socket.timeout()
+            send_all(conn.sock, [memoryview(HEADER.pack(MAGIC, WRITTEN, version, offset, length, digest))])
+
+        return self.submit(peer, version, work)
+
+
+class UcclReceiver(TcpReceiver):
+    def __init__(self, transport: UcclTransport, rank: int):
+        super().__init__(rank, transport.token, transport.timeout)
+        self.t = transport
+        self.memory = Registered(transport.endpoint)
+        self.rdma: dict[int, int] = {}  # trainer rank -> engine conn_id
+        self.accepting = threading.Lock()  # one RDMA accept at a time: it names no peer
+
+    def register(self, buffers: list) -> None:
+        self.memory.add(buffers)
+
+    def after_handshake(self, sock: socket.socket, trainer: int) -> None:
+        meta = bytes(self.t.endpoint.get_metadata())
+        with self.accepting:
+            sock.sendall(struct.pack("<I", len(meta)) + meta)
+            ok, _, _, conn_id = self.t.endpoint.accept()
+            if not ok:
+                raise ConnectionError("UCCL accept failed")
+        self.rdma[trainer] = conn_id
+
+    def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
+                       ranges: list[tuple[int, int]]) -> None:
+        buffer = landing.device
+        if buffer is None:
+            raise ValueError("the uccl transport receives into a GPU tensor")
+        base = buffer.data_ptr()
+        mr_id = self.memory.find(base, landing.size)
+        if mr_id is None:
+            raise ValueError("the staging buffer is not registered: call register() once first")
+        entries = []
+        for offset, length in ranges:
+            ok, blob = self.t.endpoint.advertise(self.rdma[trainer], mr_id, base + offset, length)
+            if not ok:
+                raise ConnectionError(f"advertising bytes [{offset}, {offset + length}) failed")
+            entries.append(ADVERT_ENTRY.pack(offset, length, blob))
+        payload = b"".join(entries)
+        send_all(sock, [memoryview(HEADER.pack(MAGIC, ADVERT, version, len(entries), len(payload), 0)), memoryview(payload)])
+
+    def written(self, landing: Landing, offset: int, length: int) -> int:
+        import torch
+
+        from weightsync.transfer import bucket_checksum
+
+        torch.cuda.synchronize(landing.device.device)
+        return bucket_checksum(landing.device.view(torch.uint8).reshape(-1)[offset:offset + length])
