@@ -25,7 +25,7 @@ from typing import IO, Mapping
 
 import yaml
 
-from .contract import CONTROLLER, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
+from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
 
 LOOPBACK = "127.0.0.1"
 FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
@@ -83,7 +83,7 @@ class LocalJob:
     def _pods(self) -> list[Pod]:
         layout = self.job.layout
         spec_file, token_file = self._files()
-        inference_procs = layout.procs_per_pod("inference")
+        inference_procs = layout.procs_per_pod(INFERENCE)
         store_port, *data_ports = free_ports([1] + [inference_procs] * layout.inferences)
         base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES)}
         base["PYTHONUNBUFFERED"] = "1"
@@ -92,7 +92,7 @@ class LocalJob:
         pods = []
         for ordinal in range(layout.pods):
             role = layout.role_of(ordinal)
-            first_inference = layout.first_ordinal("inference")
+            first_inference = layout.first_ordinal(INFERENCE)
             env = {
                 **base,
                 Env.JOB: self.job.name,
@@ -102,14 +102,16 @@ class LocalJob:
                 Env.POD_IP: LOOPBACK,
                 Env.CONTROLLER_HOST: LOOPBACK,
                 Env.STORE_PORT: str(store_port),
-                Env.DATA_PORT: str(data_ports[ordinal - first_inference] if role == "inference" else 0),
+                Env.DATA_PORT: str(data_ports[ordinal - first_inference] if role == INFERENCE else DATA_PORT),
                 Env.SPEC_FILE: str(spec_file),
                 Env.TOKEN_FILE: str(token_file),
                 Env.NETWORK_MODE: "tcp",
-                Env.REPORT_TO_KUBERNETES: "0",
-                **network_env(self.job.spec, "tcp"),
-                **self.extra_env,
             }
+            if role == CONTROLLER:
+                env[Env.REPORT_TO_KUBERNETES] = "0"  # no cluster to report to: stdout only
+            else:
+                env.update(network_env(self.job.spec, "tcp"))
+            env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
             pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal)))
         return pods
