@@ -4,11 +4,13 @@ server-side dry run, least-privilege RBAC for both kinds of install, and a clean
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import uuid
 
 import pytest
 import yaml
-from conftest import CHART, install, new_namespace
+from conftest import CHART, ROOT, install, new_namespace
 
 pytestmark = pytest.mark.cluster
 
@@ -111,3 +113,30 @@ def test_rbac_is_least_privilege_and_uninstall_leaves_nothing(helm, cluster, nam
         helm("uninstall", release, "--namespace", release_ns, "--ignore-not-found", check=False)
         for ns in (release_ns, watched, other):
             cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_make_deploy_tcp_then_undeploy(cluster):
+    """The Makefile targets a user runs, against the current kube context ($KUBECONFIG)."""
+    release, ns = f"ws-{uuid.uuid4().hex[:6]}", f"weightsync-{uuid.uuid4().hex[:6]}"
+    env = {**cluster.env, "PATH": f"{cluster.binaries}:{os.environ['PATH']}"}
+    make = ["make", "--no-print-directory", f"RELEASE={release}", f"NAMESPACE={ns}"]
+    job = yaml.safe_load((ROOT / "examples" / "tcp-job.yaml").read_text())["metadata"]["name"]
+    try:
+        proc = subprocess.run([*make, "deploy-tcp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        status = json.loads(subprocess.run(["helm", "status", release, "-n", ns, "-o", "json"], env=env,
+                                           capture_output=True, text=True, check=True).stdout)
+        assert status["info"]["status"] == "deployed"
+        assert "kubectl apply -f examples/tcp-job.yaml" in status["info"]["notes"]
+        cluster.kubectl("get", "wtj", job, "-n", "default")
+        # Again: an upgrade, and the job unchanged.
+        proc = subprocess.run([*make, "deploy-tcp"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "unchanged" in proc.stdout, proc.stdout + proc.stderr
+
+        proc = subprocess.run([*make, "undeploy"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert cluster.kubectl("get", "wtj", job, "-n", "default", "--ignore-not-found", "-o", "name").stdout == ""
+        assert leftovers(cluster, release, [ns]) == []
+    finally:
+        subprocess.run([*make, "undeploy"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+        cluster.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false")
