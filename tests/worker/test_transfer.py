@@ -1,0 +1,206 @@
+"""The transfer path end to end, with every rank a real process on loopback (transfer_peer.py):
+M trainer ranks -> N inference ranks over TCP, several versions over the same connections,
+received bytes equal to the trainers' cast bytes bit for bit, digests equal; a wrong token
+refused with nothing applied; a peer killed mid-transfer named within seconds."""
+
+import datetime
+import fcntl
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weightsync.flat import FlatLayout
+from weightsync.plan import make_plan
+from weightsync.transfer import VersionReceiver, VersionSender
+from weightsync.transport import TransferError, make_transport
+
+PEER = Path(__file__).with_name("transfer_peer.py")
+TOKEN = "test-job-token-0123456789"
+ODD = "7x3,1,33,5x5x5,2x64,999"  # odd element counts: tensors and buckets cut mid-tensor
+
+
+@pytest.fixture
+def store():
+    s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    yield s
+
+
+class Ranks:
+    """The processes of one test; all are gone when it ends, whatever happened."""
+
+    def __init__(self, store, trainers, inferences, shapes, dtype="float32", bucket=4096, versions=2, **extra):
+        self.store, self.procs = store, {}
+        self.common = ["--trainers", str(trainers), "--inferences", str(inferences), "--shapes", shapes,
+                       "--dtype", dtype, "--bucket", str(bucket), "--versions", str(versions),
+                       "--store-port", str(store.port)]
+        self.extra = extra
+
+    def start(self, role, rank, *flags):
+        cmd = [sys.executable, str(PEER), "--role", role, "--rank", str(rank), *self.common, *flags]
+        self.procs[(role, rank)] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return self.procs[(role, rank)]
+
+    def wait(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for key, p in self.procs.items():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{key} did not finish within {timeout}s")
+            codes[key] = p.returncode
+        return codes
+
+    def stderr(self):
+        return {k: p.stderr.read() for k, p in self.procs.items() if p.stderr and p.poll() is not None}
+
+    def close(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for f in (p.stdin, p.stderr):
+                if f:
+                    f.close()
+
+
+@pytest.fixture
+def ranks(store):
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Ranks(store, *args, **kwargs))
+        return made[-1]
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", [
+    (1, 1, "float32", "64x64,10", 4096),
+    (2, 1, "bfloat16", ODD, 1024),
+    (2, 3, "float32", ODD, 512),
+    (2, 3, "bfloat16", ODD, 4096),
+    (4, 2, "float16", "3,5", 64),  # more trainers than 64-byte units: two of them idle
+])
+def test_versions_arrive_bit_for_bit(ranks, store, trainers, inferences, dtype, shapes, bucket):
+    versions = 3
+    r = ranks(trainers, inferences, shapes, dtype, bucket, versions)
+    for i in range(inferences):
+        r.start("inference", i)
+    for t in range(trainers):
+        r.start("trainer", t)
+    codes = r.wait()
+    assert all(c == 0 for c in codes.values()), (codes, r.stderr())
+    for v in range(1, versions + 1):
+        for i in range(inferences):
+            res = json.loads(store.get(f"result/{v}/{i}"))
+            assert res["bit_exact"], f"version {v} on inference rank {i} differs from the trainers' cast bytes"
+            assert res["digest"] == res["trainers_digest"]
+    if dtype != "float32":  # a cast: send buffers, at most depth x bucket
+        for t in make_plan(FlatLayout.from_shapes([(f"t{i}", tuple(int(d) for d in s.split("x")))
+                                                   for i, s in enumerate(shapes.split(","))], dtype),
+                           trainers, inferences, bucket).expected():
+            assert 0 < int(store.get(f"buffers/trainer/{t}")) <= 2 * bucket
+    else:  # no cast: sent straight from the tensors
+        assert all(int(store.get(f"buffers/trainer/{t}")) == 0 for t in range(trainers))
+
+
+def test_wrong_token_is_refused_and_nothing_is_applied(ranks, store):
+    r = ranks(1, 1, ODD, "float32", 1024, 1)
+    r.start("inference", 0, "--timeout", "3")
+    intruder = r.start("trainer", 0, "--token", "some-other-jobs-token-xyz")
+    codes = r.wait(60)
+    assert codes[("trainer", 0)] == 3
+    assert "inference rank 0: handshake" in store.get("error/trainer/0").decode()
+    assert codes[("inference", 0)] == 4
+    res = json.loads(store.get("result/1/0"))
+    assert res["peer"] == "trainer rank 0" and "wrong token" in res["error"]
+    assert res["untouched"], "bytes from a refused connection reached the staging buffer"
+    assert intruder.returncode == 3
+
+
+def test_killed_trainer_mid_transfer_is_named_within_seconds(ranks, store):
+    """Inference rank 0 is this process; trainer rank 1 sends one bucket and is killed."""
+    shapes = "256x256,77"
+    layout = FlatLayout.from_shapes([(f"t{i}", tuple(int(d) for d in s.split("x"))) for i, s in enumerate(shapes.split(","))],
+                                    "float32")
+    plan = make_plan(layout, 2, 1, 4096)
+    receiver = make_transport("tcp", token=TOKEN.encode(), timeout=60).receiver(0)
+    store.set("endpoint/0", receiver.listen("127.0.0.1", 0))
+    r = ranks(2, 1, shapes, "float32", 4096, 1)
+    r.start("trainer", 0)
+    victim = r.start("trainer", 1, "--pause-after-first-bucket")
+    staging = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    out = {}
+
+    def receive():
+        try:
+            VersionReceiver(receiver, plan, 0).receive(1, staging, 60)
+        except TransferError as e:
+            out["error"], out["at"] = e, time.monotonic()
+    thread = threading.Thread(target=receive)
+    thread.start()
+    store.wait(["paused/trainer/1"])
+    first = plan.buckets_of(1)[0]
+    deadline = time.monotonic() + 30  # the bucket lands, then the trainer hangs mid-version
+    while not staging[first.offset:first.end].any():
+        assert time.monotonic() < deadline, "the first bucket never arrived"
+        time.sleep(0.01)
+    killed = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert out["error"].peer == "trainer rank 1", out["error"]
+    assert "connection lost during version 1" in str(out["error"])
+    assert out["at"] - killed < 5
+    receiver.close()
+    r.wait(60)
+
+
+def unsent_bytes(sock) -> int:
+    buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    return struct.unpack("i", buf)[0]
+
+
+def test_killed_inference_mid_transfer_is_named_within_seconds(ranks, store):
+    """Trainer rank 0 is this process; inference rank 0 accepts, never reads, and is killed."""
+    r = ranks(1, 1, "4096x4096", "float32", 64 << 20, 1)
+    victim = r.start("inference", 0, "--listen-only")
+    store.wait(["listening/inference/0"])
+    layout = FlatLayout.from_shapes([("w", (4096, 4096))], "bfloat16")  # a cast: 32 MiB through send buffers
+    plan = make_plan(layout, 1, 1, 64 << 20)
+    sender = make_transport("tcp", token=TOKEN.encode(), timeout=60).sender(0)
+    sender.connect({0: store.get("endpoint/0").decode()})
+    out = {}
+
+    def send():
+        try:
+            VersionSender(sender, plan, 0).send(1, [torch.ones(4096, 4096)])
+        except TransferError as e:
+            out["error"], out["at"] = e, time.monotonic()
+    thread = threading.Thread(target=send)
+    thread.start()
+    deadline = time.monotonic() + 30  # mid-transfer: the kernel holds bytes the peer does not read
+    while unsent_bytes(sender.conns[0].sock) < (1 << 20):
+        assert time.monotonic() < deadline, "the send never backed up"
+        time.sleep(0.01)
+    killed = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert out["error"].peer == "inference rank 0", out["error"]
+    assert out["at"] - killed < 5
+    sender.close()
+    r.wait(60)

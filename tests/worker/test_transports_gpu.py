@@ -1,0 +1,84 @@
+"""The GPU transports (nccl, uccl): real transfers where the machine has what they need, and
+everywhere a clear TransportUnavailable saying why, never a silent fallback."""
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from weightsync.transport import TransportUnavailable, make_transport, nccl, resolve_transport, uccl
+
+PEER = Path(__file__).with_name("transfer_peer.py")
+TOKEN = b"test-job-token-0123456789"
+
+
+@pytest.mark.parametrize("name,module", [("nccl", nccl), ("uccl", uccl)])
+def test_a_transport_that_cannot_run_here_says_why(name, module):
+    reason = module.unavailable_reason()
+    if reason is None:
+        pytest.skip(f"{name} can run on this machine; the real transfer test covers it")
+    options = {"store": object(), "trainers": 1, "inferences": 1} if name == "nccl" else {}
+    with pytest.raises(TransportUnavailable) as err:
+        make_transport(name, token=TOKEN, **options)
+    assert str(err.value) == f"{name}: {reason}"
+    print(f"{name} is unavailable here: {reason}")
+
+
+def test_auto_names_its_choice_and_the_reason():
+    name, why = resolve_transport("auto", "tcp")
+    assert name in ("tcp", "nccl") and why.startswith("auto: ")
+    if nccl.unavailable_reason():
+        assert (name, why) == ("tcp", f"auto: {nccl.unavailable_reason()}")
+    assert resolve_transport("tcp", "rdma") == ("tcp", "spec.transfer.transport is tcp")
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
+        make_transport("carrier-pigeon", token=TOKEN)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_pair(transport, trainer_device, inference_device, dtype):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    common = ["--trainers", "1", "--inferences", "1", "--shapes", "7x3,1,33,1024x1024", "--dtype", dtype,
+              "--bucket", str(1 << 20), "--versions", "2", "--store-port", str(store.port), "--transport", transport]
+    procs = [subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", "0", "--device", inference_device, *common]),
+             subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", "0", "--device", trainer_device, *common])]
+    try:
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0]
+    for v in (1, 2):
+        res = json.loads(store.get(f"result/{v}/0"))
+        assert res["bit_exact"] and res["digest"] == res["trainers_digest"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nccl_transfer_between_two_gpus(dtype):
+    reason = nccl.unavailable_reason()
+    if reason:
+        pytest.skip(f"nccl cannot run here: {reason}")
+    if gpu_count() < 2:
+        pytest.skip(f"nccl needs two GPUs for a trainer and an inference rank on one machine; {gpu_count()} visible")
+    run_pair("nccl", "cuda:0", "cuda:1", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_uccl_transfer_over_rdma(dtype):
+    reason = uccl.unavailable_reason()
+    if reason:
+        pytest.skip(f"uccl cannot run here: {reason}")
+    second = "cuda:1" if gpu_count() > 1 else "cuda:0"
+    run_pair("uccl", "cuda:0", second, dtype)
