@@ -163,16 +163,15 @@ class LocalJob:
         """Follow the job to its end; return the summary or raise RunFailed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.completion is None:
-            self._drain(0.1)
-            dead = next((p for p in self.pods if p.proc.poll() is not None), None)
-            if dead is not None and self.completion is None:
-                self._drain_until(time.monotonic() + FAIL_GRACE)
-                cause = f"; the controller reports: {self.completion['message']}" if self.completion and self.completion["state"] == "Failed" else ""
-                raise RunFailed(f"{dead.describe()} exited with {_status(dead.proc.returncode)}{cause}\n{_tail(dead.log)}")
+            self._drain(0.05)
+            dead = [p for p in self.pods if p.proc.poll() is not None]
+            if dead and self.completion is None:
+                self._drain_until(time.monotonic() + FAIL_GRACE)  # the controller may know why
+                raise RunFailed(self._failure(dead))
             if deadline is not None and time.monotonic() > deadline:
                 raise RunFailed(f"the job did not finish within {timeout:.0f}s")
         if self.completion["state"] != "Succeeded":
-            raise RunFailed(f"the job failed: {self.completion['message']}")
+            raise RunFailed(self._failure([p for p in self.pods if (p.proc.poll() or 0) < 0]))
         exit_by = time.monotonic() + EXIT_TIMEOUT
         for pod in self.pods:
             try:
@@ -183,6 +182,14 @@ class LocalJob:
                 raise RunFailed(f"{pod.describe()} exited with {_status(code)} after the job ended\n{_tail(pod.log)}")
         self._drain()
         return self.summary()
+
+    def _failure(self, dead: list[Pod]) -> str:
+        """The processes that died, then what the controller says (it names the failed rank)."""
+        parts = [f"{p.describe()} exited with {_status(p.proc.returncode)}" for p in dead]
+        if self.completion and self.completion["state"] == "Failed":
+            parts.append(f"the controller reports: {self.completion['message']}")
+        tails = "\n".join(_tail(p.log) for p in dead if p.role != CONTROLLER or not self.completion)
+        return "; ".join(parts) + (f"\n{tails}" if tails else "")
 
     def _drain_until(self, deadline: float) -> None:
         while self.completion is None and time.monotonic() < deadline:

@@ -13,6 +13,7 @@ from ..contract import INFERENCE, WorkerContext
 from ..rendezvous import JobEnded, Member, Restarted, who
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
+FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
 
 # Tests only: a directory where trainer and inference ranks save, after every version, the
 # version's tensors and the logits on model.PROMPT, so that tests compare real weights and logits.
@@ -52,6 +53,14 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
             traceback.print_exc()
         log(me, f"failed: {e}")
         member.fail(f"{type(e).__name__}: {e}")
+        # The controller ends the job; until then this process stays, so that the ones that
+        # died first are the ones that stand out.
+        try:
+            member.wait(["end"], "the controller to end the job", FAILED_WAIT)
+        except TimeoutError:
+            log(me, f"the controller did not end the job within {FAILED_WAIT:.0f}s")
+        member.bye()
+        linger(ctx, me)
         return 1
     member.bye()
     if state != "Succeeded":

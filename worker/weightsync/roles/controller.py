@@ -65,7 +65,7 @@ def run(ctx: WorkerContext) -> int:
         return _fail(ctx, host, reporter, str(e), delivered, loss)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
     host.end("Succeeded", message)
-    reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=loss)
+    reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=_rounded(loss))
     missing = host.wait_byes(BYE_TIMEOUT)
     if missing:
         log(ME, f"no goodbye within {BYE_TIMEOUT:.0f}s from {', '.join(missing)}")
@@ -91,7 +91,11 @@ def _plan(ctx: WorkerContext, admitted: dict):
 def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, message: str, delivered: int, loss) -> int:
     log(ME, f"the job failed: {message}")
     host.end("Failed", message)
-    reporter.completion("Failed", message, delivered, failed_verifications=host.store.add("verify_failures", 0), final_loss=loss)
+    reporter.completion("Failed", message, delivered, failed_verifications=host.store.add("verify_failures", 0), final_loss=_rounded(loss))
     host.wait_byes(5.0)
     linger(ctx, ME)
     return 1
+
+
+def _rounded(loss: float | None) -> float | None:
+    return None if loss is None else round(loss, 6)
