@@ -135,28 +135,14 @@ def _size(n: int) -> str:
 # ---------------------------------------------------------------- `weightsync plan job.yaml`
 
 
-def model_layout(job) -> FlatLayout:
-    """The flat layout of the job's model as the trainers publish it: the model is built on the
-    meta device (shapes only, no memory, no download) from spec.model.config, or from the
-    config.json in spec.model.path."""
-    import torch
-    import transformers
-
-    model_spec = job.spec["model"]
-    if "config" in model_spec:
-        cfg = dict(model_spec["config"])
-        config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    else:
-        config = transformers.AutoConfig.from_pretrained(model_spec["path"])
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return FlatLayout.from_named_tensors(model.named_parameters(), model_spec["dtype"])
-
-
 def job_plan(job, layout: FlatLayout | None = None) -> Plan:
     """The plan the controller computes for a job (contract.Job): every trainer and inference
-    process, buckets of spec.transfer.bucketMB."""
-    layout = layout or model_layout(job)
+    process, buckets of spec.transfer.bucketMB. `layout` defaults to the layout of the job's
+    model built on the meta device (weightsync.model.meta_layout)."""
+    if layout is None:
+        from weightsync.model import meta_layout
+
+        layout = meta_layout(job.spec["model"])
     return make_plan(layout, job.layout.world_size("trainer"), job.layout.world_size("inference"),
                      job.spec["transfer"]["bucketMB"] << 20)
 
@@ -164,7 +150,7 @@ def job_plan(job, layout: FlatLayout | None = None) -> Plan:
 def print_plan(job, layout: FlatLayout | None = None) -> Plan:
     """Entry point of `weightsync plan job.yaml`: print the job's plan as a table (per trainer
     rank: bytes, share, buckets, peers; then the balance) and return it. `job` is a
-    contract.Job; `layout` defaults to model_layout(job)."""
+    contract.Job; `layout` defaults to weightsync.model.meta_layout(job.spec["model"])."""
     plan = job_plan(job, layout)
     print(plan.table())
     return plan
