@@ -89,6 +89,7 @@ class LocalJob:
         base["PYTHONUNBUFFERED"] = "1"
         # the pods share this machine's cores
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
+        gpus = gpus_per_pod(self.job)
         pods = []
         for ordinal in range(layout.pods):
             role = layout.role_of(ordinal)
@@ -106,6 +107,7 @@ class LocalJob:
                 Env.SPEC_FILE: str(spec_file),
                 Env.TOKEN_FILE: str(token_file),
                 Env.NETWORK_MODE: "tcp",
+                "CUDA_VISIBLE_DEVICES": gpus[ordinal],  # what the device plugin gives the pod
             }
             if role == CONTROLLER:
                 env[Env.REPORT_TO_KUBERNETES] = "0"  # no cluster to report to: stdout only
@@ -223,6 +225,32 @@ class LocalJob:
             pod.proc.wait()
             if pod.proc.stdout:
                 pod.proc.stdout.close()
+
+
+def gpus_per_pod(job: Job) -> dict[int, str]:
+    """CUDA_VISIBLE_DEVICES for every pod: distinct GPUs of this machine for the pods that ask
+    for them (procsPerPod x gpusPerProc), none for the others."""
+    layout = job.layout
+    need = {o: 0 if layout.role_of(o) == CONTROLLER else
+            layout.procs_per_pod(layout.role_of(o)) * job.spec[layout.role_of(o)]["gpusPerProc"] for o in range(layout.pods)}
+    total = sum(need.values())
+    visible: list[str] = []
+    if total:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        given = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = [d for d in given.split(",") if d][:count] if given else [str(i) for i in range(count)]
+        if len(visible) < total:
+            asks = ", ".join(f"{role}: {layout.replicas(role)} pod(s) x {layout.procs_per_pod(role)} x "
+                             f"{job.spec[role]['gpusPerProc']}" for role in ("trainer", "inference"))
+            raise RunFailed(f"the job asks for {total} GPUs ({asks}) and this machine has {len(visible)}; "
+                            "set spec.trainer.gpusPerProc and spec.inference.gpusPerProc to 0 to run on CPU")
+    out, used = {}, 0
+    for ordinal, n in need.items():
+        out[ordinal] = ",".join(visible[used:used + n])
+        used += n
+    return out
 
 
 def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,

@@ -94,8 +94,8 @@ def device_for(ctx: WorkerContext, role: str, local_rank: int):
     need = spec["procsPerPod"] * spec["gpusPerProc"]
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < need:
-        raise RuntimeError(f"spec.{role} asks for {need} GPUs per pod (procsPerPod {spec['procsPerPod']} x gpusPerProc "
-                           f"{spec['gpusPerProc']}) but this process sees {have}; set spec.{role}.gpusPerProc: 0 to run on CPU")
+        raise Expected(f"spec.{role} asks for {need} GPUs per pod (procsPerPod {spec['procsPerPod']} x gpusPerProc "
+                       f"{spec['gpusPerProc']}) but this pod has {have}; set spec.{role}.gpusPerProc: 0 to run on CPU")
     index = local_rank * spec["gpusPerProc"]
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

@@ -1,0 +1,95 @@
+"""The `weightsync` command: plan, bench, and clear refusals of bad specs and pod environments."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from weightsync import contract
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tcp-job.yaml"
+
+
+def weightsync(*args, env=None, timeout=120):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
+                          env={**base, **(env or {})}, timeout=timeout)
+
+
+def example(**changes) -> dict:
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    for path, value in changes.items():
+        node = obj["spec"]
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return obj
+
+
+def test_plan_prints_the_table_with_its_balance():
+    out = weightsync("plan", str(EXAMPLE))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("version: ") and "2 trainer rank(s) -> 2 inference rank(s)" in lines[0]
+    assert [line.split()[0] for line in lines[2:4]] == ["0", "1"]
+    assert lines[-1] == "balance (largest trainer share / mean): 1.000"
+
+
+def test_bench_is_delegated():
+    out = weightsync("bench", "--help")
+    assert out.returncode == 0 and "weightsync bench" in out.stdout and "--json" in out.stdout
+
+
+def test_run_refuses_an_invalid_job_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(example(**{"trainer.replicas": 0, "transfer.verify": "maybe"})))
+    out = weightsync("run", str(bad))
+    assert out.returncode == 2
+    assert "spec.trainer.replicas" in out.stderr and "spec.transfer.verify" in out.stderr
+    assert "logs in" not in out.stderr  # nothing was started
+    missing = weightsync("run", str(tmp_path / "absent.yaml"))
+    assert missing.returncode == 2 and "absent.yaml: no such file" in missing.stderr
+
+
+def test_run_refuses_a_job_asking_for_more_gpus_than_the_machine_has(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs; the refusal is for machines with fewer than the job asks for")
+    job = tmp_path / "gpu.yaml"
+    job.write_text(yaml.safe_dump(example(**{"trainer.gpusPerProc": 1})))
+    out = weightsync("run", str(job))
+    assert out.returncode == 1
+    assert "the job asks for 2 GPUs" in out.stderr and "this machine has 0" in out.stderr
+
+
+def pod_env(tmp_path, ordinal="1"):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(EXAMPLE.read_text())
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    return {contract.Env.SPEC_FILE: str(spec), contract.Env.TOKEN_FILE: str(token), contract.Env.ORDINAL: ordinal,
+            contract.Env.CONTROLLER_HOST: "127.0.0.1"}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({contract.Env.SPEC_FILE: ""}, "environment variable WEIGHTSYNC_SPEC_FILE is not set"),
+    ({contract.Env.ORDINAL: "9"}, "ordinal 9 is outside this job (0..4)"),
+    ({contract.Env.ORDINAL: "one"}, "invalid literal for int()"),
+    ({contract.Env.TOKEN_FILE: "/nonexistent/token"}, "/nonexistent/token"),
+])
+def test_worker_refuses_a_bad_pod_environment(tmp_path, change, message):
+    out = weightsync("worker", env={**pod_env(tmp_path), **change})
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_worker_refuses_an_invalid_spec_file(tmp_path):
+    env = pod_env(tmp_path)
+    Path(env[contract.Env.SPEC_FILE]).write_text(yaml.safe_dump(example(**{"model.dtype": "int4"})))
+    out = weightsync("worker", env=env)
+    assert out.returncode == 2 and "spec.model.dtype" in out.stderr
