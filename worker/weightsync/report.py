@@ -88,7 +88,7 @@ def _custom_objects_api():
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config()
     elif os.environ.get("KUBECONFIG"):
-        config.load_kube_config()
+        config.load_kube_config(config_file=os.environ["KUBECONFIG"])
     else:
         raise RuntimeError("reporting to Kubernetes was asked for, but this process is neither in a pod "
                            "(KUBERNETES_SERVICE_HOST unset) nor given a KUBECONFIG")
