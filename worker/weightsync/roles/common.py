@@ -9,7 +9,7 @@ import sys
 import threading
 import traceback
 
-from ..contract import INFERENCE, WorkerContext
+from ..contract import INFERENCE, TRAINER, WorkerContext
 from ..rendezvous import JobEnded, Member, Restarted, who
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
@@ -101,7 +101,7 @@ def device_for(ctx: WorkerContext, role: str, local_rank: int):
     return torch.device("cuda", index)
 
 
-def transport_for(ctx: WorkerContext, store, role: str, rank: int, local_rank: int):
+def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, device):
     """This rank's end of the job's transport: (name, why, Sender or Receiver)."""
     from ..transport import make_transport, resolve_transport
 
@@ -112,10 +112,10 @@ def transport_for(ctx: WorkerContext, store, role: str, rank: int, local_rank: i
         import torch.distributed as dist
 
         layout = ctx.job.layout
-        options = {"store": dist.PrefixStore("transfer/", store), "trainers": layout.world_size("trainer"),
-                   "inferences": layout.world_size(INFERENCE)}
+        options = {"store": dist.PrefixStore("transfer/", member.client().store), "trainers": layout.world_size(TRAINER),
+                   "inferences": layout.world_size(INFERENCE), "device": device.index}
     elif name == "uccl":
-        options = {"gpu": local_rank}
+        options = {"gpu": device.index}
     transport = make_transport(name, token=ctx.token, timeout=float(spec["transfer"]["timeoutSeconds"]), **options)
     end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)
     return name, why, end

@@ -98,7 +98,7 @@ class Inference:
         layout = layout_of(model, dtype)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
-        name, why, receiver = transport_for(self.ctx, member.client().store, INFERENCE, self.rank, self.local_rank)
+        name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
         endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
         member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, _ = member.plan(JOIN_TIMEOUT)

@@ -37,7 +37,7 @@ class Trainer:
         model = build(spec["model"], dtype="float32", device=device, seed=training["seed"])
         model.train()
         layout = layout_of(model, spec["model"]["dtype"])
-        name, why, sender = transport_for(self.ctx, member.client().store, TRAINER, rank, self.local_rank)
+        name, why, sender = transport_for(self.ctx, member, TRAINER, rank, device)
         member.join(self.ctx.pod_ip, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, endpoints = member.plan(JOIN_TIMEOUT)
         sender.connect(endpoints)
