@@ -55,6 +55,14 @@ def test_run_refuses_an_invalid_job_before_starting_anything(tmp_path):
     assert missing.returncode == 2 and "absent.yaml: no such file" in missing.stderr
 
 
+def test_run_refuses_a_model_transformers_cannot_build(tmp_path):
+    bad = tmp_path / "bad-model.yaml"
+    config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 65, "n_head": 2}  # 65 does not split into 2 heads
+    bad.write_text(yaml.safe_dump(example(**{"model.config": config})))
+    out = weightsync("run", str(bad))
+    assert out.returncode == 2 and "spec.model" in out.stderr and "logs in" not in out.stderr
+
+
 def test_run_refuses_a_job_asking_for_more_gpus_than_the_machine_has(tmp_path):
     import torch
 

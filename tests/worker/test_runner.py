@@ -6,6 +6,7 @@ process is left behind."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import socket
@@ -243,11 +244,12 @@ def test_sigint_stops_every_process(tmp_path):
             pytest.fail(f"the run ended before delivering a version: {proc.wait()}")
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
-        rest = proc.stderr.read()
+        rest, out = proc.stderr.read(), proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
     assert code != 0 and "interrupted by SIGINT" in rest
+    assert json.loads(out)["versions"] >= 2  # what it delivered before it was stopped
     marker = f"{contract.Env.JOB}=interrupted".encode()
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _has_env(p, marker)]
     assert left == [], "processes outlived the interrupted run"

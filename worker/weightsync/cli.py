@@ -50,6 +50,8 @@ def _run(args) -> int:
         summary = run(args.job, logs=args.logs, timeout=args.timeout)
     except RunFailed as e:
         print(f"weightsync run: failed: {e}", file=sys.stderr)
+        if e.summary is not None:
+            print(json.dumps(e.summary), flush=True)
         return EXIT_FAILED
     print(json.dumps(summary), flush=True)
     return 0

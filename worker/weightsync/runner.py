@@ -26,6 +26,7 @@ from typing import IO, Mapping
 import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
+from .model import meta_layout
 
 LOOPBACK = "127.0.0.1"
 FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
@@ -37,7 +38,9 @@ POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "
 
 
 class RunFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary  # what the job got done before it failed
 
 
 @dataclasses.dataclass
@@ -49,6 +52,7 @@ class Pod:
     log: Path
     ranks: range
     proc: subprocess.Popen | None = None
+    reaped: bool = False
 
     def describe(self) -> str:
         if self.role == CONTROLLER:
@@ -65,6 +69,7 @@ class LocalJob:
         self.events: queue.Queue = queue.Queue()
         self.transfers: list[dict] = []
         self.completion: dict | None = None
+        self.reader: threading.Thread | None = None
         self.pods = self._pods()
 
     # ------------------------------------------------------------ what each pod gets
@@ -120,6 +125,10 @@ class LocalJob:
 
     # ------------------------------------------------------------ running
 
+    @property
+    def started(self) -> bool:
+        return any(p.proc is not None for p in self.pods)
+
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         for pod in self.pods:
@@ -129,10 +138,14 @@ class LocalJob:
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.role == CONTROLLER else log, stderr=log,
                 start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
             log.close()
-        controller = self.pods[0].proc
-        threading.Thread(target=self._read_controller, args=(controller.stdout,), daemon=True).start()
+        self.reader = threading.Thread(target=self._read_controller, args=(self.pods[0].proc.stdout,), daemon=True)
+        self.reader.start()
 
     def _read_controller(self, stream) -> None:
+        with stream:
+            self._read_lines(stream)
+
+    def _read_lines(self, stream) -> None:
         for raw in stream:
             line = raw.decode(errors="replace").strip()
             try:
@@ -211,7 +224,7 @@ class LocalJob:
 
     def stop(self) -> None:
         """Stop every process this run started (whole process groups), then reap them."""
-        started = [p for p in self.pods if p.proc is not None]
+        started = [p for p in self.pods if p.proc is not None and not p.reaped]
         for pod in started:
             _signal_group(pod.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE
@@ -223,8 +236,9 @@ class LocalJob:
         for pod in started:
             _signal_group(pod.proc.pid, signal.SIGKILL)  # whatever is left of the pod, ranks included
             pod.proc.wait()
-            if pod.proc.stdout:
-                pod.proc.stdout.close()
+            pod.reaped = True
+        if self.reader is not None:
+            self.reader.join(STOP_GRACE)  # the controller's stdout is at its end now
 
 
 def gpus_per_pod(job: Job) -> dict[int, str]:
@@ -255,31 +269,36 @@ def gpus_per_pod(job: Job) -> dict[int, str]:
 
 def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
         progress: IO[str] = sys.stderr, timeout: float | None = None) -> dict:
-    """Run a job to its end; returns the summary, raises RunFailed (or contract.SpecError)."""
+    """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
+    the job started) or contract.SpecError."""
     job = source if isinstance(source, Job) else load_job(source)
+    meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
     keep = logs is not None
     workdir = Path(logs) if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
-    local = LocalJob(job, workdir, extra_env, progress)
-    layout = job.layout
-    local.say(f"job {job.name}: 1 controller, {layout.trainers} trainer pod(s) x {layout.trainer_procs} and "
-              f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}; logs in {workdir / 'logs'}")
+    local = None
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    ok = False
     try:
+        local = LocalJob(job, workdir, extra_env, progress)
+        layout = job.layout
+        local.say(f"job {job.name}: 1 controller, {layout.trainers} trainer pod(s) x {layout.trainer_procs} and "
+                  f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}; "
+                  f"logs in {workdir / 'logs'}")
         local.start()
         summary = local.wait(timeout)
-        ok = True
-        return summary
-    except Interrupted as e:
-        raise RunFailed(f"interrupted by {e}; stopped every process") from None
+    except (RunFailed, Interrupted) as e:
+        message = f"interrupted by {e}; stopped every process" if isinstance(e, Interrupted) else str(e)
+        if local is not None:
+            local.stop()
+            local.say(f"logs kept in {workdir / 'logs'}")
+        raise RunFailed(message, local.summary() if local and local.started else None) from None
     finally:
-        local.stop()
+        if local is not None:
+            local.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if ok and not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif not ok:
-            local.say(f"logs kept in {workdir / 'logs'}")
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return summary
 
 
 class Interrupted(Exception):
@@ -287,6 +306,8 @@ class Interrupted(Exception):
 
 
 def _interrupt(signum, _frame):
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(s, signal.SIG_IGN)
     raise Interrupted(signal.Signals(signum).name)
 
 
