@@ -267,9 +267,10 @@ def test_a_namespaced_install_runs_jobs_in_its_namespace_only(cluster, helm, ope
             apply(cluster, watched, job)
             wait_for(f"{job['metadata']['name']} in {watched} has its pods", lambda: len(job_pods(cluster, watched, "scoped"))
                      == contract.Layout.from_spec(contract.load_job(job).spec).pods, 60, failed=operator.check)
-            status = get_job(cluster, watched, "scoped")["status"]
-            conditions = {c["type"]: c for c in status["conditions"]}
-            assert conditions["ChildrenCreated"]["status"] == "True", conditions
+            wait_for("scoped has ChildrenCreated", lambda: any(
+                c["type"] == "ChildrenCreated" and c["status"] == "True"
+                for c in get_job(cluster, watched, "scoped").get("status", {}).get("conditions", [])), 30,
+                failed=operator.check)
             # The job outside the watched namespace was handled by nobody.
             assert "status" not in get_job(cluster, other, "scoped")
             assert not job_pods(cluster, other, "scoped")
