@@ -115,3 +115,14 @@ def test_chart_and_package_versions_agree():
     crd = yaml.safe_load((ROOT / "crds/weightsync.io_weighttransferjobs.yaml").read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["properties"]["image"]["default"] == f"ghcr.io/weightsync/worker:{version}"
+
+
+def test_make_images_builds_both_dockerfiles_with_the_engine_it_is_given():
+    # `echo` stands in for docker or podman: the commands are what a user's engine would run.
+    proc = subprocess.run(["make", "--no-print-directory", "images", "CONTAINER_ENGINE=echo", "REGISTRY=r.example/ws"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    version = pyproject()["project"]["version"]
+    built = [line for line in proc.stdout.splitlines() if line.startswith("build ")]
+    assert built == [f"build -f Dockerfile.operator -t r.example/ws/operator:{version} .",
+                     f"build -f Dockerfile.worker -t r.example/ws/worker:{version} ."]
