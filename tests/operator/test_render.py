@@ -318,3 +318,12 @@ def test_stored_objects_match_when_every_rendered_field_is_there():
     assert not matches(desired, {**stored, "spec": {**stored["spec"], "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}})
     assert not matches({"spec": {"replicas": 0}}, {"spec": {}})
     assert not matches({"metadata": {"labels": {"a": "1"}}}, {"metadata": {}})
+
+
+def test_the_operator_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, weightsync_operator; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -27,9 +27,22 @@ JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLUR
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger, statefulsets_by_job: kopf.Index,
               pods_by_job: kopf.Index, **_):
     kube: Kube = memo.kube
-    namespace, name = body.metadata.namespace, body.metadata.name
-    write = functools.partial(report, kube, namespace, name, statefulsets_by_job, pods_by_job)
+    write = functools.partial(report, kube, body.metadata.namespace, body.metadata.name,
+                              statefulsets_by_job, pods_by_job)
+    try:
+        ensure_children(kube, body, write, logger)
+    except (kopf.TemporaryError, kopf.PermanentError):
+        raise
+    except Exception as e:
+        # Not a refusal the operator knows: still a condition and an Event for the user (once,
+        # not at every retry), and a retry later.
+        message = f"{type(e).__name__}: {e}"
+        write(set_conditions=[condition(CHILDREN_CREATED, False, "OperatorError", message)])
+        raise kopf.TemporaryError(message, delay=30) from e
 
+
+def ensure_children(kube: Kube, body: kopf.Body, write, logger):
+    namespace, name = body.metadata.namespace, body.metadata.name
     try:
         job = contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
                                  "metadata": {"name": name, "namespace": namespace},

@@ -15,9 +15,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=contract.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=contract.GROUP, key="last-handled-configuration")
-    # Events say what users must know (network chosen, a problem, a phase); the handlers post
-    # those themselves. kopf adds only its warnings and errors.
-    settings.posting.level = logging.WARNING
+    # Events say what users must know (network chosen, a problem, a phase): the handlers post
+    # them when a condition changes. kopf would post one more at every retry of a failing handler.
+    settings.posting.level = logging.CRITICAL
     # Handlers wait on the API server, not on the CPU: many jobs are handled at once.
     settings.execution.max_workers = 20
     memo.kube = Kube(load_client())
