@@ -56,7 +56,6 @@ DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
 KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
 
 SOCKET_BUFFER = 4 << 20
-HASH_CHUNK = 1 << 20  # receive this much, then hash it (still in cache) while the kernel queues the next
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
 
 
@@ -111,12 +110,16 @@ def send_all(sock: socket.socket, views: list[memoryview]) -> None:
                 sent = 0
 
 
+class PeerClosed(ConnectionError):
+    """The peer closed the connection."""
+
+
 def recv_into_all(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError(f"connection closed after {got} of {len(view)} bytes")
+            raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
         got += n
 
 
@@ -190,7 +193,7 @@ def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: in
         if before_verdict is not None:
             before_verdict(sock)
         verdict = recv_exact(sock, VERDICT.size)
-    except ConnectionError:
+    except (PeerClosed, ConnectionResetError):
         raise ConnectionError("the peer refused the handshake (wrong job token?)") from None
     magic, mac = VERDICT.unpack(verdict)
     if magic != b"WSOK" or not hmac.compare_digest(mac, _mac(token, b"accept", challenge, answer)):
@@ -325,11 +328,13 @@ class Landing:
             if len(bounce.get("buf", b"")) < length:
                 bounce["buf"] = bytearray(length)
             target = memoryview(bounce["buf"])[:length]
-        h = xxhash.xxh3_64()
-        for a in range(0, length, HASH_CHUNK):
-            chunk = target[a:a + HASH_CHUNK]
-            recv_into_all(sock, chunk)
-            h.update(chunk)
+        h, got = xxhash.xxh3_64(), 0
+        while got < length:  # take whatever the kernel has, hash it while it is still in cache
+            n = sock.recv_into(target[got:])
+            if n == 0:
+                raise PeerClosed(f"connection closed after {got} of {length} bytes of the range at {offset}")
+            h.update(target[got:got + n])
+            got += n
         if self.device is not None:
             import torch
 
