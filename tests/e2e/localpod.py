@@ -10,8 +10,8 @@ emptyDirs, and the projected ServiceAccount token (a TokenRequest bound to the p
 makes one) with the cluster's CA, so that in-cluster configuration works as in a real pod.
 
 The process runs in its own mount and UTS namespace (as a container does): /etc is an overlay of
-the host's, so mounts under /etc and the pod's /etc/hosts stay private, and /run (so also
-/var/run) is a fresh tmpfs. Where a real pod and this runner must differ, they differ here:
+the host's, so mounts under /etc and the pod's /etc/hosts stay private; /run (so also /var/run),
+/tmp and /dev/shm are fresh tmpfs mounts of its own. Where a real pod and this runner must differ, they differ here:
 - The pod's IP: KWOK hands out addresses that are not routable on this machine, so the pod gets
   a loopback address of its own (127.a.b.c) instead, for status.podIP and for what it binds;
   a command-line address 0.0.0.0 (all of the pod's interfaces) becomes that address.
@@ -26,6 +26,7 @@ the host's, so mounts under /etc and the pod's /etc/hosts stay private, and /run
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
 import re
@@ -116,12 +117,12 @@ class LocalPod:
             "PATH": f"{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             **dockerfiles.env(self.dockerfile),
             "HOSTNAME": self.name,
-            "HOME": str(self.dir / "home"),
+            # The image's home directory does not exist here; the pod's own /tmp stands in for it.
+            "HOME": "/tmp",
             "KUBERNETES_SERVICE_HOST": api.hostname,
             "KUBERNETES_SERVICE_PORT": str(api.port),
             "KUBERNETES_SERVICE_PORT_HTTPS": str(api.port),
         }
-        (self.dir / "home").mkdir(exist_ok=True)
         for source in self.container.get("envFrom") or []:
             kind = "configmaps" if "configMapRef" in source else "secrets"
             ref = source.get("configMapRef") or source["secretRef"]
@@ -180,7 +181,8 @@ class LocalPod:
         root = self.dir / "volumes" / volume["name"]
         root.mkdir(parents=True, exist_ok=True)
         if "emptyDir" in volume:
-            return root, "tmpfs" if (volume["emptyDir"] or {}).get("medium") == "Memory" else "bind"
+            # Empty at the start and gone with the pod: a fresh tmpfs, whatever its medium.
+            return root, "tmpfs"
         if "configMap" in volume:
             cm = volume["configMap"]
             self._items(root, self._get("configmaps", cm["name"]).get("data") or {}, cm.get("items"),
@@ -233,6 +235,9 @@ class LocalPod:
     # -- running it --------------------------------------------------------------------------------
     def start(self) -> subprocess.Popen:
         volumes = {v["name"]: v for v in self.pod["spec"].get("volumes") or []}
+        hosts = ["127.0.0.1 localhost", f"{self.ip} {self.name}"]
+        hosts += [f"{ip} {' '.join(names)}" for ip, names in self._host_lines().items()]
+        (self.dir / "hosts").write_text("\n".join(hosts) + "\n")
         lines = [
             "set -eu",
             f"mkdir -p {self.dir}/etc-upper {self.dir}/etc-work",
@@ -241,17 +246,14 @@ class LocalPod:
             "mount -t tmpfs -o mode=0755 tmpfs /run",
             f"hostname {shlex.quote(self.name)}",
         ]
-        hosts = ["127.0.0.1 localhost", f"{self.ip} {self.name}"]
-        hosts += [f"{ip} {' '.join(names)}" for ip, names in self._host_lines().items()]
-        (self.dir / "hosts").write_text("\n".join(hosts) + "\n")
-        early, late = [], []
+        mounted: dict[str, list[str]] = {}
         for mount in self.container.get("volumeMounts") or []:
-            target = mount["mountPath"]
+            target = mount["mountPath"].rstrip("/")
             # Under /etc and /run the mount point is made in the pod's private overlay or tmpfs;
             # elsewhere only an existing directory is mounted over, so the host gains nothing.
-            if not (target.startswith(PRIVATE_ROOTS) or os.path.isdir(target)):
+            if not (target.startswith(PRIVATE_ROOTS) or os.path.isdir(target)) or target.startswith("/tmp/"):
                 raise PodError(f"pod {self.name} mounts {target}: this runner mounts only under "
-                               f"{', '.join(PRIVATE_ROOTS)} or over an existing directory")
+                               f"{', '.join(PRIVATE_ROOTS)} or over an existing directory other than /tmp/*")
             if mount["name"] not in volumes:
                 raise PodError(f"pod {self.name} mounts volume {mount['name']}, which it does not define")
             source, how = self.volume(volumes[mount["name"]])
@@ -265,12 +267,15 @@ class LocalPod:
                 steps.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
                 if mount.get("readOnly"):
                     steps.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
-            # A mount over a directory that holds this runner's files (an emptyDir on /tmp) goes last.
-            (late if str(self.dir).startswith(target.rstrip("/") + "/") else early).extend(steps)
-        lines += early
-        lines.append(f"cd {shlex.quote(str(self.dir / 'home'))}")
-        lines += late
-        lines.append('exec "$@"')
+            mounted[target] = steps
+        # A container has its own /dev/shm (64 MiB unless the pod mounts one) and its own /tmp.
+        mounted.setdefault("/dev/shm", ["mount -t tmpfs -o size=64m tmpfs /dev/shm"])
+        own_tmp = mounted.pop("/tmp", ["mount -t tmpfs tmpfs /tmp"])
+        for steps in mounted.values():
+            lines += steps
+        # This runner's files live under the host's /tmp: the pod's /tmp covers it last.
+        lines += own_tmp
+        lines += ["cd /tmp", 'exec "$@"']
         script = self.dir / "start.sh"
         script.write_text("\n".join(lines) + "\n")
         argv = self.argv()
@@ -279,7 +284,7 @@ class LocalPod:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--uts", "--propagation", "private", "bash", str(script), *argv],
                 env=self.environment(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_die_with_parent)
         return self.proc
 
     def _host_lines(self) -> dict[str, list[str]]:
@@ -316,6 +321,12 @@ class LocalPod:
     def tail(self, lines: int = 30) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent():
+    # Runs in the child before exec: if the test process dies without stopping the pod (a killed
+    # test run), the kernel kills the pod's process too; its ranks follow their parent.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def service_hosts(job: str, namespace: str, pods: dict[str, str]) -> dict[str, str]:
