@@ -12,7 +12,7 @@ export WEIGHTSYNC_CACHE := $(CACHE)
 
 .PHONY: help
 help: ## List the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -100,3 +100,7 @@ run-operator: setup ## Run the operator against the local control plane (make cl
 .PHONY: bench-operator
 bench-operator: setup ## Operator benchmark: kubectl apply -> all children (1 job, median of 20; 50 at once) vs. kubectl alone; peak RSS
 	$(PY) tests/benchmarks/operator_bench.py
+
+.PHONY: e2e
+e2e: setup ## End to end on a fresh local control plane: helm install, the operator, the tcp example trained and transferred for real
+	$(PY) -m pytest -ra tests/e2e $(PYTEST_ARGS)
