@@ -63,6 +63,13 @@ def test_run_refuses_a_model_transformers_cannot_build(tmp_path):
     assert out.returncode == 2 and "spec.model" in out.stderr and "logs in" not in out.stderr
 
 
+def test_run_refuses_sequences_longer_than_the_model_takes(tmp_path):
+    bad = tmp_path / "long.yaml"
+    bad.write_text(yaml.safe_dump(example(**{"training.seqLen": 129})))
+    out = weightsync("run", str(bad))
+    assert out.returncode == 2 and "spec.training.seqLen: 129 is longer than the model's 128 positions" in out.stderr
+
+
 def test_run_refuses_a_job_asking_for_more_gpus_than_the_machine_has(tmp_path):
     import torch
 

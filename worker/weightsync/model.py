@@ -32,6 +32,15 @@ def config_of(model_spec: Mapping):
         raise SpecError([f"{where}: transformers cannot build a config from it: {e}"]) from None
 
 
+def check_fits(spec: Mapping) -> None:
+    """Refuse training sequences longer than the model has positions for."""
+    config = config_of(spec["model"])
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and spec["training"]["seqLen"] > positions:
+        raise SpecError([f"spec.training.seqLen: {spec['training']['seqLen']} is longer than the model's {positions} "
+                         "positions (max_position_embeddings / n_positions of spec.model)"])
+
+
 def build(model_spec: Mapping, *, dtype: str = "float32", device: str | torch.device = "cpu", seed: int = 0,
           load_weights: bool = True) -> torch.nn.Module:
     """The causal LM in `dtype` on `device`. From a config: weights drawn from torch's generator

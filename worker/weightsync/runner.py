@@ -26,7 +26,7 @@ from typing import IO, Mapping
 import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
-from .model import meta_layout
+from .model import check_fits, meta_layout
 
 LOOPBACK = "127.0.0.1"
 FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
@@ -273,6 +273,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     the job started) or contract.SpecError."""
     job = source if isinstance(source, Job) else load_job(source)
     meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
+    check_fits(job.spec)
     keep = logs is not None
     workdir = Path(logs) if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
     local = None

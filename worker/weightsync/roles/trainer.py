@@ -11,7 +11,7 @@ import torch
 from ..contract import TRAINER, WorkerContext
 from ..data import MarkovTokens, rank_generator
 from ..flat import torch_dtype
-from ..model import build, layout_of, logits, parameters, prompt, vocab_size
+from ..model import build, check_fits, layout_of, logits, parameters, prompt, vocab_size
 from ..rendezvous import Member, versions, who
 from ..transfer import VersionSender
 from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
@@ -34,6 +34,7 @@ class Trainer:
         device = device_for(self.ctx, TRAINER, self.local_rank)
         member.start_heartbeat()
 
+        check_fits(spec)
         model = build(spec["model"], dtype="float32", device=device, seed=training["seed"])
         model.train()
         layout = layout_of(model, spec["model"]["dtype"])
@@ -77,7 +78,8 @@ class Trainer:
         finally:
             member.stop_heartbeat()
             sender.close()
-            torch.distributed.destroy_process_group()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
         return end["state"]
 
     def _ddp(self, model, device, timeout: float):
