@@ -1,7 +1,11 @@
 """What the controller reports: one JSON line per delivered version and one at the job's end on
 stdout, always; and, in a cluster (Env.REPORT_TO_KUBERNETES is "1"), the same through the
 Kubernetes API as the job's status.transfer and status.completion (a merge patch of the status
-subresource, with the controller pod's ServiceAccount)."""
+subresource, with the controller pod's ServiceAccount).
+
+A transfer's bytes are the bytes delivered: the version's size times the number of inference
+ranks; seconds run from the controller's "go" to the last inference rank running on the new
+version; GB/s is one over the other (as `weightsync bench` counts them)."""
 
 from __future__ import annotations
 
