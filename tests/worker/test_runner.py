@@ -225,6 +225,30 @@ def test_killing_an_inference_process_mid_transfer_fails_the_job_naming_it(tmp_p
     assert_nothing_left(local)
 
 
+def test_in_a_cluster_every_process_stays_up_after_the_end_until_sigterm(tmp_path):
+    # In a pod an exiting process is restarted, so after the job's end every rank and the
+    # controller wait for the operator to scale them down.
+    job = make_job("lingering", steps=2, every=2)
+    local = LocalJob(job, tmp_path / "run", {"KUBERNETES_SERVICE_HOST": "127.0.0.1"}, progress=io.StringIO())
+    local.start()
+    try:
+        assert local.follow(timeout=240)["state"] == "Succeeded"
+        store = store_of(local)
+        for role, ranks in (("trainer", 1), ("inference", 1)):
+            for rank in range(ranks):
+                wait_key(store, f"bye/{role}/{rank}")  # past the end
+        still = time.monotonic() + 1.0
+        while time.monotonic() < still:
+            assert [p.proc.poll() for p in local.pods] == [None] * 3
+            time.sleep(0.05)
+        for pod in local.pods:
+            pod.proc.send_signal(signal.SIGTERM)
+        assert [pod.proc.wait(30) for pod in local.pods] == [0, 0, 0]
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+
+
 def test_sigint_stops_every_process(tmp_path):
     import subprocess
     import sys

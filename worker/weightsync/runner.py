@@ -178,8 +178,9 @@ class LocalJob:
         except queue.Empty:
             pass
 
-    def wait(self, timeout: float | None = None) -> dict:
-        """Follow the job to its end; return the summary or raise RunFailed."""
+    def follow(self, timeout: float | None = None) -> dict:
+        """Show progress until the controller reports the job's end (its completion record);
+        raise RunFailed as soon as a process dies before that."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.completion is None:
             self._drain(0.05)
@@ -189,6 +190,11 @@ class LocalJob:
                 raise RunFailed(self._failure(dead))
             if deadline is not None and time.monotonic() > deadline:
                 raise RunFailed(f"the job did not finish within {timeout:.0f}s")
+        return self.completion
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Follow the job to its end and every process to its exit; return the summary or raise RunFailed."""
+        self.follow(timeout)
         if self.completion["state"] != "Succeeded":
             raise RunFailed(self._failure([p for p in self.pods if (p.proc.poll() or 0) < 0]))
         exit_by = time.monotonic() + EXIT_TIMEOUT

@@ -56,9 +56,9 @@ def supervise(role: str, ranks: list[int]) -> int:
     for p in procs:
         p.start()
 
-    def stop(signum, _frame):
+    def stop(signum, _frame):  # the pod is being deleted: its ranks end (cleanly, once the job is over)
         _terminate(procs)
-        sys.exit(128 + signum)
+        sys.exit(0 if all(p.exitcode == 0 for p in procs) else 128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     running = list(procs)
