@@ -138,6 +138,8 @@ class Inference:
         timeout = float(transfer["timeoutSeconds"])
         try:
             for version, _ in versions(self.spec):
+                # trainers train between versions: look now and then until the first is ready, then closely
+                member.wait_for(f"ready/{version}/0", f"trainer rank 0 to be ready for version {version}")
                 member.wait_for(f"go/{version}", f"the controller's go for version {version}", poll_max=0.002)
                 got = receiver.receive(version, gens.staging, timeout)
                 if transfer["verify"] == "digest":
