@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 import yaml
-from kubernetes.utils import parse_quantity
 from conftest import example, install, new_namespace, pods, running
+from kubernetes.utils import parse_quantity
 from localpod import LocalPod, service_hosts, wait_for
 
 from weightsync import contract
@@ -44,6 +44,17 @@ def events(cluster, namespace: str, name: str) -> list[dict]:
     out = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
                           f"involvedObject.kind={contract.KIND},involvedObject.name={name}", "-o", "json").stdout
     return json.loads(out)["items"]
+
+
+def all_running(cluster, namespace: str, name: str, count: int) -> dict[str, dict] | None:
+    """The job's pods once all `count` of them are Running (KWOK marks scheduled pods so)."""
+    found = job_pods(cluster, namespace, name)
+    return found if len(found) == count and all(running(p) for p in found.values()) else None
+
+
+def phase_in(cluster, namespace: str, name: str, phases: tuple[str, ...]) -> dict | None:
+    job = get_job(cluster, namespace, name)
+    return job if job.get("status", {}).get("phase") in phases else None
 
 
 def printed_columns(cluster, namespace: str, name: str) -> dict[str, str]:
@@ -85,9 +96,8 @@ def test_tcp_example_trains_transfers_and_succeeds(cluster, namespace, chart, op
     with operator_from_chart(chart[1], chart[0]) as operator:
         apply(cluster, namespace, job)
         # Scheduled and Running under KWOK, every ordinal of the job.
-        scheduled = wait_for(f"{layout.pods} pods of {name} Running", lambda: (
-            lambda ps: ps if len(ps) == layout.pods and all(running(p) for p in ps.values()) else None)(
-            job_pods(cluster, namespace, name)), 90, failed=operator.check)
+        scheduled = wait_for(f"{layout.pods} pods of {name} Running",
+                             lambda: all_running(cluster, namespace, name, layout.pods), 90, failed=operator.check)
         by_ordinal = {int(p["metadata"]["labels"][contract.POD_INDEX_LABEL]): p for p in scheduled.values()}
         assert sorted(by_ordinal) == list(range(layout.pods))
         for ordinal, pod in by_ordinal.items():
@@ -106,20 +116,22 @@ def test_tcp_example_trains_transfers_and_succeeds(cluster, namespace, chart, op
             for pod in local.values():
                 pod.start()
 
+            stopped = set()
+
             def progress():
                 for pod in local.values():
-                    if pod.proc.poll() not in (None, 0):
+                    if pod.name not in stopped and pod.proc.poll() not in (None, 0):
                         raise AssertionError(f"pod {pod.name} exited with {pod.proc.returncode}:\n{pod.tail(60)}")
                 operator.check()
                 # The kubelet stops a container when its pod goes away (the operator scales down).
                 present = job_pods(cluster, namespace, name)
                 for pod_name, pod in local.items():
                     if pod.running() and (pod_name not in present or present[pod_name]["metadata"].get("deletionTimestamp")):
+                        stopped.add(pod_name)
                         pod.stop()
 
-            done = wait_for(f"{name} Succeeded", lambda: (
-                lambda j: j if j.get("status", {}).get("phase") in ("Succeeded", "Failed") else None)(
-                get_job(cluster, namespace, name)), 600, interval=1, failed=progress)
+            done = wait_for(f"{name} Succeeded", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
+                            600, interval=1, failed=progress)
             status = done["status"]
             assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
             wait_for(f"pods of {name} gone", lambda: not job_pods(cluster, namespace, name), 60, failed=progress)
@@ -128,7 +140,8 @@ def test_tcp_example_trains_transfers_and_succeeds(cluster, namespace, chart, op
             for n, p in local.items():
                 print(f"--- {n} (exit {codes[n]}):\n{p.tail(15)}")
 
-    # The controller's reports arrived through the API with the job's own ServiceAccount...
+    # The controller's reports arrived through the API with the job's own ServiceAccount (the
+    # only credentials its process had: its pod's projected token, no kubeconfig)...
     versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
     transfer, completion = status["transfer"], status["completion"]
     assert completion["state"] == "Succeeded" and completion["versions"] == versions
@@ -183,12 +196,10 @@ def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, namespace, 
 
     with operator_from_chart(chart[1], chart[0]) as operator:
         apply(cluster, namespace, job)
-        scheduled = wait_for(f"{layout.pods} pods of {name} Running", lambda: (
-            lambda ps: ps if len(ps) == layout.pods and all(running(p) for p in ps.values()) else None)(
-            job_pods(cluster, namespace, name)), 90, failed=operator.check)
-        status = wait_for(f"{name} Running", lambda: (
-            lambda s: s if s.get("phase") == "Running" else None)(get_job(cluster, namespace, name).get("status", {})),
-            60, failed=operator.check)
+        scheduled = wait_for(f"{layout.pods} pods of {name} Running",
+                             lambda: all_running(cluster, namespace, name, layout.pods), 90, failed=operator.check)
+        status = wait_for(f"{name} Running", lambda: phase_in(cluster, namespace, name, ("Running",)), 60,
+                          failed=operator.check)["status"]
 
     assert status["network"]["mode"] == "rdma"
     rdma = spec["network"]["rdma"]
