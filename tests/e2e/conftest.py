@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -107,8 +108,6 @@ class Operator:
 
     def wait_healthy(self, timeout: float = 60) -> None:
         """The Deployment's liveness probe, as the kubelet would send it, answers 200."""
-        import urllib.request
-
         probe = self.local.container["livenessProbe"]["httpGet"]
         port = probe["port"]
         if isinstance(port, str):

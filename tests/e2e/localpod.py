@@ -37,7 +37,6 @@ import sys
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import dockerfiles
