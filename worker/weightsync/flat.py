@@ -12,7 +12,7 @@ torch is imported lazily: the layout itself (and the plan built on it) needs no 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
