@@ -110,11 +110,10 @@ def test_chart_and_package_versions_agree():
     chart = yaml.safe_load((ROOT / "charts/weightsync/Chart.yaml").read_text())
     version = pyproject()["project"]["version"]
     assert chart["appVersion"] == version
-    # `make images` tags both images with the package version; the CRD's default worker image
-    # and the chart's operator image (its appVersion) are those tags.
-    crd = yaml.safe_load((ROOT / "crds/weightsync.io_weighttransferjobs.yaml").read_text())
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["properties"]["image"]["default"] == f"ghcr.io/weightsync/worker:{version}"
+    # `make images` tags both images with the package version; the operator's default worker
+    # image and the chart's operator image (its appVersion) are those tags.
+    from weightsync_operator.render import FALLBACK_WORKER_IMAGE
+    assert FALLBACK_WORKER_IMAGE == f"ghcr.io/weightsync/worker:{version}"
 
 
 def test_make_images_builds_both_dockerfiles_with_the_engine_it_is_given():

@@ -6,9 +6,11 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+import os
 
 import yaml
 
+import weightsync
 from weightsync import contract
 from weightsync.contract import CONTROLLER, ROLES, Env, Job
 
@@ -18,6 +20,13 @@ SPEC_HASH_ANNOTATION = f"{contract.GROUP}/spec-hash"
 CONTAINER = "worker"
 WORKER_COMMAND = ["weightsync", "worker"]
 MODES = ("rdma", "tcp")
+# The image of jobs that name none: the chart sets it (value workerImage) in the operator's pod.
+DEFAULT_WORKER_IMAGE_ENV = "WEIGHTSYNC_DEFAULT_WORKER_IMAGE"
+FALLBACK_WORKER_IMAGE = f"ghcr.io/weightsync/worker:{weightsync.__version__}"
+
+
+def worker_image(spec: dict) -> str:
+    return spec.get("image") or os.environ.get(DEFAULT_WORKER_IMAGE_ENV) or FALLBACK_WORKER_IMAGE
 
 
 def children(job: Job, mode: str, token: str, *, finished: bool = False) -> list[dict]:
@@ -157,7 +166,7 @@ def pod_template(job: Job, role: str, mode: str) -> dict:
 
     container = {
         "name": CONTAINER,
-        "image": spec["image"],
+        "image": worker_image(spec),
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": list(WORKER_COMMAND),
         "env": env(job, role, mode),
@@ -168,7 +177,9 @@ def pod_template(job: Job, role: str, mode: str) -> dict:
     if res:
         container["resources"] = res
     if rdma:
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+        # Registering RDMA buffers pins memory past the default locked-memory limit. IPC_LOCK lifts
+        # it only for root: Kubernetes gives a non-root user no ambient capabilities.
+        container["securityContext"] = {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
 
     pod: dict = {
         "containers": [container],

@@ -214,6 +214,7 @@ def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, namespace, 
         gpus = str(spec["trainer"]["procsPerPod"] * spec["trainer"]["gpusPerProc"])
         assert requests[RDMA] == str(rdma["resourceCount"]) and requests[GPU] == gpus
         assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        assert container["securityContext"]["runAsUser"] == 0  # IPC_LOCK lifts the memlock limit only for root
         assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm"}
         assert env["NCCL_IB_DISABLE"] == "0"
         assert env["NCCL_IB_HCA"] == env["UCCL_P2P_IB_HCA"] == ",".join(rdma["hcas"])

@@ -126,7 +126,7 @@ def test_every_pod_learns_its_ordinal_job_and_files():
         assert e[Env.NETWORK_MODE] == "tcp"
         assert (Env.REPORT_TO_KUBERNETES in e) == (role == CONTROLLER)
         c = container(j, role, "tcp")
-        assert c["command"] == ["weightsync", "worker"] and c["image"] == j.spec["image"]
+        assert c["command"] == ["weightsync", "worker"] and c["image"] == render.FALLBACK_WORKER_IMAGE
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert {contract.SPEC_MOUNT, contract.TOKEN_MOUNT} <= mounts
 
@@ -162,7 +162,7 @@ def test_rdma_pods():
         assert e["NCCL_IB_GID_INDEX"] == "5" and e["NCCL_IB_TC"] == "104" and e["NCCL_NET_GDR_LEVEL"] == "PHB"
         c = container(j, role, "rdma")
         assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "2" == c["resources"]["requests"]["rdma/rdma_shared_device_a"]
-        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert c["securityContext"] == {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         p = pod(j, role, "rdma")
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in p["spec"]["volumes"]
@@ -327,3 +327,14 @@ def test_the_operator_imports_no_torch():
     code = "import sys, weightsync_operator; print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_worker_image_is_the_jobs_own_else_the_operators_default(monkeypatch):
+    assert container(job({"image": "registry.local/worker:7"}), TRAINER, "tcp")["image"] == "registry.local/worker:7"
+    monkeypatch.setenv(render.DEFAULT_WORKER_IMAGE_ENV, "registry.local/worker:default")
+    assert container(job(), INFERENCE, "tcp")["image"] == "registry.local/worker:default"
+
+
+def test_tcp_pods_run_unprivileged():
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        assert "securityContext" not in container(job(), role, "tcp")
