@@ -96,9 +96,9 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _die_with_parent():
-    # Runs in the child before exec: if the process that started the cluster dies without
-    # stopping it (a killed test run), the kernel kills the component too.
+def die_with_parent():
+    """For Popen's preexec_fn: runs in the child before exec, so that if the process that started
+    it dies without stopping it (a killed test run), the kernel kills the child too."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -373,7 +373,7 @@ class ControlPlane:
         with log:
             proc = subprocess.Popen(
                 [str(self.binaries / name), *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.dir, start_new_session=True, preexec_fn=_die_with_parent if self._owns_lifetime else None,
+                cwd=self.dir, start_new_session=True, preexec_fn=die_with_parent if self._owns_lifetime else None,
             )
         self._procs[name] = proc
         (self.dir / f"{name}.pid").write_text(str(proc.pid))

@@ -26,7 +26,6 @@ the host's, so mounts under /etc and the pod's /etc/hosts stay private; /run (so
 from __future__ import annotations
 
 import base64
-import ctypes
 import json
 import os
 import re
@@ -40,6 +39,7 @@ import urllib.parse
 from pathlib import Path
 
 import dockerfiles
+from controlplane import die_with_parent
 
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Mount paths this runner can provide without touching the host's own filesystem.
@@ -283,7 +283,7 @@ class LocalPod:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--uts", "--propagation", "private", "bash", str(script), *argv],
                 env=self.environment(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=die_with_parent)
         return self.proc
 
     def _host_lines(self) -> dict[str, list[str]]:
@@ -320,12 +320,6 @@ class LocalPod:
     def tail(self, lines: int = 30) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
-
-
-def _die_with_parent():
-    # Runs in the child before exec: if the test process dies without stopping the pod (a killed
-    # test run), the kernel kills the pod's process too; its ranks follow their parent.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def service_hosts(job: str, namespace: str, pods: dict[str, str]) -> dict[str, str]:

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from controlplane import die_with_parent
 
 from weightsync import contract
 
@@ -58,7 +59,7 @@ class Operator:
                 [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
                  f"--liveness=http://127.0.0.1:{self.port}/healthz", "-m", "weightsync_operator"],
                 env={**os.environ, "KUBECONFIG": str(self.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         wait_for("operator liveness endpoint", self.healthy, timeout)
         return self
 
