@@ -30,8 +30,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests" / "cluster"), str(ROOT / "tests" / "operator")]
-from controlplane import ControlPlane, find_binaries  # noqa: E402
-from operator_harness import CRD, Operator, wait_for  # noqa: E402
+from controlplane import ControlPlane, find_binaries, wait_for  # noqa: E402
+from operator_harness import CRD, Operator  # noqa: E402
 
 from weightsync import contract  # noqa: E402
 from weightsync_operator import render  # noqa: E402

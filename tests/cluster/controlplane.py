@@ -96,6 +96,21 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def wait_for(what: str, check, timeout: float = 60, interval: float = 0.5, failed=None):
+    """Polls check() until it returns something true, which it returns; failed(), called between
+    polls, may raise early with a reason. Raises TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if failed is not None:
+            failed()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout:.0f}s (last: {value!r})")
+        time.sleep(interval)
+
+
 def die_with_parent():
     """For Popen's preexec_fn: runs in the child before exec, so that if the process that started
     it dies without stopping it (a killed test run), the kernel kills the child too."""
@@ -383,23 +398,25 @@ class ControlPlane:
 
     def wait(self, what: str, ready, timeout: float = 60) -> None:
         """Polls ready() until it returns true; fails early, with the log, if a component exits."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def check():
+            try:
+                return ready()
+            except (OSError, ValueError, KeyError, urllib.error.URLError):
+                return False
+
+        def components_alive():
             for name, proc in self._procs.items():
                 if proc.poll() is not None:
                     tail = self._log_tail(name)
                     error = PortTaken if "address already in use" in tail else ClusterError
                     raise error(f"{name} exited ({proc.returncode}) while waiting for {what}; "
                                 f"{self.dir / 'logs' / name}.log ends with:\n{tail}")
-            try:
-                if ready():
-                    return
-            except (OSError, ValueError, KeyError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                tails = "\n".join(f"--- {n}:\n{self._log_tail(n, 10)}" for n in self._procs)
-                raise ClusterError(f"{what} not ready after {timeout:.0f}s; logs in {self.dir / 'logs'}:\n{tails}")
-            time.sleep(0.2)
+
+        try:
+            wait_for(what, check, timeout, interval=0.2, failed=components_alive)
+        except TimeoutError:
+            tails = "\n".join(f"--- {n}:\n{self._log_tail(n, 10)}" for n in self._procs)
+            raise ClusterError(f"{what} not ready after {timeout:.0f}s; logs in {self.dir / 'logs'}:\n{tails}") from None
 
     def _exists(self, path: str) -> bool:
         try:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from localpod import LocalPod, mount_namespaces_work, wait_for
+from controlplane import wait_for
+from localpod import LocalPod, mount_namespaces_work
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightsync"

@@ -33,7 +33,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 from pathlib import Path
@@ -329,17 +328,3 @@ def service_hosts(job: str, namespace: str, pods: dict[str, str]) -> dict[str, s
         for suffix in ("", ".svc", ".svc.cluster.local"):
             out[f"{pod}.{job}.{namespace}{suffix}"] = ip
     return out
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.5, failed=None):
-    """Polls check() until it returns something truthy; failed() may raise early with a reason."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if failed is not None:
-            failed()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout:.0f}s")
-        time.sleep(interval)

@@ -13,8 +13,9 @@ import uuid
 import pytest
 import yaml
 from conftest import example, install, new_namespace, pods, running
+from controlplane import wait_for
 from kubernetes.utils import parse_quantity
-from localpod import LocalPod, service_hosts, wait_for
+from localpod import LocalPod, service_hosts
 
 from weightsync import contract
 

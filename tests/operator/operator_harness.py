@@ -6,38 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import yaml
-from controlplane import die_with_parent
+from controlplane import die_with_parent, free_ports, wait_for
 
 from weightsync import contract
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "weightsync.io_weighttransferjobs.yaml"
-
-
-def wait_for(what: str, check, timeout: float = 60, interval: float = 0.2):
-    """Polls check() until it returns something true, which it returns; fails after timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout:.0f}s (last: {value!r})")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Operator:
@@ -50,7 +30,7 @@ class Operator:
         self.starts = 0
 
     def start(self, timeout: float = 60) -> "Operator":
-        self.port = free_port()
+        (self.port,) = free_ports(1)
         self.starts += 1
         with open(self.log_path, "a") as log:
             log.write(f"===== operator start {self.starts}\n")

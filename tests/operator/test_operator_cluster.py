@@ -7,10 +7,9 @@ import json
 
 import pytest
 import yaml
+from controlplane import wait_for
 
 from weightsync import contract
-
-from operator_harness import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
