@@ -111,6 +111,8 @@ def main():
             sums.update({int(k): s for k, s in json.loads(store.get(f"sums/{v}/{t}")).items()})
         store.set(f"result/{v}/{args.rank}", json.dumps({"bit_exact": same, "digest": got.digest,
                                                            "trainers_digest": version_digest(sums)}))
+    # a trainer the plan leaves idle may still be connecting: stay until every trainer has
+    store.wait([f"connected/trainer/{t}" for t in range(args.trainers)])
     receiver.close()
 
 
