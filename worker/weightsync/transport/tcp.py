@@ -129,6 +129,16 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def hang_up(sock: socket.socket) -> None:
+    """Close a socket so that a thread blocked on it (recv, accept) wakes up at once: close()
+    alone leaves such a call, and a listening socket, running on Linux."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
@@ -149,11 +159,7 @@ class Connection:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=peer.replace(" ", "-"))
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        hang_up(self.sock)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -385,6 +391,9 @@ class TcpReceiver(Receiver):
             return
         sock.settimeout(self.timeout)
         with self.cond:
+            if self.closed:
+                sock.close()
+                return
             old = self.conns.pop(trainer, None)
             if old is not None:
                 log.warning("inference rank %d: trainer rank %d reconnected; dropping its old connection", self.rank, trainer)
@@ -430,11 +439,7 @@ class TcpReceiver(Receiver):
         with self.cond:
             sock = self.conns.pop(trainer, None)
         if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+            hang_up(sock)
 
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
         landing = Landing(buffer)
@@ -517,15 +522,15 @@ class TcpReceiver(Receiver):
         raise TransferError("transport", "WRITTEN frames need an RDMA transport")
 
     def close(self) -> None:
-        self.closed = True
         if self.listener is not None:
-            self.listener.close()
+            hang_up(self.listener)
         with self.cond:
+            self.closed = True
             socks = list(self.conns.values())
             self.conns.clear()
             self.cond.notify_all()
         for s in socks:
-            s.close()
+            hang_up(s)
 
 
 class TcpTransport(Transport):
