@@ -107,7 +107,9 @@ class UcclSender(TcpSender):
         self.t = transport
         self.memory = Registered(transport.endpoint)
         self.rdma: dict[int, int] = {}  # inference rank -> engine conn_id
-        self.adverts: dict[tuple[int, int], dict[int, tuple[int, bytes]]] = {}
+        # inference rank -> (version, {offset: (length, descriptor)}); each entry is read and
+        # written only by the thread of that rank's connection
+        self.adverts: dict[int, tuple[int, dict[int, tuple[int, bytes]]]] = {}
 
     def handshake(self, sock: socket.socket, peer: int) -> None:
         def rdma_connect(s: socket.socket) -> None:
@@ -124,17 +126,16 @@ class UcclSender(TcpSender):
         self.memory.add(buffers)
 
     def _advert(self, sock: socket.socket, peer: int, version: int, offset: int) -> tuple[int, bytes]:
-        key = (peer, version)
-        if key not in self.adverts:
+        seen = self.adverts.get(peer)
+        if seen is None or seen[0] != version:
             magic, kind, v, count, length, _ = HEADER.unpack(recv_exact(sock, HEADER.size))
             if magic != MAGIC or kind != ADVERT or v != version:
                 raise ConnectionError(f"expected the advertisement of version {version}, got kind {kind} version {v}")
             payload = recv_exact(sock, length)
             entries = [ADVERT_ENTRY.unpack_from(payload, i * ADVERT_ENTRY.size) for i in range(count)]
-            self.adverts = {k: a for k, a in self.adverts.items() if k[0] != peer}
-            self.adverts[key] = {o: (n, blob) for o, n, blob in entries}
+            self.adverts[peer] = (version, {o: (n, blob) for o, n, blob in entries})
         try:
-            return self.adverts[key][offset]
+            return self.adverts[peer][1][offset]
         except KeyError:
             raise ConnectionError(f"inference rank {peer} did not advertise byte {offset} of version {version}") from None
 
