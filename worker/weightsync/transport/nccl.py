@@ -102,8 +102,12 @@ class NcclSender(Sender):
     buffer_device = "cuda"
 
     def __init__(self, transport: NcclTransport, rank: int):
+        import torch
+
         self.t, self.rank = transport, rank
         self.group = transport._group(rank)
+        # the sending threads start on cuda:0 (the current device is per thread): name this rank's
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self.peers: list[int] = []
         self.pools: dict[int, ThreadPoolExecutor] = {}
         self.pending: dict[int, list[tuple[int, Future]]] = {}
@@ -125,7 +129,7 @@ class NcclSender(Sender):
 
         def run():
             deadline = time.monotonic() + self.t.timeout
-            head = torch.tensor(header, dtype=torch.int64, device="cuda")
+            head = torch.tensor(header, dtype=torch.int64, device=self.device)
             _wait(self.group.send([head], dst, 0), deadline, name, f"header of version {version}")
             if data is not None:
                 _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {header[2]} of version {version}")
