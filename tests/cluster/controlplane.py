@@ -111,6 +111,27 @@ def wait_for(what: str, check, timeout: float = 60, interval: float = 0.5, faile
         time.sleep(interval)
 
 
+def stop_group(proc: subprocess.Popen, grace: float = 10) -> int:
+    """Stops a child started with start_new_session: SIGTERM to its process group, SIGKILL after
+    `grace` seconds, and whatever else is left in the group goes with it. Returns its exit status."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return proc.wait(10)
+
+
 def die_with_parent():
     """For Popen's preexec_fn: runs in the child before exec, so that if the process that started
     it dies without stopping it (a killed test run), the kernel kills the child too."""

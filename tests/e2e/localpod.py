@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -38,7 +37,7 @@ import urllib.parse
 from pathlib import Path
 
 import dockerfiles
-from controlplane import die_with_parent
+from controlplane import die_with_parent, stop_group
 
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Mount paths this runner can provide without touching the host's own filesystem.
@@ -295,26 +294,9 @@ class LocalPod:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace: float = 10) -> int | None:
-        """SIGTERM, then SIGKILL after the grace period, to the pod's whole process group."""
-        if self.proc is None:
-            return None
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        # Whatever the container left behind in its group goes with it, as with a container.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return self.proc.wait(10)
+        """SIGTERM, then SIGKILL after the grace period, to the pod's whole process group: whatever
+        the container left behind goes with it, as with a container."""
+        return None if self.proc is None else stop_group(self.proc, grace)
 
     def tail(self, lines: int = 30) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""

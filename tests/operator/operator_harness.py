@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import yaml
-from controlplane import die_with_parent, free_ports, wait_for
+from controlplane import die_with_parent, free_ports, stop_group, wait_for
 
 from weightsync import contract
 
@@ -53,14 +52,8 @@ class Operator:
             return False
 
     def stop(self, timeout: float = 30) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_group(self.proc, timeout)
 
     def restart(self) -> "Operator":
         self.stop()
