@@ -8,8 +8,9 @@ which the receiver verifies before it reports the range delivered.
 from __future__ import annotations
 
 import abc
+import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable, Iterable
 
 
 class TransferError(RuntimeError):
@@ -87,3 +88,42 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def receiver(self, rank: int) -> Receiver: ...
+
+
+def each_peer(peers: Iterable[int], work: Callable[[int], Any],
+              on_error: Callable[[Exception], None] | None = None) -> dict[int, Any]:
+    """Run work(peer) for every peer at once, one thread each, and wait for all of them; returns
+    {peer: what work returned}. on_error(error) runs as soon as one fails (to unblock the
+    others); once all have ended, the first failure is raised."""
+    results: dict[int, Any] = {}
+    errors: list[Exception] = []
+    lock = threading.Lock()
+
+    def run(peer: int) -> None:
+        try:
+            results[peer] = work(peer)
+        except Exception as e:  # noqa: BLE001 - raised below, once every thread has ended
+            with lock:
+                errors.append(e)
+            if on_error is not None:
+                on_error(e)
+
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def wait_all(futures: Iterable[Future]) -> None:
+    """Wait for every future; raise the first failure among them."""
+    first = None
+    for future in futures:
+        e = future.exception()
+        if e is not None and first is None:
+            first = e
+    if first is not None:
+        raise first

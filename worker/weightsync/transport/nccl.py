@@ -18,12 +18,12 @@ import datetime
 import hashlib
 import hmac
 import struct
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from weightsync.transport.base import Receiver, Sender, TransferError, Transport, TransportUnavailable
+from weightsync.transport.base import (Receiver, Sender, TransferError, Transport, TransportUnavailable, each_peer,
+                                       wait_all)
 from weightsync.transport.tcp import DATA, END
 
 PREFIX = "weightsync-nccl"
@@ -154,12 +154,7 @@ class NcclSender(Sender):
         for peer in self.peers:
             frames, nbytes = self.counts.pop((version, peer), (0, 0))
             self._submit(peer, version, [END, version, frames, nbytes, 0], None)
-        first = None
-        for _, future in self.pending.pop(version, []):
-            if future.exception() is not None and first is None:
-                first = future.exception()
-        if first is not None:
-            raise first
+        wait_all(f for _, f in self.pending.pop(version, []))
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -196,53 +191,43 @@ class NcclReceiver(Receiver):
             raise ValueError("the nccl transport receives into a GPU tensor")
         flat = buffer.view(torch.uint8).reshape(-1)
         deadline = time.monotonic() + timeout
-        results: dict[int, int] = {}
-        errors: list[Exception] = []
-        lock = threading.Lock()
 
-        def run(trainer: int) -> None:
+        def run(trainer: int) -> dict[int, int]:
             peer = f"trainer rank {trainer}"
-            try:
-                self._prove(trainer, deadline)
-                left = set(expected[trainer])
-                frames = nbytes = 0
-                head = torch.empty(5, dtype=torch.int64, device=buffer.device)
-                while True:
-                    _wait(self.group.recv([head], trainer, 0), deadline, peer, f"header of version {version}")
-                    kind, v, offset, length, digest = (int(x) for x in head.cpu())
-                    if v != version:
-                        raise TransferError(peer, f"sent version {v} while version {version} was expected")
-                    if kind == END:
-                        if left or (offset, length) != (frames, nbytes):
-                            raise TransferError(peer, f"ended version {version} with {len(left)} ranges missing")
-                        return
-                    if kind != DATA or (offset, length) not in left:
-                        raise TransferError(peer, f"sent bytes [{offset}, {offset + length}) the plan does not give it")
-                    left.discard((offset, length))
-                    target = flat[offset:offset + length]
-                    _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}")
-                    torch.cuda.current_stream(buffer.device).synchronize()
-                    got = bucket_checksum(target)
-                    if got != _unsigned(digest):
-                        raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version {version}")
-                    with lock:
-                        results[offset] = got
-                    frames += 1
-                    nbytes += length
-            except Exception as e:  # noqa: BLE001 - raised below
-                with lock:
-                    errors.append(e)
+            self._prove(trainer, deadline)
+            left = set(expected[trainer])
+            sums: dict[int, int] = {}
+            frames = nbytes = 0
+            head = torch.empty(5, dtype=torch.int64, device=buffer.device)
+            while True:
+                _wait(self.group.recv([head], trainer, 0), deadline, peer, f"header of version {version}")
+                kind, v, offset, length, digest = (int(x) for x in head.cpu())
+                if v != version:
+                    raise TransferError(peer, f"sent version {v} while version {version} was expected")
+                if kind == END:
+                    if left or (offset, length) != (frames, nbytes):
+                        raise TransferError(peer, f"ended version {version} with {len(left)} ranges missing")
+                    return sums
+                if kind != DATA or (offset, length) not in left:
+                    raise TransferError(peer, f"sent bytes [{offset}, {offset + length}) the plan does not give it")
+                left.discard((offset, length))
+                target = flat[offset:offset + length]
+                _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}")
+                torch.cuda.current_stream(buffer.device).synchronize()
+                got = bucket_checksum(target)
+                if got != _unsigned(digest):
+                    raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version {version}")
+                sums[offset] = got
+                frames += 1
+                nbytes += length
 
-        threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in expected]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
+        try:
+            results = each_peer(expected, run)
+        except Exception:
             if hasattr(self.group, "abort"):
                 self.group.abort()
-            raise errors[0]
-        return results
+            raise
+        return {offset: digest for sums in results.values() for offset, digest in sums.items()}
 
     def close(self) -> None:
         pass

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from weightsync.transport.base import Receiver, Sender, TransferError, Transport
+from weightsync.transport.base import Receiver, Sender, TransferError, Transport, each_peer, wait_all
 
 log = logging.getLogger("weightsync.transport")
 
@@ -296,13 +296,7 @@ class TcpSender(Sender):
 
     def wait(self, version: int) -> None:
         """Wait for every queued send of `version`; raise the first failure."""
-        first = None
-        for _, future in self.pending.pop(version, []):
-            e = future.exception()
-            if e is not None and first is None:
-                first = e
-        if first is not None:
-            raise first
+        wait_all(f for _, f in self.pending.pop(version, []))
 
     def close(self) -> None:
         for conn in self.conns.values():
@@ -421,13 +415,13 @@ class TcpReceiver(Receiver):
     def after_handshake(self, sock: socket.socket, trainer: int) -> None:
         """Hook for transports that set up more per connection (RDMA) before the verdict."""
 
-    def wait_connection(self, trainer: int, deadline: float, abandon: list) -> socket.socket:
+    def wait_connection(self, trainer: int, deadline: float, abandon: threading.Event) -> socket.socket:
         """The trainer's connection, once it has proven itself; gives up at `deadline` or as soon
-        as `abandon` (another peer's failure) is non-empty."""
+        as `abandon` (another peer's failure) is set."""
         with self.cond:
             while trainer not in self.conns:
                 left = deadline - time.monotonic()
-                if abandon:
+                if abandon.is_set():
                     raise TransferError(f"trainer rank {trainer}", "not connected when the version was abandoned")
                 if left <= 0 or self.closed:
                     refused = f" (refused meanwhile: {'; '.join(self.refused[-3:])})" if self.refused else ""
@@ -449,33 +443,20 @@ class TcpReceiver(Receiver):
                     raise ValueError(f"trainer rank {trainer}'s range [{offset}, {offset + length}) is outside the "
                                      f"{landing.size}-byte buffer")
         deadline = time.monotonic() + timeout
-        results: dict[int, dict[int, int]] = {}
-        errors: list[tuple[float, Exception]] = []
+        abandon = threading.Event()
 
-        def run(trainer: int) -> None:
-            try:
-                results[trainer] = self.receive_from(trainer, version, landing, expected[trainer], deadline, errors)
-            except Exception as e:  # noqa: BLE001 - handed to the caller below
-                with self.cond:
-                    errors.append((time.monotonic(), e))
-                    self.cond.notify_all()
-                for other in expected:  # unblock the others: this version is lost
-                    self.drop(other)
+        def lost(_: Exception) -> None:  # unblock the others: this version is lost
+            with self.cond:
+                abandon.set()
+                self.cond.notify_all()
+            for other in expected:
+                self.drop(other)
 
-        threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in expected]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise min(errors, key=lambda e: e[0])[1]
-        out: dict[int, int] = {}
-        for r in results.values():
-            out.update(r)
-        return out
+        results = each_peer(expected, lambda t: self.receive_from(t, version, landing, expected[t], deadline, abandon), lost)
+        return {offset: digest for sums in results.values() for offset, digest in sums.items()}
 
     def receive_from(self, trainer: int, version: int, landing: Landing, ranges: list[tuple[int, int]],
-                     deadline: float, abandon: list) -> dict[int, int]:
+                     deadline: float, abandon: threading.Event) -> dict[int, int]:
         peer = f"trainer rank {trainer}"
         sock = self.wait_connection(trainer, deadline, abandon)
         left = {(o, n) for o, n in ranges}
