@@ -418,6 +418,7 @@ class TcpReceiver(Receiver):
     def wait_connection(self, trainer: int, deadline: float, abandon: threading.Event) -> socket.socket:
         """The trainer's connection, once it has proven itself; gives up at `deadline` or as soon
         as `abandon` (another peer's failure) is set."""
+        start = time.monotonic()
         with self.cond:
             while trainer not in self.conns:
                 left = deadline - time.monotonic()
@@ -425,7 +426,7 @@ class TcpReceiver(Receiver):
                     raise TransferError(f"trainer rank {trainer}", "not connected when the version was abandoned")
                 if left <= 0 or self.closed:
                     refused = f" (refused meanwhile: {'; '.join(self.refused[-3:])})" if self.refused else ""
-                    raise TransferError(f"trainer rank {trainer}", f"did not connect within {self.timeout:g}s{refused}")
+                    raise TransferError(f"trainer rank {trainer}", f"did not connect within {time.monotonic() - start:.0f}s{refused}")
                 self.cond.wait(left)
             return self.conns[trainer]
 
