@@ -17,10 +17,9 @@ def _ours(labels, **_) -> bool:
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
-def statefulsets_by_job(namespace, name, labels, spec, status, **_):
-    return {(namespace, labels[LABEL_JOB]): {"role": labels[LABEL_ROLE], "name": name,
-                                             "desired": spec.get("replicas", 1),
-                                             "ready": status.get("readyReplicas", 0)}}
+def statefulsets_by_job(namespace, labels, status, **_):
+    """Each StatefulSet's ready pods: the desired counts come from the job's own layout."""
+    return {(namespace, labels[LABEL_JOB]): {"role": labels[LABEL_ROLE], "ready": status.get("readyReplicas", 0)}}
 
 
 @kopf.index("", "v1", "pods", labels=OWNED, when=_ours)
