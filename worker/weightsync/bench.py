@@ -17,6 +17,7 @@ GB/s counts the bytes delivered to all inference ranks.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -80,14 +81,12 @@ def worker(role: str, rank: int, case: dict, store_port: int) -> None:
     except BaseException as e:
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=__import__("datetime").timedelta(seconds=30))
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=30))
         store.set(f"error/{role}/{rank}", f"{type(e).__name__}: {e}")
         raise
 
 
 def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -95,6 +94,7 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
     from weightsync.plan import make_plan
     from weightsync.transfer import VersionReceiver, VersionSender, version_digest
     from weightsync.transport import make_transport
+    from weightsync.transport.tcp import recv_into_all
 
     M, N, dtype, versions = case["trainers"], case["inferences"], case["dtype"], case["versions"]
     timeout = datetime.timedelta(seconds=case["timeout"])
@@ -145,9 +145,7 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
 
         def pull(t: int) -> None:
             for offset, length in ranges[t]:
-                view, got = target[offset:offset + length], 0
-                while got < length:
-                    got += raw[t].recv_into(view[got:])
+                recv_into_all(raw[t], target[offset:offset + length])
     torch_dtype = getattr(torch, dtype)
 
     received = {}
