@@ -128,9 +128,8 @@ class LocalPod:
                 out[source.get("prefix", "") + key] = base64.b64decode(value).decode() if kind == "secrets" else value
         for var in self.container.get("env") or []:
             if "value" in var:
-                # $(NAME) refers to a variable defined before it, as the kubelet expands it.
-                out[var["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                                          lambda m: out.get(m.group(1), m.group(0)), var["value"])
+                # $(NAME) refers to a variable defined before it.
+                out[var["name"]] = _expand(var["value"], out)
                 continue
             source = var.get("valueFrom") or {}
             if "fieldRef" in source:
@@ -213,8 +212,9 @@ class LocalPod:
             raise PodError(f"volume {volume['name']} of pod {self.name} ({kinds}) is not supported by this runner")
         return root, "bind"
 
-    def argv(self) -> list[str]:
-        """command/args over the image's ENTRYPOINT/CMD, with Kubernetes' rules and $(VAR) expansion."""
+    def argv(self, env: dict[str, str]) -> list[str]:
+        """command/args over the image's ENTRYPOINT/CMD, with Kubernetes' rules and $(VAR) expansion
+        from the container's environment `env`."""
         command = self.container.get("command")
         args = self.container.get("args")
         if command:
@@ -224,8 +224,7 @@ class LocalPod:
                 args if args is not None else dockerfiles.exec_form(self.dockerfile, "CMD"))
         if not argv:
             raise PodError(f"pod {self.name} has no command and {self.dockerfile} no ENTRYPOINT")
-        env = self.environment()
-        expanded = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in argv]
+        expanded = [_expand(a, env) for a in argv]
         # 0.0.0.0 is every interface of the pod's own network; here the pod has one address.
         return [a.replace("0.0.0.0", self.ip) for a in expanded]
 
@@ -275,12 +274,13 @@ class LocalPod:
         lines += ["cd /tmp", 'exec "$@"']
         script = self.dir / "start.sh"
         script.write_text("\n".join(lines) + "\n")
-        argv = self.argv()
+        env = self.environment()
+        argv = self.argv(env)
         (self.dir / "command.json").write_text(json.dumps(argv))
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 ["unshare", "--mount", "--uts", "--propagation", "private", "bash", str(script), *argv],
-                env=self.environment(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent)
         return self.proc
 
@@ -301,6 +301,12 @@ class LocalPod:
     def tail(self, lines: int = 30) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """$(NAME) replaced by NAME's value, as the kubelet expands env values, command and args;
+    an unknown name stays as written."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
 
 
 def service_hosts(job: str, namespace: str, pods: dict[str, str]) -> dict[str, str]:
