@@ -309,10 +309,16 @@ def _expand(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
 
 
-def service_hosts(job: str, namespace: str, pods: dict[str, str]) -> dict[str, str]:
-    """The names cluster DNS gives the pods of a headless Service named after the job."""
+def service_hosts(pods: dict[str, dict], ips: dict[str, str]) -> dict[str, str]:
+    """The names cluster DNS gives pods behind a headless Service (`<hostname>.<subdomain>.
+    <namespace>.svc[.cluster.local]`, as a StatefulSet sets hostname and subdomain), by pod name
+    in `pods`, mapped to each pod's local address in `ips`."""
     out = {}
-    for pod, ip in pods.items():
+    for name, pod in pods.items():
+        spec = pod["spec"]
+        if not (spec.get("hostname") and spec.get("subdomain")):
+            raise PodError(f"pod {name} sets no hostname and subdomain: no Service gives it a DNS name")
+        base = f"{spec['hostname']}.{spec['subdomain']}.{pod['metadata']['namespace']}"
         for suffix in ("", ".svc", ".svc.cluster.local"):
-            out[f"{pod}.{job}.{namespace}{suffix}"] = ip
+            out[base + suffix] = ips[name]
     return out

@@ -110,7 +110,7 @@ def test_tcp_example_trains_transfers_and_succeeds(cluster, namespace, chart, op
 
         # Each pod's container, run locally with exactly what the API server holds for it.
         ips = {p["metadata"]["name"]: loopback.take() for p in scheduled.values()}
-        hosts = service_hosts(name, namespace, ips)
+        hosts = service_hosts(scheduled, ips)
         local = {n: LocalPod(cluster, p, ips[n], hosts, tmp_path / "pods", "Dockerfile.worker")
                  for n, p in scheduled.items()}
         try:
