@@ -169,11 +169,14 @@ def node_manifest(name: str, gpus: int = 0, rdma: int = 0, labels: dict | None =
 
 class ControlPlane:
     """One local cluster living in `dir`. `up()` starts it, `down()` stops every process it
-    started (also from another process: the pid files are in `dir`)."""
+    started (also from another process: the pid files are in `dir`). With `detached`, the
+    components outlive the process that started them (the command line's `up`); otherwise they
+    die with it."""
 
-    def __init__(self, dir: str | os.PathLike, binaries: dict[str, Path] | None = None):
+    def __init__(self, dir: str | os.PathLike, binaries: dict[str, Path] | None = None, detached: bool = False):
         self.dir = Path(dir).resolve()
         self._sources = binaries
+        self.detached = detached
         self.binaries = self.dir / "bin"  # links to every binary, helm included
         self.kubeconfig = self.dir / "kubeconfig"
         self.ca_file = self.dir / "pki" / "ca.crt"
@@ -409,13 +412,10 @@ class ControlPlane:
         with log:
             proc = subprocess.Popen(
                 [str(self.binaries / name), *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.dir, start_new_session=True, preexec_fn=die_with_parent if self._owns_lifetime else None,
+                cwd=self.dir, start_new_session=True, preexec_fn=None if self.detached else die_with_parent,
             )
         self._procs[name] = proc
         (self.dir / f"{name}.pid").write_text(str(proc.pid))
-
-    # The CLI leaves the cluster running after it exits; a test session owns it.
-    _owns_lifetime = True
 
     def wait(self, what: str, ready, timeout: float = 60) -> None:
         """Polls ready() until it returns true; fails early, with the log, if a component exits."""
@@ -542,9 +542,8 @@ def main(argv=None) -> int:
     parser.add_argument("action", choices=("up", "down", "status"))
     parser.add_argument("--dir", default=".cluster", help="state, logs and kubeconfig (default: .cluster)")
     args = parser.parse_args(argv)
-    cp = ControlPlane(args.dir)
+    cp = ControlPlane(args.dir, detached=True)
     if args.action == "up":
-        cp._owns_lifetime = False  # keeps running in the background after this command returns
         cp.up()
         t = cp.timings
         print(f"control plane ready in {t['total']:.1f}s (etcd {t['etcd']:.1f}s, kube-apiserver "
