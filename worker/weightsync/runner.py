@@ -11,6 +11,7 @@ GB/s from those two, and the trainers' mean loss over the last steps."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -31,6 +32,7 @@ import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
 from .model import check_fits, meta_layout
+from .roles import die_with_parent, exit_status
 
 LOOPBACK = "127.0.0.1"
 FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
@@ -136,12 +138,12 @@ class LocalJob:
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         for pod in self.pods:
-            log = open(pod.log, "wb")
-            pod.proc = subprocess.Popen(
-                [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=self.workdir,
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.role == CONTROLLER else log, stderr=log,
-                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
-            log.close()
+            with open(pod.log, "wb") as log:  # the process keeps its own copy
+                pod.proc = subprocess.Popen(
+                    [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=self.workdir,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.role == CONTROLLER else log, stderr=log,
+                    # nothing outlives the run, even if this process is killed
+                    start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.reader = threading.Thread(target=self._read_controller, args=(self.pods[0].proc.stdout,), daemon=True)
         self.reader.start()
 
@@ -204,13 +206,13 @@ class LocalJob:
             except subprocess.TimeoutExpired:
                 raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended") from None
             if code != 0:
-                raise RunFailed(f"{pod.describe()} exited with {_status(code)} after the job ended\n{_tail(pod.log)}")
+                raise RunFailed(f"{pod.describe()} exited with {exit_status(code)} after the job ended\n{_tail(pod.log)}")
         self._drain()
         return self.summary()
 
     def _failure(self, dead: list[Pod]) -> str:
         """The processes that died, then what the controller says (it names the failed rank)."""
-        parts = [f"{p.describe()} exited with {_status(p.proc.returncode)}" for p in dead]
+        parts = [f"{p.describe()} exited with {exit_status(p.proc.returncode)}" for p in dead]
         if self.completion and self.completion["state"] == "Failed":
             parts.append(f"the controller reports: {self.completion['message']}")
         tails = "\n".join(_tail(p.log) for p in dead if p.role != CONTROLLER or not self.completion)
@@ -329,21 +331,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _die_with_parent(parent: int):
-    """preexec_fn for a pod process: SIGKILL it if this runner dies (Linux), so nothing outlives the run."""
-    if sys.platform != "linux":
-        return None
-
-    def arm():
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return arm
-
-
 def free_ports(runs: list[int]) -> list[int]:
     """For each n in `runs`, the first of n consecutive free loopback ports (all distinct)."""
     held: list[socket.socket] = []
@@ -376,10 +363,6 @@ def _bind(port: int, held: list) -> socket.socket:
         raise
     held.append(s)
     return s
-
-
-def _status(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
 def _tail(path: Path) -> str:

@@ -68,7 +68,7 @@ def supervise(role: str, ranks: list[int]) -> int:
             p.join()
             running.remove(p)
             if p.exitcode != 0:
-                print(f"weightsync worker: {p.name} exited with {_status(p.exitcode)}; stopping the pod's other ranks",
+                print(f"weightsync worker: {p.name} exited with {exit_status(p.exitcode)}; stopping the pod's other ranks",
                       file=sys.stderr, flush=True)
                 _terminate(running)
                 return 1
@@ -86,12 +86,14 @@ def _terminate(procs) -> None:
             p.join()
 
 
-def _status(code: int) -> str:
+def exit_status(code: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
 def die_with_parent(parent: int) -> None:
-    """Linux: this process gets SIGKILL when its parent dies, so no rank outlives its pod."""
+    """Linux: this process gets SIGKILL when its parent dies, so no rank outlives its pod process
+    (and no local pod its `weightsync run`)."""
     if sys.platform != "linux":
         return
     import ctypes
