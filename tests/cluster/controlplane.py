@@ -530,6 +530,15 @@ def _get(url: str, context: ssl.SSLContext | None = None) -> str:
         return resp.read().decode()
 
 
+def probe(url: str) -> bool:
+    """An HTTP probe as the kubelet sends it: whether a GET of `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"

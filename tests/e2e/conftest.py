@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from controlplane import wait_for
+from controlplane import probe, wait_for
 from localpod import LocalPod, mount_namespaces_work
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,20 +108,12 @@ class Operator:
 
     def wait_healthy(self, timeout: float = 60) -> None:
         """The Deployment's liveness probe, as the kubelet would send it, answers 200."""
-        probe = self.local.container["livenessProbe"]["httpGet"]
-        port = probe["port"]
+        liveness = self.local.container["livenessProbe"]["httpGet"]
+        port = liveness["port"]
         if isinstance(port, str):
             (port,) = [p["containerPort"] for p in self.local.container["ports"] if p["name"] == port]
-        url = f"http://{self.local.ip}:{port}{probe['path']}"
-
-        def healthy():
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    return resp.status == 200
-            except OSError:
-                return False
-
-        wait_for(f"operator liveness {url}", healthy, timeout, failed=self.check)
+        url = f"http://{self.local.ip}:{port}{liveness['path']}"
+        wait_for(f"operator liveness {url}", lambda: probe(url), timeout, failed=self.check)
 
     def check(self) -> None:
         if not self.local.running():

@@ -7,11 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import yaml
-from controlplane import die_with_parent, free_ports, stop_group, wait_for
+from controlplane import die_with_parent, free_ports, probe, stop_group, wait_for
 
 from weightsync import contract
 
@@ -45,11 +44,7 @@ class Operator:
     def healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
             raise AssertionError(f"the operator exited ({self.proc and self.proc.returncode}):\n{self.log()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return probe(f"http://127.0.0.1:{self.port}/healthz")
 
     def stop(self, timeout: float = 30) -> None:
         if self.proc is not None:
