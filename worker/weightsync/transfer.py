@@ -71,7 +71,7 @@ class VersionSender:
     chunks leaves the other cores to the connections, which run at the same time)."""
 
     def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
-                 depth: int = 2, peers: list[int] | None = None, cast_threads: int = 1):
+                 depth: int = 2, cast_threads: int = 1):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
@@ -79,7 +79,7 @@ class VersionSender:
         self.bucket_bytes = bucket_bytes or plan.bucket_bytes
         if self.buckets and max(b.length for b in self.buckets) > self.bucket_bytes:
             raise ValueError(f"bucket_bytes {self.bucket_bytes} is smaller than the plan's buckets ({plan.bucket_bytes})")
-        self.peers = list(range(plan.inferences) if peers is None else peers)
+        self.peers = list(range(plan.inferences))
         self.cast_threads = cast_threads
         self.buffers: list | None = None
 
