@@ -70,9 +70,9 @@ class Receiver(abc.ABC):
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
         """Block until every trainer rank in `expected` has delivered exactly its (offset, length)
         ranges of `version` into `buffer` and ended the version. Returns {offset: checksum}.
-        Raises TransferError naming the trainer rank on a timeout (`timeout` seconds of silence
-        or of waiting for its connection), a closed connection, a bad checksum, or a range it
-        was not expected to send."""
+        Raises TransferError naming the trainer rank when it has not connected within `timeout`
+        seconds, goes silent for longer than the transport's timeout, closes its connection,
+        sends a bad checksum, or sends a range it was not expected to send."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
