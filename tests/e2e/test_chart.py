@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import yaml
-from conftest import CHART, ROOT, install, new_namespace
+from e2e_harness import CHART, ROOT, install, new_namespace
 
 pytestmark = pytest.mark.cluster
 

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import yaml
-from conftest import example, install, new_namespace, pods, running
+from e2e_harness import example, install, new_namespace, pods, running
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 from localpod import LocalPod, service_hosts
