@@ -12,6 +12,8 @@ import pytest
 import yaml
 from e2e_harness import CHART, ROOT, install, new_namespace
 
+from weightsync_operator.render import DEFAULT_WORKER_IMAGE_ENV, FALLBACK_WORKER_IMAGE
+
 pytestmark = pytest.mark.cluster
 
 CLUSTER_SCOPED = ("clusterroles", "clusterrolebindings")
@@ -56,6 +58,9 @@ def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster, namespac
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
         expected = [f"--namespace={n}" for n in watched] or ["--all-namespaces"]
         assert container["args"] == expected
+        # The default worker image reaches the operator under the name it reads.
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[DEFAULT_WORKER_IMAGE_ENV] == FALLBACK_WORKER_IMAGE
     finally:
         for ns in [release_ns, *watched]:
             cluster.kubectl("delete", "namespace", ns, "--wait=false")
