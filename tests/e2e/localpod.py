@@ -49,6 +49,16 @@ class PodError(RuntimeError):
     """A pod this runner cannot run as the kubelet would; the message says what is missing."""
 
 
+def image_code_under_tmp() -> list[str]:
+    """Where the installed worker and operator code lives (the image's files here), where the pod's
+    own /tmp would hide it: an editable install from a checkout under /tmp."""
+    import weightsync
+    import weightsync_operator
+
+    roots = {str(Path(m.__file__).resolve().parents[2]) for m in (weightsync, weightsync_operator)}
+    return sorted(r for r in roots if r.startswith("/tmp/"))
+
+
 def mount_namespaces_work() -> str | None:
     """None when this machine lets us make private mount namespaces, else why not."""
     proc = subprocess.run(["unshare", "--mount", "--uts", "--propagation", "private", "true"],
@@ -269,8 +279,14 @@ class LocalPod:
         own_tmp = mounted.pop("/tmp", ["mount -t tmpfs tmpfs /tmp"])
         for steps in mounted.values():
             lines += steps
-        # This runner's files live under the host's /tmp: the pod's /tmp covers it last.
+        # This runner's files live under the host's /tmp: the pod's /tmp covers it last. Code of
+        # the "image" that lives there too is set aside in the pod's /run and put back on top.
+        hidden = image_code_under_tmp()
+        for i, root in enumerate(hidden):
+            lines += [f"mkdir -p /run/image-code-{i}", f"mount --bind {shlex.quote(root)} /run/image-code-{i}"]
         lines += own_tmp
+        for i, root in enumerate(hidden):
+            lines += [f"mkdir -p {shlex.quote(root)}", f"mount --bind /run/image-code-{i} {shlex.quote(root)}"]
         lines += ["cd /tmp", 'exec "$@"']
         script = self.dir / "start.sh"
         script.write_text("\n".join(lines) + "\n")
