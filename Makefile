@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 
 .PHONY: setup
 setup: $(STAMP) ## Create the virtual environment (torch, kopf, test tools) and install weightsync into it
-	@# The editable install points at this clone, wherever it is.
-	@$(PY) -m pip install -q --no-deps -e . >/dev/null
+	@# The editable install must point at this clone, wherever it is (the environment is shared).
+	@$(PY) -c 'import sys, weightsync; sys.exit(not weightsync.__file__.startswith("$(CURDIR)/"))' 2>/dev/null \
+	  || $(PY) -m pip install -q --no-deps -e . >/dev/null
 
 .PHONY: demo
 demo: setup ## Train and transfer the example job as local processes, one per pod (CPU, ~2 minutes)
