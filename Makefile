@@ -58,7 +58,8 @@ images: ## Build the operator and worker images with docker or podman (REGISTRY=
 define deploy
 	$(KUBECTL) apply --server-side --force-conflicts -f charts/weightsync/crds/
 	$(HELM) upgrade --install $(RELEASE) charts/weightsync --namespace $(NAMESPACE) --create-namespace --wait \
-	  --set image.repository=$(REGISTRY)/operator --set image.tag=$(VERSION) $(HELM_ARGS)
+	  --set image.repository=$(REGISTRY)/operator --set image.tag=$(VERSION) \
+	  --set workerImage=$(REGISTRY)/worker:$(VERSION) $(HELM_ARGS)
 	$(KUBECTL) apply -f $(1)
 	@echo "watch it: $(KUBECTL) get wtj -w"
 endef
