@@ -31,8 +31,14 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-test: setup ## Run every test; builds the local control plane's binaries once (cached in $(CACHE))
+test: setup binaries ## Run every test (unit, local control plane, end to end)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+# Built here rather than inside the first cluster test, which has a time limit: a first build
+# takes a quarter of an hour on two cores.
+.PHONY: binaries
+binaries: ## Build the local control plane's binaries once: etcd, Kubernetes 1.34, KWOK, helm (cached in $(CACHE)/bin)
+	@test -n "$(KUBEBUILDER_ASSETS)" || bash tests/cluster/build-binaries.sh >/dev/null
 
 .PHONY: bench
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets
