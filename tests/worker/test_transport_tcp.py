@@ -11,6 +11,7 @@ import pytest
 import xxhash
 
 from weightsync.transport import TransferError, make_transport
+from weightsync.transport.base import Filling
 from weightsync.transport import tcp
 
 TOKEN = b"0123456789abcdef-job-token"
@@ -96,7 +97,8 @@ def test_wrong_token_is_refused_logged_and_nothing_is_used(caplog):
     head = struct.pack("<4sII", b"WSHA", 0, 0)
     bogus = head + tcp._mac(b"guessed-token-guessed-token", challenge, head)
     payload = b"\xff" * 64
-    raw.sendall(bogus + tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 0, 64, xxhash.xxh3_64_intdigest(payload)) + payload)
+    raw.sendall(bogus + tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 0, 64, 0) + payload
+                + tcp.TRAILER.pack(xxhash.xxh3_64_intdigest(payload)))
     try:  # closed without a verdict (a reset, since what it sent was never read)
         assert raw.recv(64) == b""
     except ConnectionResetError:
@@ -134,7 +136,7 @@ def test_bad_checksum_names_the_trainer():
     sock = authenticated_raw_client(endpoint, trainer_rank=3)
     buf = bytearray(64)
     t, out = receive_in_thread(receiver, 5, buf, {3: [(0, 64)]}, 5)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 5, 0, 64, 12345) + b"\x07" * 64)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 5, 0, 64, 0) + b"\x07" * 64 + tcp.TRAILER.pack(12345))
     t.join(5)
     assert isinstance(out.get("error"), TransferError) and out["error"].peer == "trainer rank 3"
     assert "checksum mismatch for bytes [0, 64) of version 5" in str(out["error"])
@@ -146,7 +148,7 @@ def test_a_range_outside_the_plan_is_refused_before_its_bytes_are_read():
     sock = authenticated_raw_client(endpoint)
     buf = bytearray(128)
     t, out = receive_in_thread(receiver, 1, buf, {0: [(0, 64)]}, 5)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 64, 64, 0) + b"\x09" * 64)
+    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 64, 64, 0) + b"\x09" * 64 + tcp.TRAILER.pack(0))
     t.join(5)
     assert "bytes [64, 128) of version 1, which the plan does not give it" in str(out["error"])
     assert buf == bytes(128)
@@ -204,3 +206,45 @@ def test_sender_names_the_inference_rank_it_cannot_reach():
 def test_short_tokens_are_refused():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         make_transport("tcp", token=b"short").sender(0)
+
+
+def test_a_buffer_is_streamed_as_its_producer_fills_it():
+    receiver, endpoint = pair()
+    sender = make_transport("tcp", token=TOKEN, timeout=10).sender(0)
+    sender.connect({0: endpoint})
+    size = 3 * tcp.CHUNK + 123
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    source, buf = bytearray(size), bytearray(size)
+    t, out = receive_in_thread(receiver, 1, buf, {0: [(0, size)]}, 10)
+    filling = Filling(size)
+    future = sender.send(0, 1, 0, memoryview(source), filling)
+    for a in range(0, size, tcp.CHUNK):  # fill chunk by chunk; the sender may only send what is ready
+        b = min(a + tcp.CHUNK, size)
+        source[a:b] = payload[a:b]
+        filling.advance(b)
+    filling.finish(xxhash.xxh3_64_intdigest(payload))
+    assert future.result(10) == xxhash.xxh3_64_intdigest(payload)
+    sender.end_version(1)
+    t.join(10)
+    assert "error" not in out, out.get("error")
+    assert bytes(buf) == payload and out["sums"] == {0: xxhash.xxh3_64_intdigest(payload)}
+    sender.close(), receiver.close()
+
+
+def test_an_abandoned_buffer_cuts_the_connection_and_the_receiver_names_the_trainer():
+    receiver, endpoint = pair(timeout=60)
+    sender = make_transport("tcp", token=TOKEN, timeout=60).sender(2)
+    sender.connect({0: endpoint})
+    size = 4 * tcp.CHUNK
+    t, out = receive_in_thread(receiver, 1, bytearray(size), {2: [(0, size)]}, 60)
+    filling = Filling(size)
+    future = sender.send(0, 1, 0, memoryview(bytearray(size)), filling)
+    filling.advance(tcp.CHUNK)
+    start = time.monotonic()
+    filling.fail(ValueError("the cast failed"))
+    with pytest.raises(RuntimeError, match="the send buffer was abandoned: the cast failed"):
+        future.result(10)
+    t.join(10)
+    assert time.monotonic() - start < 5
+    assert out["error"].peer == "trainer rank 2" and "connection lost during version 1" in str(out["error"])
+    sender.close(), receiver.close()

@@ -1,11 +1,12 @@
 """Moving one weight version: the pipelined sender and the verifying receiver.
 
 The trainer role and `weightsync bench` both use exactly this code. A trainer rank sends the
-buckets the plan gives it to every inference rank: bucket k+1 is cast into a send buffer while
-bucket k is on the wire (depth buffers of one bucket each, allocated once and registered with
-the transport once); when no cast is needed the bytes go straight from the parameters. An
-inference rank receives every trainer's ranges straight into its staging buffer, each bucket
-checked against its xxh3_64 checksum, and gets back the version's digest.
+buckets the plan gives it to every inference rank: each bucket is cast into a send buffer chunk
+by chunk and streamed to the peers right behind the cast, while earlier buckets are still on the
+wire (depth buffers of one bucket each, allocated once and registered with the transport once);
+when no cast is needed the bytes go straight from the parameters. An inference rank receives
+every trainer's ranges straight into its staging buffer, each bucket checked against its xxh3_64
+checksum, and gets back the version's digest.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import xxhash
 
 from weightsync import flat
 from weightsync.plan import Plan
-from weightsync.transport.base import Receiver, Sender, TransferError
-from weightsync.transport.tcp import as_views, checksum_of
-
-CAST_CHUNK = 1 << 20  # bytes cast (and hashed) at a time: stays in cache between the two
+from weightsync.transport.base import Filling, Receiver, Sender, TransferError
+from weightsync.transport.tcp import CHUNK, as_views, checksum_of
 
 
 def version_digest(checksums: dict[int, int]) -> str:
@@ -102,25 +101,28 @@ class VersionSender:
             self.sender.register(self.buffers)
         return self.buffers
 
-    def _fill(self, layout, params, bucket, data) -> int | None:
-        """Cast the bucket into `data`; for host buffers, in cache-sized chunks, each hashed while
-        it is still in cache. Returns the bucket's checksum, or None when it is computed later."""
+    def _fill(self, layout, params, bucket, data, filling: Filling) -> None:
+        """Cast the bucket into `data` and give `filling` its checksum; host buffers in
+        cache-sized chunks, each hashed while it is still in cache and handed to the
+        transport at once."""
         import torch
 
         if data.device.type == "cuda":
             flat.fill_range(layout, params, bucket.offset, bucket.end, data)
             torch.cuda.current_stream(data.device).synchronize()
-            return None
+            filling.finish(bucket_checksum(data))
+            return
         threads = torch.get_num_threads()
         torch.set_num_threads(self.cast_threads)
         try:
             h = xxhash.xxh3_64()
             view = memoryview(data.numpy())
-            for a in range(0, bucket.length, CAST_CHUNK):
-                b = min(a + CAST_CHUNK, bucket.length)
+            for a in range(0, bucket.length, CHUNK):
+                b = min(a + CHUNK, bucket.length)
                 flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b])
                 h.update(view[a:b])
-            return h.intdigest()
+                filling.advance(b)
+            filling.finish(h.intdigest())
         finally:
             torch.set_num_threads(threads)
 
@@ -131,22 +133,34 @@ class VersionSender:
         if not self.buckets:
             return SentVersion(version, 0, 0.0, {})
         in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
-        inflight: deque = deque()
-        sums: dict[int, int] = {}
+        inflight: deque = deque()  # futures of the buckets whose buffers may still be on the wire
+        sent: list[tuple] = []
         for k, b in enumerate(self.buckets):
-            digest = None
             if in_place:
-                data = flat.range_views(layout, params, b.offset, b.end)
+                data, filling = flat.range_views(layout, params, b.offset, b.end), None
             else:
                 buffers = self._buffers(params)
                 if len(inflight) == len(buffers):
                     for f in inflight.popleft():  # the buffer about to be refilled must be off the wire
                         f.result()
-                data = buffers[k % len(buffers)][:b.length]
-                digest = self._fill(layout, params, b, data)
-            sums[b.offset] = bucket_checksum(data) if digest is None else digest
-            inflight.append([self.sender.send(p, version, b.offset, data, sums[b.offset]) for p in self.peers])
+                data, filling = buffers[k % len(buffers)][:b.length], Filling(b.length)
+            futures = [self.sender.send(p, version, b.offset, data, filling) for p in self.peers]
+            inflight.append(futures)
+            sent.append((b, futures))
+            if filling is not None:
+                try:
+                    self._fill(layout, params, b, data, filling)
+                except BaseException as e:
+                    filling.fail(e)
+                    raise
         self.sender.end_version(version)
+        sums = {}
+        for b, futures in sent:
+            got = {f.result() for f in futures}
+            if len(got) != 1:  # only in-place bytes can differ: something wrote to them mid-send
+                raise TransferError(f"trainer rank {self.rank}", f"bytes [{b.offset}, {b.end}) of version {version} "
+                                    "changed while they were being sent; keep the parameters still until send() returns")
+            sums[b.offset] = got.pop()
         total = sum(b.length for b in self.buckets)
         return SentVersion(version, total, time.monotonic() - start, sums)
 

@@ -2,7 +2,8 @@
 
 A Sender lives on a trainer rank and a Receiver on an inference rank. Connections are opened
 once and kept across versions. Every byte range travels with the xxh3_64 checksum of its bytes,
-which the receiver verifies before it reports the range delivered.
+which the receiver verifies before it reports the range delivered. A range may be handed to the
+sender before its bytes exist (a Filling): the sender streams them as the producer fills them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,49 @@ class TransportUnavailable(RuntimeError):
     """This transport cannot run here; the message says why (never a silent fallback)."""
 
 
+class Filling:
+    """A send buffer that a producer (the cast) fills front to back while the transport is already
+    sending it: advance(n) says the first n bytes are ready, finish(checksum) that all are, with
+    their xxh3_64; fail(error) abandons the buffer, and every wait on it raises that error."""
+
+    def __init__(self, length: int):
+        self.length, self.ready, self.checksum = length, 0, None
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def advance(self, ready: int) -> None:
+        with self.cond:
+            self.ready = ready
+            self.cond.notify_all()
+
+    def finish(self, checksum: int) -> None:
+        with self.cond:
+            self.ready, self.checksum = self.length, checksum
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.checksum is None:
+                self.error = error
+                self.cond.notify_all()
+
+    def wait(self, n: int) -> int:
+        """Block until at least n bytes are ready; returns how many are."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.ready >= n or self.error is not None)
+            if self.error is not None:
+                raise RuntimeError(f"the send buffer was abandoned: {self.error}") from self.error
+            return self.ready
+
+    def result(self) -> int:
+        """Block until the buffer is whole; returns its checksum."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.checksum is not None or self.error is not None)
+            if self.error is not None:
+                raise RuntimeError(f"the send buffer was abandoned: {self.error}") from self.error
+            return self.checksum
+
+
 class Sender(abc.ABC):
     """One per trainer rank."""
 
@@ -39,11 +83,13 @@ class Sender(abc.ABC):
         """Register the send buffers once (memory registration for RDMA; a no-op for sockets)."""
 
     @abc.abstractmethod
-    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+    def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         """Queue the bytes `data` (a buffer, a uint8 tensor or a list of memoryviews) for version
         byte offset `offset` on inference rank `peer`. Sends to one peer go out in order; sends to
-        different peers run concurrently. `checksum` is xxh3_64 of the bytes (computed when None).
-        The future completes when the bytes have left `data` (it may then be reused)."""
+        different peers run concurrently. Without `filling` the bytes are ready now and the
+        sender computes their checksum; with it they become ready as the producer fills them, and
+        the producer gives the checksum. The future's result is the checksum the peer was sent;
+        it completes when the bytes have left `data` (which may then be reused)."""
 
     @abc.abstractmethod
     def end_version(self, version: int) -> None:

@@ -20,9 +20,9 @@ import hmac
 import struct
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
-from weightsync.transport.base import (Receiver, Sender, TransferError, Transport, TransportUnavailable, each_peer,
+from weightsync.transport.base import (Filling, Receiver, Sender, TransferError, Transport, TransportUnavailable, each_peer,
                                        wait_all)
 from weightsync.transport.tcp import DATA, END
 
@@ -121,39 +121,47 @@ class NcclSender(Sender):
             if peer not in self.peers:
                 self.peers.append(peer)
 
-    def _submit(self, peer: int, version: int, header: list[int], data) -> Future:
+    def _submit(self, peer: int, version: int, header: Callable[[], list[int]], data) -> Future:
+        """Send header() (called on the peer's thread, where it may wait for the bytes) and then
+        `data`; the future gives the header's checksum."""
         import torch
 
         dst = self.t.trainers + peer
         name = f"inference rank {peer}"
 
-        def run():
+        def run() -> int:
+            fields = header()
             deadline = time.monotonic() + self.t.timeout
-            head = torch.tensor(header, dtype=torch.int64, device=self.device)
+            head = torch.tensor(fields, dtype=torch.int64, device=self.device)
             _wait(self.group.send([head], dst, 0), deadline, name, f"header of version {version}")
             if data is not None:
-                _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {header[2]} of version {version}")
+                _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}")
+            return _unsigned(fields[4])
 
         future = self.pools[peer].submit(run)
         self.pending.setdefault(version, []).append((peer, future))
         return future
 
-    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+    def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         from weightsync.transfer import bucket_checksum
 
         if not hasattr(data, "data_ptr") or data.device.type != "cuda":
             raise ValueError("the nccl transport sends GPU tensors (uint8)")
         length = data.numel() * data.element_size()
-        digest = bucket_checksum(data) if checksum is None else checksum
         count = self.counts.setdefault((version, peer), [0, 0])
         count[0] += 1
         count[1] += length
-        return self._submit(peer, version, [DATA, version, offset, length, _signed(digest)], data)
+
+        def header() -> list[int]:
+            digest = filling.result() if filling is not None else bucket_checksum(data)
+            return [DATA, version, offset, length, _signed(digest)]
+
+        return self._submit(peer, version, header, data)
 
     def end_version(self, version: int) -> None:
         for peer in self.peers:
             frames, nbytes = self.counts.pop((version, peer), (0, 0))
-            self._submit(peer, version, [END, version, frames, nbytes, 0], None)
+            self._submit(peer, version, lambda f=frames, n=nbytes: [END, version, f, n, 0], None)
         wait_all(f for _, f in self.pending.pop(version, []))
 
     def close(self) -> None:

@@ -1,10 +1,12 @@
 """TCP transport: sockets between every trainer rank and every inference rank.
 
 Bytes leave straight from the sender's buffers (sendmsg of memoryviews, no joining) and land
-straight in place in the receiver's staging buffer (recv_into). One connection per (trainer,
+straight in place in the receiver's staging buffer (recv_into). Both sides move a range in
+cache-sized chunks and hash each chunk while it is still in cache; the sender streams a buffer
+that is still being filled (a Filling) right behind its producer. One connection per (trainer,
 inference) pair, opened once and kept across versions; a rank runs its connections in parallel
-threads (socket calls release the GIL). Every socket call has a timeout, so a dead or silent peer
-becomes a TransferError naming its rank, never a hang.
+threads (socket calls and xxh3 release the GIL). Every socket call has a timeout, so a dead or
+silent peer becomes a TransferError naming its rank, never a hang.
 
 Wire format (little-endian; this is the one place it is defined)
 ----------------------------------------------------------------
@@ -19,7 +21,8 @@ Handshake, as soon as the sender (trainer) connects to the receiver (inference):
 Then frames, each a 40-byte header
   b"WSYN" | u8 kind | 3 zero bytes | u64 version | u64 offset | u64 length | u64 checksum
   DATA     (1) sender -> receiver: `length` payload bytes follow, to land at version byte
-               `offset`; checksum = xxh3_64 of the payload.
+               `offset`, then a u64 trailer: xxh3_64 of the payload (after it, so that the
+               sender can stream bytes as they are produced); the header's checksum is 0.
   END      (2) sender -> receiver: the sender is done with `version`; offset = the number of
                DATA/WRITTEN frames it sent for it, length = their total bytes, checksum = 0.
   WRITTEN  (3) sender -> receiver, RDMA transports: the range [offset, offset+length) was
@@ -43,7 +46,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from weightsync.transport.base import Receiver, Sender, TransferError, Transport, each_peer, wait_all
+from weightsync.transport.base import Filling, Receiver, Sender, TransferError, Transport, each_peer, wait_all
 
 log = logging.getLogger("weightsync.transport")
 
@@ -51,11 +54,15 @@ CHALLENGE = struct.Struct("<4sI32s")
 ANSWER = struct.Struct("<4sII32s")
 VERDICT = struct.Struct("<4s32s")
 HEADER = struct.Struct("<4sB3xQQQQ")
+TRAILER = struct.Struct("<Q")
 MAGIC = b"WSYN"
 DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
 KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
 
-SOCKET_BUFFER = 4 << 20
+# 0 leaves the socket buffers to the kernel's autotuning: a fixed size turns it off, which was
+# slower on loopback and caps the window on long links
+SOCKET_BUFFER = 0
+CHUNK = 1 << 20  # bytes sent or received, then hashed, at a time: they are still in cache
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
 
 
@@ -108,6 +115,26 @@ def send_all(sock: socket.socket, views: list[memoryview]) -> None:
             else:
                 views[i] = views[i][sent:]
                 sent = 0
+
+
+class ByteCursor:
+    """Walks a list of byte views front to back, handing out the next bytes as views (no copies)."""
+
+    def __init__(self, views: list[memoryview]):
+        self.views = [v for v in views if len(v)]
+        self.i = self.pos = 0
+
+    def take(self, n: int) -> list[memoryview]:
+        out = []
+        while n and self.i < len(self.views):
+            v = self.views[self.i]
+            k = min(n, len(v) - self.pos)
+            out.append(v[self.pos:self.pos + k])
+            self.pos += k
+            n -= k
+            if self.pos == len(v):
+                self.i, self.pos = self.i + 1, 0
+        return out
 
 
 class PeerClosed(ConnectionError):
@@ -256,14 +283,14 @@ class TcpSender(Sender):
         except KeyError:
             raise TransferError(f"inference rank {peer}", "not connected") from None
 
-    def submit(self, peer: int, version: int, work: Callable[[Connection], None]) -> Future:
-        """Run `work` on the peer's connection thread, in order with its other work; failures
-        become TransferError naming the peer."""
+    def submit(self, peer: int, version: int, work: Callable[[Connection], Any]) -> Future:
+        """Run `work` on the peer's connection thread, in order with its other work; the future
+        gives what it returns. Failures become TransferError naming the peer."""
         conn = self._conn(peer)
 
         def run():
             try:
-                work(conn)
+                return work(conn)
             except socket.timeout:
                 raise TransferError(conn.peer, f"no progress for {self.timeout:g}s while sending version {version}") from None
             except (OSError, ConnectionError) as e:
@@ -273,13 +300,34 @@ class TcpSender(Sender):
         self.pending.setdefault(version, []).append((peer, future))
         return future
 
-    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+    def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         views = as_views(data)
         length = sum(len(v) for v in views)
-        digest = checksum_of(views) if checksum is None else checksum
         self.count(version, peer, length)
-        header = HEADER.pack(MAGIC, DATA, version, offset, length, digest)
-        return self.submit(peer, version, lambda c: send_all(c.sock, [memoryview(header)] + views))
+        header = HEADER.pack(MAGIC, DATA, version, offset, length, 0)
+
+        def stream(conn: Connection) -> int:
+            h = xxhash.xxh3_64() if filling is None else None  # else the producer hashes
+            cursor, sent, first = ByteCursor(views), 0, [memoryview(header)]
+            try:
+                while sent < length:
+                    ready = length if filling is None else filling.wait(sent + 1)
+                    n = min(ready - sent, CHUNK)
+                    chunk = cursor.take(n)
+                    send_all(conn.sock, first + chunk)
+                    first = []
+                    if h is not None:
+                        for v in chunk:
+                            h.update(v)
+                    sent += n
+                checksum = h.intdigest() if h is not None else filling.result()
+                send_all(conn.sock, first + [memoryview(TRAILER.pack(checksum))])
+                return checksum
+            except BaseException:
+                hang_up(conn.sock)  # the frame is cut short: the peer must not wait for the rest
+                raise
+
+        return self.submit(peer, version, stream)
 
     def count(self, version: int, peer: int, length: int) -> None:
         """Tally the ranges sent to a peer; END carries the tally."""
@@ -321,7 +369,8 @@ class Landing:
             self.size = len(self.view)
 
     def receive(self, sock: socket.socket, offset: int, length: int, bounce: dict) -> int:
-        """Receive `length` bytes for `offset`, hashing as they arrive; returns the xxh3_64."""
+        """Receive `length` bytes for `offset`, hashing each chunk as it arrives; returns the
+        xxh3_64."""
         if self.device is None:
             target = self.view[offset:offset + length]
         else:
@@ -329,8 +378,8 @@ class Landing:
                 bounce["buf"] = bytearray(length)
             target = memoryview(bounce["buf"])[:length]
         h, got = xxhash.xxh3_64(), 0
-        while got < length:  # take whatever the kernel has, hash it while it is still in cache
-            n = sock.recv_into(target[got:])
+        while got < length:
+            n = sock.recv_into(target[got:got + CHUNK])
             if n == 0:
                 raise PeerClosed(f"connection closed after {got} of {length} bytes of the range at {offset}")
             h.update(target[got:got + n])
@@ -483,7 +532,11 @@ class TcpReceiver(Receiver):
                     raise TransferError(peer, f"sent {KIND_NAMES.get(kind, kind)} for bytes [{offset}, {offset + length}) "
                                               f"of version {version}, which the plan does not give it")
                 left.discard((offset, length))
-                got = landing.receive(sock, offset, length, bounce) if kind == DATA else self.written(landing, offset, length)
+                if kind == DATA:
+                    got = landing.receive(sock, offset, length, bounce)
+                    (digest,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
+                else:
+                    got = self.written(landing, offset, length)
                 if got != digest:
                     raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
                                               f"{version}: sent {digest:016x}, received {got:016x}")

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from weightsync.transport.base import TransferError, Transport, TransportUnavailable
+from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable
 from weightsync.transport.tcp import (ADVERT, HEADER, MAGIC, WRITTEN, Landing, TcpReceiver, TcpSender,
                                       client_handshake, recv_exact, send_all)
 
@@ -139,18 +139,18 @@ class UcclSender(TcpSender):
         except KeyError:
             raise ConnectionError(f"inference rank {peer} did not advertise byte {offset} of version {version}") from None
 
-    def send(self, peer: int, version: int, offset: int, data: Any, checksum: int | None = None) -> Future:
+    def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         from weightsync.transfer import bucket_checksum
 
         length = data.numel() * data.element_size()
         mr_id = self.memory.find(data.data_ptr(), length)
         if mr_id is None:
             raise ValueError("UCCL writes from registered memory: register() the send buffers first")
-        digest = bucket_checksum(data) if checksum is None else checksum
         self.count(version, peer, length)
         endpoint, conn_id = self.t.endpoint, self.rdma[peer]
 
-        def work(conn) -> None:
+        def work(conn) -> int:
+            digest = filling.result() if filling is not None else bucket_checksum(data)  # the bytes are whole
             size, blob = self._advert(conn.sock, peer, version, offset)
             if size != length:
                 raise ConnectionError(f"advertised {size} bytes at {offset}, the bucket has {length}")
@@ -167,6 +167,7 @@ class UcclSender(TcpSender):
                 if time.monotonic() > deadline:
                     raise socket.timeout()
             send_all(conn.sock, [memoryview(HEADER.pack(MAGIC, WRITTEN, version, offset, length, digest))])
+            return digest
 
         return self.submit(peer, version, work)
 
