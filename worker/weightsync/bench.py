@@ -92,7 +92,7 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
 
     from weightsync.flat import FlatLayout, views
     from weightsync.plan import make_plan
-    from weightsync.transfer import VersionReceiver, VersionSender, version_digest
+    from weightsync.transfer import VersionReceiver, VersionSender, settle_heap, version_digest
     from weightsync.transport import make_transport
     from weightsync.transport.tcp import recv_into_all
 
@@ -185,6 +185,7 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
             for p in params:
                 dist.broadcast(p, src=0, group=bcast_group)
 
+    settle_heap()  # as the roles do, and for every method alike
     # ---- the versions: methods interleaved, so that all see the same machine; version 0 warms up
     run = {"weightsync": weightsync, "ceiling": ceiling, "broadcast": broadcast}
     for v in range(versions + 1):

@@ -11,6 +11,7 @@ checksum, and gets back the version's digest.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import struct
 import time
@@ -33,6 +34,14 @@ def version_digest(checksums: dict[int, int]) -> str:
     for offset in sorted(checksums):
         h.update(struct.pack("<QQ", offset, checksums[offset]))
     return h.hexdigest()
+
+
+def settle_heap() -> None:
+    """Put every object made so far (the libraries, the model) out of the garbage collector's
+    reach: a full collection would otherwise walk them all again while a version is on the
+    wire, holding the GIL the connection threads need. Call once, after start-up."""
+    gc.collect()
+    gc.freeze()
 
 
 def bucket_checksum(data) -> int:
@@ -134,33 +143,34 @@ class VersionSender:
             return SentVersion(version, 0, 0.0, {})
         in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
         inflight: deque = deque()  # futures of the buckets whose buffers may still be on the wire
-        sent: list[tuple] = []
+        fillings: dict[int, Filling] = {}
         for k, b in enumerate(self.buckets):
+            filling = fillings[b.offset] = Filling(b.length)
             if in_place:
-                data, filling = flat.range_views(layout, params, b.offset, b.end), None
-            else:
-                buffers = self._buffers(params)
-                if len(inflight) == len(buffers):
-                    for f in inflight.popleft():  # the buffer about to be refilled must be off the wire
-                        f.result()
-                data, filling = buffers[k % len(buffers)][:b.length], Filling(b.length)
-            futures = [self.sender.send(p, version, b.offset, data, filling) for p in self.peers]
-            inflight.append(futures)
-            sent.append((b, futures))
-            if filling is not None:
-                try:
-                    self._fill(layout, params, b, data, filling)
-                except BaseException as e:
-                    filling.fail(e)
-                    raise
+                # one peer's connection hashes the bytes as it sends them (while they are in
+                # cache; the peers take turns by bucket); the others send them at once and take
+                # that checksum when it is there
+                data = flat.range_views(layout, params, b.offset, b.end)
+                hasher = self.peers[k % len(self.peers)]
+                hashed = self.sender.send(hasher, version, b.offset, data)
+                hashed.add_done_callback(lambda f, fl=filling: fl.fail(f.exception()) if f.exception() else fl.finish(f.result()))
+                filling.advance(b.length)
+                inflight.append([hashed] + [self.sender.send(p, version, b.offset, data, filling)
+                                            for p in self.peers if p != hasher])
+                continue
+            buffers = self._buffers(params)
+            if len(inflight) == len(buffers):
+                for f in inflight.popleft():  # the buffer about to be refilled must be off the wire
+                    f.result()
+            data = buffers[k % len(buffers)][:b.length]
+            inflight.append([self.sender.send(p, version, b.offset, data, filling) for p in self.peers])
+            try:
+                self._fill(layout, params, b, data, filling)
+            except BaseException as e:
+                filling.fail(e)
+                raise
         self.sender.end_version(version)
-        sums = {}
-        for b, futures in sent:
-            got = {f.result() for f in futures}
-            if len(got) != 1:  # only in-place bytes can differ: something wrote to them mid-send
-                raise TransferError(f"trainer rank {self.rank}", f"bytes [{b.offset}, {b.end}) of version {version} "
-                                    "changed while they were being sent; keep the parameters still until send() returns")
-            sums[b.offset] = got.pop()
+        sums = {offset: filling.result() for offset, filling in fillings.items()}
         total = sum(b.length for b in self.buckets)
         return SentVersion(version, total, time.monotonic() - start, sums)
 

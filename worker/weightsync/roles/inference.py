@@ -16,7 +16,7 @@ from ..contract import INFERENCE, WorkerContext
 from ..flat import views
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
 from ..rendezvous import Member, versions, who
-from ..transfer import VersionReceiver
+from ..transfer import VersionReceiver, settle_heap
 from .common import JOIN_TIMEOUT, Expected, device_for, dump, dumping, info, log, run_rank, transport_for
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
@@ -105,6 +105,7 @@ class Inference:
         log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; "
                      f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
 
+        settle_heap()
         mover = threading.Thread(target=self._receive, args=(VersionReceiver(receiver, plan, self.rank), gens),
                                  name="receive", daemon=True)
         mover.start()

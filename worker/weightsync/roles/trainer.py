@@ -13,7 +13,7 @@ from ..data import MarkovTokens, rank_generator
 from ..flat import torch_dtype
 from ..model import build, check_fits, layout_of, logits, parameters, prompt, vocab_size
 from ..rendezvous import Member, versions, who
-from ..transfer import VersionSender
+from ..transfer import VersionSender, settle_heap
 from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
 
 
@@ -52,6 +52,7 @@ class Trainer:
         generator = rank_generator(training["seed"], rank)
         params = [p for _, p in parameters(model)]
         step, losses = 0, []
+        settle_heap()
         try:
             for version, at_step in versions(spec):
                 while step < at_step:
