@@ -94,7 +94,7 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
     from weightsync.plan import make_plan
     from weightsync.transfer import VersionReceiver, VersionSender, settle_heap, version_digest
     from weightsync.transport import make_transport
-    from weightsync.transport.tcp import recv_into_all
+    from weightsync.transport.tcp import CHUNK, RECV_CHUNK, recv_into_all
 
     M, N, dtype, versions = case["trainers"], case["inferences"], case["dtype"], case["versions"]
     timeout = datetime.timedelta(seconds=case["timeout"])
@@ -145,7 +145,8 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
 
         def pull(t: int) -> None:
             for offset, length in ranges[t]:
-                recv_into_all(raw[t], target[offset:offset + length])
+                for a in range(offset, offset + length, RECV_CHUNK):
+                    recv_into_all(raw[t], target[a:min(a + RECV_CHUNK, offset + length)])
     torch_dtype = getattr(torch, dtype)
 
     received = {}
@@ -172,8 +173,11 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
 
     def ceiling(v: int) -> None:
         if trainer:
-            if len(payload):
-                list(pool.map(lambda s: s.sendall(payload), raw))
+            def push(s: socket.socket) -> None:
+                for a in range(0, len(payload), CHUNK):
+                    s.sendall(payload[a:a + CHUNK])
+
+            list(pool.map(push, raw))
         else:
             list(pool.map(pull, list(ranges)))
 
