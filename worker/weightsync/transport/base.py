@@ -28,9 +28,11 @@ class TransportUnavailable(RuntimeError):
 
 
 class Filling:
-    """A send buffer that a producer (the cast) fills front to back while the transport is already
-    sending it: advance(n) says the first n bytes are ready, finish(checksum) that all are, with
-    their xxh3_64; fail(error) abandons the buffer, and every wait on it raises that error."""
+    """Bytes handed to Sender.send before they, or their checksum, are ready: a producer (the
+    cast, or another connection hashing the same bytes as it sends them) fills them front to
+    back while the transport is already sending them. advance(n) says the first n bytes are
+    ready, finish(checksum) that all are, with their xxh3_64; fail(error) abandons the buffer,
+    and every wait on it raises that error."""
 
     def __init__(self, length: int):
         self.length, self.ready, self.checksum = length, 0, None
