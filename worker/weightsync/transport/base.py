@@ -72,6 +72,24 @@ class Filling:
             return self.checksum
 
 
+class Tally:
+    """What a sender has sent each peer for each version: the END frame that closes a version
+    carries it, and the receiver checks it against what arrived."""
+
+    def __init__(self):
+        self.counts: dict[tuple[int, int], list[int]] = {}
+
+    def add(self, version: int, peer: int, length: int) -> None:
+        count = self.counts.setdefault((version, peer), [0, 0])
+        count[0] += 1
+        count[1] += length
+
+    def pop(self, version: int, peer: int) -> tuple[int, int]:
+        """(ranges, bytes) sent to `peer` for `version`; forgotten from then on."""
+        frames, nbytes = self.counts.pop((version, peer), (0, 0))
+        return frames, nbytes
+
+
 class Sender(abc.ABC):
     """One per trainer rank."""
 

@@ -22,8 +22,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from weightsync.transport.base import (Filling, Receiver, Sender, TransferError, Transport, TransportUnavailable, each_peer,
-                                       wait_all)
+from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
+                                       each_peer, wait_all)
 from weightsync.transport.tcp import DATA, END
 
 PREFIX = "weightsync-nccl"
@@ -111,7 +111,7 @@ class NcclSender(Sender):
         self.peers: list[int] = []
         self.pools: dict[int, ThreadPoolExecutor] = {}
         self.pending: dict[int, list[tuple[int, Future]]] = {}
-        self.counts: dict[tuple[int, int], list[int]] = {}
+        self.tally = Tally()
 
     def connect(self, peers: dict[int, str]) -> None:
         for peer in peers:
@@ -148,9 +148,7 @@ class NcclSender(Sender):
         if not hasattr(data, "data_ptr") or data.device.type != "cuda":
             raise ValueError("the nccl transport sends GPU tensors (uint8)")
         length = data.numel() * data.element_size()
-        count = self.counts.setdefault((version, peer), [0, 0])
-        count[0] += 1
-        count[1] += length
+        self.tally.add(version, peer, length)
 
         def header() -> list[int]:
             digest = filling.result() if filling is not None else bucket_checksum(data)
@@ -160,7 +158,7 @@ class NcclSender(Sender):
 
     def end_version(self, version: int) -> None:
         for peer in self.peers:
-            frames, nbytes = self.counts.pop((version, peer), (0, 0))
+            frames, nbytes = self.tally.pop(version, peer)
             self._submit(peer, version, lambda f=frames, n=nbytes: [END, version, f, n, 0], None)
         wait_all(f for _, f in self.pending.pop(version, []))
 

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from weightsync.transport.base import Filling, Receiver, Sender, TransferError, Transport, each_peer, wait_all
+from weightsync.transport.base import Filling, Receiver, Sender, Tally, TransferError, Transport, each_peer, wait_all
 
 log = logging.getLogger("weightsync.transport")
 
@@ -246,7 +246,7 @@ class TcpSender(Sender):
         self.rank, self.token, self.timeout, self.socket_buffer = rank, token, timeout, socket_buffer
         self.conns: dict[int, Connection] = {}
         self.pending: dict[int, list[tuple[int, Future]]] = {}
-        self.counts: dict[tuple[int, int], list[int]] = {}
+        self.tally = Tally()
 
     def connect(self, peers: dict[int, str]) -> None:
         deadline = time.monotonic() + self.timeout
@@ -306,7 +306,7 @@ class TcpSender(Sender):
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         views = as_views(data)
         length = sum(len(v) for v in views)
-        self.count(version, peer, length)
+        self.tally.add(version, peer, length)
         header = HEADER.pack(MAGIC, DATA, version, offset, length, 0)
 
         def stream(conn: Connection) -> int:
@@ -332,15 +332,9 @@ class TcpSender(Sender):
 
         return self.submit(peer, version, stream)
 
-    def count(self, version: int, peer: int, length: int) -> None:
-        """Tally the ranges sent to a peer; END carries the tally."""
-        count = self.counts.setdefault((version, peer), [0, 0])
-        count[0] += 1
-        count[1] += length
-
     def end_version(self, version: int) -> None:
         for peer in self.conns:
-            frames, nbytes = self.counts.pop((version, peer), (0, 0))
+            frames, nbytes = self.tally.pop(version, peer)
             header = HEADER.pack(MAGIC, END, version, frames, nbytes, 0)
             self.submit(peer, version, lambda c, h=header: c.sock.sendall(h))
         self.wait(version)

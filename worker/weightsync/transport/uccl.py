@@ -146,7 +146,7 @@ class UcclSender(TcpSender):
         mr_id = self.memory.find(data.data_ptr(), length)
         if mr_id is None:
             raise ValueError("UCCL writes from registered memory: register() the send buffers first")
-        self.count(version, peer, length)
+        self.tally.add(version, peer, length)
         endpoint, conn_id = self.t.endpoint, self.rdma[peer]
 
         def work(conn) -> int:
