@@ -25,6 +25,8 @@ from weightsync.plan import make_plan
 from weightsync.transfer import VersionReceiver, VersionSender
 from weightsync.transport import TransferError, make_transport
 
+from transfer_peer import layout_of
+
 PEER = Path(__file__).with_name("transfer_peer.py")
 TOKEN = "test-job-token-0123456789"
 ODD = "7x3,1,33,5x5x5,2x64,999"  # odd element counts: tensors and buckets cut mid-tensor
@@ -109,9 +111,7 @@ def test_versions_arrive_bit_for_bit(ranks, store, trainers, inferences, dtype, 
             assert res["bit_exact"], f"version {v} on inference rank {i} differs from the trainers' cast bytes"
             assert res["digest"] == res["trainers_digest"]
     if dtype != "float32":  # a cast: send buffers, at most depth x bucket
-        for t in make_plan(FlatLayout.from_shapes([(f"t{i}", tuple(int(d) for d in s.split("x")))
-                                                   for i, s in enumerate(shapes.split(","))], dtype),
-                           trainers, inferences, bucket).expected():
+        for t in make_plan(layout_of(shapes, dtype), trainers, inferences, bucket).expected():
             assert 0 < int(store.get(f"buffers/trainer/{t}")) <= 2 * bucket
     else:  # no cast: sent straight from the tensors
         assert all(int(store.get(f"buffers/trainer/{t}")) == 0 for t in range(trainers))
@@ -131,11 +131,27 @@ def test_wrong_token_is_refused_and_nothing_is_applied(ranks, store):
     assert intruder.returncode == 3
 
 
+def wait_until(done, failure: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
+
+
+def kill_and_join(victim, thread) -> float:
+    """SIGKILL the victim process and wait for the thread facing it to end; returns when the
+    kill was sent."""
+    killed = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive()
+    return killed
+
+
 def test_killed_trainer_mid_transfer_is_named_within_seconds(ranks, store):
     """Inference rank 0 is this process; trainer rank 1 sends one bucket and is killed."""
     shapes = "256x256,77"
-    layout = FlatLayout.from_shapes([(f"t{i}", tuple(int(d) for d in s.split("x"))) for i, s in enumerate(shapes.split(","))],
-                                    "float32")
+    layout = layout_of(shapes, "float32")
     plan = make_plan(layout, 2, 1, 4096)
     receiver = make_transport("tcp", token=TOKEN.encode(), timeout=60).receiver(0)
     store.set("endpoint/0", receiver.listen("127.0.0.1", 0))
@@ -153,15 +169,9 @@ def test_killed_trainer_mid_transfer_is_named_within_seconds(ranks, store):
     thread = threading.Thread(target=receive)
     thread.start()
     store.wait(["paused/trainer/1"])
-    first = plan.buckets_of(1)[0]
-    deadline = time.monotonic() + 30  # the bucket lands, then the trainer hangs mid-version
-    while not staging[first.offset:first.end].any():
-        assert time.monotonic() < deadline, "the first bucket never arrived"
-        time.sleep(0.01)
-    killed = time.monotonic()
-    os.kill(victim.pid, signal.SIGKILL)
-    thread.join(30)
-    assert not thread.is_alive()
+    first = plan.buckets_of(1)[0]  # the bucket lands, then the trainer hangs mid-version
+    wait_until(lambda: staging[first.offset:first.end].any(), "the first bucket never arrived")
+    killed = kill_and_join(victim, thread)
     assert out["error"].peer == "trainer rank 1", out["error"]
     assert "connection lost during version 1" in str(out["error"])
     assert out["at"] - killed < 5
@@ -192,14 +202,9 @@ def test_killed_inference_mid_transfer_is_named_within_seconds(ranks, store):
             out["error"], out["at"] = e, time.monotonic()
     thread = threading.Thread(target=send)
     thread.start()
-    deadline = time.monotonic() + 30  # mid-transfer: the kernel holds bytes the peer does not read
-    while unsent_bytes(sender.conns[0].sock) < (1 << 20):
-        assert time.monotonic() < deadline, "the send never backed up"
-        time.sleep(0.01)
-    killed = time.monotonic()
-    os.kill(victim.pid, signal.SIGKILL)
-    thread.join(30)
-    assert not thread.is_alive()
+    # mid-transfer: the kernel holds bytes the peer does not read
+    wait_until(lambda: unsent_bytes(sender.conns[0].sock) >= (1 << 20), "the send never backed up")
+    killed = kill_and_join(victim, thread)
     assert out["error"].peer == "inference rank 0", out["error"]
     assert out["at"] - killed < 5
     sender.close()

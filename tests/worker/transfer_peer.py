@@ -24,6 +24,11 @@ def parse_shapes(text):
     return [tuple(int(d) for d in s.split("x")) for s in text.split(",")]
 
 
+def layout_of(shapes_text, dtype):
+    """The layout of a --shapes text ("7x3,1,...") in `dtype`, its tensors named t0, t1, ..."""
+    return FlatLayout.from_shapes([(f"t{i}", s) for i, s in enumerate(parse_shapes(shapes_text))], dtype)
+
+
 def version_tensors(shapes, version):
     g = torch.Generator().manual_seed(1234)
     return [torch.randn(s, generator=g) * (1 + version) + version for s in shapes]
@@ -50,7 +55,7 @@ def main():
 
     store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
     shapes = parse_shapes(args.shapes)
-    layout = FlatLayout.from_shapes([(f"t{i}", s) for i, s in enumerate(shapes)], args.dtype)
+    layout = layout_of(args.shapes, args.dtype)
     plan = make_plan(layout, args.trainers, args.inferences, args.bucket)
     device = torch.device(args.device)
     options = {}
