@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml
 
 .PHONY: setup
 setup: $(STAMP) ## Create the virtual environment (torch, kopf, test tools) and install weightsync into it
-	@# The editable install must point at this clone, wherever it is (the environment is shared).
-	@$(PY) -c 'import sys, weightsync; sys.exit(not weightsync.__file__.startswith("$(CURDIR)/"))' 2>/dev/null \
+	@# The editable install must point at this clone, wherever it is (the environment is shared),
+	@# with the native cast built from this clone's source.
+	@$(PY) -c 'import os, sys, weightsync._cast as c; sys.exit(not c.__file__.startswith("$(CURDIR)/") or os.path.getmtime(c.__file__) < os.path.getmtime("worker/weightsync/_cast.c"))' 2>/dev/null \
 	  || $(PY) -m pip install -q --no-deps -e . >/dev/null
+	@$(PY) -c 'import weightsync._cast' 2>/dev/null \
+	  || { echo "setup: worker/weightsync/_cast.c did not build: install gcc and the Python headers (python3-dev)" >&2; exit 1; }
 
 .PHONY: demo
 demo: setup ## Train and transfer the example job as local processes, one per pod (CPU, ~2 minutes)

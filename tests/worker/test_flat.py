@@ -109,3 +109,41 @@ def test_fill_range_refuses_wrong_sources():
         flat.check_sources(layout, [params[0], torch.zeros(2)] + params[2:])
     with pytest.raises(LayoutMismatch, match="4 tensors given"):
         flat.check_sources(layout, params[:4])
+
+
+def cast_inputs() -> torch.Tensor:
+    """float32 values across every exponent, the rounding ties, denormals, signed zeros and the
+    infinities (as raw bits, so that every case is exactly what it says)."""
+    g = torch.Generator().manual_seed(3)
+    random_bits = torch.randint(-2**31, 2**31, (100_003,), generator=g, dtype=torch.int64)
+    special = torch.tensor([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x00000001, 0x807FFFFF,
+                            0x3F808000, 0x3F818000, 0x3F808001, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F7FFFFF])
+    bits = torch.cat([special, random_bits]).to(torch.int64) & 0xFFFFFFFF
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.skipif(flat.NATIVE_BF16 is None, reason="this CPU has no AVX512-BF16 (or the extension was not "
+                                                      "built): bfloat16 casts run in torch, covered above")
+def test_native_bfloat16_cast_has_torchs_bytes():
+    values = cast_inputs()
+    numbers = values[~values.isnan()]
+    # every length up to a few vectors (the tail is cast separately) at odd starting elements
+    for start in (0, 1, 7):
+        for n in list(range(0, 70)) + [numbers.numel() - start]:
+            src = numbers[start:start + n]
+            dest = torch.full((2 * n,), 0xAB, dtype=torch.uint8)
+            flat.cast_into(dest, src, torch.bfloat16)
+            assert torch.equal(dest, flat.byte_view(src.to(torch.bfloat16))), (start, n)
+    # NaN has no single encoding; it must stay a NaN, whatever its sign or payload
+    nans = values[values.isnan()]
+    assert nans.numel() > 100
+    dest = torch.empty(2 * nans.numel(), dtype=torch.uint8)
+    flat.cast_into(dest, nans, torch.bfloat16)
+    assert dest.view(torch.bfloat16).isnan().all()
+
+
+def test_native_bfloat16_cast_refuses_mismatched_buffers():
+    if flat.NATIVE_BF16 is None:
+        pytest.skip("this CPU has no AVX512-BF16: the native cast is not used here")
+    with pytest.raises(ValueError, match="40 source bytes do not fill 10 destination bytes"):
+        flat.NATIVE_BF16.float32_to_bfloat16(torch.zeros(10).numpy(), torch.zeros(10, dtype=torch.uint8).numpy())

@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
 
-    from weightsync.flat import FlatLayout
+    from weightsync.flat import FlatLayout, cast_name
 
     shapes = []
     for s in args.shapes.split(","):
@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench: {dtype} {m}->{n} ...", file=sys.stderr, flush=True)
             cases.append(run_case(case))
     report = {"model": f"GPT-2 (GPT2Config defaults), {params / 1e6:.1f}M parameters, {len(list(meta.parameters()))} tensors",
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, loopback TCP",
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, loopback TCP, "
+                         f"float32 -> bfloat16 cast by {cast_name()}",
               "cases": cases, "targets": targets(cases)}
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0

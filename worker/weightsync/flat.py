@@ -210,6 +210,36 @@ def _zero_views(n: int) -> list[memoryview]:
     return [_ZEROS[: min(ALIGN, n - k)] for k in range(0, n, ALIGN)]
 
 
+def _native_bf16():
+    try:
+        from weightsync import _cast
+    except ImportError:  # not built (an operator-only install); `make setup` and the worker image require it
+        return None
+    return _cast if _cast.supported() else None
+
+
+NATIVE_BF16 = _native_bf16()
+
+
+def cast_name() -> str:
+    """Which code casts float32 host tensors to bfloat16 here (benchmarks print it)."""
+    return "AVX512-BF16" if NATIVE_BF16 is not None else "torch"
+
+
+def cast_into(dest: "torch.Tensor", src: "torch.Tensor", dtype: "torch.dtype") -> None:
+    """Cast the contiguous tensor `src` to `dtype` into the uint8 tensor `dest`, which holds exactly
+    its bytes. float32 -> bfloat16 in host memory runs in one native pass where the CPU has
+    AVX512-BF16 (torch's cast of that is a quarter slower and a trainer casts every element of
+    every version); all else is torch's copy_. The bytes are torch's (a NaN stays a NaN)."""
+    import torch
+
+    if (NATIVE_BF16 is not None and dtype == torch.bfloat16 and src.dtype == torch.float32
+            and src.device.type == "cpu" and dest.device.type == "cpu"):
+        NATIVE_BF16.float32_to_bfloat16(src.numpy(), dest.numpy())
+    else:
+        dest.view(dtype).copy_(src)
+
+
 def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int, dest: "torch.Tensor") -> None:
     """Write the version's bytes [start, end) into the uint8 tensor `dest` (len end - start),
     casting each overlapped slice of a source straight into place; padding becomes zero."""
@@ -224,8 +254,7 @@ def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int
             dest[pos - start:lo].zero_()
         if a % item or b % item:
             raise ValueError(f"range [{start}, {end}) cuts tensor {slot.name} inside an element")
-        src = sources[i].detach().reshape(-1)[a // item:b // item]
-        dest[lo:lo + b - a].view(dtype).copy_(src)
+        cast_into(dest[lo:lo + b - a], sources[i].detach().reshape(-1)[a // item:b // item], dtype)
         pos = slot.offset + b
     if pos < end:
         dest[pos - start:].zero_()
