@@ -3,7 +3,7 @@
  * A trainer casts every element of its share of each version. That cast reads the float32
  * master weights from memory and is bound by it; the VCVTNE2PS2BF16 instruction does the
  * rounding (to nearest even) in one step, which keeps the loop at the memory's pace, where
- * torch's portable cast is a quarter slower. The bytes are torch's: denormals are rounded (the
+ * torch's portable cast takes 30% longer. The bytes are torch's: denormals are rounded (the
  * instruction would flush them), and NaN becomes 0xFFFF as torch's vectorised cast makes it.
  * Elsewhere (other CPUs, other dtypes) weightsync casts with torch.
  */
