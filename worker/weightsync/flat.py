@@ -11,8 +11,10 @@ torch is imported lazily: the layout itself (and the plan built on it) needs no 
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 if TYPE_CHECKING:
@@ -130,15 +132,21 @@ class FlatLayout:
         if self.total_bytes != other.total_bytes:
             raise LayoutMismatch(f"total bytes differ: {self.total_bytes} here, {other.total_bytes} on {what}")
 
+    @cached_property
+    def slot_ends(self) -> list[int]:
+        """The end byte of every slot, in order (for finding the slots of a range by bisection)."""
+        return [s.offset + s.nbytes for s in self.slots]
+
     def overlapping(self, start: int, end: int):
         """(slot index, slot, first byte, end byte) within the slot, for every slot overlapping
         the version's byte range [start, end)."""
-        for i, s in enumerate(self.slots):
+        for i in range(bisect.bisect_right(self.slot_ends, start), len(self.slots)):
+            s = self.slots[i]
+            if s.offset >= end:
+                break
             a, b = max(start, s.offset), min(end, s.offset + s.nbytes)
             if a < b:
                 yield i, s, a - s.offset, b - s.offset
-            elif s.offset >= end:
-                break
 
 
 def _describe(s: TensorSlot) -> str:

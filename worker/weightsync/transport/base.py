@@ -57,6 +57,9 @@ class Filling:
 
     def wait(self, n: int) -> int:
         """Block until at least n bytes are ready; returns how many are."""
+        ready = self.ready
+        if ready >= n:  # the producer is ahead (ready only grows): no lock, no wake-up
+            return ready
         with self.cond:
             self.cond.wait_for(lambda: self.ready >= n or self.error is not None)
             if self.error is not None:
