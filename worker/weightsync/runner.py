@@ -32,11 +32,10 @@ import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
 from .model import check_fits, meta_layout
-from .roles import die_with_parent, exit_status
+from .roles import STOP_GRACE, die_with_parent, exit_status
 
 LOOPBACK = "127.0.0.1"
 FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
-STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
 LOG_TAIL = 15
 # The pod's environment decides these; the shell's values must not leak into a local pod.

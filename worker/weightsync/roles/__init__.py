@@ -12,7 +12,7 @@ from typing import Mapping
 
 from ..contract import CONTROLLER, TRAINER, SpecError, WorkerContext
 
-STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for the other ranks of a failed pod
+STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL: a pod's ranks, and the local runner's pods
 
 
 def main(environ: Mapping[str, str] = os.environ) -> int:
