@@ -28,6 +28,25 @@ def test_a_transport_that_cannot_run_here_says_why(name, module):
     print(f"{name} is unavailable here: {reason}")
 
 
+def test_an_nccl_receive_stops_waiting_once_the_version_failed_elsewhere():
+    """A receive from one trainer gives up as soon as another trainer's connection has lost the
+    version, instead of at the deadline. (The waiting itself needs no GPU: a work item that never
+    completes stands for a trainer that sends nothing more.)"""
+    import threading
+    import time
+
+    class Pending:
+        def is_completed(self):
+            return False
+
+    abandon = threading.Event()
+    threading.Timer(0.05, abandon.set).start()
+    start = time.monotonic()
+    with pytest.raises(nccl.TransferError, match="trainer rank 1: header of version 3 was abandoned"):
+        nccl._wait(Pending(), start + 60, "trainer rank 1", "header of version 3", abandon)
+    assert time.monotonic() - start < 5
+
+
 def test_auto_names_its_choice_and_the_reason():
     name, why = resolve_transport("auto", "tcp")
     assert name in ("tcp", "nccl") and why.startswith("auto: ")

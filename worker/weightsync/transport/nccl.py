@@ -18,6 +18,7 @@ import datetime
 import hashlib
 import hmac
 import struct
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -88,8 +89,12 @@ class NcclTransport(Transport):
         return NcclReceiver(self, rank)
 
 
-def _wait(work, deadline: float, peer: str, what: str) -> None:
+def _wait(work, deadline: float, peer: str, what: str, abandon: threading.Event | None = None) -> None:
+    """Wait for an NCCL work item; give up at `deadline`, or as soon as `abandon` is set (another
+    peer's failure has lost the version)."""
     while not work.is_completed():
+        if abandon is not None and abandon.is_set():
+            raise TransferError(peer, f"{what} was abandoned: the version failed on another connection")
         if time.monotonic() > deadline:
             raise TransferError(peer, f"{what} did not complete in time")
         time.sleep(0.0005)
@@ -176,11 +181,13 @@ class NcclReceiver(Receiver):
     def listen(self, host: str, port: int) -> str:
         return f"nccl:{self.t.trainers + self.rank}"
 
-    def _prove(self, trainer: int, deadline: float) -> None:
+    def _prove(self, trainer: int, deadline: float, abandon: threading.Event) -> None:
         if trainer in self.proven or self.t.store is None:
             return
         key = f"{PREFIX}/hello/{trainer}/{self.rank}"
         while not self.t.store.check([key]):
+            if abandon.is_set():
+                raise TransferError(f"trainer rank {trainer}", "had not announced itself when the version failed")
             if time.monotonic() > deadline:
                 raise TransferError(f"trainer rank {trainer}", "did not announce itself in time")
             time.sleep(0.01)
@@ -197,16 +204,17 @@ class NcclReceiver(Receiver):
             raise ValueError("the nccl transport receives into a GPU tensor")
         flat = buffer.view(torch.uint8).reshape(-1)
         deadline = time.monotonic() + timeout
+        abandon = threading.Event()  # one trainer's failure loses the version: the others stop waiting
 
         def run(trainer: int) -> dict[int, int]:
             peer = f"trainer rank {trainer}"
-            self._prove(trainer, deadline)
+            self._prove(trainer, deadline, abandon)
             left = set(expected[trainer])
             sums: dict[int, int] = {}
             frames = nbytes = 0
             head = torch.empty(5, dtype=torch.int64, device=buffer.device)
             while True:
-                _wait(self.group.recv([head], trainer, 0), deadline, peer, f"header of version {version}")
+                _wait(self.group.recv([head], trainer, 0), deadline, peer, f"header of version {version}", abandon)
                 kind, v, offset, length, digest = (int(x) for x in head.cpu())
                 if v != version:
                     raise TransferError(peer, f"sent version {v} while version {version} was expected")
@@ -218,7 +226,8 @@ class NcclReceiver(Receiver):
                     raise TransferError(peer, f"sent bytes [{offset}, {offset + length}) the plan does not give it")
                 left.discard((offset, length))
                 target = flat[offset:offset + length]
-                _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}")
+                _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}",
+                      abandon)
                 torch.cuda.current_stream(buffer.device).synchronize()
                 got = bucket_checksum(target)
                 if got != _unsigned(digest):
@@ -228,7 +237,7 @@ class NcclReceiver(Receiver):
                 nbytes += length
 
         try:
-            results = each_peer(expected, run)
+            results = each_peer(expected, run, lambda _: abandon.set())
         except Exception:
             if hasattr(self.group, "abort"):
                 self.group.abort()
