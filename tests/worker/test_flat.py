@@ -122,8 +122,11 @@ def cast_inputs() -> torch.Tensor:
     return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
 
 
-@pytest.mark.skipif(flat.NATIVE_BF16 is None, reason="this CPU has no AVX512-BF16 (or the extension was not "
-                                                      "built): bfloat16 casts run in torch, covered above")
+needs_native_cast = pytest.mark.skipif(flat.NATIVE_BF16 is None, reason="this CPU has no AVX512-BF16: bfloat16 "
+                                       "casts run in torch here, which the fill tests above cover")
+
+
+@needs_native_cast
 def test_native_bfloat16_cast_has_torchs_bytes():
     values = cast_inputs()
     numbers = values[~values.isnan()]
@@ -142,8 +145,7 @@ def test_native_bfloat16_cast_has_torchs_bytes():
     assert dest.view(torch.bfloat16).isnan().all()
 
 
+@needs_native_cast
 def test_native_bfloat16_cast_refuses_mismatched_buffers():
-    if flat.NATIVE_BF16 is None:
-        pytest.skip("this CPU has no AVX512-BF16: the native cast is not used here")
     with pytest.raises(ValueError, match="40 source bytes do not fill 10 destination bytes"):
         flat.NATIVE_BF16.float32_to_bfloat16(torch.zeros(10).numpy(), torch.zeros(10, dtype=torch.uint8).numpy())

@@ -31,8 +31,8 @@ class Filling:
     """Bytes handed to Sender.send before they, or their checksum, are ready: a producer (the
     cast, or another connection hashing the same bytes as it sends them) fills them front to
     back while the transport is already sending them. advance(n) says the first n bytes are
-    ready, finish(checksum) that all are, with their xxh3_64; fail(error) abandons the buffer,
-    and every wait on it raises that error."""
+    ready, finish(checksum) that all are, with their xxh3_64; fail(error) abandons the buffer:
+    result(), and every wait for bytes that are not ready yet, raises that error."""
 
     def __init__(self, length: int):
         self.length, self.ready, self.checksum = length, 0, None
