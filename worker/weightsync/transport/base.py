@@ -62,17 +62,19 @@ class Filling:
             return ready
         with self.cond:
             self.cond.wait_for(lambda: self.ready >= n or self.error is not None)
-            if self.error is not None:
-                raise RuntimeError(f"the send buffer was abandoned: {self.error}") from self.error
+            self._raise_if_abandoned()
             return self.ready
 
     def result(self) -> int:
         """Block until the buffer is whole; returns its checksum."""
         with self.cond:
             self.cond.wait_for(lambda: self.checksum is not None or self.error is not None)
-            if self.error is not None:
-                raise RuntimeError(f"the send buffer was abandoned: {self.error}") from self.error
+            self._raise_if_abandoned()
             return self.checksum
+
+    def _raise_if_abandoned(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the send buffer was abandoned: {self.error}") from self.error
 
 
 class Tally:
