@@ -44,8 +44,11 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def bucket_checksum(data) -> int:
-    """xxh3_64 of a bucket: host memory directly; device memory through one host copy."""
+def bucket_checksum(data, filling: Filling | None = None) -> int:
+    """xxh3_64 of a bucket: its producer's once it is whole, when it has one (a Filling); else
+    computed, from host memory directly or from device memory through one host copy."""
+    if filling is not None:
+        return filling.result()
     if hasattr(data, "data_ptr") and data.device.type != "cpu":
         data = data.cpu()
     return checksum_of(as_views(data))

@@ -156,7 +156,7 @@ class NcclSender(Sender):
         self.tally.add(version, peer, length)
 
         def header() -> list[int]:
-            digest = filling.result() if filling is not None else bucket_checksum(data)
+            digest = bucket_checksum(data, filling)
             return [DATA, version, offset, length, _signed(digest)]
 
         return self._submit(peer, version, header, data)

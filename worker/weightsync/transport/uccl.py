@@ -150,7 +150,7 @@ class UcclSender(TcpSender):
         endpoint, conn_id = self.t.endpoint, self.rdma[peer]
 
         def work(conn) -> int:
-            digest = filling.result() if filling is not None else bucket_checksum(data)  # the bytes are whole
+            digest = bucket_checksum(data, filling)  # waits until the bytes are whole
             size, blob = self._advert(conn.sock, peer, version, offset)
             if size != length:
                 raise ConnectionError(f"advertised {size} bytes at {offset}, the bucket has {length}")
