@@ -34,7 +34,7 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-test: setup binaries ## Run every test (unit, local control plane, end to end)
+test: setup binaries node-images ## Run every test (unit, local control plane, real pods, end to end)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 # Built here rather than inside the first cluster test, which has a time limit: a first build
@@ -42,6 +42,14 @@ test: setup binaries ## Run every test (unit, local control plane, end to end)
 .PHONY: binaries
 binaries: ## Build the local control plane's binaries once: etcd, Kubernetes 1.34, KWOK, helm (cached in $(CACHE)/bin)
 	@test -n "$(KUBEBUILDER_ASSETS)" || bash tests/cluster/build-binaries.sh >/dev/null
+
+# The real node's Debian packages and the images its pods run, built from the project's Dockerfiles
+# (a first build downloads Debian and PyPI's torch: several GB, a quarter of an hour). Without root
+# this says why the real-pod tests will skip, and builds nothing.
+.PHONY: node-images
+node-images: setup binaries ## Install the real node's Debian packages and build the operator and worker images into its cache (root)
+	@bash tests/node/install-packages.sh
+	@$(PY) tests/node/images.py
 
 .PHONY: bench
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets
@@ -92,11 +100,14 @@ undeploy: ## Delete the example jobs and uninstall the chart (the CRD stays, as 
 CLUSTER_DIR ?= .cluster
 
 .PHONY: cluster-up
-cluster-up: ## Start etcd, kube-apiserver, controller-manager, scheduler and KWOK GPU/RDMA nodes on loopback (kubeconfig: .cluster/kubeconfig)
+cluster-up: binaries ## Start the control plane, KWOK GPU/RDMA nodes and, as root, a real node running the project's images (kubeconfig: .cluster/kubeconfig)
 	python3 tests/cluster/controlplane.py up --dir $(CLUSTER_DIR)
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory node-images && python3 tests/node/node.py up --dir $(CLUSTER_DIR); \
+	 else echo "no real node: it needs root (KWOK's nodes run no containers)"; fi
 
 .PHONY: cluster-down
-cluster-down: ## Stop the local control plane started by cluster-up; nothing keeps running
+cluster-down: ## Stop the local cluster started by cluster-up (real node first); nothing keeps running
+	@if [ -e $(CLUSTER_DIR)/node ]; then python3 tests/node/node.py down --dir $(CLUSTER_DIR); fi
 	python3 tests/cluster/controlplane.py down --dir $(CLUSTER_DIR)
 
 # The operator in the foreground, as in its image, against the cluster cluster-up started.

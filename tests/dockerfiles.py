@@ -1,5 +1,5 @@
-"""Reading the project's Dockerfiles: what the tests check without a container engine, and the
-image configuration (entrypoint, environment) the end-to-end tests run pods with."""
+"""Reading the project's Dockerfiles: what the tests check of them without a container engine
+(the real-pod tests build and run them: tests/node)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,6 @@ def exec_form(dockerfile: str, instruction: str) -> list[str]:
     """The last ENTRYPOINT or CMD, which must be in exec (JSON) form."""
     found = [args for name, args in instructions(dockerfile) if name == instruction]
     return json.loads(found[-1]) if found else []
-
-
-def env(dockerfile: str) -> dict[str, str]:
-    """The ENV the image sets (KEY=value form)."""
-    out = {}
-    for name, args in instructions(dockerfile):
-        if name == "ENV":
-            for word in shlex.split(args):
-                key, _, value = word.partition("=")
-                out[key] = value
-    return out
 
 
 def installed_extras(dockerfile: str) -> set[str]:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Builds the local control plane's binaries once and caches them outside the repository:
-# etcd, kube-apiserver, kube-controller-manager, kube-scheduler (tools/go.mod), kwok and helm.
+# Builds the local cluster's binaries once and caches them outside the repository: etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler, and the real node's kubelet and kube-proxy
+# (tools/go.mod), kwok, helm, and CoreDNS (the cluster DNS the real node's pods use).
 # Prints the directory that holds them. KUBEBUILDER_ASSETS, when set, is used as it is.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 K8S_VERSION=v1.34.4
 KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.2
+COREDNS_VERSION=v1.13.1
 cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 out=$cache/bin/k8s-$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION
 mkdir -p "$out"
@@ -21,7 +23,7 @@ ver="-X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/componen
 ver="$ver -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=34"
 cd "$here/tools"
 build etcd ./etcd ""
-for c in kube-apiserver kube-controller-manager kube-scheduler; do
+for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do
   build "$c" "k8s.io/kubernetes/cmd/$c" "$ver"
 done
 # kwok and helm carry no replace directives, so `go install pkg@version` builds them as released.
@@ -32,4 +34,6 @@ install() {  # name, package@version, ldflags
 }
 install kwok sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
 install helm helm.sh/helm/v3/cmd/helm@$HELM_VERSION "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+# Static, because it runs in an image that holds nothing else.
+CGO_ENABLED=0 install coredns github.com/coredns/coredns@$COREDNS_VERSION ""
 echo "$out"

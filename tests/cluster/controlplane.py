@@ -2,7 +2,8 @@
 """A local Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager and
 kube-scheduler built from the Kubernetes Go modules, plus KWOK playing the kubelets of fake
 GPU/RDMA nodes. Everything listens on 127.0.0.1 at free ports; state, logs and pid files live
-in one directory.
+in one directory. A real node (tests/node/node.py) can join it: the API server already holds the
+client certificate it presents to kubelets.
 
     python tests/cluster/controlplane.py up --dir .cluster      # prints how to use it
     python tests/cluster/controlplane.py down --dir .cluster
@@ -28,7 +29,8 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm",
+            "kubelet", "kube-proxy", "coredns")  # the last three for a real node (tests/node)
 # Started in this order, stopped in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -148,9 +150,13 @@ def node_manifest(name: str, gpus: int = 0, rdma: int = 0, labels: dict | None =
         "kubernetes.io/arch": "amd64",
         "type": "kwok",
     }
+    taints = []
     if gpus:
         resources[GPU_RESOURCE] = str(gpus)
         node_labels["nvidia.com/gpu.present"] = "true"
+        # As GPU node pools are tainted in real clusters: only pods that ask for a GPU land here
+        # (the API server's ExtendedResourceToleration plugin gives them the toleration).
+        taints.append({"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"})
     if rdma:
         resources[rdma_resource] = str(rdma)
         node_labels["feature.node.kubernetes.io/rdma.available"] = "true"
@@ -163,6 +169,7 @@ def node_manifest(name: str, gpus: int = 0, rdma: int = 0, labels: dict | None =
             "labels": node_labels,
             "annotations": {KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1], "node.alpha.kubernetes.io/ttl": "0"},
         },
+        "spec": {"taints": taints} if taints else {},
         "status": {"capacity": resources, "allocatable": dict(resources)},
     }
 
@@ -217,12 +224,12 @@ class ControlPlane:
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
     def request(self, method: str, path: str, body: dict | None = None, token: str | None = None,
-                timeout: float = 30):
+                timeout: float = 30, content_type: str = "application/json"):
         """One call to the API server; JSON in and out (text for non-JSON answers)."""
         req = urllib.request.Request(
             self.server + path, method=method,
             data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {token or self.token}", "Content-Type": "application/json",
+            headers={"Authorization": f"Bearer {token or self.token}", "Content-Type": content_type,
                      "Accept": "application/json"},
         )
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
@@ -339,9 +346,9 @@ class ControlPlane:
             f'{tokens["scheduler"]},system:kube-scheduler,system:kube-scheduler\n'
             f'{tokens["kwok"]},kwok,kwok,"system:masters"\n'
         )
-        self._write_kubeconfig(self.kubeconfig, server, tokens["admin"], "admin")
+        self.write_kubeconfig(self.kubeconfig, "admin", tokens["admin"])
         for user in ("controller-manager", "scheduler", "kwok"):
-            self._write_kubeconfig(self.dir / "kubeconfigs" / user, server, tokens[user], user)
+            self.write_kubeconfig(self.dir / "kubeconfigs" / user, user, tokens[user])
         pki, kc = self.dir / "pki", self.dir / "kubeconfigs"
 
         t = time.monotonic()
@@ -367,6 +374,11 @@ class ControlPlane:
             "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             "--authorization-mode=Node,RBAC", "--anonymous-auth=false",
+            "--enable-admission-plugins=ExtendedResourceToleration",
+            # For a real node's kubelet: `kubectl logs` and `exec` go through it.
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            "--kubelet-preferred-address-types=InternalIP",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
             # Endpoints may not name a loopback address, and nothing here is reachable at another one.
             "--endpoint-reconciler-type=none",
@@ -511,14 +523,31 @@ class ControlPlane:
                 "-out", "apiserver.crt", "-days", "3650", "-extfile", "apiserver.ext")
         openssl("genrsa", "-out", "sa.key", "2048")
         openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
+        self.client_certificate("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
 
-    def _write_kubeconfig(self, path: Path, server: str, token: str, user: str) -> None:
+    def client_certificate(self, name: str, user: str, group: str | None = None) -> tuple[Path, Path]:
+        """A client certificate for `user` (in `group`) signed by the cluster's CA: pki/NAME.crt
+        and pki/NAME.key, returned in that order."""
+        pki = self.dir / "pki"
+        subject = f"/CN={user}" + (f"/O={group}" if group else "")
+        for args in (["req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                      "-subj", subject],
+                     ["x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                      "-out", f"{name}.crt", "-days", "3650"]):
+            subprocess.run(["openssl", *args], cwd=pki, check=True, capture_output=True)
+        return pki / f"{name}.crt", pki / f"{name}.key"
+
+    def write_kubeconfig(self, path: Path, user: str, token: str | None = None,
+                         certificate: tuple[Path, Path] | None = None, server: str | None = None) -> None:
+        """A kubeconfig for `user`, who authenticates with a bearer token or a (certificate, key)."""
         ca = base64.b64encode(self.ca_file.read_bytes()).decode()
+        credentials = (f"    token: {token}\n" if token else
+                       f"    client-certificate: {certificate[0]}\n    client-key: {certificate[1]}\n")
         path.write_text(
             "apiVersion: v1\nkind: Config\n"
-            f"clusters:\n- name: weightsync-local\n  cluster:\n    server: {server}\n"
+            f"clusters:\n- name: weightsync-local\n  cluster:\n    server: {server or self.server}\n"
             f"    certificate-authority-data: {ca}\n"
-            f"users:\n- name: {user}\n  user:\n    token: {token}\n"
+            f"users:\n- name: {user}\n  user:\n{credentials}"
             f"contexts:\n- name: weightsync-local\n  context:\n    cluster: weightsync-local\n    user: {user}\n"
             "current-context: weightsync-local\n"
         )

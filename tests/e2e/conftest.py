@@ -1,11 +1,19 @@
-"""Fixtures for the end-to-end tests: helm, one namespace and one block of loopback addresses per
-test, and the operator run from the chart (tools in e2e_harness.py)."""
+"""Fixtures for the end-to-end tests: helm, one namespace per test (gone before the next test
+starts), the real node that runs the project's images, and the operator as the chart runs it
+(tools in e2e_harness.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from pathlib import Path
+
 import pytest
-from e2e_harness import Helm, Loopback, Operator, new_namespace
-from localpod import mount_namespaces_work
+from e2e_harness import Helm, Operator, delete_namespaces, new_namespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
+from node import RealNode, unavailable  # noqa: E402
 
 
 @pytest.fixture
@@ -17,26 +25,37 @@ def helm(cluster, tmp_path) -> Helm:
 def namespace(cluster):
     name = new_namespace(cluster, "e2e")
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false")
+    delete_namespaces(cluster, name)
 
 
-@pytest.fixture
-def loopback() -> Loopback:
-    return Loopback()
-
-
-@pytest.fixture(scope="session")
-def can_run_pods():
-    why = mount_namespaces_work()
+@pytest.fixture(scope="module")
+def real_node(cluster, tmp_path_factory, pytestconfig) -> RealNode:
+    """A real node (containerd, kubelet, kube-proxy, CoreDNS) for this module's tests. KWOK's
+    CPU-only node is cordoned while it runs, so that pods that need no GPU run here for real."""
+    why = unavailable()
     if why:
-        pytest.skip(f"local pods need private mount namespaces (as containers have): {why}")
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the real-pod tests, but: {why}")
+        pytest.skip(f"real pods cannot run on this machine: {why}")
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    shown = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    node = RealNode(cluster, tmp_path_factory.mktemp("node"))
+    with shown:
+        node.up(log=sys.stderr)
+        t = node.timings
+        print(f"\nreal node {node.name} up in {t['total']:.1f}s (containerd {t['containerd']:.1f}s, images "
+              f"{t['images']:.1f}s, kubelet {t['kubelet']:.1f}s, cluster DNS {t['dns']:.1f}s)", file=sys.stderr)
+    try:
+        yield node
+    finally:
+        node.down()
 
 
 @pytest.fixture
-def operator_from_chart(cluster, loopback, tmp_path, can_run_pods):
-    """operator_from_chart(helm_namespace, release) -> a context manager running the operator."""
+def operator_from_chart(cluster, real_node):
+    """operator_from_chart(helm_namespace, release) -> a context manager for the chart's operator pod."""
 
     def start(helm_namespace: str, release: str) -> Operator:
-        return Operator(cluster, helm_namespace, release, loopback.take(), tmp_path / "pods")
+        return Operator(cluster, helm_namespace, release, real_node.name)
 
     return start

@@ -1,18 +1,16 @@
-"""The end-to-end tests' tools: the real helm CLI against the session's local control plane,
-the chart installed with it, the operator run from the chart's own Deployment pod
-(tests/e2e/localpod.py), and reading pods and examples back."""
+"""The end-to-end tests' tools: the real helm CLI against the session's local cluster, the chart
+installed with it, the operator as the chart runs it (its Deployment's pod on the real node), and
+reading pods, logs and examples back."""
 
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import uuid
 from pathlib import Path
 
 import yaml
 from controlplane import probe, wait_for
-from localpod import LocalPod
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightsync"
@@ -38,17 +36,11 @@ def new_namespace(cluster, prefix: str) -> str:
     return name
 
 
-class Loopback:
-    """Addresses for local pods: one random 127.a.b.0/24 block per test, so that pods of different
-    tests (and other programs on this machine) never share an address and port."""
-
-    def __init__(self):
-        self.prefix = f"127.{random.randint(100, 254)}.{random.randint(0, 255)}."
-        self.next = 2
-
-    def take(self) -> str:
-        self.next += 1
-        return f"{self.prefix}{self.next - 1}"
+def delete_namespaces(cluster, *names: str, timeout: float = 180) -> None:
+    """Deletes namespaces and waits until they are gone, so that no later test (nor its operator)
+    ever meets what an earlier one left behind."""
+    cluster.kubectl("delete", "namespace", "--ignore-not-found", "--wait=true", f"--timeout={int(timeout)}s", *names,
+                    timeout=timeout + 30)
 
 
 def pods(cluster, namespace: str, selector: str) -> list[dict]:
@@ -60,48 +52,100 @@ def running(pod: dict) -> bool:
     return pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp")
 
 
+def restarts(pod: dict) -> int:
+    return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
+
+
 def install(helm: Helm, release: str, namespace: str, *values: str) -> None:
-    helm("install", release, str(CHART), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "2m",
+    helm("install", release, str(CHART), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "3m",
          *[a for v in values for a in ("--set", v)])
 
 
-class Operator:
-    """The operator, started from the Deployment pod the chart created: that pod's arguments over
-    the operator image's entrypoint, and that pod's ServiceAccount credentials, so only the
-    chart's RBAC stands between it and the API."""
+class LogFollower:
+    """`kubectl logs -f` of each pod it is shown, into a file per pod, as a user watching the job
+    would: the lines stay readable after the operator has removed the pods."""
 
-    def __init__(self, cluster, helm_namespace: str, release: str, ip: str, workdir: Path):
-        selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator"
-        (pod,) = wait_for(f"the operator pod of release {release} Running",
-                          lambda: [p for p in pods(cluster, helm_namespace, selector) if running(p)], 60)
-        self.pod = pod
-        self.local = LocalPod(cluster, pod, ip, {}, workdir, "Dockerfile.operator")
+    def __init__(self, cluster, namespace: str, directory: Path):
+        self.cluster, self.namespace, self.dir = cluster, namespace, directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def follow(self, pod: dict) -> None:
+        name = pod["metadata"]["name"]
+        if name in self.procs or not running(pod):
+            return
+        with open(self.dir / f"{name}.log", "wb") as out:
+            self.procs[name] = subprocess.Popen(
+                ["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", "logs", "-f", "-n", self.namespace, name],
+                stdout=out, stderr=subprocess.STDOUT)
+
+    def text(self, name: str) -> str:
+        return (self.dir / f"{name}.log").read_text(errors="replace")
+
+    def stop(self, timeout: float = 30) -> None:
+        """Waits for every stream to end (its container exited), then stops those that did not."""
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                proc.wait(10)
+
+
+class Operator:
+    """The operator as the chart runs it: the one pod of the chart's Deployment, from the operator
+    image, on the real node, with the chart's ServiceAccount (so the chart's RBAC is all it has)."""
+
+    def __init__(self, cluster, helm_namespace: str, release: str, node: str):
+        self.cluster, self.namespace = cluster, helm_namespace
+        self.selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator"
+        self.node = node
+        self.pod: dict = {}
 
     def __enter__(self) -> "Operator":
-        self.local.start()
+        (self.pod,) = wait_for("the operator pod Running", lambda: [
+            p for p in pods(self.cluster, self.namespace, self.selector) if running(p)], 120, failed=self.check)
+        assert self.pod["spec"]["nodeName"] == self.node, "the operator's pod must run on the real node"
         self.wait_healthy()
         return self
 
-    def wait_healthy(self, timeout: float = 60) -> None:
-        """The Deployment's liveness probe, as the kubelet would send it, answers 200."""
-        liveness = self.local.container["livenessProbe"]["httpGet"]
+    @property
+    def name(self) -> str:
+        return self.pod["metadata"]["name"]
+
+    def wait_healthy(self, timeout: float = 90) -> None:
+        """The Deployment's liveness probe, sent as the kubelet sends it, to the pod's address."""
+        liveness = self.pod["spec"]["containers"][0]["livenessProbe"]["httpGet"]
         port = liveness["port"]
         if isinstance(port, str):
-            (port,) = [p["containerPort"] for p in self.local.container["ports"] if p["name"] == port]
-        url = f"http://{self.local.ip}:{port}{liveness['path']}"
+            (port,) = [p["containerPort"] for p in self.pod["spec"]["containers"][0]["ports"] if p["name"] == port]
+        url = f"http://{self.pod['status']['podIP']}:{port}{liveness['path']}"
         wait_for(f"operator liveness {url}", lambda: probe(url), timeout, failed=self.check)
 
     def check(self) -> None:
-        if not self.local.running():
-            raise AssertionError(f"the operator exited ({self.local.proc.returncode}):\n{self.local.tail(60)}")
+        """Fails when the operator's container has exited or restarted (a crash loop)."""
+        for pod in pods(self.cluster, self.namespace, self.selector):
+            for status in pod["status"].get("containerStatuses") or []:
+                if status.get("restartCount") or "terminated" in (status.get("state") or {}):
+                    previous = self.cluster.kubectl("logs", "-n", self.namespace, pod["metadata"]["name"], "--previous",
+                                                    "--tail=60", check=False)
+                    raise AssertionError(f"the operator's container exited: {json.dumps(status['state'])}; "
+                                         f"it logged:\n{previous.stdout}{previous.stderr}")
+
+    def logs(self) -> str:
+        return self.cluster.kubectl("logs", "-n", self.namespace, self.name).stdout
+
+    def exec(self, *command: str) -> subprocess.CompletedProcess:
+        return self.cluster.kubectl("exec", "-n", self.namespace, self.name, "--", *command, check=False)
 
     def __exit__(self, *exc) -> None:
-        self.local.stop()
+        log = self.logs()
         if exc[0] is not None:
-            print(f"--- operator log:\n{self.local.tail(80)}")
+            print(f"--- operator log:\n{log[-8000:]}")
             return
+        self.check()
         # The chart's RBAC was enough for everything the operator tried.
-        refused = [line for line in self.local.log.read_text().splitlines() if "forbidden" in line.lower()]
+        refused = [line for line in log.splitlines() if "forbidden" in line.lower()]
         assert not refused, "\n".join(refused)
 
 

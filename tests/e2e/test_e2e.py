@@ -1,21 +1,23 @@
 """End to end, the way a user runs weightsync: the chart installed with helm, the operator running
-from the chart's Deployment pod (with that pod's ServiceAccount, so the chart's RBAC is all it
-has), jobs applied with kubectl from examples/, their pods scheduled onto KWOK's fake GPU/RDMA
-nodes, and, for the tcp example, every pod's container run for real by tests/e2e/localpod.py so
-that the job trains, transfers and reports through the API until the operator ends it."""
+as the chart's Deployment pod from the operator image (with that pod's ServiceAccount, so the
+chart's RBAC is all it has), jobs applied with kubectl from examples/. Pods that need no GPU run
+as containers of the worker image on the real node (tests/node): the tcp example trains,
+transfers over the pod network, reports through the API and is ended by the operator. Pods that
+need GPUs and RDMA land on KWOK's fake nodes, which run nothing."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 
 import pytest
 import yaml
-from e2e_harness import example, install, new_namespace, pods, running
+from e2e_harness import (LogFollower, delete_namespaces, example, install, new_namespace, pods, restarts,
+                         running)
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
-from localpod import LocalPod, service_hosts
 
 from weightsync import contract
 
@@ -48,7 +50,7 @@ def events(cluster, namespace: str, name: str) -> list[dict]:
 
 
 def all_running(cluster, namespace: str, name: str, count: int) -> dict[str, dict] | None:
-    """The job's pods once all `count` of them are Running (KWOK marks scheduled pods so)."""
+    """The job's pods once all `count` of them are Running."""
     found = job_pods(cluster, namespace, name)
     return found if len(found) == count and all(running(p) for p in found.values()) else None
 
@@ -66,91 +68,101 @@ def printed_columns(cluster, namespace: str, name: str) -> dict[str, str]:
     return {header[a:b].strip(): row[a:b].strip() for a, b in bounds}
 
 
+def owned_leftovers(cluster, namespace: str, name: str) -> list[str]:
+    kinds = "statefulsets,services,secrets,configmaps,serviceaccounts,roles,rolebindings,pods"
+    return cluster.kubectl("get", kinds, "-n", namespace, "-l", f"{contract.LABEL_JOB}={name}", "-o", "name").stdout.split()
+
+
 @pytest.fixture
 def chart(cluster, helm):
-    """The chart installed cluster-wide, as `make deploy-*` installs it."""
+    """The chart installed cluster-wide, as `make deploy-*` installs it, with the images the tests
+    built (the chart's defaults, as `make images` tags them)."""
     release, ns = "weightsync", new_namespace(cluster, "weightsync-system")
     install(helm, release, ns)
     yield release, ns
     helm("uninstall", release, "--namespace", ns, "--ignore-not-found", "--wait", check=False)
-    cluster.kubectl("delete", "namespace", ns, "--wait=false")
+    delete_namespaces(cluster, ns)
 
 
 # ---------------------------------------------------------------------------------- tcp, for real
 
 
 def fast(job: dict) -> dict:
-    """The tcp example, kept as it is except where 2 CPU cores need less work to finish quickly."""
+    """The tcp example, kept as it is except where a 2-core node needs less: fewer steps, and CPU
+    requests that let all five pods (and the operator) fit on it."""
     job = copy.deepcopy(job)
     job["spec"].setdefault("training", {}).update(steps=6)
     job["spec"].setdefault("transfer", {}).update(everySteps=3)
+    for role in ("trainer", "inference"):
+        job["spec"][role].setdefault("resources", {}).setdefault("requests", {})["cpu"] = "200m"
     return job
 
 
-def test_tcp_example_trains_transfers_and_succeeds(cluster, namespace, chart, operator_from_chart, loopback, tmp_path):
+def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, namespace, chart, operator_from_chart,
+                                                    tmp_path):
     job = fast(example("tcp-job.yaml"))
     name = job["metadata"]["name"]
     spec = contract.load_job(job, namespace).spec
     layout = contract.Layout.from_spec(spec)
     assert spec["network"]["mode"] == "tcp"
+    logs = LogFollower(cluster, namespace, tmp_path / "logs")
 
     with operator_from_chart(chart[1], chart[0]) as operator:
+        # The operator image runs as the non-root user the chart names, on a read-only root.
+        assert operator.exec("id", "-u").stdout.strip() == "65532"
+        assert operator.exec("touch", "/probe").returncode != 0
+
         apply(cluster, namespace, job)
-        # Scheduled and Running under KWOK, every ordinal of the job.
+
+        def progress():
+            operator.check()
+            for pod in job_pods(cluster, namespace, name).values():
+                logs.follow(pod)
+                if restarts(pod) and pod["metadata"]["name"] in logs.procs:
+                    raise AssertionError(f"pod {pod['metadata']['name']} restarted:\n"
+                                         f"{logs.text(pod['metadata']['name'])[-4000:]}")
+
         scheduled = wait_for(f"{layout.pods} pods of {name} Running",
-                             lambda: all_running(cluster, namespace, name, layout.pods), 90, failed=operator.check)
+                             lambda: all_running(cluster, namespace, name, layout.pods), 180, failed=progress)
         by_ordinal = {int(p["metadata"]["labels"][contract.POD_INDEX_LABEL]): p for p in scheduled.values()}
         assert sorted(by_ordinal) == list(range(layout.pods))
         for ordinal, pod in by_ordinal.items():
+            assert pod["spec"]["nodeName"] == real_node.name, pod["metadata"]["name"]
             assert pod["metadata"]["labels"][contract.LABEL_ROLE] == layout.role_of(ordinal)
             if ordinal > 0:
                 assert env_of(pod)["NCCL_IB_DISABLE"] == "1"
-            requests = pod["spec"]["containers"][0].get("resources", {}).get("requests", {})
-            assert RDMA not in requests
+            assert RDMA not in pod["spec"]["containers"][0].get("resources", {}).get("requests", {})
 
-        # Each pod's container, run locally with exactly what the API server holds for it.
-        ips = {p["metadata"]["name"]: loopback.take() for p in scheduled.values()}
-        hosts = service_hosts(scheduled, ips)
-        local = {n: LocalPod(cluster, p, ips[n], hosts, tmp_path / "pods", "Dockerfile.worker")
-                 for n, p in scheduled.items()}
         try:
-            for pod in local.values():
-                pod.start()
-
-            stopped = set()
-
-            def progress():
-                for pod in local.values():
-                    if pod.name not in stopped and pod.proc.poll() not in (None, 0):
-                        raise AssertionError(f"pod {pod.name} exited with {pod.proc.returncode}:\n{pod.tail(60)}")
-                operator.check()
-                # The kubelet stops a container when its pod goes away (the operator scales down).
-                present = job_pods(cluster, namespace, name)
-                for pod_name, pod in local.items():
-                    if pod.running() and (pod_name not in present or present[pod_name]["metadata"].get("deletionTimestamp")):
-                        stopped.add(pod_name)
-                        pod.stop()
-
             done = wait_for(f"{name} Succeeded", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
                             600, interval=1, failed=progress)
             status = done["status"]
             assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
-            wait_for(f"pods of {name} gone", lambda: not job_pods(cluster, namespace, name), 60, failed=progress)
+            # The operator ended the job: its pods stop (the kubelet stops their containers).
+            wait_for(f"pods of {name} gone", lambda: not job_pods(cluster, namespace, name), 120)
         finally:
-            codes = {n: p.stop() for n, p in local.items()}
-            for n, p in local.items():
-                print(f"--- {n} (exit {codes[n]}):\n{p.tail(15)}")
+            logs.stop()
+            for pod_name in sorted(logs.procs):
+                print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-1500:]}")
 
-    # The controller's reports arrived through the API with the job's own ServiceAccount (the
-    # only credentials its process had: its pod's projected token, no kubeconfig)...
+    # Each role's progress, as `kubectl logs` showed it.
     versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
+    role_logs = {role: [logs.text(n) for n, p in scheduled.items() if p["metadata"]["labels"][contract.LABEL_ROLE] == role]
+                 for role in contract.ROLES}
+    for text in role_logs[contract.TRAINER]:
+        assert re.search(rf"version {versions - 1} at step {spec['training']['steps']}.*: sent \d+ bytes", text), text
+    for text in role_logs[contract.INFERENCE]:
+        assert f"version {versions - 1} generates" in text, text
+    (controller_log,) = role_logs[contract.CONTROLLER]
+    reported = [json.loads(line) for line in controller_log.splitlines() if line.startswith("{")]
+    last = [r for r in reported if r.get("event") == "transfer"][-1]
+
+    # The controller's reports arrived through the API (the kubernetes Service, from inside its
+    # pod) with the job's own ServiceAccount...
     transfer, completion = status["transfer"], status["completion"]
     assert completion["state"] == "Succeeded" and completion["versions"] == versions
     assert transfer["version"] == versions - 1 and transfer["bytes"] > 0 and transfer["gbps"] > 0
     assert transfer["transport"] == "tcp"
-    controller = local[f"{name}-controller-0"]
-    reported = [json.loads(line) for line in controller.log.read_text().splitlines() if line.startswith("{")]
-    last = [r for r in reported if r.get("event") == "transfer"][-1]
     assert {k: last[k] for k in ("version", "bytes", "gbps")} == {k: transfer[k] for k in ("version", "bytes", "gbps")}
     who = f"system:serviceaccount:{namespace}:{name}-controller"
     allowed = cluster.kubectl("auth", "can-i", f"--as={who}", "patch", f"weighttransferjobs.weightsync.io/{name}",
@@ -170,7 +182,22 @@ def test_tcp_example_trains_transfers_and_succeeds(cluster, namespace, chart, op
     shown = printed_columns(cluster, namespace, name)
     print(cluster.kubectl("get", "wtj", name, "-n", namespace).stdout)
     assert shown["PHASE"] == "Succeeded" and shown["NETWORK"] == "tcp"
+    assert int(shown["VERSION"]) == versions - 1
     assert float(shown["GB/S"]) == pytest.approx(transfer["gbps"])
+
+    # Deleting the job leaves nothing of it; uninstalling the chart leaves nothing of the operator.
+    cluster.kubectl("delete", "wtj", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(f"everything of {name} gone", lambda: not owned_leftovers(cluster, namespace, name), 60)
+    release, ops = chart
+    helm("uninstall", release, "--namespace", ops, "--wait")
+    wait_for("nothing of the chart left", lambda: not chart_leftovers(cluster, release, ops), 120)
+
+
+def chart_leftovers(cluster, release: str, namespace: str) -> list[str]:
+    selector = f"app.kubernetes.io/instance={release}"
+    return (cluster.kubectl("get", "deployments,pods,serviceaccounts,roles,rolebindings", "-n", namespace, "-l",
+                            selector, "-o", "name").stdout.split()
+            + cluster.kubectl("get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name").stdout.split())
 
 
 # ---------------------------------------------------------------------------------- rdma placement
@@ -289,5 +316,4 @@ def test_a_namespaced_install_runs_jobs_in_its_namespace_only(cluster, helm, ope
             assert not job_pods(cluster, other, "scoped")
     finally:
         helm("uninstall", release, "--namespace", ops, "--ignore-not-found", "--wait", check=False)
-        for ns in (ops, watched, other):
-            cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        delete_namespaces(cluster, ops, watched, other)
