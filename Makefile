@@ -124,5 +124,5 @@ bench-operator: setup ## Operator benchmark: kubectl apply -> all children (1 jo
 	$(PY) tests/benchmarks/operator_bench.py
 
 .PHONY: e2e
-e2e: setup ## End to end on a fresh local control plane: helm install, the operator, the tcp example trained and transferred for real
+e2e: setup binaries node-images ## End to end: helm install, the operator pod, the tcp example run to Succeeded in real pods
 	$(PY) -m pytest -ra tests/e2e $(PYTEST_ARGS)

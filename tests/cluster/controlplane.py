@@ -35,6 +35,8 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 GPU_RESOURCE = "nvidia.com/gpu"
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+# Extensions of every certificate the cluster's CA signs.
+SIGNED = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nauthorityKeyIdentifier=keyid,issuer\n"
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 SERVICE_CIDR = "10.96.0.0/12"
 POD_CIDR = "10.244.0.1/16"
@@ -512,13 +514,17 @@ class ControlPlane:
         def openssl(*args):
             subprocess.run(["openssl", *args], cwd=pki, check=True, capture_output=True)
 
+        # The extensions that strict verification (Python 3.13's default, inside the images) requires
+        # of a CA and of the certificates it signs.
         openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-                "-days", "3650", "-subj", "/CN=weightsync-local-ca")
+                "-days", "3650", "-subj", "/CN=weightsync-local-ca",
+                "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+                "-addext", "subjectKeyIdentifier=hash")
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
                 "-subj", "/CN=kube-apiserver")
         names = ["DNS:localhost", "IP:127.0.0.1", "IP:10.96.0.1", "DNS:kubernetes", "DNS:kubernetes.default",
                  "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"]
-        (pki / "apiserver.ext").write_text(f"subjectAltName={','.join(names)}\nextendedKeyUsage=serverAuth\n")
+        (pki / "apiserver.ext").write_text(f"subjectAltName={','.join(names)}\nextendedKeyUsage=serverAuth\n{SIGNED}")
         openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                 "-out", "apiserver.crt", "-days", "3650", "-extfile", "apiserver.ext")
         openssl("genrsa", "-out", "sa.key", "2048")
@@ -530,10 +536,11 @@ class ControlPlane:
         and pki/NAME.key, returned in that order."""
         pki = self.dir / "pki"
         subject = f"/CN={user}" + (f"/O={group}" if group else "")
+        (pki / f"{name}.ext").write_text(f"extendedKeyUsage=clientAuth\n{SIGNED}")
         for args in (["req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                       "-subj", subject],
                      ["x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                      "-out", f"{name}.crt", "-days", "3650"]):
+                      "-out", f"{name}.crt", "-days", "3650", "-extfile", f"{name}.ext"]):
             subprocess.run(["openssl", *args], cwd=pki, check=True, capture_output=True)
         return pki / f"{name}.crt", pki / f"{name}.key"
 

@@ -126,11 +126,13 @@ class Operator:
         """Fails when the operator's container has exited or restarted (a crash loop)."""
         for pod in pods(self.cluster, self.namespace, self.selector):
             for status in pod["status"].get("containerStatuses") or []:
-                if status.get("restartCount") or "terminated" in (status.get("state") or {}):
-                    previous = self.cluster.kubectl("logs", "-n", self.namespace, pod["metadata"]["name"], "--previous",
-                                                    "--tail=60", check=False)
-                    raise AssertionError(f"the operator's container exited: {json.dumps(status['state'])}; "
-                                         f"it logged:\n{previous.stdout}{previous.stderr}")
+                exited = status.get("restartCount") or "terminated" in (status.get("state") or {})
+                if exited:
+                    which = ["--previous"] if "terminated" not in (status.get("state") or {}) else []
+                    last = self.cluster.kubectl("logs", "-n", self.namespace, pod["metadata"]["name"], *which,
+                                                "--tail=60", check=False)
+                    raise AssertionError(f"the operator's container exited ({status.get('restartCount')} restarts, now "
+                                         f"{json.dumps(status['state'])}); it logged:\n{last.stdout}{last.stderr}")
 
     def logs(self) -> str:
         return self.cluster.kubectl("logs", "-n", self.namespace, self.name).stdout

@@ -114,11 +114,14 @@ class Docker:
             self._lock.close()
 
     def __call__(self, *args: str, check: bool = True, capture: bool = False, **kw) -> subprocess.CompletedProcess:
+        """Runs the docker CLI against this daemon. Unless `capture`, its output goes to the log
+        only when it fails (a build's steps are long and say nothing while they succeed)."""
         env = {**os.environ, "DOCKER_HOST": f"unix://{self.socket}", "DOCKER_BUILDKIT": "0"}
-        out = subprocess.run(["docker", *args], env=env, text=True,
-                             stdout=subprocess.PIPE if capture else self.log,
-                             stderr=subprocess.PIPE if capture else self.log, **kw)
+        out = subprocess.run(["docker", *args], env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE if capture else subprocess.STDOUT, **kw)
         if check and out.returncode != 0:
+            if not capture:
+                print(out.stdout[-20000:], file=self.log)
             raise RuntimeError(f"docker {' '.join(args[:3])} ... failed ({out.returncode})"
                                + (f": {out.stderr.strip()}" if capture else ""))
         return out

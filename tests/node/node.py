@@ -27,6 +27,7 @@ import errno
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,7 @@ PACKAGES = {"containerd": "containerd", "runc": "runc", "ctr": "containerd", "so
 SYSCTLS = ("kernel.panic", "kernel.panic_on_oops", "vm.overcommit_memory", "net.ipv4.ip_forward",
            "net.bridge.bridge-nf-call-iptables")
 FORWARD_RULES = (("-i", BRIDGE), ("-o", BRIDGE))
+KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT")
 LOCK = Path("/run/weightsync-node.lock")
 DEFAULT_CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache/weightsync"))
 
@@ -94,6 +96,22 @@ def run(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
     if check and out.returncode != 0:
         raise NodeError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
     return out
+
+
+def remove_kubelet_chains() -> None:
+    """The chains the kubelet adds (and never removes): KUBE-FIREWALL, which drops traffic to
+    127.0.0.0/8 from other addresses, its canaries, and the hint kube-proxy reads."""
+    for tool in ("iptables", "ip6tables"):
+        for table in ("filter", "nat", "mangle"):
+            rules = run(tool, "-t", table, "-S", check=False).stdout.splitlines()
+            chains = {r.split()[1] for r in rules if r.startswith("-N ") and r.split()[1] in KUBELET_CHAINS}
+            for rule in rules:
+                words = shlex.split(rule)
+                if words[0] == "-A" and "-j" in words and words[words.index("-j") + 1] in chains:
+                    run(tool, "-t", table, "-D", *words[1:])
+            for chain in chains:
+                run(tool, "-t", table, "-F", chain)
+                run(tool, "-t", table, "-X", chain)
 
 
 class Containerd:
@@ -295,7 +313,7 @@ class RealNode:
         slice_ = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                   "metadata": {"name": "kubernetes-real-node",
                                "labels": {"kubernetes.io/service-name": "kubernetes",
-                                          "endpointslice.kubernetes.io/managed-by": "weightsync.io/real-node"}},
+                                          "endpointslice.kubernetes.io/managed-by": "weightsync.io-real-node"}},
                   "addressType": "IPv4",
                   "endpoints": [{"addresses": [NODE_IP], "conditions": {"ready": True}}],
                   "ports": [{"name": "https", "port": API_RELAY_PORT, "protocol": "TCP"}]}
@@ -346,10 +364,12 @@ class RealNode:
         cordoned.unlink(missing_ok=True)
         if self._live_pid("kubelet"):
             step("draining pods", self._drain, timeout)
+        kube_proxy = self._binary("kube-proxy")
         for name in ("kube-proxy", "kubelet", "api-relay"):
             step(f"stopping {name}", self._stop, name)
-        if self._binary("kube-proxy"):
-            step("kube-proxy --cleanup", run, str(self._binary("kube-proxy")), "--cleanup", check=False)
+        if kube_proxy:
+            step("kube-proxy --cleanup", run, str(kube_proxy), "--cleanup")
+        step("the kubelet's iptables chains", remove_kubelet_chains)
         step("leftover containers", self._kill_containers)
         step("stopping containerd", self._stop, "containerd")
         step("containerd's shims", self._kill_shims)
