@@ -17,16 +17,23 @@ FIELD_MANAGER = "weightsync-operator"
 PLURALS = {
     "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
     "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-    "StatefulSet": "statefulsets", "Node": "nodes", contract.KIND: contract.PLURAL,
+    "StatefulSet": "statefulsets", "Node": "nodes", "Namespace": "namespaces", contract.KIND: contract.PLURAL,
 }
 
 
 class ApiError(Exception):
-    """A refused request, with the API server's own message."""
+    """A refused request, with the API server's own message and causes."""
 
-    def __init__(self, status: int, reason: str, message: str, what: str):
+    def __init__(self, status: int, reason: str, message: str, what: str, causes: list | None = None):
         self.status, self.reason, self.message = status, reason, message
+        self.causes = [c for c in causes or [] if isinstance(c, dict)]
         super().__init__(f"{what}: {status} {reason}: {message}")
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """Refused because the namespace is being deleted (not for want of permission): the
+        namespace lifecycle admission names the cause NamespaceTerminating."""
+        return self.status == 403 and any(c.get("reason") == "NamespaceTerminating" for c in self.causes)
 
 
 def load_client() -> kubernetes.client.ApiClient:
@@ -70,7 +77,7 @@ class Kube:
             except ValueError:
                 refusal = {}
             raise ApiError(status, refusal.get("reason") or "Error", refusal.get("message") or data.decode(errors="replace")[:500],
-                           f"{method} {resource_path}")
+                           f"{method} {resource_path}", (refusal.get("details") or {}).get("causes"))
         return json.loads(data) if data else None
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
@@ -101,8 +108,20 @@ class Kube:
         self.apply(obj)
         return "created" if stored is None else "patched"
 
+    def namespace_terminating(self, namespace: str) -> bool:
+        """Whether the namespace is being deleted (or gone): nothing can be created in it."""
+        try:
+            stored = self.get("v1", "Namespace", None, namespace)
+        except ApiError:
+            return False
+        return stored is None or (stored.get("status") or {}).get("phase") == "Terminating"
+
     def get_job(self, namespace: str, name: str) -> dict | None:
         return self.get(contract.API_VERSION, contract.KIND, namespace, name)
+
+    def annotate_job(self, namespace: str, name: str, annotations: Mapping[str, str]) -> dict:
+        return self.request("PATCH", path(contract.API_VERSION, contract.KIND, namespace, name),
+                            {"metadata": {"annotations": dict(annotations)}}, content_type="application/merge-patch+json")
 
     def patch_job_status(self, namespace: str, name: str, status: Mapping, resource_version: str | None = None) -> dict:
         """A merge patch of the job's status; with resource_version, refused (409) when the job

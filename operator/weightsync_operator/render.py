@@ -1,5 +1,6 @@
-"""A WeightTransferJob's children as manifests: pure functions of the defaulted job, its resolved
-network mode and its token. Ownership (kopf.adopt) and the API calls are the handlers' business."""
+"""A WeightTransferJob's children as manifests: pure functions of the defaulted job, what the
+operator decided for it once (network mode, default image, token) and where it stands (running,
+finished). Ownership (kopf.adopt) and the API calls are the handlers' business."""
 
 from __future__ import annotations
 
@@ -25,13 +26,22 @@ DEFAULT_WORKER_IMAGE_ENV = "WEIGHTSYNC_DEFAULT_WORKER_IMAGE"
 FALLBACK_WORKER_IMAGE = f"ghcr.io/weightsync/worker:{weightsync.__version__}"
 
 
-def worker_image(spec: dict) -> str:
-    return spec.get("image") or os.environ.get(DEFAULT_WORKER_IMAGE_ENV) or FALLBACK_WORKER_IMAGE
+def default_worker_image() -> str:
+    """The image of jobs created now that name none (recorded on each job when it is created)."""
+    return os.environ.get(DEFAULT_WORKER_IMAGE_ENV) or FALLBACK_WORKER_IMAGE
 
 
-def children(job: Job, mode: str, token: str, *, finished: bool = False) -> list[dict]:
+def worker_image(spec: dict, recorded: str | None = None) -> str:
+    """The job's own image, else the default recorded when the job was created."""
+    return spec.get("image") or recorded or default_worker_image()
+
+
+def children(job: Job, mode: str, token: str, *, image: str | None = None, finished: bool = False,
+             running: bool = False) -> list[dict]:
     """Every object the job owns, in creation order (what the pods mount comes before the pods).
-    `finished`: the controller reported completion, so the StatefulSets run no pods."""
+    `image`: the default image recorded for the job; `finished`: the controller reported
+    completion, so the StatefulSets run no pods; `running`: the job runs, so no change of a pod
+    template may replace its pods."""
     return [
         service(job),
         secret(job, token),
@@ -39,7 +49,7 @@ def children(job: Job, mode: str, token: str, *, finished: bool = False) -> list
         service_account(job),
         role(job),
         role_binding(job),
-        *(statefulset(job, r, mode, finished=finished) for r in ROLES),
+        *(statefulset(job, r, mode, image=image, finished=finished, running=running) for r in ROLES),
     ]
 
 
@@ -124,8 +134,14 @@ def role_binding(job: Job) -> dict:
     }
 
 
-def statefulset(job: Job, role: str, mode: str, *, finished: bool = False) -> dict:
+def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, finished: bool = False,
+                running: bool = False) -> dict:
     layout = job.layout
+    # Until the job runs, a changed spec replaces its pods (they have not started the job yet: a
+    # pod that cannot be scheduled takes the fixed template). Once it runs, the CRD refuses spec
+    # changes, and a template that changes anyway (a new operator version renders differently)
+    # reaches only pods created later: the running ones are never replaced.
+    strategy = {"type": "OnDelete"} if running else {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -136,12 +152,13 @@ def statefulset(job: Job, role: str, mode: str, *, finished: bool = False) -> di
             "serviceName": job.service_name,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": job.labels(role)},
-            "template": pod_template(job, role, mode),
+            "updateStrategy": strategy,
+            "template": pod_template(job, role, mode, image),
         },
     }
 
 
-def pod_template(job: Job, role: str, mode: str) -> dict:
+def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> dict:
     if mode not in MODES:
         raise ValueError(f"network mode must be resolved to one of {MODES} before rendering, not {mode!r}")
     spec = job.spec
@@ -153,10 +170,12 @@ def pod_template(job: Job, role: str, mode: str) -> dict:
     volumes = [
         {"name": "spec", "configMap": {"name": job.configmap_name}},
         {"name": "token", "secret": {"secretName": job.secret_name}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     mounts = [
         {"name": "spec", "mountPath": contract.SPEC_MOUNT, "readOnly": True},
         {"name": "token", "mountPath": contract.TOKEN_MOUNT, "readOnly": True},
+        {"name": "tmp", "mountPath": contract.TMP_MOUNT},
     ]
     # RDMA registers pinned buffers, and NCCL moves data between the processes of one pod through
     # /dev/shm; the container runtime's default /dev/shm is 64 MiB.
@@ -166,22 +185,20 @@ def pod_template(job: Job, role: str, mode: str) -> dict:
 
     container = {
         "name": CONTAINER,
-        "image": worker_image(spec),
+        "image": worker_image(spec, image),
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": list(WORKER_COMMAND),
         "env": env(job, role, mode),
         "ports": ports(job, role),
         "volumeMounts": mounts,
+        "securityContext": container_security(rdma),
     }
     res = resources(job, role, mode)
     if res:
         container["resources"] = res
-    if rdma:
-        # Registering RDMA buffers pins memory past the default locked-memory limit. IPC_LOCK lifts
-        # it only for root: Kubernetes gives a non-root user no ambient capabilities.
-        container["securityContext"] = {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
 
     pod: dict = {
+        "securityContext": pod_security(rdma),
         "containers": [container],
         "volumes": volumes,
         "enableServiceLinks": False,
@@ -208,6 +225,24 @@ def pod_template(job: Job, role: str, mode: str) -> dict:
     return {"metadata": {"labels": job.labels(role), "annotations": annotations}, "spec": pod}
 
 
+def pod_security(rdma: bool) -> dict:
+    """Every pod but an rdma job's trainers and inference ranks passes Pod Security `restricted`:
+    the worker image's own non-root user, the runtime's default seccomp profile. Registering RDMA
+    buffers pins memory past the default locked-memory limit; IPC_LOCK lifts that limit only for
+    root (Kubernetes gives a non-root user no ambient capabilities), so those pods run as root."""
+    if rdma:
+        return {"runAsUser": 0, "runAsGroup": 0, "seccompProfile": {"type": "RuntimeDefault"}}
+    return {"runAsNonRoot": True, "runAsUser": contract.WORKER_UID, "runAsGroup": contract.WORKER_UID,
+            "fsGroup": contract.WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security(rdma: bool) -> dict:
+    """No capability but IPC_LOCK for RDMA, no privilege escalation, and a read-only root
+    filesystem: the worker writes only under /tmp (contract.WRITABLE_ENV)."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if rdma else {})}}
+
+
 def env(job: Job, role: str, mode: str) -> list[dict]:
     def field(path: str) -> dict:
         return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
@@ -224,6 +259,7 @@ def env(job: Job, role: str, mode: str) -> list[dict]:
         {"name": Env.SPEC_FILE, "value": f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"},
         {"name": Env.TOKEN_FILE, "value": f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"},
         {"name": Env.NETWORK_MODE, "value": mode},
+        *({"name": k, "value": v} for k, v in contract.WRITABLE_ENV.items()),
     ]
     if role == CONTROLLER:
         # The controller moves no weights: it reports to the API server and needs no NCCL settings.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import kopf
 
+from weightsync import contract
 from weightsync.contract import Layout
 from weightsync_operator import status
 from weightsync_operator.kube import ApiError, Kube
@@ -15,17 +17,43 @@ from weightsync_operator.kube import ApiError, Kube
 CONFLICT_ATTEMPTS = 5
 
 
-def observed(statefulsets_by_job: Mapping, pods_by_job: Mapping, namespace: str, name: str):
-    """What the operator's indexes know about one job's StatefulSets and stuck pods."""
-    key = (namespace, name)
-    statefulsets = {s["role"]: s for s in statefulsets_by_job.get(key, [])}
-    problems = [tuple(p) for p in pods_by_job.get(key, [])]
-    return statefulsets, problems
+@dataclass(frozen=True)
+class Indexes:
+    """The operator's indexes (handlers/children.py), as every handler receives them."""
+
+    statefulsets: Mapping  # (namespace, job) -> [{"role", "ready", "created"}]
+    pods: Mapping  # (namespace, job) -> [("pod <name>", reason, message)] of stuck pods
+    failed_creates: Mapping  # (namespace, job) -> [(StatefulSet name, role, message)]
+
+    @classmethod
+    def of(cls, handler_kwargs: Mapping) -> "Indexes":
+        return cls(handler_kwargs["statefulsets_by_job"], handler_kwargs["pods_by_job"],
+                   handler_kwargs["failed_creates_by_job"])
+
+    def observed(self, namespace: str, name: str, layout: Layout):
+        """What the indexes know about one job: its StatefulSets by role, and its problems: stuck
+        pods, and StatefulSets that lack pods because creating them failed (admission refused
+        them, a quota is full)."""
+        key = (namespace, name)
+        statefulsets = {s["role"]: s for s in self.statefulsets.get(key, [])}
+        problems = [tuple(p) for p in self.pods.get(key, [])]
+        for sts, role, message in self.failed_creates.get(key, []):
+            created = statefulsets.get(role, {}).get("created")
+            if created is not None and created < layout.replicas(role):
+                problems.append((f"StatefulSet {sts}", "FailedCreate", message))
+        return statefulsets, problems
 
 
-def report(kube: Kube, namespace: str, name: str, statefulsets_by_job: Mapping, pods_by_job: Mapping, *,
-           set_conditions: Iterable[Mapping] = (), network: Mapping | None = None,
-           observed_generation: int | None = None) -> dict | None:
+def network_of(job: Mapping) -> dict | None:
+    """The job's network as the operator recorded it in the job's annotations (the status shows
+    it; a status written by anyone else is put back)."""
+    annotations = job["metadata"].get("annotations") or {}
+    mode = annotations.get(contract.ANNOTATION_NETWORK_MODE)
+    return {"mode": mode, "reason": annotations.get(contract.ANNOTATION_NETWORK_REASON, "")} if mode else None
+
+
+def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
+           set_conditions: Iterable[Mapping] = (), observed_generation: int | None = None) -> dict | None:
     """Recompute the operator-owned status of a job and write what changed, with the Events the
     change deserves. Writes nothing when nothing changed. Returns the status as written."""
     set_conditions = list(set_conditions)
@@ -34,10 +62,12 @@ def report(kube: Kube, namespace: str, name: str, statefulsets_by_job: Mapping, 
         if job is None or job["metadata"].get("deletionTimestamp"):
             return None
         current = job.get("status") or {}
-        statefulsets, problems = observed(statefulsets_by_job, pods_by_job, namespace, name)
-        new = status.compute(current, Layout.from_spec(job["spec"]), statefulsets, problems, set_conditions)
-        if network and not current.get("network"):
-            new["network"] = dict(network)
+        layout = Layout.from_spec(job["spec"])
+        statefulsets, problems = indexes.observed(namespace, name, layout)
+        new = status.compute(current, layout, statefulsets, problems, set_conditions)
+        network = network_of(job)
+        if network and current.get("network") != network:
+            new["network"] = network
         if observed_generation is not None:
             new["observedGeneration"] = observed_generation
         patch = status.changes(current, new)
@@ -51,7 +81,10 @@ def report(kube: Kube, namespace: str, name: str, statefulsets_by_job: Mapping, 
             if e.status == 404:  # deleted since it was read
                 return None
             raise
-        for type, reason, message in status.events(current, {**current, **patch}):
-            kopf.event(job, type=type, reason=reason, message=message)
+        events = status.events(current, {**current, **patch})
+        # Not into a namespace being deleted: no Event can be created there.
+        if events and not kube.namespace_terminating(namespace):
+            for type, reason, message in events:
+                kopf.event(job, type=type, reason=reason, message=message)
         return {**current, **patch}
     raise kopf.TemporaryError(f"the status of {namespace}/{name} kept changing while it was being written", delay=1)

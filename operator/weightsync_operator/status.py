@@ -15,8 +15,8 @@ READY = "Ready"
 COMPLETED = "Completed"
 FAILED = "Failed"
 
-# ChildrenCreated reasons that no retry can fix: the job fails until its spec changes.
-PERMANENT_REASONS = {"ChildRefused", "InvalidSpec"}
+# ChildrenCreated reasons that no retry can fix: the job fails (until its spec changes).
+PERMANENT_REASONS = {"ChildRefused", "InvalidSpec", "TokenLost"}
 # Container waiting reasons that mean a pod will not run without someone's help.
 WAITING_PROBLEMS = {
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -52,7 +52,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
 
     current: the job's status now (the controller pod's `completion` included);
     statefulsets: role -> {"ready": int} for the StatefulSets that exist;
-    problems: (pod name, reason, message) of the job's stuck pods;
+    problems: (what, reason, message) of the job's stuck pods ("pod x") and of StatefulSets that
+    cannot create theirs ("StatefulSet y");
     set_conditions: conditions the caller decided (NetworkResolved, ChildrenCreated)."""
     at = at or now()
     completion = current.get("completion") or {}
@@ -74,9 +75,9 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     elif all_ready:
         conditions[READY] = condition(READY, True, "AllPodsReady", _counts(replicas) + " are ready")
     elif problems:
-        pod, reason, message = problems[0]
-        more = f" (and {len(problems) - 1} more pods)" if len(problems) > 1 else ""
-        conditions[READY] = condition(READY, False, reason, f"pod {pod}: {message}{more}")
+        what, reason, message = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        conditions[READY] = condition(READY, False, reason, f"{what}: {message}{more}")
     else:
         ready = ", ".join(f"{r} {replicas[r]['summary']}" for r in ROLES)
         conditions[READY] = condition(READY, False, "PodsNotReady", f"ready pods: {ready}")

@@ -21,24 +21,28 @@ CRD = ROOT / "crds" / "weightsync.io_weighttransferjobs.yaml"
 class Operator:
     """One `kopf run` process; restartable. Its log accumulates in one file."""
 
-    def __init__(self, kubeconfig: Path, log: Path):
+    def __init__(self, kubeconfig: Path, log: Path, args: tuple[str, ...] = ("--all-namespaces",),
+                 env: dict[str, str] | None = None):
         self.kubeconfig, self.log_path = kubeconfig, log
+        self.args, self.env = args, dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.starts = 0
 
-    def start(self, timeout: float = 60) -> "Operator":
+    def start(self, timeout: float = 60, wait: bool = True) -> "Operator":
+        """Start it; with wait, return once its liveness endpoint answers."""
         (self.port,) = free_ports(1)
         self.starts += 1
         with open(self.log_path, "a") as log:
             log.write(f"===== operator start {self.starts}\n")
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
+                [sys.executable, "-m", "kopf", "run", "--standalone", *self.args,
                  f"--liveness=http://127.0.0.1:{self.port}/healthz", "-m", "weightsync_operator"],
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig)}, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
-        wait_for("operator liveness endpoint", self.healthy, timeout)
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
+        if wait:
+            wait_for("operator liveness endpoint", self.healthy, timeout)
         return self
 
     def healthy(self) -> bool:

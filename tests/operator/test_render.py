@@ -147,7 +147,7 @@ def test_tcp_pods():
         assert e["NCCL_IB_DISABLE"] == "1" and e["NCCL_SOCKET_IFNAME"] == "eth0"
         c = container(j, role, "tcp")
         assert c["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}
-        assert "securityContext" not in c
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         spec = pod(j, role, "tcp")["spec"]
         assert "hostNetwork" not in spec and all(v["name"] != "dshm" for v in spec["volumes"])
         assert render.MULTUS_ANNOTATION not in pod(j, role, "tcp")["metadata"]["annotations"]
@@ -162,16 +162,21 @@ def test_rdma_pods():
         assert e["NCCL_IB_GID_INDEX"] == "5" and e["NCCL_IB_TC"] == "104" and e["NCCL_NET_GDR_LEVEL"] == "PHB"
         c = container(j, role, "rdma")
         assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "2" == c["resources"]["requests"]["rdma/rdma_shared_device_a"]
-        assert c["securityContext"] == {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
+        # IPC_LOCK and root (which IPC_LOCK needs to lift the locked-memory limit), nothing more.
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+        assert pod(j, role, "rdma")["spec"]["securityContext"] == {"runAsUser": 0, "runAsGroup": 0,
+                                                                   "seccompProfile": {"type": "RuntimeDefault"}}
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         p = pod(j, role, "rdma")
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in p["spec"]["volumes"]
         assert p["spec"]["hostNetwork"] is True and p["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
         assert p["metadata"]["annotations"][render.MULTUS_ANNOTATION] == "default/rdma-net"
-    # The controller: no GPU, no RDMA device, no special networking.
+    # The controller: no GPU, no RDMA device, no special networking, no root.
     c = container(j, CONTROLLER, "rdma")
-    assert "resources" not in c and "securityContext" not in c
+    assert "resources" not in c and "add" not in c["securityContext"]["capabilities"]
     p = pod(j, CONTROLLER, "rdma")
+    assert p["spec"]["securityContext"]["runAsNonRoot"] is True
     assert "hostNetwork" not in p["spec"] and render.MULTUS_ANNOTATION not in p["metadata"]["annotations"]
     assert not any(k.startswith("NCCL_") for k in env(j, CONTROLLER, "rdma"))
 
@@ -287,14 +292,14 @@ def test_phase_follows_readiness_and_completion():
 def test_refusals_fail_the_job_and_stuck_pods_say_why():
     refused = status.compute({}, LAYOUT, {}, [], [status.condition(status.CHILDREN_CREATED, False, "ChildRefused", "bad")])
     assert refused["phase"] == "Failed"
-    stuck = status.compute({}, LAYOUT, {}, [("demo-trainer-2", "Unschedulable", "0/5 nodes"), ("demo-trainer-1", "Unschedulable", "0/5 nodes")], [CREATED])
+    stuck = status.compute({}, LAYOUT, {}, [("pod demo-trainer-2", "Unschedulable", "0/5 nodes"), ("pod demo-trainer-1", "Unschedulable", "0/5 nodes")], [CREATED])
     ready = {c["type"]: c for c in stuck["conditions"]}[status.READY]
     assert stuck["phase"] == "Pending" and ready["reason"] == "Unschedulable"
-    assert ready["message"] == "pod demo-trainer-1: 0/5 nodes (and 1 more pods)"
+    assert ready["message"] == "pod demo-trainer-1: 0/5 nodes (and 1 more)"
     events = status.events({}, stuck)
     assert ("Warning", "Unschedulable", ready["message"]) in events
     # The same problem again is no new Event.
-    assert status.events(stuck, status.compute(stuck, LAYOUT, {}, [("demo-trainer-1", "Unschedulable", "x")])) == []
+    assert status.events(stuck, status.compute(stuck, LAYOUT, {}, [("pod demo-trainer-1", "Unschedulable", "x")])) == []
 
 
 def test_pod_problems():
@@ -329,12 +334,38 @@ def test_the_operator_imports_no_torch():
     assert out.stdout.strip() == "[]"
 
 
-def test_worker_image_is_the_jobs_own_else_the_operators_default(monkeypatch):
+def test_worker_image_is_the_jobs_own_else_the_default_recorded_at_creation(monkeypatch):
     assert container(job({"image": "registry.local/worker:7"}), TRAINER, "tcp")["image"] == "registry.local/worker:7"
     monkeypatch.setenv(render.DEFAULT_WORKER_IMAGE_ENV, "registry.local/worker:default")
-    assert container(job(), INFERENCE, "tcp")["image"] == "registry.local/worker:default"
+    assert render.default_worker_image() == "registry.local/worker:default"
+    # A job renders with the default it was created under, whatever the operator's default is now.
+    sts = render.statefulset(job(), INFERENCE, "tcp", image="registry.local/worker:old")
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/worker:old"
 
 
-def test_tcp_pods_run_unprivileged():
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": contract.WORKER_UID, "runAsGroup": contract.WORKER_UID,
+                  "fsGroup": contract.WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def test_tcp_pods_meet_pod_security_restricted_with_a_read_only_root():
+    j = job({"trainer": {"procsPerPod": 2}})
     for role in (CONTROLLER, TRAINER, INFERENCE):
-        assert "securityContext" not in container(job(), role, "tcp")
+        p, c = pod(j, role, "tcp")["spec"], container(j, role, "tcp")
+        assert p["securityContext"] == RESTRICTED_POD and c["securityContext"] == RESTRICTED_CONTAINER
+        assert "hostNetwork" not in p
+        # The one writable place, and every cache and home pointed into it.
+        assert {"name": "tmp", "emptyDir": {}} in p["volumes"]
+        assert {"name": "tmp", "mountPath": contract.TMP_MOUNT} in c["volumeMounts"]
+        e = env(j, role, "tcp")
+        for name, value in contract.WRITABLE_ENV.items():
+            assert e[name] == value
+            assert name == "PYTHONDONTWRITEBYTECODE" or value.startswith(contract.TMP_MOUNT)
+    assert {"HOME", "HF_HOME", "XDG_CACHE_HOME"} <= set(contract.WRITABLE_ENV)
+
+
+def test_a_running_job_never_has_its_pods_replaced_by_a_template_change():
+    j = job()
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        assert render.statefulset(j, role, "tcp")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+        assert render.statefulset(j, role, "tcp", running=True)["spec"]["updateStrategy"] == {"type": "OnDelete"}

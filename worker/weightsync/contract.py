@@ -42,6 +42,26 @@ TOKEN_KEY = "token"  # Secret key: the per-job secret every connection proves it
 SPEC_MOUNT = "/etc/weightsync/spec"
 TOKEN_MOUNT = "/etc/weightsync/token"
 SHM_MOUNT = "/dev/shm"
+# The one writable directory of a pod (an emptyDir): the root filesystem is read-only.
+TMP_MOUNT = "/tmp"
+# Where the worker and its libraries write (home, caches), all under TMP_MOUNT.
+WRITABLE_ENV = {
+    "HOME": "/tmp",
+    "XDG_CACHE_HOME": "/tmp/.cache",
+    "HF_HOME": "/tmp/huggingface",
+    "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor",
+    "TRITON_CACHE_DIR": "/tmp/triton",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+# The worker image's user (Dockerfile.worker): pods that need no root run as it.
+WORKER_UID = 10001
+
+# What the operator decides once, when it first handles a job, recorded on the job itself: the
+# job's controller pod may write only the job's status, so it can change none of these.
+ANNOTATION_NETWORK_MODE = f"{GROUP}/network-mode"  # rdma or tcp
+ANNOTATION_NETWORK_REASON = f"{GROUP}/network-reason"
+ANNOTATION_WORKER_IMAGE = f"{GROUP}/worker-image"  # the default image when the job was created
+ANNOTATION_TOKEN_SHA256 = f"{GROUP}/token-sha256"  # proves a restored Secret holds the same token
 
 
 class Env:

@@ -27,3 +27,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the key every job's token is derived from. */}}
+{{- define "weightsync.tokenKeySecret" -}}
+{{- printf "%s-token-key" (include "weightsync.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}

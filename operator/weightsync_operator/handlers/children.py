@@ -1,25 +1,36 @@
-"""The job's StatefulSets and pods, watched by label: their readiness and their problems refresh
-the job's status."""
+"""What the job owns, watched by label: the readiness and problems of its StatefulSets and pods
+refresh the job's status; a child deleted or changed by anyone but the operator is put back."""
 
 from __future__ import annotations
 
 import kopf
 
 from weightsync.contract import LABEL_JOB, LABEL_ROLE, ROLES
-from weightsync_operator.report import report
+from weightsync_operator.handlers.jobs import drifted, reconcile_job, recorded
+from weightsync_operator.report import Indexes, report
 from weightsync_operator.status import pod_problem
 
 OWNED = {LABEL_JOB: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT}
+# The children besides the StatefulSets: (group, version, plural).
+OTHER_CHILDREN = [("", "v1", "services"), ("", "v1", "secrets"), ("", "v1", "configmaps"), ("", "v1", "serviceaccounts"),
+                  ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings")]
 
 
 def _ours(labels, **_) -> bool:
     return labels.get(LABEL_ROLE) in ROLES
 
 
+def _owned(body, labels, **_) -> bool:
+    """Controlled by the job its label names (not merely labelled like one)."""
+    return any(ref.get("kind") == "WeightTransferJob" and ref.get("controller") and ref.get("name") == labels.get(LABEL_JOB)
+               for ref in body.get("metadata", {}).get("ownerReferences") or [])
+
+
 @kopf.index("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
 def statefulsets_by_job(namespace, labels, status, **_):
-    """Each StatefulSet's ready pods: the desired counts come from the job's own layout."""
-    return {(namespace, labels[LABEL_JOB]): {"role": labels[LABEL_ROLE], "ready": status.get("readyReplicas", 0)}}
+    """Each StatefulSet's ready and existing pods: the desired counts come from the job's own layout."""
+    return {(namespace, labels[LABEL_JOB]): {"role": labels[LABEL_ROLE], "ready": status.get("readyReplicas", 0),
+                                             "created": status.get("replicas", 0)}}
 
 
 @kopf.index("", "v1", "pods", labels=OWNED, when=_ours)
@@ -27,17 +38,75 @@ def pods_by_job(namespace, name, labels, status, **_):
     """Only the job's pods that are stuck for a reason someone must fix ({} drops a pod that
     recovered; None would keep its old entry)."""
     problem = pod_problem(status)
-    return {(namespace, labels[LABEL_JOB]): (name, *problem)} if problem else {}
+    return {(namespace, labels[LABEL_JOB]): (f"pod {name}", *problem)} if problem else {}
+
+
+def statefulset_of_a_job(body) -> tuple[str, str] | None:
+    """(job, role) of the StatefulSet an Event is about, if it is named like a job's."""
+    involved = body.get("involvedObject") or {}
+    if involved.get("kind") != "StatefulSet":
+        return None
+    name = involved.get("name") or ""
+    return next(((name[:-len(r) - 1], r) for r in ROLES if name.endswith(f"-{r}") and len(name) > len(r) + 1), None)
+
+
+def _failed_create(body, **_) -> bool:
+    # Not a problem of the job's: its namespace is being deleted, and the job with it.
+    terminating = "because it is being terminated" in (body.get("message") or "")
+    return body.get("reason") == "FailedCreate" and not terminating and statefulset_of_a_job(body) is not None
+
+
+@kopf.index("", "v1", "events", when=_failed_create)
+def failed_creates_by_job(namespace, body, **_):
+    """The StatefulSet controller's account of pods it could not create: admission refused them
+    (Pod Security, a policy engine) or a quota is full. Stale ones are told apart by the
+    StatefulSet's own count of pods (report.Indexes.observed)."""
+    job, role = statefulset_of_a_job(body)
+    return {(namespace, job): (body["involvedObject"]["name"], role, body.get("message") or "")}
+
+
+@kopf.on.event("", "v1", "events", when=_failed_create)
+def pods_not_created(namespace, body, memo: kopf.Memo, **kwargs):
+    job, _ = statefulset_of_a_job(body)
+    report(memo.kube, namespace, job, Indexes.of(kwargs))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
-def statefulset_changed(namespace, labels, memo: kopf.Memo, statefulsets_by_job: kopf.Index,
-                        pods_by_job: kopf.Index, **_):
-    report(memo.kube, namespace, labels[LABEL_JOB], statefulsets_by_job, pods_by_job)
+def statefulset_changed(type, body, namespace, labels, memo: kopf.Memo, logger, **kwargs):
+    indexes = Indexes.of(kwargs)
+    report(memo.kube, namespace, labels[LABEL_JOB], indexes)
+    put_back(memo, type, body, labels, logger, indexes)
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED, when=lambda status, **_: pod_problem(status) is not None)
-def pod_stuck(namespace, labels, memo: kopf.Memo, statefulsets_by_job: kopf.Index,
-              pods_by_job: kopf.Index, **_):
+def pod_stuck(namespace, labels, memo: kopf.Memo, **kwargs):
     # A pod that recovers changes its StatefulSet's readiness, which refreshes the status too.
-    report(memo.kube, namespace, labels[LABEL_JOB], statefulsets_by_job, pods_by_job)
+    report(memo.kube, namespace, labels[LABEL_JOB], Indexes.of(kwargs))
+
+
+def child_changed(type, body, labels, memo: kopf.Memo, logger, **kwargs):
+    put_back(memo, type, body, labels, logger, Indexes.of(kwargs))
+
+
+for _group, _version, _plural in OTHER_CHILDREN:
+    kopf.on.event(_group, _version, _plural, labels={LABEL_JOB: kopf.PRESENT}, when=_owned)(child_changed)
+
+
+def put_back(memo: kopf.Memo, type, body, labels, logger, indexes: Indexes):
+    """A child was deleted, or changed so that it is not what its job wants: reconcile the job
+    (which creates or patches it, and says so in a condition and an Event)."""
+    if type not in ("MODIFIED", "DELETED") or not _owned(body, labels):
+        return  # listed at start-up (resuming each job compares every child), or just created
+    namespace = body["metadata"]["namespace"]
+    job = memo.kube.get_job(namespace, labels[LABEL_JOB])
+    if job is None or job["metadata"].get("deletionTimestamp") or recorded(job) is None:
+        return  # gone, going, or its first pass (which creates every child) is under way
+    what = f"{body['kind']} {body['metadata']['name']}"
+    if type == "DELETED":
+        cause = f"{what} was deleted"
+    elif drifted(job, dict(body)):
+        cause = f"{what} was changed"
+    else:
+        return
+    logger.info(f"{cause}: putting it back")
+    reconcile_job(memo, job, logger, indexes, repairing=True)

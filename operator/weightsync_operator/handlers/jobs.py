@@ -1,38 +1,61 @@
 """A WeightTransferJob's lifecycle: its children created (or found right) when it appears, when
-the operator restarts, when its spec changes, and scaled to zero when its controller reports
-completion. Children are owned by the job, so deleting it removes them all (no finalizer)."""
+the operator restarts, when its spec changes, when it starts running, and scaled to zero when its
+controller reports completion. Children are owned by the job, so deleting it removes them all (no
+finalizer); a child deleted or changed on its own is put back (handlers/children.py)."""
 
 from __future__ import annotations
 
 import base64
 import copy
 import functools
-import secrets
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import kopf
 
 from weightsync import contract
-from weightsync_operator import network, render
-from weightsync_operator.kube import ApiError, Kube
-from weightsync_operator.report import report
+from weightsync_operator import network, render, tokens
+from weightsync_operator.kube import ApiError, Kube, matches
+from weightsync_operator.report import Indexes, report
 from weightsync_operator.status import CHILDREN_CREATED, NETWORK_RESOLVED, condition
 
 JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLURAL)
+DECISIONS = (contract.ANNOTATION_NETWORK_MODE, contract.ANNOTATION_NETWORK_REASON,
+             contract.ANNOTATION_WORKER_IMAGE, contract.ANNOTATION_TOKEN_SHA256)
 
 
 @kopf.on.resume(**JOBS)
 @kopf.on.create(**JOBS)
-@kopf.on.update(**JOBS, id="update")
+@kopf.on.update(**JOBS, field="spec", id="update")
 @kopf.on.field(**JOBS, field="status.completion", id="completion")
-def reconcile(body: kopf.Body, memo: kopf.Memo, logger, statefulsets_by_job: kopf.Index,
-              pods_by_job: kopf.Index, **_):
+@kopf.on.field(**JOBS, field="status.phase", new="Running", id="running")  # pod templates stop rolling
+def reconcile(body: kopf.Body, memo: kopf.Memo, logger, **kwargs):
+    reconcile_job(memo, body, logger, Indexes.of(kwargs))
+
+
+@kopf.on.field(**JOBS, field="status.network", id="network")
+def network_written(body: kopf.Body, memo: kopf.Memo, **kwargs):
+    """The status shows the network the operator recorded in the job's annotations: a status
+    written by anyone else (the job's controller pod may write it) is put back."""
+    report(memo.kube, body.metadata.namespace, body.metadata.name, Indexes.of(kwargs))
+
+
+def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repairing: bool = False):
+    """Bring the job's children to what it wants; `repairing`: because a child was deleted or
+    changed by someone else (what is patched then is a repair too)."""
     kube: Kube = memo.kube
-    write = functools.partial(report, kube, body.metadata.namespace, body.metadata.name,
-                              statefulsets_by_job, pods_by_job)
+    write = functools.partial(report, kube, obj["metadata"]["namespace"], obj["metadata"]["name"], indexes)
     try:
-        ensure_children(kube, body, write, logger)
+        ensure_children(kube, memo.token_key, obj, write, logger, repairing)
     except (kopf.TemporaryError, kopf.PermanentError):
         raise
+    except ApiError as e:
+        if e.namespace_terminating:
+            # Nothing may be created there any more, and the job goes with its namespace: no
+            # condition, no Event (it could not be posted), no retry.
+            logger.info(f"namespace {obj['metadata']['namespace']} is being deleted: the job's children are left as they are")
+            return
+        raise kopf.TemporaryError(str(e), delay=10) from None
     except Exception as e:
         # Not a refusal the operator knows: still a condition and an Event for the user (once,
         # not at every retry), and a retry later.
@@ -41,26 +64,70 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger, statefulsets_by_job: kop
         raise kopf.TemporaryError(message, delay=30) from e
 
 
-def ensure_children(kube: Kube, body: kopf.Body, write, logger):
-    namespace, name = body.metadata.namespace, body.metadata.name
+@dataclass(frozen=True)
+class Decisions:
+    """What the operator decided when it first handled the job, recorded in the job's annotations."""
+
+    mode: str
+    reason: str
+    image: str
+    token: str
+
+
+class TokenLost(Exception):
+    """The job's Secret is gone and no token the operator can produce is the job's."""
+
+
+def load(obj: Mapping) -> contract.Job:
+    meta = obj["metadata"]
+    return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+                              "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                              "spec": copy.deepcopy(dict(obj["spec"]))})
+
+
+def recorded(obj: Mapping) -> dict[str, str] | None:
+    """The job's recorded decisions, None before the operator first handled it."""
+    annotations = obj["metadata"].get("annotations") or {}
+    if not all(annotations.get(k) for k in DECISIONS):
+        return None
+    return {k: annotations[k] for k in DECISIONS}
+
+
+def recorded_mode(job: contract.Job, decisions: Mapping[str, str]) -> str:
+    """A job that names its mode gets that mode, whatever its annotations say."""
+    requested = job.spec["network"]["mode"]
+    mode = requested if requested != "auto" else decisions[contract.ANNOTATION_NETWORK_MODE]
+    if mode not in render.MODES:
+        raise kopf.PermanentError(f"annotation {contract.ANNOTATION_NETWORK_MODE} must be rdma or tcp, not {mode!r}")
+    return mode
+
+
+def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:
+    """Every child as the job wants it now, owned by the job."""
+    job_status = obj.get("status") or {}
+    finished = (job_status.get("completion") or {}).get("state") in ("Succeeded", "Failed")
+    manifests = render.children(job, mode, token, image=image, finished=finished,
+                                running=job_status.get("phase") == "Running" and not finished)
+    kopf.adopt(manifests, owner=obj)
+    return manifests
+
+
+def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logger, repairing: bool = False):
+    namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     try:
-        job = contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
-                                 "metadata": {"name": name, "namespace": namespace},
-                                 "spec": copy.deepcopy(dict(body.spec))})
+        job = load(obj)
     except contract.SpecError as e:
         write(set_conditions=[condition(CHILDREN_CREATED, False, "InvalidSpec", str(e))])
         raise kopf.PermanentError(str(e)) from None
 
-    finished = ((body.get("status") or {}).get("completion") or {}).get("state") in ("Succeeded", "Failed")
     try:
-        mode = network_mode(kube, job, body, write)
-        token = stored_token(kube, job) or secrets.token_urlsafe(32)
-        missing = missing_pull_secrets(kube, job)
-    except ApiError as e:
-        raise kopf.TemporaryError(str(e), delay=10) from None
+        decisions = decide(kube, key, job, obj, write)
+    except TokenLost as e:
+        write(set_conditions=[condition(CHILDREN_CREATED, False, "TokenLost", str(e))])
+        raise kopf.PermanentError(str(e)) from None
+    missing = missing_pull_secrets(kube, job)
 
-    manifests = render.children(job, mode, token, finished=finished)
-    kopf.adopt(manifests, owner=body)
+    manifests = desired(job, obj, decisions.mode, decisions.token, decisions.image)
     if missing:
         # Pods that cannot pull would only crash-loop: everything but the pods is created now,
         # the StatefulSets once the secrets exist.
@@ -81,44 +148,105 @@ def ensure_children(kube: Kube, body: kopf.Body, write, logger):
                    f"the StatefulSets are created once they exist")
         write(set_conditions=[condition(CHILDREN_CREATED, False, "ImagePullSecretMissing", message)])
         raise kopf.TemporaryError(message, delay=15)
-    message = (f"Service, Secret, ConfigMap, ServiceAccount, Role, RoleBinding and 3 StatefulSets "
-               f"({'scaled to zero' if finished else f'{job.layout.pods} pods'}) match the job")
-    write(set_conditions=[condition(CHILDREN_CREATED, True, "Created", message)],
-          observed_generation=body.metadata.get("generation"))
+
+    before = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == CHILDREN_CREATED), {})
+    was_created = before.get("status") == "True"
+    # Put back: a child created again (it had been deleted) or one a child's change made the
+    # operator patch. A spec change, completion or the start of running patch children too.
+    restored = [w for w, o in changed.items() if o == "created" or repairing] if was_created else []
+    conditions = []
+    if restored:
+        message = "put back " + ", ".join(
+            f"{w} (it had been {'deleted' if changed[w] == 'created' else 'changed'})" for w in restored)
+        if any(w.startswith("Secret ") for w in restored):
+            message += "; the Secret holds the job's own token, as before"
+        conditions.append(condition(CHILDREN_CREATED, True, "Repaired", message))
+        kopf.event(obj, type="Warning", reason="Repaired", message=message)
+    elif changed or not was_created:
+        pods = "scaled to zero" if desired_replicas(manifests) == 0 else f"{job.layout.pods} pods"
+        conditions.append(condition(CHILDREN_CREATED, True, "Created",
+                                    f"Service, Secret, ConfigMap, ServiceAccount, Role, RoleBinding and "
+                                    f"3 StatefulSets ({pods}) match the job"))
+    write(set_conditions=conditions, observed_generation=obj["metadata"].get("generation"))
+
+
+def drifted(obj: Mapping, child: Mapping) -> bool:
+    """Whether a stored child differs from what its job wants (the job's decisions recorded)."""
+    done = recorded(obj)
+    try:
+        job = load(obj)
+    except contract.SpecError:
+        return False  # the job's own handler says why
+    if child["kind"] == "Secret":
+        value = (child.get("data") or {}).get(contract.TOKEN_KEY) or ""
+        return tokens.fingerprint(base64.b64decode(value).decode(errors="replace")) != done[contract.ANNOTATION_TOKEN_SHA256]
+    for want in desired(job, obj, recorded_mode(job, done), "", done[contract.ANNOTATION_WORKER_IMAGE]):
+        if (want["kind"], want["metadata"]["name"]) == (child["kind"], child["metadata"]["name"]):
+            if want["kind"] == "StatefulSet":
+                # Its update strategy changes when the job starts running: the job's handler does that.
+                del want["spec"]["updateStrategy"]
+            return not matches(want, child)
+    return False
+
+
+def desired_replicas(manifests: list[dict]) -> int:
+    return sum(m["spec"]["replicas"] for m in manifests if m["kind"] == "StatefulSet")
 
 
 def refused(write, what: str, e: ApiError):
     """A child the API server would not take: a condition and an Event, never a crash."""
+    if e.namespace_terminating:
+        raise e
     if e.status in (400, 422):
         message = f"the API server refused {what}: {e.message}"
         write(set_conditions=[condition(CHILDREN_CREATED, False, "ChildRefused", message)])
         raise kopf.PermanentError(message)
     if e.status == 403:
-        message = f"the operator may not write {what}: {e.message}"
+        message = (f"the operator may not write {what}: {e.message} (is this namespace one the operator "
+                   f"watches? The chart grants it rights only in its watchNamespaces)")
         write(set_conditions=[condition(CHILDREN_CREATED, False, "Forbidden", message)])
         raise kopf.TemporaryError(message, delay=60)
     raise kopf.TemporaryError(str(e), delay=10)
 
 
-def network_mode(kube: Kube, job: contract.Job, body: kopf.Body, write) -> str:
-    """The job's resolved network mode: read back from its status, where it is recorded once."""
-    recorded = (body.get("status") or {}).get("network") or {}
-    if not recorded.get("mode"):
-        fresh = kube.get_job(job.namespace, job.name) or {}
-        recorded = (fresh.get("status") or {}).get("network") or {}
-    if recorded.get("mode"):
-        return recorded["mode"]
+def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> Decisions:
+    """The job's network mode, default image and token: decided once, when the operator first
+    handles the job, and recorded in the job's annotations, which the job's controller pod cannot
+    write. Later passes read them back and never decide again."""
+    stored = stored_token(kube, job)
+    derived = tokens.derive(key, obj["metadata"]["uid"])
+    done = recorded(obj)
+    if done is not None:
+        token = next((t for t in (stored, derived) if t and tokens.fingerprint(t) == done[contract.ANNOTATION_TOKEN_SHA256]), None)
+        if token is None:
+            raise TokenLost(
+                f"Secret {job.secret_name} was deleted or changed and the job's token cannot be restored (the "
+                f"operator's token key is not the one the job was created with): running ranks hold a token that "
+                f"no new pod would get; delete the job and create it again")
+        return Decisions(recorded_mode(job, done), done[contract.ANNOTATION_NETWORK_REASON],
+                         done[contract.ANNOTATION_WORKER_IMAGE], token)
+
     requested = job.spec["network"]["mode"]
-    nodes = kube.list("v1", "Node") if requested == "auto" else []
-    mode, reason = network.resolve(job.spec, nodes)
+    earlier = (obj.get("status") or {}).get("network") or {}
+    if requested == "auto" and earlier.get("mode") in render.MODES:
+        # Decided by an operator version that kept the decision in the status only.
+        mode, reason = earlier["mode"], earlier.get("reason") or "decided earlier"
+    else:
+        mode, reason = network.resolve(job.spec, kube.list("v1", "Node") if requested == "auto" else [])
+    # A job whose Secret exists already (created by an earlier operator version) keeps its token.
+    decisions = Decisions(mode, reason, render.default_worker_image(), stored or derived)
+    kube.annotate_job(job.namespace, job.name, {
+        contract.ANNOTATION_NETWORK_MODE: decisions.mode,
+        contract.ANNOTATION_NETWORK_REASON: decisions.reason,
+        contract.ANNOTATION_WORKER_IMAGE: decisions.image,
+        contract.ANNOTATION_TOKEN_SHA256: tokens.fingerprint(decisions.token),
+    })
     why = "Requested" if requested != "auto" else ("RdmaNodeFound" if mode == "rdma" else "NoRdmaNode")
-    write(network={"mode": mode, "reason": reason},
-          set_conditions=[condition(NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
-    return mode
+    write(set_conditions=[condition(NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
+    return decisions
 
 
 def stored_token(kube: Kube, job: contract.Job) -> str | None:
-    """The job's token when its Secret exists already: a job keeps its token for its lifetime."""
     stored = kube.get("v1", "Secret", job.namespace, job.secret_name)
     value = ((stored or {}).get("data") or {}).get(contract.TOKEN_KEY)
     return base64.b64decode(value).decode() if value else None

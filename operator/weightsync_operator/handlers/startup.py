@@ -1,15 +1,20 @@
-"""Operator-wide settings and the shared API connection."""
+"""Operator-wide settings, the shared API connection and the job tokens' key; serving only once
+the CRD is served, and a liveness probe that fails while it is not."""
 
+import asyncio
 import logging
 
 import kopf
 
 from weightsync import contract
-from weightsync_operator.kube import Kube, load_client
+from weightsync_operator import tokens
+from weightsync_operator.kube import ApiError, Kube, load_client
+
+CRD_POLL_SECONDS = 2
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_):
     # The CRD's status has a strict schema (kopf's own status fields would be pruned): kopf keeps
     # its handler progress and last-handled spec in annotations of the job instead.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=contract.GROUP)
@@ -21,3 +26,38 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_):
     # Handlers wait on the API server, not on the CPU: many jobs are handled at once.
     settings.execution.max_workers = 20
     memo.kube = Kube(load_client())
+    memo.token_key = await asyncio.to_thread(tokens.load_key, memo.kube)
+    # kopf finds the resources it serves when it starts, before any handler runs: an operator
+    # started before its CRD would serve nothing (a CRD that appears later is found only when
+    # discovery has caught up by the time kopf looks). So it starts serving once the CRD is
+    # served; until then its liveness endpoint does not answer.
+    if not await asyncio.to_thread(served, memo.kube):
+        logger.warning(f"waiting for the CustomResourceDefinition {contract.PLURAL}.{contract.GROUP}: "
+                       f"nothing is served until the API server serves {contract.API_VERSION} {contract.KIND}")
+        while not await asyncio.to_thread(served, memo.kube):
+            await asyncio.sleep(CRD_POLL_SECONDS)
+        logger.info(f"the API server serves {contract.API_VERSION} {contract.KIND}: starting")
+
+
+@kopf.on.probe(id="served")
+def crd_served(memo: kopf.Memo, **_):
+    """Liveness: fails (HTTP 500) when the API server does not answer or no longer serves the
+    jobs (their CRD was deleted), so that a restart waits for the CRD again."""
+    try:
+        ok = served(memo.kube)
+    except Exception as e:  # refused, or no connection
+        raise kopf.PermanentError(f"the API server does not answer: {e}") from None
+    if not ok:
+        raise kopf.PermanentError(f"the API server does not serve {contract.API_VERSION} {contract.KIND}")
+    return True
+
+
+def served(kube: Kube) -> bool:
+    """Whether API discovery lists the jobs' resource (it does once their CRD is Established)."""
+    try:
+        listed = kube.request("GET", f"/apis/{contract.API_VERSION}")
+    except ApiError as e:
+        if e.status == 404:
+            return False
+        raise
+    return any(r.get("name") == contract.PLURAL for r in (listed or {}).get("resources") or [])
