@@ -1,0 +1,161 @@
+"""The operator's ServiceAccount as the chart installs it, against the real API server: what RBAC
+allows it (kubectl auth can-i --as), what it cannot do when it tries with its own token (read
+another namespace's Secrets, grant rights, run a pod as another account), that it still runs a
+job with nothing more, and that helm uninstall leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from controlplane import wait_for
+from e2e_harness import install, new_namespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+from operator_harness import Namespace, Operator  # noqa: E402
+
+from weightsync import contract  # noqa: E402
+from weightsync_operator import tokens  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+CLUSTER_SCOPED = ("clusterroles", "clusterrolebindings", "validatingadmissionpolicies", "validatingadmissionpolicybindings")
+NAMESPACED = ("deployments", "serviceaccounts", "roles", "rolebindings", "secrets", "configmaps", "services")
+JOBS = "weighttransferjobs.weightsync.io"
+
+
+def can(cluster, who: str, *request: str) -> bool:
+    proc = cluster.kubectl("auth", "can-i", f"--as={who}", *request, check=False)
+    assert proc.stdout.strip() in ("yes", "no"), proc.stdout + proc.stderr
+    return proc.stdout.strip() == "yes"
+
+
+def leftovers(cluster, release: str, namespaces: list[str]) -> list[str]:
+    selector = f"app.kubernetes.io/instance={release}"
+    found = cluster.kubectl("get", ",".join(CLUSTER_SCOPED), "-l", selector, "-o", "name").stdout.split()
+    for ns in namespaces:
+        found += cluster.kubectl("get", ",".join(NAMESPACED), "-n", ns, "-l", selector, "-o", "name").stdout.split()
+        # helm's own record of the release
+        found += cluster.kubectl("get", "secrets", "-n", ns, "-l", f"owner=helm,name={release}", "-o", "name").stdout.split()
+    return found
+
+
+def refused(proc, *words: str) -> bool:
+    return proc.returncode != 0 and all(w in proc.stderr for w in words)
+
+
+def statefulset(name: str, namespace: str, account: str | None, job: str = "x") -> str:
+    pod = {"containers": [{"name": "c", "image": "busybox"}]}
+    if account:
+        pod["serviceAccountName"] = account
+    return json.dumps({"apiVersion": "apps/v1", "kind": "StatefulSet",
+                       "metadata": {"name": name, "namespace": namespace, "labels": {contract.LABEL_JOB: job}},
+                       "spec": {"serviceName": name, "selector": {"matchLabels": {"a": "b"}},
+                                "template": {"metadata": {"labels": {"a": "b"}}, "spec": pod}}})
+
+
+def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, tmp_path):
+    release = f"ws-{uuid.uuid4().hex[:6]}"
+    release_ns, watched, other = new_namespace(cluster, "ops"), new_namespace(cluster, "jobs"), new_namespace(cluster, "other")
+    fullname = f"{release}-weightsync"
+    try:
+        install(helm, release, release_ns, f"watchNamespaces={{{watched}}}")
+        sa = f"system:serviceaccount:{release_ns}:{fullname}"
+
+        # RBAC: what it does, in the watched namespace only...
+        for ns in (watched, other, "kube-system"):
+            for request in (("watch", JOBS), ("patch", JOBS), ("patch", JOBS, "--subresource=status"),
+                            ("create", "statefulsets.apps"), ("patch", "statefulsets.apps"), ("list", "pods"),
+                            ("create", "secrets"), ("get", "secrets"), ("watch", "secrets"),
+                            ("create", "roles.rbac.authorization.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
+                            ("create", "events")):
+                assert can(cluster, sa, *request, "-n", ns) == (ns == watched), (request, ns)
+            # ...and what it never does, anywhere.
+            for request in (("delete", "secrets"), ("delete", JOBS), ("create", JOBS), ("create", "pods"),
+                            ("delete", "statefulsets.apps"), ("create", "deployments.apps"), ("create", "serviceaccounts", "--subresource=token"),
+                            ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
+                            ("bind", "clusterroles.rbac.authorization.k8s.io"), ("impersonate", "serviceaccounts"), ("*", "*")):
+                assert not can(cluster, sa, *request, "-n", ns), (request, ns)
+        # Cluster-wide it only reads nodes, CRDs and namespaces; it reads no Secret anywhere but its key.
+        assert can(cluster, sa, "list", "nodes") and can(cluster, sa, "watch", "customresourcedefinitions.apiextensions.k8s.io")
+        for request in (("list", "secrets", "-A"), ("list", JOBS, "-A"), ("list", "pods", "-A"), ("patch", "nodes"),
+                        ("create", "customresourcedefinitions.apiextensions.k8s.io"),
+                        ("create", "clusterroles.rbac.authorization.k8s.io"), ("create", "clusterrolebindings.rbac.authorization.k8s.io")):
+            assert not can(cluster, sa, *request), request
+        assert can(cluster, sa, "get", f"secret/{fullname}-token-key", "-n", release_ns)
+        assert not can(cluster, sa, "get", "secrets", "-n", release_ns)
+
+        # Real attempts with its own token.
+        token = cluster.kubectl("create", "token", fullname, "-n", release_ns).stdout.strip()
+
+        def as_operator(*args, input=None):
+            return cluster.kubectl("--token", token, *args, input=input, check=False)
+
+        assert refused(as_operator("get", "secrets", "-n", "kube-system"), "forbidden")
+        assert refused(as_operator("get", "secrets", "-A"), "forbidden")
+        assert refused(as_operator("create", "-f", "-", input=statefulset("gc", "kube-system", "generic-garbage-collector")),
+                       "forbidden")
+        assert refused(as_operator("create", "rolebinding", "grab", "-n", "kube-system", "--clusterrole=admin",
+                                   f"--serviceaccount={release_ns}:{fullname}"), "forbidden")
+        # In the watched namespace RBAC lets it create Roles, RoleBindings, Secrets and StatefulSets;
+        # it may grant only what it holds, and the admission policy only what a job needs.
+        assert refused(as_operator("create", "rolebinding", "x-controller", "-n", watched, "--clusterrole=admin",
+                                   "--serviceaccount=kube-system:default"), "forbidden")
+        role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                "metadata": {"name": "x-controller", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}},
+                "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]}
+        assert refused(as_operator("create", "-f", "-", input=json.dumps(role)), "ValidatingAdmissionPolicy",
+                       "creates only a job's own Role")
+        # A job's Role, as the operator makes it, bound to anyone but the job's own account.
+        role["rules"] = [{"apiGroups": [contract.GROUP], "resources": [contract.PLURAL], "resourceNames": ["x"], "verbs": ["get"]}]
+        cluster.kubectl("create", "-f", "-", input=json.dumps(role))
+        binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": "x-controller", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "x-controller"},
+                   "subjects": [{"kind": "ServiceAccount", "name": "builder", "namespace": other}]}
+        assert refused(as_operator("create", "-f", "-", input=json.dumps(binding)), "ValidatingAdmissionPolicy",
+                       "binds only a job's own Role")
+        assert refused(as_operator("create", "-f", "-", input=statefulset("x-trainer", watched, "builder")),
+                       "ValidatingAdmissionPolicy", "run as the job's own ServiceAccount")
+        minted = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
+                  "metadata": {"name": "x-token", "namespace": watched, "labels": {contract.LABEL_JOB: "x"},
+                               "annotations": {"kubernetes.io/service-account.name": "default"}}}
+        assert refused(as_operator("create", "-f", "-", input=json.dumps(minted)), "ValidatingAdmissionPolicy",
+                       "only a job's own token Secret")
+
+        # With exactly these rights, as the chart's pod runs it, the operator runs a job and puts
+        # back a deleted Secret with the job's token; a job outside its namespaces is not its business.
+        config = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+        config["users"][0]["user"] = {"token": token}
+        kubeconfig = tmp_path / "operator.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(config))
+        op = Operator(kubeconfig, tmp_path / "operator.log", args=(f"--namespace={watched}",),
+                      env={tokens.NAMESPACE_ENV: release_ns, tokens.KEY_SECRET_ENV: f"{fullname}-token-key"})
+        try:
+            op.start()
+            jobs, elsewhere = Namespace(cluster, watched), Namespace(cluster, other)
+            spec = {"trainer": {"replicas": 2}, "network": {"mode": "tcp"}}
+            jobs.apply_job("ok", spec)
+            elsewhere.apply_job("ok", spec)
+            jobs.wait_children("ok")
+            wait_for("ChildrenCreated", lambda: jobs.condition("ok", "ChildrenCreated").get("status") == "True")
+            secret = jobs.get("secret", "ok-token")
+            jobs.kubectl("delete", "secret", "ok-token")
+            wait_for("Secret put back", lambda: (s := jobs.get("secret", "ok-token")) and s["data"] == secret["data"])
+            assert "status" not in elsewhere.job("ok") and not elsewhere.children("ok")
+            assert "Forbidden" not in op.log() and "ValidatingAdmissionPolicy" not in op.log()
+        finally:
+            op.stop()
+
+        helm("uninstall", release, "--namespace", release_ns, "--wait")
+        assert leftovers(cluster, release, [release_ns, watched, other]) == []
+        # helm keeps a chart's CRDs (removing one would delete every job): that is the one thing left.
+        cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}")
+    finally:
+        helm("uninstall", release, "--namespace", release_ns, "--ignore-not-found", check=False)
+        for ns in (release_ns, watched, other):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false")

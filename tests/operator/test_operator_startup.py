@@ -1,0 +1,50 @@
+"""An operator started before its CRD exists: it serves once the CRD is applied, and its liveness
+probe fails while it cannot serve. Runs its own operator, and leaves the CRD applied."""
+
+import uuid
+
+import pytest
+from controlplane import probe, wait_for
+from operator_harness import CRD, Namespace, Operator
+
+from weightsync import contract
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+CRD_NAME = f"{contract.PLURAL}.{contract.GROUP}"
+
+
+def apply_crd(cluster):
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+
+
+def delete_crd(cluster):
+    cluster.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=true", "--timeout=120s")
+
+
+def test_an_operator_started_before_its_crd_serves_once_it_is_applied(cluster, crd_applied, tmp_path):
+    delete_crd(cluster)
+    op = Operator(cluster.kubeconfig, tmp_path / "operator.log")
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    try:
+        op.start(wait=False)
+        wait_for("the operator waiting for its CRD", lambda: "waiting for the CustomResourceDefinition" in op.log(), 60)
+        assert op.proc.poll() is None
+        assert not probe(f"http://127.0.0.1:{op.port}/healthz")  # not alive: a kubelet would restart it
+
+        apply_crd(cluster)
+        wait_for("liveness once the CRD is served", op.healthy, 60)
+        cluster.kubectl("create", "namespace", name)
+        ns = Namespace(cluster, name)
+        ns.apply_job("first", {"network": {"mode": "tcp"}})
+        ns.wait_children("first")
+
+        # The CRD gone: the probe fails, so that a restart waits for it again.
+        delete_crd(cluster)
+        wait_for("liveness failing without the CRD", lambda: not probe(f"http://127.0.0.1:{op.port}/healthz"), 60)
+        assert op.proc.poll() is None
+    finally:
+        op.stop()
+        apply_crd(cluster)
+        cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
