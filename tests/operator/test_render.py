@@ -9,8 +9,10 @@ import yaml
 
 from weightsync import contract
 from weightsync.contract import CONTROLLER, INFERENCE, TRAINER, Env
-from weightsync_operator import network, render, status
-from weightsync_operator.kube import matches
+from weightsync_operator import network, render, status, tokens
+from weightsync_operator.handlers import children
+from weightsync_operator.kube import ApiError, matches
+from weightsync_operator.report import Indexes
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -369,3 +371,34 @@ def test_a_running_job_never_has_its_pods_replaced_by_a_template_change():
     for role in (CONTROLLER, TRAINER, INFERENCE):
         assert render.statefulset(j, role, "tcp")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
         assert render.statefulset(j, role, "tcp", running=True)["spec"]["updateStrategy"] == {"type": "OnDelete"}
+
+
+# ------------------------------------------------------------------ tokens, refusals, pods not created
+
+def test_a_jobs_token_follows_from_the_key_and_the_jobs_uid():
+    key = b"k" * 32
+    token = tokens.derive(key, "uid-1")
+    assert token == tokens.derive(key, "uid-1") and len(token) == 43
+    assert token != tokens.derive(key, "uid-2") and token != tokens.derive(b"j" * 32, "uid-1")
+    assert tokens.fingerprint(token) != tokens.fingerprint(tokens.derive(key, "uid-2"))
+    assert token not in tokens.fingerprint(token)
+
+
+def test_a_namespace_being_deleted_is_told_apart_from_a_missing_permission():
+    terminating = ApiError(403, "Forbidden", "unable to create new content in namespace x because it is being terminated",
+                           "POST", [{"reason": "NamespaceTerminating", "field": "metadata.namespace"}])
+    assert terminating.namespace_terminating
+    assert not ApiError(403, "Forbidden", 'secrets is forbidden: User "x" cannot create', "POST").namespace_terminating
+
+
+def test_pods_not_created_are_problems_only_while_their_statefulset_lacks_pods():
+    event = {"reason": "FailedCreate", "involvedObject": {"kind": "StatefulSet", "name": "my-job-trainer"},
+             "message": 'create Pod my-job-trainer-1 in StatefulSet my-job-trainer failed error: pods "my-job-trainer-1" is forbidden'}
+    assert children.statefulset_of_a_job(event) == ("my-job", TRAINER)
+    assert children.statefulset_of_a_job({**event, "involvedObject": {"kind": "StatefulSet", "name": "other"}}) is None
+    failed = {("ns", "my-job"): [("my-job-trainer", TRAINER, event["message"])]}
+    lacking = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 0, "created": 1}]}, {}, failed)
+    (problem,) = lacking.observed("ns", "my-job", LAYOUT)[1]
+    assert problem == ("StatefulSet my-job-trainer", "FailedCreate", event["message"])
+    complete = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 2, "created": 2}]}, {}, failed)
+    assert complete.observed("ns", "my-job", LAYOUT)[1] == []
