@@ -15,7 +15,7 @@ READY = "Ready"
 COMPLETED = "Completed"
 FAILED = "Failed"
 
-# ChildrenCreated reasons that no retry can fix: the job fails (until its spec changes).
+# ChildrenCreated reasons that no retry can fix: the job fails.
 PERMANENT_REASONS = {"ChildRefused", "InvalidSpec", "TokenLost"}
 # Container waiting reasons that mean a pod will not run without someone's help.
 WAITING_PROBLEMS = {
