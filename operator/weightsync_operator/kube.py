@@ -36,13 +36,16 @@ class ApiError(Exception):
         return self.status == 403 and any(c.get("reason") == "NamespaceTerminating" for c in self.causes)
 
 
-def load_client() -> kubernetes.client.ApiClient:
-    """In a pod: its service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
+def load_client(connections: int = 10) -> kubernetes.client.ApiClient:
+    """In a pod: its service account; elsewhere: $KUBECONFIG or ~/.kube/config. `connections`:
+    as many as there are handlers calling at once."""
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
-    return kubernetes.client.ApiClient()
+    configuration = kubernetes.client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = connections
+    return kubernetes.client.ApiClient(configuration)
 
 
 def path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:

@@ -25,7 +25,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     settings.posting.level = logging.CRITICAL
     # Handlers wait on the API server, not on the CPU: many jobs are handled at once.
     settings.execution.max_workers = 20
-    memo.kube = Kube(load_client())
+    memo.kube = Kube(load_client(connections=settings.execution.max_workers))
     memo.token_key = await asyncio.to_thread(tokens.load_key, memo.kube)
     # kopf finds the resources it serves when it starts, before any handler runs: an operator
     # started before its CRD would serve nothing (a CRD that appears later is found only when
