@@ -14,7 +14,7 @@ import sys
 
 from .contract import SpecError
 
-EXIT_SPEC = 2  # a spec or environment that must be fixed
+EXIT_SPEC = 2  # a spec, a file or an environment that must be fixed, or a machine too small for the job
 EXIT_FAILED = 1
 
 
@@ -44,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from .runner import RunFailed, run
+    from .runner import CannotRunHere, RunFailed, run
 
     try:
         summary = run(args.job, logs=args.logs, timeout=args.timeout)
+    except CannotRunHere as e:
+        print(f"weightsync run: {e}", file=sys.stderr)
+        return EXIT_SPEC
     except RunFailed as e:
         print(f"weightsync run: failed: {e}", file=sys.stderr)
         if e.summary is not None:

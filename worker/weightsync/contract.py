@@ -10,13 +10,17 @@ Nothing here imports torch or the Kubernetes client.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from .sizes import size_problems
 
 GROUP = "weightsync.io"
 VERSION = "v1alpha1"
@@ -82,11 +86,26 @@ class Env:
 
 
 class SpecError(ValueError):
-    """A job that the API server would refuse; the message says what to fix."""
+    """A job that the API server would refuse; the message says what to fix, on one line (it is
+    printed by the CLI and becomes a condition's message in a cluster)."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid WeightTransferJob:\n  " + "\n  ".join(problems))
+        self.problems = [re.sub(r"\s*\n\s*", " ", p) for p in problems]
+        super().__init__("invalid WeightTransferJob: " + "; ".join(self.problems))
+
+
+def choices(names, limit: int = 8) -> str:
+    """A list of names for a message: all of them when few, else the first `limit` and a count."""
+    names = list(names)
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def did_you_mean(name: str, known) -> str:
+    """' (did you mean X?)' for the closest known name, or ''."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 # ---------------------------------------------------------------- the CRD's schema and defaults
@@ -127,8 +146,46 @@ def _schema_problems(obj: dict) -> list[str]:
     def path(err) -> str:
         return ".".join(str(p) for p in err.absolute_path) or "(root)"
 
+    def message(err) -> str:  # a large value is named by its type, not printed whole
+        shown = repr(err.instance)
+        return err.message if len(shown) <= 80 else err.message.replace(shown, f"a {type(err.instance).__name__}")
+
     validator = jsonschema.Draft4Validator(_strip_extensions(schema()))
-    return [f"{path(e)}: {e.message}" for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+    return [f"{path(e)}: {message(e)}" for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+
+
+# The fields of every object's metadata (ObjectMeta), which the API server checks itself: the
+# CRD's schema says only `type: object` there.
+OBJECT_META = ("name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
+               "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations",
+               "ownerReferences", "finalizers", "managedFields")
+
+
+def _unknown_fields(node: Mapping, value: Any, where: str) -> list[str]:
+    """Fields the schema does not declare, refused as the API server refuses them with strict field
+    validation (kubectl's default): without this a misspelt field is dropped and its default used.
+    Objects that keep unknown fields (x-kubernetes-preserve-unknown-fields: spec.model.config is
+    checked against its transformers config class by the worker) or take any key
+    (additionalProperties) are not structural here."""
+    if isinstance(value, list) and "items" in node:
+        return [p for i, v in enumerate(value) for p in _unknown_fields(node["items"], v, f"{where}[{i}]")]
+    if not isinstance(value, dict):
+        return []
+    props = dict(node.get("properties", {}))
+    if where == "metadata":
+        props.update({name: {} for name in OBJECT_META})
+    extra = node.get("additionalProperties")
+    closed = bool(props) and not extra and not node.get("x-kubernetes-preserve-unknown-fields")
+    problems = []
+    for name, v in value.items():
+        path = f"{where}.{name}" if where else name
+        if name in props:
+            problems += _unknown_fields(props[name], v, path)
+        elif isinstance(extra, dict):
+            problems += _unknown_fields(extra, v, path)
+        elif closed:
+            problems.append(f"{path}: unknown field{did_you_mean(name, props) or f' (known: {choices(props)})'}")
+    return problems
 
 
 def _strip_extensions(node: Any) -> Any:
@@ -163,31 +220,74 @@ def _cel(rule: str, value: Any) -> bool:
     return bool(env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)}))
 
 
-def load_job(source: str | os.PathLike | Mapping, namespace: str = "default") -> "Job":
+def load_job(source: str | os.PathLike | Mapping, namespace: str = "default", *, strict: bool = True) -> "Job":
     """Read a WeightTransferJob (a path or a parsed object), apply the CRD's defaults and refuse
-    it, with every problem named, where the API server would."""
-    if isinstance(source, Mapping):
-        obj = copy.deepcopy(dict(source))
-    else:
-        try:
-            obj = yaml.safe_load(Path(source).read_text())
-        except FileNotFoundError:
-            raise SpecError([f"{source}: no such file"]) from None
+    it, with every problem named, where the API server would. `strict` refuses unknown fields as
+    a create or apply does; a job the API server already stored (the spec a pod mounts) is read
+    without it, as the API server reads stored objects, so that a worker image older than the CRD
+    does not refuse fields it has no use for."""
+    obj = copy.deepcopy(dict(source)) if isinstance(source, Mapping) else read_job_file(source)
     if not isinstance(obj, dict):
-        raise SpecError(["the file must hold one WeightTransferJob object"])
+        raise SpecError([f"expected one {KIND} object, got a YAML {type(obj).__name__}"])
     problems = []
     if obj.get("apiVersion") != API_VERSION or obj.get("kind") != KIND:
         problems.append(f"apiVersion/kind: expected {API_VERSION} {KIND}, got {obj.get('apiVersion')} {obj.get('kind')}")
     obj.setdefault("metadata", {})
-    if not obj["metadata"].get("name"):
+    if not isinstance(obj["metadata"], dict):
+        problems.append("metadata: must be an object with a name")
+    elif not obj["metadata"].get("name"):
         problems.append("metadata.name: required")
     if problems:
         raise SpecError(problems)
+    unknown = _unknown_fields(schema(), obj, "") if strict else []
     obj = apply_defaults(schema(), obj)
-    problems = _schema_problems(obj) or _cel_rules(schema(), obj, "")
+    problems = unknown + _schema_problems(obj) or _cel_rules(schema(), obj, "") or _model_problems(obj["spec"]["model"])
     if problems:
         raise SpecError(problems)
     return Job(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace") or namespace, spec=obj["spec"])
+
+
+def read_job_file(path: str | os.PathLike) -> Any:
+    """The one YAML document of a job file, or a SpecError that says what is wrong with the file:
+    it is missing or a directory, not YAML (with the line), or holds several documents."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SpecError([f"{path}: no such file"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{path}: is a directory; give the path of one {KIND} YAML file"]) from None
+    except UnicodeDecodeError:
+        raise SpecError([f"{path}: not a text file (YAML is UTF-8 text)"]) from None
+    except OSError as e:
+        raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as e:
+        raise SpecError([f"{path}: not valid YAML{_yaml_problem(e)}"]) from None
+    if len(documents) != 1:
+        raise SpecError([f"{path}: holds {len(documents)} YAML documents; put exactly one {KIND} in the file"
+                         + (" (weightsync runs one job at a time)" if documents else "")])
+    return documents[0]
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e)
+    if "'\\t'" in problem:
+        return f"{where}: a tab; YAML indents with spaces only"
+    context = getattr(e, "context", None)
+    context_mark = getattr(e, "context_mark", None)
+    if context and context_mark:
+        context = f"{context} that starts at line {context_mark.line + 1}"
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
+
+
+def _model_problems(model: Mapping) -> list[str]:
+    """Sizes no model can have, in spec.model.config as written (the worker checks the resolved
+    transformers config as well)."""
+    config = model.get("config")
+    return size_problems(config, "spec.model.config") if isinstance(config, dict) else []
 
 
 # ---------------------------------------------------------------- the job, its layout, its names
@@ -353,7 +453,7 @@ class WorkerContext:
                 raise SpecError([f"environment variable {name} is not set (the operator sets it in every pod)"])
             return environ[name]
 
-        job = load_job(need(Env.SPEC_FILE), namespace=environ.get(Env.NAMESPACE, "default"))
+        job = load_job(need(Env.SPEC_FILE), namespace=environ.get(Env.NAMESPACE, "default"), strict=False)
         ordinal = int(need(Env.ORDINAL))
         token = Path(need(Env.TOKEN_FILE)).read_bytes().strip()
         if len(token) < 16:

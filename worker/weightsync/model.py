@@ -14,22 +14,10 @@ import torch
 
 from .contract import SpecError
 from .flat import FlatLayout, torch_dtype
+from .model_config import config_of
 
 # The fixed input inference ranks generate from, and that tests compare logits on.
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
-
-
-def config_of(model_spec: Mapping):
-    """The transformers config of spec.model."""
-    from transformers import AutoConfig
-
-    try:
-        if "config" in model_spec:
-            return AutoConfig.for_model(**model_spec["config"])
-        return AutoConfig.from_pretrained(model_spec["path"], local_files_only=True)
-    except (ValueError, OSError, TypeError, KeyError) as e:
-        where = "spec.model.config" if "config" in model_spec else f"spec.model.path ({model_spec['path']})"
-        raise SpecError([f"{where}: transformers cannot build a config from it: {e}"]) from None
 
 
 def check_fits(spec: Mapping) -> None:

@@ -31,6 +31,7 @@ from typing import IO, Mapping
 import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
+from .memory import shortfall
 from .model import check_fits, meta_layout
 from .roles import STOP_GRACE, die_with_parent, exit_status
 
@@ -46,6 +47,11 @@ class RunFailed(RuntimeError):
     def __init__(self, message: str, summary: dict | None = None):
         super().__init__(message)
         self.summary = summary  # what the job got done before it failed
+
+
+class CannotRunHere(RuntimeError):
+    """A valid job that this machine cannot run (too little memory, too few GPUs), refused before
+    any process starts."""
 
 
 @dataclasses.dataclass
@@ -205,13 +211,13 @@ class LocalJob:
             except subprocess.TimeoutExpired:
                 raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended") from None
             if code != 0:
-                raise RunFailed(f"{pod.describe()} exited with {exit_status(code)} after the job ended\n{_tail(pod.log)}")
+                raise RunFailed(f"{pod.describe()} {exit_status(code)} after the job ended\n{_tail(pod.log)}")
         self._drain()
         return self.summary()
 
     def _failure(self, dead: list[Pod]) -> str:
         """The processes that died, then what the controller says (it names the failed rank)."""
-        parts = [f"{p.describe()} exited with {exit_status(p.proc.returncode)}" for p in dead]
+        parts = [f"{p.describe()} {exit_status(p.proc.returncode)}" for p in dead]
         if self.completion and self.completion["state"] == "Failed":
             parts.append(f"the controller reports: {self.completion['message']}")
         tails = "\n".join(_tail(p.log) for p in dead if p.role != CONTROLLER or not self.completion)
@@ -269,7 +275,7 @@ def gpus_per_pod(job: Job) -> dict[int, str]:
         if len(visible) < total:
             asks = ", ".join(f"{role}: {layout.replicas(role)} pod(s) x {layout.procs_per_pod(role)} x "
                              f"{job.spec[role]['gpusPerProc']}" for role in ("trainer", "inference"))
-            raise RunFailed(f"the job asks for {total} GPUs ({asks}) and this machine has {len(visible)}; "
+            raise CannotRunHere(f"the job asks for {total} GPUs ({asks}) and this machine has {len(visible)}; "
                             "set spec.trainer.gpusPerProc and spec.inference.gpusPerProc to 0 to run on CPU")
     out, used = {}, 0
     for ordinal, n in need.items():
@@ -281,10 +287,14 @@ def gpus_per_pod(job: Job) -> dict[int, str]:
 def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
         progress: IO[str] = sys.stderr, timeout: float | None = None) -> dict:
     """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
-    the job started) or contract.SpecError."""
+    the job started), or before starting anything contract.SpecError or CannotRunHere."""
     job = source if isinstance(source, Job) else load_job(source)
-    meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
+    layout = meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
     check_fits(job.spec)
+    gpus_per_pod(job)
+    too_big = shortfall(job, layout)
+    if too_big:
+        raise CannotRunHere(too_big)
     keep = logs is not None
     workdir = Path(logs) if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
     local = None
@@ -369,6 +379,8 @@ def _tail(path: Path) -> str:
         lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL:]
     except OSError:
         return ""
+    if not lines:
+        return f"its log {path} is empty"
     return f"last lines of {path}:\n" + "\n".join(f"  {line}" for line in lines)
 
 

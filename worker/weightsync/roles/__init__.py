@@ -83,7 +83,7 @@ def supervise(role: str, ranks: list[int]) -> int:
             p.join()
             running.remove(p)
             if p.exitcode != 0:
-                print(f"weightsync worker: {p.name} exited with {exit_status(p.exitcode)}; stopping the pod's other ranks",
+                print(f"weightsync worker: {p.name} {exit_status(p.exitcode)}; stopping the pod's other ranks",
                       file=sys.stderr, flush=True)
                 _terminate(running)
                 return 1
@@ -102,8 +102,12 @@ def _terminate(procs) -> None:
 
 
 def exit_status(code: int) -> str:
-    """How a process ended, from its exit code (negative: the signal that killed it)."""
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+    """How a process ended, from its exit code (negative: the signal that killed it), to follow
+    its name. SIGKILL is what the kernel's OOM killer sends (weightsync itself sends it only to
+    processes that outlast a SIGTERM while it stops them), so it is reported as the likely cause."""
+    if code == -signal.SIGKILL:
+        return "was probably out of memory (killed by SIGKILL)"
+    return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
 def die_with_parent(parent: int) -> None:
