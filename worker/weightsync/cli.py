@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from .contract import SpecError
+from .contract import SpecError, load_job
 
 EXIT_SPEC = 2  # a spec, a file or an environment that must be fixed, or a machine too small for the job
 EXIT_FAILED = 1
@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    job = load_job(args.job)  # before importing torch: a bad file is refused at once
     from .runner import CannotRunHere, RunFailed, run
 
     try:
-        summary = run(args.job, logs=args.logs, timeout=args.timeout)
+        summary = run(job, logs=args.logs, timeout=args.timeout)
     except CannotRunHere as e:
         print(f"weightsync run: {e}", file=sys.stderr)
         return EXIT_SPEC
@@ -67,11 +68,10 @@ def _worker(args) -> int:
 
 
 def _plan(args) -> int:
-    from .contract import load_job
+    job = load_job(args.job)
     from .model import meta_layout
     from .plan import print_plan
 
-    job = load_job(args.job)
     print_plan(job, meta_layout(job.spec["model"]))
     return 0
 

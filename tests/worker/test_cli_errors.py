@@ -1,0 +1,125 @@
+"""Bad input to `weightsync run` / `weightsync plan`, one row per case users met: each is refused
+with exit code 2 and one line that says what to fix, no traceback, before any process starts."""
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tcp-job.yaml"
+MARK = "WS_CLI_ERRORS_RUN"  # inherited by every process the CLI would start
+
+
+def example(**changes) -> dict:
+    """The tcp example with spec fields replaced (dotted paths; None removes the field)."""
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    for path, value in changes.items():
+        node = obj["spec"]
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        if value is None:
+            node.pop(last)
+        else:
+            node[last] = value
+    return obj
+
+
+def config(**changes) -> dict:
+    """spec.model.config of the example with keys replaced (None removes one)."""
+    cfg = dict(example()["spec"]["model"]["config"])
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    return example(**{"model.config": cfg})
+
+
+def dump(obj) -> str:
+    return yaml.safe_dump(obj, sort_keys=False)
+
+
+def checkpoint_without_config(tmp_path: Path) -> str:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"")
+    return dump(example(**{"model.config": None, "model.path": str(tmp_path / "ckpt")}))
+
+
+GOOD = EXAMPLE.read_text()
+
+# (id, the job file's content or a function of tmp_path giving it, command, words the message must hold)
+ROWS = [
+    ("malformed-yaml", GOOD.replace("metadata:\n  name: tcp-example", "metadata: {name: tcp-example"), "run",
+     ["not valid YAML", "line 11"]),
+    ("tab", GOOD.replace("  name: tcp-example", "\tname: tcp-example"), "run",
+     ["not valid YAML", "line 11", "tab", "spaces"]),
+    ("two-documents", GOOD + "---\n" + GOOD, "run", ["2 YAML documents", "exactly one WeightTransferJob"]),
+    ("directory", "DIRECTORY", "run", ["is a directory", "YAML file"]),
+    ("empty-file", "", "plan", ["0 YAML documents"]),
+    ("wrong-type-layers", dump(config(n_layer="four")), "run", ["spec.model.config.n_layer", "'four'", "positive integer"]),
+    ("wrong-type-float", dump(config(layer_norm_epsilon="1e-5")), "run",
+     ["spec.model.config.layer_norm_epsilon", "expected float", "without quotes"]),
+    ("wrong-type-bool", dump(config(tie_word_embeddings="yes")), "plan", ["spec.model.config.tie_word_embeddings", "expected bool"]),
+    ("unknown-field", GOOD.replace("    steps: 80", "    stpes: 4"), "run",
+     ["spec.training.stpes", "unknown field", "did you mean steps"]),
+    ("unknown-field-deep", dump(example(**{"network.rdma": {"gidindex": 3}})), "plan",
+     ["spec.network.rdma.gidindex", "unknown field", "did you mean gidIndex"]),
+    ("config-key-typo", dump(config(n_layers=2, n_layer=None)), "run",
+     ["spec.model.config", "n_layers", "GPT2Config", "did you mean n_layer"]),
+    ("bert-with-gpt2-keys", dump(config(model_type="bert")), "run",
+     ["BertConfig", "n_layer (did you mean num_hidden_layers?)", "n_embd (did you mean hidden_size?)"]),
+    ("negative-layers", dump(config(n_layer=-1)), "run", ["spec.model.config.n_layer", "-1", "positive integer", "layers"]),
+    ("zero-vocab", dump(config(vocab_size=0)), "run", ["spec.model.config.vocab_size", "positive integer"]),
+    ("width-not-divisible", dump(config(n_embd=250)), "run", ["spec.model.config.n_embd", "250", "not divisible by n_head 4"]),
+    ("unknown-model-type", dump(config(model_type="gpt3")), "plan", ["unknown model type 'gpt3'", "did you mean", "gpt2", "more"]),
+    ("missing-path", dump(example(**{"model.config": None, "model.path": "/nonexistent/model"})), "run",
+     ["spec.model.path", "/nonexistent/model does not exist", "checkpoint directory"]),
+    ("path-without-config", checkpoint_without_config, "run", ["spec.model.path", "no config.json"]),
+    ("too-big-for-memory", dump(config(vocab_size=16_000_000, n_embd=1024, n_layer=1)), "run",
+     ["needs at least", "GiB", "MemAvailable", "2 trainer processes", "AdamW", "make spec.model smaller"]),
+]
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment holds MARK=mark: the CLI and everything it started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if f"{MARK}={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("content, command, words", [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
+def test_bad_input_is_refused_on_one_line_before_anything_starts(tmp_path, content, command, words):
+    job = tmp_path / "job.yaml"
+    if content == "DIRECTORY":
+        job.mkdir()
+    else:
+        job.write_text(content(tmp_path) if callable(content) else content)
+    mark = uuid.uuid4().hex
+    logs = tmp_path / "logs"
+    args = [command, str(job)] + (["--logs", str(logs)] if command == "run" else [])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    out = subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
+                         env={**env, MARK: mark}, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"weightsync {command}: "), out.stderr
+    assert len(lines[0]) < 600
+    for word in words:
+        assert word in lines[0]
+    assert out.stdout == ""
+    assert not logs.exists(), "a pod's files were written: the job was started"
+    assert processes_marked(mark) == []
