@@ -89,3 +89,87 @@ def test_worker_context_reads_env_and_files(tmp_path):
     del env[contract.Env.ORDINAL]
     with pytest.raises(contract.SpecError, match="WEIGHTSYNC_ORDINAL is not set"):
         contract.WorkerContext.from_environ(env)
+
+
+@pytest.mark.parametrize("spec, top, expected", [
+    ({"training": {"stpes": 4}}, {}, "spec.training.stpes: unknown field (did you mean steps?)"),
+    ({"network": {"rdma": {"gidindex": 3}}}, {}, "spec.network.rdma.gidindex: unknown field (did you mean gidIndex?)"),
+    ({"imagePullSecrets": [{"name": "a"}, {"nmae": "b"}]}, {}, "spec.imagePullSecrets[1].nmae: unknown field"),
+    ({"trainer": {"replica": 2}}, {}, "spec.trainer.replica: unknown field (did you mean replicas?)"),
+    ({"zzz": 1}, {}, "spec.zzz: unknown field (known: image, imagePullPolicy"),
+    ({}, {"metadata": {"name": "demo", "lables": {}}}, "metadata.lables: unknown field (did you mean labels?)"),
+    ({}, {"stauts": {}}, "stauts: unknown field (did you mean status?)"),
+])
+def test_unknown_fields_are_refused_as_strict_field_validation_does(spec, top, expected):
+    with pytest.raises(contract.SpecError) as err:
+        contract.load_job(job(spec, **top))
+    assert expected in str(err.value)
+
+
+def test_fields_the_schema_leaves_open_are_kept():
+    spec = {"model": {"config": {"model_type": "gpt2", "anything": 1}},  # checked by the worker against transformers
+            "trainer": {"resources": {"limits": {"example.com/device": 1}}, "nodeSelector": {"any/label": "x"},
+                        "tolerations": [{"key": "k", "operator": "Exists", "anyField": True}]}}
+    loaded = contract.load_job(job(spec, metadata={"name": "demo", "labels": {"a": "b"}, "annotations": {}}))
+    assert loaded.spec["model"]["config"]["anything"] == 1
+    assert loaded.spec["trainer"]["tolerations"][0]["anyField"] is True
+
+
+def test_a_stored_job_is_read_without_strictness():
+    # What a pod mounts was stored by the API server; a field newer than this worker is no reason to fail.
+    loaded = contract.load_job(job({"training": {"newField": 1}}), strict=False)
+    assert loaded.spec["training"]["newField"] == 1
+
+
+def test_every_problem_is_named_on_one_line():
+    with pytest.raises(contract.SpecError) as err:
+        contract.load_job(job({"trainer": {"replicas": 0}, "training": {"stpes": 1}, "transfer": {"verify": "x"}}))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("invalid WeightTransferJob: ")
+    assert len(err.value.problems) == 3 and message.count("; ") == 2
+
+
+def test_a_large_wrong_value_is_named_by_its_type():
+    with pytest.raises(contract.SpecError) as err:
+        contract.load_job(job({"image": {f"k{i}": i for i in range(500)}}))
+    assert "spec.image: a dict is not of type 'string'" in str(err.value) and len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"n_layer": -1}, "spec.model.config.n_layer: -1 must be a positive integer (the number of layers)"),
+    ({"vocab_size": 0}, "spec.model.config.vocab_size: 0 must be a positive integer (the vocabulary size)"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 3}, "8 attention heads do not split into num_key_value_heads 3"),
+])
+def test_impossible_model_sizes_are_refused_by_the_contract(config, expected):
+    # The operator refuses these as well: it loads every job through the contract, without transformers.
+    with pytest.raises(contract.SpecError, match="spec.model.config") as err:
+        contract.load_job(job({"model": {"config": {"model_type": "gpt2", **config}}}))
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("kind: [", "not valid YAML at line 1, column 8"),
+    ("a:\n\tb: 1\n", "not valid YAML at line 2, column 1: a tab; YAML indents with spaces only"),
+    ("a: 1\n---\nb: 2\n", "holds 2 YAML documents; put exactly one WeightTransferJob in the file"),
+    ("# nothing\n", "holds 0 YAML documents"),
+    ("- a\n", "expected one WeightTransferJob object, got a YAML list"),
+    (b"\xff\xfe", "not a text file"),
+])
+def test_job_files_that_are_not_one_yaml_object(tmp_path, content, expected):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(contract.SpecError) as err:
+        contract.load_job(path)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_file_or_a_directory(tmp_path):
+    with pytest.raises(contract.SpecError, match="absent.yaml: no such file"):
+        contract.load_job(tmp_path / "absent.yaml")
+    with pytest.raises(contract.SpecError, match="is a directory; give the path of one WeightTransferJob YAML file"):
+        contract.load_job(tmp_path)
+
+
+def test_choices_are_summarised():
+    assert contract.choices(["a", "b"]) == "a, b"
+    assert contract.choices([str(i) for i in range(100)], limit=3) == "0, 1, 2 and 97 more"

@@ -218,11 +218,38 @@ def test_killing_an_inference_process_mid_transfer_fails_the_job_naming_it(tmp_p
     finally:
         local.stop()
     message = str(failure.value)
-    assert "inference pod kill-inference-inference-3 (ordinal 3, inference rank 1) exited with signal SIGKILL" in message
+    assert ("inference pod kill-inference-inference-3 (ordinal 3, inference rank 1) was probably out of memory "
+            "(killed by SIGKILL)") in message
     assert took < 10, f"the failure took {took:.1f}s to surface"
     # the controller, which in a cluster has no runner watching, names the rank too
     assert "the controller reports" in message and "inference rank 1" in message.split("the controller reports", 1)[1]
     assert_nothing_left(local)
+
+
+def test_a_pod_killed_by_sigkill_is_reported_as_probably_out_of_memory(tmp_path):
+    # The kernel's OOM killer sends SIGKILL, and the pod's log is usually empty: the report says
+    # which pod, and what probably happened.
+    job = make_job("oom", steps=2, every=2)
+    local = start(tmp_path, job, dump=False)
+    victim = local.pods[1]
+    try:
+        os.kill(victim.proc.pid, signal.SIGKILL)  # before the process has written anything
+        with pytest.raises(RunFailed) as failure:
+            local.follow(timeout=60)
+    finally:
+        local.stop()
+    message = str(failure.value)
+    assert "trainer pod oom-trainer-1 (ordinal 1, trainer rank 0) was probably out of memory (killed by SIGKILL)" in message
+    assert f"its log {victim.log} is empty" in message
+    assert_nothing_left(local)
+
+
+def test_how_a_process_ended_is_said_in_words():
+    from weightsync.roles import exit_status
+
+    assert exit_status(-signal.SIGKILL) == "was probably out of memory (killed by SIGKILL)"
+    assert exit_status(-signal.SIGTERM) == "was killed by signal SIGTERM"
+    assert exit_status(3) == "exited with code 3"
 
 
 def test_in_a_cluster_every_process_stays_up_after_the_end_until_sigterm(tmp_path):

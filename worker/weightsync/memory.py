@@ -100,4 +100,4 @@ def _count(n: int) -> str:
 
 
 def _size(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"

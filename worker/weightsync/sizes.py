@@ -15,14 +15,14 @@ from typing import Any, Mapping
 
 # What transformers calls a size (its configs' attribute_map names) -> what it counts.
 COUNTS = {
-    "num_hidden_layers": "layers",
-    "num_attention_heads": "attention heads",
-    "num_key_value_heads": "key/value heads",
-    "hidden_size": "embedding width",
-    "intermediate_size": "feed-forward width",
-    "head_dim": "width of one attention head",
-    "vocab_size": "token ids",
-    "max_position_embeddings": "positions",
+    "num_hidden_layers": "the number of layers",
+    "num_attention_heads": "the number of attention heads",
+    "num_key_value_heads": "the number of key/value heads",
+    "hidden_size": "the embedding width",
+    "intermediate_size": "the feed-forward width",
+    "head_dim": "the width of one attention head",
+    "vocab_size": "the vocabulary size",
+    "max_position_embeddings": "the number of positions",
 }
 
 # Other spellings of those sizes, as the configs of common model types write them (GPT-2's
@@ -57,7 +57,7 @@ def size_problems(config: Mapping[str, Any], where: str = "spec.model.config",
     head_dim)."""
     keys = canonical_names(config, attribute_map)
     value = {name: config[key] for name, key in keys.items() if config[key] is not None}
-    problems = [f"{where}.{keys[name]}: {v!r} must be a positive integer (the number of {COUNTS[name]})"
+    problems = [f"{where}.{keys[name]}: {v!r} must be a positive integer ({COUNTS[name]})"
                 for name, v in value.items() if not _positive_int(v)]
     if problems:
         return problems

@@ -1,0 +1,54 @@
+"""The memory estimate `weightsync run` checks before it starts a job's processes."""
+from weightsync import contract, memory
+from weightsync.flat import FlatLayout
+from weightsync.memory import MiB
+
+
+def job(dtype="bfloat16", trainers=2, gpus=0, bucket=1):
+    return contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "m"},
+        "spec": {"model": {"config": {"model_type": "gpt2"}, "dtype": dtype},
+                 "trainer": {"replicas": trainers, "gpusPerProc": gpus}, "inference": {"replicas": 1, "procsPerPod": 3, "gpusPerProc": 0},
+                 "transfer": {"bucketMB": bucket}}})
+
+
+def layout(dtype):
+    return FlatLayout.from_shapes([("a", (1000, 1000)), ("b", (1000,))], dtype)  # 1,001,000 parameters
+
+
+def test_per_process_needs_from_the_parameter_count():
+    lay = layout("bfloat16")
+    assert memory.parameters(lay) == 1_001_000
+    controller, trainer, inference = memory.needs(job(), lay)
+    assert (controller.processes, controller.each) == (1, memory.CONTROLLER_RUNTIME)
+    # 2 trainer ranks: float32 weights, gradients, AdamW's two moments, DDP's gradient buckets; two 1 MiB cast buffers
+    assert trainer.processes == 2 and trainer.each == 1_001_000 * 20 + 2 * MiB + memory.RANK_RUNTIME
+    assert "1.0M parameters x 20 bytes" in trainer.why and "DDP" in trainer.why
+    # an inference rank: three versions at bfloat16
+    assert inference.processes == 3 and inference.each == 3 * lay.total_bytes + memory.RANK_RUNTIME
+
+
+def test_one_float32_trainer_has_no_ddp_and_no_cast_buffers():
+    _, trainer, _ = memory.needs(job(dtype="float32", trainers=1), layout("float32"))
+    assert trainer.each == 1_001_000 * 16 + memory.RANK_RUNTIME and "DDP" not in trainer.why
+
+
+def test_a_gpu_process_counts_only_its_runtime_on_the_host():
+    _, trainer, _ = memory.needs(job(gpus=1), layout("bfloat16"))
+    assert trainer.each == memory.RANK_RUNTIME and "GPU" in trainer.why
+
+
+def test_shortfall_names_the_numbers():
+    j, lay = job(), layout("bfloat16")
+    total = sum(n.total for n in memory.needs(j, lay))
+    assert memory.shortfall(j, lay, have=total) is None
+    assert memory.shortfall(j, lay, have=total - 1) is not None
+    message = memory.shortfall(j, lay, have=1536 * MiB)
+    assert message.startswith(f"the job needs at least {total / 1024 / MiB:.2f} GiB of memory and this machine has 1.50 GiB available")
+    assert "(MemAvailable): 2 trainer processes x" in message and "3 inference processes x" in message
+    assert "\n" not in message
+
+
+def test_available_reads_meminfo():
+    have = memory.available()
+    assert have is not None and have > 0
