@@ -173,3 +173,19 @@ def test_a_missing_file_or_a_directory(tmp_path):
 def test_choices_are_summarised():
     assert contract.choices(["a", "b"]) == "a, b"
     assert contract.choices([str(i) for i in range(100)], limit=3) == "0, 1, 2 and 97 more"
+
+
+def test_the_contract_checks_without_torch_or_transformers():
+    # The operator loads every job through the contract, and its image has neither.
+    import subprocess
+    import sys
+
+    code = ("import sys; from weightsync import contract\n"
+            "try:\n"
+            "    contract.load_job({'apiVersion': contract.API_VERSION, 'kind': contract.KIND, 'metadata': {'name': 'x'},\n"
+            "                       'spec': {'model': {'config': {'model_type': 'gpt2', 'n_layer': 0}}}})\n"
+            "except contract.SpecError as e:\n"
+            "    print(e)\n"
+            "print(sorted({'torch', 'transformers'} & sys.modules.keys()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["invalid WeightTransferJob: spec.model.config.n_layer: 0 must be a positive integer (the number of layers)", "[]"]
