@@ -20,13 +20,17 @@ def weightsync(*args, env=None, timeout=120):
 
 
 def example(**changes) -> dict:
+    """The tcp example with spec fields replaced (dotted paths; None removes the field)."""
     obj = yaml.safe_load(EXAMPLE.read_text())
     for path, value in changes.items():
         node = obj["spec"]
         *parents, last = path.split(".")
         for p in parents:
             node = node[p]
-        node[last] = value
+        if value is None:
+            node.pop(last)
+        else:
+            node[last] = value
     return obj
 
 

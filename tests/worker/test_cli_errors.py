@@ -8,25 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_cli import EXAMPLE, example
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "tcp-job.yaml"
 MARK = "WS_CLI_ERRORS_RUN"  # inherited by every process the CLI would start
-
-
-def example(**changes) -> dict:
-    """The tcp example with spec fields replaced (dotted paths; None removes the field)."""
-    obj = yaml.safe_load(EXAMPLE.read_text())
-    for path, value in changes.items():
-        node = obj["spec"]
-        *parents, last = path.split(".")
-        for p in parents:
-            node = node[p]
-        if value is None:
-            node.pop(last)
-        else:
-            node[last] = value
-    return obj
 
 
 def config(**changes) -> dict:
