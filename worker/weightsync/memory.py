@@ -16,10 +16,10 @@ from .contract import INFERENCE, TRAINER, Job
 from .flat import ITEMSIZE, FlatLayout
 
 MiB, GiB = 1 << 20, 1 << 30
-# Private memory (RssAnon) of a process once its imports are done, before any weights: a trainer or
-# inference rank (torch and transformers, on CPU) and the controller (neither).
+# Private memory (RssAnon) of a process beyond the weights and state counted below, as measured on
+# CPU (torch 2.15, transformers 5): an inference rank, and the controller, which holds no weights.
 RANK_RUNTIME = 400 * MiB
-CONTROLLER_RUNTIME = 50 * MiB
+CONTROLLER_RUNTIME = 300 * MiB
 SEND_DEPTH = 2  # transfer.VersionSender's default: cast buffers of one bucket each
 # float32 weights, their gradients, AdamW's two moments; DDP among several trainer ranks keeps its
 # own copy of the gradients in its communication buckets.
