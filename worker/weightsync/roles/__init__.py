@@ -104,7 +104,8 @@ def _terminate(procs) -> None:
 def exit_status(code: int) -> str:
     """How a process ended, from its exit code (negative: the signal that killed it), to follow
     its name. SIGKILL is what the kernel's OOM killer sends (weightsync itself sends it only to
-    processes that outlast a SIGTERM while it stops them), so it is reported as the likely cause."""
+    processes that outlast a SIGTERM while it stops them, or whose parent died), so it is reported
+    as the likely cause."""
     if code == -signal.SIGKILL:
         return "was probably out of memory (killed by SIGKILL)"
     return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
