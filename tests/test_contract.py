@@ -189,3 +189,13 @@ def test_the_contract_checks_without_torch_or_transformers():
             "print(sorted({'torch', 'transformers'} & sys.modules.keys()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == ["invalid WeightTransferJob: spec.model.config.n_layer: 0 must be a positive integer (the number of layers)", "[]"]
+
+
+def test_numbers_in_a_job_file_are_read_as_kubectl_reads_them(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata: {name: demo}\n"
+                    "spec:\n  model: {config: {model_type: gpt2, layer_norm_epsilon: 1e-5, name: '2e-3'}}\n"
+                    "  training: {learningRate: 1e-5, steps: 80}\n")
+    spec = contract.load_job(path).spec
+    assert spec["training"]["learningRate"] == 1e-5 and spec["training"]["steps"] == 80
+    assert spec["model"]["config"]["layer_norm_epsilon"] == 1e-5 and spec["model"]["config"]["name"] == "2e-3"

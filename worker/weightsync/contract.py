@@ -247,6 +247,16 @@ def load_job(source: str | os.PathLike | Mapping, namespace: str = "default", *,
     return Job(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace") or namespace, spec=obj["spec"])
 
 
+class KubectlLoader(yaml.SafeLoader):
+    """YAML as kubectl reads it: `1e-5` is a number there (Go's YAML, like YAML 1.2), while
+    PyYAML's YAML 1.1 makes it a string that the schema would then refuse."""
+
+
+KubectlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
+                                    list("-+0123456789."))
+
+
 def read_job_file(path: str | os.PathLike) -> Any:
     """The one YAML document of a job file, or a SpecError that says what is wrong with the file:
     it is missing or a directory, not YAML (with the line), or holds several documents."""
@@ -261,7 +271,7 @@ def read_job_file(path: str | os.PathLike) -> Any:
     except OSError as e:
         raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
     try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+        documents = [d for d in yaml.load_all(text, Loader=KubectlLoader) if d is not None]
     except yaml.YAMLError as e:
         raise SpecError([f"{path}: not valid YAML{_yaml_problem(e)}"]) from None
     if len(documents) != 1:

@@ -160,7 +160,7 @@ def _a(value: Any) -> str:
 def _hint(value: Any, annotation: Any) -> str:
     expected = _type_name(annotation)
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()):
-        return " (write the number without quotes; YAML reads 1e-5 as text, 1.0e-5 as a number)"
+        return " (write the number without quotes)"
     if isinstance(value, int) and not isinstance(value, bool) and "float" in expected and "int" not in expected:
         return f" (write {value}.0)"
     return ""
