@@ -46,7 +46,7 @@ ROWS = [
     ("directory", "DIRECTORY", "run", ["is a directory", "YAML file"]),
     ("empty-file", "", "plan", ["0 YAML documents"]),
     ("wrong-type-layers", dump(config(n_layer="four")), "run", ["spec.model.config.n_layer", "'four'", "positive integer"]),
-    ("wrong-type-float", dump(config(layer_norm_epsilon="1e-5")), "run",
+    ("wrong-type-float", GOOD.replace("model_type: gpt2,", "model_type: gpt2, layer_norm_epsilon: '1e-5',"), "run",
      ["spec.model.config.layer_norm_epsilon", "expected float", "without quotes"]),
     ("wrong-type-bool", dump(config(tie_word_embeddings="yes")), "plan", ["spec.model.config.tie_word_embeddings", "expected bool"]),
     ("unknown-field", GOOD.replace("    steps: 80", "    stpes: 4"), "run",
