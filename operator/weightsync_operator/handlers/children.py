@@ -6,7 +6,8 @@ from __future__ import annotations
 import kopf
 
 from weightsync.contract import LABEL_JOB, LABEL_ROLE, ROLES
-from weightsync_operator.handlers.jobs import drifted, reconcile_job, recorded
+from weightsync_operator.decisions import recorded
+from weightsync_operator.handlers.jobs import drifted, reconcile_job
 from weightsync_operator.report import Indexes, report
 from weightsync_operator.status import pod_problem
 

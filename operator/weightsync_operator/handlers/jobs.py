@@ -8,20 +8,18 @@ from __future__ import annotations
 import base64
 import copy
 import functools
-from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import kopf
 
 from weightsync import contract
-from weightsync_operator import network, render, tokens
+from weightsync_operator import render, tokens
+from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches
 from weightsync_operator.report import Indexes, report
-from weightsync_operator.status import CHILDREN_CREATED, NETWORK_RESOLVED, condition
+from weightsync_operator.status import CHILDREN_CREATED, condition
 
 JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLURAL)
-DECISIONS = (contract.ANNOTATION_NETWORK_MODE, contract.ANNOTATION_NETWORK_REASON,
-             contract.ANNOTATION_WORKER_IMAGE, contract.ANNOTATION_TOKEN_SHA256)
 
 
 @kopf.on.resume(**JOBS)
@@ -64,42 +62,11 @@ def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repai
         raise kopf.TemporaryError(message, delay=30) from e
 
 
-@dataclass(frozen=True)
-class Decisions:
-    """What the operator decided when it first handled the job, recorded in the job's annotations."""
-
-    mode: str
-    reason: str
-    image: str
-    token: str
-
-
-class TokenLost(Exception):
-    """The job's Secret is gone and no token the operator can produce is the job's."""
-
-
 def load(obj: Mapping) -> contract.Job:
     meta = obj["metadata"]
     return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
                               "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
                               "spec": copy.deepcopy(dict(obj["spec"]))})
-
-
-def recorded(obj: Mapping) -> dict[str, str] | None:
-    """The job's recorded decisions, None before the operator first handled it."""
-    annotations = obj["metadata"].get("annotations") or {}
-    if not all(annotations.get(k) for k in DECISIONS):
-        return None
-    return {k: annotations[k] for k in DECISIONS}
-
-
-def recorded_mode(job: contract.Job, decisions: Mapping[str, str]) -> str:
-    """A job that names its mode gets that mode, whatever its annotations say."""
-    requested = job.spec["network"]["mode"]
-    mode = requested if requested != "auto" else decisions[contract.ANNOTATION_NETWORK_MODE]
-    if mode not in render.MODES:
-        raise kopf.PermanentError(f"annotation {contract.ANNOTATION_NETWORK_MODE} must be rdma or tcp, not {mode!r}")
-    return mode
 
 
 def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:
@@ -207,49 +174,6 @@ def refused(write, what: str, e: ApiError):
         write(set_conditions=[condition(CHILDREN_CREATED, False, "Forbidden", message)])
         raise kopf.TemporaryError(message, delay=60)
     raise kopf.TemporaryError(str(e), delay=10)
-
-
-def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> Decisions:
-    """The job's network mode, default image and token: decided once, when the operator first
-    handles the job, and recorded in the job's annotations, which the job's controller pod cannot
-    write. Later passes read them back and never decide again."""
-    stored = stored_token(kube, job)
-    derived = tokens.derive(key, obj["metadata"]["uid"])
-    done = recorded(obj)
-    if done is not None:
-        token = next((t for t in (stored, derived) if t and tokens.fingerprint(t) == done[contract.ANNOTATION_TOKEN_SHA256]), None)
-        if token is None:
-            raise TokenLost(
-                f"Secret {job.secret_name} was deleted or changed and the job's token cannot be restored (the "
-                f"operator's token key is not the one the job was created with): running ranks hold a token that "
-                f"no new pod would get; delete the job and create it again")
-        return Decisions(recorded_mode(job, done), done[contract.ANNOTATION_NETWORK_REASON],
-                         done[contract.ANNOTATION_WORKER_IMAGE], token)
-
-    requested = job.spec["network"]["mode"]
-    earlier = (obj.get("status") or {}).get("network") or {}
-    if requested == "auto" and earlier.get("mode") in render.MODES:
-        # Decided by an operator version that kept the decision in the status only.
-        mode, reason = earlier["mode"], earlier.get("reason") or "decided earlier"
-    else:
-        mode, reason = network.resolve(job.spec, kube.list("v1", "Node") if requested == "auto" else [])
-    # A job whose Secret exists already (created by an earlier operator version) keeps its token.
-    decisions = Decisions(mode, reason, render.default_worker_image(), stored or derived)
-    kube.annotate_job(job.namespace, job.name, {
-        contract.ANNOTATION_NETWORK_MODE: decisions.mode,
-        contract.ANNOTATION_NETWORK_REASON: decisions.reason,
-        contract.ANNOTATION_WORKER_IMAGE: decisions.image,
-        contract.ANNOTATION_TOKEN_SHA256: tokens.fingerprint(decisions.token),
-    })
-    why = "Requested" if requested != "auto" else ("RdmaNodeFound" if mode == "rdma" else "NoRdmaNode")
-    write(set_conditions=[condition(NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
-    return decisions
-
-
-def stored_token(kube: Kube, job: contract.Job) -> str | None:
-    stored = kube.get("v1", "Secret", job.namespace, job.secret_name)
-    value = ((stored or {}).get("data") or {}).get(contract.TOKEN_KEY)
-    return base64.b64decode(value).decode() if value else None
 
 
 def missing_pull_secrets(kube: Kube, job: contract.Job) -> list[str]:

@@ -1,0 +1,95 @@
+"""What the operator decides once per job, when it first handles it: the network mode (for
+`auto`, from the nodes), the default worker image, and the token. Recorded in the job's
+annotations, which the job's own controller pod cannot write (it may patch only the status);
+later passes read them back and never decide again."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Mapping
+
+import kopf
+
+from weightsync import contract
+from weightsync_operator import network, render, tokens
+from weightsync_operator.kube import Kube
+from weightsync_operator.status import NETWORK_RESOLVED, condition
+
+DECISIONS = (contract.ANNOTATION_NETWORK_MODE, contract.ANNOTATION_NETWORK_REASON,
+             contract.ANNOTATION_WORKER_IMAGE, contract.ANNOTATION_TOKEN_SHA256)
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """What the operator decided when it first handled the job, recorded in the job's annotations."""
+
+    mode: str
+    reason: str
+    image: str
+    token: str
+
+
+class TokenLost(Exception):
+    """The job's Secret is gone and no token the operator can produce is the job's."""
+
+
+def recorded(obj: Mapping) -> dict[str, str] | None:
+    """The job's recorded decisions, None before the operator first handled it."""
+    annotations = obj["metadata"].get("annotations") or {}
+    if not all(annotations.get(k) for k in DECISIONS):
+        return None
+    return {k: annotations[k] for k in DECISIONS}
+
+
+def recorded_mode(job: contract.Job, decisions: Mapping[str, str]) -> str:
+    """A job that names its mode gets that mode, whatever its annotations say."""
+    requested = job.spec["network"]["mode"]
+    mode = requested if requested != "auto" else decisions[contract.ANNOTATION_NETWORK_MODE]
+    if mode not in render.MODES:
+        raise kopf.PermanentError(f"annotation {contract.ANNOTATION_NETWORK_MODE} must be rdma or tcp, not {mode!r}")
+    return mode
+
+
+def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> Decisions:
+    """The job's decisions: read back from its annotations, or (its first pass) made and recorded.
+    `write` reports the network chosen. TokenLost when no token the operator has is the job's."""
+    stored = stored_token(kube, job)
+    derived = tokens.derive(key, obj["metadata"]["uid"])
+    done = recorded(obj)
+    if done is not None:
+        token = next((t for t in (stored, derived) if t and tokens.fingerprint(t) == done[contract.ANNOTATION_TOKEN_SHA256]), None)
+        if token is None:
+            raise TokenLost(
+                f"Secret {job.secret_name} was deleted or changed and the job's token cannot be restored (the "
+                f"operator's token key is not the one the job was created with): running ranks hold a token that "
+                f"no new pod would get; delete the job and create it again")
+        return Decisions(recorded_mode(job, done), done[contract.ANNOTATION_NETWORK_REASON],
+                         done[contract.ANNOTATION_WORKER_IMAGE], token)
+
+    requested = job.spec["network"]["mode"]
+    earlier = (obj.get("status") or {}).get("network") or {}
+    if requested == "auto" and earlier.get("mode") in render.MODES:
+        # Decided by an operator version that kept the decision in the status only.
+        mode, reason = earlier["mode"], earlier.get("reason") or "decided earlier"
+    else:
+        mode, reason = network.resolve(job.spec, kube.list("v1", "Node") if requested == "auto" else [])
+    # A job whose Secret exists already (created by an earlier operator version) keeps its token.
+    decisions = Decisions(mode, reason, render.default_worker_image(), stored or derived)
+    kube.annotate_job(job.namespace, job.name, {
+        contract.ANNOTATION_NETWORK_MODE: decisions.mode,
+        contract.ANNOTATION_NETWORK_REASON: decisions.reason,
+        contract.ANNOTATION_WORKER_IMAGE: decisions.image,
+        contract.ANNOTATION_TOKEN_SHA256: tokens.fingerprint(decisions.token),
+    })
+    why = "Requested" if requested != "auto" else ("RdmaNodeFound" if mode == "rdma" else "NoRdmaNode")
+    write(set_conditions=[condition(NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
+    return decisions
+
+
+def stored_token(kube: Kube, job: contract.Job) -> str | None:
+    stored = kube.get("v1", "Secret", job.namespace, job.secret_name)
+    value = ((stored or {}).get("data") or {}).get(contract.TOKEN_KEY)
+    return base64.b64decode(value).decode(errors="replace") if value else None
+
+
