@@ -65,6 +65,8 @@ def test_a_path_that_is_not_a_checkpoint_directory(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     assert "has config.json but no weights" in refusal({"path": str(tmp_path)})
     (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text("{")
+    assert "config.json cannot be read as JSON" in refusal({"path": str(tmp_path)})
     (tmp_path / "config.json").write_text("[1]")
     assert "config.json is not a JSON object" in refusal({"path": str(tmp_path)})
     (tmp_path / "config.json").write_text('{"model_type": "nope"}')

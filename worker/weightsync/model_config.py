@@ -78,10 +78,12 @@ def from_path(path: str):
     if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise SpecError([f"{where}: {path} has config.json but no weights ({' or '.join(WEIGHT_FILES)})"])
     try:
-        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
-    except (ValueError, AttributeError):
-        raise SpecError([f"{where}: {path}/config.json is not a JSON object"]) from None
-    _config_class(model_type, f"{where} ({path}/config.json): model_type")
+        settings = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError([f"{where}: {path}/config.json cannot be read as JSON: {_one_line(e)}"]) from None
+    if not isinstance(settings, dict):
+        raise SpecError([f"{where}: {path}/config.json is not a JSON object"])
+    _config_class(settings.get("model_type"), f"{where} ({path}/config.json): model_type")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - as in from_mapping
@@ -129,7 +131,7 @@ def _suggest(key: str, known: set[str], config_class) -> str:
     """' (did you mean X?)': the key this class uses for the same size (GPT-2's n_layer is
     bert's num_hidden_layers), else the closest spelling."""
     own = {ALIASES.get(k, k): k for k in known}
-    own.update({name: key for name, key in getattr(config_class, "attribute_map", {}).items()})
+    own.update(getattr(config_class, "attribute_map", {}))
     same = own.get(ALIASES.get(key, key))
     if same and same != key:
         return f" (did you mean {same}?)"
