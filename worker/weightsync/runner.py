@@ -276,7 +276,7 @@ def gpus_per_pod(job: Job) -> dict[int, str]:
             asks = ", ".join(f"{role}: {layout.replicas(role)} pod(s) x {layout.procs_per_pod(role)} x "
                              f"{job.spec[role]['gpusPerProc']}" for role in ("trainer", "inference"))
             raise CannotRunHere(f"the job asks for {total} GPUs ({asks}) and this machine has {len(visible)}; "
-                            "set spec.trainer.gpusPerProc and spec.inference.gpusPerProc to 0 to run on CPU")
+                                "set spec.trainer.gpusPerProc and spec.inference.gpusPerProc to 0 to run on CPU")
     out, used = {}, 0
     for ordinal, n in need.items():
         out[ordinal] = ",".join(visible[used:used + n])
@@ -291,7 +291,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     job = source if isinstance(source, Job) else load_job(source)
     layout = meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
     check_fits(job.spec)
-    gpus_per_pod(job)
+    gpus_per_pod(job)  # this machine's GPUs and memory, before any file or process is made
     too_big = shortfall(job, layout)
     if too_big:
         raise CannotRunHere(too_big)
