@@ -10,8 +10,6 @@ Nothing here imports torch or the Kubernetes client.
 from __future__ import annotations
 
 import copy
-import difflib
-import functools
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from .crdschema import apply_defaults, cel_rules, openapi_schema, schema_problems, unknown_fields
 from .sizes import size_problems
 
 GROUP = "weightsync.io"
@@ -94,130 +93,9 @@ class SpecError(ValueError):
         super().__init__("invalid WeightTransferJob: " + "; ".join(self.problems))
 
 
-def choices(names, limit: int = 8) -> str:
-    """A list of names for a message: all of them when few, else the first `limit` and a count."""
-    names = list(names)
-    if len(names) <= limit:
-        return ", ".join(names)
-    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
-
-
-def did_you_mean(name: str, known) -> str:
-    """' (did you mean X?)' for the closest known name, or ''."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-# ---------------------------------------------------------------- the CRD's schema and defaults
-
-
-@functools.cache
-def crd() -> dict:
-    return yaml.safe_load((Path(__file__).parent / "crd.yaml").read_text())
-
-
 def schema() -> dict:
-    (version,) = [v for v in crd()["spec"]["versions"] if v["name"] == VERSION]
-    return version["schema"]["openAPIV3Schema"]
-
-
-def apply_defaults(node_schema: Mapping, value: Any) -> Any:
-    """Structural-schema defaulting as the API server does it: an absent property with a default
-    takes it, then defaulting recurses into what is there (including defaults just placed)."""
-    if isinstance(value, dict):
-        props = node_schema.get("properties", {})
-        for name, sub in props.items():
-            if name not in value and "default" in sub:
-                value[name] = copy.deepcopy(sub["default"])
-            if name in value:
-                value[name] = apply_defaults(sub, value[name])
-        extra = node_schema.get("additionalProperties")
-        if isinstance(extra, dict):
-            for name in value.keys() - props.keys():
-                value[name] = apply_defaults(extra, value[name])
-    elif isinstance(value, list) and "items" in node_schema:
-        return [apply_defaults(node_schema["items"], v) for v in value]
-    return value
-
-
-def _schema_problems(obj: dict) -> list[str]:
-    import jsonschema
-
-    def path(err) -> str:
-        return ".".join(str(p) for p in err.absolute_path) or "(root)"
-
-    def message(err) -> str:  # a large value is named by its type, not printed whole
-        shown = repr(err.instance)
-        return err.message if len(shown) <= 80 else err.message.replace(shown, f"a {type(err.instance).__name__}")
-
-    validator = jsonschema.Draft4Validator(_strip_extensions(schema()))
-    return [f"{path(e)}: {message(e)}" for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
-
-
-# The fields of every object's metadata (ObjectMeta), which the API server checks itself: the
-# CRD's schema says only `type: object` there.
-OBJECT_META = ("name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
-               "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations",
-               "ownerReferences", "finalizers", "managedFields")
-
-
-def _unknown_fields(node: Mapping, value: Any, where: str) -> list[str]:
-    """Fields the schema does not declare, refused as the API server refuses them with strict field
-    validation (kubectl's default): without this a misspelt field is dropped and its default used.
-    Objects that keep unknown fields (x-kubernetes-preserve-unknown-fields: spec.model.config is
-    checked against its transformers config class by the worker) or take any key
-    (additionalProperties) are not structural here."""
-    if isinstance(value, list) and "items" in node:
-        return [p for i, v in enumerate(value) for p in _unknown_fields(node["items"], v, f"{where}[{i}]")]
-    if not isinstance(value, dict):
-        return []
-    props = dict(node.get("properties", {}))
-    if where == "metadata":
-        props.update({name: {} for name in OBJECT_META})
-    extra = node.get("additionalProperties")
-    closed = bool(props) and not extra and not node.get("x-kubernetes-preserve-unknown-fields")
-    problems = []
-    for name, v in value.items():
-        path = f"{where}.{name}" if where else name
-        if name in props:
-            problems += _unknown_fields(props[name], v, path)
-        elif isinstance(extra, dict):
-            problems += _unknown_fields(extra, v, path)
-        elif closed:
-            problems.append(f"{path}: unknown field{did_you_mean(name, props) or f' (known: {choices(props)})'}")
-    return problems
-
-
-def _strip_extensions(node: Any) -> Any:
-    """The schema as plain JSON Schema, without the x-kubernetes-* keys."""
-    if isinstance(node, dict):
-        return {k: _strip_extensions(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
-    if isinstance(node, list):
-        return [_strip_extensions(v) for v in node]
-    return node
-
-
-def _cel_rules(node: Mapping, value: Any, where: str) -> list[str]:
-    """Evaluate the CRD's x-kubernetes-validations (transition rules, which need the old object,
-    are left to the API server)."""
-    problems: list[str] = []
-    for rule in node.get("x-kubernetes-validations", []):
-        if "oldSelf" in rule["rule"]:
-            continue
-        if not _cel(rule["rule"], value):
-            problems.append(f"{where or 'metadata.name'}: {rule.get('message', rule['rule'])}")
-    if isinstance(value, dict):
-        for name, sub in node.get("properties", {}).items():
-            if name in value:
-                problems += _cel_rules(sub, value[name], f"{where}.{name}" if where else name)
-    return problems
-
-
-def _cel(rule: str, value: Any) -> bool:
-    import celpy
-
-    env = celpy.Environment()
-    return bool(env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)}))
+    """The schema of the job contract's version of the CRD."""
+    return openapi_schema(VERSION)
 
 
 def load_job(source: str | os.PathLike | Mapping, namespace: str = "default", *, strict: bool = True) -> "Job":
@@ -239,9 +117,10 @@ def load_job(source: str | os.PathLike | Mapping, namespace: str = "default", *,
         problems.append("metadata.name: required")
     if problems:
         raise SpecError(problems)
-    unknown = _unknown_fields(schema(), obj, "") if strict else []
-    obj = apply_defaults(schema(), obj)
-    problems = unknown + _schema_problems(obj) or _cel_rules(schema(), obj, "") or _model_problems(obj["spec"]["model"])
+    rules = schema()
+    unknown = unknown_fields(rules, obj, "") if strict else []
+    obj = apply_defaults(rules, obj)
+    problems = unknown + schema_problems(rules, obj) or cel_rules(rules, obj, "") or _model_problems(obj["spec"]["model"])
     if problems:
         raise SpecError(problems)
     return Job(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace") or namespace, spec=obj["spec"])

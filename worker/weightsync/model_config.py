@@ -22,7 +22,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from .contract import SpecError, choices, did_you_mean
+from .contract import SpecError
+from .crdschema import choices, did_you_mean
 from .sizes import ALIASES, size_problems
 
 WHERE = "spec.model.config"
