@@ -110,7 +110,7 @@ def test_tcp_job_children(ns):
         else:
             assert env(s)["NCCL_IB_DISABLE"] == "1" and env(s)["NCCL_SOCKET_IFNAME"] == "eth0"
             assert limits["nvidia.com/gpu"] == "1"
-        assert container(s)["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # no IPC_LOCK, no root
+        assert container(s)["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # no IPC_LOCK
 
     status = ns.wait_phase("tcp", "Running")
     assert status["network"] == {"mode": "tcp", "reason": "spec.network.mode is tcp"}
