@@ -52,8 +52,8 @@ def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster):
         kinds = sorted(o["kind"] for o in objects)
         assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "Secret", "Deployment",
                                 "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-                                "RoleBinding", "RoleBinding", "ValidatingAdmissionPolicy",
-                                "ValidatingAdmissionPolicyBinding"])
+                                "RoleBinding", "RoleBinding", *["ValidatingAdmissionPolicy",
+                                                                 "ValidatingAdmissionPolicyBinding"] * 2])
         # Rights in the watched namespaces only: one RoleBinding of the jobs' ClusterRole in each.
         bindings = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["kind"] == "ClusterRole"]
         assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)

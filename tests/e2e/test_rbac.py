@@ -147,6 +147,18 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
             jobs.kubectl("delete", "secret", "ok-token")
             wait_for("Secret put back", lambda: (s := jobs.get("secret", "ok-token")) and s["data"] == secret["data"])
             assert "status" not in elsewhere.job("ok") and not elsewhere.children("ok")
+            # The job's controller pod reports its transfers; the rest of the status is the operator's.
+            controller = jobs.kubectl("create", "token", "ok-controller").stdout.strip()
+
+            def as_controller(status):
+                return jobs.kubectl("--token", controller, "patch", contract.PLURAL, "ok", "--subresource=status",
+                                    "--type=merge", "-p", json.dumps({"status": status}), check=False)
+
+            reported = as_controller({"transfer": {"version": 1, "bytes": 10, "gbps": 0.5}})
+            assert reported.returncode == 0, reported.stderr
+            for status in ({"network": {"mode": "rdma", "reason": "x"}}, {"phase": "Succeeded"},
+                           {"conditions": [{"type": "Ready", "status": "True"}]}):
+                assert refused(as_controller(status), "ValidatingAdmissionPolicy", "writes only status.transfer"), status
             assert "Forbidden" not in op.log() and "ValidatingAdmissionPolicy" not in op.log()
         finally:
             op.stop()
