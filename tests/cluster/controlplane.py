@@ -256,6 +256,12 @@ class ControlPlane:
         self.wait(f"ServiceAccount {name}/default",
                   lambda: self._exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"), timeout)
 
+    def delete_namespaces(self, *names: str, timeout: float = 180) -> None:
+        """Deletes namespaces and waits until they are gone, with everything in them, so that no
+        later test (nor an operator it runs) meets what an earlier one left behind."""
+        self.kubectl("delete", "namespace", "--ignore-not-found", "--wait=true", f"--timeout={int(timeout)}s", *names,
+                     timeout=timeout + 30)
+
     def add_node(self, name: str, gpus: int = 0, rdma: int = 0, labels: dict | None = None,
                  wait: bool = True, timeout: float = 60, **resources) -> dict:
         """Creates a fake node; with wait, returns once KWOK reports it Ready."""

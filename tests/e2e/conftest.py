@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_harness import Helm, Operator, delete_namespaces, new_namespace
+from e2e_harness import Helm, Operator, new_namespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
 from node import RealNode, unavailable  # noqa: E402
@@ -25,7 +25,7 @@ def helm(cluster, tmp_path) -> Helm:
 def namespace(cluster):
     name = new_namespace(cluster, "e2e")
     yield name
-    delete_namespaces(cluster, name)
+    cluster.delete_namespaces(name)
 
 
 @pytest.fixture(scope="module")

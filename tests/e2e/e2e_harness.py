@@ -36,13 +36,6 @@ def new_namespace(cluster, prefix: str) -> str:
     return name
 
 
-def delete_namespaces(cluster, *names: str, timeout: float = 180) -> None:
-    """Deletes namespaces and waits until they are gone, so that no later test (nor its operator)
-    ever meets what an earlier one left behind."""
-    cluster.kubectl("delete", "namespace", "--ignore-not-found", "--wait=true", f"--timeout={int(timeout)}s", *names,
-                    timeout=timeout + 30)
-
-
 def pods(cluster, namespace: str, selector: str) -> list[dict]:
     out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout
     return json.loads(out)["items"]
@@ -57,6 +50,10 @@ def restarts(pod: dict) -> int:
 
 
 def install(helm: Helm, release: str, namespace: str, *values: str) -> None:
+    """The chart installed as `make deploy-*` installs it: the CRD applied first (helm installs a
+    chart's CRD only once and never upgrades it), then the release."""
+    helm.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    helm.cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
     helm("install", release, str(CHART), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "3m",
          *[a for v in values for a in ("--set", v)])
 

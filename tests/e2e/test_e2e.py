@@ -14,8 +14,7 @@ import uuid
 
 import pytest
 import yaml
-from e2e_harness import (LogFollower, delete_namespaces, example, install, new_namespace, pods, restarts,
-                         running)
+from e2e_harness import LogFollower, example, install, new_namespace, pods, restarts, running
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
@@ -73,15 +72,22 @@ def owned_leftovers(cluster, namespace: str, name: str) -> list[str]:
     return cluster.kubectl("get", kinds, "-n", namespace, "-l", f"{contract.LABEL_JOB}={name}", "-o", "name").stdout.split()
 
 
+def restricted(cluster, namespace: str) -> None:
+    """Pod Security `restricted` enforced in the namespace: the API server admits no pod that runs
+    as root, keeps a capability, may escalate privileges or lacks a seccomp profile."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+
+
 @pytest.fixture
-def chart(cluster, helm):
-    """The chart installed cluster-wide, as `make deploy-*` installs it, with the images the tests
-    built (the chart's defaults, as `make images` tags them)."""
+def chart(cluster, helm, namespace):
+    """The chart installed as `make deploy-*` installs it, watching the test's namespace, with the
+    images the tests built (the chart's defaults, as `make images` tags them)."""
     release, ns = "weightsync", new_namespace(cluster, "weightsync-system")
-    install(helm, release, ns)
+    restricted(cluster, ns)
+    install(helm, release, ns, f"watchNamespaces={{{namespace}}}")
     yield release, ns
     helm("uninstall", release, "--namespace", ns, "--ignore-not-found", "--wait", check=False)
-    delete_namespaces(cluster, ns)
+    cluster.delete_namespaces(ns)
 
 
 # ---------------------------------------------------------------------------------- tcp, for real
@@ -106,6 +112,7 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     layout = contract.Layout.from_spec(spec)
     assert spec["network"]["mode"] == "tcp"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
+    restricted(cluster, namespace)  # a tcp job's pods need nothing more
 
     with operator_from_chart(chart[1], chart[0]) as operator:
         # The operator image runs as the non-root user the chart names, on a read-only root.
@@ -152,7 +159,8 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     for text in role_logs[contract.TRAINER]:
         assert re.search(rf"version {versions - 1} at step {spec['training']['steps']}.*: sent \d+ bytes", text), text
     for text in role_logs[contract.INFERENCE]:
-        assert f"version {versions - 1} generates" in text, text
+        assert f"switched to version {versions - 1} (digest verified)" in text, text
+        assert re.search(r"version \d+ generates", text), text
     (controller_log,) = role_logs[contract.CONTROLLER]
     reported = [json.loads(line) for line in controller_log.splitlines() if line.startswith("{")]
     last = [r for r in reported if r.get("event") == "transfer"][-1]
@@ -241,8 +249,8 @@ def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, namespace, 
         assert pod["spec"]["nodeName"] in rdma_nodes, (pod_name, pod["spec"]["nodeName"])
         gpus = str(spec["trainer"]["procsPerPod"] * spec["trainer"]["gpusPerProc"])
         assert requests[RDMA] == str(rdma["resourceCount"]) and requests[GPU] == gpus
-        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
-        assert container["securityContext"]["runAsUser"] == 0  # IPC_LOCK lifts the memlock limit only for root
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+        assert pod["spec"]["securityContext"]["runAsUser"] == 0  # IPC_LOCK lifts the memlock limit only for root
         assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm"}
         assert env["NCCL_IB_DISABLE"] == "0"
         assert env["NCCL_IB_HCA"] == env["UCCL_P2P_IB_HCA"] == ",".join(rdma["hcas"])
@@ -316,4 +324,4 @@ def test_a_namespaced_install_runs_jobs_in_its_namespace_only(cluster, helm, ope
             assert not job_pods(cluster, other, "scoped")
     finally:
         helm("uninstall", release, "--namespace", ops, "--ignore-not-found", "--wait", check=False)
-        delete_namespaces(cluster, ops, watched, other)
+        cluster.delete_namespaces(ops, watched, other)

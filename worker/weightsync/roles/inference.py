@@ -125,6 +125,9 @@ class Inference:
             if gens.error is not None:
                 raise gens.error
             switched = gens.switch()
+            if switched is not None:
+                verified = " (digest verified)" if self.spec["transfer"]["verify"] == "digest" else ""
+                log(self.me, f"switched to version {switched}{verified}")
             if switched is not None and dumping():
                 tensors = {n: p.detach().cpu().clone() for n, p in parameters(model)}
                 dump(INFERENCE, self.rank, switched, tensors, logits(model, ids).cpu())
