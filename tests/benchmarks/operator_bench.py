@@ -43,8 +43,11 @@ KINDS = {
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/rolebindings", "StatefulSet": "/apis/apps/v1/statefulsets",
 }
 # CPU-only pods, so that 50 jobs fit on the fake nodes; the network is left to auto (rdma here).
+# CPU-only ranks on the RDMA nodes, which are GPU nodes and tainted as such: they tolerate it.
+GPU_TAINT = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 SPEC = {"model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1024}},
-        "trainer": {"replicas": 2, "gpusPerProc": 0}, "inference": {"replicas": 1, "gpusPerProc": 0}}
+        "trainer": {"replicas": 2, "gpusPerProc": 0, "tolerations": GPU_TAINT},
+        "inference": {"replicas": 1, "gpusPerProc": 0, "tolerations": GPU_TAINT}}
 
 
 class Watches:

@@ -73,9 +73,20 @@ def pods_not_created(namespace, body, memo: kopf.Memo, **kwargs):
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
-def statefulset_changed(type, body, namespace, labels, memo: kopf.Memo, logger, **kwargs):
+def statefulset_changed(type, body, namespace, labels, uid, memo: kopf.Memo, logger, **kwargs):
     indexes = Indexes.of(kwargs)
     report(memo.kube, namespace, labels[LABEL_JOB], indexes)
+    # Most of a StatefulSet's changes are its status: compared with what the job wants only when
+    # its spec (generation) or metadata changed since the last comparison.
+    compared = memo.compared_statefulsets
+    seen = (body["metadata"].get("generation"), repr(body["metadata"].get("labels")),
+            repr(body["metadata"].get("ownerReferences")))
+    if type == "DELETED":
+        compared.pop(uid, None)
+    elif compared.get(uid) == seen:
+        return
+    else:
+        compared[uid] = seen
     put_back(memo, type, body, labels, logger, indexes)
 
 

@@ -69,12 +69,17 @@ def load(obj: Mapping) -> contract.Job:
                               "spec": copy.deepcopy(dict(obj["spec"]))})
 
 
-def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:
-    """Every child as the job wants it now, owned by the job."""
+def standing(obj: Mapping) -> dict[str, bool]:
+    """Where the job stands, as rendering needs it: finished (its controller reported completion)
+    and running."""
     job_status = obj.get("status") or {}
     finished = (job_status.get("completion") or {}).get("state") in ("Succeeded", "Failed")
-    manifests = render.children(job, mode, token, image=image, finished=finished,
-                                running=job_status.get("phase") == "Running" and not finished)
+    return {"finished": finished, "running": job_status.get("phase") == "Running" and not finished}
+
+
+def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:
+    """Every child as the job wants it now, owned by the job."""
+    manifests = render.children(job, mode, token, image=image, **standing(obj))
     kopf.adopt(manifests, owner=obj)
     return manifests
 
@@ -147,11 +152,20 @@ def drifted(obj: Mapping, child: Mapping) -> bool:
     if child["kind"] == "Secret":
         value = (child.get("data") or {}).get(contract.TOKEN_KEY) or ""
         return tokens.fingerprint(base64.b64decode(value).decode(errors="replace")) != done[contract.ANNOTATION_TOKEN_SHA256]
-    for want in desired(job, obj, recorded_mode(job, done), "", done[contract.ANNOTATION_WORKER_IMAGE]):
+    mode, image = recorded_mode(job, done), done[contract.ANNOTATION_WORKER_IMAGE]
+    if child["kind"] == "StatefulSet":
+        # The one StatefulSet (they change often; the rest rarely): rendered alone.
+        role = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
+        if role not in contract.ROLES:
+            return False
+        wanted = [render.statefulset(job, role, mode, image=image, **standing(obj))]
+        kopf.adopt(wanted, owner=obj)
+        # Its update strategy changes when the job starts running: the job's handler does that.
+        del wanted[0]["spec"]["updateStrategy"]
+    else:
+        wanted = desired(job, obj, mode, "", image)
+    for want in wanted:
         if (want["kind"], want["metadata"]["name"]) == (child["kind"], child["metadata"]["name"]):
-            if want["kind"] == "StatefulSet":
-                # Its update strategy changes when the job starts running: the job's handler does that.
-                del want["spec"]["updateStrategy"]
             return not matches(want, child)
     return False
 
