@@ -22,7 +22,7 @@ def namespace(cluster):
     name = f"t-{uuid.uuid4().hex[:8]}"
     cluster.create_namespace(name)
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false")
+    cluster.delete_namespaces(name)
 
 
 def test_api_server_reports_its_release(cluster):

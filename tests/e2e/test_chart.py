@@ -73,8 +73,7 @@ def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster):
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env[DEFAULT_WORKER_IMAGE_ENV] == FALLBACK_WORKER_IMAGE
     finally:
-        for ns in [release_ns, *watched]:
-            cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        cluster.delete_namespaces(release_ns, *watched)
 
 
 def test_make_deploy_tcp_then_undeploy(cluster):
@@ -101,4 +100,4 @@ def test_make_deploy_tcp_then_undeploy(cluster):
         assert leftovers(cluster, release, [ns]) == []
     finally:
         subprocess.run([*make, "undeploy"], cwd=ROOT, env=env, capture_output=True, timeout=300)
-        cluster.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false")
+        cluster.delete_namespaces(ns)

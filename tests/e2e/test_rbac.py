@@ -169,5 +169,4 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}")
     finally:
         helm("uninstall", release, "--namespace", release_ns, "--ignore-not-found", check=False)
-        for ns in (release_ns, watched, other):
-            cluster.kubectl("delete", "namespace", ns, "--wait=false")
+        cluster.delete_namespaces(release_ns, watched, other)

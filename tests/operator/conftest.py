@@ -33,4 +33,4 @@ def ns(cluster, operator):
     try:
         yield Namespace(cluster, name)
     finally:
-        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+        cluster.delete_namespaces(name)

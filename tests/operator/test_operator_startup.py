@@ -47,4 +47,4 @@ def test_an_operator_started_before_its_crd_serves_once_it_is_applied(cluster, c
     finally:
         op.stop()
         apply_crd(cluster)
-        cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+        cluster.delete_namespaces(name)

@@ -64,4 +64,4 @@ def test_status_is_written_through_the_api_server(cluster, monkeypatch, capsys):
         Reporter(job("absent", namespace), to_kubernetes=True, out=io.StringIO()).transfer(1, 1, 1, 1.0, "tcp", None)
         assert "could not write status to WeightTransferJob" in capsys.readouterr().err
     finally:
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        cluster.delete_namespaces(namespace)
