@@ -37,6 +37,8 @@ PYTORCH_BASE = "weightsync.local/pytorch:2.15.0-pypi"
 PAUSE_IMAGE = "weightsync.local/pause:1"
 COREDNS_IMAGE = "weightsync.local/coredns:1"
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
+# The real node's cache, kept between runs: the builder's data and the node's image store.
+NODE_CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache/weightsync")) / "node"
 TOOLS = ("docker", "dockerd", "debootstrap", "gcc")
 
 
@@ -116,8 +118,7 @@ class Docker:
     def __call__(self, *args: str, check: bool = True, capture: bool = False, **kw) -> subprocess.CompletedProcess:
         """Runs the docker CLI against this daemon. Unless `capture`, its output goes to the log
         only when it fails (a build's steps are long and say nothing while they succeed)."""
-        env = {**os.environ, "DOCKER_HOST": f"unix://{self.socket}", "DOCKER_BUILDKIT": "0"}
-        out = subprocess.run(["docker", *args], env=env, text=True, stdout=subprocess.PIPE,
+        out = subprocess.run(["docker", *args], env=self.env, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE if capture else subprocess.STDOUT, **kw)
         if check and out.returncode != 0:
             if not capture:
@@ -125,6 +126,11 @@ class Docker:
             raise RuntimeError(f"docker {' '.join(args[:3])} ... failed ({out.returncode})"
                                + (f": {out.stderr.strip()}" if capture else ""))
         return out
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The docker CLI's environment for this daemon (its legacy builder: no buildx here)."""
+        return {**os.environ, "DOCKER_HOST": f"unix://{self.socket}", "DOCKER_BUILDKIT": "0"}
 
     def has(self, tag: str) -> bool:
         return self("image", "inspect", tag, check=False, capture=True).returncode == 0
@@ -200,8 +206,7 @@ def load(docker: Docker, ids: dict[str, str], containerd, stamp: Path, log=None)
         if loaded.get(full) == image_id and full in present:
             continue
         print(f"images: loading {tag} into the node's containerd", file=log, flush=True)
-        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE,
-                                env={**os.environ, "DOCKER_HOST": f"unix://{docker.socket}"})
+        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE, env=docker.env)
         containerd.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=save.stdout)
         if save.wait() != 0:
             raise RuntimeError(f"docker save {tag} failed")
@@ -219,7 +224,7 @@ def main() -> int:
     from controlplane import find_binaries
 
     started = time.monotonic()
-    with Docker(Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache/weightsync")) / "node" / "docker") as docker:
+    with Docker(NODE_CACHE / "docker") as docker:
         build(docker, Images.default(), find_binaries()["coredns"])
     print(f"images: ready in {time.monotonic() - started:.0f}s", file=sys.stderr)
     return 0

@@ -58,7 +58,6 @@ SYSCTLS = ("kernel.panic", "kernel.panic_on_oops", "vm.overcommit_memory", "net.
 FORWARD_RULES = (("-i", BRIDGE), ("-o", BRIDGE))
 KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT")
 LOCK = Path("/run/weightsync-node.lock")
-DEFAULT_CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache/weightsync"))
 
 
 class NodeError(RuntimeError):
@@ -157,12 +156,13 @@ class RealNode:
     """The node NODE_NAME, joined to `cluster`; its state, logs and pid files in `dir`."""
 
     def __init__(self, cluster: ControlPlane, dir: Path, binaries: dict[str, Path] | None = None,
-                 images: images_mod.Images | None = None, cache: Path = DEFAULT_CACHE, detached: bool = False):
+                 images: images_mod.Images | None = None, cache: Path = images_mod.NODE_CACHE,
+                 detached: bool = False):
         self.cluster = cluster
         self.dir = Path(dir).resolve()
         self.binaries = binaries
         self.images = images or images_mod.Images.default()
-        self.cache = cache / "node"
+        self.cache = cache
         self.detached = detached
         self.name = NODE_NAME
         self.containerd = Containerd(self.cache / "containerd", self.dir / "containerd")
