@@ -156,7 +156,7 @@ def wait_key(store, key: str, timeout: float = 120) -> None:
 
 
 def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_applied(tmp_path):
-    from weightsync.transport.tcp import ANSWER, CHALLENGE, HEADER, MAGIC, DATA
+    from weightsync.transport.wire import ANSWER, CHALLENGE, DATA, HEADER, MAGIC
 
     job = make_job("wrong-token", steps=4, every=2)
     local = start(tmp_path, job)

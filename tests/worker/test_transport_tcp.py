@@ -12,7 +12,8 @@ import xxhash
 
 from weightsync.transport import TransferError, make_transport
 from weightsync.transport.base import Filling
-from weightsync.transport import tcp
+from weightsync.transport import tcp, wire
+from weightsync.transport.checksum import CHUNK
 
 TOKEN = b"0123456789abcdef-job-token"
 
@@ -44,11 +45,11 @@ def authenticated_raw_client(endpoint, trainer_rank=0, inference_rank=0, token=T
 
 
 def test_frame_header_layout():
-    assert tcp.HEADER.size == 40 and tcp.CHALLENGE.size == 40 and tcp.ANSWER.size == 44 and tcp.VERDICT.size == 36
-    raw = tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 7, 4096, 128, 2**64 - 1)
-    assert raw[:4] == b"WSYN" and raw[4] == tcp.DATA and raw[5:8] == b"\0\0\0"
+    assert wire.HEADER.size == 40 and wire.CHALLENGE.size == 40 and wire.ANSWER.size == 44 and wire.VERDICT.size == 36
+    raw = wire.HEADER.pack(wire.MAGIC, wire.DATA, 7, 4096, 128, 2**64 - 1)
+    assert raw[:4] == b"WSYN" and raw[4] == wire.DATA and raw[5:8] == b"\0\0\0"
     assert struct.unpack_from("<QQQQ", raw, 8) == (7, 4096, 128, 2**64 - 1)
-    assert "DATA" in tcp.__doc__ and "END" in tcp.__doc__ and "HMAC-SHA256" in tcp.__doc__
+    assert "DATA" in wire.__doc__ and "END" in wire.__doc__ and "HMAC-SHA256" in wire.__doc__
 
 
 def test_send_all_handles_partial_sends_of_many_views():
@@ -93,12 +94,12 @@ def test_wrong_token_is_refused_logged_and_nothing_is_used(caplog):
     # a raw client that ignores the refusal and pushes a frame anyway
     host, port = tcp.parse_endpoint(endpoint)
     raw = socket.create_connection((host, port), timeout=5)
-    challenge = tcp.recv_exact(raw, tcp.CHALLENGE.size)
+    challenge = tcp.recv_exact(raw, wire.CHALLENGE.size)
     head = struct.pack("<4sII", b"WSHA", 0, 0)
-    bogus = head + tcp._mac(b"guessed-token-guessed-token", challenge, head)
+    bogus = head + wire.mac(b"guessed-token-guessed-token", challenge, head)
     payload = b"\xff" * 64
-    raw.sendall(bogus + tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 0, 64, 0) + payload
-                + tcp.TRAILER.pack(xxhash.xxh3_64_intdigest(payload)))
+    raw.sendall(bogus + wire.HEADER.pack(wire.MAGIC, wire.DATA, 1, 0, 64, 0) + payload
+                + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(payload)))
     try:  # closed without a verdict (a reset, since what it sent was never read)
         assert raw.recv(64) == b""
     except ConnectionResetError:
@@ -136,7 +137,7 @@ def test_bad_checksum_names_the_trainer():
     sock = authenticated_raw_client(endpoint, trainer_rank=3)
     buf = bytearray(64)
     t, out = receive_in_thread(receiver, 5, buf, {3: [(0, 64)]}, 5)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 5, 0, 64, 0) + b"\x07" * 64 + tcp.TRAILER.pack(12345))
+    sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.DATA, 5, 0, 64, 0) + b"\x07" * 64 + wire.TRAILER.pack(12345))
     t.join(5)
     assert isinstance(out.get("error"), TransferError) and out["error"].peer == "trainer rank 3"
     assert "checksum mismatch for bytes [0, 64) of version 5" in str(out["error"])
@@ -148,7 +149,7 @@ def test_a_range_outside_the_plan_is_refused_before_its_bytes_are_read():
     sock = authenticated_raw_client(endpoint)
     buf = bytearray(128)
     t, out = receive_in_thread(receiver, 1, buf, {0: [(0, 64)]}, 5)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 64, 64, 0) + b"\x09" * 64 + tcp.TRAILER.pack(0))
+    sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.DATA, 1, 64, 64, 0) + b"\x09" * 64 + wire.TRAILER.pack(0))
     t.join(5)
     assert "bytes [64, 128) of version 1, which the plan does not give it" in str(out["error"])
     assert buf == bytes(128)
@@ -159,13 +160,13 @@ def test_end_with_missing_ranges_and_wrong_version_are_errors():
     receiver, endpoint = pair()
     sock = authenticated_raw_client(endpoint)
     t, out = receive_in_thread(receiver, 2, bytearray(128), {0: [(0, 64), (64, 64)]}, 5)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.END, 2, 0, 0, 0))
+    sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.END, 2, 0, 0, 0))
     t.join(5)
     assert "ended version 2 with 2 of 2 ranges missing" in str(out["error"])
     sock.close()
     sock = authenticated_raw_client(endpoint)
     t, out = receive_in_thread(receiver, 3, bytearray(128), {0: [(0, 64)]}, 5)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.END, 2, 0, 0, 0))
+    sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.END, 2, 0, 0, 0))
     t.join(5)
     assert "sent version 2 while version 3 was expected" in str(out["error"])
     sock.close(), receiver.close()
@@ -185,7 +186,7 @@ def test_a_peer_that_dies_mid_frame_is_named_at_once():
     receiver, endpoint = pair(timeout=60)
     sock = authenticated_raw_client(endpoint, trainer_rank=1)
     t, out = receive_in_thread(receiver, 1, bytearray(1 << 20), {1: [(0, 1 << 20)]}, 60)
-    sock.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.DATA, 1, 0, 1 << 20, 0) + b"\x01" * 1000)
+    sock.sendall(wire.HEADER.pack(wire.MAGIC, wire.DATA, 1, 0, 1 << 20, 0) + b"\x01" * 1000)
     start = time.monotonic()
     sock.close()
     t.join(10)
@@ -212,14 +213,14 @@ def test_a_buffer_is_streamed_as_its_producer_fills_it():
     receiver, endpoint = pair()
     sender = make_transport("tcp", token=TOKEN, timeout=10).sender(0)
     sender.connect({0: endpoint})
-    size = 3 * tcp.CHUNK + 123
+    size = 3 * CHUNK + 123
     payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
     source, buf = bytearray(size), bytearray(size)
     t, out = receive_in_thread(receiver, 1, buf, {0: [(0, size)]}, 10)
     filling = Filling(size)
     future = sender.send(0, 1, 0, memoryview(source), filling)
-    for a in range(0, size, tcp.CHUNK):  # fill chunk by chunk; the sender may only send what is ready
-        b = min(a + tcp.CHUNK, size)
+    for a in range(0, size, CHUNK):  # fill chunk by chunk; the sender may only send what is ready
+        b = min(a + CHUNK, size)
         source[a:b] = payload[a:b]
         filling.advance(b)
     filling.finish(xxhash.xxh3_64_intdigest(payload))
@@ -235,11 +236,11 @@ def test_an_abandoned_buffer_cuts_the_connection_and_the_receiver_names_the_trai
     receiver, endpoint = pair(timeout=60)
     sender = make_transport("tcp", token=TOKEN, timeout=60).sender(2)
     sender.connect({0: endpoint})
-    size = 4 * tcp.CHUNK
+    size = 4 * CHUNK
     t, out = receive_in_thread(receiver, 1, bytearray(size), {2: [(0, size)]}, 60)
     filling = Filling(size)
     future = sender.send(0, 1, 0, memoryview(bytearray(size)), filling)
-    filling.advance(tcp.CHUNK)
+    filling.advance(CHUNK)
     start = time.monotonic()
     filling.fail(ValueError("the cast failed"))
     with pytest.raises(RuntimeError, match="the send buffer was abandoned: the cast failed"):

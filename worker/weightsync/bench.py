@@ -94,7 +94,8 @@ def _worker(role: str, rank: int, case: dict, store_port: int) -> None:
     from weightsync.plan import make_plan
     from weightsync.transfer import VersionReceiver, VersionSender, settle_heap, version_digest
     from weightsync.transport import make_transport
-    from weightsync.transport.tcp import CHUNK, RECV_CHUNK, recv_into_all
+    from weightsync.transport.checksum import CHUNK
+    from weightsync.transport.tcp import RECV_CHUNK, recv_into_all
 
     M, N, dtype, versions = case["trainers"], case["inferences"], case["dtype"], case["versions"]
     timeout = datetime.timedelta(seconds=case["timeout"])

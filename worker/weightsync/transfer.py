@@ -23,7 +23,7 @@ import xxhash
 from weightsync import flat
 from weightsync.plan import Plan
 from weightsync.transport.base import Filling, Receiver, Sender, TransferError
-from weightsync.transport.tcp import CHUNK, as_views, checksum_of
+from weightsync.transport.checksum import CHUNK, bucket_checksum
 
 
 def version_digest(checksums: dict[int, int]) -> str:
@@ -42,16 +42,6 @@ def settle_heap() -> None:
     wire, holding the GIL the connection threads need. Call once, after start-up."""
     gc.collect()
     gc.freeze()
-
-
-def bucket_checksum(data, filling: Filling | None = None) -> int:
-    """xxh3_64 of a bucket: its producer's once it is whole, when it has one (a Filling); else
-    computed, from host memory directly or from device memory through one host copy."""
-    if filling is not None:
-        return filling.result()
-    if hasattr(data, "data_ptr") and data.device.type != "cpu":
-        data = data.cpu()
-    return checksum_of(as_views(data))
 
 
 @dataclass

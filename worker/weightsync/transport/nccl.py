@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
                                        each_peer, wait_all)
-from weightsync.transport.tcp import DATA, END
+from weightsync.transport.checksum import bucket_checksum
+from weightsync.transport.wire import DATA, END
 
 PREFIX = "weightsync-nccl"
 
@@ -148,8 +149,6 @@ class NcclSender(Sender):
         return future
 
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
-        from weightsync.transfer import bucket_checksum
-
         if not hasattr(data, "data_ptr") or data.device.type != "cuda":
             raise ValueError("the nccl transport sends GPU tensors (uint8)")
         length = data.numel() * data.element_size()
@@ -197,8 +196,6 @@ class NcclReceiver(Receiver):
 
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
         import torch
-
-        from weightsync.transfer import bucket_checksum
 
         if not hasattr(buffer, "data_ptr") or buffer.device.type != "cuda":
             raise ValueError("the nccl transport receives into a GPU tensor")

@@ -8,37 +8,14 @@ inference) pair, opened once and kept across versions; a rank runs its connectio
 threads (socket calls and xxh3 release the GIL). Every socket call has a timeout, so a dead or
 silent peer becomes a TransferError naming its rank, never a hang.
 
-Wire format (little-endian; this is the one place it is defined)
-----------------------------------------------------------------
-Handshake, as soon as the sender (trainer) connects to the receiver (inference):
-  receiver -> sender  CHALLENGE  b"WSHC" | u32 inference rank | 32 random bytes             40 bytes
-  sender -> receiver  ANSWER     b"WSHA" | u32 trainer rank | u32 inference rank |
-                                 HMAC-SHA256(token, CHALLENGE || first 12 bytes of ANSWER)  44 bytes
-  receiver -> sender  VERDICT    b"WSOK" | HMAC-SHA256(token, b"accept" || CHALLENGE || ANSWER)  36 bytes
-  The receiver checks the MAC with hmac.compare_digest and that the answer names its own rank;
-  on failure it logs the attempt and closes the connection without a verdict, and nothing the
-  connection sent is ever read. The verdict proves the receiver knows the token too.
-Then frames, each a 40-byte header
-  b"WSYN" | u8 kind | 3 zero bytes | u64 version | u64 offset | u64 length | u64 checksum
-  DATA     (1) sender -> receiver: `length` payload bytes follow, to land at version byte
-               `offset`, then a u64 trailer: xxh3_64 of the payload (after it, so that the
-               sender can stream bytes as they are produced); the header's checksum is 0.
-  END      (2) sender -> receiver: the sender is done with `version`; offset = the number of
-               DATA/WRITTEN frames it sent for it, length = their total bytes, checksum = 0.
-  WRITTEN  (3) sender -> receiver, RDMA transports: the range [offset, offset+length) was
-               written one-sided into the receiver's buffer; checksum as for DATA; no payload.
-  ADVERT   (4) receiver -> sender, RDMA transports: `length` payload bytes follow, the remote
-               access descriptors of the receiver's buffer for `version` (transport-defined).
+The wire format (handshake and frames) is defined in wire.py; checksums in checksum.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,54 +23,20 @@ from typing import Any, Callable
 
 import xxhash
 
+from weightsync.transport import wire
 from weightsync.transport.base import Filling, Receiver, Sender, Tally, TransferError, Transport, each_peer, wait_all
+from weightsync.transport.checksum import CHUNK, as_views
+from weightsync.transport.wire import DATA, END, KIND_NAMES, TRAILER, WRITTEN
 
 log = logging.getLogger("weightsync.transport")
-
-CHALLENGE = struct.Struct("<4sI32s")
-ANSWER = struct.Struct("<4sII32s")
-VERDICT = struct.Struct("<4s32s")
-HEADER = struct.Struct("<4sB3xQQQQ")
-TRAILER = struct.Struct("<Q")
-MAGIC = b"WSYN"
-DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
-KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
 
 # 0 leaves the socket buffers to the kernel's autotuning: a fixed size turns it off, which was
 # slower on loopback and caps the window on long links
 SOCKET_BUFFER = 0
-# bytes sent, or received, at a time and hashed at once, while they are still in cache (sizes
-# measured best with `weightsync bench`)
-CHUNK = 1 << 20
+# bytes received at a time into the landing buffer and hashed at once (measured best with
+# `weightsync bench`)
 RECV_CHUNK = 128 << 10
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
-
-
-def checksum_of(views: list) -> int:
-    """xxh3_64 of the concatenated bytes."""
-    if len(views) == 1:
-        return xxhash.xxh3_64_intdigest(views[0])
-    h = xxhash.xxh3_64()
-    for v in views:
-        h.update(v)
-    return h.intdigest()
-
-
-def as_views(data: Any) -> list[memoryview]:
-    """Byte views of what a caller hands to send(): bytes-like objects, CPU tensors, or lists."""
-    if isinstance(data, (list, tuple)):
-        return [v for d in data for v in as_views(d)]
-    if hasattr(data, "data_ptr"):  # a torch tensor
-        if data.device.type != "cpu":
-            raise ValueError("the TCP transport sends host memory: stage device tensors into a host buffer first")
-        from weightsync.flat import byte_view
-
-        return [memoryview(byte_view(data).numpy())]
-    return [memoryview(data).cast("B")]
-
-
-def _mac(token: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
 
 
 def tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
@@ -216,24 +159,19 @@ def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: in
     """The sender's side of the handshake; raises ConnectionError if the receiver refuses us or
     cannot prove it knows the token. `before_verdict` runs the transport's own set-up steps
     (RDMA) between the answer and the verdict."""
-    challenge = recv_exact(sock, CHALLENGE.size)
-    magic, their_rank, _ = CHALLENGE.unpack(challenge)
-    if magic != b"WSHC":
-        raise ConnectionError("the peer does not speak the weightsync protocol")
+    challenge = recv_exact(sock, wire.CHALLENGE.size)
+    their_rank = wire.parse_challenge(challenge)
     if their_rank != peer_rank:
         raise ConnectionError(f"the endpoint belongs to inference rank {their_rank}, not {peer_rank}")
-    head = struct.pack("<4sII", b"WSHA", rank, peer_rank)
-    answer = head + _mac(token, challenge, head)
+    answer = wire.answer(token, challenge, rank, peer_rank)
     sock.sendall(answer)
     try:
         if before_verdict is not None:
             before_verdict(sock)
-        verdict = recv_exact(sock, VERDICT.size)
+        verdict = recv_exact(sock, wire.VERDICT.size)
     except (PeerClosed, ConnectionResetError):
         raise ConnectionError("the peer refused the handshake (wrong job token?)") from None
-    magic, mac = VERDICT.unpack(verdict)
-    if magic != b"WSOK" or not hmac.compare_digest(mac, _mac(token, b"accept", challenge, answer)):
-        raise ConnectionError("the peer's handshake verdict does not prove the job token")
+    wire.check_verdict(token, challenge, answer, verdict)
 
 
 class TcpSender(Sender):
@@ -307,7 +245,7 @@ class TcpSender(Sender):
         views = as_views(data)
         length = sum(len(v) for v in views)
         self.tally.add(version, peer, length)
-        header = HEADER.pack(MAGIC, DATA, version, offset, length, 0)
+        header = wire.header(DATA, version, offset, length)
 
         def stream(conn: Connection) -> int:
             h = xxhash.xxh3_64() if filling is None else None  # else the producer hashes
@@ -335,7 +273,7 @@ class TcpSender(Sender):
     def end_version(self, version: int) -> None:
         for peer in self.conns:
             frames, nbytes = self.tally.pop(version, peer)
-            header = HEADER.pack(MAGIC, END, version, frames, nbytes, 0)
+            header = wire.header(END, version, frames, nbytes)
             self.submit(peer, version, lambda c, h=header: c.sock.sendall(h))
         self.wait(version)
 
@@ -444,18 +382,14 @@ class TcpReceiver(Receiver):
     def handshake(self, sock: socket.socket) -> int:
         """The receiver's side: returns the proven trainer rank, or raises without having read
         anything beyond the answer."""
-        challenge = CHALLENGE.pack(b"WSHC", self.rank, os.urandom(32))
+        challenge = wire.challenge(self.rank)
         sock.sendall(challenge)
-        answer = recv_exact(sock, ANSWER.size)
-        magic, trainer, target, mac = ANSWER.unpack(answer)
-        if magic != b"WSHA":
-            raise ConnectionError("not a weightsync handshake")
-        if not hmac.compare_digest(mac, _mac(self.token, challenge, answer[:12])):
-            raise ConnectionError(f"wrong token (claimed trainer rank {trainer})")
+        answer = recv_exact(sock, wire.ANSWER.size)
+        trainer, target = wire.check_answer(self.token, challenge, answer)
         if target != self.rank:
             raise ConnectionError(f"trainer rank {trainer} meant inference rank {target}, this is {self.rank}")
         self.after_handshake(sock, trainer)
-        sock.sendall(VERDICT.pack(b"WSOK", _mac(self.token, b"accept", challenge, answer)))
+        sock.sendall(wire.verdict(self.token, challenge, answer))
         return trainer
 
     def after_handshake(self, sock: socket.socket, trainer: int) -> None:
@@ -513,9 +447,7 @@ class TcpReceiver(Receiver):
         try:
             self.before_receive(sock, trainer, version, landing, ranges)
             while True:
-                magic, kind, v, offset, length, digest = HEADER.unpack(recv_exact(sock, HEADER.size))
-                if magic != MAGIC:
-                    raise TransferError(peer, "sent a frame without the weightsync magic")
+                kind, v, offset, length, digest = wire.parse_header(recv_exact(sock, wire.HEADER.size))
                 if v != version:
                     raise TransferError(peer, f"sent version {v} while version {version} was expected")
                 if kind == END:
@@ -542,6 +474,8 @@ class TcpReceiver(Receiver):
                 nbytes += length
         except socket.timeout:
             raise TransferError(peer, f"silent for {self.timeout:g}s during version {version}") from None
+        except wire.WireError as e:
+            raise TransferError(peer, str(e)) from None
         except (OSError, ConnectionError) as e:
             raise TransferError(peer, f"connection lost during version {version}: {e}") from None
 

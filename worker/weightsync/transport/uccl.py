@@ -6,7 +6,7 @@ Built on the `uccl` package's P2P engine (`from uccl import p2p`, pip name uccl,
 the 64-byte descriptor of a remote-writable region, `write_async(conn_id, mr_id, ptr, size,
 descriptor)` and `poll_async(transfer_id)`.
 
-Control travels over the TCP transport's authenticated connection and frames (tcp.py): the
+Control travels over the TCP transport's authenticated connection and frames (wire.py): the
 HMAC handshake first, then, before the verdict, the receiver's endpoint metadata and the RDMA
 connect/accept. For each version the receiver advertises every range it expects from that trainer
 (an ADVERT frame); the trainer RDMA-writes each bucket from its registered send buffer into
@@ -24,9 +24,11 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from weightsync.transport import wire
 from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable
-from weightsync.transport.tcp import (ADVERT, HEADER, MAGIC, WRITTEN, Landing, TcpReceiver, TcpSender,
-                                      client_handshake, recv_exact, send_all)
+from weightsync.transport.checksum import bucket_checksum
+from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender, client_handshake, recv_exact, send_all
+from weightsync.transport.wire import ADVERT, WRITTEN
 
 ADVERT_ENTRY = struct.Struct("<QQ64s")  # offset, length, the engine's 64-byte descriptor
 
@@ -128,8 +130,8 @@ class UcclSender(TcpSender):
     def _advert(self, sock: socket.socket, peer: int, version: int, offset: int) -> tuple[int, bytes]:
         seen = self.adverts.get(peer)
         if seen is None or seen[0] != version:
-            magic, kind, v, count, length, _ = HEADER.unpack(recv_exact(sock, HEADER.size))
-            if magic != MAGIC or kind != ADVERT or v != version:
+            kind, v, count, length, _ = wire.parse_header(recv_exact(sock, wire.HEADER.size))
+            if kind != ADVERT or v != version:
                 raise ConnectionError(f"expected the advertisement of version {version}, got kind {kind} version {v}")
             payload = recv_exact(sock, length)
             entries = [ADVERT_ENTRY.unpack_from(payload, i * ADVERT_ENTRY.size) for i in range(count)]
@@ -140,8 +142,6 @@ class UcclSender(TcpSender):
             raise ConnectionError(f"inference rank {peer} did not advertise byte {offset} of version {version}") from None
 
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
-        from weightsync.transfer import bucket_checksum
-
         length = data.numel() * data.element_size()
         mr_id = self.memory.find(data.data_ptr(), length)
         if mr_id is None:
@@ -166,7 +166,7 @@ class UcclSender(TcpSender):
                     break
                 if time.monotonic() > deadline:
                     raise socket.timeout()
-            send_all(conn.sock, [memoryview(HEADER.pack(MAGIC, WRITTEN, version, offset, length, digest))])
+            send_all(conn.sock, [memoryview(wire.header(WRITTEN, version, offset, length, digest))])
             return digest
 
         return self.submit(peer, version, work)
@@ -208,12 +208,10 @@ class UcclReceiver(TcpReceiver):
                 raise ConnectionError(f"advertising bytes [{offset}, {offset + length}) failed")
             entries.append(ADVERT_ENTRY.pack(offset, length, blob))
         payload = b"".join(entries)
-        send_all(sock, [memoryview(HEADER.pack(MAGIC, ADVERT, version, len(entries), len(payload), 0)), memoryview(payload)])
+        send_all(sock, [memoryview(wire.header(ADVERT, version, len(entries), len(payload))), memoryview(payload)])
 
     def written(self, landing: Landing, offset: int, length: int) -> int:
         import torch
-
-        from weightsync.transfer import bucket_checksum
 
         torch.cuda.synchronize(landing.device.device)
         return bucket_checksum(landing.device.view(torch.uint8).reshape(-1)[offset:offset + length])

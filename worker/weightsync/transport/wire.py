@@ -1,0 +1,112 @@
+"""The wire format of the socket transports (tcp, and the control channel of uccl).
+
+Only bytes live here: the structs, and the functions that pack them and parse them with their
+checks. Sockets, threads and timeouts belong to the transports that use it, so a new frame kind is
+added in one small module and every transport sees it.
+
+Wire format (little-endian; this is the one place it is defined)
+----------------------------------------------------------------
+Handshake, as soon as the sender (trainer) connects to the receiver (inference):
+  receiver -> sender  CHALLENGE  b"WSHC" | u32 inference rank | 32 random bytes             40 bytes
+  sender -> receiver  ANSWER     b"WSHA" | u32 trainer rank | u32 inference rank |
+                                 HMAC-SHA256(token, CHALLENGE || first 12 bytes of ANSWER)  44 bytes
+  receiver -> sender  VERDICT    b"WSOK" | HMAC-SHA256(token, b"accept" || CHALLENGE || ANSWER)  36 bytes
+  The receiver checks the MAC with hmac.compare_digest and that the answer names its own rank;
+  on failure it logs the attempt and closes the connection without a verdict, and nothing the
+  connection sent is ever read. The verdict proves the receiver knows the token too.
+Then frames, each a 40-byte header
+  b"WSYN" | u8 kind | 3 zero bytes | u64 version | u64 offset | u64 length | u64 checksum
+  DATA     (1) sender -> receiver: `length` payload bytes follow, to land at version byte
+               `offset`, then a u64 trailer: xxh3_64 of the payload (after it, so that the
+               sender can stream bytes as they are produced); the header's checksum is 0.
+  END      (2) sender -> receiver: the sender is done with `version`; offset = the number of
+               DATA/WRITTEN frames it sent for it, length = their total bytes, checksum = 0.
+  WRITTEN  (3) sender -> receiver, RDMA transports: the range [offset, offset+length) was
+               written one-sided into the receiver's buffer; checksum as for DATA; no payload.
+  ADVERT   (4) receiver -> sender, RDMA transports: `length` payload bytes follow, the remote
+               access descriptors of the receiver's buffer for `version` (transport-defined).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from typing import NamedTuple
+
+CHALLENGE = struct.Struct("<4sI32s")
+ANSWER = struct.Struct("<4sII32s")
+ANSWER_HEAD = struct.Struct("<4sII")  # the part of ANSWER its MAC covers
+VERDICT = struct.Struct("<4s32s")
+HEADER = struct.Struct("<4sB3xQQQQ")
+TRAILER = struct.Struct("<Q")
+MAGIC = b"WSYN"
+DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
+KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
+
+
+class WireError(ConnectionError):
+    """Bytes that break the wire format; the message says how."""
+
+
+class Frame(NamedTuple):
+    kind: int
+    version: int
+    offset: int
+    length: int
+    checksum: int
+
+
+def mac(token: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
+
+
+def challenge(rank: int) -> bytes:
+    """A fresh CHALLENGE from inference rank `rank`."""
+    return CHALLENGE.pack(b"WSHC", rank, os.urandom(32))
+
+
+def parse_challenge(raw: bytes) -> int:
+    """The inference rank a CHALLENGE names."""
+    magic, rank, _ = CHALLENGE.unpack(raw)
+    if magic != b"WSHC":
+        raise WireError("the peer does not speak the weightsync protocol")
+    return rank
+
+
+def answer(token: bytes, challenge_bytes: bytes, rank: int, peer_rank: int) -> bytes:
+    """Trainer rank `rank`'s ANSWER to inference rank `peer_rank`'s challenge."""
+    head = ANSWER_HEAD.pack(b"WSHA", rank, peer_rank)
+    return head + mac(token, challenge_bytes, head)
+
+
+def check_answer(token: bytes, challenge_bytes: bytes, raw: bytes) -> tuple[int, int]:
+    """(trainer rank, inference rank it meant) of an ANSWER whose MAC proves the token."""
+    magic, trainer, target, their_mac = ANSWER.unpack(raw)
+    if magic != b"WSHA":
+        raise WireError("not a weightsync handshake")
+    if not hmac.compare_digest(their_mac, mac(token, challenge_bytes, raw[:ANSWER_HEAD.size])):
+        raise WireError(f"wrong token (claimed trainer rank {trainer})")
+    return trainer, target
+
+
+def verdict(token: bytes, challenge_bytes: bytes, answer_bytes: bytes) -> bytes:
+    return VERDICT.pack(b"WSOK", mac(token, b"accept", challenge_bytes, answer_bytes))
+
+
+def check_verdict(token: bytes, challenge_bytes: bytes, answer_bytes: bytes, raw: bytes) -> None:
+    magic, their_mac = VERDICT.unpack(raw)
+    if magic != b"WSOK" or not hmac.compare_digest(their_mac, mac(token, b"accept", challenge_bytes, answer_bytes)):
+        raise WireError("the peer's handshake verdict does not prove the job token")
+
+
+def header(kind: int, version: int, offset: int, length: int, checksum: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, kind, version, offset, length, checksum)
+
+
+def parse_header(raw: bytes) -> Frame:
+    magic, kind, version, offset, length, checksum = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise WireError("sent a frame without the weightsync magic")
+    return Frame(kind, version, offset, length, checksum)
