@@ -82,6 +82,9 @@ class Env:
     TOKEN_FILE = "WEIGHTSYNC_TOKEN_FILE"
     NETWORK_MODE = "WEIGHTSYNC_NETWORK_MODE"  # the resolved mode: rdma or tcp
     REPORT_TO_KUBERNETES = "WEIGHTSYNC_REPORT_TO_KUBERNETES"  # "1": the controller patches job status
+    # Without Kubernetes (`weightsync run`): the file that stands in for the job's status
+    # subresource, so that a controller that starts again finds what the one before it reported.
+    STATUS_FILE = "WEIGHTSYNC_STATUS_FILE"
 
 
 class SpecError(ValueError):

@@ -1,24 +1,11 @@
-"""The rendezvous protocol through the controller's torch.distributed TCPStore.
+"""The rendezvous protocol through the controller's store: the keys, and a rank's side of it.
 
-Keys (role is "trainer" or "inference", rank the process's rank within its role):
-  nonce/<role>/<rank>      controller: a fresh random challenge for that rank
-  join/<role>/<rank>       rank: a counter; above 1 means the rank restarted after joining
-  endpoint/<role>/<rank>   rank: where it can be reached (inference: the transport's endpoint)
-  meta/<role>/<rank>       rank: its FlatLayout as json
-  info/<role>/<rank>       rank: json {transport, why, device, pod}
-  proof/<role>/<rank>      rank: HMAC(token, nonce, role, rank, endpoint, meta, info); the
-                           controller accepts what a rank published only with a valid proof
-  plan, plan/mac           controller: the plan and every rank's endpoint, HMAC'd with the token
-  ready/<v>/<rank>         trainer: ready to send version v
-  go/<v>                   controller: send version v (after every inference rank applied v-1)
-  sent/<v>/<rank>          trainer: its bucket checksums, bytes, seconds, step and loss
-  ref/<v>                  controller: the digest of version v computed from all trainers' sums
-  applied/<v>/<rank>       inference: received, verified and switched to version v
-  done/<v>                 controller: the version's record
-  failed/<role>/<rank>     any rank: why it gave up (and the "failures" counter goes up)
-  beat/<role>/<rank>       any rank: a counter bumped every HEARTBEAT seconds
-  end                      controller: the job is over {"state", "message"}
-  bye/<role>/<rank>        rank: saw the end; the controller may go
+Every key is named by Keys below. A rank joins with an attempt number (1, then one more each time
+its process starts again): the controller issues a fresh challenge per attempt, the rank proves
+the job token over it and what it publishes, and only then is it admitted. Each sending of a
+version is a Round that the controller announces with the go: which inference ranks receive it
+and which set of their endpoints (epoch) to use, so that an inference rank whose pod restarted
+is taken back at the next version under its new endpoint (roster.py is the controller's side).
 A store client serves one thread at a time (a blocking call holds it), so every thread that talks
 to the store opens its own client.
 """
@@ -29,9 +16,9 @@ import datetime
 import hashlib
 import hmac
 import json
-import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping
 
 from .contract import INFERENCE, TRAINER, Layout
@@ -51,7 +38,7 @@ class JobEnded(RuntimeError):
 
 
 class Restarted(RuntimeError):
-    """This rank already joined the job once: its process restarted."""
+    """A trainer rank's process started again after it had joined: the job cannot go on."""
 
 
 class ProofError(RuntimeError):
@@ -138,6 +125,111 @@ class Channel:
             pause = min(pause * 1.5, poll_max)
 
 
+class Keys:
+    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it)."""
+
+    FAILURES = "failures"  # counter: failures reported (failed/<role>/<rank> says whose)
+    VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
+    PLAN, PLAN_MAC = "plan", "plan/mac"  # controller: the plan, HMAC'd with the token
+    END = "end"  # controller: the job is over {"state", "reason", "message"}
+
+    @staticmethod
+    def join(role: str, rank: int) -> str:
+        """rank: a counter, its attempt number (above 1: its process started again)."""
+        return f"join/{role}/{rank}"
+
+    @staticmethod
+    def nonce(role: str, rank: int, attempt: int) -> str:
+        """controller: a fresh random challenge for that attempt."""
+        return f"nonce/{role}/{rank}/{attempt}"
+
+    @staticmethod
+    def published(what: str, role: str, rank: int, attempt: int) -> str:
+        """rank: its "endpoint", "meta" (FlatLayout json), "info" (json: transport, why, device,
+        pod) and "proof" (HMAC of the nonce and the other three) for that attempt."""
+        return f"{what}/{role}/{rank}/{attempt}"
+
+    @staticmethod
+    def peers(epoch: int) -> str:
+        """controller: the inference ranks' endpoints as of `epoch` (0 at the plan; one more per
+        rejoin), and .../mac its HMAC."""
+        return f"peers/{epoch}"
+
+    @staticmethod
+    def ready(version: int, rank: int) -> str:
+        """trainer: ready to send `version`."""
+        return f"ready/{version}/{rank}"
+
+    @staticmethod
+    def go(version: int, again: int = 0) -> str:
+        """controller: a Round (json); again > 0 sends the final version once more, to ranks that
+        rejoined after it went out."""
+        return f"go/{version}" if not again else f"go/{version}/again/{again}"
+
+    @staticmethod
+    def sent(version: int, again: int, rank: int) -> str:
+        """trainer: its bucket checksums, bytes, seconds, step, loss, and the receivers it lost."""
+        return f"sent/{version}/{rank}" if not again else f"sent/{version}/again/{again}/{rank}"
+
+    @staticmethod
+    def ref(version: int) -> str:
+        """controller: the digest of `version` from all trainers' checksums."""
+        return f"ref/{version}"
+
+    @staticmethod
+    def applied(version: int, rank: int, attempt: int) -> str:
+        """inference: received, verified and switched to `version` (in that attempt)."""
+        return f"applied/{version}/{rank}/{attempt}"
+
+    @staticmethod
+    def welcome(rank: int, attempt: int) -> str:
+        """controller: the Round a rejoined inference rank receives first."""
+        return f"welcome/{rank}/{attempt}"
+
+    @staticmethod
+    def done(version: int, again: int = 0) -> str:
+        """controller: the round's record."""
+        return f"done/{version}" if not again else f"done/{version}/again/{again}"
+
+    @staticmethod
+    def failed(role: str, rank: int) -> str:
+        """any rank: why it gave up (the FAILURES counter goes up with it)."""
+        return f"failed/{role}/{rank}"
+
+    @staticmethod
+    def beat(role: str, rank: int) -> str:
+        """any rank: a counter bumped every HEARTBEAT seconds."""
+        return f"beat/{role}/{rank}"
+
+    @staticmethod
+    def bye(role: str, rank: int) -> str:
+        """any rank: saw the end; the controller may go."""
+        return f"bye/{role}/{rank}"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One sending of a version: to which inference ranks, at which of their endpoints."""
+
+    version: int
+    again: int = 0  # 0: the version's first sending; n: the n-th repeat of the final version
+    receivers: tuple[int, ...] = ()
+    epoch: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "again": self.again, "receivers": list(self.receivers),
+                           "epoch": self.epoch})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Round":
+        obj = json.loads(text)
+        return cls(obj["version"], obj["again"], tuple(obj["receivers"]), obj["epoch"])
+
+    @property
+    def name(self) -> str:
+        return f"version {self.version}" + (f" (sent again, {self.again})" if self.again else "")
+
+
 def ranks_of(layout: Layout) -> list[tuple[str, int]]:
     return [(TRAINER, r) for r in range(layout.world_size(TRAINER))] + \
            [(INFERENCE, r) for r in range(layout.world_size(INFERENCE))]
@@ -147,6 +239,14 @@ def who(role: str, rank: int) -> str:
     return f"{role} rank {rank}"
 
 
+def rank_proof(token: bytes, nonce: bytes, role: str, rank: int, endpoint: str, meta: str, info: str) -> str:
+    return mac(token, b"rank", nonce, role, str(rank), endpoint, meta, info)
+
+
+def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
+    return mac(token, b"peers", str(epoch), text)
+
+
 class Member(Channel):
     """One trainer or inference rank's side of the rendezvous."""
 
@@ -154,6 +254,7 @@ class Member(Channel):
         super().__init__(connect_store(host, port, timeout))
         self.address = (host, port, timeout)
         self.token, self.role, self.rank = token, role, rank
+        self.attempt = 0  # set by join(): 1 for the rank's first process, then one more per restart
         self._beat: threading.Event | None = None
 
     @property
@@ -165,8 +266,8 @@ class Member(Channel):
         return Channel(connect_store(*self.address))
 
     def check_end(self) -> None:
-        if self.has("end"):
-            end = self.get_json("end")
+        if self.has(Keys.END):
+            end = self.get_json(Keys.END)
             raise JobEnded(end["state"], end["message"])
 
     def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, poll_max: float = POLL_MAX) -> None:
@@ -174,44 +275,70 @@ class Member(Channel):
 
     def wait_for_end(self) -> dict:
         """Wait for the controller's end of the job: {"state", "message"}."""
-        self.wait(["end"], "the end of the job")
-        return self.get_json("end")
+        self.wait([Keys.END], "the end of the job")
+        return self.get_json(Keys.END)
 
-    def join(self, endpoint: str, meta: str, info: str, timeout: float) -> None:
-        """Publish endpoint, layout and info, proving the job token over the controller's nonce."""
-        key = f"{self.role}/{self.rank}"
-        if self.store.add(f"join/{key}", 1) > 1:
-            raise Restarted(f"{self.name} restarted after it had joined the job; a job does not survive a rank restart")
-        self.wait_for(f"nonce/{key}", "the controller's challenge", timeout)
-        nonce = self.get(f"nonce/{key}")
-        self.set(f"endpoint/{key}", endpoint)
-        self.set(f"meta/{key}", meta)
-        self.set(f"info/{key}", info)
-        self.set(f"proof/{key}", mac(self.token, b"rank", nonce, self.role, str(self.rank), endpoint, meta, info))
+    def join(self, endpoint: str, meta: str, info: str, timeout: float) -> int:
+        """Publish endpoint, layout and info, proving the job token over the controller's nonce for
+        this attempt; returns the attempt. A trainer's process that started again raises
+        Restarted: the controller ends the job (trainers do not rejoin)."""
+        self.attempt = attempt = self.store.add(Keys.join(self.role, self.rank), 1)
+        if attempt > 1 and self.role == TRAINER:
+            raise Restarted(f"{self.name} restarted after it had joined the job (start {attempt}); trainers do not "
+                            "rejoin a running job: the built-in trainer keeps no checkpoint to resume from")
+        self.wait_for(Keys.nonce(self.role, self.rank, attempt), "the controller's challenge", timeout)
+        nonce = self.get(Keys.nonce(self.role, self.rank, attempt))
+        for what, value in (("endpoint", endpoint), ("meta", meta), ("info", info)):
+            self.set(Keys.published(what, self.role, self.rank, attempt), value)
+        self.set(Keys.published("proof", self.role, self.rank, attempt),
+                 rank_proof(self.token, nonce, self.role, self.rank, endpoint, meta, info))
+        return attempt
 
     def plan(self, timeout: float):
-        """The plan and {inference rank: endpoint}, checked to come from a holder of the token."""
+        """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
+        holder of the token."""
         from .plan import Plan
 
-        self.wait_for("plan/mac", "the transfer plan", timeout)
-        text = self.get("plan")
-        if not hmac.compare_digest(mac(self.token, b"plan", text), self.get("plan/mac").decode()):
+        self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
+        text = self.get(Keys.PLAN)
+        if not hmac.compare_digest(mac(self.token, b"plan", text), self.get(Keys.PLAN_MAC).decode()):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
-        obj = json.loads(text)
-        return Plan.from_json(obj["plan"]), {int(r): e for r, e in obj["endpoints"].items()}
+        return Plan.from_json(json.loads(text)["plan"]), self.peers(0, timeout)
+
+    def peers(self, epoch: int, timeout: float) -> dict[int, str]:
+        """{inference rank: endpoint} as of `epoch`, checked to come from a holder of the token."""
+        key = Keys.peers(epoch)
+        self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout)
+        text = self.get(key)
+        if not hmac.compare_digest(peers_mac(self.token, epoch, text), self.get(key + "/mac").decode()):
+            raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
+        return {int(r): e for r, e in json.loads(text).items()}
+
+    def round(self, version: int, again: int = 0, poll_max: float = POLL_MAX) -> Round:
+        """Wait for the controller's go for that round."""
+        key = Keys.go(version, again)
+        self.wait_for(key, f"the controller's go for version {version}", poll_max=poll_max)
+        return Round.from_json(self.get(key))
+
+    def welcome(self) -> Round:
+        """A rejoined inference rank: the round it receives first (the controller says it at the
+        next version, or at once when the trainers are done)."""
+        key = Keys.welcome(self.rank, self.attempt)
+        self.wait_for(key, "the controller to take this rank back at the next version")
+        return Round.from_json(self.get(key))
 
     def fail(self, message: str) -> None:
         """Tell the controller why this rank gives up."""
-        self.set(f"failed/{self.role}/{self.rank}", message)
-        self.store.add("failures", 1)
+        self.set(Keys.failed(self.role, self.rank), message)
+        self.store.add(Keys.FAILURES, 1)
 
     def bye(self) -> None:
-        self.set(f"bye/{self.role}/{self.rank}", "1")
+        self.set(Keys.bye(self.role, self.rank), "1")
 
     def start_heartbeat(self) -> None:
         stop = self._beat = threading.Event()
         channel = self.client()
-        key = f"beat/{self.role}/{self.rank}"
+        key = Keys.beat(self.role, self.rank)
 
         def beat():
             while not stop.wait(HEARTBEAT):
@@ -226,88 +353,3 @@ class Member(Channel):
     def stop_heartbeat(self) -> None:
         if self._beat:
             self._beat.set()
-
-
-class RankFailed(RuntimeError):
-    """A rank failed or went silent; the message names it."""
-
-
-class Host(Channel):
-    """The controller's side: hosts the store, admits ranks, watches them."""
-
-    def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float):
-        super().__init__(host_store(port))
-        self.token, self.layout, self.silent_limit = token, layout, silent_limit
-        self.ranks = ranks_of(layout)
-        self.failures_seen = 0
-        self.beats: dict[tuple[str, int], tuple[int, float]] = {}
-        self.last_beat_check = 0.0
-        for role, rank in self.ranks:
-            self.set(f"nonce/{role}/{rank}", secrets.token_hex(16))
-
-    def admit(self, timeout: float) -> dict[tuple[str, int], tuple[str, str, dict]]:
-        """Wait for every rank's proof; return {(role, rank): (endpoint, meta json, info)}."""
-        admitted: dict[tuple[str, int], tuple[str, str, dict]] = {}
-        deadline = time.monotonic() + timeout
-        pause = 0.001
-        while len(admitted) < len(self.ranks):
-            self.check_ranks()
-            for role, rank in self.ranks:
-                key = f"{role}/{rank}"
-                if (role, rank) in admitted or not self.has(f"proof/{key}"):
-                    continue
-                endpoint, meta, info = (self.get(f"{k}/{key}").decode() for k in ("endpoint", "meta", "info"))
-                expect = mac(self.token, b"rank", self.get(f"nonce/{key}"), role, str(rank), endpoint, meta, info)
-                if not hmac.compare_digest(expect, self.get(f"proof/{key}").decode()):
-                    raise ProofError(f"{who(role, rank)} failed the job token proof (its token file differs from the job's Secret)")
-                admitted[(role, rank)] = (endpoint, meta, json.loads(info))
-            if time.monotonic() > deadline:
-                missing = [who(r, k) for r, k in self.ranks if (r, k) not in admitted]
-                raise TimeoutError(f"{len(missing)} ranks did not join within {timeout:.0f}s: {', '.join(missing[:6])}")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
-        return admitted
-
-    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str]) -> None:
-        text = json.dumps({"plan": plan_json, "endpoints": {str(r): e for r, e in endpoints.items()}})
-        self.set("plan", text)
-        self.set("plan/mac", mac(self.token, b"plan", text))
-
-    def check_ranks(self) -> None:
-        """Raise RankFailed for a rank that reported a failure or whose heartbeat stopped."""
-        failures = self.store.add("failures", 0)
-        if failures > self.failures_seen:
-            self.failures_seen = failures
-            for role, rank in self.ranks:
-                if self.has(f"failed/{role}/{rank}"):
-                    raise RankFailed(f"{who(role, rank)} failed: {self.get(f'failed/{role}/{rank}').decode()}")
-        now = time.monotonic()
-        if now - self.last_beat_check < HEARTBEAT:
-            return
-        self.last_beat_check = now
-        for role, rank in self.ranks:
-            key = f"beat/{role}/{rank}"
-            if not self.has(key):
-                continue
-            count = self.store.add(key, 0)
-            seen = self.beats.get((role, rank))
-            if seen is None or seen[0] != count:
-                self.beats[(role, rank)] = (count, now)
-            elif now - seen[1] > self.silent_limit:
-                raise RankFailed(f"{who(role, rank)} is silent: no heartbeat for {now - seen[1]:.0f}s "
-                                 "(its process died or lost the network)")
-
-    def wait_ranks(self, keys: Iterable[str], what: str, timeout: float | None = None, poll_max: float = POLL_MAX) -> None:
-        self.wait(keys, what, timeout, self.check_ranks, poll_max)
-
-    def end(self, state: str, message: str) -> None:
-        self.set("end", {"state": state, "message": message})
-
-    def wait_byes(self, timeout: float) -> list[str]:
-        """Wait (a bounded time) for every rank to see the end; returns those that did not."""
-        keys = [f"bye/{r}/{k}" for r, k in self.ranks]
-        try:
-            self.wait(keys, "every rank to see the end", timeout)
-            return []
-        except TimeoutError:
-            return [who(r, k) for r, k in self.ranks if not self.has(f"bye/{r}/{k}")]

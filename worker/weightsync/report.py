@@ -1,7 +1,10 @@
 """What the controller reports: one JSON line per delivered version and one at the job's end on
-stdout, always; and, in a cluster (Env.REPORT_TO_KUBERNETES is "1"), the same through the
-Kubernetes API as the job's status.transfer and status.completion (a merge patch of the status
-subresource, with the controller pod's ServiceAccount).
+stdout, always; and the same as the job's status.transfer and status.completion, with its own
+starts (status.controller) and the inference ranks' rejoins (status.rejoins): in a cluster
+(Env.REPORT_TO_KUBERNETES is "1") through the Kubernetes API (a merge patch of the status
+subresource, with the controller pod's ServiceAccount), else into Env.STATUS_FILE when set (the
+local runner's stand-in for the status). The controller reads its starts back from there: one that
+started again must not silently run the job anew (controller.py).
 
 A transfer's bytes are the bytes delivered: the version's size times the number of inference
 ranks; seconds run from the controller's "go" to the last inference rank running on the new
@@ -16,7 +19,7 @@ import sys
 import time
 from typing import IO
 
-from .contract import GROUP, PLURAL, VERSION, Job
+from .contract import GROUP, PLURAL, VERSION, Env, Job
 
 PATCH_ATTEMPTS = 4
 
@@ -26,9 +29,35 @@ def now() -> str:
 
 
 class Reporter:
-    def __init__(self, job: Job, to_kubernetes: bool, out: IO[str] = sys.stdout):
+    def __init__(self, job: Job, to_kubernetes: bool, out: IO[str] = sys.stdout, status_file: str | None = None):
         self.job, self.out = job, out
         self.api = _custom_objects_api() if to_kubernetes else None
+        self.status_file = None if to_kubernetes else (status_file or os.environ.get(Env.STATUS_FILE) or None)
+
+    def status(self) -> dict:
+        """The job's status as last reported ({} when there is nowhere to read it from)."""
+        if self.api is not None:
+            from kubernetes.client.exceptions import ApiException
+
+            try:
+                job = self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.job.namespace, PLURAL, self.job.name)
+            except ApiException as e:
+                raise RuntimeError(f"cannot read the status of WeightTransferJob {self.job.namespace}/{self.job.name}: "
+                                   f"{e.status} {e.reason}: {_api_message(e)}") from None
+            return job.get("status") or {}
+        if self.status_file and os.path.exists(self.status_file):
+            with open(self.status_file) as f:
+                return json.load(f)
+        return {}
+
+    def started(self, starts: int) -> None:
+        """Record a start of the controller (the first is 1)."""
+        self._patch({"controller": {"starts": starts, "started": now()}})
+
+    def rejoins(self, rejoins: dict) -> None:
+        """{role: how many times its ranks rejoined the running job}."""
+        self._line({"event": "rejoins", **rejoins})
+        self._patch({"rejoins": rejoins})
 
     def transfer(self, version: int, step: int, bytes: int, seconds: float, transport: str,
                  loss: float | None, **extra) -> dict:
@@ -41,8 +70,10 @@ class Reporter:
         self._patch({"transfer": record})
         return record
 
-    def completion(self, state: str, message: str, versions: int, **extra) -> dict:
+    def completion(self, state: str, message: str, versions: int, reason: str = "", **extra) -> dict:
         record = {"state": state, "message": message, "versions": versions, "time": now()}
+        if reason:
+            record["reason"] = reason  # why it failed, as a condition reason
         self._line({"event": "completion", **record, **extra})
         self._patch({"completion": record})
         return record
@@ -53,6 +84,13 @@ class Reporter:
 
     def _patch(self, status: dict) -> None:
         if self.api is None:
+            if self.status_file:
+                current = self.status()
+                current.update(status)
+                tmp = f"{self.status_file}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(current, f)
+                os.replace(tmp, self.status_file)  # a reader never sees half a status
             return
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError

@@ -16,14 +16,15 @@ import hashlib
 import struct
 import time
 from collections import deque
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import xxhash
 
 from weightsync import flat
 from weightsync.plan import Plan
-from weightsync.transport.base import Filling, Receiver, Sender, TransferError
-from weightsync.transport.checksum import CHUNK, bucket_checksum
+from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, TransferError
+from weightsync.transport.checksum import CHUNK, as_views, bucket_checksum, checksum_of
 
 
 def version_digest(checksums: dict[int, int]) -> str:
@@ -50,6 +51,7 @@ class SentVersion:
     bytes: int  # this rank's share of the version (each peer received it)
     seconds: float
     checksums: dict = field(default_factory=dict)  # {offset: xxh3_64} of this rank's buckets
+    lost: dict = field(default_factory=dict)  # {peer: why} the peers it could not send to
 
 
 @dataclass
@@ -128,11 +130,15 @@ class VersionSender:
         finally:
             torch.set_num_threads(threads)
 
-    def send(self, version: int, params) -> SentVersion:
+    def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False) -> SentVersion:
+        """Send this rank's share of `version` to `peers` (every inference rank by default).
+        With lose_peers a peer that fails (its process died) is named in SentVersion.lost and
+        the others get all of it; without, PeersFailed is raised."""
         layout = self.plan.layout
         flat.check_sources(layout, params)
         start = time.monotonic()
-        if not self.buckets:
+        peers = self.peers if peers is None else list(peers)
+        if not self.buckets or not peers:
             return SentVersion(version, 0, 0.0, {})
         in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
         inflight: deque = deque()  # futures of the buckets whose buffers may still be on the wire
@@ -144,28 +150,35 @@ class VersionSender:
                 # cache; the peers take turns by bucket); the others send them at once and take
                 # that checksum when it is there
                 data = flat.range_views(layout, params, b.offset, b.end)
-                hasher = self.peers[k % len(self.peers)]
+                hasher = peers[k % len(peers)]
                 hashed = self.sender.send(hasher, version, b.offset, data)
-                hashed.add_done_callback(lambda f, fl=filling: fl.fail(f.exception()) if f.exception() else fl.finish(f.result()))
+                # a hasher that failed (its peer went away) leaves the checksum to this side
+                hashed.add_done_callback(lambda f, fl=filling, d=data: fl.finish(
+                    f.result() if f.exception() is None else checksum_of(as_views(d))))
                 filling.advance(b.length)
                 inflight.append([hashed] + [self.sender.send(p, version, b.offset, data, filling)
-                                            for p in self.peers if p != hasher])
+                                            for p in peers if p != hasher])
                 continue
             buffers = self._buffers(params)
             if len(inflight) == len(buffers):
-                for f in inflight.popleft():  # the buffer about to be refilled must be off the wire
-                    f.result()
+                wait(inflight.popleft())  # the buffer about to be refilled must be off the wire (end_version raises)
             data = buffers[k % len(buffers)][:b.length]
-            inflight.append([self.sender.send(p, version, b.offset, data, filling) for p in self.peers])
+            inflight.append([self.sender.send(p, version, b.offset, data, filling) for p in peers])
             try:
                 self._fill(layout, params, b, data, filling)
             except BaseException as e:
                 filling.fail(e)
                 raise
-        self.sender.end_version(version)
+        lost: dict[int, str] = {}
+        try:
+            self.sender.end_version(version)
+        except PeersFailed as e:
+            if not lose_peers:
+                raise
+            lost = {peer: str(error) for peer, error in e.failed.items()}
         sums = {offset: filling.result() for offset, filling in fillings.items()}
         total = sum(b.length for b in self.buckets)
-        return SentVersion(version, total, time.monotonic() - start, sums)
+        return SentVersion(version, total, time.monotonic() - start, sums, lost)
 
 
 class VersionReceiver:

@@ -10,7 +10,7 @@ import threading
 import traceback
 
 from ..contract import INFERENCE, TRAINER, WorkerContext
-from ..rendezvous import JobEnded, Member, Restarted, who
+from ..rendezvous import JobEnded, Keys, Member, Restarted, who
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
@@ -28,6 +28,11 @@ class Expected(RuntimeError):
     """A failure whose message says it all (no traceback)."""
 
 
+class StartAgain(Expected):
+    """This rank's process must end so that it starts again and rejoins the job (its pod restarts
+    it); not a failure of the job."""
+
+
 def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) -> int:
     """Run one rank: body(ctx, member, rank, local_rank).run() returns the job's end state.
     A failure is reported to the controller, which fails the job naming this rank."""
@@ -36,12 +41,14 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
     try:
         state = body(ctx, member, rank, local_rank).run()
     except Restarted as e:
-        if member.has("end"):  # a pod restarted after its job ended: nothing to do
+        if member.has(Keys.END):  # a pod restarted after its job ended: nothing to do
             log(me, "restarted after the job ended")
             linger(ctx, me)
             return 0
+        log(me, f"{e}; waiting for the controller to end the job")
+        return _wait_for_the_end(ctx, member, me)
+    except StartAgain as e:
         log(me, str(e))
-        member.fail(str(e))
         return 1
     except JobEnded as e:
         log(me, str(e))
@@ -55,18 +62,22 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
         member.fail(f"{type(e).__name__}: {e}")
         # The controller ends the job; until then this process stays, so that the ones that
         # died first are the ones that stand out.
-        try:
-            member.wait(["end"], "the controller to end the job", FAILED_WAIT)
-        except TimeoutError:
-            log(me, f"the controller did not end the job within {FAILED_WAIT:.0f}s")
-        member.bye()
-        linger(ctx, me)
-        return 1
+        return _wait_for_the_end(ctx, member, me)
     member.bye()
     if state != "Succeeded":
         log(me, "the job failed elsewhere")
     linger(ctx, me)
     return 0 if state == "Succeeded" else 1
+
+
+def _wait_for_the_end(ctx: WorkerContext, member: Member, me: str) -> int:
+    try:
+        member.wait([Keys.END], "the controller to end the job", FAILED_WAIT)
+    except TimeoutError:
+        log(me, f"the controller did not end the job within {FAILED_WAIT:.0f}s")
+    member.bye()
+    linger(ctx, me)
+    return 1
 
 
 def in_cluster(ctx: WorkerContext) -> bool:

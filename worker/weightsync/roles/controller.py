@@ -1,5 +1,13 @@
 """The controller (ordinal 0): hosts the rendezvous, computes the plan once, says "go" for every
-version, checks that every inference rank applied exactly what the trainers sent, and reports."""
+version, checks that every inference rank applied exactly what the trainers sent, and reports.
+
+Inference ranks that restart are taken back at the next version (roster.py); when the trainers
+are done, the final version is sent again to any that came back after it went out, so that the
+job ends with every inference rank on it.
+
+The rendezvous lives in this process only, so a controller that starts again cannot resume: it
+finds its earlier start in the job's status, and fails the job saying so (reason
+ControllerRestarted) rather than silently running it again from step 0."""
 
 from __future__ import annotations
 
@@ -8,19 +16,30 @@ import time
 from ..contract import INFERENCE, TRAINER, WorkerContext
 from ..flat import FlatLayout, LayoutMismatch
 from ..plan import job_plan
-from ..rendezvous import Host, ProofError, RankFailed, versions, who
+from ..rendezvous import Keys, ProofError, Round, versions, who
 from ..report import Reporter
+from ..roster import Host, RankFailed
 from ..transfer import version_digest
 from .common import JOIN_TIMEOUT, linger, log
 
-SILENT_LIMIT = 15.0  # seconds without a heartbeat after which a rank counts as dead
+SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
+AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
 BYE_TIMEOUT = 30.0
 
 ME = "controller"
 
+# Why a job failed, as the Failed condition's reason (roster.py has the ranks' own).
+CONTROLLER_RESTARTED = "ControllerRestarted"
+VERIFICATION_FAILED = "VerificationFailed"
+TIMED_OUT = "TimedOut"
+INVALID = "RanksDisagree"
+PROOF_FAILED = "TokenProofFailed"
+
 
 class JobFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, reason: str):
+        self.reason = reason
+        super().__init__(message)
 
 
 def run(ctx: WorkerContext) -> int:
@@ -29,41 +48,48 @@ def run(ctx: WorkerContext) -> int:
     trainers, inferences = layout.world_size(TRAINER), layout.world_size(INFERENCE)
     timeout = float(spec["transfer"]["timeoutSeconds"])
     reporter = Reporter(ctx.job, ctx.report_to_kubernetes)
-    host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT))
+    status = reporter.status()
+    if (status.get("completion") or {}).get("state"):
+        log(ME, f"started again after the job ended ({status['completion']['state']}); nothing to do")
+        linger(ctx, ME)
+        return 0
+    starts = (status.get("controller") or {}).get("starts", 0) + 1
+    reporter.started(starts)
+    host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT), away_limit=AWAY_LIMIT,
+                say=lambda m: log(ME, m))
+    if starts > 1:
+        last = (status.get("transfer") or {}).get("version")
+        where = f"after version {last}" if last is not None else "before the first version"
+        return _fail(ctx, host, reporter, JobFailed(
+            f"the controller started again (start {starts}) {where}: the rendezvous it hosted, and with it the "
+            "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
+            CONTROLLER_RESTARTED), 0, None)
     log(ME, f"rendezvous on port {ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
     delivered, loss = 0, None
     try:
         admitted = host.admit(JOIN_TIMEOUT)
         plan, transport = _plan(ctx, admitted)
+        host.check_rejoin = lambda meta, info: _check_rejoin(plan.layout, transport, meta, info)
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
+        final = None
         for version, step in versions(spec):
-            host.wait_ranks([f"ready/{version}/{r}" for r in range(trainers)], f"the trainers to be ready for version {version}")
-            host.set(f"go/{version}", "1")
-            start = time.monotonic()
-            host.wait_ranks([f"sent/{version}/{r}" for r in range(trainers)], f"the trainers to send version {version}",
-                            timeout, poll_max=0.002)
-            sent = [host.get_json(f"sent/{version}/{r}") for r in range(trainers)]
-            reference = version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
-            host.set(f"ref/{version}", reference)
-            host.wait_ranks([f"applied/{version}/{r}" for r in range(inferences)],
-                            f"the inference ranks to apply version {version}", timeout, poll_max=0.002)
-            seconds = time.monotonic() - start
-            for r in range(inferences):
-                applied = host.get_json(f"applied/{version}/{r}")
-                if applied["digest"] != reference:
-                    host.store.add("verify_failures", 1)
-                    raise JobFailed(f"{who(INFERENCE, r)} applied version {version} with digest {applied['digest'][:16]}, "
-                                    f"but the trainers sent {reference[:16]}")
+            host.wait_ranks([Keys.ready(version, r) for r in range(trainers)], f"the trainers to be ready for version {version}")
+            record, sent = _round(host, reporter, plan, host.start_round(version), step, transport, timeout)
             if sent[0].get("loss") is not None:
                 loss = sent[0]["loss"]
-            record = reporter.transfer(version, step, plan.version_bytes * inferences, seconds, transport, loss,
-                                       version_bytes=plan.version_bytes, inference_ranks=inferences)
-            host.set(f"done/{version}", record)
             delivered += 1
+            final = version, step
+        again = 0
+        while final is not None and host.behind(final[0]):  # ranks that came back after the final version
+            host.wait_back()
+            again += 1
+            _round(host, reporter, plan, host.start_round(final[0], again), final[1], transport, timeout)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError) as e:
-        return _fail(ctx, host, reporter, str(e), delivered, loss)
+        return _fail(ctx, host, reporter, e, delivered, loss)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
+    if host.rejoins():
+        message += f" ({host.rejoins()} rejoins)"
     host.end("Succeeded", message)
     reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=_rounded(loss))
     missing = host.wait_byes(BYE_TIMEOUT)
@@ -71,6 +97,34 @@ def run(ctx: WorkerContext) -> int:
         log(ME, f"no goodbye within {BYE_TIMEOUT:.0f}s from {', '.join(missing)}")
     linger(ctx, ME)
     return 0
+
+
+def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transport: str, timeout: float):
+    """One round: wait for the trainers' reports, publish the reference digest, wait for every
+    receiver still there to apply it, check the digests; report it."""
+    start = time.monotonic()
+    sent = host.collect_sent(rnd, timeout)
+    reference = version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
+    if rnd.again == 0:
+        host.set(Keys.ref(rnd.version), reference)
+    elif host.get(Keys.ref(rnd.version)).decode() != reference:
+        raise JobFailed(f"the trainers sent {rnd.name} with digest {reference[:16]}, not the "
+                        f"{host.get(Keys.ref(rnd.version)).decode()[:16]} they sent the first time", VERIFICATION_FAILED)
+    applied = host.collect_applied(rnd, timeout)
+    seconds = time.monotonic() - start
+    for r, got in sorted(applied.items()):
+        if got["digest"] != reference:
+            host.store.add(Keys.VERIFY_FAILURES, 1)
+            raise JobFailed(f"{who(INFERENCE, r)} applied version {rnd.version} with digest {got['digest'][:16]}, "
+                            f"but the trainers sent {reference[:16]}", VERIFICATION_FAILED)
+    host.holding(rnd.version, applied)
+    if rnd.again or host.rejoins():
+        reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
+    loss = sent[0].get("loss")
+    record = reporter.transfer(rnd.version, step, plan.version_bytes * len(applied), seconds, transport, loss,
+                               version_bytes=plan.version_bytes, inference_ranks=len(applied))
+    host.set(Keys.done(rnd.version, rnd.again), record)
+    return record, sent
 
 
 def _plan(ctx: WorkerContext, admitted: dict):
@@ -84,14 +138,26 @@ def _plan(ctx: WorkerContext, admitted: dict):
     transports = {info["transport"] for _, _, info in admitted.values()}
     if len(transports) != 1:
         chosen = ", ".join(f"{who(role, rank)}: {info['transport']} ({info['why']})" for (role, rank), (_, _, info) in admitted.items())
-        raise JobFailed(f"the ranks chose different transports: {chosen}")
+        raise JobFailed(f"the ranks chose different transports: {chosen}", INVALID)
     return job_plan(ctx.job, reference), transports.pop()
 
 
-def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, message: str, delivered: int, loss) -> int:
+def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> None:
+    """A rank that rejoins must hold the same model and use the same transport as before."""
+    layout.check_matches(FlatLayout.from_json(meta), what=f"the rejoining pod {info.get('pod')}")
+    if info["transport"] != transport:
+        raise JobFailed(f"the rejoining pod {info.get('pod')} chose the {info['transport']} transport ({info['why']}); "
+                        f"the job runs on {transport}", INVALID)
+
+
+def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss) -> int:
+    message = str(error)
+    reason = getattr(error, "reason", None) or (TIMED_OUT if isinstance(error, TimeoutError) else
+                                                PROOF_FAILED if isinstance(error, ProofError) else INVALID)
     log(ME, f"the job failed: {message}")
-    host.end("Failed", message)
-    reporter.completion("Failed", message, delivered, failed_verifications=host.store.add("verify_failures", 0), final_loss=_rounded(loss))
+    host.end("Failed", message, reason)
+    reporter.completion("Failed", message, delivered, reason=reason,
+                        failed_verifications=host.store.add(Keys.VERIFY_FAILURES, 0), final_loss=_rounded(loss))
     host.wait_byes(5.0)
     linger(ctx, ME)
     return 1

@@ -4,6 +4,11 @@ The model's parameters are views into one of two flat buffers. A background thre
 each new version into the other one (staging) and verifies it; the generation loop switches the
 parameters to it between two generations. A model never runs on half-updated weights, and a
 version that fails verification is never switched to: the old one stays and the rank fails.
+
+A rank whose process started again (its pod restarted) rejoins: it is taken back at the next round,
+which it receives in full and verifies before its model runs on anything. A rank the controller
+counted away (silent, or cut off by the trainers) while its process lived on ends its process, so
+that it starts again and rejoins the same way.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ import torch
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
-from ..rendezvous import Member, versions, who
+from ..rendezvous import Keys, Member, Round, versions, who
 from ..transfer import VersionReceiver, settle_heap
-from .common import JOIN_TIMEOUT, Expected, device_for, dump, dumping, info, log, run_rank, transport_for
+from .common import JOIN_TIMEOUT, Expected, StartAgain, device_for, dump, dumping, info, log, run_rank, transport_for
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8
@@ -100,10 +105,11 @@ class Inference:
         gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
         name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
         endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
-        member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
+        attempt = member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, _ = member.plan(JOIN_TIMEOUT)
+        again = f" (start {attempt}: rejoining the running job)" if attempt > 1 else ""
         log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; "
-                     f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
+                     f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks{again}")
 
         settle_heap()
         mover = threading.Thread(target=self._receive, args=(VersionReceiver(receiver, plan, self.rank), gens),
@@ -141,21 +147,30 @@ class Inference:
         member, transfer = self.member, self.spec["transfer"]
         timeout = float(transfer["timeoutSeconds"])
         try:
+            first = member.welcome() if member.attempt > 1 else Round(0)
+            if member.attempt > 1:
+                log(self.me, f"taken back at {first.name}")
             for version, _ in versions(self.spec):
-                # trainers train between versions: look now and then until the first is ready, then closely
-                member.wait_for(f"ready/{version}/0", f"trainer rank 0 to be ready for version {version}")
-                member.wait_for(f"go/{version}", f"the controller's go for version {version}", poll_max=0.002)
+                if version < first.version:
+                    continue
+                again = first.again if version == first.version else 0
+                if not again:  # trainers train between versions: look now and then until the first is ready
+                    member.wait_for(Keys.ready(version, 0), f"trainer rank 0 to be ready for version {version}")
+                rnd = member.round(version, again, poll_max=0.002)
+                if self.rank not in rnd.receivers:
+                    raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
+                                     "off); ending this process so that it starts again and rejoins")
                 got = receiver.receive(version, gens.staging, timeout)
                 if transfer["verify"] == "digest":
-                    member.wait_for(f"ref/{version}", f"the reference digest of version {version}", timeout, poll_max=0.002)
-                    reference = member.get(f"ref/{version}").decode()
+                    member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
+                    reference = member.get(Keys.ref(version)).decode()
                     if got.digest != reference:
-                        member.store.add("verify_failures", 1)
+                        member.store.add(Keys.VERIFY_FAILURES, 1)
                         raise VerificationError(
                             f"version {version} failed verification: digest {got.digest[:16]} received, the trainers "
                             f"sent {reference[:16]}; still on version {gens.version}")
                 gens.offer(version)
-                member.set(f"applied/{version}/{self.rank}", {"digest": got.digest, "seconds": got.seconds})
+                member.set(Keys.applied(version, self.rank, member.attempt), {"digest": got.digest, "seconds": got.seconds})
             gens.finish(end=member.wait_for_end())
         except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
             gens.finish(error=e)

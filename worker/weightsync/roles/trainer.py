@@ -1,5 +1,7 @@
 """A trainer rank: trains the causal LM (DDP among the trainer ranks) and, before training and
-every transfer.everySteps steps, sends its share of the new weights as the plan says."""
+every transfer.everySteps steps, sends its share of the new weights as the plan says, to the
+inference ranks the controller's go names; then, until the job ends, the final version again to
+inference ranks that come back after it went out (the weights no longer change by then)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import datetime
 
 import torch
 
-from ..contract import TRAINER, WorkerContext
+from ..contract import INFERENCE, TRAINER, WorkerContext
 from ..data import MarkovTokens, rank_generator
 from ..flat import torch_dtype
 from ..model import build, check_fits, layout_of, logits, parameters, prompt, vocab_size
-from ..rendezvous import Member, versions, who
-from ..transfer import VersionSender, settle_heap
+from ..rendezvous import JobEnded, Keys, Member, Round, versions, who
+from ..transfer import SentVersion, VersionSender, settle_heap
+from ..transport.base import TransferError
 from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
 
 
@@ -41,7 +44,8 @@ class Trainer:
         name, why, sender = transport_for(self.ctx, member, TRAINER, rank, device)
         member.join(self.ctx.pod_ip, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, endpoints = member.plan(JOIN_TIMEOUT)
-        sender.connect(endpoints)
+        links = Links(sender, member, endpoints, timeout)
+        links.follow(Round(0, receivers=tuple(endpoints)))
         mover = VersionSender(sender, plan, rank, transfer["bucketMB"] << 20)
         log(self.me, f"on {device}, {name} transport ({why}); sends {sum(b.length for b in plan.buckets_of(rank))} "
                      f"of {plan.version_bytes} bytes per version to {len(endpoints)} inference ranks")
@@ -65,23 +69,45 @@ class Trainer:
                     step += 1
                 mean_loss = self._mean_loss(losses, device)
                 losses = []
-                member.set(f"ready/{version}/{rank}", "1")
-                member.wait_for(f"go/{version}", f"the controller's go for version {version}", poll_max=0.002)
-                sent = mover.send(version, params)
-                member.set(f"sent/{version}/{rank}", {"checksums": {str(o): c for o, c in sent.checksums.items()},
-                                                      "bytes": sent.bytes, "seconds": sent.seconds, "step": step,
-                                                      "loss": mean_loss})
+                member.set(Keys.ready(version, rank), "1")
+                sent = self._send(links, mover, member.round(version, poll_max=0.002), params, step, mean_loss)
                 loss_text = f", loss {mean_loss:.4f}" if mean_loss is not None else ""
                 log(self.me, f"version {version} at step {step}{loss_text}: sent {sent.bytes} bytes in {sent.seconds:.4f}s")
                 if dumping():
                     self._dump(model, version, spec["model"]["dtype"], device)
-            end = member.wait_for_end()
+            state = self._send_final_again(links, mover, version, params, step)
         finally:
             member.stop_heartbeat()
             sender.close()
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-        return end["state"]
+        return state
+
+    def _send(self, links: "Links", mover: VersionSender, rnd: Round, params, step: int, loss: float | None) -> SentVersion:
+        """Send a round to its receivers; the ones lost on the way are reported, not fatal: the
+        controller counts them away until they rejoin."""
+        lost = links.follow(rnd)
+        sent = mover.send(rnd.version, params, [r for r in rnd.receivers if r not in lost], lose_peers=True)
+        lost.update(sent.lost)
+        for r, why in lost.items():
+            links.sender.drop(r)
+            log(self.me, f"lost inference rank {r} while sending {rnd.name}: {why}")
+        self.member.set(Keys.sent(rnd.version, rnd.again, self.rank),
+                        {"checksums": {str(o): c for o, c in sent.checksums.items()}, "bytes": sent.bytes,
+                         "seconds": sent.seconds, "step": step, "loss": loss, "lost": {str(r): w for r, w in lost.items()}})
+        return sent
+
+    def _send_final_again(self, links: "Links", mover: VersionSender, final: int, params, step: int) -> str:
+        """After the final version: send it again whenever the controller says so, until the end."""
+        again = 1
+        while True:
+            try:
+                rnd = self.member.round(final, again)
+            except JobEnded as e:
+                return e.state
+            sent = self._send(links, mover, rnd, params, step, None)
+            log(self.me, f"{rnd.name} to inference ranks {list(rnd.receivers)}: sent {sent.bytes} bytes in {sent.seconds:.4f}s")
+            again += 1
 
     def _ddp(self, model, device, timeout: float):
         import torch.distributed as dist
@@ -107,3 +133,31 @@ class Trainer:
         cast = copy.deepcopy(model).to(torch_dtype(dtype))
         tensors = {n: p.detach().cpu() for n, p in parameters(cast)}
         dump(TRAINER, self.rank, version, tensors, logits(cast, prompt(cast, device)).cpu())
+
+
+class Links:
+    """This trainer's connections to the inference ranks, kept in step with the rounds: a rank
+    that went away is dropped, and one that came back is dialled at its new endpoint."""
+
+    def __init__(self, sender, member: Member, endpoints: dict[int, str], timeout: float):
+        self.sender, self.member, self.timeout = sender, member, timeout
+        self.endpoints, self.epoch = dict(endpoints), 0
+
+    def follow(self, rnd: Round) -> dict[int, str]:
+        """Connect to every receiver of the round; returns {rank: why} for those it cannot reach."""
+        if rnd.epoch != self.epoch:
+            endpoints = self.member.peers(rnd.epoch, self.timeout)
+            for r, endpoint in endpoints.items():
+                if self.endpoints.get(r) != endpoint:
+                    self.sender.drop(r)
+            self.endpoints, self.epoch = endpoints, rnd.epoch
+        for r in self.endpoints:
+            if r not in rnd.receivers and self.sender.connected(r):
+                self.sender.drop(r)  # away: it gets nothing until it is back
+        missing = {r: self.endpoints[r] for r in rnd.receivers if not self.sender.connected(r)}
+        try:
+            self.sender.connect(missing)  # all at once; the ones that answer are connected
+        except TransferError as e:
+            return {r: str(e) if e.peer == who(INFERENCE, r) else f"could not connect to {endpoint}"
+                    for r, endpoint in missing.items() if not self.sender.connected(r)}
+        return {}

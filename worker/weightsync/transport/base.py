@@ -19,8 +19,19 @@ class TransferError(RuntimeError):
     "inference rank 0"); the message says what happened."""
 
     def __init__(self, peer: str, message: str):
-        self.peer = peer
+        self.peer, self.message = peer, message
         super().__init__(f"{peer}: {message}")
+
+
+class PeersFailed(TransferError):
+    """A version could not be sent to some peers ({peer rank: TransferError}, in `failed`);
+    every other peer was sent all of it."""
+
+    def __init__(self, failed: dict[int, TransferError]):
+        self.failed = failed
+        first = failed[min(failed)]
+        more = f" (and {len(failed) - 1} more peers)" if len(failed) > 1 else ""
+        super().__init__(first.peer, first.message + more)
 
 
 class TransportUnavailable(RuntimeError):
@@ -107,6 +118,16 @@ class Sender(abc.ABC):
     def register(self, buffers: list) -> None:
         """Register the send buffers once (memory registration for RDMA; a no-op for sockets)."""
 
+    def connected(self, peer: int) -> bool:
+        """Whether a connection to `peer` is open."""
+        return False
+
+    def drop(self, peer: int) -> None:
+        """Close the connection to a peer that went away (its process died or froze), so that
+        connect() opens a new one, to the endpoint it has when it comes back."""
+        raise TransportUnavailable(f"the {type(self).__name__} cannot take back an inference rank that restarted: "
+                                   "its connections cannot be replaced one by one (use the tcp or uccl transport)")
+
     @abc.abstractmethod
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         """Queue the bytes `data` (a buffer, a uint8 tensor or a list of memoryviews) for version
@@ -119,7 +140,8 @@ class Sender(abc.ABC):
     @abc.abstractmethod
     def end_version(self, version: int) -> None:
         """Tell every peer this rank has sent all it will send for `version`; waits for all of
-        this version's sends and raises TransferError naming the first peer that failed."""
+        this version's sends and raises PeersFailed naming the peers that failed (any other
+        failure, such as the producer's, is raised as it is)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

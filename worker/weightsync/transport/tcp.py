@@ -24,7 +24,7 @@ from typing import Any, Callable
 import xxhash
 
 from weightsync.transport import wire
-from weightsync.transport.base import Filling, Receiver, Sender, Tally, TransferError, Transport, each_peer, wait_all
+from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, Tally, TransferError, Transport, each_peer
 from weightsync.transport.checksum import CHUNK, as_views
 from weightsync.transport.wire import DATA, END, KIND_NAMES, TRAILER, WRITTEN
 
@@ -218,6 +218,14 @@ class TcpSender(Sender):
     def handshake(self, sock: socket.socket, peer: int) -> None:
         client_handshake(sock, self.token, self.rank, peer)
 
+    def connected(self, peer: int) -> bool:
+        return peer in self.conns
+
+    def drop(self, peer: int) -> None:
+        conn = self.conns.pop(peer, None)
+        if conn is not None:
+            conn.close()
+
     def _conn(self, peer: int) -> Connection:
         try:
             return self.conns[peer]
@@ -278,8 +286,20 @@ class TcpSender(Sender):
         self.wait(version)
 
     def wait(self, version: int) -> None:
-        """Wait for every queued send of `version`; raise the first failure."""
-        wait_all(f for _, f in self.pending.pop(version, []))
+        """Wait for every queued send of `version`; raise PeersFailed naming every peer that
+        failed, or the first other failure (the producer's) as it is."""
+        failed: dict[int, TransferError] = {}
+        other = None
+        for peer, future in self.pending.pop(version, []):
+            e = future.exception()
+            if isinstance(e, TransferError):
+                failed.setdefault(peer, e)
+            elif e is not None and other is None:
+                other = e
+        if other is not None:
+            raise other
+        if failed:
+            raise PeersFailed(failed)
 
     def close(self) -> None:
         for conn in self.conns.values():

@@ -127,6 +127,11 @@ class UcclSender(TcpSender):
     def register(self, buffers: list) -> None:
         self.memory.add(buffers)
 
+    def drop(self, peer: int) -> None:
+        super().drop(peer)
+        self.rdma.pop(peer, None)
+        self.adverts.pop(peer, None)
+
     def _advert(self, sock: socket.socket, peer: int, version: int, offset: int) -> tuple[int, bytes]:
         seen = self.adverts.get(peer)
         if seen is None or seen[0] != version:
