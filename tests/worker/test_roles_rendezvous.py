@@ -1,32 +1,55 @@
 """The rendezvous protocol through the controller's store, in one process: token proofs, the
-signed plan, restarts, failures and silent ranks, and the version schedule."""
+signed plan and endpoints, restarts and rejoins, failures, silent ranks and who is blamed, and the
+version schedule."""
 import json
 import threading
+import time
 
 import pytest
 
 from weightsync import rendezvous
 from weightsync.contract import Layout
-from weightsync.rendezvous import Host, JobEnded, Member, ProofError, RankFailed, Restarted
+from weightsync.rendezvous import JobEnded, Keys, Member, ProofError, Restarted, Round
+from weightsync.roster import AWAY, JOINING, RANK_LOST, SERVING, TRAINER_RESTARTED, WAITING, Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
 LAYOUT = Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1)
+TWO = Layout(trainers=2, trainer_procs=1, inferences=2, inference_procs=1)
+
+
+def make_host(layout=LAYOUT, silent_limit=1.5, away_limit=60.0):
+    return Host(0, TOKEN, layout, silent_limit=silent_limit, away_limit=away_limit, say=lambda m: None)
 
 
 @pytest.fixture()
 def host():
-    return Host(0, TOKEN, LAYOUT, silent_limit=1.5)
+    return make_host()
 
 
 def member(host, role="trainer", rank=0, token=TOKEN):
     return Member("127.0.0.1", host.store.port, token, role, rank, timeout=10)
 
 
-def join_all(host, tokens=None):
+def join(host, role, rank, endpoint=None, token=TOKEN):
+    m = member(host, role, rank, token)
+    m.join(endpoint or f"127.0.0.1:{1000 + 10 * len(role) + rank}", '{"layout": 1}', json.dumps({"transport": "tcp", "pod": f"p{rank}"}),
+           timeout=10)
+    return m
+
+
+def join_all(host, tokens=None, layout=LAYOUT):
     tokens = tokens or {}
-    for role in ("trainer", "inference"):
-        m = member(host, role, 0, tokens.get(role, TOKEN))
-        m.join(f"127.0.0.1:{1000 + len(role)}", '{"layout": 1}', json.dumps({"transport": "tcp"}), timeout=10)
+    return {(role, r): join(host, role, r, token=tokens.get(role, TOKEN))
+            for role in ("trainer", "inference") for r in range(layout.world_size(role))}
+
+
+def started(layout=TWO, **kwargs):
+    """A host with every rank admitted and the plan published."""
+    host = make_host(layout, **kwargs)
+    members = join_all(host, layout=layout)
+    admitted = host.admit(timeout=5)
+    host.publish_plan("{}", {r: admitted[("inference", r)][0] for r in range(layout.world_size("inference"))})
+    return host, members
 
 
 def test_versions_schedule():
@@ -43,8 +66,8 @@ def test_versions_schedule():
 def test_ranks_that_prove_the_token_are_admitted_with_what_they_published(host):
     join_all(host)
     admitted = host.admit(timeout=5)
-    assert admitted[("trainer", 0)] == ("127.0.0.1:1007", '{"layout": 1}', {"transport": "tcp"})
-    assert admitted[("inference", 0)][0] == "127.0.0.1:1009"
+    assert admitted[("trainer", 0)] == ("127.0.0.1:1070", '{"layout": 1}', {"transport": "tcp", "pod": "p0"})
+    assert admitted[("inference", 0)][0] == "127.0.0.1:1090"
 
 
 def test_a_rank_with_another_token_is_refused_naming_it(host):
@@ -55,12 +78,12 @@ def test_a_rank_with_another_token_is_refused_naming_it(host):
 
 def test_a_forged_proof_for_changed_data_is_refused(host):
     join_all(host)
-    host.set("endpoint/trainer/0", "10.0.0.66:1")  # someone rewrote the endpoint after the proof
+    host.set(Keys.published("endpoint", "trainer", 0, 1), "10.0.0.66:1")  # rewritten after the proof
     with pytest.raises(ProofError, match="trainer rank 0"):
         host.admit(timeout=5)
 
 
-def test_members_accept_only_a_plan_signed_with_the_token(host):
+def test_members_accept_only_a_plan_and_endpoints_signed_with_the_token(host):
     from weightsync.flat import FlatLayout
     from weightsync.plan import make_plan
 
@@ -70,29 +93,121 @@ def test_members_accept_only_a_plan_signed_with_the_token(host):
     assert got == plan and endpoints == {0: "127.0.0.1:5"}
     with pytest.raises(ProofError, match="not signed with this job's token"):
         member(host, token=b"a-different-token-16b").plan(timeout=5)
+    host.set(Keys.peers(0), json.dumps({"0": "10.0.0.66:1"}))  # endpoints rewritten after they were signed
+    with pytest.raises(ProofError, match="endpoints of epoch 0 are not signed"):
+        member(host).peers(0, timeout=5)
 
 
-def test_a_restarted_rank_is_told_so(host):
-    join_all(host)
-    with pytest.raises(Restarted, match="trainer rank 0 restarted"):
-        member(host).join("x:1", "{}", "{}", timeout=5)
+def test_a_restarted_trainer_is_told_so_and_fails_the_job_naming_it():
+    host, _ = started()
+    with pytest.raises(Restarted, match="trainer rank 1 restarted"):
+        member(host, "trainer", 1).join("x:1", "{}", "{}", timeout=5)
+    with pytest.raises(RankFailed, match="trainer rank 1 restarted") as failed:
+        host.wait_ranks(["never"], "nothing", timeout=10)
+    assert failed.value.reason == TRAINER_RESTARTED
 
 
-def test_a_reported_failure_fails_the_wait_naming_the_rank(host):
-    join_all(host)
-    host.admit(timeout=5)
-    member(host, "inference", 0).fail("the GPU fell off the bus")
-    with pytest.raises(RankFailed, match="inference rank 0 failed: the GPU fell off the bus"):
-        host.wait_ranks(["ready/0/0"], "the trainers", timeout=10)
+def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at_its_new_endpoint():
+    host, members = started()
+    assert host.start_round(0).receivers == (0, 1)
+    again = member(host, "inference", 1)
+    ready = threading.Event()
+
+    def rejoin():
+        assert again.join("127.0.0.1:7777", '{"layout": 1}', json.dumps({"transport": "tcp", "pod": "p1"}), timeout=10) == 2
+        ready.set()
+
+    t = threading.Thread(target=rejoin)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not ready.is_set() and time.monotonic() < deadline:  # the controller issues its challenge while it watches
+        host.check_ranks()
+        time.sleep(0.05)
+    t.join(5)
+    assert ready.is_set()
+    assert host.seats[1].state in (JOINING, WAITING)
+    while host.seats[1].state != WAITING and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.05)
+    assert host.seats[1].state == WAITING and host.seats[1].rejoins == 1
+    rnd = host.start_round(1)
+    assert rnd == Round(1, 0, (0, 1), 1)
+    assert again.welcome() == rnd and host.seats[1].state == SERVING
+    assert members[("trainer", 0)].peers(1, timeout=5) == {0: "127.0.0.1:1090", 1: "127.0.0.1:7777"}
+    assert members[("trainer", 0)].round(1) == rnd
 
 
-def test_a_rank_whose_heartbeat_stops_is_named(host):
-    m = member(host, "trainer", 0)
-    m.start_heartbeat()
-    host.check_ranks()  # seen alive
-    m.stop_heartbeat()
+def test_a_rejoining_rank_must_prove_the_token_over_its_new_challenge():
+    host, _ = started()
+    liar = member(host, "inference", 0, token=b"another-token-of-16-bytes")
+    t = threading.Thread(target=lambda: liar.join("x:1", "{}", "{}", timeout=10), daemon=True)
+    t.start()
+    with pytest.raises(ProofError, match="inference rank 0 failed the job token proof"):
+        host.wait_ranks(["never"], "nothing", timeout=10)
+
+
+def test_receivers_a_trainer_lost_are_away_and_not_in_the_next_round():
+    host, _ = started()
+    rnd = host.start_round(0)
+    for t in range(2):
+        host.set(Keys.sent(0, 0, t), {"checksums": {}, "lost": {"1": "connection reset"} if t == 1 else {}})
+    host.collect_sent(rnd, timeout=5)
+    assert host.seats[1].state == AWAY
+    host.set(Keys.applied(0, 0, 1), {"digest": "d"})
+    assert host.collect_applied(rnd, timeout=5) == {0: {"digest": "d"}}  # the round goes on without it
+    assert host.start_round(1).receivers == (0,)
+
+
+def test_an_inference_rank_away_for_too_long_fails_the_job():
+    host, _ = started(away_limit=0.5)
+    host._away(1, "gone")
+    with pytest.raises(RankFailed, match="inference rank 1 did not come back within 0s") as failed:
+        host.wait_ranks(["never"], "nothing", timeout=10)
+    assert failed.value.reason == RANK_LOST
+
+
+def test_a_silent_inference_rank_is_away_a_silent_trainer_fails_the_job():
+    host, members = started(silent_limit=1.0)
+    for m in members.values():
+        m.start_heartbeat()
+    host.check_ranks()
+    members[("inference", 1)].stop_heartbeat()
+    deadline = time.monotonic() + 15
+    while host.seats[1].state != AWAY and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.1)
+    assert host.seats[1].state == AWAY
+    members[("trainer", 0)].stop_heartbeat()
     with pytest.raises(RankFailed, match="trainer rank 0 is silent"):
         host.wait_ranks(["never"], "nothing", timeout=20)
+    for m in members.values():
+        m.stop_heartbeat()
+
+
+def test_the_rank_that_stopped_first_is_blamed_not_the_survivor_that_reported():
+    host, members = started()
+    for m in members.values():
+        m.start_heartbeat()
+    host.check_ranks()
+    members[("trainer", 1)].stop_heartbeat()  # trainer 1 died; trainer 0 saw its peer vanish
+    members[("trainer", 0)].fail("gloo: Connection closed by peer")
+    with pytest.raises(RankFailed, match=r"trainer rank 1 stopped first \(no heartbeat .*\); then trainer rank 0 "
+                                         r"failed: gloo: Connection closed by peer"):
+        host.wait_ranks(["never"], "nothing", timeout=20)
+    for m in members.values():
+        m.stop_heartbeat()
+
+
+def test_a_reported_failure_with_every_rank_alive_is_blamed_on_the_reporter(host):
+    members = join_all(host)
+    host.admit(timeout=5)
+    for m in members.values():
+        m.start_heartbeat()
+    members[("inference", 0)].fail("the GPU fell off the bus")
+    with pytest.raises(RankFailed, match="^inference rank 0 failed: the GPU fell off the bus"):
+        host.wait_ranks(["ready/0/0"], "the trainers", timeout=20)
+    for m in members.values():
+        m.stop_heartbeat()
 
 
 def test_members_waiting_learn_of_the_end(host):

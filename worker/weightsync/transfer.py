@@ -18,6 +18,7 @@ import time
 from collections import deque
 from concurrent.futures import wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 import xxhash
 
@@ -130,10 +131,12 @@ class VersionSender:
         finally:
             torch.set_num_threads(threads)
 
-    def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False) -> SentVersion:
+    def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,
+             after_bucket: Callable[[int], None] | None = None) -> SentVersion:
         """Send this rank's share of `version` to `peers` (every inference rank by default).
         With lose_peers a peer that fails (its process died) is named in SentVersion.lost and
-        the others get all of it; without, PeersFailed is raised."""
+        the others get all of it; without, PeersFailed is raised. after_bucket(k) runs once the
+        k-th bucket is handed to the transport."""
         layout = self.plan.layout
         flat.check_sources(layout, params)
         start = time.monotonic()
@@ -158,6 +161,8 @@ class VersionSender:
                 filling.advance(b.length)
                 inflight.append([hashed] + [self.sender.send(p, version, b.offset, data, filling)
                                             for p in peers if p != hasher])
+                if after_bucket is not None:
+                    after_bucket(k)
                 continue
             buffers = self._buffers(params)
             if len(inflight) == len(buffers):
@@ -169,6 +174,8 @@ class VersionSender:
             except BaseException as e:
                 filling.fail(e)
                 raise
+            if after_bucket is not None:
+                after_bucket(k)
         lost: dict[int, str] = {}
         try:
             self.sender.end_version(version)

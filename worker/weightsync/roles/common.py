@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from ..contract import INFERENCE, TRAINER, WorkerContext
@@ -18,6 +19,16 @@ FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the 
 # Tests only: a directory where trainer and inference ranks save, after every version, the
 # version's tensors and the logits on model.PROMPT, so that tests compare real weights and logits.
 DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
+# Tests only: a directory of armed pause points. A rank that reaches point P of version V, when
+# the file <role>-<rank>-<P>-v<V>.arm is there, removes it, creates ....reached and waits (at most
+# PAUSE_LIMIT seconds) for ....release: meanwhile the test kills or stops whatever process it
+# wants, at a known point of a version. Points: trainer "before-go" (ready, before the go) and
+# "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
+# inference rank is then in the middle of receiving); inference "verifying" (received, before the
+# check against the reference); controller "verifying" (the trainers are done, the inference
+# ranks' digests not yet checked).
+PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
+PAUSE_LIMIT = 120.0
 
 
 def log(who: str, message: str) -> None:
@@ -136,6 +147,22 @@ def info(ctx: WorkerContext, transport: str, why: str, device) -> str:
     """What a rank tells the controller about itself besides endpoint and layout."""
     return json.dumps({"transport": transport, "why": why, "device": str(device),
                        "pod": ctx.job.pod_name(ctx.ordinal)}, sort_keys=True)
+
+
+def pause_point(role: str, rank: int, point: str, version: int) -> None:
+    """Tests only (PAUSE_DIR_ENV): hold here while the test acts, if it armed this point."""
+    folder = os.environ.get(PAUSE_DIR_ENV)
+    if not folder:
+        return
+    base = os.path.join(folder, f"{role}-{rank}-{point}-v{version}")
+    try:
+        os.remove(base + ".arm")
+    except FileNotFoundError:
+        return
+    open(base + ".reached", "w").close()
+    deadline = time.monotonic() + PAUSE_LIMIT
+    while not os.path.exists(base + ".release") and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def dumping() -> bool:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import time
 
-from ..contract import INFERENCE, TRAINER, WorkerContext
+from ..contract import CONTROLLER, INFERENCE, TRAINER, WorkerContext
 from ..flat import FlatLayout, LayoutMismatch
 from ..plan import job_plan
 from ..rendezvous import Keys, ProofError, Round, versions, who
 from ..report import Reporter
 from ..roster import Host, RankFailed
 from ..transfer import version_digest
-from .common import JOIN_TIMEOUT, linger, log
+from .common import JOIN_TIMEOUT, linger, log, pause_point
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
@@ -104,6 +104,7 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transpor
     receiver still there to apply it, check the digests; report it."""
     start = time.monotonic()
     sent = host.collect_sent(rnd, timeout)
+    pause_point(CONTROLLER, 0, "verifying", rnd.version)
     reference = version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
     if rnd.again == 0:
         host.set(Keys.ref(rnd.version), reference)

@@ -22,7 +22,8 @@ from ..flat import views
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
 from ..rendezvous import Keys, Member, Round, versions, who
 from ..transfer import VersionReceiver, settle_heap
-from .common import JOIN_TIMEOUT, Expected, StartAgain, device_for, dump, dumping, info, log, run_rank, transport_for
+from .common import (JOIN_TIMEOUT, Expected, StartAgain, device_for, dump, dumping, info, log, pause_point, run_rank,
+                     transport_for)
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8
@@ -161,6 +162,7 @@ class Inference:
                     raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
                                      "off); ending this process so that it starts again and rejoins")
                 got = receiver.receive(version, gens.staging, timeout)
+                pause_point(INFERENCE, self.rank, "verifying", version)
                 if transfer["verify"] == "digest":
                     member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
                     reference = member.get(Keys.ref(version)).decode()

@@ -17,7 +17,7 @@ from ..model import build, check_fits, layout_of, logits, parameters, prompt, vo
 from ..rendezvous import JobEnded, Keys, Member, Round, versions, who
 from ..transfer import SentVersion, VersionSender, settle_heap
 from ..transport.base import TransferError
-from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
+from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, pause_point, run_rank, transport_for
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
@@ -70,6 +70,7 @@ class Trainer:
                 mean_loss = self._mean_loss(losses, device)
                 losses = []
                 member.set(Keys.ready(version, rank), "1")
+                pause_point(TRAINER, rank, "before-go", version)
                 sent = self._send(links, mover, member.round(version, poll_max=0.002), params, step, mean_loss)
                 loss_text = f", loss {mean_loss:.4f}" if mean_loss is not None else ""
                 log(self.me, f"version {version} at step {step}{loss_text}: sent {sent.bytes} bytes in {sent.seconds:.4f}s")
@@ -87,7 +88,8 @@ class Trainer:
         """Send a round to its receivers; the ones lost on the way are reported, not fatal: the
         controller counts them away until they rejoin."""
         lost = links.follow(rnd)
-        sent = mover.send(rnd.version, params, [r for r in rnd.receivers if r not in lost], lose_peers=True)
+        sent = mover.send(rnd.version, params, [r for r in rnd.receivers if r not in lost], lose_peers=True,
+                          after_bucket=lambda k: k == 0 and pause_point(TRAINER, self.rank, "mid-send", rnd.version))
         lost.update(sent.lost)
         for r, why in lost.items():
             links.sender.drop(r)
