@@ -66,12 +66,19 @@ class LogFollower:
         self.cluster, self.namespace, self.dir = cluster, namespace, directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.uids: dict[str, str] = {}
+        self.ended: list[subprocess.Popen] = []
 
     def follow(self, pod: dict) -> None:
-        name = pod["metadata"]["name"]
-        if name in self.procs or not running(pod):
+        """Follow the pod's logs; a pod deleted and created again under its name is followed
+        again, into the same file."""
+        name, uid = pod["metadata"]["name"], pod["metadata"].get("uid", "")
+        if (name in self.procs and self.uids.get(name) == uid) or not running(pod):
             return
-        with open(self.dir / f"{name}.log", "wb") as out:
+        if name in self.procs:
+            self.ended.append(self.procs.pop(name))
+        self.uids[name] = uid
+        with open(self.dir / f"{name}.log", "ab") as out:
             self.procs[name] = subprocess.Popen(
                 ["kubectl", f"--kubeconfig={self.cluster.kubeconfig}", "logs", "-f", "-n", self.namespace, name],
                 stdout=out, stderr=subprocess.STDOUT)
@@ -81,7 +88,7 @@ class LogFollower:
 
     def stop(self, timeout: float = 30) -> None:
         """Waits for every stream to end (its container exited), then stops those that did not."""
-        for proc in self.procs.values():
+        for proc in [*self.ended, *self.procs.values()]:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -198,6 +198,52 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     wait_for(f"everything of {name} gone", lambda: not owned_leftovers(cluster, namespace, name), 60)
     release, ops = chart
     helm("uninstall", release, "--namespace", ops, "--wait")
+
+
+def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster, real_node, helm, namespace, chart,
+                                                                          operator_from_chart, tmp_path):
+    """A user (or a node drain) deletes an inference pod mid-job: its StatefulSet starts it again
+    under the same name and ordinal, it rejoins, and the job still ends Succeeded with every
+    version verified, the rejoin shown in the job's status."""
+    job = fast(example("tcp-job.yaml"))
+    job["metadata"]["name"] = name = "rejoin"
+    job["spec"]["training"].update(steps=12)
+    spec = contract.load_job(job, namespace).spec
+    layout = contract.Layout.from_spec(spec)
+    versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
+    victim = spec_name = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}"
+    logs = LogFollower(cluster, namespace, tmp_path / "logs")
+
+    with operator_from_chart(chart[1], chart[0]) as operator:
+        apply(cluster, namespace, job)
+
+        def progress():
+            operator.check()
+            for pod in job_pods(cluster, namespace, name).values():
+                logs.follow(pod)
+
+        try:
+            wait_for(f"{name} to deliver version 1",
+                     lambda: ((get_job(cluster, namespace, name).get("status") or {}).get("transfer") or {}).get("version", -1) >= 1,
+                     300, interval=1, failed=progress)
+            first_uid = job_pods(cluster, namespace, name)[victim]["metadata"]["uid"]
+            cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
+            wait_for(f"{victim} back as a new pod", lambda: (job_pods(cluster, namespace, name).get(victim) or {}).get(
+                "metadata", {}).get("uid") not in (None, first_uid), 120, failed=progress)
+            done = wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
+                            600, interval=1, failed=progress)
+        finally:
+            logs.stop()
+            for pod_name in sorted(logs.procs):
+                print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-2500:]}")
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status["rejoins"][contract.INFERENCE] >= 1, json.dumps(status, indent=1)
+    assert status["completion"]["versions"] == versions
+    # every inference rank, the one that came back included, ends on the final version, verified
+    (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
+    assert "rejoined" in logs.text(controller), logs.text(controller)[-3000:]
+    assert f"switched to version {versions - 1} (digest verified)" in logs.text(spec_name)
     wait_for("nothing of the chart left", lambda: not chart_leftovers(cluster, release, ops), 120)
 
 
