@@ -198,6 +198,7 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     wait_for(f"everything of {name} gone", lambda: not owned_leftovers(cluster, namespace, name), 60)
     release, ops = chart
     helm("uninstall", release, "--namespace", ops, "--wait")
+    wait_for("nothing of the chart left", lambda: not chart_leftovers(cluster, release, ops), 120)
 
 
 def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster, real_node, helm, namespace, chart,
@@ -211,7 +212,7 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     spec = contract.load_job(job, namespace).spec
     layout = contract.Layout.from_spec(spec)
     versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
-    victim = spec_name = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}"
+    victim = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
 
     with operator_from_chart(chart[1], chart[0]) as operator:
@@ -243,8 +244,7 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     # every inference rank, the one that came back included, ends on the final version, verified
     (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
     assert "rejoined" in logs.text(controller), logs.text(controller)[-3000:]
-    assert f"switched to version {versions - 1} (digest verified)" in logs.text(spec_name)
-    wait_for("nothing of the chart left", lambda: not chart_leftovers(cluster, release, ops), 120)
+    assert f"switched to version {versions - 1} (digest verified)" in logs.text(victim)
 
 
 def chart_leftovers(cluster, release: str, namespace: str) -> list[str]:
