@@ -39,6 +39,7 @@ LOOPBACK = "127.0.0.1"
 FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
 LOG_TAIL = 15
+STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
 # The pod's environment decides these; the shell's values must not leak into a local pod.
 POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG")
 
@@ -126,7 +127,8 @@ class LocalJob:
                 "CUDA_VISIBLE_DEVICES": gpus[ordinal],  # what the device plugin gives the pod
             }
             if role == CONTROLLER:
-                env[Env.REPORT_TO_KUBERNETES] = "0"  # no cluster to report to: stdout only
+                env[Env.REPORT_TO_KUBERNETES] = "0"  # no cluster to report to: stdout, and the status file
+                env[Env.STATUS_FILE] = str(self.workdir / STATUS_FILE)
             else:
                 env.update(network_env(self.job.spec, "tcp"))
             env.update(self.extra_env)
