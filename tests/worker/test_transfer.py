@@ -209,3 +209,37 @@ def test_killed_inference_mid_transfer_is_named_within_seconds(ranks, store):
     assert out["at"] - killed < 5
     sender.close()
     r.wait(60)
+
+
+def test_a_receiver_that_dies_mid_version_is_lost_and_the_others_get_all_of_it(ranks, store):
+    """Trainer rank 0 is this process, sending to two inference ranks; inference rank 0 accepts,
+    never reads, and is killed mid-version. With lose_peers the trainer names it as lost and
+    inference rank 1 still receives the whole version, bit for bit, with the trainers' digest."""
+    from transfer_peer import version_tensors
+
+    shapes = "2048x2048"
+    r = ranks(1, 2, shapes, "bfloat16", 4 << 20, 1)
+    victim = r.start("inference", 0, "--listen-only")
+    r.start("inference", 1)
+    store.wait(["listening/inference/0", "endpoint/1"])
+    plan = make_plan(layout_of(shapes, "bfloat16"), 1, 2, 4 << 20)
+    sender = make_transport("tcp", token=TOKEN.encode(), timeout=60).sender(0)
+    sender.connect({i: store.get(f"endpoint/{i}").decode() for i in range(2)})
+    store.set("connected/trainer/0", "1")
+    out = {}
+
+    def send():
+        out["sent"] = VersionSender(sender, plan, 0).send(1, version_tensors([(2048, 2048)], 1), lose_peers=True)
+        store.set("sums/1/0", json.dumps(out["sent"].checksums))
+    thread = threading.Thread(target=send)
+    thread.start()
+    wait_until(lambda: unsent_bytes(sender.conns[0].sock) >= (1 << 20), "the send never backed up")
+    kill_and_join(victim, thread)
+    sent = out["sent"]
+    assert list(sent.lost) == [0] and "inference rank 0" in sent.lost[0]
+    assert len(sent.checksums) == len(plan.buckets_of(0))  # every bucket's checksum, the lost peer's hasher's too
+    store.wait(["result/1/1"])
+    result = json.loads(store.get("result/1/1"))
+    assert result["bit_exact"] and result["digest"] == result["trainers_digest"], result
+    sender.close()
+    assert r.procs[("inference", 1)].wait(60) == 0
