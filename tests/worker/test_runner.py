@@ -1,8 +1,8 @@
 """Whole jobs as local processes on loopback (controller, trainers, inference ranks, each with its
 pod's files and environment): after every version each inference rank holds the trainers'
 weights bit for bit and computes the same logits as the trainer's model cast to the same dtype;
-the loss goes down; bad tokens are refused; a dead process fails the job naming it, and no
-process is left behind."""
+the loss goes down; bad tokens are refused; a dead process is named, and no process is left
+behind (test_faults.py: what the job does when a rank dies or freezes)."""
 from __future__ import annotations
 
 import io
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from weightsync import contract
-from weightsync.rendezvous import connect_store, versions
+from weightsync.rendezvous import Keys, connect_store, versions
 from weightsync.roles.common import DUMP_DIR_ENV
 from weightsync.runner import LocalJob, RunFailed
 
@@ -163,7 +163,7 @@ def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_appli
     try:
         store = store_of(local)
         wait_key(store, "plan/mac")
-        host, port = store.get("endpoint/inference/0").decode().rsplit(":", 1)
+        host, port = store.get(Keys.published("endpoint", "inference", 0, 1)).decode().rsplit(":", 1)
         # an impostor claiming trainer rank 0, ready to overwrite version 1 with garbage
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             challenge = sock.recv(CHALLENGE.size, socket.MSG_WAITALL)
@@ -197,32 +197,6 @@ def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path):
     finally:
         local.stop()
     assert local.transfers == []
-    assert_nothing_left(local)
-
-
-def test_killing_an_inference_process_mid_transfer_fails_the_job_naming_it(tmp_path):
-    # ~11 MB versions in 1 MiB buckets: a version is on the wire long enough to be cut
-    big = {**ODD, "n_embd": 400, "n_head": 4, "n_layer": 2, "vocab_size": 2001}
-    job = make_job("kill-inference", config=big, dtype="float32", trainers=(1, 1), inferences=(2, 1), steps=0, every=1)
-    local = start(tmp_path, job, dump=False)
-    victim = local.pods[3]  # the second inference pod: ordinal 3, inference rank 1
-    try:
-        store = store_of(local)
-        wait_key(store, "done/1")
-        wait_key(store, "go/2")
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(RunFailed) as failure:
-            local.wait(timeout=120)
-        took = time.monotonic() - killed
-    finally:
-        local.stop()
-    message = str(failure.value)
-    assert ("inference pod kill-inference-inference-3 (ordinal 3, inference rank 1) was probably out of memory "
-            "(killed by SIGKILL)") in message
-    assert took < 10, f"the failure took {took:.1f}s to surface"
-    # the controller, which in a cluster has no runner watching, names the rank too
-    assert "the controller reports" in message and "inference rank 1" in message.split("the controller reports", 1)[1]
     assert_nothing_left(local)
 
 
