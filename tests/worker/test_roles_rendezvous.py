@@ -158,6 +158,15 @@ def test_receivers_a_trainer_lost_are_away_and_not_in_the_next_round():
     assert host.start_round(1).receivers == (0,)
 
 
+def test_the_final_version_sent_again_goes_only_to_the_ranks_that_do_not_hold_it():
+    host, _ = started()
+    host.start_round(2)
+    host.holding(2, [0, 1])
+    host.seats[1].holds, host.seats[1].state = None, WAITING  # came back after the final version
+    assert host.behind(2) == [1]
+    assert host.start_round(2, again=1).receivers == (1,)
+
+
 def test_an_inference_rank_away_for_too_long_fails_the_job():
     host, _ = started(away_limit=0.5)
     host._away(1, "gone")

@@ -278,14 +278,20 @@ class Member(Channel):
         self.wait([Keys.END], "the end of the job")
         return self.get_json(Keys.END)
 
-    def join(self, endpoint: str, meta: str, info: str, timeout: float) -> int:
-        """Publish endpoint, layout and info, proving the job token over the controller's nonce for
-        this attempt; returns the attempt. A trainer's process that started again raises
+    def arrive(self) -> int:
+        """Count this process's start (at once, before anything slow: the controller learns of
+        a restart from it); returns the attempt. A trainer's process that started again raises
         Restarted: the controller ends the job (trainers do not rejoin)."""
         self.attempt = attempt = self.store.add(Keys.join(self.role, self.rank), 1)
         if attempt > 1 and self.role == TRAINER:
             raise Restarted(f"{self.name} restarted after it had joined the job (start {attempt}); trainers do not "
                             "rejoin a running job: the built-in trainer keeps no checkpoint to resume from")
+        return attempt
+
+    def join(self, endpoint: str, meta: str, info: str, timeout: float) -> int:
+        """Publish endpoint, layout and info, proving the job token over the controller's nonce for
+        this attempt; returns the attempt."""
+        attempt = self.attempt or self.arrive()
         self.wait_for(Keys.nonce(self.role, self.rank, attempt), "the controller's challenge", timeout)
         nonce = self.get(Keys.nonce(self.role, self.rank, attempt))
         for what, value in (("endpoint", endpoint), ("meta", meta), ("info", info)):

@@ -136,8 +136,9 @@ class Host(Channel):
 
     def start_round(self, version: int, again: int = 0) -> Round:
         """Say go for a round to every inference rank that is there (taking back the ones that
-        rejoined); returns it."""
-        receivers = sorted(r for r, s in self.seats.items() if s.state in (SERVING, WAITING))
+        rejoined); a repeat (again > 0) goes only to those that do not hold the version yet."""
+        receivers = sorted(r for r, s in self.seats.items() if s.state in (SERVING, WAITING)
+                           and not (again and s.holds == version))
         rnd = Round(version, again, tuple(receivers), self.epoch)
         self.in_round = {r: self.seats[r].attempt for r in receivers}
         for r in receivers:

@@ -50,6 +50,7 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
     me = who(role, rank)
     member = Member(ctx.controller_host, ctx.store_port, ctx.token, role, rank, JOIN_TIMEOUT)
     try:
+        member.arrive()
         state = body(ctx, member, rank, local_rank).run()
     except Restarted as e:
         if member.has(Keys.END):  # a pod restarted after its job ended: nothing to do

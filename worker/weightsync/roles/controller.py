@@ -123,7 +123,7 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transpor
         reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
     loss = sent[0].get("loss")
     record = reporter.transfer(rnd.version, step, plan.version_bytes * len(applied), seconds, transport, loss,
-                               version_bytes=plan.version_bytes, inference_ranks=len(applied))
+                               version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again)
     host.set(Keys.done(rnd.version, rnd.again), record)
     return record, sent
 
