@@ -197,6 +197,7 @@ class VersionReceiver:
         self.receiver, self.plan, self.rank = receiver, plan, inference_rank
         self.expected = plan.expected()
         self.registered: set[int] = set()
+        receiver.expect_trainers(plan.trainers)
 
     def receive(self, version: int, staging, timeout: float) -> ReceivedVersion:
         if staging.numel() * staging.element_size() < self.plan.version_bytes:

@@ -159,6 +159,10 @@ class Receiver(abc.ABC):
     def register(self, buffers: list) -> None:
         """Register the staging buffers once (memory registration for RDMA; a no-op for sockets)."""
 
+    def expect_trainers(self, trainers: int) -> None:
+        """The plan has `trainers` trainer ranks: connections from no other rank are taken, and
+        a socket transport sizes its cap on unauthenticated connections by it."""
+
     @abc.abstractmethod
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
         """Block until every trainer rank in `expected` has delivered exactly its (offset, length)

@@ -8,11 +8,18 @@ inference) pair, opened once and kept across versions; a rank runs its connectio
 threads (socket calls and xxh3 release the GIL). Every socket call has a timeout, so a dead or
 silent peer becomes a TransferError naming its rank, never a hang.
 
+The receiver's port is open to anyone who can reach it. Its door (door.py) accepts and
+challenges every connection in one thread, caps those that have not proven the job token and
+times them out; only a connection that proves the token gets a thread. After that, a trainer
+may send exactly the ranges the plan gives it, once each, and an END that counts them: any
+other frame cuts its connection off and fails the version, naming the trainer rank.
+
 The wire format (handshake and frames) is defined in wire.py; checksums in checksum.py.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -26,6 +33,7 @@ import xxhash
 from weightsync.transport import wire
 from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, Tally, TransferError, Transport, each_peer
 from weightsync.transport.checksum import CHUNK, as_views
+from weightsync.transport.door import Door
 from weightsync.transport.wire import DATA, END, KIND_NAMES, TRAILER, WRITTEN
 
 log = logging.getLogger("weightsync.transport")
@@ -36,6 +44,10 @@ SOCKET_BUFFER = 0
 # bytes received at a time into the landing buffer and hashed at once (measured best with
 # `weightsync bench`)
 RECV_CHUNK = 128 << 10
+# connections the kernel queues before the door accepts them (they cost no thread)
+BACKLOG = 64
+# refusal reasons kept, to say why a trainer never connected
+REFUSED_KEPT = 8
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
 
 
@@ -348,44 +360,64 @@ class Landing:
 
 
 class TcpReceiver(Receiver):
+    name = "tcp"
+    carried = (DATA,)  # the frame kinds that deliver a range over this transport
+
     def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
         if len(token) < 16:
             raise ValueError("the job token must be at least 16 bytes")
         self.rank, self.token, self.timeout, self.socket_buffer = rank, token, timeout, socket_buffer
         self.conns: dict[int, socket.socket] = {}
-        self.refused: list[str] = []  # why each refused connection was refused
+        self.refused: collections.deque[str] = collections.deque(maxlen=REFUSED_KEPT)  # why the latest were refused
+        self.trainers: int | None = None  # the plan's trainer ranks, once known
         self.cond = threading.Condition()
-        self.listener: socket.socket | None = None
+        self.door: Door | None = None
         self.closed = False
 
     def listen(self, host: str, port: int) -> str:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind((host, port))
-        self.listener.listen(64)
-        threading.Thread(target=self._accept_loop, name=f"accept-inference-{self.rank}", daemon=True).start()
-        return f"{host}:{self.listener.getsockname()[1]}"
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(BACKLOG)
+        endpoint = f"{host}:{listener.getsockname()[1]}"
+        self.door = Door(listener, f"inference rank {self.rank}", lambda: wire.challenge(self.rank), self._prove,
+                         self._admit, self._refused)
+        if self.trainers is not None:
+            self.door.set_cap(self.trainers)
+        return endpoint
 
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                sock, addr = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock, addr), daemon=True).start()
+    def expect_trainers(self, trainers: int) -> None:
+        self.trainers = trainers
+        if self.door is not None:
+            self.door.set_cap(trainers)
 
-    def _admit(self, sock: socket.socket, addr) -> None:
+    def _prove(self, challenge: bytes, answer: bytes) -> int:
+        """The trainer rank an ANSWER proves; raises without having read anything beyond it."""
+        trainer, target = wire.check_answer(self.token, challenge, answer)
+        if target != self.rank:
+            raise ConnectionError(f"trainer rank {trainer} meant inference rank {target}, this is {self.rank}")
+        if self.trainers is not None and trainer >= self.trainers:
+            raise ConnectionError(f"trainer rank {trainer} is not in the plan, which has {self.trainers} trainer ranks")
+        return trainer
+
+    def _refused(self, reason: str) -> None:
+        with self.cond:
+            self.refused.append(reason)
+            self.cond.notify_all()
+
+    def _admit(self, sock: socket.socket, addr: str, trainer: int, challenge: bytes, answer: bytes) -> None:
+        """A connection that proved the token: the transport's own set-up, the verdict, then it
+        is the trainer's connection (on the door's thread for this one connection)."""
         tune(sock, self.socket_buffer, min(self.timeout, 30.0))
         try:
-            trainer = self.handshake(sock)
+            self.after_handshake(sock, trainer)
+            sock.sendall(wire.verdict(self.token, challenge, answer))
         except (OSError, ConnectionError, ValueError) as e:
-            reason = f"refused connection from {addr[0]}:{addr[1]}: {e}"
+            reason = f"refused connection from {addr}: trainer rank {trainer}'s set-up failed: {e}"
             log.warning("inference rank %d %s", self.rank, reason)
-            with self.cond:
-                self.refused.append(reason)
-                self.cond.notify_all()
-            sock.close()
+            self._refused(reason)
+            hang_up(sock)
             return
         sock.settimeout(self.timeout)
         with self.cond:
@@ -395,22 +427,9 @@ class TcpReceiver(Receiver):
             old = self.conns.pop(trainer, None)
             if old is not None:
                 log.warning("inference rank %d: trainer rank %d reconnected; dropping its old connection", self.rank, trainer)
-                old.close()
+                hang_up(old)
             self.conns[trainer] = sock
             self.cond.notify_all()
-
-    def handshake(self, sock: socket.socket) -> int:
-        """The receiver's side: returns the proven trainer rank, or raises without having read
-        anything beyond the answer."""
-        challenge = wire.challenge(self.rank)
-        sock.sendall(challenge)
-        answer = recv_exact(sock, wire.ANSWER.size)
-        trainer, target = wire.check_answer(self.token, challenge, answer)
-        if target != self.rank:
-            raise ConnectionError(f"trainer rank {trainer} meant inference rank {target}, this is {self.rank}")
-        self.after_handshake(sock, trainer)
-        sock.sendall(wire.verdict(self.token, challenge, answer))
-        return trainer
 
     def after_handshake(self, sock: socket.socket, trainer: int) -> None:
         """Hook for transports that set up more per connection (RDMA) before the verdict."""
@@ -425,7 +444,7 @@ class TcpReceiver(Receiver):
                 if abandon.is_set():
                     raise TransferError(f"trainer rank {trainer}", "not connected when the version was abandoned")
                 if left <= 0 or self.closed:
-                    refused = f" (refused meanwhile: {'; '.join(self.refused[-3:])})" if self.refused else ""
+                    refused = f" (refused meanwhile: {'; '.join(list(self.refused)[-3:])})" if self.refused else ""
                     raise TransferError(f"trainer rank {trainer}", f"did not connect within {time.monotonic() - start:.0f}s{refused}")
                 self.cond.wait(left)
             return self.conns[trainer]
@@ -460,56 +479,76 @@ class TcpReceiver(Receiver):
                      deadline: float, abandon: threading.Event) -> dict[int, int]:
         peer = f"trainer rank {trainer}"
         sock = self.wait_connection(trainer, deadline, abandon)
-        left = {(o, n) for o, n in ranges}
+        try:
+            return self._frames(sock, trainer, version, landing, ranges)
+        except socket.timeout:
+            error = TransferError(peer, f"silent for {self.timeout:g}s during version {version}")
+        except wire.WireError as e:
+            error = TransferError(peer, f"{e} during version {version}")
+        except TransferError as e:
+            error = e
+        except (OSError, ConnectionError) as e:
+            error = TransferError(peer, f"connection lost during version {version}: {e}")
+        # cut off at once: nothing more it sends is read, and the version fails (never verified)
+        log.warning("inference rank %d cut off %s", self.rank, error)
+        self.drop(trainer)
+        raise error
+
+    def _frames(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
+                ranges: list[tuple[int, int]]) -> dict[int, int]:
+        """Read one version's frames from a trainer: each range the plan gives it exactly once,
+        then END with the right counts. Any frame beyond that is refused before a byte of its
+        payload is read, and no buffer is ever sized by a length the peer sent (the payload of
+        a range the plan gives lands in place, or in a bounce buffer of at most that range)."""
+        peer = f"trainer rank {trainer}"
+        planned = set(ranges)
+        left = set(ranges)
         sums: dict[int, int] = {}
         bounce: dict = {}
         frames = nbytes = 0
-        try:
-            self.before_receive(sock, trainer, version, landing, ranges)
-            while True:
-                kind, v, offset, length, digest = wire.parse_header(recv_exact(sock, wire.HEADER.size))
-                if v != version:
-                    raise TransferError(peer, f"sent version {v} while version {version} was expected")
-                if kind == END:
-                    if left:
-                        raise TransferError(peer, f"ended version {version} with {len(left)} of {len(ranges)} ranges missing, "
-                                                  f"first at byte {min(left)[0]}")
-                    if (offset, length) != (frames, nbytes):
-                        raise TransferError(peer, f"says it sent {offset} ranges / {length} bytes, {frames} / {nbytes} arrived")
-                    return sums
-                if kind not in (DATA, WRITTEN) or (offset, length) not in left:
-                    raise TransferError(peer, f"sent {KIND_NAMES.get(kind, kind)} for bytes [{offset}, {offset + length}) "
-                                              f"of version {version}, which the plan does not give it")
-                left.discard((offset, length))
-                if kind == DATA:
-                    got = landing.receive(sock, offset, length, bounce)
-                    (digest,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
-                else:
-                    got = self.written(landing, offset, length)
-                if got != digest:
-                    raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
-                                              f"{version}: sent {digest:016x}, received {got:016x}")
-                sums[offset] = got
-                frames += 1
-                nbytes += length
-        except socket.timeout:
-            raise TransferError(peer, f"silent for {self.timeout:g}s during version {version}") from None
-        except wire.WireError as e:
-            raise TransferError(peer, str(e)) from None
-        except (OSError, ConnectionError) as e:
-            raise TransferError(peer, f"connection lost during version {version}: {e}") from None
+        self.before_receive(sock, trainer, version, landing, ranges)
+        while True:
+            kind, v, offset, length, digest = wire.parse_header(recv_exact(sock, wire.HEADER.size))
+            if v != version:
+                raise TransferError(peer, f"sent version {v} while version {version} was expected")
+            if kind == END:
+                if left:
+                    raise TransferError(peer, f"ended version {version} with {len(left)} of {len(ranges)} ranges missing, "
+                                              f"first at byte {min(left)[0]}")
+                if (offset, length) != (frames, nbytes):
+                    raise TransferError(peer, f"says it sent {offset} ranges / {length} bytes, {frames} / {nbytes} arrived")
+                return sums
+            what = f"{KIND_NAMES[kind]} for bytes [{offset}, {offset + length}) of version {version}"
+            if kind not in self.carried:
+                raise TransferError(peer, f"sent {what}: a sender never sends {KIND_NAMES[kind]} over the {self.name} transport")
+            if (offset, length) not in left:
+                why = "a second time" if (offset, length) in planned else "which the plan does not give it"
+                raise TransferError(peer, f"sent {what}, {why}")
+            left.discard((offset, length))
+            if kind == DATA:
+                got = landing.receive(sock, offset, length, bounce)
+                (digest,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
+            else:
+                got = self.written(landing, offset, length)
+            if got != digest:
+                raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
+                                          f"{version}: sent {digest:016x}, received {got:016x}")
+            sums[offset] = got
+            frames += 1
+            nbytes += length
 
     def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
                        ranges: list[tuple[int, int]]) -> None:
         """Hook for transports that tell the sender where to write (RDMA advertisements)."""
 
     def written(self, landing: Landing, offset: int, length: int) -> int:
-        """Checksum of a range the sender wrote one-sided (RDMA transports only)."""
-        raise TransferError("transport", "WRITTEN frames need an RDMA transport")
+        """Checksum of a range the sender wrote one-sided (RDMA transports only, which carry
+        WRITTEN frames)."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        if self.listener is not None:
-            hang_up(self.listener)
+        if self.door is not None:
+            self.door.close()
         with self.cond:
             self.closed = True
             socks = list(self.conns.values())

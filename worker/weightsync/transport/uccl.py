@@ -31,6 +31,11 @@ from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender, client_han
 from weightsync.transport.wire import ADVERT, WRITTEN
 
 ADVERT_ENTRY = struct.Struct("<QQ64s")  # offset, length, the engine's 64-byte descriptor
+# One entry per bucket a trainer rank sends an inference rank in a version: a million 1 MiB
+# buckets (the smallest) is a terabyte from one trainer rank. The entries are read a batch at a
+# time, so memory follows the bytes that arrive, never the count a peer announces.
+MAX_ADVERT_ENTRIES = 1 << 20
+ADVERT_BATCH = 4096
 
 
 def unavailable_reason() -> str | None:
@@ -138,9 +143,15 @@ class UcclSender(TcpSender):
             kind, v, count, length, _ = wire.parse_header(recv_exact(sock, wire.HEADER.size))
             if kind != ADVERT or v != version:
                 raise ConnectionError(f"expected the advertisement of version {version}, got kind {kind} version {v}")
-            payload = recv_exact(sock, length)
-            entries = [ADVERT_ENTRY.unpack_from(payload, i * ADVERT_ENTRY.size) for i in range(count)]
-            self.adverts[peer] = (version, {o: (n, blob) for o, n, blob in entries})
+            if count > MAX_ADVERT_ENTRIES or length != count * ADVERT_ENTRY.size:
+                raise ConnectionError(f"an advertisement of {count} entries in {length} bytes (entries are "
+                                      f"{ADVERT_ENTRY.size} bytes, at most {MAX_ADVERT_ENTRIES})")
+            entries: dict[int, tuple[int, bytes]] = {}
+            for first in range(0, count, ADVERT_BATCH):
+                n = min(ADVERT_BATCH, count - first)
+                for o, size, blob in ADVERT_ENTRY.iter_unpack(recv_exact(sock, n * ADVERT_ENTRY.size)):
+                    entries[o] = (size, blob)
+            self.adverts[peer] = (version, entries)
         try:
             return self.adverts[peer][1][offset]
         except KeyError:
@@ -178,6 +189,9 @@ class UcclSender(TcpSender):
 
 
 class UcclReceiver(TcpReceiver):
+    name = "uccl"
+    carried = (WRITTEN,)  # the sender writes one-sided and never sends DATA
+
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
         self.t = transport

@@ -106,7 +106,15 @@ def header(kind: int, version: int, offset: int, length: int, checksum: int = 0)
 
 
 def parse_header(raw: bytes) -> Frame:
+    """A frame header, checked against the format above (what the frame means to the version
+    under way is the receiver's to check)."""
     magic, kind, version, offset, length, checksum = HEADER.unpack(raw)
     if magic != MAGIC:
         raise WireError("sent a frame without the weightsync magic")
+    if raw[5:8] != b"\0\0\0":
+        raise WireError(f"sent a frame whose reserved bytes are not zero ({raw[5:8].hex()})")
+    if kind not in KIND_NAMES:
+        raise WireError(f"sent a frame of unknown kind {kind}")
+    if checksum and kind != WRITTEN:
+        raise WireError(f"sent a {KIND_NAMES[kind]} frame with a checksum in its header, where the format has 0")
     return Frame(kind, version, offset, length, checksum)
