@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -243,3 +244,74 @@ def test_a_receiver_that_dies_mid_version_is_lost_and_the_others_get_all_of_it(r
     assert result["bit_exact"] and result["digest"] == result["trainers_digest"], result
     sender.close()
     assert r.procs[("inference", 1)].wait(60) == 0
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {"threads": int(fields["Threads"]), "rss": int(fields["VmRSS"].split()[0]) * 1024}
+
+
+def test_idle_connections_cost_no_thread_and_the_trainer_still_delivers(ranks, store):
+    """200 idle connections to an inference rank's data port (a real process): its thread count
+    stays where it was, its memory barely moves, every idle connection is closed (the excess at
+    once, the rest after the handshake timeout), and the trainer (this process) connects and
+    delivers a version while they are held."""
+    from transfer_peer import version_tensors, parse_shapes
+    from weightsync.transport import door
+
+    shapes = ODD
+    layout = layout_of(shapes, "float32")
+    plan = make_plan(layout, 1, 1, 1024)
+    r = ranks(1, 1, shapes, "float32", 1024, 1)
+    inference = r.start("inference", 0)
+    store.wait(["ready/inference/0"])
+    host, port = store.get("endpoint/0").decode().rsplit(":", 1)
+    before = proc_status(inference.pid)
+
+    idle = []
+    for _ in range(200):
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        assert sock.recv(40, socket.MSG_WAITALL)[:4] == b"WSHC"  # accepted and challenged
+        idle.append(sock)
+    during = proc_status(inference.pid)
+
+    def still_open(sock) -> bool:
+        sock.setblocking(False)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            return True
+        except ConnectionResetError:
+            return False
+    held = sum(still_open(s) for s in idle)
+    print(f"inference rank process: {before['threads']} threads, {before['rss'] >> 20} MiB RSS before; "
+          f"{during['threads']} threads, {during['rss'] >> 20} MiB RSS with 200 idle connections opened, "
+          f"{held} of them still pending")
+    assert during["threads"] <= before["threads"] + 4, (before, during)
+    assert during["rss"] - before["rss"] < 32 << 20, (before, during)
+    assert held <= 1 + door.PENDING_HEADROOM  # the plan has one trainer rank
+
+    # the trainer connects and delivers while the idle ones hold the door's every slot
+    sender = make_transport("tcp", token=TOKEN.encode(), timeout=60).sender(0)
+    sender.connect({0: f"{host}:{port}"})
+    store.set("connected/trainer/0", "1")
+    sent = VersionSender(sender, plan, 0).send(1, version_tensors(parse_shapes(shapes), 1))
+    store.set("sums/1/0", json.dumps(sent.checksums))
+    codes = r.wait(120)
+    assert codes[("inference", 0)] == 0, r.stderr()
+    res = json.loads(store.get("result/1/0"))
+    assert res["bit_exact"] and res["digest"] == res["trainers_digest"]
+
+    for sock in idle:  # every idle connection was closed by the receiver
+        sock.settimeout(60)
+        try:
+            assert sock.recv(1 << 10) == b""
+        except ConnectionResetError:
+            pass
+        sock.close()
+    sender.close()
+    log = r.stderr()[("inference", 0)]
+    lines = [line for line in log.splitlines() if "refused connection from 127.0.0.1:" in line]
+    print(f"{len(lines)} log lines about the 200 refused connections")
+    assert 1 <= len(lines) <= 10, log

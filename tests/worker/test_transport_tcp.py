@@ -249,3 +249,172 @@ def test_an_abandoned_buffer_cuts_the_connection_and_the_receiver_names_the_trai
     assert time.monotonic() - start < 5
     assert out["error"].peer == "trainer rank 2" and "connection lost during version 1" in str(out["error"])
     sender.close(), receiver.close()
+
+
+# ---------------------------------------------------------------- crafted input on the data port
+
+def frame(kind, version, offset, length, checksum=0):
+    return wire.HEADER.pack(wire.MAGIC, kind, version, offset, length, checksum)
+
+
+def data(version, offset, payload):
+    return frame(wire.DATA, version, offset, len(payload)) + payload + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(payload))
+
+
+A, B = b"\x11" * 64, b"\x22" * 64  # trainer rank 3's two planned ranges, (0, 64) and (64, 64)
+PLANNED = {3: [(0, 64), (64, 64)]}
+U64 = 2 ** 64
+
+CRAFTED = {
+    "huge length": (frame(wire.DATA, 1, 0, U64 - 1), "sent DATA for bytes [0, 18446744073709551615) of version 1, which the plan"),
+    "negative offset (u64 wrap)": (frame(wire.DATA, 1, U64 - 64, 64), f"[{U64 - 64}, {U64}) of version 1, which the plan"),
+    "overlapping range": (frame(wire.DATA, 1, 32, 64), "bytes [32, 96) of version 1, which the plan does not give it"),
+    "a range of the plan twice": (data(1, 0, A) + frame(wire.DATA, 1, 0, 64), "bytes [0, 64) of version 1, a second time"),
+    "another trainer's range": (frame(wire.DATA, 1, 128, 64), "bytes [128, 192) of version 1, which the plan does not give"),
+    "a range beyond the buffer": (frame(wire.DATA, 1, 4096, 64), "bytes [4096, 4160) of version 1, which the plan"),
+    "more bytes than announced": (data(1, 0, A) + b"\x11" * 64, "sent a frame without the weightsync magic during version 1"),
+    "a longer payload than its length": (frame(wire.DATA, 1, 0, 64) + A + b"\x11" * 8 + wire.TRAILER.pack(0),
+                                         "checksum mismatch for bytes [0, 64) of version 1"),
+    "an unknown kind": (frame(9, 1, 0, 64), "sent a frame of unknown kind 9 during version 1"),
+    "ADVERT from a sender": (frame(wire.ADVERT, 1, 0, 64), "sent ADVERT for bytes [0, 64) of version 1: a sender never sends"),
+    "WRITTEN over tcp": (frame(wire.WRITTEN, 1, 0, 64, 5), "a sender never sends WRITTEN over the tcp transport"),
+    "END with wrong counts": (data(1, 0, A) + data(1, 64, B) + frame(wire.END, 1, 5, 128),
+                              "says it sent 5 ranges / 128 bytes, 2 / 128 arrived"),
+    "END with a checksum": (data(1, 0, A) + data(1, 64, B) + frame(wire.END, 1, 2, 128, 7), "END frame with a checksum"),
+    "END before the ranges": (frame(wire.END, 1, 0, 0), "ended version 1 with 2 of 2 ranges missing, first at byte 0"),
+    "a DATA header with a checksum": (frame(wire.DATA, 1, 0, 64, 1) + A, "DATA frame with a checksum in its header"),
+    "nonzero reserved bytes": (frame(wire.DATA, 1, 0, 64)[:5] + b"\x01\x00\x00" + frame(wire.DATA, 1, 0, 64)[8:],
+                               "reserved bytes are not zero (010000)"),
+    "another version": (data(2, 0, A), "sent version 2 while version 1 was expected"),
+    "a second handshake": (wire.ANSWER.pack(b"WSHA", 3, 0, bytes(32)), "without the weightsync magic"),
+    "a truncated header": (frame(wire.DATA, 1, 0, 64)[:20], "connection lost during version 1"),
+    "a truncated payload": (frame(wire.DATA, 1, 0, 64) + A[:10], "connection lost during version 1"),
+    "a missing trailer": (frame(wire.DATA, 1, 0, 64) + A + b"\x00\x01", "connection lost during version 1"),
+}
+
+
+@pytest.mark.parametrize("crafted", list(CRAFTED), ids=list(CRAFTED))
+def test_crafted_frames_after_the_handshake_cut_the_trainer_off(crafted, caplog):
+    """Every kind of crafted input from an authenticated trainer fails the version with a
+    TransferError naming it and a log line naming it; nothing is returned as received (so
+    nothing is verified or applied); the connection is cut; the real trainer then delivers."""
+    stream, message = CRAFTED[crafted]
+    receiver, endpoint = pair()
+    receiver.expect_trainers(4)
+    sock = authenticated_raw_client(endpoint, trainer_rank=3)
+    buf = bytearray(256)
+    t, out = receive_in_thread(receiver, 1, buf, PLANNED, 30)
+    sock.sendall(stream)
+    if crafted.startswith("a truncated") or crafted == "a missing trailer":
+        sock.shutdown(socket.SHUT_WR)
+    t.join(30)
+    assert not t.is_alive()
+    assert "sums" not in out, f"crafted input ({crafted}) was accepted"
+    error = out["error"]
+    assert isinstance(error, TransferError) and error.peer == "trainer rank 3", error
+    assert message in str(error), error
+    assert any(r.getMessage().startswith("inference rank 0 cut off trainer rank 3:") for r in caplog.records)
+    if "plan" in message or "kind" in message or "never sends" in message:
+        assert buf == bytes(256), "bytes of a refused frame were read into the buffer"
+    sock.settimeout(10)
+    try:  # the receiver closed the connection: what is left ends, and nothing more is answered
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    sock.close()
+    # the port still serves the real trainer, over a new connection
+    sender = make_transport("tcp", token=TOKEN, timeout=30).sender(3)
+    sender.connect({0: endpoint})
+    t, out = receive_in_thread(receiver, 2, buf, PLANNED, 30)
+    sender.send(0, 2, 0, A)
+    sender.send(0, 2, 64, B)
+    sender.end_version(2)
+    t.join(30)
+    assert "error" not in out, out.get("error")
+    assert bytes(buf[:128]) == A + B
+    sender.close(), receiver.close()
+
+
+def test_an_authenticated_rank_outside_the_plan_is_refused():
+    receiver, endpoint = pair()
+    receiver.expect_trainers(2)
+    sender = make_transport("tcp", token=TOKEN, timeout=5).sender(7)
+    with pytest.raises(TransferError, match="inference rank 0: handshake .* failed: the peer refused"):
+        sender.connect({0: endpoint})
+    wait_refused(receiver, "trainer rank 7 is not in the plan, which has 2 trainer ranks")
+    receiver.close()
+
+
+def raw_connect(endpoint):
+    host, port = tcp.parse_endpoint(endpoint)
+    sock = socket.create_connection((host, port), timeout=30)
+    return sock, f"{host}:{sock.getsockname()[1]}"
+
+
+def wait_refused(receiver, fragment, timeout=30):
+    deadline = time.monotonic() + timeout
+    with receiver.cond:
+        while not any(fragment in r for r in receiver.refused):
+            left = deadline - time.monotonic()
+            assert left > 0, f"never refused: {fragment!r}; refused: {list(receiver.refused)}"
+            receiver.cond.wait(left)
+
+
+def closed_by_peer(sock) -> bool:
+    sock.settimeout(30)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.mark.parametrize("crafted,why", [
+    (frame(wire.DATA, 1, 0, 64) + A, "not a weightsync handshake"),  # frames instead of an answer
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"A" * 40, "not a weightsync handshake"),
+    (wire.ANSWER.pack(b"WSHA", 0, 0, bytes(32)), "wrong token (claimed trainer rank 0)"),
+])
+def test_crafted_input_before_the_handshake_is_refused_naming_the_address(crafted, why, caplog):
+    receiver, endpoint = pair()
+    sock, me = raw_connect(endpoint)
+    assert tcp.recv_exact(sock, wire.CHALLENGE.size)[:4] == b"WSHC"
+    sock.sendall(crafted)
+    wait_refused(receiver, f"refused connection from {me}: {why}")
+    assert closed_by_peer(sock)
+    assert any(f"inference rank 0 refused connection from {me}: {why}" in r.getMessage() for r in caplog.records)
+    assert receiver.conns == {}
+    sock.close(), receiver.close()
+
+
+def test_a_partial_answer_is_refused_when_closed_or_silent(monkeypatch):
+    from weightsync.transport import door
+
+    monkeypatch.setattr(door, "HANDSHAKE_TIMEOUT", 0.5)
+    receiver, endpoint = pair()
+    closing, me = raw_connect(endpoint)
+    closing.sendall(b"WSHA\x00")
+    closing.shutdown(socket.SHUT_WR)
+    wait_refused(receiver, f"refused connection from {me}: closed after 5 of the 44 bytes of a handshake answer")
+    silent, me = raw_connect(endpoint)
+    silent.sendall(b"WSHA\x00")
+    wait_refused(receiver, f"refused connection from {me}: no handshake answer within 0.5s")
+    assert closed_by_peer(silent)
+    closing.close(), silent.close(), receiver.close()
+
+
+def test_refusals_are_logged_at_most_once_per_interval_with_a_count(caplog):
+    from weightsync.transport import door
+
+    receiver, endpoint = pair()
+    for _ in range(20):
+        sock, _ = raw_connect(endpoint)
+        sock.sendall(b"X" * wire.ANSWER.size)
+        closed_by_peer(sock)
+        sock.close()
+    wait_refused(receiver, "not a weightsync handshake")
+    lines = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
+    assert 1 <= len(lines) < 20 and len(receiver.refused) == receiver.refused.maxlen
+    assert door.LOG_INTERVAL >= 1
+    receiver.close()

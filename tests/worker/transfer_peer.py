@@ -101,6 +101,7 @@ def main():
         return
     staging = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
     incoming = VersionReceiver(receiver, plan, args.rank)
+    store.set(f"ready/inference/{args.rank}", "1")  # knows the plan
     for v in range(1, args.versions + 1):
         try:
             got = incoming.receive(v, staging, args.timeout)

@@ -243,12 +243,12 @@ class Door:
         p.sock.close()
 
     def _refuse(self, p: Pending, reason: str) -> None:
-        self._drop(p)
-        self._note(p.addr, reason)
+        self._leave(p)
+        self._refused_now(p.sock, p.addr, reason)
 
     def _refused_now(self, sock: socket.socket, addr: str, reason: str) -> None:
+        self._note(addr, reason)  # before the peer can see the close
         sock.close()
-        self._note(addr, reason)
 
     def _note(self, addr: str, reason: str) -> None:
         message = f"refused connection from {addr}: {reason}"
