@@ -90,7 +90,7 @@ class Kubelet:
     def _start(self, pod: Pod, why: str | None = None) -> None:
         with open(pod.log, "ab" if why else "wb") as log:  # the process keeps its own copy
             if why:
-                log.write(f"weightsync run: restart {pod.restarts} of {pod.name}: {why}\n".encode())
+                log.write(f"{_line_break(pod.log)}weightsync run: restart {pod.restarts} of {pod.name}: {why}\n".encode())
             proc = subprocess.Popen(
                 [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=self.cwd,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.read_stdout else log, stderr=log,
@@ -135,10 +135,13 @@ class Kubelet:
         self.say(f"{pod.describe()} {how}; restarting it in {delay:g}s (restart {pod.restarts + 1})\n{tail(pod.log)}")
 
     def _probe(self, pod: Pod) -> None:
-        """The pod's liveness probe, every period from its start until the job ends."""
+        """The pod's liveness probe: one every period (from one start to the next, as the kubelet
+        ticks), from the pod's start until the job ends."""
         failures, seen = 0, None
         host, port = pod.env[Env.POD_IP], int(pod.env[Env.HEALTH_PORT])
-        while not self.ended.wait(LIVENESS.period_seconds):
+        next_probe = time.monotonic() + LIVENESS.period_seconds
+        while not self.ended.wait(max(0.0, next_probe - time.monotonic())):
+            next_probe += LIVENESS.period_seconds
             with pod.lock:
                 proc = pod.proc if pod.running else None
             if proc is not seen:  # a new process (or none): it starts with no failures
@@ -156,8 +159,22 @@ class Kubelet:
             failures = 0
 
     def end(self) -> None:
-        """The job has ended: no more restarts or probes."""
+        """The job has ended: no more restarts or probes. A pod that died since the last tick is
+        said to have died; it stays down, as do those waiting for their restart."""
+        if self.ended.is_set():
+            return
         self.ended.set()
+        for pod in self.pods:
+            if pod.restart_at is not None:
+                self.say(f"{pod.describe()}: the job has ended, so it is not restarted")
+            elif pod.proc is not None and pod.proc.poll() is not None and pod.proc.returncode:
+                with pod.lock:
+                    how = pod.killed_for or exit_status(pod.proc.returncode)
+                pod.exits.append(how)
+                self.say(f"{pod.describe()} {how} as the job ended, so it is not restarted\n{tail(pod.log)}")
+            else:
+                continue
+            pod.restart_at = float("inf")
 
     def restarts(self) -> dict[str, int]:
         """{pod name: restarts} of the pods that restarted."""
@@ -190,6 +207,15 @@ class Kubelet:
 def _read(read_stdout: Callable[[IO[bytes]], None], stream: IO[bytes]) -> None:
     with stream:
         read_stdout(stream)
+
+
+def _line_break(log: Path) -> str:
+    """A newline, if the log does not end with one (a process killed mid-line)."""
+    with open(log, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return ""
+        f.seek(-1, os.SEEK_END)
+        return "" if f.read(1) == b"\n" else "\n"
 
 
 def _signal_group(pgid: int, sig: int) -> None:
