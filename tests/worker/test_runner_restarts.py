@@ -11,14 +11,16 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from test_runner import ODD, assert_nothing_left, make_job, store_of, wait_key
 
 from weightsync import kubelet
-from weightsync.contract import LIVENESS
+from weightsync.contract import LIVENESS, Env
 from weightsync.runner import LocalJob, RunFailed
 
 DEADLINE = 300  # seconds for a whole job on a loaded machine
@@ -202,6 +204,35 @@ def test_an_inference_pod_killed_mid_transfer_is_reported_and_the_job_ends(tmp_p
     # runner watches the processes, the controller's word is all there is).
     assert "the controller reports" in result["failed"]
     assert "inference rank 1" in result["failed"].split("the controller reports", 1)[1]
+
+
+def test_a_pod_that_keeps_dying_ends_the_run_naming_it(tmp_path):
+    # The controller's health port is taken: its pod dies at once, every time it starts.
+    job = make_job("crash-loop")
+    progress = Progress()
+    local = LocalJob(job, tmp_path / "run", progress=progress)
+    controller = local.pods[0]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", int(controller.env[Env.HEALTH_PORT])))
+    taken.listen()
+    local.start()
+    try:
+        with pytest.raises(RunFailed) as failure:
+            local.wait(timeout=DEADLINE)
+    finally:
+        local.stop()
+        taken.close()
+    assert_nothing_left(local)
+    message = str(failure.value)
+    assert message.startswith(f"{controller.describe()} exited with code 1, after {kubelet.CRASH_LOOP_LIMIT} restarts "
+                              "in a row; it is not started again"), message
+    assert f"the health endpoint cannot listen on 127.0.0.1:{controller.env[Env.HEALTH_PORT]}" in message
+    assert message.endswith(f"restarted pods: {controller.name} {kubelet.CRASH_LOOP_LIMIT} times (last: it exited with code 1)")
+    # The back-off doubled up to its cap.
+    said = [line for line in progress.text().splitlines() if "restarting it in" in line]
+    assert [line.split("restarting it in ")[1] for line in said] == [
+        "1s (restart 1)", "2s (restart 2)", "4s (restart 3)", "8s (restart 4)", "16s (restart 5)", "16s (restart 6)"]
+    assert kubelet.BACKOFF_MAX == 16
 
 
 def test_nothing_is_restarted_after_the_end(tmp_path):

@@ -186,7 +186,7 @@ class Kubelet:
 
     def stop(self) -> None:
         """Stop every process started here (whole process groups), then reap them."""
-        self.end()
+        self.ended.set()
         started = [p for p in self.pods if p.proc is not None and not p.reaped]
         for pod in started:
             _signal_group(pod.proc.pid, signal.SIGTERM)
