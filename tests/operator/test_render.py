@@ -348,7 +348,7 @@ def test_the_status_schema_takes_what_the_controller_reports():
     from weightsync.crdschema import openapi_schema
 
     status_schema = openapi_schema(contract.VERSION)["properties"]["status"]["properties"]
-    assert set(status_schema["rejoins"]["properties"]) == set(contract.ROLES)
+    assert set(status_schema["rejoins"]["properties"]) == {TRAINER, INFERENCE}
     reason = status_schema["completion"]["properties"]["reason"]
     assert re.match(reason["pattern"], "ControllerRestarted") and not re.match(reason["pattern"], "controller restarted")
     assert {"restarts", "rejoins"} <= set(status_schema["replicas"]["additionalProperties"]["properties"])
