@@ -34,9 +34,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from .contract import LIVENESS, READINESS, Probe
 
 BEAT = 1.0  # seconds between a rank's stamps
-# A rank whose stamp is older has stopped, or its process has had no CPU time for that long. Five
-# beats: a loaded machine delays a thread by a second now and then, never by five.
-STALE_AFTER = 5.0
+# A rank whose stamp is older has stopped, or its thread has not run for that long. Ten beats: a
+# thread can wait seconds for the interpreter's lock while the rank's main thread is in a long call
+# that holds it (importing torch on a loaded 2-core machine held it for up to 4.8 s), never ten.
+STALE_AFTER = 10.0
 MAX_CONNECTIONS = 8  # the kubelet sends one probe at a time, two with readiness
 REQUEST_TIMEOUT = 1.0  # seconds a connection may take to send its request: an answer is immediate
 

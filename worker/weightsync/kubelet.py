@@ -1,15 +1,16 @@
-"""What a kubelet does for its pods, done for the local runner's pod processes: start each pod's
-process; start it again whenever it exits (restartPolicy Always), after an exponential back-off;
-and probe its /healthz as the kubelet's liveness probe does (contract.LIVENESS, the numbers the
-operator renders), killing a pod that fails the probe (SIGKILL to its whole process group, as the
-kubelet kills a container's processes) so that it is started again. A restarted pod is the same
-command with the same environment, and its output goes on in the same log, after a line that
-says which restart it is and why.
+"""What a kubelet does for its pods, done for the local runner's pod processes, on threads of
+its own from start() on: start each pod's process; start it again whenever it exits
+(restartPolicy Always), after an exponential back-off; and probe its /healthz as the kubelet's
+liveness probe does (contract.LIVENESS, the numbers the operator renders), killing a pod that
+fails the probe (SIGKILL to its whole process group, as the kubelet kills a container's
+processes) so that it is started again. A restarted pod is the same command with the same
+environment, and its output goes on in the same log, after a line that says which restart it is
+and why.
 
-Nothing is restarted, and nothing probed, once the job has ended (end()). A pod that keeps dying
-is not started forever: after CRASH_LOOP_LIMIT restarts in a row, tick() raises CrashLoop (in a
-cluster the pod would stay in CrashLoopBackOff, which the job's Ready condition shows; locally
-nobody would be watching).
+Nothing is restarted, and nothing probed, once the job has ended (end(), called as soon as the
+controller's completion record is read). A pod that keeps dying is not started forever: after
+CRASH_LOOP_LIMIT restarts in a row the kubelet gives up (`failure`; in a cluster the pod would
+stay in CrashLoopBackOff, which the job's Ready condition shows; locally nobody would be watching).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ BACKOFF_RESET = 60.0  # seconds a pod must run for its next restart to wait BACK
 # pod: 1 + 2 + 4 + 8 + 16 + 16 seconds of back-off, a minute of crashing.
 CRASH_LOOP_LIMIT = 6
 LOG_TAIL = 15  # lines of a pod's log shown when it dies
+TICK = 0.05  # seconds between two looks at the pods' processes
 
 
 class CrashLoop(RuntimeError):
@@ -78,7 +80,10 @@ class Pod:
 class Kubelet:
     def __init__(self, pods: list[Pod], cwd: Path, say: Callable[[str], None]):
         self.pods, self.cwd, self.say = pods, cwd, say
-        self.ended = threading.Event()
+        self.ended = threading.Event()  # the job ended: no restarts, no probes
+        self.stopped = threading.Event()  # every process is being stopped
+        self.failure: CrashLoop | None = None  # why it gave up on a pod
+        self.lock = threading.Lock()  # one look at the pods at a time: tick(), end(), stop()
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -86,6 +91,18 @@ class Kubelet:
             self._start(pod)
         for pod in self.pods:
             self._thread(self._probe, pod, name=f"probe-{pod.name}")
+        self._thread(self._supervise, name="kubelet")
+
+    def _supervise(self) -> None:
+        # This thread starts the restarted processes and lives until stop() has killed them all:
+        # a process's "parent" for roles.die_with_parent (PR_SET_PDEATHSIG) is the thread that
+        # started it, and the process gets SIGKILL when that thread ends.
+        while not self.stopped.wait(TICK):
+            if self.failure is None:
+                try:
+                    self.tick()
+                except CrashLoop as e:
+                    self.failure = e
 
     def _start(self, pod: Pod, why: str | None = None) -> None:
         with open(pod.log, "ab" if why else "wb") as log:  # the process keeps its own copy
@@ -109,15 +126,16 @@ class Kubelet:
     def tick(self) -> None:
         """Notice the pods that died (and schedule their restart), and restart those whose back-off
         is over. Raises CrashLoop."""
-        if self.ended.is_set():
-            return
-        now = time.monotonic()
-        for pod in self.pods:
-            if pod.proc is not None and pod.restart_at is None and pod.proc.poll() is not None:
-                self._died(pod, now)
-            elif pod.restart_at is not None and now >= pod.restart_at:
-                pod.restarts += 1
-                self._start(pod, f"it {pod.exits[-1]}")
+        with self.lock:
+            if self.ended.is_set():
+                return
+            now = time.monotonic()
+            for pod in self.pods:
+                if pod.proc is not None and pod.restart_at is None and pod.proc.poll() is not None:
+                    self._died(pod, now)
+                elif pod.restart_at is not None and now >= pod.restart_at:
+                    pod.restarts += 1
+                    self._start(pod, f"it {pod.exits[-1]}")
 
     def _died(self, pod: Pod, now: float) -> None:
         with pod.lock:
@@ -161,20 +179,21 @@ class Kubelet:
     def end(self) -> None:
         """The job has ended: no more restarts or probes. A pod that died since the last tick is
         said to have died; it stays down, as do those waiting for their restart."""
-        if self.ended.is_set():
-            return
-        self.ended.set()
-        for pod in self.pods:
-            if pod.restart_at is not None:
-                self.say(f"{pod.describe()}: the job has ended, so it is not restarted")
-            elif pod.proc is not None and pod.proc.poll() is not None and pod.proc.returncode:
-                with pod.lock:
-                    how = pod.killed_for or exit_status(pod.proc.returncode)
-                pod.exits.append(how)
-                self.say(f"{pod.describe()} {how} as the job ended, so it is not restarted\n{tail(pod.log)}")
-            else:
-                continue
-            pod.restart_at = float("inf")
+        with self.lock:
+            if self.ended.is_set():
+                return
+            self.ended.set()
+            for pod in self.pods:
+                if pod.restart_at is not None:
+                    self.say(f"{pod.describe()}: the job has ended, so it is not restarted")
+                elif pod.proc is not None and pod.proc.poll() is not None and pod.proc.returncode:
+                    with pod.lock:
+                        how = pod.killed_for or exit_status(pod.proc.returncode)
+                    pod.exits.append(how)
+                    self.say(f"{pod.describe()} {how} as the job ended, so it is not restarted\n{tail(pod.log)}")
+                else:
+                    continue
+                pod.restart_at = float("inf")
 
     def restarts(self) -> dict[str, int]:
         """{pod name: restarts} of the pods that restarted."""
@@ -186,7 +205,8 @@ class Kubelet:
 
     def stop(self) -> None:
         """Stop every process started here (whole process groups), then reap them."""
-        self.ended.set()
+        with self.lock:  # after the tick under way, none
+            self.ended.set()
         started = [p for p in self.pods if p.proc is not None and not p.reaped]
         for pod in started:
             _signal_group(pod.proc.pid, signal.SIGTERM)
@@ -200,8 +220,9 @@ class Kubelet:
             _signal_group(pod.proc.pid, signal.SIGKILL)  # whatever is left of the pod, ranks included
             pod.proc.wait()
             pod.reaped = True
+        self.stopped.set()
         for thread in self.threads:
-            thread.join(STOP_GRACE)  # probes see the end; stdout readers reach the end of their pipe
+            thread.join(STOP_GRACE)  # probes and the supervisor see the end; stdout readers reach the end of their pipe
 
 
 def _read(read_stdout: Callable[[IO[bytes]], None], stream: IO[bytes]) -> None:

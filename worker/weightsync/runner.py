@@ -32,7 +32,7 @@ from typing import IO, Mapping
 import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
-from .kubelet import CrashLoop, Kubelet, Pod, tail
+from .kubelet import Kubelet, Pod, tail
 from .memory import shortfall
 from .model import check_fits, meta_layout
 from .roles import exit_status
@@ -140,6 +140,8 @@ class LocalJob:
             except ValueError:
                 event = None
             if isinstance(event, dict) and "event" in event:
+                if event["event"] == "completion":
+                    self.kubelet.end()  # the job's end: from now on no pod is restarted
                 self.events.put(event)
             elif line:
                 self.say(f"controller: {line}")
@@ -162,43 +164,42 @@ class LocalJob:
             pass
 
     def follow(self, timeout: float | None = None) -> dict:
-        """Show progress, restarting pods that die or fail their liveness probe, until the
-        controller reports the job's end (its completion record); then nothing is restarted.
-        RunFailed past `timeout` seconds, or when a pod keeps dying (kubelet.CrashLoop)."""
+        """Show progress until the controller reports the job's end (its completion record),
+        while the kubelet restarts pods that die or fail their liveness probe. RunFailed past
+        `timeout` seconds, or when a pod keeps dying (kubelet.CrashLoop)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while self.completion is None:
-                self._drain(0.05)
-                if self.completion is None:
-                    self.kubelet.tick()
-                if self.completion is None and deadline is not None and time.monotonic() > deadline:
-                    raise RunFailed(f"the job did not finish within {timeout:.0f}s{self._restarts()}")
-        except CrashLoop as e:
-            raise RunFailed(f"{e}{self._restarts()}") from None
-        finally:
-            if self.completion is not None:
-                self.kubelet.end()
+        while self.completion is None:
+            self._drain(0.05)
+            if self.completion is None and self.kubelet.failure is not None:
+                raise RunFailed(f"{self.kubelet.failure}{self._restarts()}")
+            if self.completion is None and deadline is not None and time.monotonic() > deadline:
+                raise RunFailed(f"the job did not finish within {timeout:.0f}s{self._restarts()}")
+        self.kubelet.end()
         if self.kubelet.restarts():
             self.say(f"restarted pods: {self.kubelet.describe_restarts()}")
         return self.completion
 
     def wait(self, timeout: float | None = None) -> dict:
         """Follow the job to its end and every running process to its exit; return the summary or
-        raise RunFailed. A pod that was down (waiting to restart) when the job ended stays down."""
+        raise RunFailed. A pod that was down (waiting to restart) when the job ended stays down.
+        A failed job's processes are not waited for, but for the controller's (it reports the
+        failure, to the status file too, before it exits)."""
         completion = self.follow(timeout)
-        if completion["state"] != "Succeeded":
-            raise RunFailed(f"the controller reports: {completion['message']}{self._restarts()}")
         exit_by = time.monotonic() + EXIT_TIMEOUT
+        failed = completion["state"] != "Succeeded"
         for pod in self.pods:
-            if pod.restart_at is not None:
+            if pod.restart_at is not None or (failed and pod.role != CONTROLLER):
                 continue
             try:
                 code = pod.proc.wait(max(0.0, exit_by - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended") from None
-            if code != 0:
+                raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended"
+                                + (f"; the controller reports: {completion['message']}" if failed else "")) from None
+            if code != 0 and not failed:
                 raise RunFailed(f"{pod.describe()} {exit_status(code)} after the job ended\n{tail(pod.log)}")
         self._drain()
+        if failed:
+            raise RunFailed(f"the controller reports: {completion['message']}{self._restarts()}")
         return self.summary()
 
     def _restarts(self) -> str:
@@ -210,7 +211,7 @@ class LocalJob:
         median = statistics.median(seconds) if seconds else 0.0
         bytes_per_version = self.transfers[-1]["bytes"] if self.transfers else 0
         completion = self.completion or {}
-        return {"versions": len(self.transfers),
+        return {"versions": len({t["version"] for t in self.transfers}),  # a version sent again to a rank that rejoined counts once
                 "failed_verifications": completion.get("failed_verifications", 0),
                 "bytes_per_version": bytes_per_version,
                 "seconds_per_version": round(median, 6),
