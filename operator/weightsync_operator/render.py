@@ -19,6 +19,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SPEC_HASH_ANNOTATION = f"{contract.GROUP}/spec-hash"
 CONTAINER = "worker"
+HEALTH_PORT_NAME = "health"
 WORKER_COMMAND = ["weightsync", "worker"]
 MODES = ("rdma", "tcp")
 # The image of jobs that name none: the chart sets it (value workerImage) in the operator's pod.
@@ -190,6 +191,8 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         "command": list(WORKER_COMMAND),
         "env": env(job, role, mode),
         "ports": ports(job, role),
+        "livenessProbe": probe(contract.LIVENESS),
+        "readinessProbe": probe(contract.READINESS),
         "volumeMounts": mounts,
         "securityContext": container_security(rdma),
     }
@@ -256,6 +259,7 @@ def env(job: Job, role: str, mode: str) -> list[dict]:
         {"name": Env.CONTROLLER_HOST, "value": job.controller_host},
         {"name": Env.STORE_PORT, "value": str(contract.STORE_PORT)},
         {"name": Env.DATA_PORT, "value": str(contract.DATA_PORT)},
+        {"name": Env.HEALTH_PORT, "value": str(contract.HEALTH_PORT)},
         {"name": Env.SPEC_FILE, "value": f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"},
         {"name": Env.TOKEN_FILE, "value": f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"},
         {"name": Env.NETWORK_MODE, "value": mode},
@@ -270,12 +274,21 @@ def env(job: Job, role: str, mode: str) -> list[dict]:
 
 
 def ports(job: Job, role: str) -> list[dict]:
+    health = {"name": HEALTH_PORT_NAME, "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}
     if role == CONTROLLER:
-        return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}]
+        return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, health]
     if role == contract.INFERENCE:
-        return [{"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
-                for i in range(job.layout.procs_per_pod(role))]
-    return []
+        return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
+                  for i in range(job.layout.procs_per_pod(role))), health]
+    return [health]
+
+
+def probe(spec: contract.Probe) -> dict:
+    """A kubelet probe of the worker's health endpoint (weightsync.health), with the numbers the
+    local runner probes with too."""
+    return {"httpGet": {"path": spec.path, "port": HEALTH_PORT_NAME, "scheme": "HTTP"},
+            "periodSeconds": spec.period_seconds, "timeoutSeconds": spec.timeout_seconds,
+            "failureThreshold": spec.failure_threshold}
 
 
 def resources(job: Job, role: str, mode: str) -> dict:

@@ -24,16 +24,17 @@ class Indexes:
     statefulsets: Mapping  # (namespace, job) -> [{"role", "ready", "created"}]
     pods: Mapping  # (namespace, job) -> [("pod <name>", reason, message)] of stuck pods
     failed_creates: Mapping  # (namespace, job) -> [(StatefulSet name, role, message)]
+    restarts: Mapping  # (namespace, job) -> [(role, container restarts)] of the pods that restarted
 
     @classmethod
     def of(cls, handler_kwargs: Mapping) -> "Indexes":
         return cls(handler_kwargs["statefulsets_by_job"], handler_kwargs["pods_by_job"],
-                   handler_kwargs["failed_creates_by_job"])
+                   handler_kwargs["failed_creates_by_job"], handler_kwargs["restarts_by_job"])
 
     def observed(self, namespace: str, name: str, layout: Layout):
-        """What the indexes know about one job: its StatefulSets by role, and its problems: stuck
+        """What the indexes know about one job: its StatefulSets by role; its problems: stuck
         pods, and StatefulSets that lack pods because creating them failed (admission refused
-        them, a quota is full)."""
+        them, a quota is full); and its pods' container restarts by role."""
         key = (namespace, name)
         statefulsets = {s["role"]: s for s in self.statefulsets.get(key, [])}
         problems = [tuple(p) for p in self.pods.get(key, [])]
@@ -41,7 +42,10 @@ class Indexes:
             created = statefulsets.get(role, {}).get("created")
             if created is not None and created < layout.replicas(role):
                 problems.append((f"StatefulSet {sts}", "FailedCreate", message))
-        return statefulsets, problems
+        restarts: dict[str, int] = {}
+        for role, count in self.restarts.get(key, []):
+            restarts[role] = restarts.get(role, 0) + count
+        return statefulsets, problems, restarts
 
 
 def network_of(job: Mapping) -> dict | None:
@@ -63,8 +67,8 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
             return None
         current = job.get("status") or {}
         layout = Layout.from_spec(job["spec"])
-        statefulsets, problems = indexes.observed(namespace, name, layout)
-        new = status.compute(current, layout, statefulsets, problems, set_conditions)
+        statefulsets, problems, restarts = indexes.observed(namespace, name, layout)
+        new = status.compute(current, layout, statefulsets, problems, set_conditions, pod_restarts=restarts)
         network = network_of(job)
         if network and current.get("network") != network:
             new["network"] = network

@@ -1,5 +1,6 @@
-"""A job's status as the operator owns it (phase, conditions, per-role replicas), computed from
-what the cluster shows: pure functions, so that every handler writes the same answer."""
+"""A job's status as the operator owns it (phase, conditions, per-role replicas with their
+restarts and rejoins), computed from what the cluster shows and what the job's controller pod
+reported: pure functions, so that every handler writes the same answer."""
 
 from __future__ import annotations
 
@@ -45,16 +46,23 @@ def pod_problem(pod_status: Mapping) -> tuple[str, str] | None:
     return None
 
 
+def restarts(pod_status: Mapping) -> int:
+    """A pod's container restarts, as kubectl's RESTARTS column counts them."""
+    return sum(int(cs.get("restartCount") or 0) for cs in pod_status.get("containerStatuses") or [])
+
+
 def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping],
             problems: Iterable[tuple[str, str, str]], set_conditions: Iterable[Mapping] = (),
-            at: str | None = None) -> dict:
+            at: str | None = None, pod_restarts: Mapping[str, int] | None = None) -> dict:
     """The operator-owned part of the status.
 
-    current: the job's status now (the controller pod's `completion` included);
+    current: the job's status now (the controller pod's `completion` and `rejoins` included);
     statefulsets: role -> {"ready": int} for the StatefulSets that exist;
     problems: (what, reason, message) of the job's stuck pods ("pod x") and of StatefulSets that
     cannot create theirs ("StatefulSet y");
-    set_conditions: conditions the caller decided (NetworkResolved, ChildrenCreated)."""
+    set_conditions: conditions the caller decided (NetworkResolved, ChildrenCreated);
+    pod_restarts: role -> the container restarts of the role's pods now. A finished job's pods
+    are gone: its status keeps the counts it had."""
     at = at or now()
     completion = current.get("completion") or {}
     finished = completion.get("state") in ("Succeeded", "Failed")
@@ -63,10 +71,16 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
         conditions[c["type"]] = dict(c)
 
     replicas = {}
+    before = current.get("replicas") or {}
+    rejoins = current.get("rejoins") or {}
     for role in ROLES:
         desired = 0 if finished else layout.replicas(role)
         ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
-        replicas[role] = {"ready": ready, "desired": desired, "summary": f"{ready}/{desired}"}
+        restarted = int((pod_restarts or {}).get(role) or 0)
+        if finished:  # its pods are going or gone
+            restarted = max(restarted, int((before.get(role) or {}).get("restarts") or 0))
+        replicas[role] = {"ready": ready, "desired": desired, "summary": f"{ready}/{desired}",
+                          "restarts": restarted, "rejoins": int(rejoins.get(role) or 0)}
     all_ready = not finished and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
 
     problems = sorted(problems)
@@ -86,7 +100,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     if completion.get("state") == "Succeeded":
         conditions[COMPLETED] = condition(COMPLETED, True, "Succeeded", _completion_message(completion))
     if completion.get("state") == "Failed":
-        conditions[FAILED] = condition(FAILED, True, "WorkersFailed", _completion_message(completion))
+        conditions[FAILED] = condition(FAILED, True, completion.get("reason") or "WorkersFailed",
+                                       _completion_message(completion))
     elif created and created["status"] == "False" and created.get("reason") in PERMANENT_REASONS:
         conditions[FAILED] = condition(FAILED, True, created["reason"], created.get("message", ""))
     else:

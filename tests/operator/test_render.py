@@ -208,7 +208,28 @@ def test_gpu_requests_follow_procs_per_pod_unless_resources_say_otherwise():
     assert "resources" not in container(cpu_only, TRAINER, "tcp")
     # Several processes in one pod share /dev/shm: memory-backed even over TCP.
     assert any(v["name"] == "dshm" for v in pod(j, TRAINER, "tcp")["spec"]["volumes"])
-    assert [p["containerPort"] for p in container(j, INFERENCE, "tcp")["ports"]] == [contract.DATA_PORT, contract.DATA_PORT + 1]
+    assert [p["containerPort"] for p in container(j, INFERENCE, "tcp")["ports"]] == [
+        contract.DATA_PORT, contract.DATA_PORT + 1, contract.HEALTH_PORT]
+
+
+def test_every_pod_is_probed_for_liveness_and_readiness_on_its_health_port():
+    j = job({"inference": {"procsPerPod": 2}})
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        for mode in ("tcp", "rdma"):
+            c = container(j, role, mode)
+            (health,) = [p for p in c["ports"] if p["name"] == "health"]
+            assert health == {"name": "health", "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}
+            assert env(j, role, mode)[Env.HEALTH_PORT] == str(contract.HEALTH_PORT)
+            for key, spec in (("livenessProbe", contract.LIVENESS), ("readinessProbe", contract.READINESS)):
+                assert c[key] == {"httpGet": {"path": spec.path, "port": "health", "scheme": "HTTP"},
+                                  "periodSeconds": spec.period_seconds, "timeoutSeconds": spec.timeout_seconds,
+                                  "failureThreshold": spec.failure_threshold}
+    assert (contract.LIVENESS.path, contract.READINESS.path) == ("/healthz", "/readyz")
+    # A pod that stops answering is restarted within seconds, and only after three probes in a row failed.
+    assert contract.LIVENESS.failure_threshold == 3 and contract.LIVENESS.deadline == 17
+    # Ports of one pod never collide, whatever procsPerPod allows (16 at most).
+    assert contract.HEALTH_PORT not in range(contract.DATA_PORT, contract.DATA_PORT + 16)
+    assert contract.HEALTH_PORT != contract.STORE_PORT
 
 
 def test_scheduling_and_pull_secrets_per_role():
@@ -265,7 +286,7 @@ CREATED = status.condition(status.CHILDREN_CREATED, True, "Created", "ok")
 def test_phase_follows_readiness_and_completion():
     pending = status.compute({}, LAYOUT, {"trainer": {"ready": 1}}, [], [CREATED], at="t0")
     assert pending["phase"] == "Pending"
-    assert pending["replicas"]["trainer"] == {"ready": 1, "desired": 2, "summary": "1/2"}
+    assert pending["replicas"]["trainer"] == {"ready": 1, "desired": 2, "summary": "1/2", "restarts": 0, "rejoins": 0}
     ready = {c["type"]: c for c in pending["conditions"]}[status.READY]
     assert ready["status"] == "False" and ready["reason"] == "PodsNotReady"
 
@@ -289,6 +310,48 @@ def test_phase_follows_readiness_and_completion():
     failed = status.compute({**running, "completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [])
     assert failed["phase"] == "Failed"
     assert {c["type"]: c for c in failed["conditions"]}[status.FAILED]["message"] == "rank 3 timed out"
+
+
+def test_restarts_and_rejoins_per_role():
+    # The index holds (role, restarts) of each job's pods that restarted; pods that did not are not in it.
+    assert status.restarts({"containerStatuses": [{"name": "worker", "restartCount": 3}]}) == 3
+    assert status.restarts({"phase": "Pending"}) == 0
+    indexes = Indexes({}, {}, {}, {("ns", "demo"): [(TRAINER, 2), (INFERENCE, 1), (TRAINER, 3)], ("ns", "other"): [(TRAINER, 9)]})
+    restarts = indexes.observed("ns", "demo", LAYOUT)[2]
+    assert restarts == {TRAINER: 5, INFERENCE: 1}
+
+    reported = {"phase": "Running", "rejoins": {INFERENCE: 1}}  # the controller pod counts rejoins
+    running = status.compute(reported, LAYOUT, READY, [], [CREATED], pod_restarts=restarts)
+    assert running["replicas"][TRAINER] == {"ready": 2, "desired": 2, "summary": "2/2", "restarts": 5, "rejoins": 0}
+    assert running["replicas"][INFERENCE] == {"ready": 1, "desired": 1, "summary": "1/1", "restarts": 1, "rejoins": 1}
+    assert running["replicas"][CONTROLLER]["restarts"] == running["replicas"][CONTROLLER]["rejoins"] == 0
+    # A pod deleted and created again starts counting from zero, as kubectl counts.
+    assert status.compute({**reported, **running}, LAYOUT, READY, [], pod_restarts={TRAINER: 3})["replicas"][TRAINER]["restarts"] == 3
+    # A finished job's pods are gone: its status keeps the counts it had.
+    done = status.compute({**reported, **running, "completion": {"state": "Succeeded", "versions": 3}}, LAYOUT, {}, [],
+                          pod_restarts={})
+    assert (done["replicas"][TRAINER]["restarts"], done["replicas"][INFERENCE]["rejoins"]) == (5, 1)
+
+
+def test_the_failed_condition_takes_the_controllers_reason():
+    failed = status.compute({"completion": {"state": "Failed", "reason": "ControllerRestarted",
+                                            "message": "the controller restarted at version 3 and cannot resume"}},
+                            LAYOUT, READY, [], [CREATED])
+    condition = {c["type"]: c for c in failed["conditions"]}[status.FAILED]
+    assert (failed["phase"], condition["reason"]) == ("Failed", "ControllerRestarted")
+    assert status.events({}, failed)[-1] == ("Warning", "Failed", condition["message"])
+    plain = status.compute({"completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [], [CREATED])
+    assert {c["type"]: c for c in plain["conditions"]}[status.FAILED]["reason"] == "WorkersFailed"
+
+
+def test_the_status_schema_takes_what_the_controller_reports():
+    from weightsync.crdschema import openapi_schema
+
+    status_schema = openapi_schema(contract.VERSION)["properties"]["status"]["properties"]
+    assert set(status_schema["rejoins"]["properties"]) == {TRAINER, INFERENCE}
+    reason = status_schema["completion"]["properties"]["reason"]
+    assert re.match(reason["pattern"], "ControllerRestarted") and not re.match(reason["pattern"], "controller restarted")
+    assert {"restarts", "rejoins"} <= set(status_schema["replicas"]["additionalProperties"]["properties"])
 
 
 def test_refusals_fail_the_job_and_stuck_pods_say_why():
@@ -397,8 +460,8 @@ def test_pods_not_created_are_problems_only_while_their_statefulset_lacks_pods()
     assert children.statefulset_of_a_job(event) == ("my-job", TRAINER)
     assert children.statefulset_of_a_job({**event, "involvedObject": {"kind": "StatefulSet", "name": "other"}}) is None
     failed = {("ns", "my-job"): [("my-job-trainer", TRAINER, event["message"])]}
-    lacking = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 0, "created": 1}]}, {}, failed)
+    lacking = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 0, "created": 1}]}, {}, failed, {})
     (problem,) = lacking.observed("ns", "my-job", LAYOUT)[1]
     assert problem == ("StatefulSet my-job-trainer", "FailedCreate", event["message"])
-    complete = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 2, "created": 2}]}, {}, failed)
+    complete = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 2, "created": 2}]}, {}, failed, {})
     assert complete.observed("ns", "my-job", LAYOUT)[1] == []

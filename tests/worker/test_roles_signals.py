@@ -1,5 +1,6 @@
 """A worker that is its container's first process (PID 1) ends on SIGTERM, as a pod being deleted
-sends it: the kernel gives PID 1 no default action for signals it does not handle."""
+sends it: the kernel gives PID 1 no default action for signals it does not handle. A real worker
+pod process as PID 1 answers its probes (its health endpoint's thread) and still ends on SIGTERM."""
 
 import os
 import shutil
@@ -28,8 +29,12 @@ def pid_one(mode: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", WORKER, mode],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
+    return proc, child_of(proc)
+
+
+def child_of(proc: subprocess.Popen) -> int:
     (child,) = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
-    return proc, child
+    return child
 
 
 def exited(pid: int, timeout: float) -> bool:
@@ -59,3 +64,23 @@ def test_without_the_handler_pid_one_ignores_sigterm():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_worker_pod_as_pid_one_answers_its_probes_and_ends_on_sigterm(tmp_path):
+    from test_health import DEADLINE, answer, until, worker_env
+
+    from weightsync.contract import READINESS, Env
+
+    env = worker_env(tmp_path, ordinal=0)  # the controller's pod: ready once its rendezvous is up
+    port = int(env[Env.HEALTH_PORT])
+    with open(tmp_path / "out.log", "wb") as out:
+        proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "weightsync.cli", "worker"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        until("the pod ready", lambda: answer(port, READINESS)[0] or proc.poll() is not None)
+        assert proc.poll() is None, (tmp_path / "out.log").read_text()
+        os.kill(child_of(proc), signal.SIGTERM)
+        assert proc.wait(DEADLINE) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait(DEADLINE)

@@ -38,6 +38,7 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 STORE_PORT = 29500  # the controller's rendezvous store
 DATA_PORT = 29600  # an inference process listens on DATA_PORT + its local rank
+HEALTH_PORT = 29700  # every pod answers its probes here: /healthz (liveness), /readyz (readiness)
 
 # What the operator mounts into every pod, and where.
 SPEC_KEY = "job.yaml"  # ConfigMap key: the defaulted job the workers read
@@ -85,6 +86,39 @@ class Env:
     # Without Kubernetes (`weightsync run`): the file that stands in for the job's status
     # subresource, so that a controller that starts again finds what the one before it reported.
     STATUS_FILE = "WEIGHTSYNC_STATUS_FILE"
+    HEALTH_PORT = "WEIGHTSYNC_HEALTH_PORT"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A kubelet probe of a pod's health endpoint (an httpGet), as the operator renders it and as
+    the local runner probes its pods: `failure_threshold` failures in a row, each a wrong answer
+    or none within `timeout_seconds`, one every `period_seconds`."""
+
+    path: str
+    period_seconds: int
+    timeout_seconds: int
+    failure_threshold: int
+
+    @property
+    def deadline(self) -> float:
+        """The longest from a pod that stops answering to its last failed probe: the first failing
+        probe comes up to one period after it froze, the others one period apart, and the last
+        waits out its timeout."""
+        return self.period_seconds * self.failure_threshold + self.timeout_seconds
+
+
+# Liveness: a pod that stops answering (its process stopped, or starved of CPU time for seconds)
+# is killed and restarted within LIVENESS.deadline (17 s); one whose rank process stopped,
+# health.STALE_AFTER (10 s) later. Three failures 5 s apart: a pod is killed only after 10 s and
+# more without an answer, or 20 s without a stamp, longer than any pause of a running rank (the
+# stamps come from a thread of their own: a long step, a collective or a garbage collection does
+# not hold them up), so a busy pod is not killed; 2 s for an answer of a few bytes from memory.
+LIVENESS = Probe("/healthz", period_seconds=5, timeout_seconds=2, failure_threshold=3)
+# Readiness: every rank said it is ready (health.ready()) and is alive. Checked as often as
+# liveness; three failures in a row, as the kubelet's default, so that one slow answer does not
+# flip the pod (and the job's Ready condition) back and forth.
+READINESS = Probe("/readyz", period_seconds=5, timeout_seconds=2, failure_threshold=3)
 
 
 class SpecError(ValueError):
@@ -337,6 +371,7 @@ class WorkerContext:
     network_mode: str
     token: bytes
     report_to_kubernetes: bool
+    health_port: int = HEALTH_PORT
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "WorkerContext":
@@ -361,6 +396,7 @@ class WorkerContext:
             network_mode=environ.get(Env.NETWORK_MODE, "tcp"),
             token=token,
             report_to_kubernetes=environ.get(Env.REPORT_TO_KUBERNETES) == "1",
+            health_port=int(environ.get(Env.HEALTH_PORT, HEALTH_PORT)),
         )
 
     @property

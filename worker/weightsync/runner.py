@@ -1,17 +1,19 @@
 """`weightsync run job.yaml`: a whole WeightTransferJob as local processes, one per pod, on
 127.0.0.1. Each gets the files (the defaulted spec, the job token) and the environment that its
-pod gets in a cluster, with network mode tcp and ports of its own. Progress goes to stderr; the
+pod gets in a cluster, with network mode tcp and ports of its own. As in a cluster, a pod that
+exits or fails its liveness probe is started again, with back-off (kubelet.py), and the job's end
+is what its controller reports: the run follows the controller's records until its completion
+record, which names the rank that failed first when the job failed. Progress goes to stderr; the
 run ends with a summary. Every process started here is stopped when the run ends, fails or is
 interrupted.
 
 The summary: versions delivered to and verified by every inference rank, failed verifications,
 bytes delivered per version (version size x inference ranks), the median seconds per version,
-GB/s from those two, and the trainers' mean loss over the last steps."""
+GB/s from those two, the trainers' mean loss over the last steps, and the pods that restarted
+(how often)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 import queue
@@ -23,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import IO, Mapping
@@ -31,14 +32,13 @@ from typing import IO, Mapping
 import yaml
 
 from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
+from .kubelet import Kubelet, Pod, tail
 from .memory import shortfall
 from .model import check_fits, meta_layout
-from .roles import STOP_GRACE, die_with_parent, exit_status
+from .roles import exit_status
 
 LOOPBACK = "127.0.0.1"
-FAIL_GRACE = 3.0  # seconds the controller gets to name the cause after a process died
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
-LOG_TAIL = 15
 STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
 # The pod's environment decides these; the shell's values must not leak into a local pod.
 POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG")
@@ -55,24 +55,6 @@ class CannotRunHere(RuntimeError):
     any process starts."""
 
 
-@dataclasses.dataclass
-class Pod:
-    ordinal: int
-    role: str
-    name: str
-    env: dict
-    log: Path
-    ranks: range
-    proc: subprocess.Popen | None = None
-    reaped: bool = False
-
-    def describe(self) -> str:
-        if self.role == CONTROLLER:
-            return f"controller pod {self.name} (ordinal 0)"
-        ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {self.ranks[0]}-{self.ranks[-1]}"
-        return f"{self.role} pod {self.name} (ordinal {self.ordinal}, {self.role} {ranks})"
-
-
 class LocalJob:
     def __init__(self, job: Job, workdir: Path, extra_env: Mapping[str, str] | None = None,
                  progress: IO[str] = sys.stderr):
@@ -81,8 +63,8 @@ class LocalJob:
         self.events: queue.Queue = queue.Queue()
         self.transfers: list[dict] = []
         self.completion: dict | None = None
-        self.reader: threading.Thread | None = None
         self.pods = self._pods()
+        self.kubelet = Kubelet(self.pods, self.workdir, self.say)
 
     # ------------------------------------------------------------ what each pod gets
 
@@ -101,7 +83,8 @@ class LocalJob:
         layout = self.job.layout
         spec_file, token_file = self._files()
         inference_procs = layout.procs_per_pod(INFERENCE)
-        store_port, *data_ports = free_ports([1] + [inference_procs] * layout.inferences)
+        store_port, *ports = free_ports([1] + [1] * layout.pods + [inference_procs] * layout.inferences)
+        health_ports, data_ports = ports[:layout.pods], ports[layout.pods:]
         base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES)}
         base["PYTHONUNBUFFERED"] = "1"
         # the pods share this machine's cores
@@ -121,6 +104,7 @@ class LocalJob:
                 Env.CONTROLLER_HOST: LOOPBACK,
                 Env.STORE_PORT: str(store_port),
                 Env.DATA_PORT: str(data_ports[ordinal - first_inference] if role == INFERENCE else DATA_PORT),
+                Env.HEALTH_PORT: str(health_ports[ordinal]),
                 Env.SPEC_FILE: str(spec_file),
                 Env.TOKEN_FILE: str(token_file),
                 Env.NETWORK_MODE: "tcp",
@@ -133,7 +117,8 @@ class LocalJob:
                 env.update(network_env(self.job.spec, "tcp"))
             env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
-            pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal)))
+            pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal),
+                            read_stdout=self._read_lines if role == CONTROLLER else None))
         return pods
 
     # ------------------------------------------------------------ running
@@ -144,21 +129,10 @@ class LocalJob:
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        for pod in self.pods:
-            with open(pod.log, "wb") as log:  # the process keeps its own copy
-                pod.proc = subprocess.Popen(
-                    [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=self.workdir,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.role == CONTROLLER else log, stderr=log,
-                    # nothing outlives the run, even if this process is killed
-                    start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        self.reader = threading.Thread(target=self._read_controller, args=(self.pods[0].proc.stdout,), daemon=True)
-        self.reader.start()
-
-    def _read_controller(self, stream) -> None:
-        with stream:
-            self._read_lines(stream)
+        self.kubelet.start()
 
     def _read_lines(self, stream) -> None:
+        """The controller's stdout: its records (JSON lines), and anything else it prints."""
         for raw in stream:
             line = raw.decode(errors="replace").strip()
             try:
@@ -166,6 +140,8 @@ class LocalJob:
             except ValueError:
                 event = None
             if isinstance(event, dict) and "event" in event:
+                if event["event"] == "completion":
+                    self.kubelet.end()  # the job's end: from now on no pod is restarted
                 self.events.put(event)
             elif line:
                 self.say(f"controller: {line}")
@@ -188,76 +164,64 @@ class LocalJob:
             pass
 
     def follow(self, timeout: float | None = None) -> dict:
-        """Show progress until the controller reports the job's end (its completion record);
-        raise RunFailed as soon as a process dies before that."""
+        """Show progress until the controller reports the job's end (its completion record),
+        while the kubelet restarts pods that die or fail their liveness probe. RunFailed past
+        `timeout` seconds, or when a pod keeps dying (kubelet.CrashLoop)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.completion is None:
             self._drain(0.05)
-            dead = [p for p in self.pods if p.proc.poll() is not None]
-            if dead and self.completion is None:
-                self._drain_until(time.monotonic() + FAIL_GRACE)  # the controller may know why
-                raise RunFailed(self._failure(dead))
-            if deadline is not None and time.monotonic() > deadline:
-                raise RunFailed(f"the job did not finish within {timeout:.0f}s")
+            if self.completion is None and self.kubelet.failure is not None:
+                raise RunFailed(f"{self.kubelet.failure}{self._restarts()}")
+            if self.completion is None and deadline is not None and time.monotonic() > deadline:
+                raise RunFailed(f"the job did not finish within {timeout:.0f}s{self._restarts()}")
+        self.kubelet.end()
+        if self.kubelet.restarts():
+            self.say(f"restarted pods: {self.kubelet.describe_restarts()}")
         return self.completion
 
     def wait(self, timeout: float | None = None) -> dict:
-        """Follow the job to its end and every process to its exit; return the summary or raise RunFailed."""
-        self.follow(timeout)
-        if self.completion["state"] != "Succeeded":
-            raise RunFailed(self._failure([p for p in self.pods if (p.proc.poll() or 0) < 0]))
+        """Follow the job to its end and every running process to its exit; return the summary or
+        raise RunFailed. A pod that was down (waiting to restart) when the job ended stays down.
+        A failed job's processes are not waited for, but for the controller's (it reports the
+        failure, to the status file too, before it exits)."""
+        completion = self.follow(timeout)
         exit_by = time.monotonic() + EXIT_TIMEOUT
+        failed = completion["state"] != "Succeeded"
         for pod in self.pods:
+            if pod.restart_at is not None or (failed and pod.role != CONTROLLER):
+                continue
             try:
                 code = pod.proc.wait(max(0.0, exit_by - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended") from None
-            if code != 0:
-                raise RunFailed(f"{pod.describe()} {exit_status(code)} after the job ended\n{_tail(pod.log)}")
+                raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended"
+                                + (f"; the controller reports: {completion['message']}" if failed else "")) from None
+            if code != 0 and not failed:
+                raise RunFailed(f"{pod.describe()} {exit_status(code)} after the job ended\n{tail(pod.log)}")
         self._drain()
+        if failed:
+            raise RunFailed(f"the controller reports: {completion['message']}{self._restarts()}")
         return self.summary()
 
-    def _failure(self, dead: list[Pod]) -> str:
-        """The processes that died, then what the controller says (it names the failed rank)."""
-        parts = [f"{p.describe()} {exit_status(p.proc.returncode)}" for p in dead]
-        if self.completion and self.completion["state"] == "Failed":
-            parts.append(f"the controller reports: {self.completion['message']}")
-        tails = "\n".join(_tail(p.log) for p in dead if p.role != CONTROLLER or not self.completion)
-        return "; ".join(parts) + (f"\n{tails}" if tails else "")
-
-    def _drain_until(self, deadline: float) -> None:
-        while self.completion is None and time.monotonic() < deadline:
-            self._drain(0.1)
+    def _restarts(self) -> str:
+        described = self.kubelet.describe_restarts()
+        return f"; restarted pods: {described}" if described else ""
 
     def summary(self) -> dict:
         seconds = [t["seconds"] for t in self.transfers]
         median = statistics.median(seconds) if seconds else 0.0
         bytes_per_version = self.transfers[-1]["bytes"] if self.transfers else 0
         completion = self.completion or {}
-        return {"versions": len(self.transfers),
+        return {"versions": len({t["version"] for t in self.transfers}),  # a version sent again to a rank that rejoined counts once
                 "failed_verifications": completion.get("failed_verifications", 0),
                 "bytes_per_version": bytes_per_version,
                 "seconds_per_version": round(median, 6),
                 "gbps": round(bytes_per_version / median / 1e9, 4) if median else 0.0,
-                "final_loss": completion.get("final_loss")}
+                "final_loss": completion.get("final_loss"),
+                "restarts": self.kubelet.restarts()}
 
     def stop(self) -> None:
         """Stop every process this run started (whole process groups), then reap them."""
-        started = [p for p in self.pods if p.proc is not None and not p.reaped]
-        for pod in started:
-            _signal_group(pod.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for pod in started:
-            try:
-                pod.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for pod in started:
-            _signal_group(pod.proc.pid, signal.SIGKILL)  # whatever is left of the pod, ranks included
-            pod.proc.wait()
-            pod.reaped = True
-        if self.reader is not None:
-            self.reader.join(STOP_GRACE)  # the controller's stdout is at its end now
+        self.kubelet.stop()
 
 
 def gpus_per_pod(job: Job) -> dict[int, str]:
@@ -335,13 +299,6 @@ def _interrupt(signum, _frame):
     raise Interrupted(signal.Signals(signum).name)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def free_ports(runs: list[int]) -> list[int]:
     """For each n in `runs`, the first of n consecutive free loopback ports (all distinct)."""
     held: list[socket.socket] = []
@@ -374,16 +331,6 @@ def _bind(port: int, held: list) -> socket.socket:
         raise
     held.append(s)
     return s
-
-
-def _tail(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL:]
-    except OSError:
-        return ""
-    if not lines:
-        return f"its log {path} is empty"
-    return f"last lines of {path}:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _describe_transfer(t: dict) -> str:

@@ -1,5 +1,6 @@
-"""What the job owns, watched by label: the readiness and problems of its StatefulSets and pods
-refresh the job's status; a child deleted or changed by anyone but the operator is put back."""
+"""What the job owns, watched by label: the readiness, problems and restarts of its StatefulSets
+and pods refresh the job's status; a child deleted or changed by anyone but the operator is put
+back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from weightsync.contract import LABEL_JOB, LABEL_ROLE, ROLES
 from weightsync_operator.decisions import recorded
 from weightsync_operator.handlers.jobs import drifted, reconcile_job
 from weightsync_operator.report import Indexes, report
-from weightsync_operator.status import pod_problem
+from weightsync_operator.status import pod_problem, restarts
 
 OWNED = {LABEL_JOB: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT}
 # The children besides the StatefulSets: (group, version, plural).
@@ -40,6 +41,14 @@ def pods_by_job(namespace, name, labels, status, **_):
     recovered; None would keep its old entry)."""
     problem = pod_problem(status)
     return {(namespace, labels[LABEL_JOB]): (f"pod {name}", *problem)} if problem else {}
+
+
+@kopf.index("", "v1", "pods", labels=OWNED, when=_ours)
+def restarts_by_job(namespace, labels, status, **_):
+    """The container restarts of the job's pods that restarted, with their role ({} drops a pod
+    that has none, a new one with the same name included)."""
+    count = restarts(status)
+    return {(namespace, labels[LABEL_JOB]): (labels[LABEL_ROLE], count)} if count else {}
 
 
 def statefulset_of_a_job(body) -> tuple[str, str] | None:
@@ -93,6 +102,21 @@ def statefulset_changed(type, body, namespace, labels, uid, memo: kopf.Memo, log
 @kopf.on.event("", "v1", "pods", labels=OWNED, when=lambda status, **_: pod_problem(status) is not None)
 def pod_stuck(namespace, labels, memo: kopf.Memo, **kwargs):
     # A pod that recovers changes its StatefulSet's readiness, which refreshes the status too.
+    report(memo.kube, namespace, labels[LABEL_JOB], Indexes.of(kwargs))
+
+
+@kopf.on.event("", "v1", "pods", labels=OWNED, when=lambda status, **_: restarts(status) > 0)
+def pod_restarted(type, namespace, labels, uid, status, memo: kopf.Memo, **kwargs):
+    """A container restarted: the role's restarts in the job's status. Most events of a pod that
+    restarted once are about something else: only a new count is reported."""
+    seen = memo.pod_restarts
+    if type == "DELETED":
+        seen.pop(uid, None)  # the StatefulSet's count of pods changes too, which reports the job
+        return
+    count = restarts(status)
+    if seen.get(uid) == count:
+        return
+    seen[uid] = count
     report(memo.kube, namespace, labels[LABEL_JOB], Indexes.of(kwargs))
 
 

@@ -38,6 +38,12 @@ def network_written(body: kopf.Body, memo: kopf.Memo, **kwargs):
     report(memo.kube, body.metadata.namespace, body.metadata.name, Indexes.of(kwargs))
 
 
+@kopf.on.field(**JOBS, field="status.rejoins", id="rejoins")
+def rejoins_reported(body: kopf.Body, memo: kopf.Memo, **kwargs):
+    """The job's controller pod counted ranks that rejoined: the counts go to status.replicas."""
+    report(memo.kube, body.metadata.namespace, body.metadata.name, Indexes.of(kwargs))
+
+
 def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repairing: bool = False):
     """Bring the job's children to what it wants; `repairing`: because a child was deleted or
     changed by someone else (what is patched then is a repair too)."""

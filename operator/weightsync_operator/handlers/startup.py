@@ -28,6 +28,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     memo.kube = Kube(load_client(connections=settings.execution.max_workers))
     memo.token_key = await asyncio.to_thread(tokens.load_key, memo.kube)
     memo.compared_statefulsets = {}  # uid -> what was compared last (handlers/children.py)
+    memo.pod_restarts = {}  # pod uid -> the container restarts last reported (handlers/children.py)
     # kopf finds the resources it serves when it starts, before any handler runs: an operator
     # started before its CRD would serve nothing (a CRD that appears later is found only when
     # discovery has caught up by the time kopf looks). So it starts serving once the CRD is

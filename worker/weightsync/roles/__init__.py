@@ -1,5 +1,6 @@
 """The worker every pod runs: its ordinal picks the role, and a trainer or inference pod runs one
-process per rank (procsPerPod, one per GPU)."""
+process per rank (procsPerPod, one per GPU). The pod's first process answers the kubelet's probes
+for all of them (health.py), from before anything heavy is imported."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from multiprocessing.connection import wait
 from typing import Mapping
 
 from ..contract import CONTROLLER, TRAINER, SpecError, WorkerContext
+from ..health import PodHealth, RankHealth
+from ..rendezvous import who
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL: a pod's ranks, and the local runner's pods
 
@@ -23,15 +26,19 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         if isinstance(e, SpecError):
             raise
         raise SpecError([f"the pod's environment or files: {e}"]) from None
+    ranks = [] if ctx.role == CONTROLLER else list(ctx.ranks)
+    health = PodHealth([who(ctx.role, r) for r in ranks] or [CONTROLLER])
+    health.serve(ctx.pod_ip, ctx.health_port)
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
+        health.rank(0).start()
         from .controller import run
 
         return run(ctx)
-    ranks = list(ctx.ranks)
     if len(ranks) == 1:
+        health.rank(0).start()
         return run_rank(ctx.role, ranks[0], 0)
-    return supervise(ctx.role, ranks)
+    return supervise(ctx.role, ranks, health)
 
 
 def exit_on_sigterm() -> None:
@@ -57,16 +64,18 @@ def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = 
     return run(ctx, rank, local_rank)
 
 
-def _child(role: str, rank: int, local_rank: int, parent: int) -> None:
+def _child(role: str, rank: int, local_rank: int, parent: int, health: RankHealth) -> None:
+    health.start()
     die_with_parent(parent)
     sys.exit(run_rank(role, rank, local_rank))
 
 
-def supervise(role: str, ranks: list[int]) -> int:
+def supervise(role: str, ranks: list[int], health: PodHealth) -> int:
     """One process per rank; when one fails the pod fails (so it restarts, and the controller
-    hears of it from the rank); SIGTERM is passed on to every rank."""
+    hears of it from the rank); SIGTERM is passed on to every rank. Each rank's process stamps
+    its slot of the pod's health."""
     spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=_child, args=(role, rank, i, os.getpid()), name=f"{role}-rank-{rank}")
+    procs = [spawn.Process(target=_child, args=(role, rank, i, os.getpid(), health.rank(i)), name=f"{role}-rank-{rank}")
              for i, rank in enumerate(ranks)]
     for p in procs:
         p.start()
@@ -82,7 +91,9 @@ def supervise(role: str, ranks: list[int]) -> int:
             p = next(p for p in running if p.sentinel == sentinel)
             p.join()
             running.remove(p)
-            if p.exitcode != 0:
+            if p.exitcode == 0:
+                health.finished(procs.index(p))
+            else:
                 print(f"weightsync worker: {p.name} {exit_status(p.exitcode)}; stopping the pod's other ranks",
                       file=sys.stderr, flush=True)
                 _terminate(running)

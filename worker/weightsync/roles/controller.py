@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from .. import health
 from ..contract import CONTROLLER, INFERENCE, TRAINER, WorkerContext
 from ..flat import FlatLayout, LayoutMismatch
 from ..plan import job_plan
@@ -57,6 +58,7 @@ def run(ctx: WorkerContext) -> int:
     reporter.started(starts)
     host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT), away_limit=AWAY_LIMIT,
                 say=lambda m: log(ME, m))
+    health.ready()
     if starts > 1:
         last = (status.get("transfer") or {}).get("version")
         where = f"after version {last}" if last is not None else "before the first version"

@@ -10,6 +10,7 @@ import datetime
 
 import torch
 
+from .. import health
 from ..contract import INFERENCE, TRAINER, WorkerContext
 from ..data import MarkovTokens, rank_generator
 from ..flat import torch_dtype
@@ -44,6 +45,7 @@ class Trainer:
         name, why, sender = transport_for(self.ctx, member, TRAINER, rank, device)
         member.join(self.ctx.pod_ip, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, endpoints = member.plan(JOIN_TIMEOUT)
+        health.ready()
         links = Links(sender, member, endpoints, timeout)
         links.follow(Round(0, receivers=tuple(endpoints)))
         mover = VersionSender(sender, plan, rank, transfer["bucketMB"] << 20)

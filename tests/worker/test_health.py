@@ -1,0 +1,208 @@
+"""A worker pod's probes (weightsync.health): /healthz fails while any of the pod's rank processes
+is stopped and does not answer while the pod's own process is stopped; /readyz waits for every
+rank. Real processes: the pod's health in this process with its ranks spawned as a pod spawns
+them, and a real `weightsync worker` pod process."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from weightsync import contract, health
+from weightsync.contract import LIVENESS, READINESS
+
+DEADLINE = 60  # seconds for anything to happen on a loaded machine
+
+
+def rank_process(slot: health.RankHealth, go_ready) -> None:
+    """A rank's process, as roles.supervise starts one: stamps from its own thread, then says it
+    is ready when told."""
+    slot.start()
+    go_ready.wait()
+    health.ready()
+    time.sleep(DEADLINE * 5)
+
+
+def answer(port: int, spec=LIVENESS) -> tuple[bool, str]:
+    return health.probe("127.0.0.1", port, spec)
+
+
+def until(what: str, check, timeout: float = DEADLINE):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} within {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def pod():
+    """A pod's health with two ranks, served on a free loopback port, and its two rank processes."""
+    pod = health.PodHealth(["trainer rank 0", "trainer rank 1"])
+    pod.serve("127.0.0.1", 0)
+    spawn = multiprocessing.get_context("spawn")
+    events = [spawn.Event(), spawn.Event()]
+    procs = [spawn.Process(target=rank_process, args=(pod.rank(i), events[i]), daemon=True) for i in range(2)]
+    yield pod, pod.server.server_address[1], procs, events
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+            p.join(DEADLINE)
+    pod.close()
+
+
+def test_readyz_waits_for_every_rank_and_healthz_fails_while_one_is_stopped(pod):
+    pod, port, procs, events = pod
+    assert answer(port) == (True, "HTTP 200: alive: trainer rank 0, trainer rank 1")
+    assert answer(port, READINESS) == (False, "HTTP 503: not ready yet: trainer rank 0, trainer rank 1")
+    for p in procs:
+        p.start()
+    events[0].set()
+    until("trainer rank 0 ready", lambda: answer(port, READINESS)[1] == "HTTP 503: not ready yet: trainer rank 1")
+    events[1].set()
+    until("the pod ready", lambda: answer(port, READINESS) == (True, "HTTP 200: ready: trainer rank 0, trainer rank 1"))
+
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    ok, text = until("/healthz failing", lambda: failing(port))
+    assert time.monotonic() - stopped >= health.STALE_AFTER - health.BEAT  # its last stamp was fresh
+    assert text.startswith("HTTP 503: trainer rank 1: no sign of life for ") and "rank 0" not in text
+    assert not answer(port, READINESS)[0]
+    os.kill(procs[1].pid, signal.SIGCONT)
+    until("/healthz passing again", lambda: answer(port)[0])
+
+    # A rank whose process ended cleanly (its job is over) no longer has to stamp.
+    procs[0].kill()
+    procs[0].join(DEADLINE)
+    pod.finished(0)
+    time.sleep(health.STALE_AFTER + health.BEAT)  # past the time its stamp would have gone stale
+    assert answer(port)[0] and answer(port, READINESS)[0]
+
+
+def test_only_the_two_paths_are_served(pod):
+    _, port, _, _ = pod
+    other = contract.Probe("/metrics", 5, 2, 1)
+    assert answer(port, other) == (False, "HTTP 404: no such endpoint; this serves /healthz and /readyz")
+
+
+def test_idle_connections_are_capped_and_dropped(pod):
+    """A client that connects and sends nothing holds no thread for long, and no more than
+    MAX_CONNECTIONS are held at once: the one beyond is closed at once."""
+    _, port, _, _ = pod
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) for _ in range(health.MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # let the server take them all
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as extra:
+            assert extra.recv(1) == b""  # closed without an answer
+        for s in idle:  # each is closed after REQUEST_TIMEOUT (a 408 answer, or nothing)
+            s.settimeout(DEADLINE)
+            start = time.monotonic()
+            while s.recv(4096):
+                pass
+            assert time.monotonic() - start < DEADLINE
+        assert answer(port)[0]
+    finally:
+        for s in idle:
+            s.close()
+
+
+# ---------------------------------------------------------------- a real worker pod process
+
+def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:
+    job = contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "probed"},
+        "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+                                      "n_positions": 16}},
+                 "trainer": {"replicas": 1, "procsPerPod": procs, "gpusPerProc": 0},
+                 "inference": {"replicas": 1, "gpusPerProc": 0}, "network": {"mode": "tcp"}}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.to_object()))
+    (tmp_path / "token").write_text("t" * 32)
+    from weightsync.runner import free_ports
+
+    store, port = free_ports([1, 1])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    return {**base, contract.Env.ORDINAL: str(ordinal), contract.Env.SPEC_FILE: str(tmp_path / "job.yaml"),
+            contract.Env.TOKEN_FILE: str(tmp_path / "token"), contract.Env.CONTROLLER_HOST: "127.0.0.1",
+            contract.Env.POD_IP: "127.0.0.1", contract.Env.STORE_PORT: str(store), contract.Env.HEALTH_PORT: str(port),
+            contract.Env.JOB: "probed", "PYTHONUNBUFFERED": "1"}
+
+
+def start_worker(tmp_path: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "weightsync.cli", "worker"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=open(tmp_path / "out.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def end(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGCONT)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(DEADLINE)
+
+
+def test_a_stopped_controller_pod_answers_no_probe(tmp_path):
+    """The controller pod: ready once its rendezvous is up; while its process is stopped, a probe
+    gets no answer within its timeout, as the kubelet's would not."""
+    env = worker_env(tmp_path, ordinal=0)
+    port = int(env[contract.Env.HEALTH_PORT])
+    proc = start_worker(tmp_path, env)
+    try:
+        until("the controller pod ready", lambda: answer(port, READINESS)[0] or proc.poll() is not None)
+        assert proc.poll() is None, (tmp_path / "out.log").read_text()
+        assert answer(port, READINESS) == (True, "HTTP 200: ready: controller")
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert answer(port) == (False, f"no answer within {LIVENESS.timeout_seconds}s")
+        assert time.monotonic() - start >= LIVENESS.timeout_seconds
+        os.kill(proc.pid, signal.SIGCONT)
+        assert answer(port)[0]
+    finally:
+        end(proc)
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The pod process's children that run ranks (not multiprocessing's resource tracker)."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+            found.append(int(child))
+    return found
+
+
+def failing(port: int):
+    got = answer(port)
+    return None if got[0] else got
+
+
+def test_a_stopped_rank_process_fails_its_pods_liveness(tmp_path):
+    """A trainer pod with two rank processes (no controller to join, so they wait, alive): either
+    of them stopped fails the pod's /healthz, naming that rank; the pod's own process still answers."""
+    env = worker_env(tmp_path, ordinal=1, procs=2)
+    port = int(env[contract.Env.HEALTH_PORT])
+    proc = start_worker(tmp_path, env)
+    try:
+        ranks = until("two rank processes", lambda: (lambda c: c if len(c) == 2 else None)(rank_processes(proc.pid)))
+        until("both ranks stamping", lambda: answer(port) == (True, "HTTP 200: alive: trainer rank 0, trainer rank 1"))
+        assert answer(port, READINESS) == (False, "HTTP 503: not ready yet: trainer rank 0, trainer rank 1")
+        named = []
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+            _, text = until("/healthz failing", lambda: failing(port))
+            assert text.startswith("HTTP 503: trainer rank ") and ": no sign of life for " in text, text
+            named.append(text.split()[4].rstrip(":"))
+            assert text.count("no sign of life") == 1
+            os.kill(pid, signal.SIGCONT)
+            until("/healthz passing again", lambda: answer(port)[0])
+        assert sorted(named) == ["0", "1"]
+        assert proc.poll() is None
+    finally:
+        end(proc)
