@@ -72,8 +72,8 @@ class Host(Channel):
     """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
 
     def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
-                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
-        super().__init__(host_store(port))
+                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str):
+        super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
         self.token, self.layout, self.say = token, layout, say
         self.silent_limit, self.away_limit = silent_limit, away_limit
         self.ranks = ranks_of(layout)
