@@ -462,8 +462,11 @@ class StoreServer(Table):
         try:
             send_all(sock, HELLO.pack(MAGIC, 1, server_nonce), deadline)
             magic, client_nonce, proof = PROOF.unpack(recv_exact(sock, PROOF.size, deadline))
-        except (socket.timeout, Closed, OSError):
-            self._note_refused(f"closed {who}: it did not prove the job token within {HANDSHAKE_SECONDS:.0f}s")
+        except socket.timeout:
+            self._note_refused(f"closed {who}: it sent no proof of the job token within {HANDSHAKE_SECONDS:.0f}s")
+            return None
+        except OSError:
+            self._note_refused(f"{who} hung up without proving the job token")
             return None
         want, answer, key = handshake_macs(self._token, self._job, server_nonce, client_nonce)
         if magic != MAGIC or not hmac.compare_digest(proof, want):
