@@ -234,3 +234,11 @@ def test_members_waiting_learn_of_the_end(host):
 def test_waiting_times_out_naming_what_it_waited_for(host):
     with pytest.raises(TimeoutError, match=r"the trainers to send version 3 \(sent/3/0 not set\)"):
         host.wait_ranks(["sent/3/0"], "the trainers to send version 3", timeout=0.3)
+
+
+def test_a_finished_versions_keys_are_forgotten_but_not_its_record(host):
+    keys = ["go/0", "ref/0", "ready/0/0", "sent/0/0", "applied/0/0", "done/0", "go/1", "ready/1/0"]
+    for key in keys:
+        host.set(key, "1")
+    host.forget(0)
+    assert [host.has(k) for k in keys] == [False] * 5 + [True] * 3

@@ -13,6 +13,7 @@ to the store opens its own client.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import hmac
 import json
@@ -26,7 +27,7 @@ from .contract import INFERENCE, TRAINER, Layout
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
 CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
-POLL_MAX = 0.02  # seconds between checks of a key not yet set (first checks are quicker)
+POLL_MAX = 0.02  # no longer used: the store answers a wait as soon as the keys are set
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
 
 
@@ -108,21 +109,23 @@ class Channel:
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
              check: Callable[[], None] | None = None, poll_max: float = POLL_MAX) -> None:
-        """Poll until every key is set. `check` runs every CHECK_EVERY seconds and may raise;
-        past `timeout` seconds a TimeoutError names `what`."""
+        """Wait until every key is set: the store answers as soon as they are (`poll_max` is kept
+        for callers; nothing polls). `check` runs every CHECK_EVERY seconds and may raise; past
+        `timeout` seconds a TimeoutError names `what`."""
         keys = list(keys)
-        start = last_check = time.monotonic()
-        pause = 0.0005
-        while not self.store.check(keys):
-            now = time.monotonic()
-            if check and now - last_check >= CHECK_EVERY:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = CHECK_EVERY if deadline is None else min(CHECK_EVERY, max(deadline - time.monotonic(), 0.0))
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=step))
+                return
+            except TimeoutError:  # not yet (a store that stopped answering fails the next call)
+                pass
+            if check:
                 check()
-                last_check = now
-            if timeout is not None and now - start > timeout:
+            if deadline is not None and time.monotonic() >= deadline:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise TimeoutError(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
-            time.sleep(pause)
-            pause = min(pause * 1.5, poll_max)
 
 
 class Keys:

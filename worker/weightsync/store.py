@@ -601,11 +601,14 @@ class StoreClient(dist.Store):
         self.close()
 
     def _call(self, name: str, *args, wait=None):
-        """One round trip. `wait`: the seconds a blocking call may wait for keys (the server answers
-        a little before, so that its answer arrives within the deadline)."""
-        limit = _seconds(self.timeout if wait is None else wait)
+        """One round trip within the client's timeout. `wait`: how long a blocking call may wait
+        for keys (default: the timeout); the server answers a little before the deadline, so that
+        its answer arrives in time, and a wait longer than the timeout moves the deadline."""
+        limit = _seconds(self.timeout)
         if name in BLOCKING:
-            args = (*args, max(0.0, limit - min(1.0, limit / 10)))
+            want = limit if wait is None else _seconds(wait)
+            limit = max(limit, want)
+            args = (*args, max(0.0, min(want, limit - min(1.0, limit / 10))))
         payload = bytes([CODES[name]]) + pack(args)
         if len(payload) > self.limits.frame_bytes - 64:
             raise StoreFull(f"{name}: {len(payload)} bytes in one request, over the store's limit of "
