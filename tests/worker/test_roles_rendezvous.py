@@ -143,9 +143,15 @@ def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at
 
 def test_a_rejoining_rank_must_prove_the_token_over_its_new_challenge():
     host, _ = started()
-    liar = member(host, "inference", 0, token=b"another-token-of-16-bytes")
-    t = threading.Thread(target=lambda: liar.join("x:1", "{}", "{}", timeout=10), daemon=True)
-    t.start()
+    # without the token a process cannot even reach the store
+    with pytest.raises(ProofError, match="inference rank 0 failed the job token proof: .* refused this client's proof"):
+        member(host, "inference", 0, token=b"another-token-of-16-bytes")
+    # a second start that publishes the first start's proof is refused
+    replay = member(host, "inference", 0)
+    first = {what: host.get(Keys.published(what, "inference", 0, 1)) for what in ("endpoint", "meta", "info", "proof")}
+    assert replay.store.add(Keys.join("inference", 0), 1) == 2
+    for what, value in first.items():
+        replay.set(Keys.published(what, "inference", 0, 2), value)
     with pytest.raises(ProofError, match="inference rank 0 failed the job token proof"):
         host.wait_ranks(["never"], "nothing", timeout=10)
 
@@ -236,9 +242,12 @@ def test_waiting_times_out_naming_what_it_waited_for(host):
         host.wait_ranks(["sent/3/0"], "the trainers to send version 3", timeout=0.3)
 
 
-def test_a_finished_versions_keys_are_forgotten_but_not_its_record(host):
-    keys = ["go/0", "ref/0", "ready/0/0", "sent/0/0", "applied/0/0", "done/0", "go/1", "ready/1/0"]
+def test_a_versions_keys_are_forgotten_but_not_its_record():
+    host, _ = started()
+    host.seats[1].attempt = 2  # inference rank 1 restarted once: both its attempts' keys go
+    keys = [Keys.go(0), Keys.ref(0), Keys.ready(0, 1), Keys.sent(0, 0, 1), Keys.applied(0, 0, 1),
+            Keys.applied(0, 1, 1), Keys.applied(0, 1, 2), Keys.done(0), Keys.go(1), Keys.ready(1, 0)]
     for key in keys:
         host.set(key, "1")
     host.forget(0)
-    assert [host.has(k) for k in keys] == [False] * 5 + [True] * 3
+    assert [host.has(k) for k in keys] == [False] * 7 + [True] * 3

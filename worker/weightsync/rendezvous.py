@@ -129,7 +129,8 @@ class Channel:
 
 
 class Keys:
-    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it)."""
+    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it).
+    The controller deletes a version's keys but its record (done) two versions later (Host.forget)."""
 
     FAILURES = "failures"  # counter: failures reported (failed/<role>/<rank> says whose)
     VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification

@@ -80,6 +80,8 @@ def run(ctx: WorkerContext) -> int:
                 loss = sent[0]["loss"]
             delivered += 1
             final = version, step
+            if version >= 2:
+                host.forget(version - 2)
         again = 0
         while final is not None and host.behind(final[0]):  # ranks that came back after the final version
             host.wait_back()
