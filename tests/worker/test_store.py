@@ -416,3 +416,27 @@ def test_gloo_process_group_meets_through_the_store_in_two_processes(server):
         outs.append(out.strip())
     assert outs == ["[3.0, 3.0, 3.0, 3.0]"] * 2
     assert server.num_keys() > 0
+
+
+
+def test_a_closing_server_answers_the_requests_it_holds(server):
+    # the controller's process closes its server when it ends (atexit): a rank whose request is
+    # being answered gets the answer, not a connection cut in the middle
+    c = client(server, timeout=60)
+    outcome: list = []
+
+    def waiting():
+        try:
+            c.wait(["never"], datetime.timedelta(seconds=60))
+        except StoreError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    deadline = time.monotonic() + 30
+    while server._answering == 0:  # the wait is being served
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server.close()
+    t.join(30)
+    assert len(outcome) == 1 and "wait: the store is closing" in str(outcome[0])

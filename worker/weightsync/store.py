@@ -39,6 +39,7 @@ Wire format (big-endian; this is the one place it is defined)
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import hmac
@@ -63,6 +64,7 @@ SEQ = struct.Struct(">Q")
 MAC_BYTES = 32
 HANDSHAKE_SECONDS = 5.0  # a connection must prove the token within this
 IO_SECONDS = 60.0  # the server's limit for receiving the rest of a frame, and for sending one
+DRAIN_SECONDS = 2.0  # a closing server's wait for the answers it is sending
 MAX_WAIT = 86400.0  # the longest a client may ask the server to wait for keys
 KEY_OVERHEAD = 64  # bytes counted per key on top of its name and value (the table's own cost)
 LOG_EVERY = 1.0  # seconds between two log lines about refused connections
@@ -190,13 +192,22 @@ def seal(key: bytes, direction: bytes, seq: int, payload: bytes) -> bytes:
     return LENGTH.pack(len(head) + len(payload) + MAC_BYTES) + head + payload + tag
 
 
+def frame_length(head: bytes, max_bytes: int) -> int:
+    n = LENGTH.unpack(head)[0]
+    if n > max_bytes or n < SEQ.size + MAC_BYTES:
+        raise ValueError(f"a frame of {n} bytes (the limit is {max_bytes})")
+    return n
+
+
 def read_frame(sock: socket.socket, key: bytes, direction: bytes, expect_seq: int, max_bytes: int,
                deadline: float | None = None) -> bytes:
     """The payload of the next frame; ValueError if it is too long, out of sequence or forged."""
-    n = LENGTH.unpack(recv_exact(sock, LENGTH.size, deadline))[0]
-    if n > max_bytes or n < SEQ.size + MAC_BYTES:
-        raise ValueError(f"a frame of {n} bytes (the limit is {max_bytes})")
-    body = recv_exact(sock, n, deadline)
+    n = frame_length(recv_exact(sock, LENGTH.size, deadline), max_bytes)
+    return open_frame(recv_exact(sock, n, deadline), key, direction, expect_seq)
+
+
+def open_frame(body: bytes, key: bytes, direction: bytes, expect_seq: int) -> bytes:
+    """The payload of a frame's body (what follows its length), checked."""
     head, payload, tag = body[:SEQ.size], body[SEQ.size:-MAC_BYTES], body[-MAC_BYTES:]
     want = hmac.new(key, direction + head + payload, hashlib.sha256).digest()
     if not hmac.compare_digest(tag, want):
@@ -250,6 +261,7 @@ class Table:
         self._data: dict[bytes, bytes] = {}
         self._bytes = 0
         self._cond = threading.Condition()
+        self._closing = False
 
     @property
     def bytes_held(self) -> int:
@@ -289,9 +301,11 @@ class Table:
     def _await(self, keys: list[bytes], timeout, what: str) -> None:
         """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
         seconds = min(max(_seconds(self.timeout if timeout is None else timeout), 0.0), MAX_WAIT)
-        if not self._cond.wait_for(lambda: all(k in self._data for k in keys), seconds):
+        if not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys), seconds):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {seconds:.1f}s")
+        if not all(k in self._data for k in keys):
+            raise StoreError(f"{what}: the store is closing (its process is ending)")
 
     def set(self, key, value) -> None:
         with self._cond:
@@ -388,16 +402,27 @@ class StoreServer(Table):
         self.address, self.port = address, self._listener.getsockname()[1]
         self._token, self._job = token, job
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._open: set[socket.socket] = set()
-        self._pending = 0
+        self._pending = self._answering = 0
         self._closed = False
         self._refused, self._last_log = 0, 0.0
         threading.Thread(target=self._accept, name="store-accept", daemon=True).start()
+        atexit.register(self.close)
 
     def close(self) -> None:
+        """Stop serving: requests being answered get their answer first (for up to DRAIN_SECONDS),
+        and waits end at once. The process that exits closes its server: a client whose last
+        request was applied must not lose the answer to the race with the exit."""
+        if self._closed:
+            return
         self._closed = True
         hang_up(self._listener)
-        with self._lock:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        with self._idle:
+            self._idle.wait_for(lambda: self._answering == 0, DRAIN_SECONDS)
             for sock in list(self._open):
                 hang_up(sock)
 
@@ -497,8 +522,15 @@ class StoreServer(Table):
             except ValueError as e:
                 log.warning("rendezvous store: closed %s after %s", who, e)
                 return
-            status, results = self._dispatch(payload)
-            send_all(sock, seal(key, b"S", seq, bytes([status]) + pack(results)), time.monotonic() + IO_SECONDS)
+            with self._lock:
+                self._answering += 1
+            try:
+                status, results = self._dispatch(payload)
+                send_all(sock, seal(key, b"S", seq, bytes([status]) + pack(results)), time.monotonic() + IO_SECONDS)
+            finally:
+                with self._idle:
+                    self._answering -= 1
+                    self._idle.notify_all()
 
     def _dispatch(self, payload: bytes) -> tuple[int, list]:
         try:
@@ -543,6 +575,8 @@ class StoreClient(dist.Store):
         self._seq = 0
         self._lost: str | None = None
         self._sock, self._key = self._connect(timeout if connect_timeout is None else connect_timeout)
+        self._sock.settimeout(None)  # blocking, with the kernel's timeouts (_exchange)
+        self._buf = bytearray(1 << 16)  # answers are read into it (a larger one gets a larger buffer)
         # torch holds a Python store only through its C++ part: without a reference of our own,
         # a client handed straight to PrefixStore would be collected and its calls would fail.
         _OPEN.add(self)
@@ -619,9 +653,8 @@ class StoreClient(dist.Store):
             deadline = time.monotonic() + limit
             self._seq += 1
             try:
-                send_all(self._sock, seal(self._key, b"C", self._seq, payload), deadline)
-                reply = read_frame(self._sock, self._key, b"S", self._seq, self.limits.frame_bytes, deadline)
-            except socket.timeout:
+                reply = self._exchange(seal(self._key, b"C", self._seq, payload), deadline)
+            except (socket.timeout, BlockingIOError):
                 self._lose(f"no answer to {name} within {limit:.1f}s")
                 raise StoreTimeout(f"{self._where} did not answer {name} within {limit:.1f}s "
                                    "(the controller is frozen, overloaded or gone)") from None
@@ -633,6 +666,34 @@ class StoreClient(dist.Store):
             return results[0] if results else None
         message = f"{self._where}: {results[0].decode()}"
         raise {TIMEOUT: StoreTimeout, FULL: StoreFull}.get(status, StoreError)(message)
+
+    def _exchange(self, frame: bytes, deadline: float) -> bytes:
+        """Send a request, receive the answer's payload. The socket blocks, with the kernel's own
+        timeouts (SO_SNDTIMEO, SO_RCVTIMEO) set to the time left: then a round trip gives up the
+        GIL about twice (one send, usually one receive), not at every poll and receive, which
+        matters in a process whose other threads keep the GIL busy (generation, training)."""
+        sock, buf = self._sock, self._buf
+        self._arm(deadline)
+        sock.sendall(frame)
+        got, need = 0, LENGTH.size
+        while got < need:
+            if got:
+                self._arm(deadline)
+            n = sock.recv_into(memoryview(buf)[got:])
+            if n == 0:
+                raise Closed(f"the connection closed after {got} of {need} bytes")
+            got += n
+            if need == LENGTH.size and got >= LENGTH.size:
+                need += frame_length(bytes(buf[:LENGTH.size]), self.limits.frame_bytes)
+                if need > len(buf):
+                    buf = buf + bytearray(need - len(buf))
+        return open_frame(bytes(buf[LENGTH.size:need]), self._key, b"S", self._seq)
+
+    def _arm(self, deadline: float) -> None:
+        left = max(deadline - time.monotonic(), 1e-3)
+        tv = struct.pack("ll", int(left), int(left % 1 * 1e6))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
     def _lose(self, why: str) -> None:
         self._lost = why
