@@ -13,21 +13,25 @@ from weightsync.rendezvous import JobEnded, Keys, Member, ProofError, Restarted,
 from weightsync.roster import AWAY, JOINING, RANK_LOST, SERVING, TRAINER_RESTARTED, WAITING, Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
+JOB = "default/rendezvous"
 LAYOUT = Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1)
 TWO = Layout(trainers=2, trainer_procs=1, inferences=2, inference_procs=1)
 
 
 def make_host(layout=LAYOUT, silent_limit=1.5, away_limit=60.0):
-    return Host(0, TOKEN, layout, silent_limit=silent_limit, away_limit=away_limit, say=lambda m: None)
+    return Host(0, TOKEN, layout, silent_limit=silent_limit, away_limit=away_limit, say=lambda m: None,
+                address="127.0.0.1", job=JOB)
 
 
 @pytest.fixture()
 def host():
-    return make_host()
+    host = make_host()
+    yield host
+    host.store.close()
 
 
 def member(host, role="trainer", rank=0, token=TOKEN):
-    return Member("127.0.0.1", host.store.port, token, role, rank, timeout=10)
+    return Member("127.0.0.1", host.store.port, token, role, rank, timeout=10, job=JOB)
 
 
 def join(host, role, rank, endpoint=None, token=TOKEN):
@@ -71,9 +75,8 @@ def test_ranks_that_prove_the_token_are_admitted_with_what_they_published(host):
 
 
 def test_a_rank_with_another_token_is_refused_naming_it(host):
-    join_all(host, {"inference": b"another-token-of-16-bytes"})
-    with pytest.raises(ProofError, match="inference rank 0 failed the job token proof"):
-        host.admit(timeout=5)
+    with pytest.raises(ProofError, match="inference rank 0 failed the job token proof: .* refused this client's proof"):
+        member(host, "inference", 0, b"another-token-of-16-bytes")
 
 
 def test_a_forged_proof_for_changed_data_is_refused(host):
@@ -91,8 +94,9 @@ def test_members_accept_only_a_plan_and_endpoints_signed_with_the_token(host):
     host.publish_plan(plan.to_json(), {0: "127.0.0.1:5"})
     got, endpoints = member(host).plan(timeout=5)
     assert got == plan and endpoints == {0: "127.0.0.1:5"}
+    host.set(Keys.PLAN, host.get(Keys.PLAN) + b" ")  # the plan rewritten after it was signed
     with pytest.raises(ProofError, match="not signed with this job's token"):
-        member(host, token=b"a-different-token-16b").plan(timeout=5)
+        member(host).plan(timeout=5)
     host.set(Keys.peers(0), json.dumps({"0": "10.0.0.66:1"}))  # endpoints rewritten after they were signed
     with pytest.raises(ProofError, match="endpoints of epoch 0 are not signed"):
         member(host).peers(0, timeout=5)
@@ -139,9 +143,15 @@ def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at
 
 def test_a_rejoining_rank_must_prove_the_token_over_its_new_challenge():
     host, _ = started()
-    liar = member(host, "inference", 0, token=b"another-token-of-16-bytes")
-    t = threading.Thread(target=lambda: liar.join("x:1", "{}", "{}", timeout=10), daemon=True)
-    t.start()
+    # without the token a process cannot even reach the store
+    with pytest.raises(ProofError, match="inference rank 0 failed the job token proof: .* refused this client's proof"):
+        member(host, "inference", 0, token=b"another-token-of-16-bytes")
+    # a second start that publishes the first start's proof is refused
+    replay = member(host, "inference", 0)
+    first = {what: host.get(Keys.published(what, "inference", 0, 1)) for what in ("endpoint", "meta", "info", "proof")}
+    assert replay.store.add(Keys.join("inference", 0), 1) == 2
+    for what, value in first.items():
+        replay.set(Keys.published(what, "inference", 0, 2), value)
     with pytest.raises(ProofError, match="inference rank 0 failed the job token proof"):
         host.wait_ranks(["never"], "nothing", timeout=10)
 
@@ -239,3 +249,14 @@ def test_members_waiting_learn_of_the_end(host):
 def test_waiting_times_out_naming_what_it_waited_for(host):
     with pytest.raises(TimeoutError, match=r"the trainers to send version 3 \(sent/3/0 not set\)"):
         host.wait_ranks(["sent/3/0"], "the trainers to send version 3", timeout=0.3)
+
+
+def test_a_versions_keys_are_forgotten_but_not_its_record():
+    host, _ = started()
+    host.seats[1].attempt = 2  # inference rank 1 restarted once: both its attempts' keys go
+    keys = [Keys.go(0), Keys.ref(0), Keys.ready(0, 1), Keys.sent(0, 0, 1), Keys.applied(0, 0, 1),
+            Keys.applied(0, 1, 1), Keys.applied(0, 1, 2), Keys.done(0), Keys.go(1), Keys.ready(1, 0)]
+    for key in keys:
+        host.set(key, "1")
+    host.forget(0)
+    assert [host.has(k) for k in keys] == [False] * 7 + [True] * 3

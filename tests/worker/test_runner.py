@@ -147,7 +147,8 @@ def test_two_to_three_bfloat16_with_several_processes_per_pod(tmp_path):
 
 def store_of(local: LocalJob):
     env = local.pods[0].env
-    return connect_store("127.0.0.1", int(env[contract.Env.STORE_PORT]), timeout=60)
+    token = Path(env[contract.Env.TOKEN_FILE]).read_bytes().strip()
+    return connect_store("127.0.0.1", int(env[contract.Env.STORE_PORT]), token, local.job.identity, timeout=60)
 
 
 def wait_key(store, key: str, timeout: float = 120) -> None:

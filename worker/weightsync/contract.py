@@ -282,6 +282,11 @@ class Job:
     def layout(self) -> Layout:
         return Layout.from_spec(self.spec)
 
+    @property
+    def identity(self) -> str:
+        """namespace/name: every rendezvous connection is bound to it (with the token)."""
+        return f"{self.namespace}/{self.name}"
+
     def to_object(self) -> dict:
         """The defaulted job as the workers read it (the ConfigMap's content)."""
         return {"apiVersion": API_VERSION, "kind": KIND,

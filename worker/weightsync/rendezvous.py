@@ -1,4 +1,5 @@
-"""The rendezvous protocol through the controller's store: the keys, and a rank's side of it.
+"""The rendezvous protocol through the controller's store (store.py: only the job's processes,
+proving the job's token, can read or write it): the keys, and a rank's side of it.
 
 Every key is named by Keys below. A rank joins with an attempt number (1, then one more each time
 its process starts again): the controller issues a fresh challenge per attempt, the rank proves
@@ -25,7 +26,8 @@ from .contract import INFERENCE, TRAINER, Layout
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
-POLL_MAX = 0.02  # seconds between checks of a key not yet set (first checks are quicker)
+CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
+POLL_MAX = 0.02  # no longer used: the store answers a wait as soon as the keys are set
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
 
 
@@ -65,25 +67,24 @@ def mac(token: bytes, *parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def host_store(port: int):
-    """The controller's store, on every interface."""
-    import torch.distributed as dist
+def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
+    """The controller's store, on the pod's own address, for the job's ranks and no one else."""
+    from .store import Limits, StoreServer
 
-    return dist.TCPStore("0.0.0.0", port, None, True, timeout=datetime.timedelta(seconds=STORE_TIMEOUT),
-                         wait_for_workers=False)
+    return StoreServer(address, port, token, job, Limits(connections=CONNECTIONS_PER_RANK * ranks + 16), STORE_TIMEOUT)
 
 
-def connect_store(host: str, port: int, timeout: float):
-    """A client of the controller's store; retries until `timeout` while the controller starts."""
-    import torch.distributed as dist
+def connect_store(host: str, port: int, token: bytes, job: str, timeout: float):
+    """A client of the controller's store; retries until `timeout` while the controller starts.
+    StoreRefused if this process's token (or job) is not the store's."""
+    from .store import StoreClient, StoreError, StoreRefused
 
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=min(STORE_TIMEOUT, timeout)))
-        except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
-            if time.monotonic() > deadline:
-                raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
+    try:
+        return StoreClient(host, port, token, job, timeout=min(STORE_TIMEOUT, timeout), connect_timeout=timeout)
+    except StoreRefused:
+        raise
+    except StoreError as e:
+        raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
 
 
 class Channel:
@@ -108,25 +109,28 @@ class Channel:
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
              check: Callable[[], None] | None = None, poll_max: float = POLL_MAX) -> None:
-        """Poll until every key is set. `check` runs every CHECK_EVERY seconds and may raise;
-        past `timeout` seconds a TimeoutError names `what`."""
+        """Wait until every key is set: the store answers as soon as they are (`poll_max` is kept
+        for callers; nothing polls). `check` runs every CHECK_EVERY seconds and may raise; past
+        `timeout` seconds a TimeoutError names `what`."""
         keys = list(keys)
-        start = last_check = time.monotonic()
-        pause = 0.0005
-        while not self.store.check(keys):
-            now = time.monotonic()
-            if check and now - last_check >= CHECK_EVERY:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = CHECK_EVERY if deadline is None else min(CHECK_EVERY, max(deadline - time.monotonic(), 0.0))
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=step))
+                return
+            except TimeoutError:  # not yet (a store that stopped answering fails the next call)
+                pass
+            if check:
                 check()
-                last_check = now
-            if timeout is not None and now - start > timeout:
+            if deadline is not None and time.monotonic() >= deadline:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise TimeoutError(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
-            time.sleep(pause)
-            pause = min(pause * 1.5, poll_max)
 
 
 class Keys:
-    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it)."""
+    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it).
+    The controller deletes a version's keys but its record (done) two versions later (Host.forget)."""
 
     FAILURES = "failures"  # counter: failures reported (failed/<role>/<rank> says whose)
     VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
@@ -250,9 +254,14 @@ def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
 class Member(Channel):
     """One trainer or inference rank's side of the rendezvous."""
 
-    def __init__(self, host: str, port: int, token: bytes, role: str, rank: int, timeout: float):
-        super().__init__(connect_store(host, port, timeout))
-        self.address = (host, port, timeout)
+    def __init__(self, host: str, port: int, token: bytes, role: str, rank: int, timeout: float, *, job: str):
+        from .store import StoreRefused
+
+        try:
+            super().__init__(connect_store(host, port, token, job, timeout))
+        except StoreRefused as e:
+            raise ProofError(f"{who(role, rank)} failed the job token proof: {e}") from None
+        self.address = (host, port, token, job, timeout)
         self.token, self.role, self.rank = token, role, rank
         self.attempt = 0  # set by join(): 1 for the rank's first process, then one more per restart
         self._beat: threading.Event | None = None

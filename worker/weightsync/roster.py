@@ -72,8 +72,8 @@ class Host(Channel):
     """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
 
     def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
-                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
-        super().__init__(host_store(port))
+                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str):
+        super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
         self.token, self.layout, self.say = token, layout, say
         self.silent_limit, self.away_limit = silent_limit, away_limit
         self.ranks = ranks_of(layout)
@@ -201,6 +201,17 @@ class Host(Channel):
 
     def rejoins(self) -> int:
         return sum(s.rejoins for s in self.seats.values())
+
+    def forget(self, version: int) -> None:
+        """Delete the keys of `version`'s first sending but its record (done): the store bounds
+        what it holds, and an endless job must not fill it. Only for a version no rank still reads
+        (two versions back: every inference rank that is there has applied a later one)."""
+        trainers = self.layout.world_size(TRAINER)
+        keys = [Keys.go(version), Keys.ref(version)]
+        keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
+        keys += [Keys.applied(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)]
+        for key in keys:
+            self.store.delete_key(key)
 
     # ------------------------------------------------------------ watching
 

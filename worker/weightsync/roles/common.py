@@ -48,7 +48,7 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
     """Run one rank: body(ctx, member, rank, local_rank).run() returns the job's end state.
     A failure is reported to the controller, which fails the job naming this rank."""
     me = who(role, rank)
-    member = Member(ctx.controller_host, ctx.store_port, ctx.token, role, rank, JOIN_TIMEOUT)
+    member = Member(ctx.controller_host, ctx.store_port, ctx.token, role, rank, JOIN_TIMEOUT, job=ctx.job.identity)
     try:
         member.arrive()
         state = body(ctx, member, rank, local_rank).run()

@@ -57,7 +57,7 @@ def run(ctx: WorkerContext) -> int:
     starts = (status.get("controller") or {}).get("starts", 0) + 1
     reporter.started(starts)
     host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT), away_limit=AWAY_LIMIT,
-                say=lambda m: log(ME, m))
+                say=lambda m: log(ME, m), address=ctx.pod_ip, job=ctx.job.identity)
     health.ready()
     if starts > 1:
         last = (status.get("transfer") or {}).get("version")
@@ -66,7 +66,7 @@ def run(ctx: WorkerContext) -> int:
             f"the controller started again (start {starts}) {where}: the rendezvous it hosted, and with it the "
             "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
             CONTROLLER_RESTARTED), 0, None)
-    log(ME, f"rendezvous on port {ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
+    log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
     delivered, loss = 0, None
     try:
         admitted = host.admit(JOIN_TIMEOUT)
@@ -82,6 +82,8 @@ def run(ctx: WorkerContext) -> int:
                 loss = sent[0]["loss"]
             delivered += 1
             final = version, step
+            if version >= 2:
+                host.forget(version - 2)
         again = 0
         while final is not None and host.behind(final[0]):  # ranks that came back after the final version
             host.wait_back()

@@ -9,7 +9,9 @@ Each range travels as a small header tensor (int64: kind, version, offset, lengt
 then its bytes, received straight into the staging tensor. NCCL keeps point-to-point messages
 between two ranks in order, which is all the framing needs. Checksums are xxh3_64 of the bytes
 as in every transport (computed from a host copy of the bucket). Before the first range, each
-sender proves through the store that it holds the job token (HMAC), and the receiver checks it.
+sender proves through the store that it holds the job token: an HMAC over a fresh nonce that the
+receiver published when it started listening, so that a proof from an earlier run (or an earlier
+life of the receiver) does not pass.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import secrets
 import struct
 import threading
 import time
@@ -53,8 +56,8 @@ def _unsigned(s: int) -> int:
     return struct.unpack("<Q", struct.pack("<q", s))[0]
 
 
-def _hello_mac(token: bytes, trainer: int, inference: int) -> str:
-    return hmac.new(token, f"nccl:{trainer}->{inference}".encode(), hashlib.sha256).hexdigest()
+def _hello_mac(token: bytes, nonce: bytes, trainer: int, inference: int) -> str:
+    return hmac.new(token, b"nccl hello|" + nonce + f"|{trainer}->{inference}".encode(), hashlib.sha256).hexdigest()
 
 
 class NcclTransport(Transport):
@@ -121,8 +124,9 @@ class NcclSender(Sender):
 
     def connect(self, peers: dict[int, str]) -> None:
         for peer in peers:
-            if self.t.store is not None:
-                self.t.store.set(f"{PREFIX}/hello/{self.rank}/{peer}", _hello_mac(self.t.token, self.rank, peer))
+            if self.t.store is not None:  # the receiver published its nonce before it joined
+                nonce = self.t.store.get(f"{PREFIX}/nonce/{peer}")
+                self.t.store.set(f"{PREFIX}/hello/{self.rank}/{peer}", _hello_mac(self.t.token, nonce, self.rank, peer))
             self.pools.setdefault(peer, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nccl-to-{peer}"))
             if peer not in self.peers:
                 self.peers.append(peer)
@@ -176,8 +180,11 @@ class NcclReceiver(Receiver):
         self.t, self.rank = transport, rank
         self.group = transport._group(transport.trainers + rank)
         self.proven: set[int] = set()
+        self.nonce = secrets.token_hex(16).encode()
 
     def listen(self, host: str, port: int) -> str:
+        if self.t.store is not None:
+            self.t.store.set(f"{PREFIX}/nonce/{self.rank}", self.nonce)
         return f"nccl:{self.t.trainers + self.rank}"
 
     def _prove(self, trainer: int, deadline: float, abandon: threading.Event) -> None:
@@ -190,7 +197,7 @@ class NcclReceiver(Receiver):
             if time.monotonic() > deadline:
                 raise TransferError(f"trainer rank {trainer}", "did not announce itself in time")
             time.sleep(0.01)
-        if not hmac.compare_digest(self.t.store.get(key).decode(), _hello_mac(self.t.token, trainer, self.rank)):
+        if not hmac.compare_digest(self.t.store.get(key).decode(), _hello_mac(self.t.token, self.nonce, trainer, self.rank)):
             raise TransferError(f"trainer rank {trainer}", "its announcement does not prove the job token")
         self.proven.add(trainer)
 
