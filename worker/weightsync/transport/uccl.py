@@ -103,6 +103,7 @@ class Registered:
 class UcclSender(TcpSender):
     in_place = False  # one-sided writes go out of registered memory
     buffer_device = "cuda"
+    patches = False  # its ranges go one-sided into GPU memory
 
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
@@ -178,6 +179,8 @@ class UcclSender(TcpSender):
 
 
 class UcclReceiver(TcpReceiver):
+    patches = False
+
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
         self.t = transport
