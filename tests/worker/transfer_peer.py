@@ -111,7 +111,7 @@ def main():
             if args.delta:
                 store.wait([f"bases/{v}"])
                 bases = {int(r): b for r, b in json.loads(store.get(f"bases/{v}")).items()}
-            sent = mover.send(v, [t.to(device) for t in version_tensors(shapes, v, args.change)], bases)
+            sent = mover.send(v, [t.to(device) for t in version_tensors(shapes, v, args.change)], bases=bases)
             store.set(f"sums/{v}/{args.rank}", json.dumps(sent.checksums))
             store.set(f"sent/{v}/{args.rank}", json.dumps({"wire_bytes": sent.wire_bytes, "bytes": sent.bytes,
                                                            "patched_peers": sent.patched_peers, "changed": sent.changed,
