@@ -25,10 +25,10 @@ from transfer_peer import layout_of
 MIB = 1 << 20
 
 
-def encode(old: np.ndarray, new: np.ndarray, itemsize: int, base_version: int = 7):
+def encode(old: np.ndarray, new: np.ndarray, itemsize: int, base_version: int = 7, threads: int = 1):
     """Keep `old` as version base_version, then encode `new` against it chunk by chunk, as a
     sender does; returns (the patch or None when the bucket went whole, the encoder, what is kept)."""
-    last = LastSent([Bucket(0, 0, 0, len(old))], itemsize)
+    last = LastSent([Bucket(0, 0, 0, len(old))], itemsize, threads)
     keeper = last.encoder(0, None)
     for a in range(0, len(old), CHUNK):
         keeper.add(a, old[a:a + CHUNK])
@@ -37,6 +37,7 @@ def encode(old: np.ndarray, new: np.ndarray, itemsize: int, base_version: int = 
     for a in range(0, len(new), CHUNK):
         encoder.add(a, new[a:a + CHUNK])
     patch = None if encoder.dense else b"".join(encoder.finish(len(new)))
+    last.encoders.close()
     return patch, encoder, last.bucket(0)
 
 
@@ -82,6 +83,15 @@ def test_patches_round_trip_bit_for_bit(itemsize):
     assert np.array_equal(out, new)
     assert np.array_equal(kept, new), "the sender must keep the new bytes for the next version"
     assert encoder.changed == len(where) and encoder.compared == n
+
+
+def test_chunks_encoded_on_several_threads_make_the_same_patch():
+    old = np.random.default_rng(3).integers(0, 256, size=5 * MIB + 640, dtype=np.uint8)
+    n = len(old) // 2
+    new = changed_copy(old, 2, np.sort(np.random.default_rng(4).choice(n, size=n // 40, replace=False)))
+    one, _, _ = encode(old, new, 2)
+    three, encoder, kept = encode(old, new, 2, threads=3)
+    assert one == three and np.array_equal(kept, new) and encoder.changed == n // 40
 
 
 def test_long_unchanged_runs_need_fillers_and_round_trip():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -82,61 +83,104 @@ def _with_fillers(idx: np.ndarray, n: int) -> np.ndarray:
     return np.insert(idx, at[~present], grid[~present])
 
 
+def encode_chunk(old: np.ndarray, new: np.ndarray, itemsize: int, compressor: zstandard.ZstdCompressor) -> tuple[list, int]:
+    """The record of one chunk (its pieces) that makes `new` of `old` (uint8 arrays of one
+    length), and how many elements differ."""
+    dt = _elements(itemsize)
+    ov, nv = old.view(dt), new.view(dt)
+    idx = np.flatnonzero(np.not_equal(ov, nv))
+    if len(idx) == 0:
+        return [RECORD.pack(SAME, 0, 0)], 0
+    changed = len(idx)
+    if changed * (GAP.itemsize + itemsize) < len(new):
+        gaps = np.diff(idx, prepend=-1)
+        if gaps.max() > MAX_GAP:
+            idx = _with_fillers(idx, len(ov))
+            gaps = np.diff(idx, prepend=-1)
+        entries = np.empty(len(idx) * (GAP.itemsize + itemsize), dtype=np.uint8)
+        entries[:len(idx) * GAP.itemsize].view(GAP)[:] = gaps
+        np.bitwise_xor(ov[idx], nv[idx], out=entries[len(idx) * GAP.itemsize:].view(dt))
+        blob = compressor.compress(entries)
+        if len(blob) < len(new):
+            return [RECORD.pack(SPARSE, len(idx), len(blob)), blob], changed
+    return [RECORD.pack(RAW, changed, len(new)), new.tobytes()], changed
+
+
+class Encoders:
+    """Where chunks are encoded: on `threads` threads (each with its own compressor), so that a
+    trainer rank encodes one chunk while it casts the next, and several at once where it has the
+    cores; with one thread, in the caller's."""
+
+    def __init__(self, threads: int = 1):
+        if threads < 1:
+            raise ValueError("encoding needs at least one thread")
+        self.local = threading.local()
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-encode") if threads > 1 else None
+
+    def compressor(self) -> zstandard.ZstdCompressor:
+        if not hasattr(self.local, "compressor"):
+            self.local.compressor = zstandard.ZstdCompressor(level=LEVEL)
+        return self.local.compressor
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
 @dataclass
 class BucketEncoder:
     """Takes one bucket's new bytes chunk by chunk as they are produced: compares each with what
     this rank sent last (`kept`), records what changed (when `base` is not None), and keeps the new
     bytes for next time. `dense` turns True after the first chunk when the bucket should go whole;
-    then later chunks are only kept."""
+    then later chunks are only kept. The caller must not change a chunk it added until finish()
+    or wait() has returned."""
 
     kept: np.ndarray  # uint8: this bucket's bytes of the last version sent; becomes the new one
     itemsize: int
     base: int | None  # the version `kept` holds, when the bucket is to become a patch against it
-    compressor: zstandard.ZstdCompressor
+    encoders: Encoders
     dense: bool = False
     changed: int = 0  # elements that differ from the base, over the chunks compared
     compared: int = 0  # elements compared
     parts: list = field(default_factory=list)
-    _mask: np.ndarray | None = None
+    pending: list = field(default_factory=list)  # futures of (pieces, changed), in chunk order
 
     def add(self, pos: int, new: np.ndarray) -> None:
         """The bucket's new bytes [pos, pos + len(new)), a uint8 array; chunks come in order."""
         old = self.kept[pos:pos + len(new)]
-        if self.base is not None and not self.dense:
-            self._encode(old, new)
-            if pos == 0 and self._too_dense(len(new)):
-                self.dense, self.parts = True, []
-        np.copyto(old, new)
+        if self.base is None or self.dense:
+            np.copyto(old, new)
+            return
+        self.compared += len(new) // self.itemsize
+        if pos and self.encoders.pool is not None:
+            self.pending.append(self.encoders.pool.submit(self._chunk, old, new))
+            return
+        pieces, changed = self._chunk(old, new)
+        self.parts += pieces
+        self.changed += changed
+        if pos == 0 and self._too_dense(pieces[0], len(new)):
+            self.dense, self.parts = True, []
 
-    def _too_dense(self, chunk_bytes: int) -> bool:
-        kind, entries, _ = RECORD.unpack(self.parts[0])
+    def _chunk(self, old: np.ndarray, new: np.ndarray) -> tuple[list, int]:
+        got = encode_chunk(old, new, self.itemsize, self.encoders.compressor())
+        np.copyto(old, new)
+        return got
+
+    def _too_dense(self, record: bytes, chunk_bytes: int) -> bool:
+        kind, entries, _ = RECORD.unpack(record)
         return kind == RAW or (kind == SPARSE and entries * (GAP.itemsize + self.itemsize) > DENSE * chunk_bytes)
 
-    def _encode(self, old: np.ndarray, new: np.ndarray) -> None:
-        dt = _elements(self.itemsize)
-        ov, nv = old.view(dt), new.view(dt)
-        if self._mask is None or len(self._mask) < len(ov):
-            self._mask = np.empty(len(ov), dtype=bool)
-        mask = np.not_equal(ov, nv, out=self._mask[:len(ov)])
-        idx = np.flatnonzero(mask)
-        self.changed += len(idx)
-        self.compared += len(ov)
-        if len(idx) == 0:
-            self.parts.append(RECORD.pack(SAME, 0, 0))
-            return
-        if len(idx) * (GAP.itemsize + self.itemsize) < len(new):
-            gaps = np.diff(idx, prepend=-1)
-            if gaps.max() > MAX_GAP:
-                idx = _with_fillers(idx, len(ov))
-                gaps = np.diff(idx, prepend=-1)
-            blob = self.compressor.compress(gaps.astype(GAP).tobytes() + (ov[idx] ^ nv[idx]).tobytes())
-            if len(blob) < len(new):
-                self.parts += [RECORD.pack(SPARSE, len(idx), len(blob)), blob]
-                return
-        self.parts += [RECORD.pack(RAW, len(idx), len(new)), new.tobytes()]
+    def wait(self) -> None:
+        """Until every chunk added is compared, encoded and kept."""
+        for future in self.pending:
+            pieces, changed = future.result()
+            self.parts += pieces
+            self.changed += changed
+        self.pending = []
 
     def finish(self, length: int) -> list[bytes]:
         """The patch: its pieces, in order (send them as they are, without joining)."""
+        self.wait()
         if self.base is None or self.dense:
             raise ValueError("this bucket is not being encoded as a patch")
         return [HEAD.pack(b"WSDP", FORMAT, self.itemsize, self.base, length, CHUNK)] + self.parts
@@ -146,9 +190,9 @@ class LastSent:
     """What this trainer rank sent last: its buckets of that version, in the layout's dtype, in
     one host buffer of its share of a version (version_bytes / trainers, the memory a delta costs
     the sender). `version` is None while it is being overwritten, or after a version that failed:
-    then nothing can be a patch against it."""
+    then nothing can be a patch against it. Chunks are encoded on `threads` threads."""
 
-    def __init__(self, buckets: Sequence, itemsize: int):
+    def __init__(self, buckets: Sequence, itemsize: int, threads: int = 1):
         _elements(itemsize)
         self.itemsize = itemsize
         self.where: dict[int, tuple[int, int]] = {}  # bucket offset -> (position here, length)
@@ -158,7 +202,7 @@ class LastSent:
             pos += b.length
         self.buffer = np.empty(pos, dtype=np.uint8)
         self.version: int | None = None
-        self.compressor = zstandard.ZstdCompressor(level=LEVEL)
+        self.encoders = Encoders(threads)
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +216,7 @@ class LastSent:
     def encoder(self, offset: int, base: int | None) -> BucketEncoder:
         """An encoder for the bucket at `offset`: a patch against `base` (the version whose bytes
         are kept here), or, with base None, only keeping the new bytes."""
-        return BucketEncoder(self.bucket(offset), self.itemsize, base, self.compressor)
+        return BucketEncoder(self.bucket(offset), self.itemsize, base, self.encoders)
 
 
 def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int) -> int:

@@ -89,10 +89,11 @@ class VersionSender:
 
     With `delta`, the rank keeps its share of the last version it sent (LastSent: kept_bytes, one
     share of a version in the layout's dtype) and every bucket goes through a send buffer, also
-    without a cast, to be compared with it and kept."""
+    without a cast, to be compared with it and kept; chunks are encoded on `delta_threads`
+    threads, the first beside the cast of the next chunk."""
 
     def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
-                 depth: int = 2, cast_threads: int = 1, delta: bool = False):
+                 depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         if delta and not (sender.patches and getattr(sender, "buffer_device", "cpu") == "cpu"):
@@ -105,7 +106,7 @@ class VersionSender:
         self.peers = list(range(plan.inferences))
         self.cast_threads = cast_threads
         self.buffers: list | None = None
-        self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype]) if delta else None
+        self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype], delta_threads) if delta else None
 
     @property
     def kept_bytes(self) -> int:
