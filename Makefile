@@ -55,6 +55,10 @@ node-images: setup binaries ## Install the real node's Debian packages and build
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets
 	$(VENV)/bin/weightsync bench
 
+.PHONY: bench-links
+bench-links: setup ## Transfer benchmark over shaped links (root): every rank in its own network namespace at 1 Gb/s each way; whole and delta versions vs. the speed of light
+	$(VENV)/bin/weightsync bench --links 1gbit
+
 # Shipping: the two images, and the chart plus an example job in the current kube context.
 CONTAINER_ENGINE ?= $(shell command -v docker || command -v podman)
 REGISTRY ?= ghcr.io/weightsync

@@ -17,7 +17,9 @@ def test_defaults_come_from_the_crd():
     assert spec["model"]["dtype"] == "bfloat16"
     assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1}
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
-    assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300}
+    assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,
+                                "delta": {"enabled": False, "fullEvery": 10}}
+    assert contract.load_job(job()).delta == contract.Delta(enabled=False, full_every=10)
     assert spec["network"]["mode"] == "auto"
     assert spec["network"]["rdma"]["trafficClass"] == 104  # DSCP 26
     assert spec["network"]["tcp"]["socketIfname"] == "^lo,docker0"
@@ -37,6 +39,8 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"network": {"mode": "infiniband"}}, "demo", "spec.network.mode: 'infiniband' is not one of"),
     ({"model": {"path": "models/x"}}, "demo", "spec.model.path: 'models/x' does not match"),
     ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
+    ({"transfer": {"transport": "nccl", "delta": {"enabled": True}}}, "demo", "spec.transfer.delta.enabled needs transport tcp"),
+    ({"transfer": {"delta": {"fullEvery": 0}}}, "demo", "spec.transfer.delta.fullEvery: 0 is less than the minimum of 1"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])

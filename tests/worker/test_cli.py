@@ -46,6 +46,12 @@ def test_plan_prints_the_table_with_its_balance():
 def test_bench_is_delegated():
     out = weightsync("bench", "--help")
     assert out.returncode == 0 and "weightsync bench" in out.stdout and "--json" in out.stdout
+    assert "--links RATE" in out.stdout and "--delta" in out.stdout
+
+
+def test_bench_refuses_a_link_rate_it_cannot_read():
+    out = weightsync("bench", "--links", "1GB/s")
+    assert out.returncode == 2 and "--links: link rate '1GB/s' is not a number with bit" in out.stderr
 
 
 def test_run_refuses_an_invalid_job_before_starting_anything(tmp_path):

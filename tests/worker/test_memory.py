@@ -4,12 +4,12 @@ from weightsync.flat import FlatLayout
 from weightsync.memory import MiB
 
 
-def job(dtype="bfloat16", trainers=2, gpus=0, bucket=1):
+def job(dtype="bfloat16", trainers=2, gpus=0, bucket=1, delta=False):
     return contract.load_job({
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "m"},
         "spec": {"model": {"config": {"model_type": "gpt2"}, "dtype": dtype},
                  "trainer": {"replicas": trainers, "gpusPerProc": gpus}, "inference": {"replicas": 1, "procsPerPod": 3, "gpusPerProc": 0},
-                 "transfer": {"bucketMB": bucket}}})
+                 "transfer": {"bucketMB": bucket, "delta": {"enabled": delta}}}})
 
 
 def layout(dtype):
@@ -31,6 +31,16 @@ def test_per_process_needs_from_the_parameter_count():
 def test_one_float32_trainer_has_no_ddp_and_no_cast_buffers():
     _, trainer, _ = memory.needs(job(dtype="float32", trainers=1), layout("float32"))
     assert trainer.each == 1_001_000 * 16 + memory.RANK_RUNTIME and "DDP" not in trainer.why
+
+
+def test_delta_versions_keep_a_share_of_the_last_version_and_send_through_buffers():
+    lay = layout("float32")
+    _, trainer, _ = memory.needs(job(dtype="float32", trainers=2, delta=True), lay)
+    share = -(-lay.total_bytes // 2)
+    assert trainer.each == 1_001_000 * 20 + 2 * MiB + share + memory.RANK_RUNTIME
+    assert "share of the last version sent" in trainer.why
+    _, on_gpu, _ = memory.needs(job(gpus=1, delta=True), layout("bfloat16"))  # kept in host memory
+    assert on_gpu.each == memory.RANK_RUNTIME + -(-layout("bfloat16").total_bytes // 2)
 
 
 def test_a_gpu_process_counts_only_its_runtime_on_the_host():

@@ -49,8 +49,9 @@ class Ranks:
                        "--store-port", str(store.port)]
         self.extra = extra
 
-    def start(self, role, rank, *flags):
-        cmd = [sys.executable, str(PEER), "--role", role, "--rank", str(rank), *self.common, *flags]
+    def start(self, role, rank, *flags, wrap=()):
+        """Start a peer process (its command after `wrap`, for example ip netns exec NAME)."""
+        cmd = [*wrap, sys.executable, str(PEER), "--role", role, "--rank", str(rank), *self.common, *flags]
         self.procs[(role, rank)] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return self.procs[(role, rank)]
 

@@ -1,5 +1,6 @@
 """The TCP transport: framing, the HMAC handshake (wrong tokens refused, nothing they send used),
-checksums, ranges the plan does not give, silent and dead peers. Ranks run as threads here; the
+checksums, ranges the plan does not give, silent and dead peers, patches applied or asked for
+again whole. Ranks run as threads here; the
 multi-process tests of the whole path are in test_transfer.py."""
 
 import socket
@@ -418,3 +419,95 @@ def test_refusals_are_logged_at_most_once_per_interval_with_a_count(caplog):
     assert 1 <= len(lines) < 20 and len(receiver.refused) == receiver.refused.maxlen
     assert door.LOG_INTERVAL >= 1
     receiver.close()
+
+
+# ---------------------------------------------------------------- patches (delta versions)
+
+
+def a_patch(base: bytes, new: bytes, base_version: int) -> bytes:
+    """A real patch of `new` against `base` (delta.py), as a trainer makes it."""
+    import numpy as np
+
+    from weightsync.delta import LastSent
+    from weightsync.plan import Bucket
+
+    last = LastSent([Bucket(0, 0, 0, len(base))], 2)
+    last.encoder(0, None).add(0, np.frombuffer(base, dtype=np.uint8))
+    encoder = last.encoder(0, base_version)
+    encoder.add(0, np.frombuffer(new, dtype=np.uint8).copy())
+    return b"".join(encoder.finish(len(new)))
+
+
+def test_a_patch_is_applied_and_a_damaged_one_asked_for_again_whole():
+    import torch
+
+    from weightsync.delta import Patcher
+
+    base = bytes(range(256)) * 16  # two ranges of 2 KiB
+    new = bytearray(base)
+    new[10] ^= 1
+    new[3000] ^= 2
+    new = bytes(new)
+    first, second = a_patch(base[:2048], new[:2048], 4), a_patch(base[2048:], new[2048:], 4)
+    staging = torch.zeros(4096, dtype=torch.uint8)
+    patcher = Patcher(4, torch.frombuffer(bytearray(base), dtype=torch.uint8), staging)
+    receiver, endpoint = pair()
+    sock = authenticated_raw_client(endpoint)
+    out = {}
+
+    def run():
+        out["sums"] = receiver.receive(5, staging, {0: [(0, 2048), (2048, 2048)]}, 10, patcher)
+    t = threading.Thread(target=run)
+    t.start()
+    sum1, sum2 = xxhash.xxh3_64_intdigest(new[:2048]), xxhash.xxh3_64_intdigest(new[2048:])
+    sock.sendall(wire.header(wire.PATCH, 5, 0, len(first), sum1) + first + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(first)))
+    damaged = bytes([second[0] ^ 0xFF]) + second[1:]
+    sock.sendall(wire.header(wire.PATCH, 5, 2048, len(second), sum2) + damaged + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(second)))
+    sock.sendall(wire.header(wire.END, 5, 2, 4096))
+    frame = wire.parse_header(tcp.recv_exact(sock, wire.HEADER.size))
+    assert wire.parse_need(frame, tcp.recv_exact(sock, frame.length)) == [2048]
+    sock.sendall(wire.header(wire.DATA, 5, 2048, 2048) + new[2048:] + wire.TRAILER.pack(sum2))
+    sock.sendall(wire.header(wire.END, 5, 1, 2048))
+    t.join(10)
+    assert out["sums"] == {0: sum1, 2048: sum2} and bytes(staging.numpy()) == new
+    assert patcher.applied == 1 and "damaged in transit" in patcher.refused[0]
+    sock.close(), receiver.close()
+
+
+def test_a_patch_for_a_range_outside_the_plan_is_refused():
+    receiver, endpoint = pair()
+    sock = authenticated_raw_client(endpoint)
+    t, out = receive_in_thread(receiver, 1, bytearray(128), {0: [(0, 64)]}, 5)
+    sock.sendall(wire.header(wire.PATCH, 1, 64, 10, 0) + b"\0" * 10 + wire.TRAILER.pack(0))
+    t.join(5)
+    assert "PATCH for bytes at 64 of version 1, which the plan does not give it" in str(out["error"])
+    sock.close(), receiver.close()
+
+
+def test_a_need_for_bytes_not_sent_as_a_patch_fails_the_sender():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    sender = make_transport("tcp", token=TOKEN, timeout=10).sender(0)
+
+    def inference_rank():  # the receiver's side of the handshake, then a NEED for bytes never patched
+        sock, _ = listener.accept()
+        challenge = wire.challenge(0)
+        sock.sendall(challenge)
+        answer = tcp.recv_exact(sock, wire.ANSWER.size)
+        wire.check_answer(TOKEN, challenge, answer)
+        sock.sendall(wire.verdict(TOKEN, challenge, answer))
+        frame = wire.parse_header(tcp.recv_exact(sock, wire.HEADER.size))
+        tcp.recv_exact(sock, frame.length + wire.TRAILER.size)
+        tcp.recv_exact(sock, wire.HEADER.size)  # END
+        sock.sendall(wire.need(1, [4096]))
+        return sock
+    held = []
+    t = threading.Thread(target=lambda: held.append(inference_rank()))
+    t.start()
+    sender.connect({0: f"127.0.0.1:{port}"})
+    sender.send_patch(0, 1, 0, 4096, [b"a patch"], 123, lambda: b"\0" * 4096)
+    with pytest.raises(TransferError) as err:
+        sender.end_version(1)
+    t.join(5)
+    assert err.value.peer == "inference rank 0" and "asked again for bytes at 4096 of version 1" in str(err.value)
+    sender.close(), listener.close(), held[0].close()

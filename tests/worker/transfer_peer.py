@@ -4,6 +4,11 @@ Every rank builds the same deterministic tensors for each version; trainers send
 through VersionSender over TCP, inference ranks receive through VersionReceiver and check every
 byte against their own cast of the tensors and the digest against the trainers' checksums. The
 test process hosts the TCPStore through which endpoints and results travel.
+
+With --delta, versions after the first change only a fraction (--change) of their elements, the
+trainers keep what they sent and send patches to the inference ranks that the test names in the
+store key bases/<v> ({inference rank: the version it holds}, the controller's word in a job), and
+inference ranks keep two buffers: the version they hold, and the staging buffer.
 """
 
 import argparse
@@ -29,9 +34,18 @@ def layout_of(shapes_text, dtype):
     return FlatLayout.from_shapes([(f"t{i}", s) for i, s in enumerate(parse_shapes(shapes_text))], dtype)
 
 
-def version_tensors(shapes, version):
+def version_tensors(shapes, version, change=0.0):
+    """The tensors of `version`: all different in every version, or with `change`, version 0's
+    with that fraction of the elements moved once more by every later version."""
     g = torch.Generator().manual_seed(1234)
-    return [torch.randn(s, generator=g) * (1 + version) + version for s in shapes]
+    if not change:
+        return [torch.randn(s, generator=g) * (1 + version) + version for s in shapes]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    for step in range(1, version + 1):
+        g = torch.Generator().manual_seed(5678 + step)
+        for t in tensors:
+            t += (torch.rand(t.shape, generator=g) < change) * torch.randn(t.shape, generator=g)
+    return tensors
 
 
 def main():
@@ -51,9 +65,15 @@ def main():
     p.add_argument("--device", default="cpu", help="where the tensors and the staging buffer live (cuda:N for GPUs)")
     p.add_argument("--pause-after-first-bucket", action="store_true", help="trainer: send one bucket, then hang")
     p.add_argument("--listen-only", action="store_true", help="inference: accept connections, never read")
+    p.add_argument("--delta", action="store_true", help="delta versions, with the bases the test puts in the store")
+    p.add_argument("--change", type=float, default=0.0, help="the fraction of elements each version changes")
+    p.add_argument("--spoil-base", action="store_true",
+                   help="inference: change a byte of every bucket of the version it holds before each later version")
+    p.add_argument("--host", default="127.0.0.1", help="the address of this rank (inference: where it listens)")
+    p.add_argument("--store-host", default="127.0.0.1")
     args = p.parse_args()
 
-    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
     shapes = parse_shapes(args.shapes)
     layout = layout_of(args.shapes, args.dtype)
     plan = make_plan(layout, args.trainers, args.inferences, args.bucket)
@@ -79,44 +99,64 @@ def main():
             data = torch.empty(first.length, dtype=torch.uint8)
             from weightsync.flat import fill_range
 
-            fill_range(layout, version_tensors(shapes, 1), first.offset, first.end, data)
+            fill_range(layout, version_tensors(shapes, 1, args.change), first.offset, first.end, data)
             for peer in peers:
                 sender.send(peer, 1, first.offset, data).result()
             store.set(f"paused/trainer/{args.rank}", "1")
             sys.stdin.read()  # until killed
             return
-        mover = VersionSender(sender, plan, args.rank)
+        mover = VersionSender(sender, plan, args.rank, delta=args.delta)
         for v in range(1, args.versions + 1):
-            sent = mover.send(v, [t.to(device) for t in version_tensors(shapes, v)])
+            bases = None
+            if args.delta:
+                store.wait([f"bases/{v}"])
+                bases = {int(r): b for r, b in json.loads(store.get(f"bases/{v}")).items()}
+            sent = mover.send(v, [t.to(device) for t in version_tensors(shapes, v, args.change)], bases=bases)
             store.set(f"sums/{v}/{args.rank}", json.dumps(sent.checksums))
+            store.set(f"sent/{v}/{args.rank}", json.dumps({"wire_bytes": sent.wire_bytes, "bytes": sent.bytes,
+                                                           "patched_peers": sent.patched_peers, "changed": sent.changed,
+                                                           "compared": sent.compared}))
         store.set(f"buffers/trainer/{args.rank}", str(mover.buffer_bytes))
         sender.close()
         return
 
     receiver = transport.receiver(args.rank)
-    store.set(f"endpoint/{args.rank}", receiver.listen("127.0.0.1", 0))
+    store.set(f"endpoint/{args.rank}", receiver.listen(args.host, 0))
     if args.listen_only:
         store.set(f"listening/inference/{args.rank}", "1")
         sys.stdin.read()  # until killed
         return
-    staging = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    held = None  # the version in buffers[0] (delta versions)
     incoming = VersionReceiver(receiver, plan, args.rank)
     store.set(f"ready/inference/{args.rank}", "1")  # knows the plan
     for v in range(1, args.versions + 1):
+        staging, base = buffers[1], None
+        if args.delta:
+            store.wait([f"bases/{v}"])
+            named = json.loads(store.get(f"bases/{v}")).get(str(args.rank))
+            if named is not None and named == held:
+                if args.spoil_base:
+                    for b in plan.buckets:
+                        buffers[0][b.offset] ^= 1
+                base = (held, buffers[0])
         try:
-            got = incoming.receive(v, staging, args.timeout)
+            got = incoming.receive(v, staging, args.timeout, base)
         except TransferError as e:
             store.set(f"result/{v}/{args.rank}", json.dumps({"error": str(e), "peer": e.peer,
                                                                "untouched": int(staging.count_nonzero()) == 0}))
             sys.exit(4)
         dtype = torch_dtype(args.dtype)
-        want = [byte_view(t.to(dtype).contiguous()) for t in version_tensors(shapes, v)]
+        want = [byte_view(t.to(dtype).contiguous()) for t in version_tensors(shapes, v, args.change)]
         same = all(torch.equal(byte_view(a.contiguous()), b) for a, b in zip(views(staging.cpu(), layout), want))
         sums = {}
         for t in plan.expected():
             sums.update({int(k): s for k, s in json.loads(store.get(f"sums/{v}/{t}")).items()})
         store.set(f"result/{v}/{args.rank}", json.dumps({"bit_exact": same, "digest": got.digest,
-                                                           "trainers_digest": version_digest(sums)}))
+                                                           "trainers_digest": version_digest(sums),
+                                                           "patched": got.patched, "refused": got.refused}))
+        buffers.reverse()  # the staging buffer now holds the version this rank runs on
+        held = v
     # a trainer the plan leaves idle may still be connecting: stay until every trainer has
     store.wait([f"connected/trainer/{t}" for t in range(args.trainers)])
     receiver.close()

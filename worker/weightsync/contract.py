@@ -273,6 +273,20 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """spec.transfer.delta: whether inference ranks that hold the previous version get only what
+    changed, and every how many versions every rank gets a whole version anyway."""
+
+    enabled: bool
+    full_every: int
+
+    @classmethod
+    def from_spec(cls, spec: Mapping) -> "Delta":
+        delta = spec["transfer"]["delta"]
+        return cls(bool(delta["enabled"]), int(delta["fullEvery"]))
+
+
+@dataclass(frozen=True)
 class Job:
     name: str
     namespace: str
@@ -286,6 +300,10 @@ class Job:
     def identity(self) -> str:
         """namespace/name: every rendezvous connection is bound to it (with the token)."""
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def delta(self) -> Delta:
+        return Delta.from_spec(self.spec)
 
     def to_object(self) -> dict:
         """The defaulted job as the workers read it (the ConfigMap's content)."""

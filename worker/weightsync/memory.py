@@ -55,16 +55,20 @@ def needs(job: Job, layout: FlatLayout) -> list[Need]:
     params = parameters(layout)
     version = layout.total_bytes
     per_param = TRAINER_BYTES_PER_PARAM + (DDP_BYTES_PER_PARAM if lay.world_size(TRAINER) > 1 else 0)
-    cast = SEND_DEPTH * min(spec["transfer"]["bucketMB"] * MiB, version) if layout.dtype != "float32" else 0
+    delta = job.delta.enabled  # the last version sent is kept (host memory, also beside a GPU), and sent through buffers
+    cast = SEND_DEPTH * min(spec["transfer"]["bucketMB"] * MiB, version) if layout.dtype != "float32" or delta else 0
+    kept = -(-version // lay.world_size(TRAINER)) if delta else 0
     what = "weights, gradients, AdamW's two moments" + (" and DDP buckets" if per_param > TRAINER_BYTES_PER_PARAM else "")
     trainer_state = params * per_param + cast
     trainer_why = f"{_count(params)} parameters x {per_param} bytes for float32 {what}" + (", send buffers" if cast else "")
+    trainer_why += f", its share of the last version sent ({_size(kept)})" if kept else ""
     inference_state = INFERENCE_VERSIONS * version
     inference_why = f"{INFERENCE_VERSIONS} versions of {_size(version)} in {layout.dtype}"
     out = [Need("controller", 1, CONTROLLER_RUNTIME, "runtime")]
     for role, state, why in ((TRAINER, trainer_state, trainer_why), (INFERENCE, inference_state, inference_why)):
         on_gpu = spec[role]["gpusPerProc"] > 0
-        out.append(Need(role, lay.world_size(role), RANK_RUNTIME + (0 if on_gpu else state),
+        extra = kept if role == TRAINER else 0
+        out.append(Need(role, lay.world_size(role), RANK_RUNTIME + (0 if on_gpu else state) + extra,
                         "runtime; its model state is on the GPU" if on_gpu else f"{why}, plus runtime"))
     return out
 

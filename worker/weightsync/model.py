@@ -75,6 +75,17 @@ def point_at(model: torch.nn.Module, views: list[torch.Tensor]) -> None:
             p.data = v
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of next-token prediction on `tokens` (a (batch, seq) tensor of ids;
+    `model` may be wrapped in DDP); returns the loss, detached. The trainer role and the
+    benchmark's training both take their steps here."""
+    loss = model(input_ids=tokens, labels=tokens).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 def vocab_size(model: torch.nn.Module) -> int:
     return int(model.config.vocab_size)
 

@@ -19,7 +19,7 @@ import hmac
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
 from .contract import INFERENCE, TRAINER, Layout
@@ -213,21 +213,24 @@ class Keys:
 
 @dataclass(frozen=True)
 class Round:
-    """One sending of a version: to which inference ranks, at which of their endpoints."""
+    """One sending of a version: to which inference ranks, at which of their endpoints, and (delta
+    versions) to which of them as a delta against the version they hold."""
 
     version: int
     again: int = 0  # 0: the version's first sending; n: the n-th repeat of the final version
     receivers: tuple[int, ...] = ()
     epoch: int = 0
+    bases: Mapping[int, int] = field(default_factory=dict)  # {receiver: its base}; the others get it whole
 
     def to_json(self) -> str:
         return json.dumps({"version": self.version, "again": self.again, "receivers": list(self.receivers),
-                           "epoch": self.epoch})
+                           "epoch": self.epoch, "bases": {str(r): b for r, b in self.bases.items()}})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Round":
         obj = json.loads(text)
-        return cls(obj["version"], obj["again"], tuple(obj["receivers"]), obj["epoch"])
+        return cls(obj["version"], obj["again"], tuple(obj["receivers"]), obj["epoch"],
+                   {int(r): b for r, b in obj.get("bases", {}).items()})
 
     @property
     def name(self) -> str:

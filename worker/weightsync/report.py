@@ -8,7 +8,9 @@ started again must not silently run the job anew (controller.py).
 
 A transfer's bytes are the bytes delivered: the version's size times the number of inference
 ranks; seconds run from the controller's "go" to the last inference rank running on the new
-version; GB/s is one over the other (as `weightsync bench` counts them)."""
+version; GB/s is one over the other (as `weightsync bench` counts them). wireBytes are the bytes
+the trainers put on the wire for it: the same as bytes for a whole version, less when deltaRanks
+inference ranks got it as a delta (more when some refused a patch and got those buckets again)."""
 
 from __future__ import annotations
 
@@ -60,10 +62,11 @@ class Reporter:
         self._patch({"rejoins": rejoins})
 
     def transfer(self, version: int, step: int, bytes: int, seconds: float, transport: str,
-                 loss: float | None, **extra) -> dict:
+                 loss: float | None, wire_bytes: int | None = None, delta_ranks: int = 0, **extra) -> dict:
         record = {"version": version, "step": step, "bytes": bytes, "seconds": round(seconds, 6),
                   "gbps": round(bytes / seconds / 1e9, 4) if seconds > 0 else 0.0, "time": now(),
-                  "transport": transport}
+                  "transport": transport, "wireBytes": bytes if wire_bytes is None else wire_bytes,
+                  "deltaRanks": delta_ranks}
         if loss is not None:
             record["loss"] = round(loss, 6)
         self._line({"event": "transfer", **record, **extra})

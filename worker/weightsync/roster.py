@@ -58,7 +58,9 @@ class Seat:
     endpoint: str = ""
     state: str = SERVING
     since: float = 0.0  # when it entered that state
-    holds: int | None = None  # the last version it applied
+    # The version it holds: the last it applied, verified; None when it holds none (new, or its
+    # process started again). Delta versions go only to ranks that hold the one the trainers kept.
+    holds: int | None = None
     rejoins: int = 0
 
 
@@ -134,12 +136,16 @@ class Host(Channel):
 
     # ------------------------------------------------------------ rounds
 
-    def start_round(self, version: int, again: int = 0) -> Round:
+    def start_round(self, version: int, again: int = 0,
+                    bases: Callable[[Mapping[int, int | None]], Mapping[int, int | None]] | None = None) -> Round:
         """Say go for a round to every inference rank that is there (taking back the ones that
-        rejoined); a repeat (again > 0) goes only to those that do not hold the version yet."""
+        rejoined); a repeat (again > 0) goes only to those that do not hold the version yet.
+        bases({receiver: the version it holds, or None}) says which receivers get the version as a
+        delta, against which version (delta versions); returns the round."""
         receivers = sorted(r for r, s in self.seats.items() if s.state in (SERVING, WAITING)
                            and not (again and s.holds == version))
-        rnd = Round(version, again, tuple(receivers), self.epoch)
+        named = bases({r: self.seats[r].holds for r in receivers}) if bases is not None else {}
+        rnd = Round(version, again, tuple(receivers), self.epoch, {r: b for r, b in named.items() if b is not None})
         self.in_round = {r: self.seats[r].attempt for r in receivers}
         for r in receivers:
             seat = self.seats[r]
@@ -310,7 +316,7 @@ class Host(Channel):
         if seat is None:  # before the plan: the first admission takes the latest attempt
             raise RankFailed(f"{who(INFERENCE, rank)} restarted before the job started; it cannot be admitted twice")
         self._away(rank, f"its process started again (start {attempt})")
-        seat.attempt, seat.state = attempt, JOINING
+        seat.attempt, seat.state, seat.holds = attempt, JOINING, None
         self.set(Keys.nonce(INFERENCE, rank, attempt), secrets.token_hex(16))
 
     def _readmit(self, rank: int) -> None:

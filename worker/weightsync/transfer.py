@@ -7,6 +7,12 @@ wire (depth buffers of one bucket each, allocated once and registered with the t
 when no cast is needed the bytes go straight from the parameters. An inference rank receives
 every trainer's ranges straight into its staging buffer, each bucket checked against its xxh3_64
 checksum, and gets back the version's digest.
+
+With delta versions on (delta.py), a trainer rank keeps what it sent last and sends a bucket to an
+inference rank that holds that version as a patch; the receiver applies it against the version it
+holds into its staging buffer. The checksums, and so the digest, are of the new bytes either way:
+a patched version is verified exactly like a whole one. Who gets patches is the caller's word
+(`bases`, from the controller); the sender also checks that it still keeps that base.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Callable
 import xxhash
 
 from weightsync import flat
+from weightsync.delta import LastSent, Patcher
 from weightsync.plan import Plan
 from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, TransferError
 from weightsync.transport.checksum import CHUNK, as_views, bucket_checksum, checksum_of
@@ -53,6 +60,10 @@ class SentVersion:
     seconds: float
     checksums: dict = field(default_factory=dict)  # {offset: xxh3_64} of this rank's buckets
     lost: dict = field(default_factory=dict)  # {peer: why} the peers it could not send to
+    wire_bytes: int = 0  # what it put on the wire for all peers: whole ranges, patches, ranges re-sent whole
+    patched_peers: int = 0  # peers that were sent patches (the others got every range whole)
+    changed: int = 0  # elements that changed since the base, in the buckets sent as patches
+    compared: int = 0  # elements compared there
 
 
 @dataclass
@@ -62,6 +73,8 @@ class ReceivedVersion:
     seconds: float
     checksums: dict
     digest: str
+    patched: int = 0  # buckets that came as patches and were applied
+    refused: list = field(default_factory=list)  # why other patches were not (those buckets came again, whole)
 
 
 class VersionSender:
@@ -72,12 +85,19 @@ class VersionSender:
     the layout's dtype on the way. Send buffers: `depth` buffers of bucket_bytes, allocated on the
     first version that needs a cast, then reused; buffer_bytes says how much that is. The cast
     of host tensors runs on `cast_threads` intra-op threads (one thread casting cache-sized
-    chunks leaves the other cores to the connections, which run at the same time)."""
+    chunks leaves the other cores to the connections, which run at the same time).
+
+    With `delta`, the rank keeps its share of the last version it sent (LastSent: kept_bytes, one
+    share of a version in the layout's dtype) and every bucket goes through a send buffer, also
+    without a cast, to be compared with it and kept; chunks are encoded on `delta_threads`
+    threads, the first beside the cast of the next chunk."""
 
     def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
-                 depth: int = 2, cast_threads: int = 1):
+                 depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
+        if delta and not (sender.patches and getattr(sender, "buffer_device", "cpu") == "cpu"):
+            raise ValueError(f"the {type(sender).__name__} transport carries no patches: delta versions need tcp")
         self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
         self.buckets = plan.buckets_of(trainer_rank)
         self.bucket_bytes = bucket_bytes or plan.bucket_bytes
@@ -86,6 +106,12 @@ class VersionSender:
         self.peers = list(range(plan.inferences))
         self.cast_threads = cast_threads
         self.buffers: list | None = None
+        self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype], delta_threads) if delta else None
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host memory holding the last version sent (delta versions), in bytes."""
+        return self.last.nbytes if self.last is not None else 0
 
     @property
     def buffer_bytes(self) -> int:
@@ -106,10 +132,10 @@ class VersionSender:
             self.sender.register(self.buffers)
         return self.buffers
 
-    def _fill(self, layout, params, bucket, data, filling: Filling) -> None:
+    def _fill(self, layout, params, bucket, data, filling: Filling, each=None) -> None:
         """Cast the bucket into `data` and give `filling` its checksum; host buffers in
         cache-sized chunks, each hashed while it is still in cache and handed to the
-        transport at once."""
+        transport at once, then to each(start, end) when given."""
         import torch
 
         if data.device.type == "cuda":
@@ -127,21 +153,28 @@ class VersionSender:
                 flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b])
                 h.update(view[a:b])
                 filling.advance(b)
+                if each is not None:
+                    each(a, b)
             filling.finish(h.intdigest())
         finally:
             torch.set_num_threads(threads)
 
     def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,
-             after_bucket: Callable[[int], None] | None = None) -> SentVersion:
+             after_bucket: Callable[[int], None] | None = None, bases: dict[int, int | None] | None = None) -> SentVersion:
         """Send this rank's share of `version` to `peers` (every inference rank by default).
         With lose_peers a peer that fails (its process died) is named in SentVersion.lost and
         the others get all of it; without, PeersFailed is raised. after_bucket(k) runs once the
-        k-th bucket is handed to the transport."""
+        k-th bucket is handed to the transport. With delta versions, `bases` ({inference rank:
+        the version it holds, or None}) names the peers that may get patches."""
         layout = self.plan.layout
         flat.check_sources(layout, params)
         start = time.monotonic()
         peers = self.peers if peers is None else list(peers)
+        if self.last is not None and self.buckets:
+            return self._send_keeping(version, params, peers, lose_peers, after_bucket, bases or {}, start)
         if not self.buckets or not peers:
+            if self.last is not None:
+                self.last.version = version  # it keeps nothing: every version is as good a base
             return SentVersion(version, 0, 0.0, {})
         in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
         inflight: deque = deque()  # futures of the buckets whose buffers may still be on the wire
@@ -185,13 +218,79 @@ class VersionSender:
             lost = {peer: str(error) for peer, error in e.failed.items()}
         sums = {offset: filling.result() for offset, filling in fillings.items()}
         total = sum(b.length for b in self.buckets)
-        return SentVersion(version, total, time.monotonic() - start, sums, lost)
+        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=total * len(peers))
+
+    def _send_keeping(self, version: int, params, peers: list[int], lose_peers: bool,
+                      after_bucket: Callable[[int], None] | None, bases: dict, start: float) -> SentVersion:
+        """send() with delta versions on. Peers whose base is the version kept get each bucket as
+        a patch, unless its first chunk shows that too much changed (then whole, streamed right
+        behind the cast like to the other peers); every bucket is kept for the next version, also
+        when there is no peer to send it to."""
+        layout, last = self.plan.layout, self.last
+        base = last.version
+        patched = [p for p in peers if base is not None and bases.get(p) == base]
+        whole = [p for p in peers if p not in patched]
+        last.version = None  # being overwritten: a failure now leaves nothing to patch against
+        inflight: deque = deque()
+        fillings: dict[int, Filling] = {}
+        resent: list[int] = []
+        wire = changed = compared = 0
+        for k, b in enumerate(self.buckets):
+            filling = fillings[b.offset] = Filling(b.length)
+            buffers = self._buffers(params)
+            if len(inflight) == len(buffers):
+                wait(inflight.popleft())  # the buffer about to be refilled must be off the wire (end_version raises)
+            data = buffers[k % len(buffers)][:b.length]
+            futures = [self.sender.send(p, version, b.offset, data, filling) for p in whole]
+            inflight.append(futures)
+            encoder = last.encoder(b.offset, base if patched else None)
+
+            def keep(a: int, e: int, encoder=encoder, futures=futures, data=data, filling=filling, b=b,
+                     host=data.numpy()) -> None:
+                encoder.add(a, host[a:e])
+                if a == 0 and patched and encoder.dense:  # too much changed: whole, right behind the cast
+                    futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in patched)
+
+            try:
+                self._fill(layout, params, b, data, filling, keep)
+            except BaseException as e:
+                filling.fail(e)
+                raise
+            wire += b.length * len(whole)
+            if patched and encoder.dense:
+                wire += b.length * len(patched)
+            elif patched:
+                payload = encoder.finish(b.length)
+
+                def again(b=b):  # the peer could not apply the patch: the bucket whole, as kept
+                    resent.append(b.length)
+                    return last.bucket(b.offset)
+
+                for p in patched:
+                    self.sender.send_patch(p, version, b.offset, b.length, payload, filling.result(), again)
+                wire += sum(len(part) for part in payload) * len(patched)
+                changed, compared = changed + encoder.changed, compared + encoder.compared
+            if after_bucket is not None:
+                after_bucket(k)
+        lost: dict[int, str] = {}
+        try:
+            self.sender.end_version(version)
+        except PeersFailed as e:
+            if not lose_peers:
+                raise
+            lost = {peer: str(error) for peer, error in e.failed.items()}
+        last.version = version  # every bucket was kept, whoever received it
+        sums = {offset: filling.result() for offset, filling in fillings.items()}
+        total = sum(b.length for b in self.buckets)
+        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=wire + sum(resent),
+                           patched_peers=len(patched), changed=changed, compared=compared)
 
 
 class VersionReceiver:
-    """Receives whole versions on one inference rank into a staging buffer (a 1-d uint8 tensor
-    of at least plan.layout.total_bytes, registered once with the transport by the caller or on
-    first use), verifying every bucket."""
+    """Receives versions on one inference rank into a staging buffer (a 1-d uint8 tensor of at
+    least plan.layout.total_bytes, registered once with the transport by the caller or on first
+    use), verifying every bucket. A version may come as patches against `base`, (the version this
+    rank holds, its buffer), which is only read."""
 
     def __init__(self, receiver: Receiver, plan: Plan, inference_rank: int):
         self.receiver, self.plan, self.rank = receiver, plan, inference_rank
@@ -199,17 +298,23 @@ class VersionReceiver:
         self.registered: set[int] = set()
         receiver.expect_trainers(plan.trainers)
 
-    def receive(self, version: int, staging, timeout: float) -> ReceivedVersion:
+    def receive(self, version: int, staging, timeout: float, base: tuple[int, object] | None = None) -> ReceivedVersion:
         if staging.numel() * staging.element_size() < self.plan.version_bytes:
             raise ValueError(f"the staging buffer holds {staging.numel() * staging.element_size()} bytes, "
                              f"a version needs {self.plan.version_bytes}")
         if staging.data_ptr() not in self.registered:
             self.receiver.register([staging])
             self.registered.add(staging.data_ptr())
+        patcher = None
+        if self.receiver.patches:
+            if base is not None and base[1].data_ptr() == staging.data_ptr():
+                raise ValueError("the base of a delta version must be another buffer than the staging buffer")
+            patcher = Patcher(base[0], base[1], staging) if base is not None else Patcher(None)
         start = time.monotonic()
-        sums = self.receiver.receive(version, staging, self.expected, timeout)
+        sums = self.receiver.receive(version, staging, self.expected, timeout, patcher)
         want = {o for ranges in self.expected.values() for o, _ in ranges}
         if set(sums) != want:
             missing = sorted(want - set(sums))
             raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
-        return ReceivedVersion(version, self.plan.version_bytes, time.monotonic() - start, sums, version_digest(sums))
+        return ReceivedVersion(version, self.plan.version_bytes, time.monotonic() - start, sums, version_digest(sums),
+                               patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [])

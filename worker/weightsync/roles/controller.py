@@ -12,9 +12,11 @@ ControllerRestarted) rather than silently running it again from step 0."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from .. import health
-from ..contract import CONTROLLER, INFERENCE, TRAINER, WorkerContext
+from ..contract import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
+from ..deltaplan import bases, delta_in_effect
 from ..flat import FlatLayout, LayoutMismatch
 from ..plan import job_plan
 from ..rendezvous import Keys, ProofError, Round, versions, who
@@ -74,10 +76,14 @@ def run(ctx: WorkerContext) -> int:
         host.check_rejoin = lambda meta, info: _check_rejoin(plan.layout, transport, meta, info)
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
+        delta_on, why = delta_in_effect(ctx.job.delta, transport)
+        log(ME, why)
+        delta = Delta(delta_on, ctx.job.delta.full_every)
         final = None
         for version, step in versions(spec):
             host.wait_ranks([Keys.ready(version, r) for r in range(trainers)], f"the trainers to be ready for version {version}")
-            record, sent = _round(host, reporter, plan, host.start_round(version), step, transport, timeout)
+            rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
+            record, sent = _round(host, reporter, plan, rnd, step, transport, timeout)
             if sent[0].get("loss") is not None:
                 loss = sent[0]["loss"]
             delivered += 1
@@ -88,7 +94,8 @@ def run(ctx: WorkerContext) -> int:
         while final is not None and host.behind(final[0]):  # ranks that came back after the final version
             host.wait_back()
             again += 1
-            _round(host, reporter, plan, host.start_round(final[0], again), final[1], transport, timeout)
+            rnd = host.start_round(final[0], again, bases=partial(bases, delta, final[0], again))
+            _round(host, reporter, plan, rnd, final[1], transport, timeout)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError) as e:
         return _fail(ctx, host, reporter, e, delivered, loss)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
@@ -122,12 +129,18 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transpor
             host.store.add(Keys.VERIFY_FAILURES, 1)
             raise JobFailed(f"{who(INFERENCE, r)} applied version {rnd.version} with digest {got['digest'][:16]}, "
                             f"but the trainers sent {reference[:16]}", VERIFICATION_FAILED)
+        if got.get("refused"):
+            log(ME, f"{who(INFERENCE, r)} could not apply {got['refused']} patch(es) of {rnd.name} ({got['why_refused']}); "
+                    "the trainers sent those buckets whole")
     host.holding(rnd.version, applied)
     if rnd.again or host.rejoins():
         reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
     loss = sent[0].get("loss")
+    changed, compared = sum(s.get("changed", 0) for s in sent), sum(s.get("compared", 0) for s in sent)
+    extra = {"changed": round(changed / compared, 6)} if compared else {}
     record = reporter.transfer(rnd.version, step, plan.version_bytes * len(applied), seconds, transport, loss,
-                               version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again)
+                               wire_bytes=sum(s["wire_bytes"] for s in sent), delta_ranks=len(rnd.bases),
+                               version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
     host.set(Keys.done(rnd.version, rnd.again), record)
     return record, sent
 

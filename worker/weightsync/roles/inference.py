@@ -57,6 +57,12 @@ class Generations:
     def staging(self):
         return self.buffers[1 - self.active]
 
+    def base(self, version: int | None):
+        """(version, its buffer) when the model runs on `version`: what a delta of the next
+        version is applied to (only read, while the model runs on it); else None."""
+        with self.cond:
+            return (version, self.buffers[self.active]) if version is not None and version == self.version else None
+
     # the receiving thread
     def offer(self, version: int) -> None:
         """Hand over the version in the staging buffer and wait until the model runs on it."""
@@ -161,7 +167,10 @@ class Inference:
                 if self.rank not in rnd.receivers:
                     raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
                                      "off); ending this process so that it starts again and rejoins")
-                got = receiver.receive(version, gens.staging, timeout)
+                got = receiver.receive(version, gens.staging, timeout, gens.base(rnd.bases.get(self.rank)))
+                if got.refused:
+                    log(self.me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
+                                 "the trainers sent those buckets whole")
                 pause_point(INFERENCE, self.rank, "verifying", version)
                 if transfer["verify"] == "digest":
                     member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
@@ -172,7 +181,9 @@ class Inference:
                             f"version {version} failed verification: digest {got.digest[:16]} received, the trainers "
                             f"sent {reference[:16]}; still on version {gens.version}")
                 gens.offer(version)
-                member.set(Keys.applied(version, self.rank, member.attempt), {"digest": got.digest, "seconds": got.seconds})
+                member.set(Keys.applied(version, self.rank, member.attempt),
+                           {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),
+                            "why_refused": got.refused[0] if got.refused else None})
             gens.finish(end=member.wait_for_end())
         except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
             gens.finish(error=e)

@@ -13,8 +13,9 @@ import torch
 from .. import health
 from ..contract import INFERENCE, TRAINER, WorkerContext
 from ..data import MarkovTokens, rank_generator
+from ..deltaplan import delta_in_effect
 from ..flat import torch_dtype
-from ..model import build, check_fits, layout_of, logits, parameters, prompt, vocab_size
+from ..model import build, check_fits, layout_of, logits, parameters, prompt, train_step, vocab_size
 from ..rendezvous import JobEnded, Keys, Member, Round, versions, who
 from ..transfer import SentVersion, VersionSender, settle_heap
 from ..transport.base import TransferError
@@ -48,9 +49,10 @@ class Trainer:
         health.ready()
         links = Links(sender, member, endpoints, timeout)
         links.follow(Round(0, receivers=tuple(endpoints)))
-        mover = VersionSender(sender, plan, rank, transfer["bucketMB"] << 20)
+        mover = VersionSender(sender, plan, rank, transfer["bucketMB"] << 20, delta=delta_in_effect(self.ctx.job.delta, name)[0])
+        kept = f"; keeps the last {mover.kept_bytes} sent for delta versions" if mover.kept_bytes else ""
         log(self.me, f"on {device}, {name} transport ({why}); sends {sum(b.length for b in plan.buckets_of(rank))} "
-                     f"of {plan.version_bytes} bytes per version to {len(endpoints)} inference ranks")
+                     f"of {plan.version_bytes} bytes per version to {len(endpoints)} inference ranks{kept}")
 
         ddp = self._ddp(model, device, timeout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=training["learningRate"])
@@ -63,11 +65,7 @@ class Trainer:
             for version, at_step in versions(spec):
                 while step < at_step:
                     tokens = data.batch(training["batchSize"], training["seqLen"], generator).to(device)
-                    loss = ddp(input_ids=tokens, labels=tokens).loss
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    losses.append(loss.detach())
+                    losses.append(train_step(ddp, optimizer, tokens))
                     step += 1
                 mean_loss = self._mean_loss(losses, device)
                 losses = []
@@ -75,7 +73,8 @@ class Trainer:
                 pause_point(TRAINER, rank, "before-go", version)
                 sent = self._send(links, mover, member.round(version, poll_max=0.002), params, step, mean_loss)
                 loss_text = f", loss {mean_loss:.4f}" if mean_loss is not None else ""
-                log(self.me, f"version {version} at step {step}{loss_text}: sent {sent.bytes} bytes in {sent.seconds:.4f}s")
+                log(self.me, f"version {version} at step {step}{loss_text}: sent {sent.bytes} bytes in {sent.seconds:.4f}s "
+                             f"({sent.wire_bytes} bytes on the wire)")
                 if dumping():
                     self._dump(model, version, spec["model"]["dtype"], device)
             state = self._send_final_again(links, mover, version, params, step)
@@ -91,14 +90,16 @@ class Trainer:
         controller counts them away until they rejoin."""
         lost = links.follow(rnd)
         sent = mover.send(rnd.version, params, [r for r in rnd.receivers if r not in lost], lose_peers=True,
-                          after_bucket=lambda k: k == 0 and pause_point(TRAINER, self.rank, "mid-send", rnd.version))
+                          after_bucket=lambda k: k == 0 and pause_point(TRAINER, self.rank, "mid-send", rnd.version),
+                          bases=rnd.bases)
         lost.update(sent.lost)
         for r, why in lost.items():
             links.sender.drop(r)
             log(self.me, f"lost inference rank {r} while sending {rnd.name}: {why}")
         self.member.set(Keys.sent(rnd.version, rnd.again, self.rank),
                         {"checksums": {str(o): c for o, c in sent.checksums.items()}, "bytes": sent.bytes,
-                         "seconds": sent.seconds, "step": step, "loss": loss, "lost": {str(r): w for r, w in lost.items()}})
+                         "seconds": sent.seconds, "step": step, "loss": loss, "lost": {str(r): w for r, w in lost.items()},
+                         "wire_bytes": sent.wire_bytes, "changed": sent.changed, "compared": sent.compared})
         return sent
 
     def _send_final_again(self, links: "Links", mover: VersionSender, final: int, params, step: int) -> str:

@@ -3,7 +3,9 @@
 A Sender lives on a trainer rank and a Receiver on an inference rank. Connections are opened
 once and kept across versions. Every byte range travels with the xxh3_64 checksum of its bytes,
 which the receiver verifies before it reports the range delivered. A range may be handed to the
-sender before its bytes exist (a Filling): the sender streams them as the producer fills them.
+sender before its bytes exist (a Filling): the sender streams them as the producer fills them. Transports that can carry patches (tcp) also
+send a range as a patch against bytes the receiver already holds, which the receiver applies with
+a Patcher or refuses, and then gets the range whole.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import abc
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 
 class TransferError(RuntimeError):
@@ -106,10 +108,23 @@ class Tally:
         return frames, nbytes
 
 
+class Patcher(Protocol):
+    """What a receiver applies patches with (delta.Patcher): it holds the base and the buffer."""
+
+    def apply(self, offset: int, length: int, payload: memoryview, checksum: int) -> bool:
+        """Write the new bytes of the range [offset, offset + length) that `payload` makes of the
+        base; True when they are in place and their xxh3_64 is `checksum`, else False (and the
+        range must come whole)."""
+
+    def refuse(self, offset: int, length: int, reason: str) -> None:
+        """Note a patch the transport refused before applying it (damaged in transit)."""
+
+
 class Sender(abc.ABC):
     """One per trainer rank."""
 
     rank: int
+    patches = False  # whether send_patch() works
 
     @abc.abstractmethod
     def connect(self, peers: dict[int, str]) -> None:
@@ -137,6 +152,13 @@ class Sender(abc.ABC):
         the producer gives the checksum. The future's result is the checksum the peer was sent;
         it completes when the bytes have left `data` (which may then be reused)."""
 
+    def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
+                   whole: Callable[[], Any]) -> Future:
+        """Queue a patch (`payload`, a list of byte pieces) of the range [offset, offset + length)
+        whose new bytes hash to `checksum`. If the peer cannot apply it, end_version() sends the
+        range whole: `whole()` gives its new bytes then (they must stay valid until then)."""
+        raise NotImplementedError(f"the {type(self).__name__} transport carries no patches")
+
     @abc.abstractmethod
     def end_version(self, version: int) -> None:
         """Tell every peer this rank has sent all it will send for `version`; waits for all of
@@ -151,6 +173,7 @@ class Receiver(abc.ABC):
     """One per inference rank."""
 
     rank: int
+    patches = False  # whether receive() takes a patcher
 
     @abc.abstractmethod
     def listen(self, host: str, port: int) -> str:
@@ -164,9 +187,12 @@ class Receiver(abc.ABC):
         a socket transport sizes its cap on unauthenticated connections by it."""
 
     @abc.abstractmethod
-    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
+    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
+                patcher: Patcher | None = None) -> dict[int, int]:
         """Block until every trainer rank in `expected` has delivered exactly its (offset, length)
         ranges of `version` into `buffer` and ended the version. Returns {offset: checksum}.
+        A range may come as a patch, which `patcher` applies (without one, or when it cannot, the
+        range is asked for again, whole; transports without patches take no patcher).
         Raises TransferError naming the trainer rank when it has not connected within `timeout`
         seconds, goes silent for longer than the transport's timeout, closes its connection,
         sends a bad checksum, or sends a range it was not expected to send."""

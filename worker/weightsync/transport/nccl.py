@@ -201,8 +201,12 @@ class NcclReceiver(Receiver):
             raise TransferError(f"trainer rank {trainer}", "its announcement does not prove the job token")
         self.proven.add(trainer)
 
-    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
+    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
+                patcher: Any = None) -> dict[int, int]:
         import torch
+
+        if patcher is not None:
+            raise ValueError("the nccl transport carries no patches: receive whole versions")
 
         if not hasattr(buffer, "data_ptr") or buffer.device.type != "cuda":
             raise ValueError("the nccl transport receives into a GPU tensor")

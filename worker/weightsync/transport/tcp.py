@@ -14,6 +14,11 @@ times them out; only a connection that proves the token gets a thread. After tha
 may send exactly the ranges the plan gives it, once each, and an END that counts them: any
 other frame cuts its connection off and fails the version, naming the trainer rank.
 
+A range may also go as a PATCH against bytes the receiver holds (delta versions): the receiver
+applies it with the caller's Patcher, and after the version's END it tells the sender which
+patches it could not apply (NEED); the sender sends those ranges whole from the bytes the caller
+kept, so a refused patch costs one round trip and never a wrong byte.
+
 The wire format (handshake and frames) is defined in wire.py; checksums in checksum.py.
 """
 
@@ -31,10 +36,11 @@ from typing import Any, Callable
 import xxhash
 
 from weightsync.transport import wire
-from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, Tally, TransferError, Transport, each_peer
-from weightsync.transport.checksum import CHUNK, as_views
+from weightsync.transport.base import (Filling, Patcher, PeersFailed, Receiver, Sender, Tally, TransferError, Transport,
+                                       each_peer)
+from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.door import Door
-from weightsync.transport.wire import DATA, END, KIND_NAMES, TRAILER, WRITTEN
+from weightsync.transport.wire import DATA, END, KIND_NAMES, NEED, PATCH, TRAILER
 
 log = logging.getLogger("weightsync.transport")
 
@@ -189,6 +195,7 @@ def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: in
 class TcpSender(Sender):
     in_place = True  # accepts lists of memoryviews straight into parameter memory
     buffer_device = "cpu"
+    patches = True
 
     def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
         if len(token) < 16:
@@ -197,6 +204,8 @@ class TcpSender(Sender):
         self.conns: dict[int, Connection] = {}
         self.pending: dict[int, list[tuple[int, Future]]] = {}
         self.tally = Tally()
+        # (version, peer) -> {offset: (length, whole)} of the ranges sent as patches
+        self.patched: dict[tuple[int, int], dict[int, tuple[int, Callable[[], Any]]]] = {}
 
     def connect(self, peers: dict[int, str]) -> None:
         deadline = time.monotonic() + self.timeout
@@ -290,12 +299,62 @@ class TcpSender(Sender):
 
         return self.submit(peer, version, stream)
 
+    def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
+                   whole: Callable[[], Any]) -> Future:
+        views = as_views(payload)
+        size = sum(len(v) for v in views)
+        if size > wire.patch_limit(length):
+            raise ValueError(f"a {size}-byte patch of a {length}-byte range: send the range whole")
+        self.tally.add(version, peer, length)
+        self.patched.setdefault((version, peer), {})[offset] = (length, whole)
+        header = wire.header(PATCH, version, offset, size, checksum)
+
+        def work(conn: Connection) -> int:
+            try:
+                send_all(conn.sock, [memoryview(header)] + views + [memoryview(TRAILER.pack(checksum_of(views)))])
+            except BaseException:
+                hang_up(conn.sock)
+                raise
+            return checksum
+
+        return self.submit(peer, version, work)
+
     def end_version(self, version: int) -> None:
         for peer in self.conns:
             frames, nbytes = self.tally.pop(version, peer)
             header = wire.header(END, version, frames, nbytes)
-            self.submit(peer, version, lambda c, h=header: c.sock.sendall(h))
+            patched = self.patched.pop((version, peer), None)
+
+            def end(c: Connection, h=header, patched=patched) -> None:
+                c.sock.sendall(h)
+                if patched:
+                    self._resend(c, version, patched)
+
+            self.submit(peer, version, end)
         self.wait(version)
+
+    def _resend(self, conn: Connection, version: int, patched: dict[int, tuple[int, Callable[[], Any]]]) -> None:
+        """Read the peer's NEED for `version` and send whole the patched ranges it could not
+        apply, then END again."""
+        frame = wire.parse_header(recv_exact(conn.sock, wire.HEADER.size))
+        if frame.kind != NEED or frame.version != version or frame.offset > len(patched):
+            raise wire.WireError(f"answered the patches of version {version} with {KIND_NAMES.get(frame.kind, frame.kind)} "
+                                 f"for version {frame.version} ({frame.offset} ranges)")
+        offsets = wire.parse_need(frame, recv_exact(conn.sock, frame.length))
+        if not offsets:
+            return
+        nbytes = 0
+        for offset in offsets:
+            if offset not in patched:
+                raise wire.WireError(f"asked again for bytes at {offset} of version {version}, which were not sent as a patch")
+            length, whole = patched[offset]
+            views = as_views(whole())
+            send_all(conn.sock, [memoryview(wire.header(DATA, version, offset, length))] + views
+                     + [memoryview(TRAILER.pack(checksum_of(views)))])
+            nbytes += length
+        log.warning("%s could not apply %d patch(es) of version %d; sent those %d bytes whole",
+                    conn.peer, len(offsets), version, nbytes)
+        conn.sock.sendall(wire.header(END, version, len(offsets), nbytes))
 
     def wait(self, version: int) -> None:
         """Wait for every queued send of `version`; raise PeersFailed naming every peer that
@@ -361,7 +420,8 @@ class Landing:
 
 class TcpReceiver(Receiver):
     name = "tcp"
-    carried = (DATA,)  # the frame kinds that deliver a range over this transport
+    carried = (DATA,)  # the frame kinds that deliver a range whole over this transport
+    patches = True  # PATCH frames (delta versions) too
 
     def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
         if len(token) < 16:
@@ -455,7 +515,8 @@ class TcpReceiver(Receiver):
         if sock is not None:
             hang_up(sock)
 
-    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float) -> dict[int, int]:
+    def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
+                patcher: Patcher | None = None) -> dict[int, int]:
         landing = Landing(buffer)
         for trainer, ranges in expected.items():
             for offset, length in ranges:
@@ -472,15 +533,16 @@ class TcpReceiver(Receiver):
             for other in expected:
                 self.drop(other)
 
-        results = each_peer(expected, lambda t: self.receive_from(t, version, landing, expected[t], deadline, abandon), lost)
+        results = each_peer(expected, lambda t: self.receive_from(t, version, landing, expected[t], deadline, abandon, patcher),
+                            lost)
         return {offset: digest for sums in results.values() for offset, digest in sums.items()}
 
     def receive_from(self, trainer: int, version: int, landing: Landing, ranges: list[tuple[int, int]],
-                     deadline: float, abandon: threading.Event) -> dict[int, int]:
+                     deadline: float, abandon: threading.Event, patcher: Patcher | None = None) -> dict[int, int]:
         peer = f"trainer rank {trainer}"
         sock = self.wait_connection(trainer, deadline, abandon)
         try:
-            return self._frames(sock, trainer, version, landing, ranges)
+            return self._frames(sock, trainer, version, landing, ranges, patcher)
         except socket.timeout:
             error = TransferError(peer, f"silent for {self.timeout:g}s during version {version}")
         except wire.WireError as e:
@@ -495,17 +557,21 @@ class TcpReceiver(Receiver):
         raise error
 
     def _frames(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
-                ranges: list[tuple[int, int]]) -> dict[int, int]:
-        """Read one version's frames from a trainer: each range the plan gives it exactly once,
-        then END with the right counts. Any frame beyond that is refused before a byte of its
-        payload is read, and no buffer is ever sized by a length the peer sent (the payload of
-        a range the plan gives lands in place, or in a bounce buffer of at most that range)."""
+                ranges: list[tuple[int, int]], patcher: Patcher | None = None) -> dict[int, int]:
+        """Read one version's frames from a trainer: each range the plan gives it exactly once
+        (whole, or as a PATCH), then END with the right counts; after an END that closed patches,
+        NEED names the patched ranges to send again whole, and those follow with another END.
+        Any frame beyond that is refused before a byte of its payload is read, and no buffer is
+        ever sized by a length the peer sent beyond what the plan allows (the payload of a range
+        lands in place, or in a bounce buffer of at most that range or its patch limit)."""
         peer = f"trainer rank {trainer}"
+        lengths = dict(ranges)
         planned = set(ranges)
         left = set(ranges)
         sums: dict[int, int] = {}
         bounce: dict = {}
-        frames = nbytes = 0
+        frames = nbytes = patches = 0
+        need: list[int] = []  # patched ranges to ask for again, whole
         self.before_receive(sock, trainer, version, landing, ranges)
         while True:
             kind, v, offset, length, digest = wire.parse_header(recv_exact(sock, wire.HEADER.size))
@@ -517,7 +583,33 @@ class TcpReceiver(Receiver):
                                               f"first at byte {min(left)[0]}")
                 if (offset, length) != (frames, nbytes):
                     raise TransferError(peer, f"says it sent {offset} ranges / {length} bytes, {frames} / {nbytes} arrived")
-                return sums
+                if not patches:
+                    return sums
+                sock.sendall(wire.need(version, need))  # the sender waits for this verdict on its patches
+                if not need:
+                    return sums
+                left = {(o, lengths[o]) for o in need}
+                frames = nbytes = patches = 0
+                need = []
+                continue
+            if kind == PATCH:
+                size = lengths.get(offset)
+                if not self.patches:
+                    raise TransferError(peer, f"sent a PATCH for bytes at {offset} of version {version}: a sender never "
+                                              f"sends PATCH over the {self.name} transport")
+                if size is None or (offset, size) not in left or length > wire.patch_limit(size):
+                    why = "a second time" if size is not None and (offset, size) in planned and length <= wire.patch_limit(size) \
+                        else "which the plan does not give it"
+                    raise TransferError(peer, f"sent a {length}-byte PATCH for bytes at {offset} of version {version}, {why}")
+                left.discard((offset, size))
+                if self.patch(sock, offset, size, length, digest, patcher, bounce):
+                    sums[offset] = digest
+                else:
+                    need.append(offset)
+                patches += 1
+                frames += 1
+                nbytes += size
+                continue
             what = f"{KIND_NAMES[kind]} for bytes [{offset}, {offset + length}) of version {version}"
             if kind not in self.carried:
                 raise TransferError(peer, f"sent {what}: a sender never sends {KIND_NAMES[kind]} over the {self.name} transport")
@@ -536,6 +628,23 @@ class TcpReceiver(Receiver):
             sums[offset] = got
             frames += 1
             nbytes += length
+
+    @staticmethod
+    def patch(sock: socket.socket, offset: int, size: int, length: int, checksum: int, patcher: Patcher | None,
+              bounce: dict) -> bool:
+        """Receive a PATCH's `length` payload bytes and its trailer, and apply it to the range
+        [offset, offset + size); False when it is not applied (then the range must come whole)."""
+        if len(bounce.get("patch", b"")) < length:
+            bounce["patch"] = bytearray(length)
+        payload = memoryview(bounce["patch"])[:length]
+        recv_into_all(sock, payload)
+        (trailer,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
+        if patcher is None:
+            return False
+        if xxhash.xxh3_64_intdigest(payload) != trailer:
+            patcher.refuse(offset, size, "the patch was damaged in transit (its checksum differs)")
+            return False
+        return patcher.apply(offset, size, payload, checksum)
 
     def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
                        ranges: list[tuple[int, int]]) -> None:

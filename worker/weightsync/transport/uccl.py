@@ -108,6 +108,7 @@ class Registered:
 class UcclSender(TcpSender):
     in_place = False  # one-sided writes go out of registered memory
     buffer_device = "cuda"
+    patches = False  # its ranges go one-sided into GPU memory
 
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
@@ -191,6 +192,7 @@ class UcclSender(TcpSender):
 class UcclReceiver(TcpReceiver):
     name = "uccl"
     carried = (WRITTEN,)  # the sender writes one-sided and never sends DATA
+    patches = False  # nor PATCH: every version goes whole
 
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)

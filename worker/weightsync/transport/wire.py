@@ -20,11 +20,20 @@ Then frames, each a 40-byte header
                `offset`, then a u64 trailer: xxh3_64 of the payload (after it, so that the
                sender can stream bytes as they are produced); the header's checksum is 0.
   END      (2) sender -> receiver: the sender is done with `version`; offset = the number of
-               DATA/WRITTEN frames it sent for it, length = their total bytes, checksum = 0.
+               DATA/WRITTEN/PATCH frames it sent for it, length = the total bytes of their
+               ranges, checksum = 0.
   WRITTEN  (3) sender -> receiver, RDMA transports: the range [offset, offset+length) was
                written one-sided into the receiver's buffer; checksum as for DATA; no payload.
   ADVERT   (4) receiver -> sender, RDMA transports: `length` payload bytes follow, the remote
                access descriptors of the receiver's buffer for `version` (transport-defined).
+  PATCH    (5) sender -> receiver: `length` payload bytes follow, a patch (delta.py defines it)
+               that makes the range starting at `offset` (a range of the plan) of the bytes the
+               receiver holds, then a u64 trailer: xxh3_64 of the payload; checksum = xxh3_64
+               of the range's new bytes. A patch is at most patch_limit(range length) bytes.
+  NEED     (6) receiver -> sender, after the END of a version for which the sender sent PATCH
+               frames: offset = the number of patched ranges it could not apply, length = 8 x
+               that, followed by their u64 offsets. The sender then sends those ranges as DATA
+               frames and a second END that counts them (no NEED follows that one).
 """
 
 from __future__ import annotations
@@ -42,8 +51,8 @@ VERDICT = struct.Struct("<4s32s")
 HEADER = struct.Struct("<4sB3xQQQQ")
 TRAILER = struct.Struct("<Q")
 MAGIC = b"WSYN"
-DATA, END, WRITTEN, ADVERT = 1, 2, 3, 4
-KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT"}
+DATA, END, WRITTEN, ADVERT, PATCH, NEED = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT", PATCH: "PATCH", NEED: "NEED"}
 
 
 class WireError(ConnectionError):
@@ -115,6 +124,24 @@ def parse_header(raw: bytes) -> Frame:
         raise WireError(f"sent a frame whose reserved bytes are not zero ({raw[5:8].hex()})")
     if kind not in KIND_NAMES:
         raise WireError(f"sent a frame of unknown kind {kind}")
-    if checksum and kind != WRITTEN:
+    if checksum and kind not in (WRITTEN, PATCH):
         raise WireError(f"sent a {KIND_NAMES[kind]} frame with a checksum in its header, where the format has 0")
     return Frame(kind, version, offset, length, checksum)
+
+
+def patch_limit(length: int) -> int:
+    """The most bytes a PATCH of a `length`-byte range may carry: the range itself and its
+    framing (a patch that would be larger is sent as DATA)."""
+    return length + length // 4096 + 4096
+
+
+def need(version: int, offsets: list[int]) -> bytes:
+    """A NEED frame asking again, whole, for the ranges at `offsets`."""
+    return header(NEED, version, len(offsets), 8 * len(offsets)) + struct.pack(f"<{len(offsets)}Q", *offsets)
+
+
+def parse_need(frame: Frame, payload: bytes) -> list[int]:
+    """The offsets a NEED frame (its header parsed, then its payload) asks for."""
+    if frame.kind != NEED or frame.length != 8 * frame.offset or len(payload) != frame.length:
+        raise WireError(f"expected a NEED frame, got {KIND_NAMES.get(frame.kind, frame.kind)} of {frame.length} bytes")
+    return list(struct.unpack(f"<{frame.offset}Q", payload))
