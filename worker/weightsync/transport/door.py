@@ -46,6 +46,8 @@ PENDING_BEFORE_PLAN = 64
 LOG_INTERVAL = 5.0
 # How long the door stops accepting when the process is out of file descriptors.
 FULL_PAUSE = 0.1
+# Connections accepted at a time before the door reads answers and checks deadlines again.
+ACCEPT_BATCH = 64
 
 
 def address(addr) -> str:
@@ -159,7 +161,9 @@ class Door:
         return max(0.0, min(times) - time.monotonic()) if times else None
 
     def _accept(self) -> None:
-        while not self.closed:
+        for _ in range(ACCEPT_BATCH):  # then answers and deadlines, even under a steady flood
+            if self.closed:
+                return
             try:
                 sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
