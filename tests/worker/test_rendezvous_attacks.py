@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from test_runner import ODD, assert_nothing_left, make_job, start, store_of, wait_key
+from test_store import record_session
 from weightsync import contract, store
 from weightsync.store import HELLO, PROOF, VERDICT, StoreClient, StoreRefused, pack, seal
 
@@ -128,41 +129,10 @@ def test_without_the_token_a_running_job_cannot_be_read_written_or_filled(tmp_pa
 
 def capture_session(port: int, token: bytes, job: str) -> bytes:
     """The bytes a real client sends for a session that reads the plan, through a recording proxy."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    captured = bytearray()
-    done = threading.Event()
+    def read_plan(client):
+        assert b"plan" in client.get("plan")
 
-    def pipe(src, dst, record):
-        while True:
-            try:
-                data = src.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                try:
-                    dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-                return
-            if record:
-                captured.extend(data)
-            dst.sendall(data)
-
-    def proxy():
-        down, _ = listener.accept()
-        up = socket.create_connection(("127.0.0.1", port))
-        back = threading.Thread(target=pipe, args=(up, down, False))
-        back.start()
-        pipe(down, up, True)
-        back.join(60)
-        done.set()
-
-    threading.Thread(target=proxy, daemon=True).start()
-    with StoreClient("127.0.0.1", listener.getsockname()[1], token, job, timeout=30) as c:
-        assert b"plan" in c.get("plan")
-    assert done.wait(60)
-    listener.close()
-    return bytes(captured)
+    return record_session(port, token, job, read_plan)
 
 
 def stranger_replay(port: int, captured: bytes) -> bytes:

@@ -174,10 +174,12 @@ def test_junk_before_the_handshake_is_not_read(server):
     assert server.num_keys() == 0 and server.bytes_held == 0
 
 
-def test_a_captured_session_replayed_on_a_new_connection_is_refused(server):
-    # a recording proxy between a real client and the server, as someone on the path would be
+def record_session(port: int, token: bytes, job: str, talk) -> bytes:
+    """The bytes a real client sends to the store at `port` while talk(client) runs, through a
+    recording proxy between them, as someone on the path would see them."""
     listener = socket.create_server(("127.0.0.1", 0))
     captured = bytearray()
+    done = threading.Event()
 
     def pipe(src, dst, record):
         while True:
@@ -197,15 +199,27 @@ def test_a_captured_session_replayed_on_a_new_connection_is_refused(server):
 
     def proxy():
         down, _ = listener.accept()
-        up = socket.create_connection(("127.0.0.1", server.port))
-        threading.Thread(target=pipe, args=(up, down, False), daemon=True).start()
+        up = socket.create_connection(("127.0.0.1", port))
+        back = threading.Thread(target=pipe, args=(up, down, False))
+        back.start()
         pipe(down, up, True)
+        back.join(60)
+        done.set()
 
     threading.Thread(target=proxy, daemon=True).start()
-    c = StoreClient("127.0.0.1", listener.getsockname()[1], TOKEN, JOB, timeout=10)
-    c.set("x", b"1")
-    assert c.add("counter", 1) == 1
-    c.close()
+    with StoreClient("127.0.0.1", listener.getsockname()[1], token, job, timeout=30) as c:
+        talk(c)
+    assert done.wait(60)
+    listener.close()
+    return bytes(captured)
+
+
+def test_a_captured_session_replayed_on_a_new_connection_is_refused(server):
+    def talk(c):
+        c.set("x", b"1")
+        assert c.add("counter", 1) == 1
+
+    captured = record_session(server.port, TOKEN, JOB, talk)
     server.delete_key("x")
 
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
@@ -213,7 +227,6 @@ def test_a_captured_session_replayed_on_a_new_connection_is_refused(server):
         sock.sendall(bytes(captured))  # the whole client side: proof, set, add
         assert recv_all(sock) == VERDICT.pack(0, bytes(32))
     assert not server.check(["x"]) and server.get("counter") == b"1"
-    listener.close()
 
 
 @pytest.mark.parametrize("attack", ["replayed", "reordered", "altered", "reflected"])

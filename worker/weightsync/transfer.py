@@ -209,16 +209,21 @@ class VersionSender:
                 raise
             if after_bucket is not None:
                 after_bucket(k)
-        lost: dict[int, str] = {}
+        lost = self._end(version, lose_peers)
+        sums = {offset: filling.result() for offset, filling in fillings.items()}
+        total = sum(b.length for b in self.buckets)
+        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=total * len(peers))
+
+    def _end(self, version: int, lose_peers: bool) -> dict[int, str]:
+        """End the version on every peer; {peer: why} of those it could not be sent to (with
+        lose_peers; without, PeersFailed is raised)."""
         try:
             self.sender.end_version(version)
         except PeersFailed as e:
             if not lose_peers:
                 raise
-            lost = {peer: str(error) for peer, error in e.failed.items()}
-        sums = {offset: filling.result() for offset, filling in fillings.items()}
-        total = sum(b.length for b in self.buckets)
-        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=total * len(peers))
+            return {peer: str(error) for peer, error in e.failed.items()}
+        return {}
 
     def _send_keeping(self, version: int, params, peers: list[int], lose_peers: bool,
                       after_bucket: Callable[[int], None] | None, bases: dict, start: float) -> SentVersion:
@@ -272,13 +277,7 @@ class VersionSender:
                 changed, compared = changed + encoder.changed, compared + encoder.compared
             if after_bucket is not None:
                 after_bucket(k)
-        lost: dict[int, str] = {}
-        try:
-            self.sender.end_version(version)
-        except PeersFailed as e:
-            if not lose_peers:
-                raise
-            lost = {peer: str(error) for peer, error in e.failed.items()}
+        lost = self._end(version, lose_peers)
         last.version = version  # every bucket was kept, whoever received it
         sums = {offset: filling.result() for offset, filling in fillings.items()}
         total = sum(b.length for b in self.buckets)
