@@ -97,7 +97,7 @@ def test_members_accept_only_a_plan_and_endpoints_signed_with_the_token(host):
     host.set(Keys.PLAN, host.get(Keys.PLAN) + b" ")  # the plan rewritten after it was signed
     with pytest.raises(ProofError, match="not signed with this job's token"):
         member(host).plan(timeout=5)
-    host.set(Keys.peers(0), json.dumps({"0": "10.0.0.66:1"}))  # endpoints rewritten after they were signed
+    host.set(Keys.peers(0), json.dumps({"0": {"endpoint": "10.0.0.66:1", "attempt": 1}}))  # rewritten after it was signed
     with pytest.raises(ProofError, match="endpoints of epoch 0 are not signed"):
         member(host).peers(0, timeout=5)
 
@@ -137,7 +137,7 @@ def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at
     rnd = host.start_round(1)
     assert rnd == Round(1, 0, (0, 1), 1)
     assert again.welcome() == rnd and host.seats[1].state == SERVING
-    assert members[("trainer", 0)].peers(1, timeout=5) == {0: "127.0.0.1:1090", 1: "127.0.0.1:7777"}
+    assert members[("trainer", 0)].peers(1, timeout=5) == {0: ("127.0.0.1:1090", 1), 1: ("127.0.0.1:7777", 2)}
     assert members[("trainer", 0)].round(1) == rnd
 
 

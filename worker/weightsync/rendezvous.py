@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from .contract import INFERENCE, TRAINER, Layout
 
@@ -254,6 +254,14 @@ def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
     return mac(token, b"peers", str(epoch), text)
 
 
+class Peer(NamedTuple):
+    """An inference rank as the trainers dial it: a new attempt is a new process, whose old
+    connections are dead even where its endpoint is the same (a pod keeps its address)."""
+
+    endpoint: str
+    attempt: int
+
+
 class Member(Channel):
     """One trainer or inference rank's side of the rendezvous."""
 
@@ -321,16 +329,16 @@ class Member(Channel):
         text = self.get(Keys.PLAN)
         if not hmac.compare_digest(mac(self.token, b"plan", text), self.get(Keys.PLAN_MAC).decode()):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
-        return Plan.from_json(json.loads(text)["plan"]), self.peers(0, timeout)
+        return Plan.from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
-    def peers(self, epoch: int, timeout: float) -> dict[int, str]:
-        """{inference rank: endpoint} as of `epoch`, checked to come from a holder of the token."""
+    def peers(self, epoch: int, timeout: float) -> dict[int, "Peer"]:
+        """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""
         key = Keys.peers(epoch)
         self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout)
         text = self.get(key)
         if not hmac.compare_digest(peers_mac(self.token, epoch, text), self.get(key + "/mac").decode()):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
-        return {int(r): e for r, e in json.loads(text).items()}
+        return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
 
     def round(self, version: int, again: int = 0, poll_max: float = POLL_MAX) -> Round:
         """Wait for the controller's go for that round."""

@@ -130,7 +130,7 @@ class Host(Channel):
         self._publish_peers()
 
     def _publish_peers(self) -> None:
-        text = json.dumps({str(r): s.endpoint for r, s in sorted(self.seats.items())})
+        text = json.dumps({str(r): {"endpoint": s.endpoint, "attempt": s.attempt} for r, s in sorted(self.seats.items())})
         self.set(Keys.peers(self.epoch), text)
         self.set(Keys.peers(self.epoch) + "/mac", peers_mac(self.token, self.epoch, text))
 

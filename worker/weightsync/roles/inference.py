@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
@@ -141,6 +142,7 @@ class Inference:
             if switched is not None:
                 verified = " (digest verified)" if self.spec["transfer"]["verify"] == "digest" else ""
                 log(self.me, f"switched to version {switched}{verified}")
+                health.ready()  # serving a verified version: the pod is ready
             if switched is not None and dumping():
                 tensors = {n: p.detach().cpu().clone() for n, p in parameters(model)}
                 dump(INFERENCE, self.rank, switched, tensors, logits(model, ids).cpu())

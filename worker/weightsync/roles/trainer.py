@@ -16,7 +16,7 @@ from ..data import MarkovTokens, rank_generator
 from ..deltaplan import delta_in_effect
 from ..flat import torch_dtype
 from ..model import build, check_fits, layout_of, logits, parameters, prompt, train_step, vocab_size
-from ..rendezvous import JobEnded, Keys, Member, Round, versions, who
+from ..rendezvous import JobEnded, Keys, Member, Peer, Round, versions, who
 from ..transfer import SentVersion, VersionSender, settle_heap
 from ..transport.base import TransferError
 from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, pause_point, run_rank, transport_for
@@ -142,24 +142,25 @@ class Trainer:
 
 class Links:
     """This trainer's connections to the inference ranks, kept in step with the rounds: a rank
-    that went away is dropped, and one that came back is dialled at its new endpoint."""
+    that went away is dropped, and one that came back (a new attempt, at its new endpoint or at
+    the same one) is dialled again."""
 
     def __init__(self, sender, member: Member, endpoints: dict[int, str], timeout: float):
         self.sender, self.member, self.timeout = sender, member, timeout
-        self.endpoints, self.epoch = dict(endpoints), 0
+        self.peers, self.epoch = {r: Peer(e, 1) for r, e in endpoints.items()}, 0
 
     def follow(self, rnd: Round) -> dict[int, str]:
         """Connect to every receiver of the round; returns {rank: why} for those it cannot reach."""
         if rnd.epoch != self.epoch:
-            endpoints = self.member.peers(rnd.epoch, self.timeout)
-            for r, endpoint in endpoints.items():
-                if self.endpoints.get(r) != endpoint:
+            peers = self.member.peers(rnd.epoch, self.timeout)
+            for r, peer in peers.items():
+                if self.peers.get(r) != peer:
                     self.sender.drop(r)
-            self.endpoints, self.epoch = endpoints, rnd.epoch
-        for r in self.endpoints:
+            self.peers, self.epoch = peers, rnd.epoch
+        for r in self.peers:
             if r not in rnd.receivers and self.sender.connected(r):
                 self.sender.drop(r)  # away: it gets nothing until it is back
-        missing = {r: self.endpoints[r] for r in rnd.receivers if not self.sender.connected(r)}
+        missing = {r: self.peers[r].endpoint for r in rnd.receivers if not self.sender.connected(r)}
         try:
             self.sender.connect(missing)  # all at once; the ones that answer are connected
         except TransferError as e:
