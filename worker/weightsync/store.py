@@ -4,8 +4,8 @@ The controller runs the server; every rank talks to it through a client that is 
 torch.distributed Store, so the trainers' gloo group and the NCCL transport meet through it too.
 It replaces torch's TCPStore, which serves anyone who reaches its port (no authentication: a
 stranger could read the plan and the endpoints, forge the keys that end a job, or fill the
-controller's memory) and whose client's check() ignores the client's timeout (a frozen controller
-hung every rank). Here:
+controller's memory) and whose client's check() ignores the client's timeout (against a controller
+stopped with SIGSTOP it blocked far past it). Here:
 
 - A client proves it holds the job's token, bound to the job's identity (namespace/name) and to
   nonces from both sides, before the server reads anything else from it; the server proves the
@@ -490,8 +490,8 @@ class StoreServer(Table):
         except socket.timeout:
             self._note_refused(f"closed {who}: it sent no proof of the job token within {HANDSHAKE_SECONDS:.0f}s")
             return None
-        except OSError:
-            self._note_refused(f"{who} hung up without proving the job token")
+        except OSError:  # a TCP probe or a port scan: not worth a line in the log
+            log.debug("rendezvous store: %s hung up without proving the job token", who)
             return None
         want, answer, key = handshake_macs(self._token, self._job, server_nonce, client_nonce)
         if magic != MAGIC or not hmac.compare_digest(proof, want):
