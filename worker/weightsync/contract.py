@@ -108,13 +108,14 @@ class Probe:
         return self.period_seconds * self.failure_threshold + self.timeout_seconds
 
 
-# Liveness: a pod that stops answering (its process stopped, or starved of CPU time for seconds)
-# is killed and restarted within LIVENESS.deadline (17 s); one whose rank process stopped,
-# health.STALE_AFTER (10 s) later. Three failures 5 s apart: a pod is killed only after 10 s and
-# more without an answer, or 20 s without a stamp, longer than any pause of a running rank (the
-# stamps come from a thread of their own: a long step, a collective or a garbage collection does
-# not hold them up), so a busy pod is not killed; 2 s for an answer of a few bytes from memory.
-LIVENESS = Probe("/healthz", period_seconds=5, timeout_seconds=2, failure_threshold=3)
+# Liveness: a pod that stops answering (its process stopped, or starved of CPU time for long)
+# is killed and restarted within LIVENESS.deadline (25 s); one whose rank process stopped,
+# health.STALE_AFTER (10 s) later. Four failures 5 s apart, each given 5 s to answer: a busy node
+# (two cores running a whole job were measured holding the controller's answer past 2 s) must not
+# get a live pod killed, least of all the controller, whose restart ends the job. The stamps come
+# from a thread of their own: a long step, a collective or a garbage collection does not hold
+# them up.
+LIVENESS = Probe("/healthz", period_seconds=5, timeout_seconds=5, failure_threshold=4)
 # Readiness: every rank said it is ready (health.ready()) and is alive. Checked as often as
 # liveness; three failures in a row, as the kubelet's default, so that one slow answer does not
 # flip the pod (and the job's Ready condition) back and forth.
