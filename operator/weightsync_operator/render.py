@@ -166,6 +166,7 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     role_spec = spec[role]
     worker = role != CONTROLLER
     rdma = worker and mode == "rdma"
+    host_network = on_host_network(job, role, mode)
     procs = job.layout.procs_per_pod(role)
 
     volumes = [
@@ -190,12 +191,13 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": list(WORKER_COMMAND),
         "env": env(job, role, mode),
-        "ports": ports(job, role),
-        "livenessProbe": probe(contract.LIVENESS),
-        "readinessProbe": probe(contract.READINESS),
+        "ports": ports(job, role, health=not host_network),
         "volumeMounts": mounts,
         "securityContext": container_security(rdma),
     }
+    if not host_network:
+        container["livenessProbe"] = probe(contract.LIVENESS)
+        container["readinessProbe"] = probe(contract.READINESS)
     res = resources(job, role, mode)
     if res:
         container["resources"] = res
@@ -211,7 +213,7 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     else:
         pod["serviceAccountName"] = job.service_account_name
         pod["automountServiceAccountToken"] = True
-    if rdma and spec["network"]["rdma"]["hostNetwork"]:
+    if host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
     if role_spec.get("nodeSelector"):
@@ -259,7 +261,7 @@ def env(job: Job, role: str, mode: str) -> list[dict]:
         {"name": Env.CONTROLLER_HOST, "value": job.controller_host},
         {"name": Env.STORE_PORT, "value": str(contract.STORE_PORT)},
         {"name": Env.DATA_PORT, "value": str(contract.DATA_PORT)},
-        {"name": Env.HEALTH_PORT, "value": str(contract.HEALTH_PORT)},
+        {"name": Env.HEALTH_PORT, "value": "0" if on_host_network(job, role, mode) else str(contract.HEALTH_PORT)},
         {"name": Env.SPEC_FILE, "value": f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"},
         {"name": Env.TOKEN_FILE, "value": f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"},
         {"name": Env.NETWORK_MODE, "value": mode},
@@ -273,14 +275,21 @@ def env(job: Job, role: str, mode: str) -> list[dict]:
     return variables
 
 
-def ports(job: Job, role: str) -> list[dict]:
-    health = {"name": HEALTH_PORT_NAME, "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}
+def on_host_network(job: Job, role: str, mode: str) -> bool:
+    """Worker pods of rdma jobs may share the node's network. Those get no health port and no
+    probes: every pod on a node would need the same port, so pods of one job could not share a
+    node; their frozen ranks are still found by the controller's heartbeats."""
+    return role != CONTROLLER and mode == "rdma" and bool(job.spec["network"]["rdma"]["hostNetwork"])
+
+
+def ports(job: Job, role: str, health: bool = True) -> list[dict]:
+    health = [{"name": HEALTH_PORT_NAME, "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}] if health else []
     if role == CONTROLLER:
-        return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, health]
+        return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, *health]
     if role == contract.INFERENCE:
         return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
-                  for i in range(job.layout.procs_per_pod(role))), health]
-    return [health]
+                  for i in range(job.layout.procs_per_pod(role))), *health]
+    return health
 
 
 def probe(spec: contract.Probe) -> dict:

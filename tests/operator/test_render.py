@@ -225,11 +225,22 @@ def test_every_pod_is_probed_for_liveness_and_readiness_on_its_health_port():
                                   "periodSeconds": spec.period_seconds, "timeoutSeconds": spec.timeout_seconds,
                                   "failureThreshold": spec.failure_threshold}
     assert (contract.LIVENESS.path, contract.READINESS.path) == ("/healthz", "/readyz")
-    # A pod that stops answering is restarted within seconds, and only after three probes in a row failed.
+    # A pod that stops answering is restarted within seconds, and only after four probes in a row failed.
     assert contract.LIVENESS.failure_threshold == 4 and contract.LIVENESS.deadline == 25
     # Ports of one pod never collide, whatever procsPerPod allows (16 at most).
     assert contract.HEALTH_PORT not in range(contract.DATA_PORT, contract.DATA_PORT + 16)
     assert contract.HEALTH_PORT != contract.STORE_PORT
+
+
+def test_worker_pods_on_the_nodes_network_have_no_health_port_and_no_probes():
+    # one port per node would keep the job's pods from sharing a node; heartbeats still find frozen ranks
+    j = job({"network": {"mode": "rdma", "rdma": {"hostNetwork": True}}})
+    for role in (TRAINER, INFERENCE):
+        c = container(j, role, "rdma")
+        assert "health" not in [p["name"] for p in c["ports"]]
+        assert "livenessProbe" not in c and "readinessProbe" not in c
+        assert env(j, role, "rdma")[Env.HEALTH_PORT] == "0"
+    assert "livenessProbe" in container(j, CONTROLLER, "rdma")  # the controller never runs on the node's network
 
 
 def test_scheduling_and_pull_secrets_per_role():

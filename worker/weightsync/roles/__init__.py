@@ -28,7 +28,8 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         raise SpecError([f"the pod's environment or files: {e}"]) from None
     ranks = [] if ctx.role == CONTROLLER else list(ctx.ranks)
     health = PodHealth([who(ctx.role, r) for r in ranks] or [CONTROLLER])
-    health.serve(ctx.pod_ip, ctx.health_port)
+    if ctx.health_port:  # 0: no probes (pods on the node's network; render.on_host_network)
+        health.serve(ctx.pod_ip, ctx.health_port)
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
         health.rank(0).start()
