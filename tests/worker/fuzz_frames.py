@@ -68,7 +68,8 @@ def seeds() -> list[bytes]:
     """Inputs to start from: a valid version, and near misses."""
     valid = valid_stream()
     return [b"\x00" + valid, b"\x00" + valid[:-1], b"\x00" + valid[:40 + 64] + b"\x00" * 8 + valid[40 + 64 + 8:],
-            b"\x00" + wire.header(wire.DATA, VERSION, 0, U64), b"\x01" + bytes(range(64)),
+            b"\x00" + wire.header(wire.DATA, VERSION, 0, U64), b"\x00" + wire.header(wire.PATCH, VERSION, 0, 0) + bytes(8),
+            b"\x01" + bytes(range(64)),
             b"\x02" + wire.ANSWER.pack(b"WSHA", TRAINER, INFERENCE, bytes(32))]
 
 

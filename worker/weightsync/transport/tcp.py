@@ -634,9 +634,10 @@ class TcpReceiver(Receiver):
               bounce: dict) -> bool:
         """Receive a PATCH's `length` payload bytes and its trailer, and apply it to the range
         [offset, offset + size); False when it is not applied (then the range must come whole)."""
-        if len(bounce.get("patch", b"")) < length:
-            bounce["patch"] = bytearray(length)
-        payload = memoryview(bounce["patch"])[:length]
+        scratch = bounce.get("patch")
+        if scratch is None or len(scratch) < length:
+            scratch = bounce["patch"] = bytearray(length)
+        payload = memoryview(scratch)[:length]
         recv_into_all(sock, payload)
         (trailer,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
         if patcher is None:
