@@ -155,8 +155,8 @@ def test_a_stopped_controller_fails_its_liveness_probe_and_is_restarted(tmp_path
     assert_nothing_left(local)
 
     print(f"the stopped controller was killed and started again {took:.1f}s after it froze")
-    # Killed by the probe (three probes unanswered) and started again after its back-off.
-    why = f"failed its liveness probe 3 times in a row (no answer within {LIVENESS.timeout_seconds}s), and was killed"
+    # Killed by the probe (its failure threshold of probes unanswered) and started again after its back-off.
+    why = f"failed its liveness probe {LIVENESS.failure_threshold} times in a row (no answer within {LIVENESS.timeout_seconds}s), and was killed"
     assert controller.exits[0] == why
     assert took < LIVENESS.deadline + kubelet.BACKOFF_BASE + SLACK, took
     assert f"weightsync: {controller.describe()} {why}; restarting it in 1s (restart 1)" in progress.text()

@@ -88,7 +88,8 @@ def supervise(role: str, ranks: list[int], health: PodHealth) -> int:
     signal.signal(signal.SIGTERM, stop)
     running = list(procs)
     while running:
-        for sentinel in wait([p.sentinel for p in running]):
+        # timed, so that a SIGTERM taken by another thread still reaches its handler here
+        for sentinel in wait([p.sentinel for p in running], timeout=1.0):
             p = next(p for p in running if p.sentinel == sentinel)
             p.join()
             running.remove(p)

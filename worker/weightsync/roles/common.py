@@ -104,7 +104,10 @@ def linger(ctx: WorkerContext, who: str) -> None:
     log(who, "the job has ended; waiting for the operator to remove this pod")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
+    # Timed waits: Python runs a signal's handler on the main thread only once it wakes, and a
+    # SIGTERM the kernel hands to another thread (health, store) would not wake an untimed wait.
+    while not stop.wait(1.0):
+        pass
 
 
 def device_for(ctx: WorkerContext, role: str, local_rank: int):
