@@ -164,7 +164,7 @@ def render(report: dict) -> str:
                     notes = (f"wire {statistics.median(r['wire_fraction']):.2%} of the version's bytes; "
                              f"changed {statistics.median(r['changed']):.2%} of the elements (medians)")
                 elif m == "broadcast":
-                    notes = f"its one sender's bound {c['broadcast_one_sender_bound']:.2f}s"
+                    notes = f"one sender sending each rank all of it: {c['broadcast_one_sender_bound']:.2f}s"
                 lines.append(f"{head} {c['speed_of_light']:>10.3f} {r['ratio_to_light']:>9.2f} {vs_full}  {notes}")
             else:
                 extra = f"   {r['speedup_over_weightsync']:.2f}x weightsync" if m == "delta" else ""

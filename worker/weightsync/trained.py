@@ -63,7 +63,7 @@ def train(model: torch.nn.Module, count: int, directory: str, *, learning_rate: 
             fill_range(layout, [p.detach() for p in params], 0, layout.total_bytes, buffer)
         buffer.numpy().tofile(out.path(version))
         for dtype in dtypes:
-            now = [p.detach().to(torch_dtype(dtype)) for p in params]
+            now = [p.detach().to(torch_dtype(dtype), copy=True) for p in params]  # a copy also at float32
             if version:
                 changed = sum(int((a.view(_int(a)) != b.view(_int(b))).sum()) for a, b in zip(before[dtype], now))
                 out.changed[dtype].append(changed / sum(p.numel() for p in params))
