@@ -260,3 +260,24 @@ def test_a_versions_keys_are_forgotten_but_not_its_record():
         host.set(key, "1")
     host.forget(0)
     assert [host.has(k) for k in keys] == [False] * 7 + [True] * 3
+
+
+def test_a_receiver_silent_during_a_round_is_cut_and_the_sending_trainers_hear_of_it():
+    host, members = started(silent_limit=1.0)
+    for m in members.values():
+        m.start_heartbeat()
+    host.check_ranks()
+    rnd = host.start_round(0)
+    trainer = members[("trainer", 0)]
+    told = []
+    with trainer.cuts(rnd, told.append, every=0.05):
+        members[("inference", 1)].stop_heartbeat()
+        deadline = time.monotonic() + 15
+        while not told and time.monotonic() < deadline:
+            host.check_ranks()  # what the controller does while it waits for the trainers' reports
+            time.sleep(0.05)
+    assert told == [1] and host.seats[1].state == AWAY
+    assert json.loads(host.get(Keys.cut(0))) == [1]
+    # the next round does not name it, and nothing is cut in it
+    rnd = host.start_round(1)
+    assert rnd.receivers == (0,) and not host.has(Keys.cut(1))

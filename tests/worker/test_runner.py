@@ -98,15 +98,19 @@ def check_every_version(dump: Path, job, logits_tolerance: float | None = None) 
     return count
 
 
-def pids_of(job_name: str) -> list[int]:
-    """Every live process that belongs to the job's pods: the pod processes and their children."""
-    marker = f"{contract.Env.JOB}={job_name}".encode()
+def pids_of(job_name: str, local: LocalJob | None = None) -> list[int]:
+    """Every live process that belongs to the job's pods: the pod processes and their children
+    (of that one run when `local` is given: other runs of a job of the same name may be going on)."""
+    markers = [f"{contract.Env.JOB}={job_name}".encode()]
+    if local is not None:
+        markers.append(f"{contract.Env.TOKEN_FILE}={local.pods[0].env[contract.Env.TOKEN_FILE]}".encode())
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if marker in (entry / "environ").read_bytes().split(b"\0") and (entry / "stat").read_text().split()[2] != "Z":
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            if all(m in environ for m in markers) and (entry / "stat").read_text().split()[2] != "Z":
                 found.append(int(entry.name))
         except OSError:
             continue
@@ -115,9 +119,9 @@ def pids_of(job_name: str) -> list[int]:
 
 def assert_nothing_left(local: LocalJob) -> None:
     deadline = time.monotonic() + 5
-    while pids_of(local.job.name) and time.monotonic() < deadline:
+    while pids_of(local.job.name, local) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pids_of(local.job.name) == [], "processes of the job outlived the run"
+    assert pids_of(local.job.name, local) == [], "processes of the job outlived the run"
 
 
 def test_one_to_one_float32_odd_sizes(tmp_path):

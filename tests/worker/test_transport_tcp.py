@@ -196,6 +196,25 @@ def test_a_peer_that_dies_mid_frame_is_named_at_once():
     receiver.close()
 
 
+def test_a_send_stalled_on_a_receiver_that_stopped_reading_ends_at_once_when_cut():
+    # The receiver's process vanished with its network (no reset ever comes): without cut() the
+    # send would wait out its whole timeout.
+    receiver, endpoint = pair(timeout=60)  # connections are admitted, but nothing reads them
+    sender = make_transport("tcp", token=TOKEN, timeout=60).sender(0)
+    sender.connect({0: endpoint})
+    future = sender.send(0, 3, 0, bytearray(64 << 20))  # far more than the sockets' buffers hold
+    time.sleep(0.5)
+    assert not future.done()
+    start = time.monotonic()
+    sender.cut(0)
+    with pytest.raises(TransferError, match="inference rank 0: connection lost while sending version 3"):
+        future.result(timeout=30)
+    assert time.monotonic() - start < 10
+    sender.drop(0)
+    assert not sender.connected(0)
+    receiver.close()
+
+
 def test_sender_names_the_inference_rank_it_cannot_reach():
     with socket.socket() as s:  # a port with nobody listening
         s.bind(("127.0.0.1", 0))

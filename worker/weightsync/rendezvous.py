@@ -19,6 +19,7 @@ import hmac
 import json
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
@@ -29,6 +30,7 @@ STORE_TIMEOUT = 60.0  # seconds a single store call may block
 CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
 POLL_MAX = 0.02  # no longer used: the store answers a wait as soon as the keys are set
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
+CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
 
 
 class JobEnded(RuntimeError):
@@ -176,6 +178,12 @@ class Keys:
         return f"sent/{version}/{rank}" if not again else f"sent/{version}/again/{again}/{rank}"
 
     @staticmethod
+    def cut(version: int, again: int = 0) -> str:
+        """controller: the receivers of a round it counted away while the round was on its way
+        (json list); trainers stop sending to them at once instead of waiting out their timeout."""
+        return f"cut/{version}" if not again else f"cut/{version}/again/{again}"
+
+    @staticmethod
     def ref(version: int) -> str:
         """controller: the digest of `version` from all trainers' checksums."""
         return f"ref/{version}"
@@ -276,6 +284,7 @@ class Member(Channel):
         self.token, self.role, self.rank = token, role, rank
         self.attempt = 0  # set by join(): 1 for the rank's first process, then one more per restart
         self._beat: threading.Event | None = None
+        self._watcher: Channel | None = None
 
     @property
     def name(self) -> str:
@@ -284,6 +293,33 @@ class Member(Channel):
     def client(self) -> Channel:
         """Another client of the same store, for another thread."""
         return Channel(connect_store(*self.address))
+
+    @contextmanager
+    def cuts(self, rnd: Round, on_cut: Callable[[int], None], every: float = CUT_POLL) -> Iterator[None]:
+        """While the body sends `rnd`: each receiver the controller counts away meanwhile
+        (Keys.cut) is handed to on_cut once, from a thread with a store client of its own."""
+        if self._watcher is None:
+            self._watcher = self.client()
+        watcher, key, stop, seen = self._watcher, Keys.cut(rnd.version, rnd.again), threading.Event(), set()
+
+        def watch() -> None:
+            while not stop.wait(every):
+                try:
+                    cut = watcher.get_json(key) if watcher.has(key) else []
+                except Exception:  # the controller is gone; the sending thread finds out on its own
+                    return
+                for r in cut:
+                    if r in rnd.receivers and r not in seen:
+                        seen.add(r)
+                        on_cut(r)
+
+        thread = threading.Thread(target=watch, name=f"cuts-{rnd.name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def check_end(self) -> None:
         if self.has(Keys.END):

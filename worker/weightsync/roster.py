@@ -83,6 +83,8 @@ class Host(Channel):
         self.seats: dict[int, Seat] = {}
         self.epoch = 0
         self.in_round: dict[int, int] = {}  # receivers of the current round: {rank: attempt}
+        self.round: Round | None = None  # the current round
+        self.cut: set[int] = set()  # receivers of the current round counted away during it
         self.check_rejoin: Callable[[str, dict], None] = lambda meta, info: None
         self.failures_seen = 0
         self.beats: dict[tuple[str, int], Beat] = {}
@@ -147,6 +149,7 @@ class Host(Channel):
         named = bases({r: self.seats[r].holds for r in receivers}) if bases is not None else {}
         rnd = Round(version, again, tuple(receivers), self.epoch, {r: b for r, b in named.items() if b is not None})
         self.in_round = {r: self.seats[r].attempt for r in receivers}
+        self.round, self.cut = rnd, set()
         for r in receivers:
             seat = self.seats[r]
             if seat.state == WAITING:
@@ -213,7 +216,7 @@ class Host(Channel):
         what it holds, and an endless job must not fill it. Only for a version no rank still reads
         (two versions back: every inference rank that is there has applied a later one)."""
         trainers = self.layout.world_size(TRAINER)
-        keys = [Keys.go(version), Keys.ref(version)]
+        keys = [Keys.go(version), Keys.ref(version), Keys.cut(version)]
         keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
         keys += [Keys.applied(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)]
         for key in keys:
@@ -306,10 +309,19 @@ class Host(Channel):
             seat.state, seat.since = AWAY, time.monotonic()
             self.say(f"{who(INFERENCE, rank)} is away: {why}; the job goes on without it until it rejoins "
                      f"(within {self.away_limit:.0f}s)")
+            if self.in_round.get(rank) == seat.attempt:
+                self._cut(rank)
 
     def _lost(self, rank: int, why: str) -> None:
         if self.in_round.get(rank) == self.seats[rank].attempt:
             self._away(rank, why)
+
+    def _cut(self, rank: int) -> None:
+        """Tell the trainers that a receiver of the round on its way is gone: a receiver whose pod
+        vanished may leave their sends to it hanging (no reset ever comes) until their timeout."""
+        if self.round is not None and rank in self.in_round and rank not in self.cut:
+            self.cut.add(rank)
+            self.set(Keys.cut(self.round.version, self.round.again), sorted(self.cut))
 
     def _restarted(self, rank: int, attempt: int) -> None:
         seat = self.seats.get(rank)

@@ -28,6 +28,7 @@ from .common import JOIN_TIMEOUT, linger, log, pause_point
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
 BYE_TIMEOUT = 30.0
+REPORT_SLACK = 10.0  # seconds for a trainer to report a round after its own deadlines ran out
 
 ME = "controller"
 
@@ -114,7 +115,9 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transpor
     """One round: wait for the trainers' reports, publish the reference digest, wait for every
     receiver still there to apply it, check the digests; report it."""
     start = time.monotonic()
-    sent = host.collect_sent(rnd, timeout)
+    # A trainer may spend its timeout dialling a receiver and its timeout again on a send that
+    # makes no progress before it reports the receiver lost: wait for that report, not past it.
+    sent = host.collect_sent(rnd, 2 * timeout + REPORT_SLACK)
     pause_point(CONTROLLER, 0, "verifying", rnd.version)
     reference = version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
     if rnd.again == 0:

@@ -89,9 +89,10 @@ class Trainer:
         """Send a round to its receivers; the ones lost on the way are reported, not fatal: the
         controller counts them away until they rejoin."""
         lost = links.follow(rnd)
-        sent = mover.send(rnd.version, params, [r for r in rnd.receivers if r not in lost], lose_peers=True,
-                          after_bucket=lambda k: k == 0 and pause_point(TRAINER, self.rank, "mid-send", rnd.version),
-                          bases=rnd.bases)
+        with self.member.cuts(rnd, links.sender.cut):
+            sent = mover.send(rnd.version, params, [r for r in rnd.receivers if r not in lost], lose_peers=True,
+                              after_bucket=lambda k: k == 0 and pause_point(TRAINER, self.rank, "mid-send", rnd.version),
+                              bases=rnd.bases)
         lost.update(sent.lost)
         for r, why in lost.items():
             links.sender.drop(r)

@@ -137,6 +137,11 @@ class Sender(abc.ABC):
         """Whether a connection to `peer` is open."""
         return False
 
+    def cut(self, peer: int) -> None:
+        """From another thread: make what is being sent to `peer` fail at once (the sender counts
+        the peer lost, and drop() closes the connection afterwards). A transport that cannot
+        interrupt a send in progress leaves it to its own progress timeout."""
+
     def drop(self, peer: int) -> None:
         """Close the connection to a peer that went away (its process died or froze), so that
         connect() opens a new one, to the endpoint it has when it comes back."""

@@ -242,6 +242,14 @@ class TcpSender(Sender):
     def connected(self, peer: int) -> bool:
         return peer in self.conns
 
+    def cut(self, peer: int) -> None:
+        conn = self.conns.get(peer)
+        if conn is not None:
+            try:  # shut down, not closed: the threads that use the socket still hold its descriptor
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def drop(self, peer: int) -> None:
         conn = self.conns.pop(peer, None)
         if conn is not None:
