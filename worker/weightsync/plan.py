@@ -79,17 +79,17 @@ class Plan:
         """The plan as text: one row per trainer rank, then the totals and the balance."""
         shares = self.bytes_by_trainer()
         tensors = {t: _tensor_names(self, t) for t in range(self.trainers)}
-        lines = [f"version: {len(self.layout.slots)} tensors, {_size(self.version_bytes)} as {self.layout.dtype}; "
+        lines = [f"version: {len(self.layout.slots)} tensors, {size_text(self.version_bytes)} as {self.layout.dtype}; "
                  f"{self.trainers} trainer rank(s) -> {self.inferences} inference rank(s); "
-                 f"buckets of at most {_size(self.bucket_bytes)}",
+                 f"buckets of at most {size_text(self.bucket_bytes)}",
                  f"{'trainer':>7}  {'bytes':>12}  {'share':>6}  {'buckets':>7}  {'peers':>5}  {'sends':>12}  tensors"]
         for t in range(self.trainers):
             n = len(self.buckets_of(t))
             peers = self.inferences if n else 0
-            lines.append(f"{t:>7}  {_size(shares[t]):>12}  {shares[t] / max(1, self.version_bytes):>6.1%}  {n:>7}  "
-                         f"{peers:>5}  {_size(shares[t] * peers):>12}  {tensors[t]}")
-        lines.append(f"{'total':>7}  {_size(sum(shares)):>12}  {'':>6}  {len(self.buckets):>7}  {'':>5}  "
-                     f"{_size(sum(shares) * self.inferences):>12}")
+            lines.append(f"{t:>7}  {size_text(shares[t]):>12}  {shares[t] / max(1, self.version_bytes):>6.1%}  {n:>7}  "
+                         f"{peers:>5}  {size_text(shares[t] * peers):>12}  {tensors[t]}")
+        lines.append(f"{'total':>7}  {size_text(sum(shares)):>12}  {'':>6}  {len(self.buckets):>7}  {'':>5}  "
+                     f"{size_text(sum(shares) * self.inferences):>12}")
         lines.append(f"balance (largest trainer share / mean): {self.balance():.3f}")
         return "\n".join(lines)
 
@@ -125,7 +125,7 @@ def _tensor_names(plan: Plan, trainer: int) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
