@@ -3,6 +3,9 @@
   weightsync run JOB      run a WeightTransferJob as local processes, one per pod; prints a JSON summary
   weightsync worker       what every pod runs: the role comes from the pod's ordinal (environment)
   weightsync plan JOB     the transfer plan of a job: bytes per trainer rank, buckets, balance
+  weightsync plan --simulate MODEL [--trainers 256 --fsdp 256 --inference 8xTP16 --nic 400gbit]
+                          the slice plan of a large model on a large cluster, from shapes alone:
+                          balance, busiest NIC, projected seconds and the speed of light
   weightsync bench        transfer benchmark: planned M-to-N over TCP vs. broadcast vs. raw sockets
 """
 
@@ -27,8 +30,20 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--logs", help="keep every pod's log (and its spec and token files) in this directory")
     run.add_argument("--timeout", type=float, help="fail if the job has not finished after this many seconds")
     sub.add_parser("worker", help="run this pod's role (configured by the environment the operator sets)")
-    plan = sub.add_parser("plan", help="print the transfer plan of a job")
-    plan.add_argument("job", help="a WeightTransferJob YAML file")
+    plan = sub.add_parser("plan", help="print the transfer plan of a job, or simulate one at scale")
+    plan.add_argument("job", nargs="?", help="a WeightTransferJob YAML file")
+    plan.add_argument("--simulate", metavar="MODEL",
+                      help="plan a model from its shapes instead of a job: kimi-k2, deepseek-v3, llama-3-70b, "
+                           "or the path of a config.json")
+    plan.add_argument("--trainers", type=int, default=256, help="trainer GPUs (default 256)")
+    plan.add_argument("--fsdp", type=int, help="FSDP degree (default: all trainers; less is HSDP, 1 is DDP)")
+    plan.add_argument("--fsdp-dim", choices=("0", "auto"), default="0",
+                      help="dim FSDP2 shards: 0 (fully_shard's default) or auto (dim 1 where dim 0 does not "
+                           "split evenly, as torchtitan shards MoE experts)")
+    plan.add_argument("--inference", default="8xTP16", help="inference replicas x TP degree (default 8xTP16)")
+    plan.add_argument("--nic", default="400gbit", help="NIC rate per GPU, each way (default 400gbit)")
+    plan.add_argument("--dtype", default="bfloat16", help="transfer dtype (default bfloat16)")
+    plan.add_argument("--bucket-mb", type=int, default=64, help="largest piece in MiB (default 64)")
     sub.add_parser("bench", help="transfer benchmark (weightsync bench --help for its options)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -68,11 +83,45 @@ def _worker(args) -> int:
 
 
 def _plan(args) -> int:
+    if args.simulate is not None:
+        return _simulate(args)
+    if args.job is None:
+        print("weightsync plan: give a job file, or --simulate MODEL", file=sys.stderr)
+        return EXIT_SPEC
     job = load_job(args.job)
     from .model import meta_layout
     from .plan import print_plan
 
     print_plan(job, meta_layout(job.spec["model"]))
+    return 0
+
+
+def _simulate(args) -> int:
+    from .flat import ITEMSIZE
+    from .links import rate_bits
+
+    try:
+        if args.job is not None:
+            raise ValueError("give either a job file or --simulate MODEL, not both")
+        if args.dtype not in ITEMSIZE:
+            raise ValueError(f"--dtype {args.dtype!r}: use one of {', '.join(ITEMSIZE)}")
+        if args.bucket_mb < 1:
+            raise ValueError(f"--bucket-mb {args.bucket_mb}: give at least 1")
+        from .simulate import Topology, parse_inference, report, run
+
+        replicas, tp = parse_inference(args.inference)
+        try:
+            bits = rate_bits(args.nic)
+        except ValueError as e:
+            raise ValueError(f"--nic: {e}") from None
+        topo = Topology(args.trainers, args.fsdp or args.trainers, replicas, tp, bits, args.dtype,
+                        args.bucket_mb << 20, args.fsdp_dim)
+        result = run(args.simulate, topo)
+    except ValueError as e:
+        print(f"weightsync plan: {e}", file=sys.stderr)
+        return EXIT_SPEC
+    print(result["plan"].table())
+    print(report(result, topo))
     return 0
 
 

@@ -15,9 +15,12 @@ layer's q_proj is one class), intersected once with numpy, then repeated for the
 tensors; balancing and ordering are array operations. The result is still the complete list of
 pieces, checkable piece by piece.
 
-Order: each sender works through its receivers in rotation, sender s starting at receiver
-s * receivers // senders, so that at any moment the senders are spread over the receivers
-instead of all queueing at receiver 0.
+Order: a sender sends all it owes one receiver as one stream, and takes its receivers in the
+order linktime.greedy_order finds by playing the transfer forward on the links' model: a free
+sender starts on the least crowded receiver it owes bytes, the one with most left to receive
+first. Senders therefore start on different receivers and stay spread over them, instead of all
+queueing at receiver 0, also where the bytes per (sender, receiver) pair are far from uniform
+(column-parallel slices come from a few senders, row-parallel ones from all).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .linktime import greedy_order
 from .plan import size_text as _size
 from .slices import Box, Slicing
 
@@ -127,9 +131,9 @@ def make_slice_plan(holders: Slicing, needs: Slicing, bucket_bytes: int) -> Slic
     limit = _limits(setid, nbytes, members, bucket_bytes)
     tensor, recv, setid, lo, hi, nbytes = _split(tensor, recv, setid, lo, hi, nbytes, limit, tensors)
     sender = _assign(setid, recv, nbytes, members, holders.world)
-    start = np.arange(holders.world, dtype=np.int64) * needs.world // holders.world
-    turn = (recv - start[sender]) % needs.world
-    order = np.lexsort((tensor, turn, sender))
+    pairs = np.bincount(sender * needs.world + recv, weights=nbytes, minlength=holders.world * needs.world)
+    turn = greedy_order(pairs.reshape(holders.world, needs.world))[sender, recv]
+    order = np.lexsort((lo[:, 0], tensor, turn, sender))
     return SlicePlan(tensors, holders.world, needs.world, bucket_bytes, tensor[order], sender[order], recv[order],
                      lo[order], hi[order], nbytes[order])
 
