@@ -6,10 +6,11 @@ the streams arriving at it at that moment, so a stream runs at bandwidth / (stre
 receiver), and a sender whose receiver is crowded does not use the rest of its own NIC. Time ends
 when the last stream ends. This is pessimistic where real senders keep several streams in flight.
 
-The order (greedy_order, which the planner uses): whenever a sender is free it starts on the
+The order (greedy_order, which the planner uses) plays the transfer forward on this model:
+whenever senders are free, the one with the most bytes left chooses first, and it starts on the
 receiver, among those it still owes bytes, that has the fewest streams arriving right now, and
-among those the one with the most bytes still to receive - so receivers are never left idle
-while others queue, and the receivers with the most work are served first. simulate() replays a
+among those the one it owes most - so no receiver idles while others queue, and long streams
+start early instead of forming the tail. simulate() replays a
 plan's order under the same model; the speed of light is the bound no order beats: the busiest
 NIC's bytes (sent or received) over the bandwidth.
 """
@@ -77,42 +78,38 @@ def greedy_order(pair_bytes: np.ndarray) -> np.ndarray:
     senders, receivers = pair_bytes.shape
     position = np.zeros((senders, receivers), dtype=np.int64)
     todo = pair_bytes > 0
-    to_receive = pair_bytes.sum(axis=0).astype(np.float64)
-    scale = 1.0 + float(to_receive.max(initial=0.0))
+    to_send = pair_bytes.sum(axis=1).astype(np.float64)
+    scale = 1.0 + float(pair_bytes.max(initial=0.0))
     count = np.zeros(senders, dtype=np.int64)
     streams = _Streams(senders, receivers, 1.0)
     free = np.arange(senders)
     while True:
-        for s in free:
+        for s in free[np.argsort(-to_send[free], kind="stable")]:  # the senders with most left choose first
             mine = np.flatnonzero(todo[s])
             if not len(mine):
                 continue
-            score = streams.crowd[mine] * scale - to_receive[mine]
-            r = mine[np.argmin(score)]
+            r = mine[np.argmin(streams.crowd[mine] * scale - pair_bytes[s, mine])]
             todo[s, r] = False
             position[s, r] = count[s]
             count[s] += 1
             streams.start(s, r, float(pair_bytes[s, r]))
-        receiver_before = streams.receiver.copy()
         free, busy, moved = streams.step()
         if not len(busy):
             return position
-        np.subtract.at(to_receive, receiver_before[busy], moved)
+        to_send[busy] -= moved
 
 
 def simulate(plan: "SlicePlan", bandwidth: float) -> Timing:
     """Simulated seconds of `plan` (in its order) over NICs of `bandwidth` bytes per second each way."""
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    sent, received = plan.bytes_by_sender(), plan.bytes_by_receiver()
-    busiest = int(max(sent.max(initial=0), received.max(initial=0)))
-    if not len(plan):
-        return Timing(0.0, 0.0, 0, 0)
-    new = np.ones(len(plan), dtype=bool)
-    new[1:] = (plan.sender[1:] != plan.sender[:-1]) | (plan.receiver[1:] != plan.receiver[:-1])
-    starts = np.flatnonzero(new)
-    size = np.add.reduceat(plan.nbytes.astype(np.float64), starts)
-    sender, receiver = plan.sender[starts], plan.receiver[starts]
+    pairs = plan.pair_bytes()
+    busiest = int(max(pairs.sum(axis=1).max(initial=0), pairs.sum(axis=0).max(initial=0)))
+    # each sender's streams: its receivers with bytes owed, in the plan's order
+    sender, receiver = np.nonzero(pairs)
+    order = np.lexsort((plan.position[sender, receiver], sender))
+    sender, receiver = sender[order], receiver[order]
+    size = pairs[sender, receiver]
     nxt = np.searchsorted(sender, np.arange(plan.senders))  # each sender's next stream (index into size)
     last = np.searchsorted(sender, np.arange(plan.senders), side="right")
     streams = _Streams(plan.senders, plan.receivers, bandwidth)
@@ -123,4 +120,4 @@ def simulate(plan: "SlicePlan", bandwidth: float) -> Timing:
             nxt[s] += 1
         free, busy, _ = streams.step()
         if not len(busy):
-            return Timing(streams.now, busiest / bandwidth, busiest, len(size))
+            return Timing(streams.now, busiest / bandwidth if bandwidth else 0.0, busiest, len(size))

@@ -17,9 +17,9 @@ pieces, checkable piece by piece.
 
 Order: a sender sends all it owes one receiver as one stream, and takes its receivers in the
 order linktime.greedy_order finds by playing the transfer forward on the links' model: a free
-sender starts on the least crowded receiver it owes bytes, the one with most left to receive
-first. Senders therefore start on different receivers and stay spread over them, instead of all
-queueing at receiver 0, also where the bytes per (sender, receiver) pair are far from uniform
+sender starts on the least crowded receiver it owes bytes, the one it owes most first. Senders
+therefore start on different receivers and stay spread over them, instead of all queueing at
+receiver 0, also where the bytes per (sender, receiver) pair are far from uniform
 (column-parallel slices come from a few senders, row-parallel ones from all).
 """
 
@@ -47,40 +47,63 @@ class Piece:
 
 
 @dataclass(frozen=True, eq=False)
-class SlicePlan:
-    """All pieces, sorted by sender and then in each sender's sending order. Arrays of one length:
-    tensor (index into tensors), sender, receiver, nbytes; lo and hi are (pieces, ndim) with the
-    unused trailing dims of lower-rank tensors as [0, 1)."""
+class PieceClass:
+    """The pieces of a class of tensors that are alike (same shape, dtype, holders and needs):
+    the same boxes, senders and receivers for each of `tensors` (indices into the plan's tensors).
+    Arrays of one length; lo and hi are (pieces, ndim), unused trailing dims of lower-rank tensors
+    [0, 1). Sorted by sender."""
 
-    tensors: tuple
-    senders: int
-    receivers: int
-    bucket_bytes: int
-    tensor: np.ndarray
+    tensors: np.ndarray
     sender: np.ndarray
     receiver: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
     nbytes: np.ndarray
 
+
+@dataclass(frozen=True, eq=False)
+class SlicePlan:
+    """Every piece of every tensor, by class; position[s, r] is where receiver r comes in sender
+    s's order (all pieces s owes r go as one stream)."""
+
+    tensors: tuple
+    senders: int
+    receivers: int
+    bucket_bytes: int
+    classes: tuple
+    position: np.ndarray
+
     def __len__(self) -> int:
-        return len(self.sender)
+        return sum(len(c.sender) * len(c.tensors) for c in self.classes)
 
     def pieces_of(self, sender: int) -> list[Piece]:
-        a, b = np.searchsorted(self.sender, [sender, sender + 1])
+        """The pieces `sender` sends, in sending order: by receiver in its order, then tensor order."""
         out = []
-        for i in range(a, b):
-            t = self.tensors[self.tensor[i]]
-            nd = len(t.shape)
-            out.append(Piece(t.name, Box(tuple(int(x) for x in self.lo[i, :nd]), tuple(int(x) for x in self.hi[i, :nd])),
-                             int(self.receiver[i]), int(self.nbytes[i])))
-        return out
+        for c in self.classes:
+            a, b = np.searchsorted(c.sender, [sender, sender + 1])
+            for t in c.tensors:
+                tensor = self.tensors[t]
+                nd = len(tensor.shape)
+                for i in range(a, b):
+                    box = Box(tuple(int(x) for x in c.lo[i, :nd]), tuple(int(x) for x in c.hi[i, :nd]))
+                    out.append((int(self.position[sender, c.receiver[i]]), int(t), box.start,
+                                Piece(tensor.name, box, int(c.receiver[i]), int(c.nbytes[i]))))
+        out.sort(key=lambda x: x[:3])
+        return [x[3] for x in out]
+
+    def pair_bytes(self) -> np.ndarray:
+        """(senders, receivers): the bytes each sender sends each receiver."""
+        out = np.zeros(self.senders * self.receivers)
+        for c in self.classes:
+            out += np.bincount(c.sender * self.receivers + c.receiver, weights=c.nbytes * len(c.tensors),
+                               minlength=len(out))
+        return out.reshape(self.senders, self.receivers)
 
     def bytes_by_sender(self) -> np.ndarray:
-        return np.bincount(self.sender, weights=self.nbytes, minlength=self.senders).astype(np.int64)
+        return self.pair_bytes().sum(axis=1).astype(np.int64)
 
     def bytes_by_receiver(self) -> np.ndarray:
-        return np.bincount(self.receiver, weights=self.nbytes, minlength=self.receivers).astype(np.int64)
+        return self.pair_bytes().sum(axis=0).astype(np.int64)
 
     def balance(self) -> tuple[float, float]:
         """(max / mean bytes per sender, max / mean bytes per receiver); 1.0 is perfect."""
@@ -88,9 +111,12 @@ class SlicePlan:
 
     def table(self, rows: int = 8) -> str:
         """Per-sender and per-receiver bytes (all ranks, or the first and last few of many), and the balance."""
-        sent, received = self.bytes_by_sender(), self.bytes_by_receiver()
-        pieces = np.bincount(self.sender, minlength=self.senders)
-        peers = [len(np.unique(self.receiver[a:b])) for a, b in zip(*self._bounds())]
+        pairs = self.pair_bytes()
+        sent, received = pairs.sum(axis=1).astype(np.int64), pairs.sum(axis=0).astype(np.int64)
+        pieces = np.zeros(self.senders, dtype=np.int64)
+        for c in self.classes:
+            pieces += np.bincount(c.sender, minlength=self.senders) * len(c.tensors)
+        peers = (pairs > 0).sum(axis=1)
         lines = [f"slices: {len(self.tensors)} tensors, {len(self)} pieces of at most {_size(self.bucket_bytes)}; "
                  f"{self.senders} trainer rank(s) -> {self.receivers} inference rank(s)",
                  f"{'sender':>8}  {'bytes':>12}  {'pieces':>8}  {'peers':>5}"]
@@ -99,15 +125,10 @@ class SlicePlan:
         lines.append(f"{'receiver':>8}  {'bytes':>12}")
         for r in _shown(self.receivers, rows):
             lines.append("     ..." if r is None else f"{r:>8}  {_size(int(received[r])):>12}")
-        bs, br = self.balance()
+        bs, br = _max_over_mean(sent), _max_over_mean(received)
         lines.append(f"balance (max / mean): senders {bs:.3f}, receivers {br:.3f}; "
                      f"busiest sender {_size(int(sent.max()))}, busiest receiver {_size(int(received.max()))}")
         return "\n".join(lines)
-
-    def _bounds(self):
-        starts = np.searchsorted(self.sender, np.arange(self.senders))
-        ends = np.searchsorted(self.sender, np.arange(self.senders), side="right")
-        return starts, ends
 
 
 def make_slice_plan(holders: Slicing, needs: Slicing, bucket_bytes: int) -> SlicePlan:
@@ -119,39 +140,45 @@ def make_slice_plan(holders: Slicing, needs: Slicing, bucket_bytes: int) -> Slic
     tensors = holders.tensors
     nd = max([len(t.shape) for t in tensors] + [1])
     sets: dict = {}  # replica set (tuple of ranks) -> id
-    parts = []
-    classes: dict = {}
+    groups: dict = {}
     for i, t in enumerate(tensors):
-        classes.setdefault((t.shape, t.itemsize, id(holders.placements[i]), id(needs.placements[i])), []).append(i)
-    for idx in classes.values():
-        t = tensors[idx[0]]
-        parts.append(_class_pieces(t, idx, holders.placements[idx[0]], needs.placements[idx[0]], nd, sets))
-    tensor, recv, setid, lo, hi, nbytes = (np.concatenate([p[k] for p in parts]) for k in range(6))
+        groups.setdefault((t.shape, t.itemsize, id(holders.placements[i]), id(needs.placements[i])), []).append(i)
+    members_of = list(groups.values())
+    parts = [_class_pieces(tensors[idx[0]], holders.placements[idx[0]], needs.placements[idx[0]], nd, sets)
+             for idx in members_of]
+    klass = np.concatenate([np.full(len(p[0]), k, dtype=np.int64) for k, p in enumerate(parts)])
+    recv, setid, lo, hi, nbytes = (np.concatenate([p[j] for p in parts]) for j in range(5))
+    count = np.array([len(idx) for idx in members_of], dtype=np.int64)  # tensors per class
+    item = np.array([tensors[idx[0]].itemsize for idx in members_of], dtype=np.int64)
     members = [np.asarray(s, dtype=np.int64) for s in sorted(sets, key=sets.get)]
-    limit = _limits(setid, nbytes, members, bucket_bytes)
-    tensor, recv, setid, lo, hi, nbytes = _split(tensor, recv, setid, lo, hi, nbytes, limit, tensors)
-    sender = _assign(setid, recv, nbytes, members, holders.world)
-    pairs = np.bincount(sender * needs.world + recv, weights=nbytes, minlength=holders.world * needs.world)
-    turn = greedy_order(pairs.reshape(holders.world, needs.world))[sender, recv]
-    order = np.lexsort((lo[:, 0], tensor, turn, sender))
-    return SlicePlan(tensors, holders.world, needs.world, bucket_bytes, tensor[order], sender[order], recv[order],
-                     lo[order], hi[order], nbytes[order])
+    limit = _limits(setid, nbytes * count[klass], count[klass], members, bucket_bytes)
+    klass, recv, setid, lo, hi, nbytes = _split(klass, recv, setid, lo, hi, nbytes, limit, item)
+    sender = _assign(setid, recv, nbytes * count[klass], members, holders.world)
+    pairs = np.bincount(sender * needs.world + recv, weights=nbytes * count[klass],
+                        minlength=holders.world * needs.world)
+    position = greedy_order(pairs.reshape(holders.world, needs.world))
+    order = np.lexsort((lo[:, 0], position[sender, recv], sender, klass))
+    klass, sender, recv, lo, hi, nbytes = klass[order], sender[order], recv[order], lo[order], hi[order], nbytes[order]
+    bounds = np.searchsorted(klass, np.arange(len(members_of) + 1))
+    classes = tuple(PieceClass(np.asarray(idx, dtype=np.int64), *(x[a:b] for x in (sender, recv, lo, hi, nbytes)))
+                    for idx, a, b in zip(members_of, bounds[:-1], bounds[1:]))
+    return SlicePlan(tensors, holders.world, needs.world, bucket_bytes, classes, position)
 
 
 def check_plan(plan: SlicePlan, needs: Slicing) -> None:
-    """Cheap whole-plan check (the tests check byte by byte on small cases): the pieces for every
-    (tensor, receiver) add up to exactly what that receiver needs of that tensor."""
-    key = plan.tensor.astype(np.int64) * plan.receivers + plan.receiver
-    got = np.bincount(key, weights=plan.nbytes, minlength=len(plan.tensors) * plan.receivers)
-    want = np.zeros_like(got)
-    for i, (t, p) in enumerate(zip(needs.tensors, needs.placements)):
-        for box, ranks in zip(p.boxes, p.ranks):
-            want[i * plan.receivers + np.asarray(ranks)] += box.numel * t.itemsize
-    bad = np.flatnonzero(got != want)
-    if len(bad):
-        i, r = divmod(int(bad[0]), plan.receivers)
-        raise AssertionError(f"plan gives receiver {r} {int(got[bad[0]])} bytes of {plan.tensors[i].name}, "
-                             f"it needs {int(want[bad[0]])}")
+    """Cheap whole-plan check (the tests check byte by byte on small cases): for every tensor and
+    receiver, the pieces add up to exactly the bytes that receiver needs of that tensor."""
+    for c in plan.classes:
+        got = np.bincount(c.receiver, weights=c.nbytes, minlength=plan.receivers)
+        for t in c.tensors:
+            want = np.zeros(plan.receivers)
+            tensor, p = needs.tensors[t], needs.placements[t]
+            for box, ranks in zip(p.boxes, p.ranks):
+                want[np.asarray(ranks)] += box.numel * tensor.itemsize
+            bad = np.flatnonzero(got != want)
+            if len(bad):
+                r = int(bad[0])
+                raise AssertionError(f"plan gives receiver {r} {int(got[r])} bytes of {tensor.name}, it needs {int(want[r])}")
 
 
 def _check_same_tensors(holders: Slicing, needs: Slicing) -> None:
@@ -170,8 +197,8 @@ def _arrays(boxes, nd):
     return lo, hi
 
 
-def _class_pieces(t, idx, held, needed, nd, sets):
-    """The pieces of every tensor in one class: intersections of needed and held boxes, one per receiver."""
+def _class_pieces(t, held, needed, nd, sets):
+    """One tensor's pieces for its class: intersections of needed and held boxes, one per receiver."""
     hlo, hhi = _arrays(held.boxes, nd)
     nlo, nhi = _arrays(needed.boxes, nd)
     _check_disjoint(t, hlo, hhi, None, "trainer ranks hold overlapping but different boxes")
@@ -191,10 +218,7 @@ def _class_pieces(t, idx, held, needed, nd, sets):
     rep = np.repeat(np.arange(len(n)), counts)
     recv = np.concatenate([np.asarray(needed.ranks[k], dtype=np.int64) for k in n]) if len(n) else np.zeros(0, np.int64)
     set_of_box = np.array([sets.setdefault(r, len(sets)) for r in held.ranks], dtype=np.int64)
-    m = len(idx)
-    tensor = np.repeat(np.asarray(idx, dtype=np.int64), len(rep))
-    return (tensor, np.tile(recv, m), np.tile(set_of_box[h[rep]], m), np.tile(lo[h, n][rep], (m, 1)),
-            np.tile(hi[h, n][rep], (m, 1)), np.tile(vol[h, n][rep] * t.itemsize, m))
+    return recv, set_of_box[h[rep]], lo[h, n][rep], hi[h, n][rep], vol[h, n][rep] * t.itemsize
 
 
 def _check_disjoint(t, lo, hi, ranks, what):
@@ -213,15 +237,16 @@ def _box(lo, hi, t) -> str:
     return str(Box(tuple(int(x) for x in lo[:nd]), tuple(int(x) for x in hi[:nd])))
 
 
-def _limits(setid, nbytes, members, bucket_bytes):
-    """Largest piece allowed: a bucket, or less where a replica set needs finer cuts to balance."""
+def _limits(setid, load, count, members, bucket_bytes):
+    """Largest piece allowed: a bucket, or less where a replica set needs finer cuts to balance
+    (a piece weighs `count` times its bytes: it is sent for every tensor of its class)."""
     sizes = np.array([len(m) for m in members])
-    total = np.bincount(setid, weights=nbytes, minlength=len(members))
-    grain = np.where(sizes > 1, total / (np.maximum(sizes, 1) * BALANCE_GRAIN), np.inf)
-    return np.maximum(1, np.minimum(bucket_bytes, grain[setid])).astype(np.int64)
+    total = np.bincount(setid, weights=load, minlength=len(members))
+    grain = np.where(sizes > 1, total / (np.maximum(sizes, 1) * BALANCE_GRAIN), np.inf)[setid] / count
+    return np.maximum(1, np.minimum(bucket_bytes, grain)).astype(np.int64)
 
 
-def _split(tensor, recv, setid, lo, hi, nbytes, limit, tensors):
+def _split(klass, recv, setid, lo, hi, nbytes, limit, item):
     """Cut every piece over its limit along its first dim wider than one element (whole rows of
     that dim, so every part is a box again); repeat on the next dim where one row is still too big."""
     for _ in range(lo.shape[1]):
@@ -236,14 +261,13 @@ def _split(tensor, recv, setid, lo, hi, nbytes, limit, tensors):
         j = np.arange(len(rep)) - np.repeat(np.cumsum(parts) - parts, parts)
         d, w, p = dim[rep], width[rep], parts[rep]
         rows = np.arange(len(rep))
-        lo, hi = lo[rep].copy(), hi[rep].copy()
+        lo, hi = lo[rep], hi[rep]
         base = lo[rows, d]
         lo[rows, d] = base + w * j // p
         hi[rows, d] = base + w * (j + 1) // p
-        item = np.array([t.itemsize for t in tensors], dtype=np.int64)[tensor[rep]]
-        tensor, recv, setid, limit = tensor[rep], recv[rep], setid[rep], limit[rep]
-        nbytes = np.prod(hi - lo, axis=1) * item
-    return tensor, recv, setid, lo, hi, nbytes
+        klass, recv, setid, limit = klass[rep], recv[rep], setid[rep], limit[rep]
+        nbytes = np.prod(hi - lo, axis=1) * item[klass]
+    return klass, recv, setid, lo, hi, nbytes
 
 
 def _assign(setid, recv, nbytes, members, world):
