@@ -17,6 +17,7 @@ NIC's bytes (sent or received) over the bandwidth.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,37 +40,63 @@ class Timing:
 
 
 class _Streams:
-    """The fluid model's state: which stream each sender is on and how many bytes it has left."""
+    """The fluid model, event by event: which stream each sender is on, how many bytes it has
+    left, and when it will end at the current rates. Only the streams into a receiver whose crowd
+    changed are repriced, so an event costs a few heap operations, not a pass over every rank."""
 
     def __init__(self, senders: int, receivers: int, bandwidth: float):
         self.bandwidth = bandwidth
-        self.receiver = np.full(senders, -1, dtype=np.int64)
-        self.left = np.zeros(senders)
         self.crowd = np.zeros(receivers, dtype=np.int64)
+        self.into = [set() for _ in range(receivers)]
+        self.receiver = [-1] * senders
+        self.left = [0.0] * senders
+        self.rate = [0.0] * senders
+        self.since = [0.0] * senders
+        self.version = [0] * senders
+        self.heap: list = []
         self.now = 0.0
 
     def start(self, sender: int, receiver: int, nbytes: float) -> None:
         self.receiver[sender] = receiver
         self.left[sender] = nbytes
+        self.rate[sender] = 0.0
+        self.since[sender] = self.now
+        self.into[receiver].add(sender)
         self.crowd[receiver] += 1
+        self._reprice(receiver)
 
-    def step(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Run until the next stream ends: (senders now free, senders still busy, bytes each busy
-        one moved). Empty arrays when nothing is running."""
-        s = np.flatnonzero(self.receiver >= 0)
-        if not len(s):
-            return s, s, np.zeros(0)
-        rate = self.bandwidth / self.crowd[self.receiver[s]]
-        dt = float(np.min(self.left[s] / rate))
-        self.now += dt
-        moved = rate * dt
-        self.left[s] -= moved
-        done = self.left[s] <= 1e-9 * moved + 1e-6
-        free = s[done]
-        np.subtract.at(self.crowd, self.receiver[free], 1)
-        self.receiver[free] = -1
-        self.left[free] = 0.0
-        return free, s, moved
+    def next_free(self) -> list[int]:
+        """Advance to the next time streams end; the senders they free ([] when none is running)."""
+        freed = []
+        while self.heap:
+            t, v, s = heapq.heappop(self.heap)
+            if v != self.version[s]:
+                continue
+            if freed and t > self.now * (1 + 1e-12) + 1e-15:
+                heapq.heappush(self.heap, (t, v, s))
+                break
+            self.now = max(self.now, t)
+            freed.append(s)
+        touched = set()
+        for s in freed:
+            r = self.receiver[s]
+            self.into[r].discard(s)
+            self.crowd[r] -= 1
+            self.receiver[s] = -1
+            self.version[s] += 1
+            touched.add(r)
+        for r in touched:
+            self._reprice(r)
+        return freed
+
+    def _reprice(self, receiver: int) -> None:
+        crowd = int(self.crowd[receiver])
+        for s in self.into[receiver]:
+            self.left[s] = max(0.0, self.left[s] - self.rate[s] * (self.now - self.since[s]))
+            self.since[s] = self.now
+            self.rate[s] = self.bandwidth / crowd
+            self.version[s] += 1
+            heapq.heappush(self.heap, (self.now + self.left[s] / self.rate[s], self.version[s], s))
 
 
 def greedy_order(pair_bytes: np.ndarray) -> np.ndarray:
@@ -78,25 +105,24 @@ def greedy_order(pair_bytes: np.ndarray) -> np.ndarray:
     senders, receivers = pair_bytes.shape
     position = np.zeros((senders, receivers), dtype=np.int64)
     todo = pair_bytes > 0
-    to_send = pair_bytes.sum(axis=1).astype(np.float64)
+    owed = pair_bytes.sum(axis=1).astype(np.float64)
     scale = 1.0 + float(pair_bytes.max(initial=0.0))
-    count = np.zeros(senders, dtype=np.int64)
+    count = [0] * senders
     streams = _Streams(senders, receivers, 1.0)
-    free = np.arange(senders)
-    while True:
-        for s in free[np.argsort(-to_send[free], kind="stable")]:  # the senders with most left choose first
+    free = list(range(senders))
+    while free:
+        for s in sorted(free, key=lambda s: -owed[s]):  # the senders with most left choose first
             mine = np.flatnonzero(todo[s])
             if not len(mine):
                 continue
-            r = mine[np.argmin(streams.crowd[mine] * scale - pair_bytes[s, mine])]
+            r = int(mine[np.argmin(streams.crowd[mine] * scale - pair_bytes[s, mine])])
             todo[s, r] = False
+            owed[s] -= pair_bytes[s, r]
             position[s, r] = count[s]
             count[s] += 1
             streams.start(s, r, float(pair_bytes[s, r]))
-        free, busy, moved = streams.step()
-        if not len(busy):
-            return position
-        to_send[busy] -= moved
+        free = streams.next_free()
+    return position
 
 
 def simulate(plan: "SlicePlan", bandwidth: float) -> Timing:
@@ -110,14 +136,14 @@ def simulate(plan: "SlicePlan", bandwidth: float) -> Timing:
     order = np.lexsort((plan.position[sender, receiver], sender))
     sender, receiver = sender[order], receiver[order]
     size = pairs[sender, receiver]
-    nxt = np.searchsorted(sender, np.arange(plan.senders))  # each sender's next stream (index into size)
-    last = np.searchsorted(sender, np.arange(plan.senders), side="right")
+    nxt = np.searchsorted(sender, np.arange(plan.senders)).tolist()  # each sender's next stream
+    last = np.searchsorted(sender, np.arange(plan.senders), side="right").tolist()
     streams = _Streams(plan.senders, plan.receivers, bandwidth)
-    free = np.arange(plan.senders)
-    while True:
-        for s in free[nxt[free] < last[free]]:
-            streams.start(s, int(receiver[nxt[s]]), float(size[nxt[s]]))
-            nxt[s] += 1
-        free, busy, _ = streams.step()
-        if not len(busy):
-            return Timing(streams.now, busiest / bandwidth if bandwidth else 0.0, busiest, len(size))
+    free = list(range(plan.senders))
+    while free:
+        for s in free:
+            if nxt[s] < last[s]:
+                streams.start(s, int(receiver[nxt[s]]), float(size[nxt[s]]))
+                nxt[s] += 1
+        free = streams.next_free()
+    return Timing(streams.now, busiest / bandwidth, busiest, len(size))
