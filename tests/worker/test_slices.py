@@ -287,8 +287,6 @@ def test_senders_start_on_different_receivers():
 
 def test_uniform_all_to_all_runs_at_the_speed_of_light_and_a_queue_does_not():
     pairs = np.full((4, 4), 1000.0)
-    position = greedy_order(pairs)
-    assert sorted(position[:, 0].tolist()) == [0, 1, 2, 3]  # a Latin square: each receiver one sender at a time
 
     class Plan:
         senders = receivers = 4
@@ -299,10 +297,31 @@ def test_uniform_all_to_all_runs_at_the_speed_of_light_and_a_queue_does_not():
         def pair_bytes(self):
             return pairs
 
-    fast = simulate(Plan(position), bandwidth=1000.0)
+    one_at_a_time = greedy_order(pairs, window=1)
+    assert sorted(one_at_a_time[:, 0].tolist()) == [0, 1, 2, 3]  # a Latin square: each receiver one sender at a time
+    fast = simulate(Plan(one_at_a_time), bandwidth=1000.0, window=1)
     assert fast.speed_of_light == pytest.approx(4.0) and fast.seconds == pytest.approx(4.0)
-    queue = simulate(Plan(np.tile(np.arange(4), (4, 1))), bandwidth=1000.0)  # everyone starts on receiver 0
+    queue = simulate(Plan(np.tile(np.arange(4), (4, 1))), bandwidth=1000.0, window=1)  # all start on receiver 0
     assert queue.seconds == pytest.approx(16.0) and queue.over_light == pytest.approx(4.0)
+    assert simulate(Plan(greedy_order(pairs)), bandwidth=1000.0).seconds == pytest.approx(4.0)
+    jittered = simulate(Plan(greedy_order(pairs)), bandwidth=1000.0, jitter=0.01, seed=1)
+    assert 4.0 * 0.99 <= jittered.seconds <= 4.0 * 1.01
+
+
+def test_a_stream_runs_at_the_share_of_its_more_crowded_end():
+    # sender 0 owes receivers 0 and 1; sender 1 owes receiver 1 only: receiver 1 splits its NIC
+    pairs = np.array([[1000.0, 1000.0], [0.0, 1000.0]])
+
+    class Plan:
+        senders = receivers = 2
+        position = np.array([[0, 1], [0, 0]])
+
+        def pair_bytes(self):
+            return pairs
+
+    t = simulate(Plan(), bandwidth=1000.0, window=2)
+    # all three streams at 500 B/s (sender 0 has two, receiver 1 has two): 2 s, as the speed of light
+    assert t.seconds == pytest.approx(2.0) and t.speed_of_light == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------- the command
@@ -323,7 +342,7 @@ def test_simulate_prints_balance_busiest_nic_projection_and_speed_of_light(tmp_p
     text = out.stdout
     for field in ("balance (max / mean): senders", "busiest NIC", "speed of light:", "projected:",
                   "x the speed of light", "computed in", "HSDP 2 x FSDP2 degree 4", "3 replicas x TP2 = 6 GPUs",
-                  "every receiver gets exactly its bytes"):
+                  "every receiver gets exactly its bytes", "jittered by +-0.1%"):
         assert field in text, field
     assert len([line for line in text.splitlines() if line.startswith("receiver")]) == 1
 

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+JITTER, JITTER_RUNS = 1e-3, 3
+
 # Shapes of public checkpoints (their config.json values), built with transformers' own classes.
 MODELS = {
     # Kimi K2 (moonshotai/Kimi-K2-Instruct): the DeepSeek-V3 architecture with 384 experts, ~1.03T parameters
@@ -119,6 +121,7 @@ def run(name: str, topo: Topology) -> dict:
 
     check_plan(plan, needs)
     timing = simulate(plan, topo.nic_bits / 8)
+    jittered = max(simulate(plan, topo.nic_bits / 8, JITTER, seed).seconds for seed in range(JITTER_RUNS))
     sent, received = plan.bytes_by_sender(), plan.bytes_by_receiver()
     bs, br = plan.balance()
     return {"model": name, "parameters": sum(t.numel for t in tensors), "tensors": len(tensors),
@@ -126,10 +129,12 @@ def run(name: str, topo: Topology) -> dict:
             "pieces": len(plan), "streams": timing.streams, "sender_balance": bs, "receiver_balance": br,
             "busiest_sender_bytes": int(sent.max()), "busiest_receiver_bytes": int(received.max()),
             "busiest_nic_bytes": timing.busiest_nic_bytes, "projected_seconds": timing.seconds,
-            "speed_of_light_seconds": timing.speed_of_light, "over_light": timing.over_light, "plan": plan}
+            "speed_of_light_seconds": timing.speed_of_light, "over_light": timing.over_light,
+            "jittered_seconds": jittered, "plan": plan}
 
 
 def report(r: dict, topo: Topology) -> str:
+    from .linktime import WINDOW
     from .plan import size_text
 
     hsdp = topo.trainers // topo.fsdp
@@ -146,7 +151,10 @@ def report(r: dict, topo: Topology) -> str:
         f"busiest sender {size_text(r['busiest_sender_bytes'])}, busiest receiver "
         f"{size_text(r['busiest_receiver_bytes'])}, busiest NIC {size_text(r['busiest_nic_bytes'])}",
         f"speed of light: {r['speed_of_light_seconds']:.3f} s (busiest NIC / bandwidth)",
-        f"projected: {r['projected_seconds']:.3f} s = {r['over_light']:.3f} x the speed of light "
-        "(each sender streams its pieces in plan order; a receiver's NIC shared by its incoming streams)",
+        f"projected: {r['projected_seconds']:.3f} s = {r['over_light']:.3f} x the speed of light (senders stream "
+        f"their pieces in plan order, {WINDOW} receivers at a time; each NIC shared by its streams)",
+        f"projected with stream sizes jittered by +-{JITTER:.1%}: {r['jittered_seconds']:.3f} s = "
+        f"{r['jittered_seconds'] / r['speed_of_light_seconds'] if r['speed_of_light_seconds'] else 1.0:.3f} x "
+        f"(the worst of {JITTER_RUNS} seeds)",
     ]
     return "\n".join(lines)

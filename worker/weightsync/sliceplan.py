@@ -9,18 +9,18 @@ common level of bytes, so the busiest sender ends within about one piece of the 
 cut to at most bucket_bytes (and finer where a replica set needs the granularity to balance), so
 a sender pipelines them as the flat plan's buckets are.
 
-Scale: 256 trainers x 128 inference ranks over a 1T-parameter MoE is millions of pieces. The
-work is done per class of tensors (same shape, same holder placement, same need placement: every
-layer's q_proj is one class), intersected once with numpy, then repeated for the class's
-tensors; balancing and ordering are array operations. The result is still the complete list of
-pieces, checkable piece by piece.
+Scale: 256 trainers x 128 inference ranks over a 1T-parameter MoE is tens of millions of pieces.
+The work is done per class of tensors (same shape, same holder placement, same need placement:
+every layer's q_proj is one class): intersected, balanced and cut once with numpy, and kept once
+with the list of the class's tensors. The plan is still the complete list of pieces:
+pieces_of(sender) lists every one of them, and the tests check them byte by byte.
 
-Order: a sender sends all it owes one receiver as one stream, and takes its receivers in the
-order linktime.greedy_order finds by playing the transfer forward on the links' model: a free
-sender starts on the least crowded receiver it owes bytes, the one it owes most first. Senders
-therefore start on different receivers and stay spread over them, instead of all queueing at
-receiver 0, also where the bytes per (sender, receiver) pair are far from uniform
-(column-parallel slices come from a few senders, row-parallel ones from all).
+Order: all a sender owes one receiver goes as one stream, and each sender takes its receivers
+in the order linktime.greedy_order finds by playing the transfer forward on the links' model:
+the senders with the most left choose first, each the least crowded receiver it owes, the one it
+owes most first. Senders therefore start on different receivers and stay spread over them,
+instead of all queueing at receiver 0, also where the bytes per (sender, receiver) pair are far
+from uniform (column-parallel slices come from a few senders, row-parallel ones from all).
 """
 
 from __future__ import annotations
