@@ -365,3 +365,14 @@ def test_simulate_refuses_a_tp_degree_that_splits_heads(tmp_path):
     out = weightsync("plan", "--simulate", str(config), "--trainers", "4", "--inference", "2xTP4")
     assert out.returncode == 2
     assert "TP degree 4 does not divide the model's num_key_value_heads=2" in out.stderr, out.stderr
+
+
+def test_simulate_refuses_tp_for_a_model_transformers_has_no_tp_plan_for(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}))
+    out = weightsync("plan", "--simulate", str(config), "--trainers", "2", "--inference", "2xTP2")
+    assert out.returncode == 2
+    assert "GPT2LMHeadModel has no tensor-parallel plan in transformers" in out.stderr, out.stderr
+    assert "--inference 4xTP1" in out.stderr
+    ok = weightsync("plan", "--simulate", str(config), "--trainers", "2", "--inference", "4xTP1")
+    assert ok.returncode == 0 and "2 trainer rank(s) -> 4 inference rank(s)" in ok.stdout, ok.stderr

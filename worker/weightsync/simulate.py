@@ -10,6 +10,7 @@ linktime simulates it on one NIC per rank.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -80,7 +81,6 @@ def model_config(name: str):
         raise ValueError(f"--simulate {name!r}: not a built-in model ({', '.join(MODELS)}) and no config.json there")
     from .contract import SpecError
     from .model_config import from_mapping
-    import json
 
     try:
         return from_mapping(json.loads(path.read_text()))
@@ -108,6 +108,9 @@ def run(name: str, topo: Topology) -> dict:
     config = model_config(name)
     model = meta_model(config)
     plan_styles = dict(getattr(model, "_tp_plan", None) or {})
+    if topo.tp > 1 and not plan_styles:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in transformers: "
+                         f"simulate its inference as replicas of TP1 (for example --inference {topo.replicas * topo.tp}xTP1)")
     check_heads(config, plan_styles, topo.tp)
     tensors = [GlobalTensor(n, tuple(p.shape), topo.dtype) for n, p in model.named_parameters()]
     built = time.perf_counter() - t0

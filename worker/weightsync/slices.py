@@ -95,10 +95,6 @@ class RankSlices:
     rank: int
     slices: tuple
 
-    @property
-    def tensors(self) -> set:
-        return {s.tensor for s in self.slices}
-
 
 @dataclass(frozen=True)
 class Placement:
