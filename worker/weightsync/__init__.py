@@ -1,3 +1,16 @@
-"""weightsync: move freshly trained weights from training ranks to inference ranks."""
+"""weightsync: fresh weights from training ranks to inference ranks, M to N.
+
+The trainer-side API (weightsync.trainer) is imported on first use, so that importing the
+package (the operator does) loads no torch: attach, Sync, Published, JobEnded."""
 
 __version__ = "0.1.0"
+
+_API = {"attach": "trainer", "Sync": "trainer", "Published": "trainer", "JobEnded": "rendezvous"}
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_API[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

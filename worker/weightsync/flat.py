@@ -180,13 +180,19 @@ def views(buffer: "torch.Tensor", layout: FlatLayout) -> list["torch.Tensor"]:
     return [buffer[s.offset:s.offset + s.nbytes].view(dtype).view(s.shape) for s in layout.slots]
 
 
-def check_sources(layout: FlatLayout, sources: Sequence["torch.Tensor"]) -> None:
-    """Refuse source tensors that do not match the layout, naming the first one that differs."""
+def check_sources(layout: FlatLayout, sources: Sequence["torch.Tensor"], starts: Sequence[int] | None = None) -> None:
+    """Refuse source tensors that do not match the layout, naming the first one that differs.
+    With `starts` (shards), source i holds the elements of slot i from starts[i] on: whole rows
+    of the slot's tensor (every dimension but the first as the layout says), inside it."""
     if len(sources) != len(layout.slots):
         raise LayoutMismatch(f"{len(sources)} tensors given for a layout of {len(layout.slots)}")
-    for s, t in zip(layout.slots, sources):
-        if tuple(t.shape) != s.shape:
-            raise LayoutMismatch(f"tensor {s.name}: shape {list(t.shape)} given, layout says {list(s.shape)}")
+    for i, (s, t) in enumerate(zip(layout.slots, sources)):
+        if starts is None:
+            if tuple(t.shape) != s.shape:
+                raise LayoutMismatch(f"tensor {s.name}: shape {list(t.shape)} given, layout says {list(s.shape)}")
+        elif tuple(t.shape[1:]) != s.shape[1:] or starts[i] + t.numel() > s.numel:
+            raise LayoutMismatch(f"tensor {s.name}: a shard of shape {list(t.shape)} from element {starts[i]} does not "
+                                 f"fit the layout's {list(s.shape)}")
 
 
 def can_send_in_place(layout: FlatLayout, sources: Sequence["torch.Tensor"]) -> bool:
@@ -199,14 +205,18 @@ def can_send_in_place(layout: FlatLayout, sources: Sequence["torch.Tensor"]) -> 
 _ZEROS = memoryview(bytes(ALIGN))
 
 
-def range_views(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int) -> list[memoryview]:
+def range_views(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int,
+                starts: Sequence[int] | None = None) -> list[memoryview]:
     """The version's bytes [start, end) as memoryviews straight into the source tensors' memory
-    (padding from a shared zero block). Only valid when can_send_in_place(layout, sources)."""
+    (padding from a shared zero block). Only valid when can_send_in_place(layout, sources).
+    `starts`: as for check_sources (a shard's bytes are only those it holds)."""
     out, pos = [], start
+    item = ITEMSIZE[layout.dtype]
     for i, slot, a, b in layout.overlapping(start, end):
         gap = slot.offset + a - pos
         out.extend(_zero_views(gap))
-        out.append(memoryview(byte_view(sources[i]).numpy())[a:b])
+        skip = starts[i] * item if starts is not None else 0
+        out.append(memoryview(byte_view(sources[i]).numpy())[a - skip:b - skip])
         pos = slot.offset + b
     out.extend(_zero_views(end - pos))
     return out
@@ -248,9 +258,11 @@ def cast_into(dest: "torch.Tensor", src: "torch.Tensor", dtype: "torch.dtype") -
         dest.view(dtype).copy_(src)
 
 
-def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int, dest: "torch.Tensor") -> None:
+def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int, dest: "torch.Tensor",
+               starts: Sequence[int] | None = None) -> None:
     """Write the version's bytes [start, end) into the uint8 tensor `dest` (len end - start),
-    casting each overlapped slice of a source straight into place; padding becomes zero."""
+    casting each overlapped slice of a source straight into place; padding becomes zero.
+    `starts`: as for check_sources (a shard is read only where it holds the range)."""
     if dest.numel() != end - start:
         raise ValueError(f"destination holds {dest.numel()} bytes for a range of {end - start}")
     dtype = torch_dtype(layout.dtype)
@@ -262,7 +274,8 @@ def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int
             dest[pos - start:lo].zero_()
         if a % item or b % item:
             raise ValueError(f"range [{start}, {end}) cuts tensor {slot.name} inside an element")
-        cast_into(dest[lo:lo + b - a], sources[i].detach().reshape(-1)[a // item:b // item], dtype)
+        skip = starts[i] if starts is not None else 0
+        cast_into(dest[lo:lo + b - a], sources[i].detach().reshape(-1)[a // item - skip:b // item - skip], dtype)
         pos = slot.offset + b
     if pos < end:
         dest[pos - start:].zero_()

@@ -138,6 +138,7 @@ class Keys:
     VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
     PLAN, PLAN_MAC = "plan", "plan/mac"  # controller: the plan, HMAC'd with the token
     END = "end"  # controller: the job is over {"state", "reason", "message"}
+    CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)
 
     @staticmethod
     def join(role: str, rank: int) -> str:
@@ -165,6 +166,11 @@ class Keys:
     def ready(version: int, rank: int) -> str:
         """trainer: ready to send `version`."""
         return f"ready/{version}/{rank}"
+
+    @staticmethod
+    def closed(rank: int) -> str:
+        """trainer: it publishes no more versions; the value is the last it published (-1: none)."""
+        return f"closed/{rank}"
 
     @staticmethod
     def go(version: int, again: int = 0) -> str:
@@ -376,10 +382,10 @@ class Member(Channel):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
         return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
 
-    def round(self, version: int, again: int = 0, poll_max: float = POLL_MAX) -> Round:
-        """Wait for the controller's go for that round."""
+    def round(self, version: int, again: int = 0, poll_max: float = POLL_MAX, timeout: float | None = None) -> Round:
+        """Wait for the controller's go for that round (TimeoutError past `timeout` seconds)."""
         key = Keys.go(version, again)
-        self.wait_for(key, f"the controller's go for version {version}", poll_max=poll_max)
+        self.wait_for(key, f"the controller's go for version {version}", timeout, poll_max=poll_max)
         return Round.from_json(self.get(key))
 
     def welcome(self) -> Round:

@@ -61,7 +61,7 @@ class Reporter:
         self._line({"event": "rejoins", **rejoins})
         self._patch({"rejoins": rejoins})
 
-    def transfer(self, version: int, step: int, bytes: int, seconds: float, transport: str,
+    def transfer(self, version: int, step: int | None, bytes: int, seconds: float, transport: str,
                  loss: float | None, wire_bytes: int | None = None, delta_ranks: int = 0, **extra) -> dict:
         record = {"version": version, "step": step, "bytes": bytes, "seconds": round(seconds, 6),
                   "gbps": round(bytes / seconds / 1e9, 4) if seconds > 0 else 0.0, "time": now(),
@@ -69,6 +69,8 @@ class Reporter:
                   "deltaRanks": delta_ranks}
         if loss is not None:
             record["loss"] = round(loss, 6)
+        if step is None:  # a training script that did not say
+            del record["step"]
         self._line({"event": "transfer", **record, **extra})
         self._patch({"transfer": record})
         return record

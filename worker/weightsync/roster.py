@@ -35,6 +35,7 @@ RANK_FAILED = "RankFailed"
 RANK_SILENT = "RankSilent"
 RANK_LOST = "RankLost"
 TRAINER_RESTARTED = "TrainerRestarted"
+TRAINERS_DISAGREE = "TrainersDisagree"
 
 SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
@@ -48,6 +49,10 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, reason: str = RANK_FAILED):
         self.reason = reason
         super().__init__(message)
+
+
+class _AllClosed(Exception):
+    """Every trainer rank closed: there is no next version."""
 
 
 @dataclass
@@ -157,6 +162,34 @@ class Host(Channel):
                 seat.state, seat.since = SERVING, time.monotonic()
         self.set(Keys.go(version, again), rnd.to_json())
         return rnd
+
+    def next_version(self, version: int) -> bool:
+        """Wait until every trainer rank is ready for `version` (True) or has closed after
+        version - 1 (False). RankFailed when they disagree: one closed after another version, or
+        one closed while another is ready to go on."""
+        trainers = self.layout.world_size(TRAINER)
+
+        def check() -> None:
+            self.check_ranks()
+            if self.store.add(Keys.CLOSED, 0):
+                closed = {t: int(self.get(Keys.closed(t))) for t in range(trainers) if self.has(Keys.closed(t))}
+                ready = [t for t in range(trainers) if self.has(Keys.ready(version, t))]
+                wrong = {t: v for t, v in closed.items() if v != version - 1}
+                if wrong or ready:
+                    t, v = next(iter(wrong.items())) if wrong else next(iter(closed.items()))
+                    goes_on = f"{who(TRAINER, ready[0])} is ready for version {version}" if ready else \
+                        f"the others published version {version - 1}"
+                    raise RankFailed(f"{who(TRAINER, t)} closed after version {v}, but {goes_on}: every trainer rank "
+                                     "must publish the same versions", TRAINERS_DISAGREE)
+                if len(closed) == trainers:
+                    raise _AllClosed
+
+        try:
+            self.wait([Keys.ready(version, t) for t in range(trainers)], f"the trainers to be ready for version {version}",
+                      check=check)
+        except _AllClosed:
+            return False
+        return True
 
     def collect_sent(self, rnd: Round, timeout: float) -> list[dict]:
         """Every trainer's report of the round; receivers a trainer lost count as away."""
@@ -281,8 +314,11 @@ class Host(Channel):
     def _blame(self, role: str, rank: int, message: str) -> RankFailed:
         """The failure to report when (role, rank) reported `message`: another rank's, if one
         stopped first (started again, or no heartbeat through the whole window)."""
-        others = [r for r in self.ranks if r != (role, rank)]
+        # A rank that never beat cannot have stopped, nor one that reported a failure itself (its
+        # pod reports for each rank its command had not ended)
+        others = [r for r in self.ranks if r != (role, rank) and not self.has(Keys.failed(*r))]
         counts = {r: self.store.add(Keys.beat(*r), 0) for r in others}
+        others = [r for r in others if counts[r] or self.store.add(Keys.join(*r), 0) > self.attempts[r]]
         deadline = time.monotonic() + BLAME_WINDOW
         stopped = None
         while stopped is None:

@@ -82,7 +82,9 @@ class VersionSender:
 
     `params` passed to send() are the model's tensors in the plan's layout order (what
     FlatLayout.from_named_tensors was given), in any dtype and on any device: they are cast to
-    the layout's dtype on the way. Send buffers: `depth` buffers of bucket_bytes, allocated on the
+    the layout's dtype on the way; with `starts` they are this rank's shards (FSDP2: each its
+    local rows, beginning at element starts[i] of its tensor), and the plan gives this rank only
+    bytes it holds (shards.plan_by_holder). Send buffers: `depth` buffers of bucket_bytes, allocated on the
     first version that needs a cast, then reused; buffer_bytes says how much that is. The cast
     of host tensors runs on `cast_threads` intra-op threads (one thread casting cache-sized
     chunks leaves the other cores to the connections, which run at the same time).
@@ -93,12 +95,14 @@ class VersionSender:
     threads, the first beside the cast of the next chunk."""
 
     def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
-                 depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2):
+                 depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2,
+                 starts: list[int] | None = None):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         if delta and not (sender.patches and getattr(sender, "buffer_device", "cpu") == "cpu"):
             raise ValueError(f"the {type(sender).__name__} transport carries no patches: delta versions need tcp")
         self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
+        self.starts = starts  # shards: the element of its tensor each param begins at (flat.check_sources)
         self.buckets = plan.buckets_of(trainer_rank)
         self.bucket_bytes = bucket_bytes or plan.bucket_bytes
         if self.buckets and max(b.length for b in self.buckets) > self.bucket_bytes:
@@ -139,7 +143,7 @@ class VersionSender:
         import torch
 
         if data.device.type == "cuda":
-            flat.fill_range(layout, params, bucket.offset, bucket.end, data)
+            flat.fill_range(layout, params, bucket.offset, bucket.end, data, self.starts)
             torch.cuda.current_stream(data.device).synchronize()
             filling.finish(bucket_checksum(data))
             return
@@ -150,7 +154,7 @@ class VersionSender:
             view = memoryview(data.numpy())
             for a in range(0, bucket.length, CHUNK):
                 b = min(a + CHUNK, bucket.length)
-                flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b])
+                flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b], self.starts)
                 h.update(view[a:b])
                 filling.advance(b)
                 if each is not None:
@@ -167,7 +171,7 @@ class VersionSender:
         k-th bucket is handed to the transport. With delta versions, `bases` ({inference rank:
         the version it holds, or None}) names the peers that may get patches."""
         layout = self.plan.layout
-        flat.check_sources(layout, params)
+        flat.check_sources(layout, params, self.starts)
         start = time.monotonic()
         peers = self.peers if peers is None else list(peers)
         if self.last is not None and self.buckets:
@@ -185,7 +189,7 @@ class VersionSender:
                 # one peer's connection hashes the bytes as it sends them (while they are in
                 # cache; the peers take turns by bucket); the others send them at once and take
                 # that checksum when it is there
-                data = flat.range_views(layout, params, b.offset, b.end)
+                data = flat.range_views(layout, params, b.offset, b.end, self.starts)
                 hasher = peers[k % len(peers)]
                 hashed = self.sender.send(hasher, version, b.offset, data)
                 # a hasher that failed (its peer went away) leaves the checksum to this side

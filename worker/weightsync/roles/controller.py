@@ -19,8 +19,9 @@ from ..contract import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
 from ..deltaplan import bases, delta_in_effect
 from ..flat import FlatLayout, LayoutMismatch
 from ..plan import job_plan
-from ..rendezvous import Keys, ProofError, Round, versions, who
+from ..rendezvous import Keys, ProofError, Round, who
 from ..report import Reporter
+from ..shards import Holdings, plan_by_holder
 from ..roster import Host, RankFailed
 from ..transfer import version_digest
 from .common import JOIN_TIMEOUT, linger, log, pause_point
@@ -38,6 +39,7 @@ VERIFICATION_FAILED = "VerificationFailed"
 TIMED_OUT = "TimedOut"
 INVALID = "RanksDisagree"
 PROOF_FAILED = "TokenProofFailed"
+NO_VERSIONS = "NoVersions"
 
 
 class JobFailed(RuntimeError):
@@ -80,23 +82,24 @@ def run(ctx: WorkerContext) -> int:
         delta_on, why = delta_in_effect(ctx.job.delta, transport)
         log(ME, why)
         delta = Delta(delta_on, ctx.job.delta.full_every)
-        final = None
-        for version, step in versions(spec):
-            host.wait_ranks([Keys.ready(version, r) for r in range(trainers)], f"the trainers to be ready for version {version}")
+        version = 0
+        while host.next_version(version):  # until every trainer rank closed
             rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
-            record, sent = _round(host, reporter, plan, rnd, step, transport, timeout)
+            record, sent = _round(host, reporter, plan, rnd, transport, timeout)
             if sent[0].get("loss") is not None:
                 loss = sent[0]["loss"]
             delivered += 1
-            final = version, step
             if version >= 2:
                 host.forget(version - 2)
-        again = 0
-        while final is not None and host.behind(final[0]):  # ranks that came back after the final version
+            version += 1
+        if not delivered:
+            raise JobFailed("every trainer rank closed without publishing a version", NO_VERSIONS)
+        final, again = version - 1, 0
+        while host.behind(final):  # ranks that came back after the final version
             host.wait_back()
             again += 1
-            rnd = host.start_round(final[0], again, bases=partial(bases, delta, final[0], again))
-            _round(host, reporter, plan, rnd, final[1], transport, timeout)
+            rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
+            _round(host, reporter, plan, rnd, transport, timeout)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError) as e:
         return _fail(ctx, host, reporter, e, delivered, loss)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
@@ -111,7 +114,7 @@ def run(ctx: WorkerContext) -> int:
     return 0
 
 
-def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transport: str, timeout: float):
+def _round(host: Host, reporter: Reporter, plan, rnd: Round, transport: str, timeout: float):
     """One round: wait for the trainers' reports, publish the reference digest, wait for every
     receiver still there to apply it, check the digests; report it."""
     start = time.monotonic()
@@ -138,7 +141,7 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, step: int, transpor
     host.holding(rnd.version, applied)
     if rnd.again or host.rejoins():
         reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
-    loss = sent[0].get("loss")
+    loss, step = sent[0].get("loss"), sent[0].get("step")
     changed, compared = sum(s.get("changed", 0) for s in sent), sum(s.get("compared", 0) for s in sent)
     extra = {"changed": round(changed / compared, 6)} if compared else {}
     record = reporter.transfer(rnd.version, step, plan.version_bytes * len(applied), seconds, transport, loss,
@@ -160,7 +163,16 @@ def _plan(ctx: WorkerContext, admitted: dict):
     if len(transports) != 1:
         chosen = ", ".join(f"{who(role, rank)}: {info['transport']} ({info['why']})" for (role, rank), (_, _, info) in admitted.items())
         raise JobFailed(f"the ranks chose different transports: {chosen}", INVALID)
-    return job_plan(ctx.job, reference), transports.pop()
+    holdings = {rank: info["holds"] for (role, rank), (_, _, info) in admitted.items() if role == TRAINER and "holds" in info}
+    if not holdings:  # every trainer rank holds every tensor whole
+        return job_plan(ctx.job, reference), transports.pop()
+    trainers = ctx.job.layout.world_size(TRAINER)
+    held = {t: Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)}
+    try:
+        plan = plan_by_holder(reference, held, ctx.job.layout.world_size(INFERENCE), ctx.job.spec["transfer"]["bucketMB"] << 20)
+    except ValueError as e:
+        raise JobFailed(f"the trainer ranks' shards cannot be sent as they are held: {e}", INVALID) from None
+    return plan, transports.pop()
 
 
 def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> None:

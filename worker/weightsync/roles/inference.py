@@ -13,6 +13,7 @@ that it starts again and rejoins the same way.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -21,7 +22,7 @@ from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
-from ..rendezvous import Keys, Member, Round, versions, who
+from ..rendezvous import JobEnded, Keys, Member, Round, who
 from ..transfer import VersionReceiver, settle_heap
 from .common import (JOIN_TIMEOUT, Expected, StartAgain, device_for, dump, dumping, info, log, pause_point, run_rank,
                      transport_for)
@@ -159,13 +160,13 @@ class Inference:
             first = member.welcome() if member.attempt > 1 else Round(0)
             if member.attempt > 1:
                 log(self.me, f"taken back at {first.name}")
-            for version, _ in versions(self.spec):
-                if version < first.version:
-                    continue
+            for version in itertools.count(first.version):  # until the controller ends the job
                 again = first.again if version == first.version else 0
-                if not again:  # trainers train between versions: look now and then until the first is ready
-                    member.wait_for(Keys.ready(version, 0), f"trainer rank 0 to be ready for version {version}")
-                rnd = member.round(version, again, poll_max=0.002)
+                try:
+                    rnd = member.round(version, again, poll_max=0.002)
+                except JobEnded as e:
+                    gens.finish(end={"state": e.state, "message": str(e)})
+                    return
                 if self.rank not in rnd.receivers:
                     raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
                                      "off); ending this process so that it starts again and rejoins")
@@ -186,6 +187,5 @@ class Inference:
                 member.set(Keys.applied(version, self.rank, member.attempt),
                            {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),
                             "why_refused": got.refused[0] if got.refused else None})
-            gens.finish(end=member.wait_for_end())
         except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
             gens.finish(error=e)
