@@ -15,7 +15,9 @@ def job(spec=None, name="demo", **top):
 def test_defaults_come_from_the_crd():
     spec = contract.load_job(job()).spec
     assert spec["model"]["dtype"] == "bfloat16"
-    assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1}
+    assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800}
+    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1}
+    assert "command" not in spec["trainer"]  # the built-in trainer
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
     assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,
                                 "delta": {"enabled": False, "fullEvery": 10}}
@@ -41,6 +43,17 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
     ({"transfer": {"transport": "nccl", "delta": {"enabled": True}}}, "demo", "spec.transfer.delta.enabled needs transport tcp"),
     ({"transfer": {"delta": {"fullEvery": 0}}}, "demo", "spec.transfer.delta.fullEvery: 0 is less than the minimum of 1"),
+    ({"trainer": {"args": ["--fsdp"]}}, "demo", "spec.trainer.args needs spec.trainer.command"),
+    ({"trainer": {"env": [{"name": "A", "value": "1"}]}}, "demo", "spec.trainer.env needs spec.trainer.command"),
+    ({"trainer": {"command": []}}, "demo", "spec.trainer.command: [] should be non-empty"),
+    ({"trainer": {"command": [""]}}, "demo", "spec.trainer.command.0: '' should be non-empty"),
+    ({"trainer": {"command": ["torchrun"], "env": [{"name": "WEIGHTSYNC_ORDINAL", "value": "1"}]}}, "demo",
+     "spec.trainer.env[0]: spec.trainer.env may not set WEIGHTSYNC_* variables"),
+    ({"trainer": {"command": ["torchrun"], "env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}}, "demo",
+     "spec.trainer.env[0]: spec.trainer.env entries take value or valueFrom, not both"),
+    ({"trainer": {"command": ["torchrun"], "env": [{"name": "A B", "value": "1"}]}}, "demo", "spec.trainer.env.0.name: 'A B' does not match"),
+    ({"trainer": {"command": ["torchrun"], "attachTimeoutSeconds": 0}}, "demo", "spec.trainer.attachTimeoutSeconds: 0 is less than"),
+    ({"inference": {"command": ["python"]}}, "demo", "spec.inference.command: unknown field"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])

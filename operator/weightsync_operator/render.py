@@ -187,7 +187,7 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
 
     container = {
         "name": CONTAINER,
-        "image": worker_image(spec, image),
+        "image": role_spec.get("image") or worker_image(spec, image),
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": list(WORKER_COMMAND),
         "env": env(job, role, mode),
@@ -272,6 +272,12 @@ def env(job: Job, role: str, mode: str) -> list[dict]:
         variables.append({"name": Env.REPORT_TO_KUBERNETES, "value": "1"})
     else:
         variables += [{"name": k, "value": v} for k, v in contract.network_env(job.spec, mode).items()]
+    if role == contract.TRAINER and contract.trainer_command(job.spec):
+        # A user's command: where its ranks meet (the worker adds the rest of torchrun's variables
+        # for its pod, contract.torchrun_env), then the user's own variables.
+        variables += [{"name": "MASTER_ADDR", "value": contract.master_addr(job)},
+                      {"name": "MASTER_PORT", "value": str(contract.MASTER_PORT)}]
+        variables += copy.deepcopy(job.spec["trainer"].get("env", []))
     return variables
 
 
@@ -289,6 +295,8 @@ def ports(job: Job, role: str, health: bool = True) -> list[dict]:
     if role == contract.INFERENCE:
         return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
                   for i in range(job.layout.procs_per_pod(role))), *health]
+    if contract.trainer_command(job.spec):
+        return [{"name": "torch", "containerPort": contract.MASTER_PORT, "protocol": "TCP"}, *health]
     return health
 
 

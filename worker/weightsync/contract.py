@@ -39,6 +39,9 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 STORE_PORT = 29500  # the controller's rendezvous store
 DATA_PORT = 29600  # an inference process listens on DATA_PORT + its local rank
 HEALTH_PORT = 29700  # every pod answers its probes here: /healthz (liveness), /readyz (readiness)
+# spec.trainer.command: the port of torch.distributed's store among the trainer ranks (torchrun's,
+# on trainer rank 0's pod, MASTER_ADDR); the job's own rendezvous is the controller's store.
+MASTER_PORT = 29800
 
 # What the operator mounts into every pod, and where.
 SPEC_KEY = "job.yaml"  # ConfigMap key: the defaulted job the workers read
@@ -376,6 +379,45 @@ def network_env(spec: Mapping, mode: str) -> dict[str, str]:
             env["GLOO_SOCKET_IFNAME"] = ifname
         return env
     raise ValueError(f"network mode must be resolved to rdma or tcp, not {mode!r}")
+
+
+# ---------------------------------------------------------------- a user's trainer command
+
+
+def trainer_command(spec: Mapping) -> list[str]:
+    """spec.trainer.command and its args; empty for the built-in trainer."""
+    trainer = spec["trainer"]
+    return [*trainer["command"], *trainer.get("args", [])] if trainer.get("command") else []
+
+
+def master_addr(job: "Job") -> str:
+    """Where a command's trainer ranks meet (torchrun's MASTER_ADDR): trainer rank 0's pod, by its
+    name in the job's headless Service."""
+    return f"{job.pod_name(job.layout.first_ordinal(TRAINER))}.{job.service_name}.{job.namespace}.svc"
+
+
+# What torchrun reads and what it gives the processes it starts; the pod sets them (the others
+# are pod-owned as well: a shell's values never reach a pod).
+TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                 "LOCAL_WORLD_SIZE")
+
+
+def torchrun_env(job: "Job", ordinal: int, addr: str, port: int) -> dict[str, str]:
+    """The environment a trainer pod's command gets to meet its peers, as torchrun expects it:
+    its arguments as PET_* variables (so that a plain `torchrun train.py` starts procsPerPod
+    processes and joins the other pods, static rendezvous at addr:port), and, where the pod runs
+    one rank, RANK and LOCAL_RANK as torchrun would set them (a plain `python train.py` then calls
+    init_process_group() with env://). WORLD_SIZE counts processes, NODE_RANK pods."""
+    layout = job.layout
+    pods, procs = layout.replicas(TRAINER), layout.procs_per_pod(TRAINER)
+    node = ordinal - layout.first_ordinal(TRAINER)
+    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(layout.world_size(TRAINER)),
+           "NODE_RANK": str(node), "GROUP_RANK": str(node), "LOCAL_WORLD_SIZE": str(procs),
+           "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": str(procs), "PET_NODE_RANK": str(node),
+           "PET_MASTER_ADDR": addr, "PET_MASTER_PORT": str(port)}
+    if procs == 1:
+        env.update(RANK=str(node), LOCAL_RANK="0")
+    return env
 
 
 # ---------------------------------------------------------------- what a worker process reads

@@ -132,6 +132,9 @@ def cel_rules(node: Mapping, value: Any, where: str) -> list[str]:
         for name, sub in node.get("properties", {}).items():
             if name in value:
                 problems += cel_rules(sub, value[name], f"{where}.{name}" if where else name)
+    elif isinstance(value, list) and "items" in node:
+        for i, item in enumerate(value):
+            problems += cel_rules(node["items"], item, f"{where}[{i}]")
     return problems
 
 

@@ -31,7 +31,8 @@ from typing import IO, Mapping
 
 import yaml
 
-from .contract import CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, Env, Job, load_job, network_env
+from .contract import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job, load_job,
+                       network_env, trainer_command)
 from .kubelet import Kubelet, Pod, tail
 from .memory import shortfall
 from .model import check_fits, meta_layout
@@ -41,7 +42,7 @@ LOOPBACK = "127.0.0.1"
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
 STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
 # The pod's environment decides these; the shell's values must not leak into a local pod.
-POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG")
+POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG", "PET_", "TORCHELASTIC_")
 
 
 class RunFailed(RuntimeError):
@@ -83,9 +84,9 @@ class LocalJob:
         layout = self.job.layout
         spec_file, token_file = self._files()
         inference_procs = layout.procs_per_pod(INFERENCE)
-        store_port, *ports = free_ports([1] + [1] * layout.pods + [inference_procs] * layout.inferences)
+        store_port, master_port, *ports = free_ports([1, 1] + [1] * layout.pods + [inference_procs] * layout.inferences)
         health_ports, data_ports = ports[:layout.pods], ports[layout.pods:]
-        base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES)}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES) and k not in TORCHRUN_VARS}
         base["PYTHONUNBUFFERED"] = "1"
         # the pods share this machine's cores
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
@@ -115,6 +116,8 @@ class LocalJob:
                 env[Env.STATUS_FILE] = str(self.workdir / STATUS_FILE)
             else:
                 env.update(network_env(self.job.spec, "tcp"))
+            if role == TRAINER and trainer_command(self.job.spec):  # as render.env: where the ranks meet, the user's own
+                env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
             env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
             pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal),
@@ -224,6 +227,18 @@ class LocalJob:
         self.kubelet.stop()
 
 
+def command_env(job: Job) -> dict[str, str]:
+    """spec.trainer.env as a local process gets it: values only (what valueFrom names, a Secret or
+    a ConfigMap, is the cluster's)."""
+    out = {}
+    for i, var in enumerate(job.spec["trainer"].get("env", [])):
+        if "valueFrom" in var:
+            raise CannotRunHere(f"spec.trainer.env[{i}] ({var['name']}) takes its value from the cluster (valueFrom); "
+                                "weightsync run takes only value")
+        out[var["name"]] = var.get("value", "")
+    return out
+
+
 def gpus_per_pod(job: Job) -> dict[int, str]:
     """CUDA_VISIBLE_DEVICES for every pod: distinct GPUs of this machine for the pods that ask
     for them (procsPerPod x gpusPerProc), none for the others."""
@@ -256,7 +271,10 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     the job started), or before starting anything contract.SpecError or CannotRunHere."""
     job = source if isinstance(source, Job) else load_job(source)
     layout = meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
-    check_fits(job.spec)
+    if trainer_command(job.spec):
+        command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
+    else:
+        check_fits(job.spec)
     gpus_per_pod(job)  # this machine's GPUs and memory, before any file or process is made
     too_big = shortfall(job, layout)
     if too_big:

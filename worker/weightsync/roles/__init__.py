@@ -1,5 +1,6 @@
 """The worker every pod runs: its ordinal picks the role, and a trainer or inference pod runs one
-process per rank (procsPerPod, one per GPU). The pod's first process answers the kubelet's probes
+process per rank (procsPerPod, one per GPU), or, for trainers with spec.trainer.command, the user's
+command (command.py), which starts its own. The pod's first process answers the kubelet's probes
 for all of them (health.py), from before anything heavy is imported."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from multiprocessing.connection import wait
 from typing import Mapping
 
-from ..contract import CONTROLLER, TRAINER, SpecError, WorkerContext
+from ..contract import CONTROLLER, TRAINER, SpecError, WorkerContext, trainer_command
 from ..health import PodHealth, RankHealth
 from ..rendezvous import who
 
@@ -36,6 +37,10 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         from .controller import run
 
         return run(ctx)
+    if ctx.role == TRAINER and trainer_command(ctx.job.spec):
+        from .command import run
+
+        return run(ctx, health)
     if len(ranks) == 1:
         health.rank(0).start()
         return run_rank(ctx.role, ranks[0], 0)

@@ -1,0 +1,155 @@
+"""A trainer pod with spec.trainer.command runs the user's command (their own training script, which
+publishes through weightsync.attach) instead of the built-in trainer, and watches it as the pod's
+supervisor:
+
+- the command's environment is the pod's (weightsync's contract, spec.trainer.env) with torchrun's
+  variables for this pod (contract.torchrun_env), so that `torchrun train.py` needs no arguments;
+- the pod is alive while the command runs, and ready once every rank of the pod attached;
+- a rank of the pod that has not attached within spec.trainer.attachTimeoutSeconds of the
+  command's start, or the command's exit before every rank of the pod closed, is reported to the
+  controller for each such rank (a rank that reported its own failure keeps its own words), so
+  the job fails naming the rank;
+- a job that ended Failed stops a command still running; after the end a pod in a cluster stays
+  until the operator removes it, as every worker pod does.
+
+The command runs in the pod's process group: whatever it starts ends with the pod (a container's
+processes do; `weightsync run` stops a local pod's whole group).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+
+from ..contract import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env, trainer_command
+from ..health import PodHealth
+from ..ranks import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
+from ..rendezvous import Channel, Keys, connect_store, who
+from . import die_with_parent, exit_status
+
+TICK = 1.0  # seconds between two looks at the command and the rendezvous
+STOP_GRACE = 4.0  # seconds between SIGTERM and SIGKILL for a command being stopped (within the pod's own grace)
+
+
+def run(ctx: WorkerContext, health: PodHealth) -> int:
+    argv = trainer_command(ctx.job.spec)
+    ranks = list(ctx.ranks)
+    me = f"trainer pod {ctx.job.pod_name(ctx.ordinal)}"
+    slots = [health.rank(i) for i in range(len(ranks))]
+    for slot in slots:  # alive while this process runs; the command's ranks beat to the controller
+        slot.start()
+    env = {**torchrun_env(ctx.job, ctx.ordinal, os.environ.get("MASTER_ADDR") or master_addr(ctx.job),
+                          int(os.environ.get("MASTER_PORT") or MASTER_PORT)), **os.environ}
+    channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
+    command = shlex.join(argv)
+    log(me, f"runs the command {command} for {', '.join(who(TRAINER, r) for r in ranks)}")
+    try:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=partial(die_with_parent, os.getpid()))
+    except OSError as e:
+        for r in ranks:
+            report_failure(ctx, TRAINER, r, f"the trainer command {command} cannot be started: {e.strerror or e}", channel)
+        return _end(ctx, channel, me, None)
+    signal.signal(signal.SIGTERM, partial(_stop_on_sigterm, proc))
+    watch = Watch(ctx, channel, ranks, me, slots)
+    deadline = time.monotonic() + ctx.job.spec["trainer"]["attachTimeoutSeconds"]
+    code, end, gone = None, None, False
+    while code is None:
+        if end is not None or gone:  # only the command is left to wait for
+            try:
+                code = proc.wait(TICK)
+            except subprocess.TimeoutExpired:
+                pass
+            continue
+        try:
+            # parked on the end (the store answers at once when it is set: once the job's ranks
+            # said goodbye a local controller exits, and its store with it)
+            end = _wait_end(channel, TICK)
+            late = watch.not_attached() if end is None else []
+        except (OSError, ConnectionError, RuntimeError) as e:
+            log(me, f"lost the controller's store ({e}); waiting for the command to exit")
+            gone = True
+            continue
+        code = proc.poll()
+        if end is not None and end["state"] != "Succeeded" and code is None:
+            log(me, "the job failed: stopping the command")
+            _stop(proc)
+        elif late and time.monotonic() > deadline and code is None:
+            for r in late:
+                report_failure(ctx, TRAINER, r, f"the trainer command has not called weightsync.attach() within "
+                                                f"{ctx.job.spec['trainer']['attachTimeoutSeconds']}s of its start "
+                                                f"(spec.trainer.attachTimeoutSeconds): {command}", channel)
+            _stop(proc)
+            return _end(ctx, channel, me, proc.wait())
+    if end is None and not gone:
+        end = channel.get_json(Keys.END) if channel.has(Keys.END) else None
+    if end is None and not gone:
+        how = exit_status(code)
+        open_ranks = [r for r in ranks if not channel.has(Keys.closed(r))]
+        for r in open_ranks:
+            report_failure(ctx, TRAINER, r, f"the trainer command {how} before this rank closed its weightsync.attach() "
+                                            f"(sync.close()): {command}", channel)
+        log(me, f"the command {how}" + (f" before {', '.join(who(TRAINER, r) for r in open_ranks)} closed" if open_ranks else ""))
+    elif gone:  # close() returns only once the job succeeded: a command that exits 0 after it is done
+        end = {"state": "Succeeded" if code == 0 else "Failed"}
+    return _end(ctx, channel, me, code, end)
+
+
+def _wait_end(channel: Channel, timeout: float) -> dict | None:
+    try:
+        channel.wait([Keys.END], "the end of the job", timeout)
+    except TimeoutError:
+        return None
+    return channel.get_json(Keys.END)
+
+
+class Watch:
+    """Which ranks of the pod attached (joined the job, token proven); the pod is ready once all did."""
+
+    def __init__(self, ctx: WorkerContext, channel: Channel, ranks: list[int], me: str, slots):
+        self.channel, self.ranks, self.me, self.slots = channel, ranks, me, slots
+        self.attached: set[int] = set()
+
+    def not_attached(self) -> list[int]:
+        for r in self.ranks:
+            if r not in self.attached:
+                attempt = self.channel.store.add(Keys.join(TRAINER, r), 0)
+                if attempt and self.channel.has(Keys.published("proof", TRAINER, r, attempt)):
+                    self.attached.add(r)
+                    if len(self.attached) == len(self.ranks):
+                        for slot in self.slots:
+                            slot.ready()
+        return [r for r in self.ranks if r not in self.attached]
+
+
+def _end(ctx: WorkerContext, channel: Channel, me: str, code: int | None, end: dict | None = None) -> int:
+    """The command is over: wait (bounded) for the job's end, then stay in a cluster."""
+    if end is None:
+        end = wait_for_the_end(channel, me)
+    state = end["state"] if end else "Failed"
+    linger(ctx, me)
+    return 0 if state == "Succeeded" and code == 0 else 1
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command (torchrun passes it on to its workers), SIGKILL if it outlasts
+    STOP_GRACE."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _stop_on_sigterm(proc: subprocess.Popen, signum, _frame) -> None:
+    """The pod is being deleted: the command ends first, then this process."""
+    _stop(proc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
