@@ -1,0 +1,107 @@
+"""What a trainer rank sends from: a plain or DDP module's parameters under their Hugging Face names,
+and for FSDP2 (fully_shard, gloo ranks on CPU) only each rank's local shard, uneven last shards
+included: the bytes each rank fills for its buckets equal the unsharded model's, and no DTensor is
+ever gathered (full_tensor and redistribute raise in the ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from weightsync.flat import FlatLayout, fill_range, range_views
+from weightsync.plan import make_plan
+from weightsync.shards import Holdings, plan_by_holder
+from weightsync.sources import local_tensors, sources_of, version_name
+
+# Sizes that 2, 3 and 4 ranks do not divide: vocab 101, 2 KV heads of 12, intermediate 70.
+CONFIG = dict(vocab_size=101, hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+
+
+def tiny_model():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG))
+
+
+def test_wrapper_prefixes_are_dropped_and_tied_weights_listed_once():
+    assert version_name("module._orig_mod.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert version_name("model.module_list.0.weight") == "model.module_list.0.weight"
+    model = tiny_model()
+    sources = sources_of(torch.compile(model), "bfloat16")
+    assert sources.holdings is None and sources.starts is None
+    names = [s.name for s in sources.layout.slots]
+    assert names == [n for n, _ in model.named_parameters()] and "lm_head.weight" not in names  # tied to the embedding
+    assert local_tensors(model, sources)[0] is not None
+
+
+def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        model = tiny_model()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+        def gathered(*_a, **_k):
+            raise AssertionError("a DTensor was gathered")
+
+        DTensor.full_tensor = gathered
+        DTensor.redistribute = gathered
+        sources = sources_of(model, dtype)
+        params = local_tensors(model, sources)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, sources.holdings.to_json())  # what the controller gets in the join
+        holdings = {r: Holdings.from_json(h) for r, h in enumerate(everyone)}
+        plan = plan_by_holder(sources.layout, holdings, inferences=1, bucket_bytes=1024)
+        filled = {}
+        for b in plan.buckets_of(rank):
+            data = torch.empty(b.length, dtype=torch.uint8)
+            fill_range(sources.layout, params, b.offset, b.end, data, sources.starts)
+            if dtype == "float32":  # sent in place, straight from the shard's memory
+                assert b"".join(bytes(v) for v in range_views(sources.layout, params, b.offset, b.end, sources.starts)) \
+                    == bytes(data.numpy())
+            filled[b.offset] = data
+        mesh = init_device_mesh("cpu", (world,))
+        refused = None
+        try:
+            tp = torch.nn.Linear(8, 6)
+            tp.weight = torch.nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Shard(1)]))
+            sources_of(tp, dtype)
+        except ValueError as e:
+            refused = str(e)
+        torch.save({"filled": filled, "holdings": sources.holdings.to_json(), "layout": sources.layout.to_json(),
+                    "refused": refused}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,dtype", [(2, "bfloat16"), (3, "float32"), (4, "float16")])
+def test_fsdp2_ranks_send_only_their_shards_and_together_the_whole_version(tmp_path, world, dtype):
+    mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dtype), nprocs=world,
+                       start_method="spawn")
+    model = tiny_model()
+    layout = FlatLayout.from_named_tensors(model.named_parameters(), dtype)
+    reference = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    fill_range(layout, [p.detach() for p in model.parameters()], 0, layout.total_bytes, reference)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    assert all(FlatLayout.from_json(g["layout"]) == layout for g in got)
+    sent = 0
+    for r, g in enumerate(got):
+        rows = Holdings.from_json(g["holdings"]).rows
+        assert rows[0] != (0, 101) and rows[0][1] - rows[0][0] in (-(-101 // world), 101 - (world - 1) * -(-101 // world))
+        for offset, data in g["filled"].items():
+            assert torch.equal(data, reference[offset:offset + data.numel()]), f"rank {r}, bytes at {offset}"
+            sent += data.numel()
+        assert "Shard(dim=1)" in g["refused"] and "not supported" in g["refused"]
+    assert sent == layout.payload_bytes  # every byte of every tensor, once
+    assert make_plan(layout, world, 1, 1024).version_bytes == layout.total_bytes
