@@ -49,7 +49,7 @@ def test_configmap_holds_the_defaulted_job_that_the_workers_load():
     cm = render.configmap(j)
     doc = yaml.safe_load(cm["data"][contract.SPEC_KEY])
     assert doc["spec"]["training"]["steps"] == 100  # a CRD default, applied before rendering
-    assert doc["spec"]["trainer"] == {"replicas": 3, "procsPerPod": 1, "gpusPerProc": 1}
+    assert doc["spec"]["trainer"] == {"replicas": 3, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800}
     assert contract.load_job(doc) == j
 
 
@@ -131,6 +131,41 @@ def test_every_pod_learns_its_ordinal_job_and_files():
         assert c["command"] == ["weightsync", "worker"] and c["image"] == render.FALLBACK_WORKER_IMAGE
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         assert {contract.SPEC_MOUNT, contract.TOKEN_MOUNT} <= mounts
+
+
+def test_a_trainer_command_pod_gets_where_its_ranks_meet_and_the_users_env_and_image():
+    user_env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                {"name": "OMP_NUM_THREADS", "value": "4"}]
+    j = job({"image": "ghcr.io/weightsync/worker:dev",
+             "trainer": {"replicas": 2, "procsPerPod": 4, "command": ["torchrun", "train.py"], "args": ["--fsdp"],
+                         "env": user_env, "image": "registry.example/my-trainer:1"}})
+    c = container(j, TRAINER, "tcp")
+    assert c["image"] == "registry.example/my-trainer:1" and c["command"] == ["weightsync", "worker"]
+    e = env(j, TRAINER, "tcp")
+    assert e["MASTER_ADDR"] == "demo-trainer-1.demo.team-a.svc" == contract.master_addr(j)
+    assert e["MASTER_PORT"] == str(contract.MASTER_PORT)
+    assert e["HF_TOKEN"] == user_env[0]["valueFrom"] and e["OMP_NUM_THREADS"] == "4"
+    names = [v["name"] for v in c["env"]]
+    assert names.index("OMP_NUM_THREADS") > names.index(Env.TOKEN_FILE)  # the user's own come last
+    assert {"name": "torch", "containerPort": contract.MASTER_PORT, "protocol": "TCP"} in c["ports"]
+    for role in (CONTROLLER, INFERENCE):  # only trainer pods run the command
+        assert container(j, role, "tcp")["image"] == "ghcr.io/weightsync/worker:dev"
+        assert "MASTER_ADDR" not in env(j, role, "tcp") and "HF_TOKEN" not in env(j, role, "tcp")
+    builtin = job()
+    assert "MASTER_ADDR" not in env(builtin, TRAINER, "tcp")
+    assert all(p["name"] != "torch" for p in container(builtin, TRAINER, "tcp")["ports"])
+
+
+def test_the_worker_gives_each_trainer_pods_command_torchruns_variables():
+    j = job({"trainer": {"replicas": 3, "procsPerPod": 4, "command": ["torchrun", "train.py"]}})
+    second = contract.torchrun_env(j, 2, "demo-trainer-1.demo.team-a.svc", 29800)
+    assert second == {"MASTER_ADDR": "demo-trainer-1.demo.team-a.svc", "MASTER_PORT": "29800", "WORLD_SIZE": "12",
+                      "NODE_RANK": "1", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4", "PET_NNODES": "3",
+                      "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "demo-trainer-1.demo.team-a.svc",
+                      "PET_MASTER_PORT": "29800"}
+    single = job({"trainer": {"replicas": 3, "command": ["python", "train.py"]}})
+    third = contract.torchrun_env(single, 3, "127.0.0.1", 1234)
+    assert third["RANK"] == "2" and third["LOCAL_RANK"] == "0" and third["WORLD_SIZE"] == "3"  # env:// without torchrun
 
 
 def test_only_the_controller_holds_an_api_identity():
