@@ -1,5 +1,8 @@
-"""The controller (ordinal 0): hosts the rendezvous, computes the plan once, says "go" for every
-version, checks that every inference rank applied exactly what the trainers sent, and reports.
+"""The controller (ordinal 0): hosts the rendezvous, computes the plan once (by holder when the
+trainers hold shards: shards.py), says "go" for every version once every trainer rank is ready
+with it, checks that every inference rank applied exactly what the trainers sent, and reports.
+The trainers decide how many versions there are (the built-in trainer as spec.training says, a
+user's script as it publishes): the job's versions end once every trainer rank closed.
 
 Inference ranks that restart are taken back at the next version (roster.py); when the trainers
 are done, the final version is sent again to any that came back after it went out, so that the
