@@ -56,6 +56,7 @@ class Pod:
     log: Path
     ranks: range
     read_stdout: Callable[[IO[bytes]], None] | None = None  # reads the process's stdout (else: the log)
+    cwd: Path | None = None  # where it runs, if not in the run's directory
     proc: subprocess.Popen | None = None
     restarts: int = 0
     exits: list[str] = dataclasses.field(default_factory=list)  # how each of its processes ended
@@ -109,7 +110,7 @@ class Kubelet:
             if why:
                 log.write(f"{_line_break(pod.log)}weightsync run: restart {pod.restarts} of {pod.name}: {why}\n".encode())
             proc = subprocess.Popen(
-                [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=self.cwd,
+                [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=pod.cwd or self.cwd,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.read_stdout else log, stderr=log,
                 # nothing outlives the run, even if this process is killed
                 start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))

@@ -120,8 +120,10 @@ class LocalJob:
                 env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
             env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
+            # a user's command runs where `weightsync run` was started (its paths are the user's)
+            cwd = Path.cwd() if role == TRAINER and trainer_command(self.job.spec) else None
             pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal),
-                            read_stdout=self._read_lines if role == CONTROLLER else None))
+                            read_stdout=self._read_lines if role == CONTROLLER else None, cwd=cwd))
         return pods
 
     # ------------------------------------------------------------ running
