@@ -161,3 +161,13 @@ def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected)
     with pytest.raises(contract.SpecError) as err:
         rank_of(ctx, env)
     assert expected in str(err.value)
+
+
+def test_weightsync_run_refuses_env_that_only_a_cluster_can_resolve():
+    from weightsync.runner import CannotRunHere, command_env
+
+    job = command_job("env", ["python", "train.py"], env=[{"name": "A", "value": "1"},
+                                                          {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}])
+    with pytest.raises(CannotRunHere, match=r"spec.trainer.env\[1\] \(HF_TOKEN\) takes its value from the cluster"):
+        command_env(job)
+    assert command_env(command_job("env", ["python"], env=[{"name": "A", "value": "1"}, {"name": "B"}])) == {"A": "1", "B": ""}
