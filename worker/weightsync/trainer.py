@@ -50,7 +50,7 @@ class Published:
     version: int
     step: int | None
     bytes: int  # this rank's share of the version (every receiver got all of it)
-    seconds: float  # from the controller's go to the last byte handed over
+    seconds: float  # sending it, from its first byte to the receivers' last acknowledgement
     wire_bytes: int  # what it put on the wire for all receivers (less than bytes x receivers with deltas)
     receivers: int  # inference ranks it went to
     lost: Mapping[int, str] = field(default_factory=dict)  # {inference rank: why} those it could not reach
