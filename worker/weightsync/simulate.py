@@ -19,21 +19,19 @@ from pathlib import Path
 JITTER, JITTER_RUNS = 1e-3, 3
 
 # Shapes of public checkpoints (their config.json values), built with transformers' own classes.
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3): 256 experts, ~671B parameters
+_DEEPSEEK_V3 = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+    n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=8, topk_group=4,
+    tie_word_embeddings=False)
 MODELS = {
     # Kimi K2 (moonshotai/Kimi-K2-Instruct): the DeepSeek-V3 architecture with 384 experts, ~1.03T parameters
-    "kimi-k2": ("deepseek_v3", dict(
-        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
-        n_routed_experts=384, num_experts_per_tok=8, first_k_dense_replace=1, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1,
-        tie_word_embeddings=False)),
-    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3): 256 experts, ~671B parameters
-    "deepseek-v3": ("deepseek_v3", dict(
-        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
-        n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=8, topk_group=4,
-        tie_word_embeddings=False)),
+    "kimi-k2": ("deepseek_v3", {**_DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64,
+                                "num_key_value_heads": 64, "n_routed_experts": 384, "first_k_dense_replace": 1,
+                                "n_group": 1, "topk_group": 1}),
+    "deepseek-v3": ("deepseek_v3", _DEEPSEEK_V3),
     # Llama 3 70B (meta-llama/Meta-Llama-3-70B)
     "llama-3-70b": ("llama", dict(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
