@@ -52,8 +52,7 @@ def report_failure(ctx: WorkerContext, role: str, rank: int, message: str, chann
                                                    REPORT_CONNECT))
         if channel.has(Keys.END) or channel.has(Keys.failed(role, rank)):
             return False
-        channel.set(Keys.failed(role, rank), message)
-        channel.store.add(Keys.FAILURES, 1)
+        channel.rank_failed(role, rank, message)
         return True
     except Exception as e:  # noqa: BLE001 - the store is gone or refuses: nothing more to tell
         log(who(role, rank), f"could not report its failure to the controller: {e}")

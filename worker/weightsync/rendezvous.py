@@ -109,6 +109,11 @@ class Channel:
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
+    def rank_failed(self, role: str, rank: int, message: str) -> None:
+        """Tell the controller why (role, rank) gave up: its reason, then the counter it watches."""
+        self.set(Keys.failed(role, rank), message)
+        self.store.add(Keys.FAILURES, 1)
+
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
              check: Callable[[], None] | None = None, poll_max: float = POLL_MAX) -> None:
         """Wait until every key is set: the store answers as soon as they are (`poll_max` is kept
@@ -397,8 +402,7 @@ class Member(Channel):
 
     def fail(self, message: str) -> None:
         """Tell the controller why this rank gives up."""
-        self.set(Keys.failed(self.role, self.rank), message)
-        self.store.add(Keys.FAILURES, 1)
+        self.rank_failed(self.role, self.rank, message)
 
     def bye(self) -> None:
         self.set(Keys.bye(self.role, self.rank), "1")
