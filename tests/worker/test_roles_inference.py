@@ -31,7 +31,7 @@ def test_generations_only_ever_see_whole_versions():
 
     def receive():  # lands each version slowly, tensor by tensor, in the staging buffer
         for version, tensors in enumerate(weights):
-            for view, tensor in zip(views(gens.staging, layout), tensors):
+            for view, tensor in zip(views(gens.staging(), layout), tensors):
                 view.copy_(tensor)
                 time.sleep(0.001)
             gens.offer(version)
@@ -60,14 +60,14 @@ def test_a_version_never_offered_is_never_used():
     served = model.build(SPEC, dtype="bfloat16", seed=99, load_weights=False)
     layout = model.layout_of(served, "bfloat16")
     gens = Generations(served, [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)], layout)
-    for view, tensor in zip(views(gens.staging, layout), weights[0]):
+    for view, tensor in zip(views(gens.staging(), layout), weights[0]):
         view.copy_(tensor)
     offer = threading.Thread(target=gens.offer, args=(0,))
     offer.start()
     gens.next_event(5)
     assert gens.switch() == 0
     offer.join(5)
-    for view, tensor in zip(views(gens.staging, layout), weights[1]):  # received, then refused
+    for view, tensor in zip(views(gens.staging(), layout), weights[1]):  # received, then refused
         view.copy_(tensor)
     gens.finish(error=RuntimeError("version 1 failed verification"))
     gens.next_event(5)

@@ -8,12 +8,8 @@ import traceback
 from ..contract import WorkerContext
 from ..ranks import (DUMP_DIR_ENV, FAILED_WAIT, JOIN_TIMEOUT, PAUSE_DIR_ENV, Expected, dump, dumping, info,  # noqa: F401
                      linger, log, pause_point, transport_for, wait_for_the_end)
+from ..inbound import StartAgain
 from ..rendezvous import JobEnded, Keys, Member, Restarted, who
-
-
-class StartAgain(Expected):
-    """This rank's process must end so that it starts again and rejoins the job (its pod restarts
-    it); not a failure of the job."""
 
 
 def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) -> int:

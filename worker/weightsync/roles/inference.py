@@ -5,15 +5,12 @@ each new version into the other one (staging) and verifies it; the generation lo
 parameters to it between two generations. A model never runs on half-updated weights, and a
 version that fails verification is never switched to: the old one stays and the rank fails.
 
-A rank whose process started again (its pod restarted) rejoins: it is taken back at the next round,
-which it receives in full and verifies before its model runs on anything. A rank the controller
-counted away (silent, or cut off by the trainers) while its process lived on ends its process, so
-that it starts again and rejoins the same way.
+Receiving and verifying each round, and rejoining after a restart, are inbound.py's, shared with
+vLLM's workers.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import torch
@@ -22,17 +19,13 @@ from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
-from ..rendezvous import JobEnded, Keys, Member, Round, who
+from ..inbound import receive_rounds
+from ..rendezvous import Member, who
 from ..transfer import VersionReceiver, settle_heap
-from .common import (JOIN_TIMEOUT, Expected, StartAgain, device_for, dump, dumping, info, log, pause_point, run_rank,
-                     transport_for)
+from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8
-
-
-class VerificationError(Expected):
-    pass
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
@@ -55,7 +48,6 @@ class Generations:
         self.cond = threading.Condition()
         point_at(model, self.views[self.active])
 
-    @property
     def staging(self):
         return self.buffers[1 - self.active]
 
@@ -65,8 +57,8 @@ class Generations:
         with self.cond:
             return (version, self.buffers[self.active]) if version is not None and version == self.version else None
 
-    # the receiving thread
-    def offer(self, version: int) -> None:
+    # the receiving thread (inbound.Handover)
+    def offer(self, version: int, got=None) -> None:
         """Hand over the version in the staging buffer and wait until the model runs on it."""
         with self.cond:
             self.staged = version
@@ -154,38 +146,7 @@ class Inference:
 
     def _receive(self, receiver: VersionReceiver, gens: Generations) -> None:
         """The receiving thread: the only user of the member's store client from now on."""
-        member, transfer = self.member, self.spec["transfer"]
-        timeout = float(transfer["timeoutSeconds"])
         try:
-            first = member.welcome() if member.attempt > 1 else Round(0)
-            if member.attempt > 1:
-                log(self.me, f"taken back at {first.name}")
-            for version in itertools.count(first.version):  # until the controller ends the job
-                again = first.again if version == first.version else 0
-                try:
-                    rnd = member.round(version, again, poll_max=0.002)
-                except JobEnded as e:
-                    gens.finish(end={"state": e.state, "message": str(e)})
-                    return
-                if self.rank not in rnd.receivers:
-                    raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
-                                     "off); ending this process so that it starts again and rejoins")
-                got = receiver.receive(version, gens.staging, timeout, gens.base(rnd.bases.get(self.rank)))
-                if got.refused:
-                    log(self.me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
-                                 "the trainers sent those buckets whole")
-                pause_point(INFERENCE, self.rank, "verifying", version)
-                if transfer["verify"] == "digest":
-                    member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
-                    reference = member.get(Keys.ref(version)).decode()
-                    if got.digest != reference:
-                        member.store.add(Keys.VERIFY_FAILURES, 1)
-                        raise VerificationError(
-                            f"version {version} failed verification: digest {got.digest[:16]} received, the trainers "
-                            f"sent {reference[:16]}; still on version {gens.version}")
-                gens.offer(version)
-                member.set(Keys.applied(version, self.rank, member.attempt),
-                           {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),
-                            "why_refused": got.refused[0] if got.refused else None})
+            gens.finish(end=receive_rounds(self.member, receiver, self.spec["transfer"], gens))
         except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
             gens.finish(error=e)
