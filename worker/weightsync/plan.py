@@ -47,6 +47,14 @@ class Plan:
         """What each inference rank receives, by trainer rank (trainers with no work left out)."""
         return {t: r for t in range(self.trainers) if (r := self.ranges_of(t))}
 
+    def expected_for(self, inference: int) -> dict[int, list[tuple[int, int]]]:
+        """What inference rank `inference` receives: the whole version, like every other."""
+        return self.expected()
+
+    def bytes_for(self, inference: int) -> int:
+        """The size of an inference rank's staging buffer: the whole version."""
+        return self.layout.total_bytes
+
     def bytes_by_trainer(self) -> list[int]:
         out = [0] * self.trainers
         for b in self.buckets:

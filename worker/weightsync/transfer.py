@@ -64,6 +64,7 @@ class SentVersion:
     patched_peers: int = 0  # peers that were sent patches (the others got every range whole)
     changed: int = 0  # elements that changed since the base, in the buckets sent as patches
     compared: int = 0  # elements compared there
+    receiver_checksums: dict = field(default_factory=dict)  # over slices: {peer: {offset: xxh3_64}}, per receiver
 
 
 @dataclass
@@ -75,6 +76,18 @@ class ReceivedVersion:
     digest: str
     patched: int = 0  # buckets that came as patches and were applied
     refused: list = field(default_factory=list)  # why other patches were not (those buckets came again, whole)
+
+
+def end_version(sender: Sender, version: int, lose_peers: bool) -> dict[int, str]:
+    """End the version on every peer; {peer: why} of those it could not be sent to (with
+    lose_peers; without, PeersFailed is raised)."""
+    try:
+        sender.end_version(version)
+    except PeersFailed as e:
+        if not lose_peers:
+            raise
+        return {peer: str(error) for peer, error in e.failed.items()}
+    return {}
 
 
 class VersionSender:
@@ -219,15 +232,7 @@ class VersionSender:
         return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=total * len(peers))
 
     def _end(self, version: int, lose_peers: bool) -> dict[int, str]:
-        """End the version on every peer; {peer: why} of those it could not be sent to (with
-        lose_peers; without, PeersFailed is raised)."""
-        try:
-            self.sender.end_version(version)
-        except PeersFailed as e:
-            if not lose_peers:
-                raise
-            return {peer: str(error) for peer, error in e.failed.items()}
-        return {}
+        return end_version(self.sender, version, lose_peers)
 
     def _send_keeping(self, version: int, params, peers: list[int], lose_peers: bool,
                       after_bucket: Callable[[int], None] | None, bases: dict, start: float) -> SentVersion:
@@ -291,20 +296,22 @@ class VersionSender:
 
 class VersionReceiver:
     """Receives versions on one inference rank into a staging buffer (a 1-d uint8 tensor of at
-    least plan.layout.total_bytes, registered once with the transport by the caller or on first
-    use), verifying every bucket. A version may come as patches against `base`, (the version this
-    rank holds, its buffer), which is only read."""
+    least plan.bytes_for(rank): the whole version, or over slices this rank's local layout;
+    registered once with the transport by the caller or on first use), verifying every bucket.
+    `plan` is a plan.Plan or a slicepath.SlicedPlan. A version may come as patches against
+    `base`, (the version this rank holds, its buffer), which is only read."""
 
-    def __init__(self, receiver: Receiver, plan: Plan, inference_rank: int):
+    def __init__(self, receiver: Receiver, plan, inference_rank: int):
         self.receiver, self.plan, self.rank = receiver, plan, inference_rank
-        self.expected = plan.expected()
+        self.expected = plan.expected_for(inference_rank)
+        self.nbytes = plan.bytes_for(inference_rank)
         self.registered: set[int] = set()
         receiver.expect_trainers(plan.trainers)
 
     def receive(self, version: int, staging, timeout: float, base: tuple[int, object] | None = None) -> ReceivedVersion:
-        if staging.numel() * staging.element_size() < self.plan.version_bytes:
+        if staging.numel() * staging.element_size() < self.nbytes:
             raise ValueError(f"the staging buffer holds {staging.numel() * staging.element_size()} bytes, "
-                             f"a version needs {self.plan.version_bytes}")
+                             f"a version needs {self.nbytes}")
         if staging.data_ptr() not in self.registered:
             self.receiver.register([staging])
             self.registered.add(staging.data_ptr())
@@ -319,5 +326,5 @@ class VersionReceiver:
         if set(sums) != want:
             missing = sorted(want - set(sums))
             raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
-        return ReceivedVersion(version, self.plan.version_bytes, time.monotonic() - start, sums, version_digest(sums),
+        return ReceivedVersion(version, self.nbytes, time.monotonic() - start, sums, version_digest(sums),
                                patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [])
