@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("job", help="a WeightTransferJob YAML file")
     run.add_argument("--logs", help="keep every pod's log (and its spec and token files) in this directory")
     run.add_argument("--timeout", type=float, help="fail if the job has not finished after this many seconds")
+    run.add_argument("--vllm-python", help="spec.inference.engine vllm: the Python that runs vLLM (with vLLM and "
+                                           "weightsync installed; default: this one)")
     sub.add_parser("worker", help="run this pod's role (configured by the environment the operator sets)")
     plan = sub.add_parser("plan", help="print the transfer plan of a job, or simulate one at scale")
     plan.add_argument("job", nargs="?", help="a WeightTransferJob YAML file")
@@ -63,7 +65,7 @@ def _run(args) -> int:
     from .runner import CannotRunHere, RunFailed, run
 
     try:
-        summary = run(job, logs=args.logs, timeout=args.timeout)
+        summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python)
     except CannotRunHere as e:
         print(f"weightsync run: {e}", file=sys.stderr)
         return EXIT_SPEC

@@ -90,6 +90,12 @@ class Env:
     # subresource, so that a controller that starts again finds what the one before it reported.
     STATUS_FILE = "WEIGHTSYNC_STATUS_FILE"
     HEALTH_PORT = "WEIGHTSYNC_HEALTH_PORT"
+    # spec.inference.engine vllm: the address of the pod's vLLM server that a rank tells the
+    # controller (which drives its updates), and the Python that runs vLLM (`weightsync run`:
+    # another environment than weightsync's own; in a vLLM image, the image's)
+    VLLM_SERVER = "WEIGHTSYNC_VLLM_SERVER"
+    VLLM_PYTHON = "WEIGHTSYNC_VLLM_PYTHON"
+    VLLM_PORT = "WEIGHTSYNC_VLLM_PORT"  # `weightsync run`: a local pod's own port (in a cluster, spec.inference.vllm.port)
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,31 @@ class Delta:
         return cls(bool(delta["enabled"]), int(delta["fullEvery"]))
 
 
+BUILTIN, VLLM = "builtin", "vllm"  # spec.inference.engine
+VLLM_PORT = 8000  # spec.inference.vllm.port's default: vLLM's own
+
+
+@dataclass(frozen=True)
+class Serving:
+    """spec.inference: which engine the inference ranks run. With vllm, every inference pod runs
+    one vLLM OpenAI-compatible server on `port` (the job's Service serves it to clients), started
+    with weightsync as its weight-transfer backend and the user's `args` after weightsync's own."""
+
+    engine: str
+    port: int
+    args: tuple[str, ...]
+
+    @classmethod
+    def from_spec(cls, spec: Mapping) -> "Serving":
+        inference = spec["inference"]
+        vllm = inference.get("vllm") or {}
+        return cls(inference.get("engine", BUILTIN), int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())))
+
+    @property
+    def vllm(self) -> bool:
+        return self.engine == VLLM
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
@@ -308,6 +339,10 @@ class Job:
     @property
     def delta(self) -> Delta:
         return Delta.from_spec(self.spec)
+
+    @property
+    def serving(self) -> Serving:
+        return Serving.from_spec(self.spec)
 
     def to_object(self) -> dict:
         """The defaulted job as the workers read it (the ConfigMap's content)."""

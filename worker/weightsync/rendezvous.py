@@ -205,6 +205,12 @@ class Keys:
         return f"applied/{version}/{rank}/{attempt}"
 
     @staticmethod
+    def staged(version: int, rank: int, attempt: int) -> str:
+        """inference (vLLM): received and verified `version`, waiting for the controller to have
+        its server load it (then applied)."""
+        return f"staged/{version}/{rank}/{attempt}"
+
+    @staticmethod
     def welcome(rank: int, attempt: int) -> str:
         """controller: the Round a rejoined inference rank receives first."""
         return f"welcome/{rank}/{attempt}"
@@ -271,6 +277,12 @@ def rank_proof(token: bytes, nonce: bytes, role: str, rank: int, endpoint: str, 
 
 def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
     return mac(token, b"peers", str(epoch), text)
+
+
+def update_proof(token: bytes, job: str, version: int) -> str:
+    """What the controller sends with its request that a vLLM server load `version`: a server's
+    control routes are open to whoever reaches its port, its loads only to the job's controller."""
+    return mac(token, b"vllm-update", job, str(version))
 
 
 class Peer(NamedTuple):

@@ -21,7 +21,7 @@ import json
 import secrets
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .contract import INFERENCE, TRAINER, Layout
@@ -67,6 +67,7 @@ class Seat:
     # process started again). Delta versions go only to ranks that hold the one the trainers kept.
     holds: int | None = None
     rejoins: int = 0
+    info: dict = field(default_factory=dict)  # what its latest attempt told about itself (pod, transport, vLLM server)
 
 
 @dataclass
@@ -128,12 +129,12 @@ class Host(Channel):
             pause = min(pause * 1.5, 0.1)
         return admitted
 
-    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str]) -> None:
+    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, dict] | None = None) -> None:
         text = json.dumps({"plan": plan_json})
         self.set(Keys.PLAN, text)
         self.set(Keys.PLAN_MAC, mac(self.token, b"plan", text))
         now = time.monotonic()
-        self.seats = {r: Seat(endpoint=e, since=now) for r, e in endpoints.items()}
+        self.seats = {r: Seat(endpoint=e, since=now, info=dict((infos or {}).get(r, {}))) for r, e in endpoints.items()}
         self._publish_peers()
 
     def _publish_peers(self) -> None:
@@ -205,23 +206,31 @@ class Host(Channel):
     def collect_applied(self, rnd: Round, timeout: float) -> dict[int, dict]:
         """{inference rank: what it applied} from every receiver of the round that is still there;
         one that vanished meanwhile is away, and the round goes on without it."""
+        return self._collect(rnd, Keys.applied, "apply", timeout)
+
+    def collect_staged(self, rnd: Round, timeout: float) -> dict[int, dict]:
+        """{inference rank: its digest} from every receiver of the round still there that has the
+        version received and verified, waiting for its vLLM server to load it."""
+        return self._collect(rnd, Keys.staged, "receive and verify", timeout)
+
+    def _collect(self, rnd: Round, key_of, what: str, timeout: float) -> dict[int, dict]:
         pending = dict(self.in_round)
-        applied: dict[int, dict] = {}
+        got: dict[int, dict] = {}
         start = time.monotonic()
         pause = 0.0005
         while True:
             for r, attempt in list(pending.items()):
-                key = Keys.applied(rnd.version, r, attempt)
+                key = key_of(rnd.version, r, attempt)
                 if self.has(key):
-                    applied[r] = self.get_json(key)
+                    got[r] = self.get_json(key)
                     del pending[r]
                 elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING:
                     del pending[r]
             if not pending:
-                return applied
+                return got
             self.check_ranks()
             if time.monotonic() - start > timeout:
-                raise TimeoutError(f"waited {timeout:.0f}s for the inference ranks to apply {rnd.name} "
+                raise TimeoutError(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.002)
@@ -251,7 +260,8 @@ class Host(Channel):
         trainers = self.layout.world_size(TRAINER)
         keys = [Keys.go(version), Keys.ref(version), Keys.cut(version)]
         keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
-        keys += [Keys.applied(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)]
+        keys += [key(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)
+                 for key in (Keys.staged, Keys.applied)]
         for key in keys:
             self.store.delete_key(key)
 
@@ -374,7 +384,7 @@ class Host(Channel):
             return
         endpoint, meta, info = got
         self.check_rejoin(meta, info)
-        seat.endpoint, seat.state, seat.since = endpoint, WAITING, time.monotonic()
+        seat.endpoint, seat.state, seat.since, seat.info = endpoint, WAITING, time.monotonic(), info
         seat.rejoins += 1
         self.epoch += 1
         self._publish_peers()

@@ -40,6 +40,7 @@ from .roles import exit_status
 
 LOOPBACK = "127.0.0.1"
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
+VLLM_PROBE_TIMEOUT = 180.0  # seconds to import vLLM in the Python that runs it
 STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
 # The pod's environment decides these; the shell's values must not leak into a local pod.
 POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG", "PET_", "TORCHELASTIC_")
@@ -84,8 +85,11 @@ class LocalJob:
         layout = self.job.layout
         spec_file, token_file = self._files()
         inference_procs = layout.procs_per_pod(INFERENCE)
-        store_port, master_port, *ports = free_ports([1, 1] + [1] * layout.pods + [inference_procs] * layout.inferences)
-        health_ports, data_ports = ports[:layout.pods], ports[layout.pods:]
+        servers = layout.inferences if self.job.serving.vllm else 0
+        store_port, master_port, *ports = free_ports([1, 1] + [1] * layout.pods + [inference_procs] * layout.inferences
+                                                     + [1] * servers)
+        health_ports, data_ports = ports[:layout.pods], ports[layout.pods:layout.pods + layout.inferences]
+        server_ports = ports[layout.pods + layout.inferences:]
         base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES) and k not in TORCHRUN_VARS}
         base["PYTHONUNBUFFERED"] = "1"
         # the pods share this machine's cores
@@ -116,6 +120,8 @@ class LocalJob:
                 env[Env.STATUS_FILE] = str(self.workdir / STATUS_FILE)
             else:
                 env.update(network_env(self.job.spec, "tcp"))
+            if role == INFERENCE and servers:
+                env[Env.VLLM_PORT] = str(server_ports[ordinal - first_inference])
             if role == TRAINER and trainer_command(self.job.spec):  # as render.env: where the ranks meet, the user's own
                 env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
             env.update(self.extra_env)
@@ -268,10 +274,13 @@ def gpus_per_pod(job: Job) -> dict[int, str]:
 
 
 def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
-        progress: IO[str] = sys.stderr, timeout: float | None = None) -> dict:
+        progress: IO[str] = sys.stderr, timeout: float | None = None, vllm_python: str | None = None) -> dict:
     """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
-    the job started), or before starting anything contract.SpecError or CannotRunHere."""
+    the job started), or before starting anything contract.SpecError or CannotRunHere. The
+    inference pods of a vLLM job run vLLM with `vllm_python` (this Python by default)."""
     job = source if isinstance(source, Job) else load_job(source)
+    if job.serving.vllm:
+        extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
     layout = meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
     if trainer_command(job.spec):
         command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
@@ -307,6 +316,21 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     if not keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return summary
+
+
+def check_vllm_python(python: str) -> str:
+    """`python` if it runs vLLM with weightsync's backend; CannotRunHere saying what to do if not."""
+    probe = "import weightsync.vllm_backend as b; print(b.check_vllm())"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=VLLM_PROBE_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CannotRunHere(f"this job's inference pods run vLLM, and {python} could not be asked for it: {e}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CannotRunHere(f"this job's inference pods run vLLM, which {python} cannot: {last}. Pass --vllm-python "
+                            "with a Python that has vLLM and weightsync installed (`make vllm-env` makes one in "
+                            "~/.cache/weightsync/vllm)")
+    return python
 
 
 class Interrupted(Exception):

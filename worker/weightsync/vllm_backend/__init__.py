@@ -1,0 +1,51 @@
+"""weightsync as vLLM's weight-transfer backend "weightsync", registered out of tree.
+
+vLLM loads every `vllm.general_plugins` entry point (pyproject.toml names register below) in each
+of its processes before it builds engines, so `--weight-transfer-config '{"backend":
+"weightsync"}'` finds the engine with nothing patched in vLLM. register() only names the engine's
+module: vLLM imports it in its workers, where it is created. It checks the vLLM it runs in first:
+a vLLM without the weight-transfer API, or one whose engine interface changed, is refused with
+what to do, not left to fail at the first update.
+
+Importing this package imports nothing of vLLM or torch (control.py, the controller's client of
+the servers' control routes, is plain HTTP).
+"""
+
+from __future__ import annotations
+
+BACKEND = "weightsync"
+TESTED_VLLM = "0.32.0"  # the release the tests run against
+# What engine.py implements and calls; a vLLM that lacks any is not one this backend works with.
+NEEDED = ("init_transfer_engine", "start_weight_update", "receive_weights", "finish_weight_update", "shutdown",
+          "parse_update_info")
+
+
+class IncompatibleVllm(RuntimeError):
+    pass
+
+
+def check_vllm() -> str:
+    """The running vLLM's version, if it has the weight-transfer API this backend needs."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    advice = (f"weightsync's vLLM backend needs vLLM's weight-transfer API as in vLLM {TESTED_VLLM} "
+              f"(the release it is tested with); this is vLLM {version}: ")
+    try:
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as e:
+        raise IncompatibleVllm(advice + f"it has no vllm.distributed.weight_transfer ({e}); use vLLM {TESTED_VLLM} or later") from None
+    missing = [m for m in NEEDED if not hasattr(WeightTransferEngine, m)]
+    if missing or not hasattr(WeightTransferEngineFactory, "register_engine"):
+        raise IncompatibleVllm(advice + f"its WeightTransferEngine lacks {', '.join(missing) or 'register_engine'}")
+    return version
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point."""
+    check_vllm()
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM runs plugins once per process; be safe
+        WeightTransferEngineFactory.register_engine(BACKEND, "weightsync.vllm_backend.engine", "WeightsyncEngine")

@@ -1,0 +1,162 @@
+"""weightsync as a vLLM weight-transfer engine: each vLLM worker process is an inference rank.
+
+vLLM creates the engine in every worker once the model is loaded (`--weight-transfer-config
+'{"backend": "weightsync"}'`). At init the worker joins the job's rendezvous like any inference
+rank, from the pod's contract in its environment: the layout it declares is the Hugging Face
+names and shapes of spec.model (what `model.load_weights` takes), and its staging buffer is
+allocated and registered with the transport once. From then on a thread of its own takes every
+round (inbound.py, the built-in engine's code): it receives the version into staging while vLLM
+serves the previous one, verifies it, and tells the controller it is staged. The controller then
+drives the update on every server (control.py): between two scheduler steps, receive_weights loads
+the staged version, in place, into vLLM's parameters (its fused qkv_proj and gate_up_proj are
+vLLM's load_weights' business). A version that failed verification is never staged, so it cannot
+be loaded; an update call that names a version other than the staged one, or that does not prove
+the job token, changes nothing.
+
+Loading is in place (vLLM's load_weights into the live parameters, every check done before the
+first copy), not vLLM's layerwise reload, which moves each layer to the meta device until all its
+weights arrived: a failure there would leave a half-loaded model. Online-quantized models, which
+need that reload, are refused at init.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from ..contract import INFERENCE, Env, WorkerContext
+from ..flat import views
+from ..inbound import receive_rounds
+from ..model import meta_layout
+from ..ranks import JOIN_TIMEOUT, dump, dumping, info, log, report_failure, transport_for
+from ..rendezvous import Keys, Member, update_proof, who
+from ..transfer import ReceivedVersion, VersionReceiver, settle_heap
+
+STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """Nothing: every worker reads the job from its pod's contract (environment and files)."""
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+    proof: str  # update_proof(token, job, version): only the job's controller can ask for a load
+
+
+class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        if getattr(self.model_config, "quantization", None):
+            raise ValueError(f"the weightsync backend loads unquantized weights in place; this server quantizes "
+                             f"them ({self.model_config.quantization}): serve the model unquantized")
+        ctx = WorkerContext.from_environ()
+        self.ctx, self.spec = ctx, ctx.job.spec
+        local_rank = self.parallel_config.rank
+        self.rank = ctx.job.layout.ranks_of(ctx.ordinal)[local_rank]
+        self.me = who(INFERENCE, self.rank)
+        self.layout = meta_layout(self.spec["model"])
+        delta = ctx.job.delta.enabled
+        # one staging buffer; with delta versions a second, holding the version loaded (the base)
+        self.buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
+                        for _ in range(2 if delta else 1)]
+        self.staging_index, self.loaded, self.staged = 0, None, None
+        self.failed: BaseException | None = None
+        self.cond = threading.Condition()
+        member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
+                        job=ctx.job.identity)
+        member.arrive()
+        name, why, receiver = transport_for(ctx, member, INFERENCE, self.rank, self.device)
+        endpoint = receiver.listen(ctx.pod_ip, ctx.data_port + local_rank)
+        member.join(endpoint, self.layout.to_json(), info(ctx, name, why, self.device, engine="vllm",
+                                                         server=os.environ[Env.VLLM_SERVER]), JOIN_TIMEOUT)
+        self.member, self.receiver = member, receiver
+        log(self.me, f"vLLM worker on {self.device}, {name} transport ({why}); listening on {endpoint}")
+        self.thread = threading.Thread(target=self._rounds, name="weightsync-receive", daemon=True)
+        self.thread.start()
+
+    def _rounds(self) -> None:
+        """The receiving thread: the plan, then every round until the job ends."""
+        member = self.member
+        try:
+            member.start_heartbeat()
+            plan, _ = member.plan(JOIN_TIMEOUT)
+            log(self.me, f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
+            settle_heap()
+            end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.spec["transfer"], self)
+            log(self.me, f"the job ended: {end['message']}")  # the pod's server process says goodbye
+        except BaseException as e:  # noqa: BLE001 - the controller fails the job naming this rank
+            with self.cond:
+                self.failed = e
+                self.cond.notify_all()
+            log(self.me, f"failed: {e}")
+            report_failure(self.ctx, INFERENCE, self.rank, f"{type(e).__name__}: {e}")
+        finally:
+            member.stop_heartbeat()
+            self.receiver.close()
+
+    # inbound.Handover: the receiving thread's side
+    def staging(self):
+        return self.buffers[self.staging_index]
+
+    def base(self, version: int | None):
+        with self.cond:
+            if len(self.buffers) < 2 or version is None or version != self.loaded:
+                return None
+            return version, self.buffers[1 - self.staging_index]
+
+    def offer(self, version: int, got: ReceivedVersion) -> None:
+        """A verified version is in staging: say so, and wait until the controller had it loaded."""
+        with self.cond:
+            self.staged = version
+        self.member.set(Keys.staged(version, self.rank, self.member.attempt), {"digest": got.digest})
+        with self.cond:
+            while self.loaded != version:
+                self.cond.wait(STAGED_CHECK)
+                if self.loaded != version:
+                    self.member.check_end()
+
+    # vLLM's side: the engine core, between two scheduler steps
+    def start_weight_update(self) -> None:
+        pass  # loading is in place: nothing to prepare
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        version = update_info.version
+        if not hmac.compare_digest(update_proof(self.ctx.token, self.ctx.job.identity, version), update_info.proof):
+            raise PermissionError(f"{self.me}: an update to version {version} without the job's proof was refused")
+        with self.cond:
+            if self.failed is not None:
+                raise RuntimeError(f"{self.me} failed and loads nothing: {self.failed}")
+            if self.staged != version:
+                raise ValueError(f"{self.me} has version {self.staged} staged, not {version}: nothing was loaded")
+            buffer = self.buffers[self.staging_index]
+        start = time.monotonic()
+        self.model.load_weights(zip(self.layout.names, views(buffer, self.layout)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log(self.me, f"loaded version {version} into vLLM in {time.monotonic() - start:.3f}s")
+        if dumping():
+            tensors = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
+            dump(INFERENCE, self.rank, version, tensors, None)
+        with self.cond:
+            self.loaded, self.staged = version, None
+            if len(self.buffers) == 2:  # the loaded version stays as the next one's base
+                self.staging_index = 1 - self.staging_index
+            self.cond.notify_all()
+
+    def finish_weight_update(self) -> None:
+        pass  # loaded in place by receive_weights
+
+    def shutdown(self) -> None:
+        pass  # the receiving thread ends with the job
