@@ -33,6 +33,9 @@ DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
 # ranks' digests not yet checked).
 PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
 PAUSE_LIMIT = 120.0
+# Tests only: "<version>" - trainer ranks flip one byte of the first chunk they send of that version
+# after hashing it, as a bad link would: every receiver must refuse the version.
+CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
 
 
 def log(who: str, message: str) -> None:
@@ -130,6 +133,21 @@ def pause_point(role: str, rank: int, point: str, version: int) -> None:
     deadline = time.monotonic() + PAUSE_LIMIT
     while not os.path.exists(base + ".release") and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def tamper_hook():
+    """Tests only (CORRUPT_ENV): the VersionSender's tamper function, or None."""
+    version = os.environ.get(CORRUPT_ENV)
+    if not version:
+        return None
+    flipped: set[int] = set()
+
+    def tamper(v: int, chunk: memoryview) -> None:
+        if v == int(version) and v not in flipped and len(chunk):
+            chunk[0] ^= 0xFF
+            flipped.add(v)
+
+    return tamper
 
 
 def dumping() -> bool:

@@ -36,7 +36,8 @@ from typing import Mapping
 from . import health
 from .contract import TRAINER, SpecError, WorkerContext
 from .deltaplan import delta_in_effect
-from .ranks import JOIN_TIMEOUT, Expected, info, log, pause_point, report_failure, transport_for, wait_for_the_end
+from .ranks import (JOIN_TIMEOUT, Expected, info, log, pause_point, report_failure, tamper_hook, transport_for,
+                    wait_for_the_end)
 from .receivers import Links
 from .rendezvous import JobEnded, Keys, Member, Restarted, Round, who
 from .sources import Sources, local_tensors, sources_of
@@ -85,7 +86,8 @@ class Sync:
             self.links = Links(self.sender, self.member, endpoints, self.timeout)
             self.links.follow(Round(0, receivers=tuple(endpoints)))
             self.mover = VersionSender(self.sender, plan, rank, transfer["bucketMB"] << 20,
-                                       delta=delta_in_effect(ctx.job.delta, name)[0], starts=self.sources.starts)
+                                       delta=delta_in_effect(ctx.job.delta, name)[0], starts=self.sources.starts,
+                                       tamper=tamper_hook())
         except BaseException as e:
             self._fail(e)
             raise

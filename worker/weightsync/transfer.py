@@ -109,7 +109,7 @@ class VersionSender:
 
     def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
                  depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2,
-                 starts: list[int] | None = None):
+                 starts: list[int] | None = None, tamper: Callable[[int, memoryview], None] | None = None):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         if delta and not (sender.patches and getattr(sender, "buffer_device", "cpu") == "cpu"):
@@ -124,7 +124,10 @@ class VersionSender:
         self.cast_threads = cast_threads
         self.buffers: list | None = None
         self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype], delta_threads) if delta else None
-
+        # Tests only: tamper(version, chunk) may change a chunk of a send buffer after it was
+        # hashed and before it goes out, as a bad link would (ranks.tamper_hook).
+        self.tamper = tamper
+        self.version: int | None = None  # being sent
     @property
     def kept_bytes(self) -> int:
         """Host memory holding the last version sent (delta versions), in bytes."""
@@ -169,6 +172,8 @@ class VersionSender:
                 b = min(a + CHUNK, bucket.length)
                 flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b], self.starts)
                 h.update(view[a:b])
+                if self.tamper is not None:
+                    self.tamper(self.version, view[a:b])
                 filling.advance(b)
                 if each is not None:
                     each(a, b)
@@ -186,6 +191,7 @@ class VersionSender:
         layout = self.plan.layout
         flat.check_sources(layout, params, self.starts)
         start = time.monotonic()
+        self.version = version
         peers = self.peers if peers is None else list(peers)
         if self.last is not None and self.buckets:
             return self._send_keeping(version, params, peers, lose_peers, after_bucket, bases or {}, start)

