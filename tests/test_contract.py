@@ -16,7 +16,7 @@ def test_defaults_come_from_the_crd():
     spec = contract.load_job(job()).spec
     assert spec["model"]["dtype"] == "bfloat16"
     assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800}
-    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1}
+    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "engine": "builtin"}
     assert "command" not in spec["trainer"]  # the built-in trainer
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
     assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,
@@ -54,6 +54,13 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"trainer": {"command": ["torchrun"], "env": [{"name": "A B", "value": "1"}]}}, "demo", "spec.trainer.env.0.name: 'A B' does not match"),
     ({"trainer": {"command": ["torchrun"], "attachTimeoutSeconds": 0}}, "demo", "spec.trainer.attachTimeoutSeconds: 0 is less than"),
     ({"inference": {"command": ["python"]}}, "demo", "spec.inference.command: unknown field"),
+    ({"inference": {"engine": "sglang"}}, "demo", "spec.inference.engine: 'sglang' is not one of"),
+    ({"inference": {"vllm": {"port": 9000}}}, "demo", "spec.inference.vllm needs spec.inference.engine vllm"),
+    ({"inference": {"engine": "vllm", "procsPerPod": 2}}, "demo", "every inference pod runs one vLLM server"),
+    ({"inference": {"engine": "vllm", "vllm": {"args": ["--max-model-len", "512", "--dtype=float16"]}}}, "demo",
+     "spec.inference.vllm.args may not set --model, --dtype"),
+    ({"inference": {"engine": "vllm", "vllm": {"args": ["--weight-transfer-config", "{}"]}}}, "demo",
+     "spec.inference.vllm.args may not set"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])

@@ -20,6 +20,7 @@ MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SPEC_HASH_ANNOTATION = f"{contract.GROUP}/spec-hash"
 CONTAINER = "worker"
 HEALTH_PORT_NAME = "health"
+VLLM_PORT_NAME = "vllm"
 WORKER_COMMAND = ["weightsync", "worker"]
 MODES = ("rdma", "tcp")
 # The image of jobs that name none: the chart sets it (value workerImage) in the operator's pod.
@@ -45,6 +46,7 @@ def children(job: Job, mode: str, token: str, *, image: str | None = None, finis
     template may replace its pods."""
     return [
         service(job),
+        *([vllm_service(job)] if job.serving.vllm else []),
         secret(job, token),
         configmap(job),
         service_account(job),
@@ -78,6 +80,20 @@ def service(job: Job) -> dict:
                 {"name": "store", "port": contract.STORE_PORT, "targetPort": contract.STORE_PORT, "protocol": "TCP"},
                 {"name": "data", "port": contract.DATA_PORT, "targetPort": contract.DATA_PORT, "protocol": "TCP"},
             ],
+        },
+    }
+
+
+def vllm_service(job: Job) -> dict:
+    """spec.inference.engine vllm: where clients reach the vLLM servers (their OpenAI API). Only
+    ready pods are behind it: a server is ready once it serves a version weightsync delivered."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, job.vllm_service_name, contract.INFERENCE),
+        "spec": {
+            "selector": job.labels(contract.INFERENCE),
+            "ports": [{"name": VLLM_PORT_NAME, "port": job.serving.port, "targetPort": VLLM_PORT_NAME, "protocol": "TCP"}],
         },
     }
 
@@ -179,9 +195,10 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         {"name": "token", "mountPath": contract.TOKEN_MOUNT, "readOnly": True},
         {"name": "tmp", "mountPath": contract.TMP_MOUNT},
     ]
-    # RDMA registers pinned buffers, and NCCL moves data between the processes of one pod through
-    # /dev/shm; the container runtime's default /dev/shm is 64 MiB.
-    if rdma or (worker and procs > 1):
+    # RDMA registers pinned buffers, and NCCL (and vLLM, between its server, engine and workers)
+    # moves data between the processes of one pod through /dev/shm; the container runtime's
+    # default /dev/shm is 64 MiB.
+    if rdma or (worker and procs > 1) or (role == contract.INFERENCE and job.serving.vllm):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": contract.SHM_MOUNT})
 
@@ -293,8 +310,9 @@ def ports(job: Job, role: str, health: bool = True) -> list[dict]:
     if role == CONTROLLER:
         return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, *health]
     if role == contract.INFERENCE:
+        server = [{"name": VLLM_PORT_NAME, "containerPort": job.serving.port, "protocol": "TCP"}] if job.serving.vllm else []
         return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
-                  for i in range(job.layout.procs_per_pod(role))), *health]
+                  for i in range(job.layout.procs_per_pod(role))), *server, *health]
     if contract.trainer_command(job.spec):
         return [{"name": "torch", "containerPort": contract.MASTER_PORT, "protocol": "TCP"}, *health]
     return health

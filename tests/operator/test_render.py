@@ -168,6 +168,21 @@ def test_the_worker_gives_each_trainer_pods_command_torchruns_variables():
     assert third["RANK"] == "2" and third["LOCAL_RANK"] == "0" and third["WORLD_SIZE"] == "3"  # env:// without torchrun
 
 
+def test_vllm_pods_serve_the_openai_api_through_a_service_of_their_own():
+    j = job({"inference": {"replicas": 2, "engine": "vllm", "image": "registry.example/weightsync-vllm:1",
+                           "vllm": {"port": 8100, "args": ["--max-model-len", "4096"]}}})
+    kids = by_kind(render.children(j, "tcp", "t" * 64))
+    served = kids["Service"]["demo-vllm"]["spec"]
+    assert served["selector"] == j.labels(INFERENCE) and "clusterIP" not in served  # ready pods only
+    assert served["ports"] == [{"name": "vllm", "port": 8100, "targetPort": "vllm", "protocol": "TCP"}]
+    c = container(j, INFERENCE, "tcp")
+    assert c["image"] == "registry.example/weightsync-vllm:1"
+    assert {"name": "vllm", "containerPort": 8100, "protocol": "TCP"} in c["ports"]
+    assert {"name": "dshm", "mountPath": contract.SHM_MOUNT} in c["volumeMounts"]
+    assert {"name": "VLLM_CACHE_ROOT", "value": "/tmp/vllm"} in c["env"]
+    assert "demo-vllm" not in by_kind(render.children(job(), "tcp", "t" * 64))["Service"]
+
+
 def test_only_the_controller_holds_an_api_identity():
     j = job()
     ctl = pod(j, CONTROLLER, "tcp")["spec"]

@@ -58,6 +58,7 @@ WRITABLE_ENV = {
     "HF_HOME": "/tmp/huggingface",
     "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor",
     "TRITON_CACHE_DIR": "/tmp/triton",
+    "VLLM_CACHE_ROOT": "/tmp/vllm",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 # The worker image's user (Dockerfile.worker): pods that need no root run as it.
@@ -356,6 +357,11 @@ class Job:
     @property
     def service_name(self) -> str:
         return self.name
+
+    @property
+    def vllm_service_name(self) -> str:
+        """spec.inference.engine vllm: the Service of the vLLM servers' OpenAI API."""
+        return f"{self.name}-vllm"
 
     @property
     def secret_name(self) -> str:
