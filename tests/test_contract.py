@@ -16,7 +16,7 @@ def test_defaults_come_from_the_crd():
     spec = contract.load_job(job()).spec
     assert spec["model"]["dtype"] == "bfloat16"
     assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800}
-    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "engine": "builtin"}
+    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "tensorParallel": 1, "engine": "builtin"}
     assert "command" not in spec["trainer"]  # the built-in trainer
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
     assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,
@@ -61,6 +61,9 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
      "spec.inference.vllm.args may not set --model, --dtype"),
     ({"inference": {"engine": "vllm", "vllm": {"args": ["--weight-transfer-config", "{}"]}}}, "demo",
      "spec.inference.vllm.args may not set"),
+    ({"inference": {"replicas": 3, "tensorParallel": 2}}, "demo",
+     "spec.inference: inference replicas x procsPerPod must be a multiple of tensorParallel"),
+    ({"inference": {"tensorParallel": 0}}, "demo", "spec.inference.tensorParallel: 0 is less than the minimum of 1"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])
@@ -88,6 +91,9 @@ def test_layout_assigns_global_ordinals_and_role_ranks():
     assert j.controller_host == "demo-controller-0.demo.default.svc"
     with pytest.raises(ValueError, match="outside this job"):
         layout.role_of(6)
+    assert list(layout.tp_group(5)) == [5]
+    tp = contract.load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallel": 4}})).layout
+    assert list(tp.tp_group(2)) == [0, 1, 2, 3] and tp.inference_tp == 4
 
 
 def test_network_env_per_mode():

@@ -234,17 +234,25 @@ def _model_problems(model: Mapping) -> list[str]:
 class Layout:
     """Global ordinals: 0 is the controller, 1..T the trainer pods, T+1..T+I the inference pods.
     Ranks count processes within a role: trainer pod with ordinal o runs trainer ranks
-    (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1."""
+    (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1. Inference ranks form
+    model replicas of `inference_tp` consecutive ranks (spec.inference.tensorParallel)."""
 
     trainers: int
     trainer_procs: int
     inferences: int
     inference_procs: int
+    inference_tp: int = 1
 
     @classmethod
     def from_spec(cls, spec: Mapping) -> "Layout":
         return cls(spec["trainer"]["replicas"], spec["trainer"]["procsPerPod"],
-                   spec["inference"]["replicas"], spec["inference"]["procsPerPod"])
+                   spec["inference"]["replicas"], spec["inference"]["procsPerPod"],
+                   spec["inference"]["tensorParallel"])
+
+    def tp_group(self, inference_rank: int) -> range:
+        """The inference ranks of the model replica `inference_rank` holds a tensor-parallel shard of."""
+        first = inference_rank // self.inference_tp * self.inference_tp
+        return range(first, first + self.inference_tp)
 
     @property
     def pods(self) -> int:

@@ -20,10 +20,13 @@ from .contract import Delta
 PATCHING_TRANSPORTS = ("tcp",)
 
 
-def delta_in_effect(delta: Delta, transport: str) -> tuple[bool, str]:
-    """Whether versions go as deltas with this transport, and why (every rank decides alike)."""
+def delta_in_effect(delta: Delta, transport: str, sliced: bool = False) -> tuple[bool, str]:
+    """Whether versions go as deltas with this transport and plan, and why (every rank decides alike)."""
     if not delta.enabled:
         return False, "spec.transfer.delta.enabled is false: every version goes whole"
+    if sliced:
+        return False, ("spec.transfer.delta.enabled is true, but the inference ranks hold tensor-parallel slices, "
+                       "which go whole: every version goes whole")
     if transport not in PATCHING_TRANSPORTS:
         return False, (f"spec.transfer.delta.enabled is true, but the {transport} transport carries no patches: "
                        "every version goes whole")

@@ -20,7 +20,7 @@ from typing import Protocol
 from .contract import INFERENCE
 from .ranks import Expected, log, pause_point
 from .rendezvous import JobEnded, Keys, Member, Round, who
-from .transfer import ReceivedVersion, VersionReceiver
+from .transfer import ReceivedVersion, VersionReceiver, reference_for
 
 
 class VerificationError(Expected):
@@ -68,11 +68,11 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, en
         pause_point(INFERENCE, rank, "verifying", version)
         if transfer["verify"] == "digest":
             member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
-            reference = member.get(Keys.ref(version)).decode()
+            reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
                 raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
-                                        f"the trainers sent {reference[:16]}; the model stays on the version it runs")
+                                        f"the trainers sent {(reference or 'nothing for this rank')[:16]}; the model stays on the version it runs")
         engine.offer(version, got)
         member.set(Keys.applied(version, rank, member.attempt),
                    {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),

@@ -35,6 +35,7 @@ class Plan:
     inferences: int
     bucket_bytes: int
     buckets: list
+    sliced = False  # every inference rank receives the whole version (slicepath.SlicedPlan: slices)
 
     def buckets_of(self, trainer: int) -> list[Bucket]:
         return [b for b in self.buckets if b.trainer == trainer]

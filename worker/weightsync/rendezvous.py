@@ -382,13 +382,13 @@ class Member(Channel):
     def plan(self, timeout: float):
         """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
         holder of the token."""
-        from .plan import Plan
+        from .slicepath import plan_from_json
 
         self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
         text = self.get(Keys.PLAN)
         if not hmac.compare_digest(mac(self.token, b"plan", text), self.get(Keys.PLAN_MAC).decode()):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
-        return Plan.from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+        return plan_from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
     def peers(self, epoch: int, timeout: float) -> dict[int, "Peer"]:
         """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""

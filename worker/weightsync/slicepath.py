@@ -166,6 +166,7 @@ class SlicedPlan:
     holdings: tuple  # per trainer rank: Holdings (dim-0 rows of every tensor)
     needs: tuple  # per inference rank: RankSlices
     bucket_bytes: int
+    sliced = True
 
     def __post_init__(self):
         if self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN:

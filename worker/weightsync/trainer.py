@@ -40,6 +40,7 @@ from .ranks import (JOIN_TIMEOUT, Expected, info, log, pause_point, report_failu
                     wait_for_the_end)
 from .receivers import Links
 from .rendezvous import JobEnded, Keys, Member, Restarted, Round, who
+from .slicesend import SliceSender
 from .sources import Sources, local_tensors, sources_of
 from .transfer import SentVersion, VersionSender
 
@@ -85,9 +86,12 @@ class Sync:
             health.ready()
             self.links = Links(self.sender, self.member, endpoints, self.timeout)
             self.links.follow(Round(0, receivers=tuple(endpoints)))
-            self.mover = VersionSender(self.sender, plan, rank, transfer["bucketMB"] << 20,
-                                       delta=delta_in_effect(ctx.job.delta, name)[0], starts=self.sources.starts,
-                                       tamper=tamper_hook())
+            if plan.sliced:  # the inference ranks hold tensor-parallel slices: each gets only its own
+                self.mover = SliceSender(self.sender, plan, rank)
+            else:
+                self.mover = VersionSender(self.sender, plan, rank, transfer["bucketMB"] << 20,
+                                           delta=delta_in_effect(ctx.job.delta, name)[0], starts=self.sources.starts,
+                                           tamper=tamper_hook())
         except BaseException as e:
             self._fail(e)
             raise
@@ -189,6 +193,8 @@ class Sync:
             log(self.me, f"lost inference rank {r} while sending {rnd.name}: {why}")
         self.member.set(Keys.sent(rnd.version, rnd.again, self.rank),
                         {"checksums": {str(o): c for o, c in sent.checksums.items()}, "bytes": sent.bytes,
+                         "receiver_checksums": {str(r): {str(o): c for o, c in by.items()}
+                                                for r, by in sent.receiver_checksums.items()},
                          "seconds": sent.seconds, "step": step, "loss": loss, "lost": {str(r): w for r, w in lost.items()},
                          "wire_bytes": sent.wire_bytes, "changed": sent.changed, "compared": sent.compared})
         return sent

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import struct
 import time
 from collections import deque
@@ -43,6 +44,26 @@ def version_digest(checksums: dict[int, int]) -> str:
     for offset in sorted(checksums):
         h.update(struct.pack("<QQ", offset, checksums[offset]))
     return h.hexdigest()
+
+
+def reference_digests(plan, sent: list[dict], receivers) -> str:
+    """What the controller publishes as a round's reference, from the trainers' reports (each
+    with "checksums", or over slices "receiver_checksums": {receiver: {offset: xxh3_64}}): the
+    version's digest, or over slices a JSON object of every receiver's own digest."""
+    if not plan.sliced:
+        return version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
+    digests = {}
+    for r in receivers:
+        sums = {int(o): c for s in sent for o, c in s["receiver_checksums"].get(str(r), {}).items()}
+        digests[str(r)] = version_digest(sums)
+    return json.dumps(digests, sort_keys=True)
+
+
+def reference_for(reference: str, receiver: int) -> str | None:
+    """Inference rank `receiver`'s digest in what reference_digests() made (None: not in the round)."""
+    if not reference.startswith("{"):
+        return reference
+    return json.loads(reference).get(str(receiver))
 
 
 def settle_heap() -> None:

@@ -32,7 +32,8 @@ from ..rendezvous import Keys, ProofError, Round, update_proof, who
 from ..report import Reporter
 from ..shards import Holdings, plan_by_holder
 from ..roster import Host, RankFailed
-from ..transfer import version_digest
+from ..slicepath import SlicedPlan, needs_from_json
+from ..transfer import reference_digests, reference_for
 from ..vllm_backend.control import ControlError, Server
 from .common import JOIN_TIMEOUT, linger, log, pause_point
 
@@ -91,7 +92,7 @@ def run(ctx: WorkerContext) -> int:
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)},
                           {rank: admitted[(INFERENCE, rank)][2] for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
-        delta_on, why = delta_in_effect(ctx.job.delta, transport)
+        delta_on, why = delta_in_effect(ctx.job.delta, transport, plan.sliced)
         log(ME, why)
         delta = Delta(delta_on, ctx.job.delta.full_every)
         version = 0
@@ -134,20 +135,25 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     # makes no progress before it reports the receiver lost: wait for that report, not past it.
     sent = host.collect_sent(rnd, 2 * timeout + REPORT_SLACK)
     pause_point(CONTROLLER, 0, "verifying", rnd.version)
-    reference = version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
+    reference = reference_digests(plan, sent, rnd.receivers)
     if rnd.again == 0:
         host.set(Keys.ref(rnd.version), reference)
-    elif host.get(Keys.ref(rnd.version)).decode() != reference:
-        raise JobFailed(f"the trainers sent {rnd.name} with digest {reference[:16]}, not the "
-                        f"{host.get(Keys.ref(rnd.version)).decode()[:16]} they sent the first time", VERIFICATION_FAILED)
+    else:
+        first = host.get(Keys.ref(rnd.version)).decode()
+        for r in rnd.receivers:
+            was, now = reference_for(first, r), reference_for(reference, r)
+            if was is not None and was != now:
+                raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not the "
+                                f"{was[:16]} they sent the first time", VERIFICATION_FAILED)
     stall = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.serving.vllm else None
     applied = host.collect_applied(rnd, timeout)
     seconds = time.monotonic() - start
     for r, got in sorted(applied.items()):
-        if got["digest"] != reference:
+        want = reference_for(reference, r) or ""
+        if got["digest"] != want:
             host.store.add(Keys.VERIFY_FAILURES, 1)
             raise JobFailed(f"{who(INFERENCE, r)} applied version {rnd.version} with digest {got['digest'][:16]}, "
-                            f"but the trainers sent {reference[:16]}", VERIFICATION_FAILED)
+                            f"but the trainers sent {want[:16]}", VERIFICATION_FAILED)
         if got.get("refused"):
             log(ME, f"{who(INFERENCE, r)} could not apply {got['refused']} patch(es) of {rnd.name} ({got['why_refused']}); "
                     "the trainers sent those buckets whole")
@@ -159,7 +165,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     extra = {"changed": round(changed / compared, 6)} if compared else {}
     if stall is not None:
         extra["stall_seconds"] = round(stall, 4)
-    record = reporter.transfer(rnd.version, step, plan.version_bytes * len(applied), seconds, transport, loss,
+    record = reporter.transfer(rnd.version, step, sum(plan.bytes_for(r) for r in applied), seconds, transport, loss,
                                wire_bytes=sum(s["wire_bytes"] for s in sent), delta_ranks=len(rnd.bases),
                                version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
     host.set(Keys.done(rnd.version, rnd.again), record)
@@ -197,15 +203,30 @@ def _plan(ctx: WorkerContext, admitted: dict):
         chosen = ", ".join(f"{who(role, rank)}: {info['transport']} ({info['why']})" for (role, rank), (_, _, info) in admitted.items())
         raise JobFailed(f"the ranks chose different transports: {chosen}", INVALID)
     holdings = {rank: info["holds"] for (role, rank), (_, _, info) in admitted.items() if role == TRAINER and "holds" in info}
-    if not holdings:  # every trainer rank holds every tensor whole
-        return job_plan(ctx.job, reference), transports.pop()
     trainers = ctx.job.layout.world_size(TRAINER)
     held = {t: Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)}
+    if ctx.job.layout.inference_tp > 1:  # the inference ranks hold tensor-parallel shards: plan over slices
+        return _sliced_plan(ctx, reference, held, admitted), transports.pop()
+    if not holdings:  # every trainer rank holds every tensor whole
+        return job_plan(ctx.job, reference), transports.pop()
     try:
         plan = plan_by_holder(reference, held, ctx.job.layout.world_size(INFERENCE), ctx.job.spec["transfer"]["bucketMB"] << 20)
     except ValueError as e:
         raise JobFailed(f"the trainer ranks' shards cannot be sent as they are held: {e}", INVALID) from None
     return plan, transports.pop()
+
+
+def _sliced_plan(ctx: WorkerContext, layout: FlatLayout, held: dict, admitted: dict) -> SlicedPlan:
+    """The plan over slices: every inference rank declared the slices it needs when it joined."""
+    inferences = ctx.job.layout.world_size(INFERENCE)
+    try:
+        needs = tuple(needs_from_json(r, admitted[(INFERENCE, r)][2]["needs"]) for r in range(inferences))
+        plan = SlicedPlan(layout, tuple(held[t] for t in range(len(held))), needs, ctx.job.spec["transfer"]["bucketMB"] << 20)
+        plan.buckets_of(0)  # the whole plan, checked now: every needed byte held by a trainer rank
+    except (KeyError, ValueError) as e:
+        raise JobFailed(f"the slices the inference ranks need cannot be planned from what the trainer ranks hold: {e}",
+                        INVALID) from None
+    return plan
 
 
 def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> None:

@@ -29,6 +29,10 @@ NEW_TOKENS = 8
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
+    if ctx.job.layout.inference_tp > 1:
+        from .sharded import ShardedInference
+
+        return run_rank(ctx, INFERENCE, rank, local_rank, ShardedInference)
     return run_rank(ctx, INFERENCE, rank, local_rank, Inference)
 
 

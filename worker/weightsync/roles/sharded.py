@@ -1,0 +1,149 @@
+"""An inference rank of a tensor-parallel model replica (spec.inference.tensorParallel > 1).
+
+It holds one shard of its replica's model (tpengine.py: transformers' own TP plan over the
+replica's processes) and declares, when it joins, the slices of the version it needs; the
+controller plans over slices and it receives only those, into a staging buffer of its local
+layout, verified against its own digest (inbound.py). The generation loop copies a verified
+version into the local shards between two generations, once every rank of the replica has it:
+the replica's forward passes are collectives, so its ranks run the loop in lockstep, agreeing
+each generation on whether to switch and whether the job ended.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import health
+from ..contract import INFERENCE, WorkerContext
+from ..inbound import receive_rounds
+from ..model import build, greedy, layout_of, logits, prompt
+from ..rendezvous import Member, who
+from ..slicepath import needs_to_json
+from ..tpengine import TensorParallel, load, local_shards, needs_of
+from ..transfer import VersionReceiver, settle_heap
+from .common import JOIN_TIMEOUT, Expected, device_for, dump, dumping, info, log, transport_for
+
+GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
+NEW_TOKENS = 8
+
+
+class ShardedGenerations:
+    """inbound.Handover of a TP rank: one staging buffer; the receiving thread offers a verified
+    version there and waits until the generation loop has copied it into the shards."""
+
+    def __init__(self, nbytes: int, device):
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.version: int | None = None
+        self.staged: int | None = None
+        self.end: dict | None = None
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def staging(self):
+        return self.buffer
+
+    def base(self, version: int | None):
+        return None  # no delta versions over slices
+
+    def offer(self, version: int, got=None) -> None:
+        with self.cond:
+            self.staged = version
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.staged is None or self.error is not None)
+
+    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
+        with self.cond:
+            self.end, self.error = end, error
+            self.cond.notify_all()
+
+    def next_event(self, timeout: float | None) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
+
+    def switched(self, version: int) -> None:
+        with self.cond:
+            self.version, self.staged = version, None
+            self.cond.notify_all()
+
+
+class ShardedInference:
+    def __init__(self, ctx: WorkerContext, member: Member, rank: int, local_rank: int):
+        self.ctx, self.member, self.rank, self.local_rank = ctx, member, rank, local_rank
+        self.spec = ctx.job.spec
+        self.me = who(INFERENCE, rank)
+        self.group = ctx.job.layout.tp_group(rank)
+
+    def run(self) -> str:
+        spec, member = self.spec, self.member
+        dtype = spec["model"]["dtype"]
+        device = device_for(self.ctx, INFERENCE, self.local_rank)
+        member.start_heartbeat()
+        model = build(spec["model"], dtype=dtype, device=device, seed=spec["training"]["seed"], load_weights=False)
+        model.eval()
+        layout = layout_of(model, dtype)
+        try:
+            needs = needs_of(model, layout, len(self.group), self.rank)
+        except ValueError as e:
+            raise Expected(f"spec.inference.tensorParallel {len(self.group)}: {e}") from None
+        tp = TensorParallel(member.client().store, self.group, self.rank, device, float(spec["transfer"]["timeoutSeconds"]))
+        try:
+            tp.shard(model)
+            name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
+            endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
+            attempt = member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device, needs=needs_to_json(needs)),
+                                  JOIN_TIMEOUT)
+            if attempt > 1:
+                raise Expected("a rank of a tensor-parallel replica cannot rejoin its running replica (the replica's "
+                               "process group is gone); the job fails instead")
+            plan, _ = member.plan(JOIN_TIMEOUT)
+            if not getattr(plan, "sliced", False):
+                raise Expected("the controller planned whole versions for a tensor-parallel replica")
+            local = plan.local_of(self.rank)
+            gens = ShardedGenerations(local.total_bytes, device)
+            log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; TP rank "
+                         f"{self.rank - self.group.start} of {len(self.group)} (inference ranks {self.group.start}.."
+                         f"{self.group.stop - 1}); {local.total_bytes} of {plan.version_bytes} bytes per version "
+                         f"from {len(plan.expected_for(self.rank))} trainer ranks")
+            settle_heap()
+            mover = threading.Thread(target=self._receive, args=(VersionReceiver(receiver, plan, self.rank), gens),
+                                     name="receive", daemon=True)
+            mover.start()
+            try:
+                self._generate(model, tp, layout, local, gens, device)
+            finally:
+                mover.join(timeout=5.0)
+                member.stop_heartbeat()
+                receiver.close()
+        finally:
+            tp.close()
+        return gens.end["state"]
+
+    def _generate(self, model, tp: TensorParallel, layout, local, gens: ShardedGenerations, device) -> None:
+        """Generate with whatever version the replica runs, in lockstep with the replica's other ranks."""
+        ids = prompt(model, device)
+        while True:
+            gens.next_event(GENERATE_EVERY if gens.version is not None else 0.05)
+            if gens.error is not None:
+                raise gens.error
+            version, ended = tp.agree(gens.staged, gens.end is not None)
+            if version is not None:
+                load(model, layout, local, gens.buffer)
+                gens.switched(version)
+                verified = " (digest verified)" if self.spec["transfer"]["verify"] == "digest" else ""
+                log(self.me, f"switched to version {version}{verified}")
+                health.ready()
+                if dumping():
+                    tensors = {n: t.detach().cpu().clone() for n, t in local_shards(model).items()}
+                    dump(INFERENCE, self.rank, version, tensors, logits(model, ids).cpu())
+            if ended:
+                return
+            if gens.version is not None and version is not None:
+                log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")
+
+    def _receive(self, receiver: VersionReceiver, gens: ShardedGenerations) -> None:
+        try:
+            gens.finish(end=receive_rounds(self.member, receiver, self.spec["transfer"], gens))
+        except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
+            gens.finish(error=e)
