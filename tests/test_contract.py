@@ -64,6 +64,8 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"inference": {"replicas": 3, "tensorParallel": 2}}, "demo",
      "spec.inference: inference replicas x procsPerPod must be a multiple of tensorParallel"),
     ({"inference": {"tensorParallel": 0}}, "demo", "spec.inference.tensorParallel: 0 is less than the minimum of 1"),
+    ({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}, "demo",
+     "spec.inference: spec.inference.tensorParallel above 1 runs the builtin engine's tensor parallelism"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])
