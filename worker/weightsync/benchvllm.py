@@ -2,10 +2,12 @@
 
 Two ways to get a version from trainer ranks into running vLLM servers, measured in one run, on
 the same model and the same number of servers:
-  weightsync  a job with spec.inference.engine vllm (`weightsync run`'s local processes): the
-              trainers send each version M to N into every server's staging buffer, which is
-              verified there, then the controller has every server load it between two steps.
-              From the controller's go to the last server serving the version (the round's time).
+  weightsync  a job with spec.inference.engine vllm (`weightsync run`'s local processes) whose
+              trainer ranks run this module as their command: they only change the weights and
+              publish, as the disk baseline does (no training competes for the cores). Each
+              version goes M to N into every server's staging buffer and is verified there, then
+              the controller has every server load it between two steps. From the controller's go
+              to the last server serving the version (the round's time).
   disk        what slime's and vLLM's disk path do: the trainer saves the version as a safetensors
               checkpoint, then every server pauses, reloads its weights from that checkpoint
               (vLLM's reload_weights) and resumes. From the start of the save to the last server
@@ -20,6 +22,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +44,10 @@ def bench_job(name: str, trainers: int, servers: int, versions: int):
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": MODEL, "dtype": "bfloat16"},
-                 "trainer": {"replicas": trainers, "gpusPerProc": 0},
+                 "trainer": {"replicas": trainers, "gpusPerProc": 0,
+                             "command": [sys.executable, "-m", "weightsync.benchvllm", str(versions)]},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm", "vllm": {"args": SERVER_ARGS}},
-                 "training": {"steps": versions - 1, "batchSize": 1, "seqLen": 16, "learningRate": 1e-5},
-                 "transfer": {"everySteps": 1, "transport": "tcp", "timeoutSeconds": 300},
+                 "transfer": {"transport": "tcp", "timeoutSeconds": 300},
                  "network": {"mode": "tcp"}}})
 
 
@@ -84,18 +87,25 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
         _save(model, first, save_file)
         ports = free_ports([1] * servers)
         path_spec = {**spec, "model": {"path": str(first), "dtype": "bfloat16"}}
-        procs = [subprocess.Popen(server_command(python, path_spec, "bench", tuple(SERVER_ARGS), "127.0.0.1", p),
+        logs = [open(Path(folder) / f"server-{i}.log", "w") for i in range(servers)]  # noqa: SIM115 - closed below
+        # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
+        args = (*SERVER_ARGS, "--skip-tokenizer-init")
+        procs = [subprocess.Popen(server_command(python, path_spec, "bench", args, "127.0.0.1", p),
                                   env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"},
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+                                  stdout=log, stderr=subprocess.STDOUT) for p, log in zip(ports, logs)]
         urls = [Server(f"http://127.0.0.1:{p}") for p in ports]
         try:
-            for s, proc in zip(urls, procs):
-                s.wait_up(UP_TIMEOUT, alive=lambda proc=proc: proc.poll() is None)
+            for s, proc, log in zip(urls, procs, logs):
+                try:
+                    s.wait_up(UP_TIMEOUT, alive=lambda proc=proc: proc.poll() is None)
+                except Exception:
+                    log.flush()
+                    tail = Path(log.name).read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"a vLLM server of the disk baseline did not come up; its log ends:\n{tail}") from None
             out = []
+            generator = torch.Generator().manual_seed(1)
             for v in range(1, versions):
-                with torch.no_grad():
-                    for _, p in parameters(model):
-                        p.add_(torch.randn_like(p), alpha=1e-3)  # a new version
+                new_version(model, generator)
                 start = time.monotonic()
                 where = Path(folder) / f"v{v}"
                 _save(model, where, save_file)
@@ -105,8 +115,41 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
                             "bytes": sum(p.numel() * 2 for _, p in parameters(model)) * servers})
             return out
         finally:
-            for proc in procs:
+            for proc, log in zip(procs, logs):
                 stop_server(proc)
+                log.close()
+
+
+def new_version(model, generator) -> None:
+    """What a version changes, in both methods: a little noise on every weight."""
+    import torch
+
+    from .model import parameters
+
+    with torch.no_grad():
+        for _, p in parameters(model):
+            p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
+
+
+def publish_versions(count: int) -> int:
+    """The trainer ranks' command in the weightsync job: `count` versions, published back to back
+    (every rank the same weights: a DDP replica)."""
+    import torch
+
+    import weightsync
+
+    from .contract import WorkerContext
+    from .model import build
+
+    ctx = WorkerContext.from_environ()
+    model = build(ctx.job.spec["model"], dtype="float32", seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with weightsync.attach(model) as sync:
+        for v in range(count):
+            if v:
+                new_version(model, generator)
+            sync.publish(step=v)
+    return 0
 
 
 def _save(model, where: Path, save_file) -> None:
@@ -163,3 +206,7 @@ def main(python: str, as_json: bool) -> int:
     report = run(python)
     print(json.dumps(report, indent=2) if as_json else table(report), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(publish_versions(int(sys.argv[1])))

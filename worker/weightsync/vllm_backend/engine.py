@@ -121,11 +121,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         with self.cond:
             self.staged = version
         self.member.set(Keys.staged(version, self.rank, self.member.attempt), {"digest": got.digest})
-        with self.cond:
-            while self.loaded != version:
-                self.cond.wait(STAGED_CHECK)
-                if self.loaded != version:
-                    self.member.check_end()
+        while True:
+            with self.cond:
+                if self.cond.wait_for(lambda: self.loaded == version, STAGED_CHECK):
+                    return
+            self.member.check_end()  # the job may end (failed elsewhere) before the load
 
     # vLLM's side: the engine core, between two scheduler steps
     def start_weight_update(self) -> None:
