@@ -23,6 +23,8 @@ through the rendezvous small whatever the number of pieces. No torch here.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -110,9 +112,14 @@ class LocalLayout:
                 return _runs(s, box, ITEMSIZE[self.dtype])
         raise ValueError(f"tensor #{tensor}: box {box} is not inside any box this rank needs")
 
+    @cached_property
+    def _ends(self) -> list[int]:
+        return [s.offset + s.nbytes for s in self.slots]
+
     def is_padding(self, start: int, end: int) -> bool:
         """True when no slot has bytes in [start, end) (alignment padding only)."""
-        return not any(s.offset < end and start < s.offset + s.nbytes for s in self.slots)
+        i = bisect.bisect_right(self._ends, start)  # the first slot ending after start (slots are in offset order)
+        return i == len(self.slots) or self.slots[i].offset >= end
 
 
 def _runs(slot: LocalSlot, box: Box, item: int) -> list[tuple[int, Box]]:
@@ -214,10 +221,10 @@ class SlicedPlan:
             for p in self.slices.pieces_of(trainer):
                 t = index[p.tensor]
                 runs.setdefault(p.receiver, []).extend((o, t, b) for o, b in self.local[p.receiver].runs(t, p.box))
-            buckets: list[SliceBucket] = []
-            for receiver, rs in runs.items():
-                buckets.extend(self._pack(trainer, receiver, sorted(rs, key=lambda x: x[0]), item))
-            out.append(buckets)
+            streams = [self._pack(trainer, receiver, sorted(rs, key=lambda x: x[0]), item) for receiver, rs in runs.items()]
+            # in turn, one bucket per receiver: consecutive buckets go to different receivers, so
+            # that every connection stays busy while the next bucket is packed
+            out.append([b for turn in itertools.zip_longest(*streams) for b in turn if b is not None])
         return out
 
     def _pack(self, trainer: int, receiver: int, runs: list, item: int) -> list[SliceBucket]:
