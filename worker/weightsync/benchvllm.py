@@ -163,7 +163,7 @@ def _save(model, where: Path, save_file) -> None:
 
 
 def _reload(server, where: Path, version: int) -> float:
-    server.call("/pause?mode=wait&clear_cache=false", None, 300)
+    server.call("/pause?mode=wait&clear_cache=true", None, 300)
     paused = time.monotonic()
     try:
         server.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(where)}}, 600)

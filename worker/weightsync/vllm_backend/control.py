@@ -2,7 +2,8 @@
 
 vLLM loads weights only between two scheduler steps, through its engine's control routes (served
 when VLLM_SERVER_DEV_MODE=1). One update, for weightsync, is: pause with mode=wait (no new request
-starts, those in flight finish on the weights they started on), start, update (the backend loads
+starts, those in flight finish on the weights they started on) and the KV and prefix caches
+cleared (cached blocks were computed with the old weights), start, update (the backend loads
 the version it already received and verified), finish with weightsync's version number as vLLM's
 weight version (vLLM reports it with every generation), resume. A request therefore runs on exactly
 one version, and the server serves nothing only between the pause and the resume.
@@ -82,7 +83,9 @@ class Server:
                 raise ControlError(f"{self.url} did not finish the update to version {version} within {timeout:.0f}s")
             return remaining
 
-        self.call("/pause?mode=wait&clear_cache=false", None, left())
+        # clear_cache: a prompt cached before the load would otherwise reuse the old version's KV
+        # blocks after it, under the new version's label
+        self.call("/pause?mode=wait&clear_cache=true", None, left())
         paused = time.monotonic()
         try:
             self.call("/start_weight_update", None, left())
