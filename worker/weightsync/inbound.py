@@ -15,6 +15,7 @@ process lived on ends its process, so that it starts again and rejoins the same 
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Protocol
 
 from .contract import INFERENCE
@@ -42,6 +43,38 @@ class Handover(Protocol):
     def base(self, version: int | None): ...
 
     def offer(self, version: int, got: ReceivedVersion) -> None: ...
+
+
+class GenerationHandover:
+    """The hand-over between the receiving thread and an engine's generation loop in one
+    process (the built-in engines): the thread offers a verified version and waits until the loop
+    runs on it; the loop waits for an offer or the end, between two generations. Subclasses say
+    where versions land (staging, base) and how the loop takes one."""
+
+    def __init__(self):
+        self.version: int | None = None  # the version the model runs on
+        self.staged: int | None = None
+        self.end: dict | None = None
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    # the receiving thread
+    def offer(self, version: int, got: ReceivedVersion | None = None) -> None:
+        """Hand over the version in staging and wait until the model runs on it."""
+        with self.cond:
+            self.staged = version
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.staged is None or self.error is not None)
+
+    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
+        with self.cond:
+            self.end, self.error = end, error
+            self.cond.notify_all()
+
+    # the generation loop
+    def next_event(self, timeout: float | None) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
 
 
 def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, engine: Handover) -> dict:

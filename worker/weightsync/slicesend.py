@@ -24,7 +24,7 @@ import xxhash
 
 from . import flat
 from .slicepath import Part, SliceBucket, SlicedPlan
-from .transfer import SentVersion, end_version
+from .transfer import SentVersion, end_version, send_buffers
 from .transport.base import Filling, Sender
 from .transport.checksum import CHUNK, bucket_checksum
 
@@ -54,17 +54,8 @@ class SliceSender:
 
     def _buffers(self, params) -> list:
         if self.buffers is None:
-            import torch
-
-            device = getattr(self.sender, "buffer_device", "cpu")
-            size = max(b.length for b in self.buckets)
-            on_gpu = any(p.device.type == "cuda" for p in params)
-            if device == "cuda" and on_gpu:
-                kwargs = {"device": next(p.device for p in params if p.device.type == "cuda")}
-            else:
-                kwargs = {"pin_memory": on_gpu}  # host staging of device tensors
-            self.buffers = [torch.empty(size, dtype=torch.uint8, **kwargs) for _ in range(min(self.depth, len(self.buckets)))]
-            self.sender.register(self.buffers)
+            self.buffers = send_buffers(self.sender, params, max(b.length for b in self.buckets),
+                                        min(self.depth, len(self.buckets)))
         return self.buffers
 
     def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,

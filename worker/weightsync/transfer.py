@@ -74,6 +74,22 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+def send_buffers(sender: Sender, params, size: int, count: int) -> list:
+    """`count` send buffers of `size` bytes, registered with the transport once: on the GPU of
+    the parameters where the transport sends from GPU memory, else in host memory (pinned when
+    the parameters are on a GPU, as the host staging of device tensors)."""
+    import torch
+
+    on_gpu = any(p.device.type == "cuda" for p in params)
+    if getattr(sender, "buffer_device", "cpu") == "cuda" and on_gpu:
+        kwargs = {"device": next(p.device for p in params if p.device.type == "cuda")}
+    else:
+        kwargs = {"pin_memory": on_gpu}
+    buffers = [torch.empty(size, dtype=torch.uint8, **kwargs) for _ in range(count)]
+    sender.register(buffers)
+    return buffers
+
+
 @dataclass
 class SentVersion:
     version: int
@@ -160,17 +176,8 @@ class VersionSender:
 
     def _buffers(self, params) -> list:
         if self.buffers is None:
-            import torch
-
-            device = getattr(self.sender, "buffer_device", "cpu")
             size = min(self.bucket_bytes, max(b.length for b in self.buckets))
-            on_gpu = any(p.device.type == "cuda" for p in params)
-            if device == "cuda" and on_gpu:
-                kwargs = {"device": next(p.device for p in params if p.device.type == "cuda")}
-            else:
-                kwargs = {"pin_memory": on_gpu}  # host staging of device tensors
-            self.buffers = [torch.empty(size, dtype=torch.uint8, **kwargs) for _ in range(min(self.depth, len(self.buckets)))]
-            self.sender.register(self.buffers)
+            self.buffers = send_buffers(self.sender, params, size, min(self.depth, len(self.buckets)))
         return self.buffers
 
     def _fill(self, layout, params, bucket, data, filling: Filling, each=None) -> None:

@@ -18,7 +18,7 @@ import torch
 from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
-from ..inbound import receive_rounds
+from ..inbound import GenerationHandover, receive_rounds
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
 from ..rendezvous import Member, who
 from ..transfer import VersionReceiver, settle_heap
@@ -36,20 +36,16 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     return run_rank(ctx, INFERENCE, rank, local_rank, Inference)
 
 
-class Generations:
+class Generations(GenerationHandover):
     """The double buffer. The receiving thread offers a verified version in the staging buffer;
     the generation loop switches to it between generations, and only then does the staging
     buffer become the other one."""
 
     def __init__(self, model, buffers: list, layout):
+        super().__init__()
         self.model, self.buffers = model, buffers
         self.views = [views(b, layout) for b in buffers]
         self.active = 0
-        self.version: int | None = None  # the version the model runs on
-        self.staged: int | None = None
-        self.end: dict | None = None
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
         point_at(model, self.views[self.active])
 
     def staging(self):
@@ -61,24 +57,7 @@ class Generations:
         with self.cond:
             return (version, self.buffers[self.active]) if version is not None and version == self.version else None
 
-    # the receiving thread (inbound.Handover)
-    def offer(self, version: int, got=None) -> None:
-        """Hand over the version in the staging buffer and wait until the model runs on it."""
-        with self.cond:
-            self.staged = version
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.staged is None)
-
-    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
-        with self.cond:
-            self.end, self.error = end, error
-            self.cond.notify_all()
-
     # the generation loop
-    def next_event(self, timeout: float | None) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
-
     def switch(self) -> int | None:
         """Point the model at the staged version, if one is waiting; returns its number."""
         with self.cond:

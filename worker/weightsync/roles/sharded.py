@@ -17,7 +17,7 @@ import torch
 
 from .. import health
 from ..contract import INFERENCE, WorkerContext
-from ..inbound import receive_rounds
+from ..inbound import GenerationHandover, receive_rounds
 from ..model import build, greedy, layout_of, logits, prompt
 from ..rendezvous import Member, who
 from ..slicepath import needs_to_json
@@ -29,38 +29,19 @@ GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8
 
 
-class ShardedGenerations:
+class ShardedGenerations(GenerationHandover):
     """inbound.Handover of a TP rank: one staging buffer; the receiving thread offers a verified
     version there and waits until the generation loop has copied it into the shards."""
 
     def __init__(self, nbytes: int, device):
+        super().__init__()
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.version: int | None = None
-        self.staged: int | None = None
-        self.end: dict | None = None
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
 
     def staging(self):
         return self.buffer
 
     def base(self, version: int | None):
         return None  # no delta versions over slices
-
-    def offer(self, version: int, got=None) -> None:
-        with self.cond:
-            self.staged = version
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.staged is None or self.error is not None)
-
-    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
-        with self.cond:
-            self.end, self.error = end, error
-            self.cond.notify_all()
-
-    def next_event(self, timeout: float | None) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
 
     def switched(self, version: int) -> None:
         with self.cond:
