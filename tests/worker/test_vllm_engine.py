@@ -5,7 +5,8 @@ transfer backend, as local processes (`weightsync run`'s LocalJob).
 What is checked: after every version the parameters vLLM holds, read in its worker (fused qkv_proj
 and gate_up_proj included), equal the trainer's weights bit for bit; a greedy completion through
 the OpenAI API changes with the version, and vLLM's generate route names the version of every
-token; a request in flight while a version is loaded completes on one version; a version whose
+token; a request in flight while a version is loaded completes on one version, and no request
+after a load uses KV blocks cached before it; a version whose
 bytes were corrupted on the way is never loaded, the server goes on serving the one before, and
 the job fails naming the rank.
 """
@@ -36,6 +37,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "n
 # vLLM's CPU backend: head size 64 (above), a small share of memory, a small KV cache (the env below)
 SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4"]
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(80)]  # several KV blocks: what vLLM's prefix cache keeps
 REACH_TIMEOUT = 600.0  # seconds: two vLLM servers start in about 1-2 minutes each on 2 busy cores
 RUN_TIMEOUT = 900.0
 
@@ -133,9 +135,9 @@ def weight_version(server: str) -> str | None:
         return None
 
 
-def completion(server: str, job_name: str) -> list[int]:
+def completion(server: str, job_name: str, prompt: list[int] = PROMPT) -> list[int]:
     """A greedy completion through the OpenAI API (token ids in and out: the job's model has no tokenizer)."""
-    got = post(server, "/v1/completions", {"model": job_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+    got = post(server, "/v1/completions", {"model": job_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
                                            "return_token_ids": True})
     return got["choices"][0]["token_ids"]
 
@@ -181,6 +183,11 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                 assert choice["token_ids"] == tokens, "the generate route and the OpenAI route disagree"
                 assert choice["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
                 seen.setdefault(version, []).append(tokens)
+            if version == 1:  # server 0 caches the long prompt's blocks on version 1
+                completion(run.servers[0], job.name, LONG_PROMPT)
+            else:  # a load clears them: server 0 answers on version 2 as server 1, which never saw the prompt
+                assert completion(run.servers[0], job.name, LONG_PROMPT) == completion(run.servers[1], job.name, LONG_PROMPT), \
+                    "a server answered from KV blocks cached before the load"
             if version == 1:  # a long request is in flight when version 2 is loaded
                 long = {}
                 flight = threading.Thread(target=lambda: long.update(generate(run.servers[0], job.name, 200)))
