@@ -261,8 +261,8 @@ def test_topology_is_immutable(ns):
     ns.apply_job("fixed", SMALL)
     ns.wait_children("fixed")
     refusals = [
-        ('{"spec":{"trainer":{"replicas":3}}}', "trainer and inference replicas and procsPerPod are immutable"),
-        ('{"spec":{"inference":{"procsPerPod":2}}}', "trainer and inference replicas and procsPerPod are immutable"),
+        ('{"spec":{"trainer":{"replicas":3}}}', "trainer and inference replicas, procsPerPod and tensorParallel are immutable"),
+        ('{"spec":{"inference":{"procsPerPod":2}}}', "trainer and inference replicas, procsPerPod and tensorParallel are immutable"),
         ('{"spec":{"model":{"dtype":"float32"}}}', "spec.model is immutable"),
         ('{"spec":{"network":{"mode":"tcp"}}}', "spec.network.mode is immutable"),
     ]
