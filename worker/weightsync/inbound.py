@@ -76,6 +76,19 @@ class GenerationHandover:
         with self.cond:
             self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
 
+    def start_receiving(self, member: Member, receiver: VersionReceiver, transfer: dict) -> threading.Thread:
+        """Start the receiving thread, the only user of the member's store client from then on: it
+        takes every round and hands the job's end, or why it failed, to the generation loop."""
+        def receive() -> None:
+            try:
+                self.finish(end=receive_rounds(member, receiver, transfer, self))
+            except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
+                self.finish(error=e)
+
+        thread = threading.Thread(target=receive, name="receive", daemon=True)
+        thread.start()
+        return thread
+
 
 def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, engine: Handover) -> dict:
     """Take every round the controller announces until the job ends; returns its end

@@ -11,14 +11,12 @@ vLLM's workers.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..flat import views
-from ..inbound import GenerationHandover, receive_rounds
+from ..inbound import GenerationHandover
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
 from ..rendezvous import Member, who
 from ..transfer import VersionReceiver, settle_heap
@@ -34,6 +32,19 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
 
         return run_rank(ctx, INFERENCE, rank, local_rank, ShardedInference)
     return run_rank(ctx, INFERENCE, rank, local_rank, Inference)
+
+
+def serving_model(ctx: WorkerContext, member: Member, local_rank: int):
+    """An inference rank's start: its heartbeat, and (model, its version layout, device) of
+    spec.model in the job's dtype, evaluating, without weights worth keeping (versions replace
+    them)."""
+    spec = ctx.job.spec
+    dtype = spec["model"]["dtype"]
+    device = device_for(ctx, INFERENCE, local_rank)
+    member.start_heartbeat()
+    model = build(spec["model"], dtype=dtype, device=device, seed=spec["training"]["seed"], load_weights=False)
+    model.eval()
+    return model, layout_of(model, dtype), device
 
 
 class Generations(GenerationHandover):
@@ -78,13 +89,7 @@ class Inference:
 
     def run(self) -> str:
         spec, member = self.spec, self.member
-        dtype = spec["model"]["dtype"]
-        device = device_for(self.ctx, INFERENCE, self.local_rank)
-        member.start_heartbeat()
-
-        model = build(spec["model"], dtype=dtype, device=device, seed=spec["training"]["seed"], load_weights=False)
-        model.eval()
-        layout = layout_of(model, dtype)
+        model, layout, device = serving_model(self.ctx, member, self.local_rank)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
         name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
@@ -96,9 +101,7 @@ class Inference:
                      f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks{again}")
 
         settle_heap()
-        mover = threading.Thread(target=self._receive, args=(VersionReceiver(receiver, plan, self.rank), gens),
-                                 name="receive", daemon=True)
-        mover.start()
+        mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), spec["transfer"])
         try:
             self._generate(model, gens, device)
         finally:
@@ -126,10 +129,3 @@ class Inference:
                 return
             if gens.version is not None:
                 log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")
-
-    def _receive(self, receiver: VersionReceiver, gens: Generations) -> None:
-        """The receiving thread: the only user of the member's store client from now on."""
-        try:
-            gens.finish(end=receive_rounds(self.member, receiver, self.spec["transfer"], gens))
-        except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
-            gens.finish(error=e)

@@ -11,19 +11,18 @@ each generation on whether to switch and whether the job ended.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import health
 from ..contract import INFERENCE, WorkerContext
-from ..inbound import GenerationHandover, receive_rounds
-from ..model import build, greedy, layout_of, logits, prompt
+from ..inbound import GenerationHandover
+from ..model import greedy, logits, prompt
 from ..rendezvous import Member, who
 from ..slicepath import needs_to_json
 from ..tpengine import TensorParallel, load, local_shards, needs_of
 from ..transfer import VersionReceiver, settle_heap
-from .common import JOIN_TIMEOUT, Expected, device_for, dump, dumping, info, log, transport_for
+from .common import JOIN_TIMEOUT, Expected, dump, dumping, info, log, transport_for
+from .inference import serving_model
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8
@@ -58,12 +57,7 @@ class ShardedInference:
 
     def run(self) -> str:
         spec, member = self.spec, self.member
-        dtype = spec["model"]["dtype"]
-        device = device_for(self.ctx, INFERENCE, self.local_rank)
-        member.start_heartbeat()
-        model = build(spec["model"], dtype=dtype, device=device, seed=spec["training"]["seed"], load_weights=False)
-        model.eval()
-        layout = layout_of(model, dtype)
+        model, layout, device = serving_model(self.ctx, member, self.local_rank)
         try:
             needs = needs_of(model, layout, len(self.group), self.rank)
         except ValueError as e:
@@ -88,9 +82,7 @@ class ShardedInference:
                          f"{self.group.stop - 1}); {local.total_bytes} of {plan.version_bytes} bytes per version "
                          f"from {len(plan.expected_for(self.rank))} trainer ranks")
             settle_heap()
-            mover = threading.Thread(target=self._receive, args=(VersionReceiver(receiver, plan, self.rank), gens),
-                                     name="receive", daemon=True)
-            mover.start()
+            mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), spec["transfer"])
             try:
                 self._generate(model, tp, layout, local, gens, device)
             finally:
@@ -122,9 +114,3 @@ class ShardedInference:
                 return
             if gens.version is not None and version is not None:
                 log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")
-
-    def _receive(self, receiver: VersionReceiver, gens: ShardedGenerations) -> None:
-        try:
-            gens.finish(end=receive_rounds(self.member, receiver, self.spec["transfer"], gens))
-        except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
-            gens.finish(error=e)
