@@ -64,6 +64,14 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"inference": {"replicas": 3, "tensorParallel": 2}}, "demo",
      "spec.inference: inference replicas x procsPerPod must be a multiple of tensorParallel"),
     ({"inference": {"tensorParallel": 0}}, "demo", "spec.inference.tensorParallel: 0 is less than the minimum of 1"),
+    ({"inference": {"replicas": 3, "tensorParallelSizes": [2, 2]}}, "demo",
+     "spec.inference: tensorParallelSizes must add up to inference replicas x procsPerPod"),
+    ({"inference": {"replicas": 3, "tensorParallel": 3, "tensorParallelSizes": [2, 1]}}, "demo",
+     "spec.inference: set either tensorParallel (every model replica) or tensorParallelSizes (each model replica), not both"),
+    ({"inference": {"replicas": 2, "tensorParallelSizes": [0, 2]}}, "demo",
+     "spec.inference.tensorParallelSizes.0: 0 is less than the minimum of 1"),
+    ({"inference": {"replicas": 2, "tensorParallelSizes": [2], "engine": "vllm"}}, "demo",
+     "spec.inference: spec.inference.tensorParallelSizes above 1 runs the builtin engine's tensor parallelism"),
     ({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}, "demo",
      "spec.inference: spec.inference.tensorParallel above 1 runs the builtin engine's tensor parallelism"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
@@ -95,7 +103,10 @@ def test_layout_assigns_global_ordinals_and_role_ranks():
         layout.role_of(6)
     assert list(layout.tp_group(5)) == [5]
     tp = contract.load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallel": 4}})).layout
-    assert list(tp.tp_group(2)) == [0, 1, 2, 3] and tp.inference_tp == 4
+    assert list(tp.tp_group(2)) == [0, 1, 2, 3] and tp.tensor_parallel == (4,) and tp.sliced
+    mixed = contract.load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallelSizes": [1, 2, 1]}})).layout
+    assert [list(mixed.tp_group(r)) for r in range(4)] == [[0], [1, 2], [1, 2], [3]] and mixed.sliced
+    assert not contract.load_job(job({"inference": {"replicas": 2, "tensorParallelSizes": [1, 1]}})).layout.sliced
 
 
 def test_network_env_per_mode():

@@ -43,6 +43,8 @@ INVALID = [
     ({"training": {"learningRate": 0}}, "demo", "spec.training.learningRate in body should be greater than 0"),
     ({"trainer": {"resources": {"limits": {"cpu": "lots"}}}}, "demo", "spec.trainer.resources.limits.cpu in body should match"),
     ({"imagePullSecrets": [{}]}, "demo", "spec.imagePullSecrets[0].name: Required value"),
+    ({"inference": {"replicas": 3, "tensorParallelSizes": [2, 2]}}, "demo",
+     "tensorParallelSizes must add up to inference replicas x procsPerPod"),
 ]
 
 
@@ -261,8 +263,9 @@ def test_topology_is_immutable(ns):
     ns.apply_job("fixed", SMALL)
     ns.wait_children("fixed")
     refusals = [
-        ('{"spec":{"trainer":{"replicas":3}}}', "trainer and inference replicas, procsPerPod and tensorParallel are immutable"),
-        ('{"spec":{"inference":{"procsPerPod":2}}}', "trainer and inference replicas, procsPerPod and tensorParallel are immutable"),
+        ('{"spec":{"trainer":{"replicas":3}}}', "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"),
+        ('{"spec":{"inference":{"procsPerPod":2}}}', "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"),
+        ('{"spec":{"inference":{"tensorParallelSizes":[1]}}}', "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"),
         ('{"spec":{"model":{"dtype":"float32"}}}', "spec.model is immutable"),
         ('{"spec":{"network":{"mode":"tcp"}}}', "spec.network.mode is immutable"),
     ]

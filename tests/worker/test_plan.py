@@ -5,7 +5,7 @@ import pytest
 
 from weightsync import contract
 from weightsync.flat import ALIGN, FlatLayout
-from weightsync.plan import Plan, make_plan, job_plan
+from weightsync.plan import Plan, make_plan
 
 
 def layout(shapes, dtype="float32"):
@@ -108,8 +108,8 @@ def test_table_shows_every_trainer_and_the_balance():
     assert f"balance (largest trainer share / mean): {plan.balance():.3f}" in text
 
 
-def test_job_plan_uses_the_jobs_ranks_dtype_and_bucket_size(capsys):
-    from weightsync.plan import print_plan
+def test_job_plan_uses_the_jobs_ranks_dtype_and_bucket_size():
+    from weightsync.cli import job_plan
 
     job = contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "p"},
                              "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64,
@@ -117,8 +117,8 @@ def test_job_plan_uses_the_jobs_ranks_dtype_and_bucket_size(capsys):
                                       "trainer": {"replicas": 2, "procsPerPod": 2},
                                       "inference": {"replicas": 3}, "transfer": {"bucketMB": 1}}})
     plan = job_plan(job)
+    assert isinstance(plan, Plan)
     assert (plan.trainers, plan.inferences, plan.bucket_bytes, plan.layout.dtype) == (4, 3, 1 << 20, "bfloat16")
     assert "lm_head.weight" not in plan.layout.names
     assert_covers_exactly_once(plan)
-    print_plan(job)
-    assert "balance" in capsys.readouterr().out
+    assert "balance" in plan.table()

@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="plan a model from its shapes instead of a job: kimi-k2, deepseek-v3, llama-3-70b, "
                            "or the path of a config.json")
     plan.add_argument("--trainers", type=int, default=256, help="trainer GPUs (default 256)")
-    plan.add_argument("--fsdp", type=int, help="FSDP degree (default: all trainers; less is HSDP, 1 is DDP)")
+    plan.add_argument("--fsdp", type=int, help="FSDP degree (with --simulate default all trainers; with a job file "
+                                               "default 1, the built-in trainer's whole replicas; less than the "
+                                               "trainer ranks is HSDP, 1 is DDP)")
     plan.add_argument("--fsdp-dim", choices=("0", "auto"), default="0",
                       help="dim FSDP2 shards: 0 (fully_shard's default) or auto (dim 1 where dim 0 does not "
                            "split evenly, as torchtitan shards MoE experts)")
@@ -91,11 +93,30 @@ def _plan(args) -> int:
         print("weightsync plan: give a job file, or --simulate MODEL", file=sys.stderr)
         return EXIT_SPEC
     job = load_job(args.job)
-    from .model import meta_layout
-    from .plan import print_plan
-
-    print_plan(job, meta_layout(job.spec["model"]))
+    try:
+        plan = job_plan(job, args.fsdp)
+    except ValueError as e:
+        print(f"weightsync plan: {e}", file=sys.stderr)
+        return EXIT_SPEC
+    print(plan.table())
     return 0
+
+
+def job_plan(job, fsdp: int | None = None):
+    """The plan the controller computes for `job` (contract.Job), from the spec alone: its model
+    built on the meta device, its trainer ranks holding every tensor whole (the built-in trainer,
+    DDP) or, with `fsdp`, FSDP2 shards of that degree, and its tensor-parallel ranks the slices of
+    the model's own TP plan."""
+    from .contract import INFERENCE, TRAINER
+    from .jobplan import fsdp_holdings, inference_needs, make_job_plan
+    from .model import build, layout_of
+    from .tpengine import needs_of
+
+    model = build(job.spec["model"], dtype="float32", device="meta", load_weights=False)
+    layout = layout_of(model, job.spec["model"]["dtype"])
+    holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
+    needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r))
+    return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.spec["transfer"]["bucketMB"] << 20, needs)
 
 
 def _simulate(args) -> int:

@@ -235,24 +235,37 @@ class Layout:
     """Global ordinals: 0 is the controller, 1..T the trainer pods, T+1..T+I the inference pods.
     Ranks count processes within a role: trainer pod with ordinal o runs trainer ranks
     (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1. Inference ranks form
-    model replicas of `inference_tp` consecutive ranks (spec.inference.tensorParallel)."""
+    model replicas of consecutive ranks, `tensor_parallel[i]` of them for the i-th replica
+    (spec.inference.tensorParallelSizes, or tensorParallel for every replica); empty: every
+    inference rank is a whole replica."""
 
     trainers: int
     trainer_procs: int
     inferences: int
     inference_procs: int
-    inference_tp: int = 1
+    tensor_parallel: tuple[int, ...] = ()
 
     @classmethod
     def from_spec(cls, spec: Mapping) -> "Layout":
+        inference = spec["inference"]
+        world = inference["replicas"] * inference["procsPerPod"]
+        sizes = inference.get("tensorParallelSizes") or [inference["tensorParallel"]] * (world // inference["tensorParallel"])
         return cls(spec["trainer"]["replicas"], spec["trainer"]["procsPerPod"],
-                   spec["inference"]["replicas"], spec["inference"]["procsPerPod"],
-                   spec["inference"]["tensorParallel"])
+                   inference["replicas"], inference["procsPerPod"], tuple(sizes))
 
     def tp_group(self, inference_rank: int) -> range:
         """The inference ranks of the model replica `inference_rank` holds a tensor-parallel shard of."""
-        first = inference_rank // self.inference_tp * self.inference_tp
-        return range(first, first + self.inference_tp)
+        first = 0
+        for size in self.tensor_parallel:
+            if inference_rank < first + size:
+                return range(first, first + size)
+            first += size
+        return range(inference_rank, inference_rank + 1)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether some inference rank holds tensor-parallel slices rather than the whole model."""
+        return any(size > 1 for size in self.tensor_parallel)
 
     @property
     def pods(self) -> int:

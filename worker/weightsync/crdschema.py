@@ -142,4 +142,16 @@ def _cel(rule: str, value: Any) -> bool:
     import celpy
 
     env = celpy.Environment()
-    return bool(env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)}))
+    program = env.program(env.compile(rule), functions=_kubernetes_cel_functions())
+    return bool(program.evaluate({"self": celpy.json_to_cel(value)}))
+
+
+def _kubernetes_cel_functions() -> dict:
+    """The functions of the Kubernetes CEL libraries the CRD's rules use that are not standard
+    CEL (and so not in celpy): the lists library's sum()."""
+    from celpy import celtypes
+
+    def list_sum(items):
+        return celtypes.IntType(sum(int(item) for item in items))
+
+    return {"sum": list_sum}

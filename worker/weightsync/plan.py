@@ -140,26 +140,3 @@ def size_text(n: int) -> str:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
 
-
-# ---------------------------------------------------------------- `weightsync plan job.yaml`
-
-
-def job_plan(job, layout: FlatLayout | None = None) -> Plan:
-    """The plan the controller computes for a job (contract.Job): every trainer and inference
-    process, buckets of spec.transfer.bucketMB. `layout` defaults to the layout of the job's
-    model built on the meta device (weightsync.model.meta_layout)."""
-    if layout is None:
-        from weightsync.model import meta_layout
-
-        layout = meta_layout(job.spec["model"])
-    return make_plan(layout, job.layout.world_size("trainer"), job.layout.world_size("inference"),
-                     job.spec["transfer"]["bucketMB"] << 20)
-
-
-def print_plan(job, layout: FlatLayout | None = None) -> Plan:
-    """Entry point of `weightsync plan job.yaml`: print the job's plan as a table (per trainer
-    rank: bytes, share, buckets, peers; then the balance) and return it. `job` is a
-    contract.Job; `layout` defaults to weightsync.model.meta_layout(job.spec["model"])."""
-    plan = job_plan(job, layout)
-    print(plan.table())
-    return plan

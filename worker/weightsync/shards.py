@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 
 from weightsync.flat import ALIGN, FlatLayout, TensorSlot
 from weightsync.plan import Bucket, Plan
+from weightsync.slices import chunk_bounds
 
 
 def rows_of(slot: TensorSlot) -> int:
@@ -42,6 +43,11 @@ class Holdings:
     @classmethod
     def whole(cls, layout: FlatLayout) -> "Holdings":
         return cls(tuple((0, rows_of(s)) for s in layout.slots))
+
+    @classmethod
+    def fsdp(cls, layout: FlatLayout, shard: int, index: int) -> "Holdings":
+        """The rows the index-th of `shard` ranks holds under FSDP2's fully_shard (torch.chunk on dim 0)."""
+        return cls(tuple(chunk_bounds(rows_of(s), shard)[index] for s in layout.slots))
 
     def is_whole(self, layout: FlatLayout) -> bool:
         return self == Holdings.whole(layout)

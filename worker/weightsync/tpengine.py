@@ -38,11 +38,12 @@ def tp_plan_of(model) -> dict:
     return dict(plan)
 
 
-def needs_of(model, layout: FlatLayout, tp: int, rank: int) -> RankSlices:
-    """What inference rank `rank` needs of a version as the (rank % tp)-th rank of its replica."""
+def needs_of(model, layout: FlatLayout, group: range, rank: int) -> RankSlices:
+    """What inference rank `rank` needs of a version as a rank of the replica `group` (its
+    inference ranks, contract.Layout.tp_group)."""
     plan = tp_plan_of(model)
-    check_heads(model.config, plan, tp)
-    mine = tp_needs(global_tensors(layout), plan, tp).of_rank(rank % tp)
+    check_heads(model.config, plan, len(group))
+    mine = tp_needs(global_tensors(layout), plan, len(group)).of_rank(rank - group.start)
     return RankSlices(rank, mine.slices)
 
 

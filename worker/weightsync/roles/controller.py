@@ -27,12 +27,12 @@ from .. import health
 from ..contract import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
 from ..deltaplan import bases, delta_in_effect
 from ..flat import FlatLayout, LayoutMismatch
-from ..plan import job_plan
+from ..jobplan import inference_needs, make_job_plan
 from ..rendezvous import Keys, ProofError, Round, update_proof, who
 from ..report import Reporter
-from ..shards import Holdings, plan_by_holder
+from ..shards import Holdings
 from ..roster import Host, RankFailed
-from ..slicepath import SlicedPlan, needs_from_json
+from ..slicepath import needs_from_json
 from ..transfer import reference_digests, reference_for
 from ..vllm_backend.control import ControlError, Server
 from .common import JOIN_TIMEOUT, linger, log, pause_point
@@ -204,29 +204,16 @@ def _plan(ctx: WorkerContext, admitted: dict):
         raise JobFailed(f"the ranks chose different transports: {chosen}", INVALID)
     holdings = {rank: info["holds"] for (role, rank), (_, _, info) in admitted.items() if role == TRAINER and "holds" in info}
     trainers = ctx.job.layout.world_size(TRAINER)
-    held = {t: Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)}
-    if ctx.job.layout.inference_tp > 1:  # the inference ranks hold tensor-parallel shards: plan over slices
-        return _sliced_plan(ctx, reference, held, admitted), transports.pop()
-    if not holdings:  # every trainer rank holds every tensor whole
-        return job_plan(ctx.job, reference), transports.pop()
+    held = [Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)]
     try:
-        plan = plan_by_holder(reference, held, ctx.job.layout.world_size(INFERENCE), ctx.job.spec["transfer"]["bucketMB"] << 20)
-    except ValueError as e:
-        raise JobFailed(f"the trainer ranks' shards cannot be sent as they are held: {e}", INVALID) from None
-    return plan, transports.pop()
-
-
-def _sliced_plan(ctx: WorkerContext, layout: FlatLayout, held: dict, admitted: dict) -> SlicedPlan:
-    """The plan over slices: every inference rank declared the slices it needs when it joined."""
-    inferences = ctx.job.layout.world_size(INFERENCE)
-    try:
-        needs = tuple(needs_from_json(r, admitted[(INFERENCE, r)][2]["needs"]) for r in range(inferences))
-        plan = SlicedPlan(layout, tuple(held[t] for t in range(len(held))), needs, ctx.job.spec["transfer"]["bucketMB"] << 20)
-        plan.buckets_of(0)  # the whole plan, checked now: every needed byte held by a trainer rank
+        needs = inference_needs(ctx.job.layout, reference,
+                                lambda r: needs_from_json(r, admitted[(INFERENCE, r)][2]["needs"]))
+        plan = make_job_plan(reference, held, ctx.job.layout.world_size(INFERENCE),
+                             ctx.job.spec["transfer"]["bucketMB"] << 20, needs)
     except (KeyError, ValueError) as e:
-        raise JobFailed(f"the slices the inference ranks need cannot be planned from what the trainer ranks hold: {e}",
-                        INVALID) from None
-    return plan
+        what = "the slices the inference ranks need" if ctx.job.layout.sliced else "the version"
+        raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}", INVALID) from None
+    return plan, transports.pop()
 
 
 def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> None:

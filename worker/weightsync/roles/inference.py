@@ -27,7 +27,7 @@ NEW_TOKENS = 8
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
-    if ctx.job.layout.inference_tp > 1:
+    if len(ctx.job.layout.tp_group(rank)) > 1:
         from .sharded import ShardedInference
 
         return run_rank(ctx, INFERENCE, rank, local_rank, ShardedInference)
@@ -98,7 +98,7 @@ class Inference:
         plan, _ = member.plan(JOIN_TIMEOUT)
         again = f" (start {attempt}: rejoining the running job)" if attempt > 1 else ""
         log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; "
-                     f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks{again}")
+                     f"{plan.bytes_for(self.rank)} bytes per version from {len(plan.expected_for(self.rank))} trainer ranks{again}")
 
         settle_heap()
         mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), spec["transfer"])

@@ -1,4 +1,5 @@
-"""An inference rank of a tensor-parallel model replica (spec.inference.tensorParallel > 1).
+"""An inference rank of a tensor-parallel model replica (spec.inference.tensorParallel or
+tensorParallelSizes above 1).
 
 It holds one shard of its replica's model (tpengine.py: transformers' own TP plan over the
 replica's processes) and declares, when it joins, the slices of the version it needs; the
@@ -59,9 +60,9 @@ class ShardedInference:
         spec, member = self.spec, self.member
         model, layout, device = serving_model(self.ctx, member, self.local_rank)
         try:
-            needs = needs_of(model, layout, len(self.group), self.rank)
+            needs = needs_of(model, layout, self.group, self.rank)
         except ValueError as e:
-            raise Expected(f"spec.inference.tensorParallel {len(self.group)}: {e}") from None
+            raise Expected(f"tensor-parallel degree {len(self.group)} (spec.inference): {e}") from None
         tp = TensorParallel(member.client().store, self.group, self.rank, device, float(spec["transfer"]["timeoutSeconds"]))
         try:
             tp.shard(model)
