@@ -247,6 +247,57 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     assert f"switched to version {versions - 1} (digest verified)" in logs.text(victim)
 
 
+def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, real_node, helm, namespace, chart,
+                                                                     operator_from_chart, tmp_path):
+    """examples/user-trainer-job.yaml as a user applies it: torchrun runs the example FSDP2 script in
+    each of the two trainer pods, whose four ranks find each other through the job's Service
+    (MASTER_ADDR) and attach to the job; here the inference side is a replica of TP degree 2 over
+    two pods (its process group over the pod network) beside a whole replica. Fewer steps and
+    smaller CPU requests than the example, for a 2-core node."""
+    job = example("user-trainer-job.yaml")
+    name, steps, every = job["metadata"]["name"], 6, 3
+    args = job["spec"]["trainer"]["args"]
+    args[args.index("--steps") + 1], args[args.index("--publish-every") + 1] = str(steps), str(every)
+    job["spec"]["inference"].update(replicas=3, tensorParallelSizes=[2, 1])
+    for role in ("trainer", "inference"):
+        job["spec"][role]["resources"]["requests"]["cpu"] = "200m"
+    layout = contract.Layout.from_spec(contract.load_job(job, namespace).spec)
+    versions = 1 + steps // every
+    logs = LogFollower(cluster, namespace, tmp_path / "logs")
+    restricted(cluster, namespace)
+
+    with operator_from_chart(chart[1], chart[0]) as operator:
+        apply(cluster, namespace, job)
+
+        def progress():
+            operator.check()
+            for pod in job_pods(cluster, namespace, name).values():
+                logs.follow(pod)
+
+        try:
+            done = wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
+                            600, interval=1, failed=progress)
+        finally:
+            logs.stop()
+            for pod_name in sorted(logs.procs):
+                print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-2500:]}")
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status["completion"]["versions"] == versions
+    trainers = [f"{name}-{contract.TRAINER}-{ordinal}" for ordinal in layout.ordinals(contract.TRAINER)]
+    attached = "".join(logs.text(n) for n in trainers)
+    for rank in range(layout.world_size(contract.TRAINER)):
+        assert f"[trainer rank {rank}] attached on cpu" in attached, attached[-3000:]
+    assert f"step {steps}: version {versions - 1}, sent" in attached  # the script's own line, from its rank 0
+    # the operator removed the pods as the scripts finished: they finished, torchrun was not cut short
+    assert "SignalException" not in attached, attached[-3000:]
+    for ordinal in layout.ordinals(contract.INFERENCE):
+        text = logs.text(f"{name}-{contract.INFERENCE}-{ordinal}")
+        assert f"switched to version {versions - 1} (digest verified)" in text, text[-3000:]
+    first = logs.text(f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}")
+    assert "TP rank 0 of 2" in first, first[-3000:]
+
+
 def chart_leftovers(cluster, release: str, namespace: str) -> list[str]:
     selector = f"app.kubernetes.io/instance={release}"
     return (cluster.kubectl("get", "deployments,pods,serviceaccounts,roles,rolebindings", "-n", namespace, "-l",

@@ -234,6 +234,7 @@ def test_a_corrupted_version_is_never_loaded_and_the_job_fails_naming_the_rank(t
     assert end["state"] == "Failed", end
     assert end["message"].startswith("inference rank 0 failed: TransferError"), end
     assert "checksum mismatch" in end["message"] and "of version 1" in end["message"], end
+    assert end["versions"] == 1, end  # version 0 only: the rounds after the failure reached no one
     log = run.log(2)
     assert "loaded version 0 into vLLM" in log and "loaded version 1" not in log
     assert "the vLLM server serves version 0" in log, log[-3000:]

@@ -34,6 +34,10 @@ from . import die_with_parent, exit_status
 
 TICK = 1.0  # seconds between two looks at the command and the rendezvous
 STOP_GRACE = 4.0  # seconds between SIGTERM and SIGKILL for a command being stopped (within the pod's own grace)
+# seconds a command gets to exit on its own when its pod is deleted after the job succeeded (the
+# operator removes a finished job's pods at once, while the script may still be tearing down);
+# with STOP_GRACE within the pod's default 30 s of grace
+FINISH_GRACE = 15.0
 
 
 def run(ctx: WorkerContext, health: PodHealth) -> int:
@@ -54,11 +58,14 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
         for r in ranks:
             report_failure(ctx, TRAINER, r, f"the trainer command {command} cannot be started: {e.strerror or e}", channel)
         return _end(ctx, channel, me, None)
-    signal.signal(signal.SIGTERM, partial(_stop_on_sigterm, proc))
+    succeeded: list[bool] = []  # set once the job is seen to have succeeded
+    signal.signal(signal.SIGTERM, partial(_stop_on_sigterm, proc, succeeded))
     watch = Watch(ctx, channel, ranks, me, slots)
     deadline = time.monotonic() + ctx.job.spec["trainer"]["attachTimeoutSeconds"]
     code, end, gone = None, None, False
     while code is None:
+        if end is not None and end["state"] == "Succeeded":
+            succeeded[:] = [True]
         if end is not None or gone:  # only the command is left to wait for
             try:
                 code = proc.wait(TICK)
@@ -147,8 +154,14 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _stop_on_sigterm(proc: subprocess.Popen, signum, _frame) -> None:
-    """The pod is being deleted: the command ends first, then this process."""
+def _stop_on_sigterm(proc: subprocess.Popen, succeeded: list, signum, _frame) -> None:
+    """The pod is being deleted: the command ends first, then this process. After the job
+    succeeded the command is only finishing: it gets FINISH_GRACE to exit on its own first."""
+    if succeeded:
+        try:
+            proc.wait(FINISH_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
     _stop(proc)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -84,7 +84,8 @@ def run(ctx: WorkerContext) -> int:
             "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
             CONTROLLER_RESTARTED), 0, None)
     log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
-    delivered, loss = 0, None
+    reached: set[int] = set()  # the versions verified on at least one inference rank
+    loss = None
     try:
         admitted = host.admit(JOIN_TIMEOUT)
         plan, transport = _plan(ctx, admitted)
@@ -98,23 +99,26 @@ def run(ctx: WorkerContext) -> int:
         version = 0
         while host.next_version(version):  # until every trainer rank closed
             rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
-            record, sent = _round(ctx, host, reporter, plan, rnd, transport, timeout)
+            sent, applied = _round(ctx, host, reporter, plan, rnd, transport, timeout)
             if sent[0].get("loss") is not None:
                 loss = sent[0]["loss"]
-            delivered += 1
+            if applied:  # a round whose receivers were all away delivered nothing
+                reached.add(version)
             if version >= 2:
                 host.forget(version - 2)
             version += 1
-        if not delivered:
+        if not version:
             raise JobFailed("every trainer rank closed without publishing a version", NO_VERSIONS)
         final, again = version - 1, 0
         while host.behind(final):  # ranks that came back after the final version
             host.wait_back()
             again += 1
             rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
-            _round(ctx, host, reporter, plan, rnd, transport, timeout)
+            if _round(ctx, host, reporter, plan, rnd, transport, timeout)[1]:
+                reached.add(final)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError) as e:
-        return _fail(ctx, host, reporter, e, delivered, loss)
+        return _fail(ctx, host, reporter, e, len(reached), loss)
+    delivered = len(reached)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
     if host.rejoins():
         message += f" ({host.rejoins()} rejoins)"
@@ -129,7 +133,8 @@ def run(ctx: WorkerContext) -> int:
 
 def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round, transport: str, timeout: float):
     """One round: wait for the trainers' reports, publish the reference digest, wait for every
-    receiver still there to apply it, check the digests; report it."""
+    receiver still there to apply it, check the digests; report it. Returns the trainers' reports
+    and how many inference ranks applied the version."""
     start = time.monotonic()
     # A trainer may spend its timeout dialling a receiver and its timeout again on a send that
     # makes no progress before it reports the receiver lost: wait for that report, not past it.
@@ -169,7 +174,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
                                wire_bytes=sum(s["wire_bytes"] for s in sent), delta_ranks=len(rnd.bases),
                                version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
     host.set(Keys.done(rnd.version, rnd.again), record)
-    return record, sent
+    return sent, len(applied)
 
 
 def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float) -> float:
