@@ -217,11 +217,7 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
 
     with operator_from_chart(chart[1], chart[0]) as operator:
         apply(cluster, namespace, job)
-
-        def progress():
-            operator.check()
-            for pod in job_pods(cluster, namespace, name).values():
-                logs.follow(pod)
+        progress = following(cluster, namespace, name, operator, logs)
 
         try:
             wait_for(f"{name} to deliver version 1",
@@ -231,12 +227,9 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
             cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
             wait_for(f"{victim} back as a new pod", lambda: (job_pods(cluster, namespace, name).get(victim) or {}).get(
                 "metadata", {}).get("uid") not in (None, first_uid), 120, failed=progress)
-            done = wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
-                            600, interval=1, failed=progress)
+            done = finished(cluster, namespace, name, progress)
         finally:
-            logs.stop()
-            for pod_name in sorted(logs.procs):
-                print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-2500:]}")
+            show_logs(logs)
     status = done["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     assert status["rejoins"][contract.INFERENCE] >= 1, json.dumps(status, indent=1)
@@ -268,19 +261,12 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, rea
 
     with operator_from_chart(chart[1], chart[0]) as operator:
         apply(cluster, namespace, job)
-
-        def progress():
-            operator.check()
-            for pod in job_pods(cluster, namespace, name).values():
-                logs.follow(pod)
+        progress = following(cluster, namespace, name, operator, logs)
 
         try:
-            done = wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
-                            600, interval=1, failed=progress)
+            done = finished(cluster, namespace, name, progress)
         finally:
-            logs.stop()
-            for pod_name in sorted(logs.procs):
-                print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-2500:]}")
+            show_logs(logs)
     status = done["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
     assert status["completion"]["versions"] == versions
@@ -296,6 +282,27 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, rea
         assert f"switched to version {versions - 1} (digest verified)" in text, text[-3000:]
     first = logs.text(f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}")
     assert "TP rank 0 of 2" in first, first[-3000:]
+
+
+def following(cluster, namespace: str, name: str, operator, logs: LogFollower):
+    """The `failed` hook of a wait on a job: the operator still healthy, every pod's log followed."""
+    def progress():
+        operator.check()
+        for pod in job_pods(cluster, namespace, name).values():
+            logs.follow(pod)
+    return progress
+
+
+def finished(cluster, namespace: str, name: str, progress) -> dict:
+    """The job once it ended, Succeeded or Failed."""
+    return wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
+                    600, interval=1, failed=progress)
+
+
+def show_logs(logs: LogFollower, tail: int = 2500) -> None:
+    logs.stop()
+    for pod_name in sorted(logs.procs):
+        print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-tail:]}")
 
 
 def chart_leftovers(cluster, release: str, namespace: str) -> list[str]:

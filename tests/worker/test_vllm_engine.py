@@ -6,7 +6,7 @@ What is checked: after every version the parameters vLLM holds, read in its work
 and gate_up_proj included), equal the trainer's weights bit for bit; a greedy completion through
 the OpenAI API changes with the version, and vLLM's generate route names the version of every
 token; a request in flight while a version is loaded completes on one version, and no request
-after a load uses KV blocks cached before it; a version whose
+after a load uses KV blocks cached before it; delta versions arrive bit for bit; a version whose
 bytes were corrupted on the way is never loaded, the server goes on serving the one before, and
 the job fails naming the rank.
 """
@@ -217,6 +217,28 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                     f"version {version}: vLLM server {rank} holds other bytes than the trainer in {name}"
     assert seen[1][0] == seen[1][1] and seen[2][0] == seen[2][1], "two servers of one version answered differently"
     assert seen[1][0] != seen[2][0], "the greedy completion did not change with the version"
+
+
+def test_delta_versions_are_loaded_into_vllm_bit_for_bit(tmp_path, vllm_python):
+    """transfer.delta with the vLLM engine: the worker applies each delta to the version it holds,
+    staged beside the one vLLM serves, and vLLM loads the result."""
+    obj = vllm_job("vllm-delta", trainers=1, servers=1, steps=3, every=1).to_object()
+    obj["spec"]["training"]["learningRate"] = 1e-6  # as in RL fine-tuning: a few percent of the elements change
+    obj["spec"]["transfer"]["delta"] = {"enabled": True, "fullEvery": 10}
+    run = VllmRun(tmp_path, contract.load_job(obj), vllm_python)
+    end = run.finish()
+    assert end["state"] == "Succeeded" and end["versions"] == 4, end
+    transfers = run.local.transfers
+    assert [t["version"] for t in transfers] == [0, 1, 2, 3]
+    assert [t["deltaRanks"] for t in transfers] == [0, 1, 1, 1], transfers
+    for t in transfers[1:]:
+        assert t["wireBytes"] < t["bytes"] / 2, t
+    for version in range(4):
+        want = fused(torch.load(run.dump / f"trainer-0-v{version}.pt")["tensors"])
+        got = torch.load(run.dump / f"inference-0-v{version}.pt")["tensors"]
+        for name, tensor in want.items():
+            assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
+                f"version {version}: the vLLM server holds other bytes than the trainer in {name}"
 
 
 def running_metrics(server: str) -> str:

@@ -222,7 +222,8 @@ class LocalJob:
         median = statistics.median(seconds) if seconds else 0.0
         bytes_per_version = self.transfers[-1]["bytes"] if self.transfers else 0
         completion = self.completion or {}
-        return {"versions": len({t["version"] for t in self.transfers}),  # a version sent again to a rank that rejoined counts once
+        # a version sent again to a rank that rejoined counts once; a round that reached no rank not at all
+        return {"versions": len({t["version"] for t in self.transfers if t.get("inference_ranks", 1)}),
                 "failed_verifications": completion.get("failed_verifications", 0),
                 "bytes_per_version": bytes_per_version,
                 "seconds_per_version": round(median, 6),

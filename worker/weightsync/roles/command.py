@@ -23,6 +23,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 
@@ -58,14 +59,14 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
         for r in ranks:
             report_failure(ctx, TRAINER, r, f"the trainer command {command} cannot be started: {e.strerror or e}", channel)
         return _end(ctx, channel, me, None)
-    succeeded: list[bool] = []  # set once the job is seen to have succeeded
+    succeeded = threading.Event()  # set once the job is seen to have succeeded
     signal.signal(signal.SIGTERM, partial(_stop_on_sigterm, proc, succeeded))
     watch = Watch(ctx, channel, ranks, me, slots)
     deadline = time.monotonic() + ctx.job.spec["trainer"]["attachTimeoutSeconds"]
     code, end, gone = None, None, False
     while code is None:
         if end is not None and end["state"] == "Succeeded":
-            succeeded[:] = [True]
+            succeeded.set()
         if end is not None or gone:  # only the command is left to wait for
             try:
                 code = proc.wait(TICK)
@@ -154,10 +155,10 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _stop_on_sigterm(proc: subprocess.Popen, succeeded: list, signum, _frame) -> None:
+def _stop_on_sigterm(proc: subprocess.Popen, succeeded: threading.Event, signum, _frame) -> None:
     """The pod is being deleted: the command ends first, then this process. After the job
     succeeded the command is only finishing: it gets FINISH_GRACE to exit on its own first."""
-    if succeeded:
+    if succeeded.is_set():
         try:
             proc.wait(FINISH_GRACE)
         except subprocess.TimeoutExpired:
