@@ -31,7 +31,7 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 from .flat import ALIGN, ITEMSIZE, FlatLayout
-from .plan import Plan
+from .plan import Plan, size_text
 from .shards import Holdings, rows_of
 from .sliceplan import SlicePlan, make_slice_plan
 from .slices import Box, GlobalTensor, RankSlices, Slice, Slicing
@@ -281,7 +281,8 @@ class SlicedPlan:
                    tuple(needs_from_json(r, n) for r, n in enumerate(obj["needs"])), obj["bucket_bytes"])
 
     def table(self) -> str:
-        return self.slices.table()
+        return (f"version: {len(self.layout.slots)} tensors, {size_text(self.version_bytes)} as {self.layout.dtype}; "
+                f"receivers need slices\n{self.slices.table()}")
 
 
 def needs_to_json(needs: RankSlices) -> list:
