@@ -5,17 +5,21 @@ runs on to Succeeded with every version verified on every inference rank."""
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from test_runner import ODD, assert_nothing_left, make_job, start, store_of, wait_key
+from test_runner import ODD, assert_nothing_left, make_job, store_of, wait_key
 from test_store import record_session
 from weightsync import contract, store
+from weightsync.ranks import PAUSE_DIR_ENV
+from weightsync.runner import LocalJob
 from weightsync.store import HELLO, PROOF, VERDICT, StoreClient, StoreRefused, pack, seal
 
 # Writes that, through torch's TCPStore, each ended a job with a false cause or cheated it.
@@ -58,10 +62,14 @@ def stranger(port: int, then: bytes) -> bytes:
 
 
 def test_without_the_token_a_running_job_cannot_be_read_written_or_filled(tmp_path):
-    # ~11 MB versions: the job is still running long after the attacks are over
-    big = {**ODD, "n_embd": 400, "n_head": 4, "n_layer": 2, "vocab_size": 2001}
-    job = make_job("attacked", config=big, dtype="float32", inferences=(2, 1), steps=30, every=1)
-    local = start(tmp_path, job, dump=False)
+    # trainer rank 0 holds before version 3 until the attacks are over: the job is running throughout
+    job = make_job("attacked", config=ODD, dtype="float32", inferences=(2, 1), steps=10, every=1)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    hold = pause / "trainer-0-before-go-v3"
+    hold.with_suffix(".arm").touch()
+    local = LocalJob(job, tmp_path / "run", {PAUSE_DIR_ENV: str(pause)}, progress=io.StringIO())
+    local.start()
     try:
         legit = store_of(local)
         wait_key(legit, "plan/mac")
@@ -118,10 +126,15 @@ def test_without_the_token_a_running_job_cannot_be_read_written_or_filled(tmp_pa
         for key, value in FORGED:
             assert not (legit.check([key]) and legit.get(key) == value), f"{key!r} holds the forged value"
         assert legit.add("failures", 0) == 0 and legit.add("join/inference/1", 0) == 1
+        deadline = time.monotonic() + 120
+        while not hold.with_suffix(".reached").exists():  # the held trainer, so the job, got as far as it was let
+            assert time.monotonic() < deadline and not legit.check(["end"]), "trainer rank 0 never reached version 3"
+            time.sleep(0.05)
+        hold.with_suffix(".release").touch()
         summary = local.wait(timeout=300)
     finally:
         local.stop()
-    assert summary["versions"] == 31 and summary["failed_verifications"] == 0
+    assert summary["versions"] == 11 and summary["failed_verifications"] == 0
     log = local.pods[0].log.read_text()
     assert "rendezvous store: refused" in log
     assert_nothing_left(local)
