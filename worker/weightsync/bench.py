@@ -255,11 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
                                                          "against reloading a checkpoint from disk (PYTHON runs vLLM)")
+    parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
+                                                            "replicas, publishing through the trainer API (seconds per "
+                                                            "version, trainer memory); --shapes one TRAINERSxINFERENCE")
     args = parser.parse_args(argv)
     if args.vllm:
         from weightsync.benchvllm import main as vllm_bench
 
         return vllm_bench(args.vllm, args.json)
+    if args.fsdp:
+        from weightsync.benchshards import main as shards_bench
+
+        m, _, n = (args.shapes or "2x2").partition("x")
+        if not (m.isdigit() and n.isdigit() and int(m) > 1 and int(n) > 0):
+            parser.error(f"--fsdp --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE with at least 2 trainer ranks")
+        return shards_bench(args.dtypes.split(","), int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
     signal.signal(signal.SIGTERM, _exit)  # so that what the run made (files, namespaces) is removed
 
     from weightsync.flat import cast_name

@@ -16,15 +16,13 @@ strongly as a whole one. Delta versions are not sent over slices.
 from __future__ import annotations
 
 import time
-from collections import deque
-from concurrent.futures import wait
 from typing import Callable
 
 import xxhash
 
 from . import flat
 from .slicepath import Part, SliceBucket, SlicedPlan
-from .transfer import SentVersion, end_version, send_buffers
+from .transfer import BufferRing, SentVersion, end_version, send_buffers
 from .transport.base import Filling, Sender
 from .transport.checksum import CHUNK, bucket_checksum
 
@@ -70,13 +68,10 @@ class SliceSender:
         todo = [b for b in self.buckets if b.receiver in wanted]
         fillings: dict[int, dict[int, Filling]] = {}
         if todo:
-            buffers = self._buffers(params)
-            inflight: deque = deque()
+            ring = BufferRing(self._buffers(params))
             for k, b in enumerate(todo):
                 filling = fillings.setdefault(b.receiver, {})[b.offset] = Filling(b.length)
-                if len(inflight) == len(buffers):
-                    wait([inflight.popleft()])  # the buffer about to be refilled must be off the wire (end_version raises)
-                data = buffers[k % len(buffers)][:b.length]
+                data, inflight = ring.take(b.length)
                 inflight.append(self.sender.send(b.receiver, version, b.offset, data, filling))
                 try:
                     self._fill(params, b, data, filling)

@@ -166,6 +166,12 @@ class Sync:
                 self._fail(error)
         return False
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Host or device memory this rank's sending holds: its send buffers (allocated by the
+        first version that needs them), plus the last version kept for delta versions."""
+        return self.mover.buffer_bytes + self.mover.kept_bytes
+
     def store(self, prefix: str = "user/"):
         """A torch.distributed Store on the job's own rendezvous (only the job's ranks, proving its
         token, reach it), its keys under `prefix`: for init_process_group(store=..., rank=...,

@@ -22,8 +22,7 @@ import hashlib
 import json
 import struct
 import time
-from collections import deque
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,6 +87,28 @@ def send_buffers(sender: Sender, params, size: int, count: int) -> list:
     buffers = [torch.empty(size, dtype=torch.uint8, **kwargs) for _ in range(count)]
     sender.register(buffers)
     return buffers
+
+
+class BufferRing:
+    """The send buffers, used in turn: each bucket takes the next bytes of the current buffer, so
+    that many small buckets (FSDP2 shards: a few rows of every tensor) share one buffer instead of
+    each taking a whole one and draining the pipeline; moving on to a buffer first waits until
+    what was last sent from it is off the wire (a failure there is end_version's to raise)."""
+
+    def __init__(self, buffers: list):
+        self.buffers = buffers
+        self.current, self.used = 0, 0
+        self.inflight: list[list[Future]] = [[] for _ in buffers]
+
+    def take(self, length: int):
+        """(`length` bytes of a buffer, the list to add the futures that send them to)."""
+        if self.used + length > self.buffers[self.current].numel():
+            self.current, self.used = (self.current + 1) % len(self.buffers), 0
+            wait(self.inflight[self.current])
+            self.inflight[self.current] = []
+        data = self.buffers[self.current][self.used:self.used + length]
+        self.used += -(-length // flat.ALIGN) * flat.ALIGN
+        return data, self.inflight[self.current]
 
 
 @dataclass
@@ -228,7 +249,7 @@ class VersionSender:
                 self.last.version = version  # it keeps nothing: every version is as good a base
             return SentVersion(version, 0, 0.0, {})
         in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
-        inflight: deque = deque()  # futures of the buckets whose buffers may still be on the wire
+        ring = None if in_place else BufferRing(self._buffers(params))
         fillings: dict[int, Filling] = {}
         for k, b in enumerate(self.buckets):
             filling = fillings[b.offset] = Filling(b.length)
@@ -243,16 +264,14 @@ class VersionSender:
                 hashed.add_done_callback(lambda f, fl=filling, d=data: fl.finish(
                     f.result() if f.exception() is None else checksum_of(as_views(d))))
                 filling.advance(b.length)
-                inflight.append([hashed] + [self.sender.send(p, version, b.offset, data, filling)
-                                            for p in peers if p != hasher])
+                for p in peers:
+                    if p != hasher:
+                        self.sender.send(p, version, b.offset, data, filling)
                 if after_bucket is not None:
                     after_bucket(k)
                 continue
-            buffers = self._buffers(params)
-            if len(inflight) == len(buffers):
-                wait(inflight.popleft())  # the buffer about to be refilled must be off the wire (end_version raises)
-            data = buffers[k % len(buffers)][:b.length]
-            inflight.append([self.sender.send(p, version, b.offset, data, filling) for p in peers])
+            data, inflight = ring.take(b.length)
+            inflight.extend(self.sender.send(p, version, b.offset, data, filling) for p in peers)
             try:
                 self._fill(layout, params, b, data, filling)
             except BaseException as e:
@@ -279,18 +298,14 @@ class VersionSender:
         patched = [p for p in peers if base is not None and bases.get(p) == base]
         whole = [p for p in peers if p not in patched]
         last.version = None  # being overwritten: a failure now leaves nothing to patch against
-        inflight: deque = deque()
+        ring = BufferRing(self._buffers(params))
         fillings: dict[int, Filling] = {}
         resent: list[int] = []
         wire = changed = compared = 0
         for k, b in enumerate(self.buckets):
             filling = fillings[b.offset] = Filling(b.length)
-            buffers = self._buffers(params)
-            if len(inflight) == len(buffers):
-                wait(inflight.popleft())  # the buffer about to be refilled must be off the wire (end_version raises)
-            data = buffers[k % len(buffers)][:b.length]
-            futures = [self.sender.send(p, version, b.offset, data, filling) for p in whole]
-            inflight.append(futures)
+            data, futures = ring.take(b.length)
+            futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in whole)
             encoder = last.encoder(b.offset, base if patched else None)
 
             def keep(a: int, e: int, encoder=encoder, futures=futures, data=data, filling=filling, b=b,

@@ -1,0 +1,195 @@
+"""`weightsync bench --fsdp`: FSDP2 shards against DDP replicas, through the public trainer API.
+
+The same model, dtype and ranks, two jobs (`weightsync run`'s local processes) whose trainer
+ranks run this module as their spec.trainer.command:
+  ddp   every trainer rank holds the whole model (DistributedDataParallel) and sends its
+        contiguous share of the version (plan.make_plan);
+  fsdp  every trainer rank holds only its FSDP2 shard (fully_shard on the meta device, then
+        to_empty: the whole model is never materialised on any rank) and sends its own rows of
+        every tensor (shards.plan_by_holder), nothing gathered.
+The trainer ranks only change the weights a little and publish, back to back (no training
+competes for the cores). A version's time is the controller's: from its go to the last inference
+rank holding the version, verified. The first version, which allocates the send buffers and
+connects, is left out.
+
+Memory: each trainer rank reads its resident set before the model exists, once the model is
+materialised (and wrapped), and its peak (VmHWM, reset there) after the last version. What the
+rank holds beyond its start must stay within its share of the model (a shard, or the whole model
+for DDP) plus the send buffers the trainer API allocates (depth x bucket): nothing is gathered,
+nothing is staged whole.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+# GPT-2 124M (transformers' GPT2Config defaults), as `weightsync bench`
+MODEL = {"model_type": "gpt2"}
+WRAPS = ("ddp", "fsdp")
+RUN_TIMEOUT = 1200.0
+# What a trainer rank may hold beyond its share and its send buffers: the interpreter's own
+# allocations while it publishes (the plan, frames, threads' stacks touched), not a tensor.
+SLACK_BYTES = 32 << 20
+
+
+def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int, out: Path):
+    from .contract import API_VERSION, KIND, load_job
+
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": f"bench-{wrap}"},
+        "spec": {"model": {"config": MODEL, "dtype": dtype},
+                 "trainer": {"replicas": trainers, "gpusPerProc": 0,
+                             "command": [sys.executable, "-m", "weightsync.benchshards", wrap, str(versions), str(out)],
+                             "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
+                 "inference": {"replicas": inferences, "gpusPerProc": 0},
+                 "transfer": {"transport": "tcp", "bucketMB": bucket_mb, "timeoutSeconds": 300},
+                 "network": {"mode": "tcp"}}})
+
+
+def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
+    """One job: the controller's seconds for every version after the first, and each trainer
+    rank's memory figures."""
+    from .runner import LocalJob
+
+    with tempfile.TemporaryDirectory(prefix=f"weightsync-bench-{wrap}-") as folder:
+        out = Path(folder) / "ranks"
+        out.mkdir()
+        job = bench_job(wrap, dtype, trainers, inferences, versions, bucket_mb, out)
+        local = LocalJob(job, Path(folder) / "run", {}, progress=io.StringIO())
+        try:
+            local.start()
+            summary = local.wait(RUN_TIMEOUT)
+        finally:
+            local.stop()
+        ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(trainers)]
+    if summary["failed_verifications"]:
+        raise RuntimeError(f"the {wrap} job had {summary['failed_verifications']} failed verifications")
+    seconds = [t["seconds"] for t in local.transfers if t["version"] > 0]
+    sends = [max(r["sends"][v] for r in ranks) for v in range(1, versions)]
+    return {"seconds_per_version": statistics.median(seconds), "seconds": seconds,
+            "send_seconds_per_version": statistics.median(sends), "send_seconds": [round(x, 4) for x in sends],
+            "bytes_per_version": local.transfers[-1]["bytes"], "ranks": ranks}
+
+
+def memory(rank: dict) -> dict:
+    """A trainer rank's figures: what it held beyond its start, against its share plus buffers."""
+    bound = rank["held_bytes"] + rank["buffer_bytes"]
+    beyond = rank["peak_rss"] - rank["start_rss"]
+    return {"rank": rank["rank"], "held_bytes": rank["held_bytes"], "buffer_bytes": rank["buffer_bytes"],
+            "model_rss": rank["model_rss"] - rank["start_rss"], "peak_beyond_start": beyond,
+            "peak_beyond_model": rank["peak_rss"] - rank["model_rss"], "bound": bound,
+            "within": beyond <= bound + SLACK_BYTES}
+
+
+def run(dtypes: list[str], trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
+    cases = []
+    for dtype in dtypes:
+        case = {"dtype": dtype, "trainers": trainers, "inferences": inferences, "methods": {}}
+        for wrap in WRAPS:
+            print(f"bench: {wrap} {dtype} {trainers}->{inferences} ...", file=sys.stderr, flush=True)
+            result = run_wrap(wrap, dtype, trainers, inferences, versions, bucket_mb)
+            result["memory"] = [memory(r) for r in result.pop("ranks")]
+            case["methods"][wrap] = result
+        cases.append(case)
+    targets = []
+    for c in cases:
+        where = f"{c['dtype']} {c['trainers']}->{c['inferences']}"
+        ddp, fsdp = c["methods"]["ddp"], c["methods"]["fsdp"]
+        for what, key in (("version (go to every rank on it)", "seconds_per_version"),
+                          ("send (the slowest trainer rank's)", "send_seconds_per_version")):
+            ratio = fsdp[key] / ddp[key]
+            targets.append({"name": f"{where} fsdp / ddp seconds per {what}", "value": ratio, "want": "<= 1",
+                            "met": ratio <= 1})
+        for m in c["methods"]["fsdp"]["memory"]:
+            value = m["peak_beyond_start"] / m["bound"]
+            targets.append({"name": f"{where} fsdp trainer rank {m['rank']} peak beyond its start / (shard + send buffers)",
+                            "value": value, "want": f"<= 1 (+{SLACK_BYTES >> 20} MiB)", "met": m["within"]})
+    return {"model": "GPT-2 (GPT2Config defaults), 124.4M parameters", "versions": versions, "bucket_mb": bucket_mb,
+            "cases": cases, "targets": targets}
+
+
+def table(report: dict) -> str:
+    mib = 1 << 20
+    lines = [f"weightsync bench --fsdp: {report['model']}; {report['versions'] - 1} timed versions, buckets of "
+             f"{report['bucket_mb']} MiB; trainer ranks publish through weightsync.attach()",
+             f"{'dtype':<9} {'ranks':<6} {'trainers':<9} {'s/version':>10} {'send s':>7} {'MB/version':>11} {'held MiB':>9} "
+             f"{'buffers':>8} {'model RSS':>10} {'peak':>7}  (MiB beyond the rank's start; the busiest rank)"]
+    for c in report["cases"]:
+        for wrap, m in c["methods"].items():
+            worst = max(m["memory"], key=lambda r: r["peak_beyond_start"])
+            lines.append(f"{c['dtype']:<9} {c['trainers']}->{c['inferences']:<3} {wrap:<9} {m['seconds_per_version']:>10.3f} "
+                         f"{m['send_seconds_per_version']:>7.3f} {m['bytes_per_version'] / 1e6:>11.1f} {worst['held_bytes'] / mib:>9.0f} "
+                         f"{worst['buffer_bytes'] / mib:>8.0f} {worst['model_rss'] / mib:>10.0f} "
+                         f"{worst['peak_beyond_start'] / mib:>7.0f}")
+    for t in report["targets"]:
+        lines.append(f"target {t['name']}: {t['value']:.2f} (want {t['want']}) -> {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main(dtypes: list[str], trainers: int, inferences: int, versions: int, bucket_mb: int, as_json: bool) -> int:
+    report = run(dtypes, trainers, inferences, versions, bucket_mb)
+    print(json.dumps(report, indent=2) if as_json else table(report), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- a trainer rank (the job's command)
+
+
+def trainer_rank(wrap: str, versions: int, out: Path) -> int:
+    """Build the model as `wrap` says, attach, publish `versions` versions, write the figures."""
+    import torch
+    import torch.distributed as dist
+
+    import weightsync
+
+    from .benchrank import proc_status, reset_peak_rss
+    from .contract import WorkerContext
+    from .model import build
+
+    dist.init_process_group("gloo")  # env://, as the pod's environment gives it
+    rank = dist.get_rank()
+    ctx = WorkerContext.from_environ()
+    start = proc_status("VmRSS")
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        model = build(ctx.job.spec["model"], device="meta")
+        for module in model.modules():  # each block its own shard group, then the rest
+            if type(module).__name__ in (model._no_split_modules or []):
+                fully_shard(module)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0, 0.02, generator=generator)
+        held = sum(p.to_local().nbytes for p in model.parameters())
+        wrapped = model
+    else:
+        model = build(ctx.job.spec["model"])
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        held = sum(p.nbytes for p in model.parameters())
+    model_rss = proc_status("VmRSS")
+    reset_peak_rss()
+    sends = []
+    with weightsync.attach(wrapped) as sync:
+        for v in range(versions):
+            if v:
+                with torch.no_grad():  # what a version changes: every weight, in place
+                    for p in model.parameters():
+                        (p.to_local() if wrap == "fsdp" else p).mul_(1.0 + 1e-3)
+            sends.append(sync.publish(step=v).seconds)
+        figures = {"rank": rank, "start_rss": start, "model_rss": model_rss, "peak_rss": proc_status("VmHWM"),
+                   "held_bytes": held, "buffer_bytes": sync.buffer_bytes, "sends": sends}
+    (out / f"{rank}.json").write_text(json.dumps(figures))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(trainer_rank(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])))
