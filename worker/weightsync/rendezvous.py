@@ -416,8 +416,16 @@ class Member(Channel):
         """Tell the controller why this rank gives up."""
         self.rank_failed(self.role, self.rank, message)
 
-    def bye(self) -> None:
-        self.set(Keys.bye(self.role, self.rank), "1")
+    def bye(self) -> bool:
+        """Tell the controller this rank saw the job's end; False where the controller had already
+        gone (it waits a bounded time for every goodbye, then goes: the job's end stands)."""
+        from .store import StoreError
+
+        try:
+            self.set(Keys.bye(self.role, self.rank), "1")
+        except StoreError:
+            return False
+        return True
 
     def start_heartbeat(self) -> None:
         stop = self._beat = threading.Event()

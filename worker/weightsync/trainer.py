@@ -234,10 +234,7 @@ class Sync:
         self.member.stop_heartbeat()
         if self.sender is not None:
             self.sender.close()
-        try:
-            self.member.bye()
-        except Exception:  # noqa: BLE001 - the controller is gone already
-            pass
+        self.member.bye()
 
     def _fail(self, error: BaseException, trace: bool = True) -> None:
         """Report the failure naming this rank, and wait (a bounded time) for the controller to end
