@@ -54,6 +54,13 @@ def test_bench_refuses_a_link_rate_it_cannot_read():
     assert out.returncode == 2 and "--links: link rate '1GB/s' is not a number with bit" in out.stderr
 
 
+def test_bench_fsdp_refuses_a_shape_without_shards():
+    out = weightsync("bench", "--fsdp", "--shapes", "1x2")
+    assert out.returncode == 2 and "at least 2 trainer ranks" in out.stderr
+    out = weightsync("bench", "--fsdp", "--dtypes", "float64")
+    assert out.returncode == 2 and "--dtypes: 'float64' is not one of" in out.stderr
+
+
 def test_run_refuses_an_invalid_job_before_starting_anything(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(example(**{"trainer.replicas": 0, "transfer.verify": "maybe"})))

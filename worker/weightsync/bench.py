@@ -263,13 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         from weightsync.benchvllm import main as vllm_bench
 
         return vllm_bench(args.vllm, args.json)
+    dtypes = args.dtypes.split(",")
+    for d in dtypes:
+        if d not in ("float32", "bfloat16", "float16"):
+            parser.error(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
     if args.fsdp:
         from weightsync.benchshards import main as shards_bench
 
         m, _, n = (args.shapes or "2x2").partition("x")
         if not (m.isdigit() and n.isdigit() and int(m) > 1 and int(n) > 0):
             parser.error(f"--fsdp --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE with at least 2 trainer ranks")
-        return shards_bench(args.dtypes.split(","), int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
+        return shards_bench(dtypes, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
     signal.signal(signal.SIGTERM, _exit)  # so that what the run made (files, namespaces) is removed
 
     from weightsync.flat import cast_name
@@ -280,10 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         if not (m.isdigit() and n.isdigit() and int(m) > 0 and int(n) > 0):
             parser.error(f"--shapes: {s!r} is not TRAINERSxINFERENCE, for example 2x2")
         shapes.append((int(m), int(n)))
-    dtypes = args.dtypes.split(",")
-    for d in dtypes:
-        if d not in ("float32", "bfloat16", "float16"):
-            parser.error(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
     versions = args.versions or (5 if args.links else 7)
     if versions < 1:
         parser.error("--versions: at least 1")
