@@ -74,6 +74,10 @@ node-images: setup binaries ## Install the real node's Debian packages and build
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets
 	$(VENV)/bin/weightsync bench
 
+.PHONY: bench-fsdp
+bench-fsdp: setup ## Trainer ranks holding FSDP2 shards vs. DDP replicas, publishing through the trainer API: seconds per version, trainer peak memory vs. shard + send buffers
+	$(VENV)/bin/weightsync bench --fsdp
+
 .PHONY: bench-links
 bench-links: setup ## Transfer benchmark over shaped links (root): every rank in its own network namespace at 1 Gb/s each way; whole and delta versions vs. the speed of light
 	$(VENV)/bin/weightsync bench --links 1gbit

@@ -54,13 +54,14 @@ def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: i
 def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
     """One job: the controller's seconds for every version after the first, and each trainer
     rank's memory figures."""
+    from .ranks import IDLE_ENV
     from .runner import LocalJob
 
     with tempfile.TemporaryDirectory(prefix=f"weightsync-bench-{wrap}-") as folder:
         out = Path(folder) / "ranks"
         out.mkdir()
         job = bench_job(wrap, dtype, trainers, inferences, versions, bucket_mb, out)
-        local = LocalJob(job, Path(folder) / "run", {}, progress=io.StringIO())
+        local = LocalJob(job, Path(folder) / "run", {IDLE_ENV: "1"}, progress=io.StringIO())
         try:
             local.start()
             summary = local.wait(RUN_TIMEOUT)
@@ -154,26 +155,26 @@ def trainer_rank(wrap: str, versions: int, out: Path) -> int:
     dist.init_process_group("gloo")  # env://, as the pod's environment gives it
     rank = dist.get_rank()
     ctx = WorkerContext.from_environ()
-    start = proc_status("VmRSS")
+    model = build(ctx.job.spec["model"], device="meta")  # the code is loaded, no weight exists yet
     if wrap == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        model = build(ctx.job.spec["model"], device="meta")
         for module in model.modules():  # each block its own shard group, then the rest
             if type(module).__name__ in (model._no_split_modules or []):
                 fully_shard(module)
         fully_shard(model)
-        model.to_empty(device="cpu")
-        generator = torch.Generator().manual_seed(rank)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.to_local().normal_(0, 0.02, generator=generator)
-        held = sum(p.to_local().nbytes for p in model.parameters())
-        wrapped = model
-    else:
-        model = build(ctx.job.spec["model"])
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        held = sum(p.nbytes for p in model.parameters())
+    start = proc_status("VmRSS")
+
+    def held_tensors():  # what this rank holds of every parameter
+        return [p.to_local() if wrap == "fsdp" else p for p in model.parameters()]
+
+    model.to_empty(device="cpu")  # only this rank's shards (fsdp), or the whole model (ddp)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in held_tensors():
+            t.normal_(0, 0.02, generator=generator)
+    held = sum(t.nbytes for t in held_tensors())
+    wrapped = model if wrap == "fsdp" else torch.nn.parallel.DistributedDataParallel(model)
     model_rss = proc_status("VmRSS")
     reset_peak_rss()
     sends = []
@@ -181,8 +182,8 @@ def trainer_rank(wrap: str, versions: int, out: Path) -> int:
         for v in range(versions):
             if v:
                 with torch.no_grad():  # what a version changes: every weight, in place
-                    for p in model.parameters():
-                        (p.to_local() if wrap == "fsdp" else p).mul_(1.0 + 1e-3)
+                    for t in held_tensors():
+                        t.mul_(1.0 + 1e-3)
             sends.append(sync.publish(step=v).seconds)
         figures = {"rank": rank, "start_rss": start, "model_rss": model_rss, "peak_rss": proc_status("VmHWM"),
                    "held_bytes": held, "buffer_bytes": sync.buffer_bytes, "sends": sends}

@@ -36,6 +36,10 @@ PAUSE_LIMIT = 120.0
 # Tests only: "<version>" - trainer ranks flip one byte of the first chunk they send of that version
 # after hashing it, as a bad link would: every receiver must refuse the version.
 CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
+# Benchmarks only: "1" - the built-in engines switch to every verified version and generate
+# nothing, so that a benchmark timing the transfer has no generation competing for the cores
+# (a version then also waits for no generation to end before the model runs on it).
+IDLE_ENV = "WEIGHTSYNC_BENCH_IDLE"
 
 
 def log(who: str, message: str) -> None:
@@ -152,6 +156,11 @@ def tamper_hook():
 
 def dumping() -> bool:
     return bool(os.environ.get(DUMP_DIR_ENV))
+
+
+def generating() -> bool:
+    """Whether the built-in engines generate between versions (IDLE_ENV: not in benchmarks)."""
+    return os.environ.get(IDLE_ENV) != "1"
 
 
 def dump(role: str, rank: int, version: int, tensors: dict, logits) -> None:

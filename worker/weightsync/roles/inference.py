@@ -18,6 +18,7 @@ from ..contract import INFERENCE, WorkerContext
 from ..flat import views
 from ..inbound import GenerationHandover
 from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
+from ..ranks import generating
 from ..rendezvous import Member, who
 from ..transfer import VersionReceiver, settle_heap
 from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
@@ -127,5 +128,5 @@ class Inference:
                 dump(INFERENCE, self.rank, switched, tensors, logits(model, ids).cpu())
             if gens.end is not None:
                 return
-            if gens.version is not None:
+            if gens.version is not None and generating():
                 log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")

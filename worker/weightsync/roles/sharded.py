@@ -18,6 +18,7 @@ from .. import health
 from ..contract import INFERENCE, WorkerContext
 from ..inbound import GenerationHandover
 from ..model import greedy, logits, prompt
+from ..ranks import generating
 from ..rendezvous import Member, who
 from ..slicepath import needs_to_json
 from ..tpengine import TensorParallel, load, local_shards, needs_of
@@ -113,5 +114,5 @@ class ShardedInference:
                     dump(INFERENCE, self.rank, version, tensors, logits(model, ids).cpu())
             if ended:
                 return
-            if gens.version is not None and version is not None:
+            if gens.version is not None and version is not None and generating():
                 log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")
