@@ -169,6 +169,8 @@ def trainer_rank(wrap: str, versions: int, out: Path) -> int:
         return [p.to_local() if wrap == "fsdp" else p for p in model.parameters()]
 
     model.to_empty(device="cpu")  # only this rank's shards (fsdp), or the whole model (ddp)
+    if wrap == "ddp":
+        model.tie_weights()  # to_empty gave the tied output embedding storage of its own
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for t in held_tensors():
