@@ -20,7 +20,7 @@ from weightsync.plan import Bucket, make_plan
 from weightsync.transport.checksum import CHUNK
 
 from test_transfer import ranks, store  # noqa: F401 - fixtures
-from transfer_peer import layout_of
+from transfer_peer import layout_of, plan_of
 
 MIB = 1 << 20
 
@@ -226,6 +226,17 @@ def test_delta_versions_arrive_bit_for_bit(ranks, store, trainers, inferences): 
         changed = sum(s["changed"] for (u, _), s in sent.items() if u == v)
         compared = sum(s["compared"] for (u, _), s in sent.items() if u == v)
         assert 0.01 < changed / compared < 0.03
+
+
+def test_delta_versions_of_fsdp_shards_patch_buckets_that_bundle_runs(ranks, store):  # noqa: F811
+    """Trainer ranks hold FSDP2 shards; a bucket bundles a rank's runs of several tensors and its
+    patch spans them: the receiver reads its base from, and writes the new bytes to, every run."""
+    bases = [{0: None, 1: None}, {0: 1, 1: 1}]
+    results, sent = run_versions(ranks, store, 3, 2, "bfloat16", bases, "--fsdp")
+    plan = plan_of(layout_of(SHAPES, "bfloat16"), 3, 2, BUCKET, fsdp=True)
+    assert any(b.parts for b in plan.buckets)
+    assert all(results[(2, i)]["patched"] == len(plan.buckets) and not results[(2, i)]["refused"] for i in range(2))
+    assert wire(sent, 2) < plan.version_bytes * 2 / 10
 
 
 def test_a_rank_whose_base_differs_gets_the_buckets_whole(ranks, store):  # noqa: F811

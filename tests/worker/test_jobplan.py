@@ -46,6 +46,11 @@ def test_the_planner_follows_what_the_ranks_hold_and_need():
     shards = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 3, 4096)
     assert isinstance(shards, Plan)  # by holder: trainer rank 1 sends rows 5..9 of "a", never rows it lacks
     assert {(b.trainer, b.offset) for b in shards.buckets if b.offset < layout.slots[0].nbytes} == {(0, 0), (1, 5 * 64 * 4)}
+    # over tcp a bucket bundles a rank's runs of both tensors; nccl and uccl land a frame in one run
+    assert [(b.trainer, len(b.spans)) for b in shards.buckets] == [(0, 2), (1, 2)]
+    for transport in ("nccl", "uccl"):
+        alone = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 3, 4096, transport=transport)
+        assert [(b.trainer, len(b.spans)) for b in alone.buckets] == [(0, 1), (1, 1), (0, 1), (1, 1)]
     needs = (needs_everything(layout, 0), needs_everything(layout, 1))
     sliced = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 2, 4096, needs)
     assert isinstance(sliced, SlicedPlan) and sliced.bytes_by_receiver() == [layout.total_bytes] * 2

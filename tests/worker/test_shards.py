@@ -25,9 +25,11 @@ def covered(plan, layout) -> dict[int, int]:
     """{byte: trainer} for every byte the plan sends; asserts no byte is sent twice."""
     owner = {}
     for b in plan.buckets:
-        for x in range(b.offset, b.end):
-            assert x not in owner, f"byte {x} sent twice"
-            owner[x] = b.trainer
+        assert sum(n for _, n in b.spans) == b.length and b.spans[0][0] == b.offset
+        for offset, length in b.spans:
+            for x in range(offset, offset + length):
+                assert x not in owner, f"byte {x} sent twice"
+                owner[x] = b.trainer
     return owner
 
 
@@ -41,17 +43,28 @@ def held_bytes(layout, holdings: Holdings) -> set[int]:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_each_fsdp_rank_sends_exactly_the_rows_it_holds(world, dtype):
+@pytest.mark.parametrize("bundle", [False, True])
+def test_each_fsdp_rank_sends_exactly_the_rows_it_holds(world, dtype, bundle):
     layout = FlatLayout.from_shapes(SHAPES, dtype)
     holdings = fsdp(layout, world)
-    plan = plan_by_holder(layout, holdings, inferences=2, bucket_bytes=1024)
+    plan = plan_by_holder(layout, holdings, inferences=2, bucket_bytes=1024, bundle=bundle)
     owner = covered(plan, layout)
     assert set(owner) == {x for s in layout.slots for x in range(s.offset, s.offset + s.nbytes)}  # every tensor byte, no padding
     for t in range(world):
         assert {x for x, o in owner.items() if o == t} == held_bytes(layout, holdings[t])
     assert max(b.length for b in plan.buckets) <= 1024
-    assert all(b.length % (2 if dtype == "bfloat16" else 4) == 0 for b in plan.buckets)
+    item = 2 if dtype == "bfloat16" else 4
+    assert all(n % item == 0 for b in plan.buckets for _, n in b.spans)
     assert plan.to_json() and type(plan).from_json(plan.to_json()) == plan
+    if bundle:  # as few buckets as the rank's bytes need, each runs in layout order that never touch
+        for t, share in enumerate(plan.bytes_by_trainer()):
+            assert len(plan.buckets_of(t)) == -(-share // 1024)
+        for b in plan.buckets:
+            ends = [o + n for o, n in b.spans]
+            assert all(end < o for end, (o, _) in zip(ends, b.spans[1:]))
+        assert plan.scatter_for(0) == {b.offset: b.parts for b in plan.buckets if b.parts} != {}
+    else:
+        assert not any(b.parts for b in plan.buckets) and plan.scatter_for(0) == {}
 
 
 def test_replicas_of_shards_split_their_rows_among_the_holders():

@@ -26,7 +26,7 @@ from weightsync.plan import make_plan
 from weightsync.transfer import VersionReceiver, VersionSender
 from weightsync.transport import TransferError, make_transport
 
-from transfer_peer import layout_of
+from transfer_peer import layout_of, plan_of
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 TOKEN = "test-job-token-0123456789"
@@ -117,6 +117,43 @@ def test_versions_arrive_bit_for_bit(ranks, store, trainers, inferences, dtype, 
             assert 0 < int(store.get(f"buffers/trainer/{t}")) <= 2 * bucket
     else:  # no cast: sent straight from the tensors
         assert all(int(store.get(f"buffers/trainer/{t}")) == 0 for t in range(trainers))
+
+
+@pytest.mark.parametrize("trainers,inferences,dtype,bucket", [
+    (3, 2, "float32", 512),  # no cast: every run sent straight from its shard
+    (2, 3, "bfloat16", 4096),  # one bucket a rank: every run of every tensor in one frame
+    (4, 1, "float16", 64),  # runs cut at the bucket's end, and ranks that hold no row of some tensors
+])
+def test_fsdp_shards_arrive_bit_for_bit_in_buckets_that_bundle_runs(ranks, store, trainers, inferences, dtype, bucket):
+    """Each trainer rank holds only its FSDP2 rows of every tensor; its buckets bundle its runs of
+    several tensors, and every inference rank scatters each frame over those runs."""
+    versions = 2
+    plan = plan_of(layout_of(ODD, dtype), trainers, inferences, bucket, fsdp=True)
+    assert any(b.parts for b in plan.buckets) and all(b.length <= bucket for b in plan.buckets)
+    r = ranks(trainers, inferences, ODD, dtype, bucket, versions)
+    for i in range(inferences):
+        r.start("inference", i, "--fsdp")
+    for t in range(trainers):
+        r.start("trainer", t, "--fsdp")
+    codes = r.wait()
+    assert all(c == 0 for c in codes.values()), (codes, r.stderr())
+    for v in range(1, versions + 1):
+        for i in range(inferences):
+            res = json.loads(store.get(f"result/{v}/{i}"))
+            assert res["bit_exact"], f"version {v} on inference rank {i} differs from the trainers' cast bytes"
+            assert res["digest"] == res["trainers_digest"]
+
+
+def test_a_transport_that_lands_a_range_in_one_run_refuses_a_bundled_plan():
+    layout = layout_of(ODD, "bfloat16")
+    plan = plan_of(layout, 2, 1, 4096, fsdp=True)
+    receiver = make_transport("tcp", token=TOKEN.encode(), timeout=5).receiver(0)
+    receiver.scatters = False  # as the uccl receiver, whose writes land where the sender puts them
+    try:
+        with pytest.raises(ValueError, match="lands every range in one run"):
+            VersionReceiver(receiver, plan, 0).receive(1, torch.zeros(layout.total_bytes, dtype=torch.uint8), 5)
+    finally:
+        receiver.close()
 
 
 def test_wrong_token_is_refused_and_nothing_is_applied(ranks, store):

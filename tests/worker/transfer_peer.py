@@ -5,6 +5,9 @@ through VersionSender over TCP, inference ranks receive through VersionReceiver 
 byte against their own cast of the tensors and the digest against the trainers' checksums. The
 test process hosts the TCPStore through which endpoints and results travel.
 
+With --fsdp, trainer rank t holds only its FSDP2 shard (torch.chunk's dim-0 rows) of every tensor
+and sends from it, in the plan by holder whose buckets bundle a rank's runs of several tensors.
+
 With --delta, versions after the first change only a fraction (--change) of their elements, the
 trainers keep what they sent and send patches to the inference ranks that the test names in the
 store key bases/<v> ({inference rank: the version it holds}, the controller's word in a job), and
@@ -21,6 +24,7 @@ import torch.distributed as dist
 
 from weightsync.flat import FlatLayout, byte_view, torch_dtype, views
 from weightsync.plan import make_plan
+from weightsync.shards import Holdings, plan_by_holder
 from weightsync.transfer import VersionReceiver, VersionSender, version_digest
 from weightsync.transport import TransferError, make_transport
 
@@ -32,6 +36,14 @@ def parse_shapes(text):
 def layout_of(shapes_text, dtype):
     """The layout of a --shapes text ("7x3,1,...") in `dtype`, its tensors named t0, t1, ..."""
     return FlatLayout.from_shapes([(f"t{i}", s) for i, s in enumerate(parse_shapes(shapes_text))], dtype)
+
+
+def plan_of(layout, trainers, inferences, bucket, fsdp=False):
+    """The plan of the test's ranks: by contiguous share, or (fsdp) by holder, runs bundled."""
+    if not fsdp:
+        return make_plan(layout, trainers, inferences, bucket)
+    holdings = {t: Holdings.fsdp(layout, trainers, t) for t in range(trainers)}
+    return plan_by_holder(layout, holdings, inferences, bucket, bundle=True)
 
 
 def version_tensors(shapes, version, change=0.0):
@@ -65,6 +77,7 @@ def main():
     p.add_argument("--device", default="cpu", help="where the tensors and the staging buffer live (cuda:N for GPUs)")
     p.add_argument("--pause-after-first-bucket", action="store_true", help="trainer: send one bucket, then hang")
     p.add_argument("--listen-only", action="store_true", help="inference: accept connections, never read")
+    p.add_argument("--fsdp", action="store_true", help="trainers hold and send only their FSDP2 shards")
     p.add_argument("--delta", action="store_true", help="delta versions, with the bases the test puts in the store")
     p.add_argument("--change", type=float, default=0.0, help="the fraction of elements each version changes")
     p.add_argument("--spoil-base", action="store_true",
@@ -76,7 +89,7 @@ def main():
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
     shapes = parse_shapes(args.shapes)
     layout = layout_of(args.shapes, args.dtype)
-    plan = make_plan(layout, args.trainers, args.inferences, args.bucket)
+    plan = plan_of(layout, args.trainers, args.inferences, args.bucket, args.fsdp)
     device = torch.device(args.device)
     options = {}
     if args.transport == "nccl":
@@ -105,13 +118,15 @@ def main():
             store.set(f"paused/trainer/{args.rank}", "1")
             sys.stdin.read()  # until killed
             return
-        mover = VersionSender(sender, plan, args.rank, delta=args.delta)
+        held = Holdings.fsdp(layout, args.trainers, args.rank) if args.fsdp else Holdings.whole(layout)
+        mover = VersionSender(sender, plan, args.rank, delta=args.delta, starts=held.starts(layout) if args.fsdp else None)
         for v in range(1, args.versions + 1):
             bases = None
             if args.delta:
                 store.wait([f"bases/{v}"])
                 bases = {int(r): b for r, b in json.loads(store.get(f"bases/{v}")).items()}
-            sent = mover.send(v, [t.to(device) for t in version_tensors(shapes, v, args.change)], bases=bases)
+            tensors = [t[a:b].clone() for t, (a, b) in zip(version_tensors(shapes, v, args.change), held.rows)]
+            sent = mover.send(v, [t.to(device) for t in tensors], bases=bases)
             store.set(f"sums/{v}/{args.rank}", json.dumps(sent.checksums))
             store.set(f"sent/{v}/{args.rank}", json.dumps({"wire_bytes": sent.wire_bytes, "bytes": sent.bytes,
                                                            "patched_peers": sent.patched_peers, "changed": sent.changed,

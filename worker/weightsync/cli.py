@@ -106,17 +106,20 @@ def job_plan(job, fsdp: int | None = None):
     """The plan the controller computes for `job` (contract.Job), from the spec alone: its model
     built on the meta device, its trainer ranks holding every tensor whole (the built-in trainer,
     DDP) or, with `fsdp`, FSDP2 shards of that degree, and its tensor-parallel ranks the slices of
-    the model's own TP plan."""
+    the model's own TP plan, over the transport its ranks would choose on this machine."""
     from .contract import INFERENCE, TRAINER
     from .jobplan import fsdp_holdings, inference_needs, make_job_plan
     from .model import build, layout_of
     from .tpengine import needs_of
+    from .transport import resolve_transport
 
     model = build(job.spec["model"], dtype="float32", device="meta", load_weights=False)
     layout = layout_of(model, job.spec["model"]["dtype"])
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
     needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r))
-    return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.spec["transfer"]["bucketMB"] << 20, needs)
+    transport, _ = resolve_transport(job.spec["transfer"]["transport"], job.spec["network"]["mode"])
+    return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.spec["transfer"]["bucketMB"] << 20,
+                         needs, transport)
 
 
 def _simulate(args) -> int:

@@ -40,7 +40,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -282,13 +282,15 @@ class Patcher:
     buffer), both 1-d uint8 tensors of a version, on the CPU or a GPU (through host copies).
     With no base (a rank that holds nothing the sender knows of) every patch is refused. A patch
     is applied only when the new bytes' xxh3_64 equals the sender's; `refused` says why the
-    others were not (the sender then sends those ranges whole). Transports call apply() and
-    refuse() from one thread per sender."""
+    others were not (the sender then sends those ranges whole). A range whose offset is in
+    `scatter` is the runs (offset, length) it names, in turn (a bucket that bundles runs of several
+    tensors: plan.Bucket). Transports call apply() and refuse() from one thread per sender."""
 
-    def __init__(self, base_version: int | None, base=None, target=None):
+    def __init__(self, base_version: int | None, base=None, target=None, scatter: Mapping | None = None):
         if base_version is not None and (base is None or target is None):
             raise ValueError("a patcher with a base version needs the base and the target buffer")
         self.base_version, self.base, self.target = base_version, base, target
+        self.scatter = scatter or {}
         self.applied = 0
         self.refused: list[str] = []
         self.lock = threading.Lock()
@@ -299,8 +301,14 @@ class Patcher:
         if self.base_version is None:
             self.refuse(offset, length, "this rank holds no version to apply it to")
             return False
-        base, target = self.base[offset:offset + length], self.target[offset:offset + length]
-        on_host = target.device.type == "cpu"
+        runs = self.scatter.get(offset)
+        if runs is None:
+            base, target = self.base[offset:offset + length], self.target[offset:offset + length]
+        else:
+            import torch
+
+            base, target = torch.cat([self.base[o:o + n] for o, n in runs]), None
+        on_host = target is not None and target.device.type == "cpu"
         out = target.numpy() if on_host else np.empty(length, dtype=np.uint8)
         try:
             got = apply_patch(payload, base.cpu().numpy(), out, self.base_version)
@@ -314,7 +322,10 @@ class Patcher:
         if not on_host:
             import torch
 
-            target.copy_(torch.from_numpy(out))
+            new, at = torch.from_numpy(out), 0
+            for o, n in runs or ((offset, length),):
+                self.target[o:o + n].copy_(new[at:at + n])
+                at += n
         with self.lock:
             self.applied += 1
         return True

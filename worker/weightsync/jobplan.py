@@ -4,7 +4,8 @@
   rank needs the whole version: plan.make_plan, contiguous segments that cut through tensors,
   few and large buckets.
 - Trainer ranks hold shards (FSDP2, HSDP) and every inference rank needs the whole version:
-  shards.plan_by_holder, every row sent by a rank that holds it.
+  shards.plan_by_holder, every row sent by a rank that holds it, in buckets that bundle runs of
+  several tensors where the transport's receivers scatter a frame (tcp).
 - Some inference ranks hold tensor-parallel slices: slicepath.SlicedPlan over what every trainer
   rank holds and every inference rank needs; a whole replica (TP degree 1) beside them needs
   every tensor whole.
@@ -23,6 +24,7 @@ from .plan import Plan, make_plan
 from .shards import Holdings, plan_by_holder
 from .slicepath import SlicedPlan, needs_everything
 from .slices import RankSlices
+from .transport import SCATTERING
 
 
 def inference_needs(job: Layout, layout: FlatLayout, slices_of: Callable[[int], RankSlices]) -> tuple[RankSlices, ...] | None:
@@ -36,10 +38,11 @@ def inference_needs(job: Layout, layout: FlatLayout, slices_of: Callable[[int], 
 
 
 def make_job_plan(layout: FlatLayout, holdings: Sequence[Holdings], inferences: int, bucket_bytes: int,
-                  needs: Sequence[RankSlices] | None = None) -> Plan | SlicedPlan:
+                  needs: Sequence[RankSlices] | None = None, transport: str = "tcp") -> Plan | SlicedPlan:
     """The plan for trainer ranks holding `holdings` (one per rank) and `inferences` inference
-    ranks that need `needs` (None: the whole version each). ValueError, naming the tensor, where
-    what the trainers hold does not cover what the inference ranks need exactly."""
+    ranks that need `needs` (None: the whole version each), over `transport` (whether a bucket
+    may bundle runs of several tensors). ValueError, naming the tensor, where what the trainers
+    hold does not cover what the inference ranks need exactly."""
     if needs is not None:
         if len(needs) != inferences:
             raise ValueError(f"{len(needs)} inference ranks said what they need; the job has {inferences}")
@@ -48,7 +51,7 @@ def make_job_plan(layout: FlatLayout, holdings: Sequence[Holdings], inferences: 
         return plan
     if all(h.is_whole(layout) for h in holdings):
         return make_plan(layout, len(holdings), inferences, bucket_bytes)
-    return plan_by_holder(layout, dict(enumerate(holdings)), inferences, bucket_bytes)
+    return plan_by_holder(layout, dict(enumerate(holdings)), inferences, bucket_bytes, bundle=transport in SCATTERING)
 
 
 def fsdp_holdings(layout: FlatLayout, trainers: int, shard: int) -> list[Holdings]:

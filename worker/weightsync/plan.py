@@ -6,6 +6,10 @@ falls), and each segment into buckets of at most bucket_bytes. Every byte theref
 exactly one trainer, and all trainers send their share to every inference rank at the same time
 (M -> N), instead of one rank broadcasting everything. The controller computes the plan once and
 publishes its JSON; each version is then only "go".
+
+A bucket is one run of the version's bytes, or (shards.plan_by_holder over a transport whose
+receivers scatter) several runs bundled into one frame: a sharded rank holds one run per tensor,
+many of them small, and a frame per run costs more than its bytes.
 """
 
 from __future__ import annotations
@@ -18,14 +22,26 @@ from weightsync.flat import ALIGN, FlatLayout
 
 @dataclass(frozen=True)
 class Bucket:
+    """`length` bytes sent by `trainer` in one frame keyed by `offset`: the run [offset, offset +
+    length) of the version, or, with `parts`, the runs (offset, length) of the version in turn
+    (the first at `offset`, lengths summing to `length`)."""
+
     index: int
     trainer: int
     offset: int
     length: int
+    parts: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The runs (offset, length) of the version this bucket carries, in order."""
+        return self.parts or ((self.offset, self.length),)
 
     @property
     def end(self) -> int:
-        return self.offset + self.length
+        """The end of its last run."""
+        offset, length = self.spans[-1]
+        return offset + length
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,10 @@ class Plan:
         """What inference rank `inference` receives: the whole version, like every other."""
         return self.expected()
 
+    def scatter_for(self, inference: int) -> dict[int, tuple[tuple[int, int], ...]]:
+        """{offset: runs} of the buckets inference rank `inference` receives that bundle several runs."""
+        return {b.offset: b.parts for b in self.buckets if b.parts}
+
     def bytes_for(self, inference: int) -> int:
         """The size of an inference rank's staging buffer: the whole version."""
         return self.layout.total_bytes
@@ -75,12 +95,14 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps({"layout": json.loads(self.layout.to_json()), "trainers": self.trainers,
                            "inferences": self.inferences, "bucket_bytes": self.bucket_bytes,
-                           "buckets": [[b.trainer, b.offset, b.length] for b in self.buckets]})
+                           "buckets": [[b.trainer, b.offset, b.length] + ([[list(p) for p in b.parts]] if b.parts else [])
+                                       for b in self.buckets]})
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         obj = json.loads(text)
-        buckets = [Bucket(i, t, o, n) for i, (t, o, n) in enumerate(obj["buckets"])]
+        buckets = [Bucket(i, t, o, n, tuple(tuple(p) for p in parts[0]) if parts else ())
+                   for i, (t, o, n, *parts) in enumerate(obj["buckets"])]
         return cls(FlatLayout.from_json(json.dumps(obj["layout"])), obj["trainers"], obj["inferences"],
                    obj["bucket_bytes"], buckets)
 

@@ -9,8 +9,11 @@ tensor and plans by holder: every range held by one rank is sent by that rank, a
 several (replicas of a shard, as in HSDP, or a tensor FSDP left whole) is split into near-equal
 runs of rows among its holders. No rank ever needs a row it does not hold: nothing is gathered.
 
-Where every rank holds everything (plain or DDP replicas) the controller keeps plan.make_plan's
-contiguous segments, which cut through tensors and need far fewer buckets.
+A rank's runs are one per tensor, most of them far smaller than a bucket (norms, biases, and
+every tensor cut in M): where the receivers can scatter a frame's bytes over several runs, one
+bucket bundles a rank's runs of consecutive tensors, so that a sharded rank sends about as many
+frames as a replica sending the same bytes. Where every rank holds everything (plain or DDP
+replicas) the controller keeps plan.make_plan's contiguous segments.
 Imports no torch (sources.py reads the holdings off a model).
 """
 
@@ -71,9 +74,12 @@ class Holdings:
                 raise ValueError(f"{who} says it holds rows [{a}, {b}) of {s.name}, which has {rows_of(s)}")
 
 
-def plan_by_holder(layout: FlatLayout, holdings: Mapping[int, Holdings], inferences: int, bucket_bytes: int) -> Plan:
+def plan_by_holder(layout: FlatLayout, holdings: Mapping[int, Holdings], inferences: int, bucket_bytes: int,
+                   bundle: bool = False) -> Plan:
     """The plan in which trainer rank t sends only rows it holds (holdings: {t: Holdings} for
-    every trainer rank). ValueError naming the tensor where the ranks' rows do not cover every
+    every trainer rank). With `bundle` (receivers that scatter a frame, transport.SCATTERING) a
+    bucket bundles a rank's runs of consecutive tensors up to bucket_bytes; without, every run is
+    a bucket of its own. ValueError naming the tensor where the ranks' rows do not cover every
     row exactly (two ranks holding different but overlapping rows, or rows nobody holds)."""
     trainers = len(holdings)
     if sorted(holdings) != list(range(trainers)) or inferences < 1:
@@ -98,11 +104,38 @@ def plan_by_holder(layout: FlatLayout, holdings: Mapping[int, Holdings], inferen
                 r0, r1 = a + k * (b - a) // n, a + (k + 1) * (b - a) // n
                 if r0 < r1:
                     pieces.append((slot.offset + r0 * size, (r1 - r0) * size, holders[(k + turn) % n]))
-    buckets: list[Bucket] = []
-    for offset, length, t in sorted(pieces):
-        for start in range(offset, offset + length, bucket_bytes):
-            buckets.append(Bucket(len(buckets), t, start, min(bucket_bytes, offset + length - start)))
+    if not bundle:
+        runs = [(t, ((start, min(bucket_bytes, offset + length - start)),))
+                for offset, length, t in sorted(pieces) for start in range(offset, offset + length, bucket_bytes)]
+    else:
+        runs = [(t, parts) for t in range(trainers)
+                for parts in _bundled([(o, n) for o, n, holder in sorted(pieces) if holder == t], bucket_bytes)]
+        runs.sort(key=lambda run: run[1][0][0])
+    buckets = [Bucket(i, t, parts[0][0], sum(n for _, n in parts), parts if len(parts) > 1 else ())
+               for i, (t, parts) in enumerate(runs)]
     return Plan(layout, trainers, inferences, bucket_bytes, buckets)
+
+
+def _bundled(pieces: list[tuple[int, int]], bucket_bytes: int) -> list[tuple[tuple[int, int], ...]]:
+    """One rank's runs (offset, length), in order, packed into buckets of at most bucket_bytes:
+    a run that does not fit what is left of a bucket is cut there; runs that touch join."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    parts: list[tuple[int, int]] = []
+    room = bucket_bytes
+    for offset, length in pieces:
+        while length:
+            n = min(length, room)
+            if parts and parts[-1][0] + parts[-1][1] == offset:
+                parts[-1] = (parts[-1][0], parts[-1][1] + n)
+            else:
+                parts.append((offset, n))
+            offset, length, room = offset + n, length - n, room - n
+            if not room:
+                out.append(tuple(parts))
+                parts, room = [], bucket_bytes
+    if parts:
+        out.append(tuple(parts))
+    return out
 
 
 def _check_cover(slot: TensorSlot, ranges: list[tuple[int, int]]) -> None:

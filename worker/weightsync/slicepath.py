@@ -254,6 +254,10 @@ class SlicedPlan:
                 out[t] = ranges
         return out
 
+    def scatter_for(self, rank: int) -> dict:
+        """Every bucket lands in one run of the receiver's local layout: none is scattered."""
+        return {}
+
     def bytes_for(self, rank: int) -> int:
         """The size of inference rank `rank`'s staging buffer."""
         return self.local[rank].total_bytes

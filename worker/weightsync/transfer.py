@@ -111,6 +111,15 @@ class BufferRing:
         return data, self.inflight[self.current]
 
 
+def _runs(bucket) -> list[tuple[int, int, int]]:
+    """(offset in the version, length, offset in the bucket's bytes) of every run of the bucket."""
+    out, at = [], 0
+    for offset, length in bucket.spans:
+        out.append((offset, length, at))
+        at += length
+    return out
+
+
 @dataclass
 class SentVersion:
     version: int
@@ -208,7 +217,8 @@ class VersionSender:
         import torch
 
         if data.device.type == "cuda":
-            flat.fill_range(layout, params, bucket.offset, bucket.end, data, self.starts)
+            for offset, length, at in _runs(bucket):
+                flat.fill_range(layout, params, offset, offset + length, data[at:at + length], self.starts)
             torch.cuda.current_stream(data.device).synchronize()
             filling.finish(bucket_checksum(data))
             return
@@ -217,9 +227,16 @@ class VersionSender:
         try:
             h = xxhash.xxh3_64()
             view = memoryview(data.numpy())
-            for a in range(0, bucket.length, CHUNK):
+            runs, r = _runs(bucket), 0
+            for a in range(0, bucket.length, CHUNK):  # chunks of the bucket's bytes (delta's unit)
                 b = min(a + CHUNK, bucket.length)
-                flat.fill_range(layout, params, bucket.offset + a, bucket.offset + b, data[a:b], self.starts)
+                while r < len(runs) and runs[r][2] < b:  # the runs this chunk overlaps
+                    offset, length, at = runs[r]
+                    lo, hi = max(a, at), min(b, at + length)
+                    flat.fill_range(layout, params, offset + lo - at, offset + hi - at, data[lo:hi], self.starts)
+                    if at + length > b:
+                        break
+                    r += 1
                 h.update(view[a:b])
                 if self.tamper is not None:
                     self.tamper(self.version, view[a:b])
@@ -257,7 +274,8 @@ class VersionSender:
                 # one peer's connection hashes the bytes as it sends them (while they are in
                 # cache; the peers take turns by bucket); the others send them at once and take
                 # that checksum when it is there
-                data = flat.range_views(layout, params, b.offset, b.end, self.starts)
+                data = [v for offset, length in b.spans
+                        for v in flat.range_views(layout, params, offset, offset + length, self.starts)]
                 hasher = peers[k % len(peers)]
                 hashed = self.sender.send(hasher, version, b.offset, data)
                 # a hasher that failed (its peer went away) leaves the checksum to this side
@@ -353,6 +371,7 @@ class VersionReceiver:
     def __init__(self, receiver: Receiver, plan, inference_rank: int):
         self.receiver, self.plan, self.rank = receiver, plan, inference_rank
         self.expected = plan.expected_for(inference_rank)
+        self.scatter = plan.scatter_for(inference_rank)
         self.nbytes = plan.bytes_for(inference_rank)
         self.registered: set[int] = set()
         receiver.expect_trainers(plan.trainers)
@@ -368,9 +387,9 @@ class VersionReceiver:
         if self.receiver.patches:
             if base is not None and base[1].data_ptr() == staging.data_ptr():
                 raise ValueError("the base of a delta version must be another buffer than the staging buffer")
-            patcher = Patcher(base[0], base[1], staging) if base is not None else Patcher(None)
+            patcher = Patcher(base[0], base[1], staging, self.scatter) if base is not None else Patcher(None)
         start = time.monotonic()
-        sums = self.receiver.receive(version, staging, self.expected, timeout, patcher)
+        sums = self.receiver.receive(version, staging, self.expected, timeout, patcher, self.scatter)
         want = {o for ranges in self.expected.values() for o, _ in ranges}
         if set(sums) != want:
             missing = sorted(want - set(sums))

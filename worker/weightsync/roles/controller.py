@@ -210,15 +210,16 @@ def _plan(ctx: WorkerContext, admitted: dict):
     holdings = {rank: info["holds"] for (role, rank), (_, _, info) in admitted.items() if role == TRAINER and "holds" in info}
     trainers = ctx.job.layout.world_size(TRAINER)
     held = [Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)]
+    transport = transports.pop()
     try:
         needs = inference_needs(ctx.job.layout, reference,
                                 lambda r: needs_from_json(r, admitted[(INFERENCE, r)][2]["needs"]))
         plan = make_job_plan(reference, held, ctx.job.layout.world_size(INFERENCE),
-                             ctx.job.spec["transfer"]["bucketMB"] << 20, needs)
+                             ctx.job.spec["transfer"]["bucketMB"] << 20, needs, transport)
     except (KeyError, ValueError) as e:
         what = "the slices the inference ranks need" if ctx.job.layout.sliced else "the version"
         raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}", INVALID) from None
-    return plan, transports.pop()
+    return plan, transport
 
 
 def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> None:

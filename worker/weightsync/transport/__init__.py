@@ -10,8 +10,11 @@ from __future__ import annotations
 from weightsync.transport.base import Receiver, Sender, TransferError, Transport, TransportUnavailable
 
 NAMES = ("tcp", "nccl", "uccl")
+# The transports whose receivers land one frame's bytes in several runs of the version (a bucket
+# that bundles a sharded rank's runs of several tensors); the others take one run per frame.
+SCATTERING = ("tcp",)
 
-__all__ = ["NAMES", "Receiver", "Sender", "TransferError", "Transport", "TransportUnavailable",
+__all__ = ["NAMES", "SCATTERING", "Receiver", "Sender", "TransferError", "Transport", "TransportUnavailable",
            "make_transport", "resolve_transport"]
 
 

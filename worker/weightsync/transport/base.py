@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 
 class TransferError(RuntimeError):
@@ -193,11 +193,14 @@ class Receiver(abc.ABC):
 
     @abc.abstractmethod
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
-                patcher: Patcher | None = None) -> dict[int, int]:
+                patcher: Patcher | None = None, scatter: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                ) -> dict[int, int]:
         """Block until every trainer rank in `expected` has delivered exactly its (offset, length)
         ranges of `version` into `buffer` and ended the version. Returns {offset: checksum}.
         A range may come as a patch, which `patcher` applies (without one, or when it cannot, the
-        range is asked for again, whole; transports without patches take no patcher).
+        range is asked for again, whole; transports without patches take no patcher). A range
+        whose offset is in `scatter` lands in those runs (offset, length) of `buffer` in turn
+        instead of at its offset (only on transports that scatter; the others refuse it).
         Raises TransferError naming the trainer rank when it has not connected within `timeout`
         seconds, goes silent for longer than the transport's timeout, closes its connection,
         sends a bad checksum, or sends a range it was not expected to send."""

@@ -202,11 +202,14 @@ class NcclReceiver(Receiver):
         self.proven.add(trainer)
 
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
-                patcher: Any = None) -> dict[int, int]:
+                patcher: Any = None, scatter: Any = None) -> dict[int, int]:
         import torch
 
         if patcher is not None:
             raise ValueError("the nccl transport carries no patches: receive whole versions")
+        if scatter:
+            raise ValueError("the nccl transport lands every range in one run; this plan bundles runs of several "
+                             "tensors into one bucket (a plan made for tcp)")
 
         if not hasattr(buffer, "data_ptr") or buffer.device.type != "cuda":
             raise ValueError("the nccl transport receives into a GPU tensor")

@@ -31,11 +31,11 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import xxhash
 
-from weightsync.transport import wire
+from weightsync.transport import SCATTERING, wire
 from weightsync.transport.base import (Filling, Patcher, PeersFailed, Receiver, Sender, Tally, TransferError, Transport,
                                        each_peer)
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
@@ -402,27 +402,34 @@ class Landing:
             self.view = as_views(buffer)[0]
             self.size = len(self.view)
 
-    def receive(self, sock: socket.socket, offset: int, length: int, bounce: dict) -> int:
-        """Receive `length` bytes for `offset`, hashing each chunk as it arrives; returns the
-        xxh3_64."""
+    def receive(self, sock: socket.socket, offset: int, length: int, bounce: dict,
+                runs: Sequence[tuple[int, int]] | None = None) -> int:
+        """Receive `length` bytes for `offset` (or for `runs`, (offset, length) in turn), hashing
+        each chunk as it arrives; returns the xxh3_64."""
+        runs = runs or ((offset, length),)
         if self.device is None:
-            target = self.view[offset:offset + length]
+            targets = [self.view[o:o + n] for o, n in runs]
         else:
             if len(bounce.get("buf", b"")) < length:
                 bounce["buf"] = bytearray(length)
-            target = memoryview(bounce["buf"])[:length]
+            targets = [memoryview(bounce["buf"])[:length]]
         h, got = xxhash.xxh3_64(), 0
-        while got < length:
-            n = sock.recv_into(target[got:got + RECV_CHUNK])
-            if n == 0:
-                raise PeerClosed(f"connection closed after {got} of {length} bytes of the range at {offset}")
-            h.update(target[got:got + n])
-            got += n
+        for target in targets:
+            at = 0
+            while at < len(target):
+                n = sock.recv_into(target[at:at + RECV_CHUNK])
+                if n == 0:
+                    raise PeerClosed(f"connection closed after {got + at} of {length} bytes of the range at {offset}")
+                h.update(target[at:at + n])
+                at += n
+            got += at
         if self.device is not None:
             import torch
 
-            host = torch.frombuffer(target, dtype=torch.uint8)
-            self.device.view(torch.uint8).reshape(-1)[offset:offset + length].copy_(host)
+            host, device, at = torch.frombuffer(targets[0], dtype=torch.uint8), self.device.view(torch.uint8).reshape(-1), 0
+            for o, n in runs:
+                device[o:o + n].copy_(host[at:at + n])
+                at += n
         return h.intdigest()
 
 
@@ -430,6 +437,7 @@ class TcpReceiver(Receiver):
     name = "tcp"
     carried = (DATA,)  # the frame kinds that deliver a range whole over this transport
     patches = True  # PATCH frames (delta versions) too
+    scatters = True  # a DATA frame may land in several runs (transport.SCATTERING)
 
     def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
         if len(token) < 16:
@@ -524,13 +532,19 @@ class TcpReceiver(Receiver):
             hang_up(sock)
 
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
-                patcher: Patcher | None = None) -> dict[int, int]:
+                patcher: Patcher | None = None, scatter: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                ) -> dict[int, int]:
         landing = Landing(buffer)
+        scatter = scatter or {}
+        if scatter and not self.scatters:
+            raise ValueError(f"the {self.name} transport lands every range in one run; this plan bundles runs of "
+                             f"several tensors into one bucket (a plan made for {', '.join(SCATTERING)})")
         for trainer, ranges in expected.items():
             for offset, length in ranges:
-                if offset < 0 or offset + length > landing.size:
-                    raise ValueError(f"trainer rank {trainer}'s range [{offset}, {offset + length}) is outside the "
-                                     f"{landing.size}-byte buffer")
+                runs = scatter.get(offset, ((offset, length),))
+                if sum(n for _, n in runs) != length or any(o < 0 or o + n > landing.size for o, n in runs):
+                    raise ValueError(f"trainer rank {trainer}'s range at {offset} ({length} bytes in runs {list(runs)[:4]}) "
+                                     f"does not fit the {landing.size}-byte buffer")
         deadline = time.monotonic() + timeout
         abandon = threading.Event()
 
@@ -541,16 +555,17 @@ class TcpReceiver(Receiver):
             for other in expected:
                 self.drop(other)
 
-        results = each_peer(expected, lambda t: self.receive_from(t, version, landing, expected[t], deadline, abandon, patcher),
-                            lost)
+        results = each_peer(expected, lambda t: self.receive_from(t, version, landing, expected[t], deadline, abandon,
+                                                                  patcher, scatter), lost)
         return {offset: digest for sums in results.values() for offset, digest in sums.items()}
 
     def receive_from(self, trainer: int, version: int, landing: Landing, ranges: list[tuple[int, int]],
-                     deadline: float, abandon: threading.Event, patcher: Patcher | None = None) -> dict[int, int]:
+                     deadline: float, abandon: threading.Event, patcher: Patcher | None = None,
+                     scatter: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> dict[int, int]:
         peer = f"trainer rank {trainer}"
         sock = self.wait_connection(trainer, deadline, abandon)
         try:
-            return self._frames(sock, trainer, version, landing, ranges, patcher)
+            return self._frames(sock, trainer, version, landing, ranges, patcher, scatter or {})
         except socket.timeout:
             error = TransferError(peer, f"silent for {self.timeout:g}s during version {version}")
         except wire.WireError as e:
@@ -565,7 +580,8 @@ class TcpReceiver(Receiver):
         raise error
 
     def _frames(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
-                ranges: list[tuple[int, int]], patcher: Patcher | None = None) -> dict[int, int]:
+                ranges: list[tuple[int, int]], patcher: Patcher | None,
+                scatter: Mapping[int, Sequence[tuple[int, int]]]) -> dict[int, int]:
         """Read one version's frames from a trainer: each range the plan gives it exactly once
         (whole, or as a PATCH), then END with the right counts; after an END that closed patches,
         NEED names the patched ranges to send again whole, and those follow with another END.
@@ -626,7 +642,7 @@ class TcpReceiver(Receiver):
                 raise TransferError(peer, f"sent {what}, {why}")
             left.discard((offset, length))
             if kind == DATA:
-                got = landing.receive(sock, offset, length, bounce)
+                got = landing.receive(sock, offset, length, bounce, scatter.get(offset))
                 (digest,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
             else:
                 got = self.written(landing, offset, length)

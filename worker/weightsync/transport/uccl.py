@@ -193,6 +193,7 @@ class UcclReceiver(TcpReceiver):
     name = "uccl"
     carried = (WRITTEN,)  # the sender writes one-sided and never sends DATA
     patches = False  # nor PATCH: every version goes whole
+    scatters = False  # a write lands in one run
 
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)

@@ -17,7 +17,8 @@ Handshake, as soon as the sender (trainer) connects to the receiver (inference):
 Then frames, each a 40-byte header
   b"WSYN" | u8 kind | 3 zero bytes | u64 version | u64 offset | u64 length | u64 checksum
   DATA     (1) sender -> receiver: `length` payload bytes follow, to land at version byte
-               `offset`, then a u64 trailer: xxh3_64 of the payload (after it, so that the
+               `offset` (or, where the plan's bucket at `offset` bundles several runs, in those
+               runs in turn), then a u64 trailer: xxh3_64 of the payload (after it, so that the
                sender can stream bytes as they are produced); the header's checksum is 0.
   END      (2) sender -> receiver: the sender is done with `version`; offset = the number of
                DATA/WRITTEN/PATCH frames it sent for it, length = the total bytes of their
