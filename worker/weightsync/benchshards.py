@@ -10,7 +10,8 @@ ranks run this module as their spec.trainer.command:
 The trainer ranks only change the weights a little and publish, back to back (no training
 competes for the cores). A version's time is the controller's: from its go to the last inference
 rank holding the version, verified. The first version, which allocates the send buffers and
-connects, is left out.
+connects, is left out. Each wrap runs twice, in the order ddp, fsdp, fsdp, ddp, and its medians
+are over the versions of both jobs.
 
 Memory: each trainer rank reads its resident set before the model exists, once the model is
 materialised (and wrapped), and its peak (VmHWM, reset there) after the last version. What the
@@ -31,6 +32,9 @@ from pathlib import Path
 # GPT-2 124M (transformers' GPT2Config defaults), as `weightsync bench`
 MODEL = {"model_type": "gpt2"}
 WRAPS = ("ddp", "fsdp")
+# Two jobs of each, in the order A B B A: the machine's drift over the bench (a shared VM's
+# neighbours, its clock) weighs on both alike, instead of on whichever ran second.
+ORDER = ("ddp", "fsdp", "fsdp", "ddp")
 RUN_TIMEOUT = 1200.0
 # What a trainer rank may hold beyond its share and its send buffers: the interpreter's own
 # allocations while it publishes (the plan, frames, threads' stacks touched), not a tensor.
@@ -72,9 +76,22 @@ def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: in
         raise RuntimeError(f"the {wrap} job had {summary['failed_verifications']} failed verifications")
     seconds = [t["seconds"] for t in local.transfers if t["version"] > 0]
     sends = [max(r["sends"][v] for r in ranks) for v in range(1, versions)]
-    return {"seconds_per_version": statistics.median(seconds), "seconds": seconds,
-            "send_seconds_per_version": statistics.median(sends), "send_seconds": [round(x, 4) for x in sends],
+    return {"seconds": seconds, "send_seconds": [round(x, 4) for x in sends],
             "bytes_per_version": local.transfers[-1]["bytes"], "ranks": ranks}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One wrap's figures over its jobs: medians of every timed version, each rank's memory at its worst."""
+    seconds = [x for r in runs for x in r["seconds"]]
+    sends = [x for r in runs for x in r["send_seconds"]]
+    worst = {}
+    for r in runs:
+        for m in map(memory, r["ranks"]):
+            if m["rank"] not in worst or m["peak_beyond_start"] > worst[m["rank"]]["peak_beyond_start"]:
+                worst[m["rank"]] = m
+    return {"seconds_per_version": statistics.median(seconds), "seconds": seconds,
+            "send_seconds_per_version": statistics.median(sends), "send_seconds": sends,
+            "bytes_per_version": runs[-1]["bytes_per_version"], "jobs": len(runs), "memory": [worst[k] for k in sorted(worst)]}
 
 
 def memory(rank: dict) -> dict:
@@ -90,13 +107,12 @@ def memory(rank: dict) -> dict:
 def run(dtypes: list[str], trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
     cases = []
     for dtype in dtypes:
-        case = {"dtype": dtype, "trainers": trainers, "inferences": inferences, "methods": {}}
-        for wrap in WRAPS:
+        runs: dict[str, list[dict]] = {wrap: [] for wrap in WRAPS}
+        for wrap in ORDER:
             print(f"bench: {wrap} {dtype} {trainers}->{inferences} ...", file=sys.stderr, flush=True)
-            result = run_wrap(wrap, dtype, trainers, inferences, versions, bucket_mb)
-            result["memory"] = [memory(r) for r in result.pop("ranks")]
-            case["methods"][wrap] = result
-        cases.append(case)
+            runs[wrap].append(run_wrap(wrap, dtype, trainers, inferences, versions, bucket_mb))
+        cases.append({"dtype": dtype, "trainers": trainers, "inferences": inferences,
+                      "methods": {wrap: pooled(runs[wrap]) for wrap in WRAPS}})
     targets = []
     for c in cases:
         where = f"{c['dtype']} {c['trainers']}->{c['inferences']}"
@@ -116,8 +132,10 @@ def run(dtypes: list[str], trainers: int, inferences: int, versions: int, bucket
 
 def table(report: dict) -> str:
     mib = 1 << 20
-    lines = [f"weightsync bench --fsdp: {report['model']}; {report['versions'] - 1} timed versions, buckets of "
-             f"{report['bucket_mb']} MiB; trainer ranks publish through weightsync.attach()",
+    jobs = len(ORDER) // len(WRAPS)
+    lines = [f"weightsync bench --fsdp: {report['model']}; {jobs} jobs of each ({', '.join(ORDER)}), "
+             f"{report['versions'] - 1} timed versions each, buckets of {report['bucket_mb']} MiB; trainer ranks "
+             f"publish through weightsync.attach()",
              f"{'dtype':<9} {'ranks':<6} {'trainers':<9} {'s/version':>10} {'send s':>7} {'MB/version':>11} {'held MiB':>9} "
              f"{'buffers':>8} {'model RSS':>10} {'peak':>7}  (MiB beyond the rank's start; the busiest rank)"]
     for c in report["cases"]:
