@@ -91,6 +91,22 @@ def ranks(store):
         r.close()
 
 
+def send_and_check(r: Ranks, store, trainers: int, inferences: int, versions: int, *flags: str) -> None:
+    """Run every rank to the end; every version on every inference rank is the trainers' cast
+    bytes, bit for bit, with their digest."""
+    for i in range(inferences):
+        r.start("inference", i, *flags)
+    for t in range(trainers):
+        r.start("trainer", t, *flags)
+    codes = r.wait()
+    assert all(c == 0 for c in codes.values()), (codes, r.stderr())
+    for v in range(1, versions + 1):
+        for i in range(inferences):
+            res = json.loads(store.get(f"result/{v}/{i}"))
+            assert res["bit_exact"], f"version {v} on inference rank {i} differs from the trainers' cast bytes"
+            assert res["digest"] == res["trainers_digest"]
+
+
 @pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", [
     (1, 1, "float32", "64x64,10", 4096),
     (2, 1, "bfloat16", ODD, 1024),
@@ -99,19 +115,7 @@ def ranks(store):
     (4, 2, "float16", "3,5", 64),  # more trainers than 64-byte units: two of them idle
 ])
 def test_versions_arrive_bit_for_bit(ranks, store, trainers, inferences, dtype, shapes, bucket):
-    versions = 3
-    r = ranks(trainers, inferences, shapes, dtype, bucket, versions)
-    for i in range(inferences):
-        r.start("inference", i)
-    for t in range(trainers):
-        r.start("trainer", t)
-    codes = r.wait()
-    assert all(c == 0 for c in codes.values()), (codes, r.stderr())
-    for v in range(1, versions + 1):
-        for i in range(inferences):
-            res = json.loads(store.get(f"result/{v}/{i}"))
-            assert res["bit_exact"], f"version {v} on inference rank {i} differs from the trainers' cast bytes"
-            assert res["digest"] == res["trainers_digest"]
+    send_and_check(ranks(trainers, inferences, shapes, dtype, bucket, 3), store, trainers, inferences, 3)
     if dtype != "float32":  # a cast: send buffers, at most depth x bucket
         for t in make_plan(layout_of(shapes, dtype), trainers, inferences, bucket).expected():
             assert 0 < int(store.get(f"buffers/trainer/{t}")) <= 2 * bucket
@@ -130,18 +134,7 @@ def test_fsdp_shards_arrive_bit_for_bit_in_buckets_that_bundle_runs(ranks, store
     versions = 2
     plan = plan_of(layout_of(ODD, dtype), trainers, inferences, bucket, fsdp=True)
     assert any(b.parts for b in plan.buckets) and all(b.length <= bucket for b in plan.buckets)
-    r = ranks(trainers, inferences, ODD, dtype, bucket, versions)
-    for i in range(inferences):
-        r.start("inference", i, "--fsdp")
-    for t in range(trainers):
-        r.start("trainer", t, "--fsdp")
-    codes = r.wait()
-    assert all(c == 0 for c in codes.values()), (codes, r.stderr())
-    for v in range(1, versions + 1):
-        for i in range(inferences):
-            res = json.loads(store.get(f"result/{v}/{i}"))
-            assert res["bit_exact"], f"version {v} on inference rank {i} differs from the trainers' cast bytes"
-            assert res["digest"] == res["trainers_digest"]
+    send_and_check(ranks(trainers, inferences, ODD, dtype, bucket, versions), store, trainers, inferences, versions, "--fsdp")
 
 
 def test_a_transport_that_lands_a_range_in_one_run_refuses_a_bundled_plan():
