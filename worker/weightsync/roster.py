@@ -397,10 +397,21 @@ class Host(Channel):
         self.set(Keys.END, {"state": state, "reason": reason, "message": message})
 
     def wait_byes(self, timeout: float) -> list[str]:
-        """Wait (a bounded time) for every rank to see the end; returns those that did not."""
-        keys = [Keys.bye(r, k) for r, k in self.ranks]
-        try:
-            self.wait(keys, "every rank to see the end", timeout)
-            return []
-        except TimeoutError:
-            return [who(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k))]
+        """Wait (a bounded time) for every rank that can still answer (not away, not silent) to
+        see the end; returns the ranks that did not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            waiting = [Keys.bye(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k)) and self._answering(r, k, now)]
+            if not waiting or now >= deadline:
+                return [who(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k))]
+            try:
+                self.wait(waiting, "every rank to see the end", min(HEARTBEAT, deadline - now))
+            except TimeoutError:
+                pass
+
+    def _answering(self, role: str, rank: int, now: float) -> bool:
+        seat = self.seats.get(rank) if role == INFERENCE else None
+        if seat is not None and seat.state in (AWAY, JOINING):
+            return False
+        return self._silent_for(role, rank, now) <= self.silent_limit

@@ -123,10 +123,12 @@ def run(ctx: WorkerContext) -> int:
     if host.rejoins():
         message += f" ({host.rejoins()} rejoins)"
     host.end("Succeeded", message)
-    reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=_rounded(loss))
+    # the goodbyes before the completion: once it is reported, the operator removes the job's pods,
+    # this one and its store with them, and a rank still waiting on the store would fail
     missing = host.wait_byes(BYE_TIMEOUT)
     if missing:
         log(ME, f"no goodbye within {BYE_TIMEOUT:.0f}s from {', '.join(missing)}")
+    reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=_rounded(loss))
     linger(ctx, ME)
     return 0
 
@@ -236,9 +238,9 @@ def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, 
                                                 PROOF_FAILED if isinstance(error, ProofError) else INVALID)
     log(ME, f"the job failed: {message}")
     host.end("Failed", message, reason)
+    host.wait_byes(5.0)  # as for success: the ranks see the end before the pods go
     reporter.completion("Failed", message, delivered, reason=reason,
                         failed_verifications=host.store.add(Keys.VERIFY_FAILURES, 0), final_loss=_rounded(loss))
-    host.wait_byes(5.0)
     linger(ctx, ME)
     return 1
 
