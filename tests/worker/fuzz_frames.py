@@ -31,7 +31,7 @@ import atheris
 import xxhash
 
 with atheris.instrument_imports():
-    from weightsync.transport import TransferError, tcp, wire
+    from weightsync.transport import TransferError, sockets, wire
     from weightsync.transport.tcp import TcpReceiver
 
 TOKEN = b"fuzz-job-token-0123456789abcdef"
@@ -124,7 +124,7 @@ def closed_by_receiver(sock: socket.socket) -> None:
 def before_handshake(stream: bytes) -> None:
     sock = socket.create_connection(endpoint, timeout=SILENT)
     try:
-        assert wire.parse_challenge(tcp.recv_exact(sock, wire.CHALLENGE.size)) == INFERENCE
+        assert wire.parse_challenge(sockets.recv_exact(sock, wire.CHALLENGE.size)) == INFERENCE
         try:
             sock.sendall(stream)
             sock.shutdown(socket.SHUT_WR)
@@ -141,7 +141,7 @@ def before_handshake(stream: bytes) -> None:
 def after_handshake(stream: bytes) -> None:
     sock = socket.create_connection(endpoint, timeout=SILENT)
     try:
-        tcp.client_handshake(sock, TOKEN, TRAINER, INFERENCE)
+        sockets.client_handshake(sock, TOKEN, TRAINER, INFERENCE)
         sock.sendall(stream)
         sock.shutdown(socket.SHUT_WR)
         buf = bytearray(BUFFER)

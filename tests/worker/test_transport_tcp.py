@@ -13,7 +13,7 @@ import xxhash
 
 from weightsync.transport import TransferError, make_transport
 from weightsync.transport.base import Filling
-from weightsync.transport import tcp, wire
+from weightsync.transport import sockets, wire
 from weightsync.transport.checksum import CHUNK
 
 TOKEN = b"0123456789abcdef-job-token"
@@ -39,9 +39,9 @@ def receive_in_thread(receiver, version, buf, expected, timeout):
 
 
 def authenticated_raw_client(endpoint, trainer_rank=0, inference_rank=0, token=TOKEN):
-    host, port = tcp.parse_endpoint(endpoint)
+    host, port = sockets.parse_endpoint(endpoint)
     sock = socket.create_connection((host, port), timeout=5)
-    tcp.client_handshake(sock, token, trainer_rank, inference_rank)
+    sockets.client_handshake(sock, token, trainer_rank, inference_rank)
     return sock
 
 
@@ -59,9 +59,9 @@ def test_send_all_handles_partial_sends_of_many_views():
     payload = bytes(range(256)) * 4096  # 1 MiB, far more than one sendmsg moves
     views = [memoryview(payload)[i:i + 1000] for i in range(0, len(payload), 1000)]  # > IOV_MAX entries
     got = bytearray(len(payload))
-    t = threading.Thread(target=tcp.recv_into_all, args=(b, memoryview(got)))
+    t = threading.Thread(target=sockets.recv_into_all, args=(b, memoryview(got)))
     t.start()
-    tcp.send_all(a, views)
+    sockets.send_all(a, views)
     t.join(5)
     assert bytes(got) == payload
     a.close(), b.close()
@@ -93,9 +93,9 @@ def test_wrong_token_is_refused_logged_and_nothing_is_used(caplog):
     with pytest.raises(TransferError, match="inference rank 0: handshake .* failed: the peer refused"):
         intruder.connect({0: endpoint})
     # a raw client that ignores the refusal and pushes a frame anyway
-    host, port = tcp.parse_endpoint(endpoint)
+    host, port = sockets.parse_endpoint(endpoint)
     raw = socket.create_connection((host, port), timeout=5)
-    challenge = tcp.recv_exact(raw, wire.CHALLENGE.size)
+    challenge = sockets.recv_exact(raw, wire.CHALLENGE.size)
     head = struct.pack("<4sII", b"WSHA", 0, 0)
     bogus = head + wire.mac(b"guessed-token-guessed-token", challenge, head)
     payload = b"\xff" * 64
@@ -367,7 +367,7 @@ def test_an_authenticated_rank_outside_the_plan_is_refused():
 
 
 def raw_connect(endpoint):
-    host, port = tcp.parse_endpoint(endpoint)
+    host, port = sockets.parse_endpoint(endpoint)
     sock = socket.create_connection((host, port), timeout=30)
     return sock, f"{host}:{sock.getsockname()[1]}"
 
@@ -399,7 +399,7 @@ def closed_by_peer(sock) -> bool:
 def test_crafted_input_before_the_handshake_is_refused_naming_the_address(crafted, why, caplog):
     receiver, endpoint = pair()
     sock, me = raw_connect(endpoint)
-    assert tcp.recv_exact(sock, wire.CHALLENGE.size)[:4] == b"WSHC"
+    assert sockets.recv_exact(sock, wire.CHALLENGE.size)[:4] == b"WSHC"
     sock.sendall(crafted)
     wait_refused(receiver, f"refused connection from {me}: {why}")
     assert closed_by_peer(sock)
@@ -483,8 +483,8 @@ def test_a_patch_is_applied_and_a_damaged_one_asked_for_again_whole():
     damaged = bytes([second[0] ^ 0xFF]) + second[1:]
     sock.sendall(wire.header(wire.PATCH, 5, 2048, len(second), sum2) + damaged + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(second)))
     sock.sendall(wire.header(wire.END, 5, 2, 4096))
-    frame = wire.parse_header(tcp.recv_exact(sock, wire.HEADER.size))
-    assert wire.parse_need(frame, tcp.recv_exact(sock, frame.length)) == [2048]
+    frame = wire.parse_header(sockets.recv_exact(sock, wire.HEADER.size))
+    assert wire.parse_need(frame, sockets.recv_exact(sock, frame.length)) == [2048]
     sock.sendall(wire.header(wire.DATA, 5, 2048, 2048) + new[2048:] + wire.TRAILER.pack(sum2))
     sock.sendall(wire.header(wire.END, 5, 1, 2048))
     t.join(10)
@@ -512,12 +512,12 @@ def test_a_need_for_bytes_not_sent_as_a_patch_fails_the_sender():
         sock, _ = listener.accept()
         challenge = wire.challenge(0)
         sock.sendall(challenge)
-        answer = tcp.recv_exact(sock, wire.ANSWER.size)
+        answer = sockets.recv_exact(sock, wire.ANSWER.size)
         wire.check_answer(TOKEN, challenge, answer)
         sock.sendall(wire.verdict(TOKEN, challenge, answer))
-        frame = wire.parse_header(tcp.recv_exact(sock, wire.HEADER.size))
-        tcp.recv_exact(sock, frame.length + wire.TRAILER.size)
-        tcp.recv_exact(sock, wire.HEADER.size)  # END
+        frame = wire.parse_header(sockets.recv_exact(sock, wire.HEADER.size))
+        sockets.recv_exact(sock, frame.length + wire.TRAILER.size)
+        sockets.recv_exact(sock, wire.HEADER.size)  # END
         sock.sendall(wire.need(1, [4096]))
         return sock
     held = []

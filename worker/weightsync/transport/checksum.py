@@ -36,9 +36,11 @@ def as_views(data: Any) -> list[memoryview]:
     if hasattr(data, "data_ptr"):  # a torch tensor
         if data.device.type != "cpu":
             raise ValueError("the TCP transport sends host memory: stage device tensors into a host buffer first")
-        from weightsync.flat import byte_view
+        import torch
 
-        return [memoryview(byte_view(data).numpy())]
+        if not data.is_contiguous():
+            raise ValueError("send a contiguous tensor (its bytes go out as they lie in memory)")
+        return [memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())]
     return [memoryview(data).cast("B")]
 
 

@@ -19,14 +19,14 @@ applies it with the caller's Patcher, and after the version's END it tells the s
 patches it could not apply (NEED); the sender sends those ranges whole from the bytes the caller
 kept, so a refused patch costs one round trip and never a wrong byte.
 
-The wire format (handshake and frames) is defined in wire.py; checksums in checksum.py.
+The wire format (handshake and frames) is defined in wire.py, the socket calls in sockets.py, the
+checks of what a trainer may send for a version in ledger.py, checksums in checksum.py.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import socket
 import threading
 import time
@@ -40,6 +40,9 @@ from weightsync.transport.base import (Filling, Patcher, PeersFailed, Receiver, 
                                        each_peer)
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.door import Door
+from weightsync.transport.ledger import Ledger
+from weightsync.transport.sockets import (ByteCursor, PeerClosed, client_handshake, dial, hang_up, parse_endpoint,
+                                          recv_exact, recv_into_all, send_all, tune)
 from weightsync.transport.wire import DATA, END, KIND_NAMES, NEED, PATCH, TRAILER
 
 log = logging.getLogger("weightsync.transport")
@@ -54,87 +57,6 @@ RECV_CHUNK = 128 << 10
 BACKLOG = 64
 # refusal reasons kept, to say why a trainer never connected
 REFUSED_KEPT = 8
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
-
-
-def tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if buffer_bytes:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-    sock.settimeout(timeout)
-
-
-def send_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """sendmsg until every byte of `views` is on its way (no copies into a joined buffer)."""
-    views = [v for v in views if len(v)]
-    i = 0
-    while i < len(views):
-        sent = sock.sendmsg(views[i:i + IOV_MAX])
-        while sent:
-            n = len(views[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
-
-
-class ByteCursor:
-    """Walks a list of byte views front to back, handing out the next bytes as views (no copies)."""
-
-    def __init__(self, views: list[memoryview]):
-        self.views = [v for v in views if len(v)]
-        self.i = self.pos = 0
-
-    def take(self, n: int) -> list[memoryview]:
-        out = []
-        while n and self.i < len(self.views):
-            v = self.views[self.i]
-            k = min(n, len(v) - self.pos)
-            out.append(v[self.pos:self.pos + k])
-            self.pos += k
-            n -= k
-            if self.pos == len(v):
-                self.i, self.pos = self.i + 1, 0
-        return out
-
-
-class PeerClosed(ConnectionError):
-    """The peer closed the connection."""
-
-
-def recv_into_all(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
-        got += n
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into_all(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def hang_up(sock: socket.socket) -> None:
-    """Close a socket so that a thread blocked on it (recv, accept) wakes up at once: close()
-    alone leaves such a call, and a listening socket, running on Linux."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint {endpoint!r} is not host:port")
-    return host.strip("[]"), int(port)
 
 
 # ---------------------------------------------------------------- sender (trainer rank)
@@ -152,44 +74,6 @@ class Connection:
     def close(self) -> None:
         hang_up(self.sock)
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def dial(host: str, port: int, deadline: float, buffer_bytes: int, timeout: float) -> socket.socket:
-    """Connect, retrying while the peer is not listening yet, until `deadline`."""
-    delay = 0.02
-    while True:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        tune(sock, buffer_bytes, max(0.1, min(timeout, deadline - time.monotonic())))
-        try:
-            sock.connect((host, port))
-            sock.settimeout(timeout)
-            return sock
-        except (ConnectionRefusedError, socket.timeout, OSError) as e:
-            sock.close()
-            if time.monotonic() + delay > deadline:
-                raise TimeoutError(f"could not connect to {host}:{port}: {e}") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-
-def client_handshake(sock: socket.socket, token: bytes, rank: int, peer_rank: int,
-                     before_verdict: Callable[[socket.socket], None] | None = None) -> None:
-    """The sender's side of the handshake; raises ConnectionError if the receiver refuses us or
-    cannot prove it knows the token. `before_verdict` runs the transport's own set-up steps
-    (RDMA) between the answer and the verdict."""
-    challenge = recv_exact(sock, wire.CHALLENGE.size)
-    their_rank = wire.parse_challenge(challenge)
-    if their_rank != peer_rank:
-        raise ConnectionError(f"the endpoint belongs to inference rank {their_rank}, not {peer_rank}")
-    answer = wire.answer(token, challenge, rank, peer_rank)
-    sock.sendall(answer)
-    try:
-        if before_verdict is not None:
-            before_verdict(sock)
-        verdict = recv_exact(sock, wire.VERDICT.size)
-    except (PeerClosed, ConnectionResetError):
-        raise ConnectionError("the peer refused the handshake (wrong job token?)") from None
-    wire.check_verdict(token, challenge, answer, verdict)
 
 
 class TcpSender(Sender):
@@ -588,70 +472,48 @@ class TcpReceiver(Receiver):
         Any frame beyond that is refused before a byte of its payload is read, and no buffer is
         ever sized by a length the peer sent beyond what the plan allows (the payload of a range
         lands in place, or in a bounce buffer of at most that range or its patch limit)."""
-        peer = f"trainer rank {trainer}"
-        lengths = dict(ranges)
-        planned = set(ranges)
-        left = set(ranges)
+        book = Ledger(trainer, version, ranges)
         sums: dict[int, int] = {}
         bounce: dict = {}
-        frames = nbytes = patches = 0
+        patches = 0
         need: list[int] = []  # patched ranges to ask for again, whole
         self.before_receive(sock, trainer, version, landing, ranges)
         while True:
             kind, v, offset, length, digest = wire.parse_header(recv_exact(sock, wire.HEADER.size))
-            if v != version:
-                raise TransferError(peer, f"sent version {v} while version {version} was expected")
+            book.check_version(v)
             if kind == END:
-                if left:
-                    raise TransferError(peer, f"ended version {version} with {len(left)} of {len(ranges)} ranges missing, "
-                                              f"first at byte {min(left)[0]}")
-                if (offset, length) != (frames, nbytes):
-                    raise TransferError(peer, f"says it sent {offset} ranges / {length} bytes, {frames} / {nbytes} arrived")
+                book.end(offset, length)
                 if not patches:
                     return sums
                 sock.sendall(wire.need(version, need))  # the sender waits for this verdict on its patches
                 if not need:
                     return sums
-                left = {(o, lengths[o]) for o in need}
-                frames = nbytes = patches = 0
-                need = []
+                book.again(need)
+                patches, need = 0, []
                 continue
             if kind == PATCH:
-                size = lengths.get(offset)
                 if not self.patches:
-                    raise TransferError(peer, f"sent a PATCH for bytes at {offset} of version {version}: a sender never "
-                                              f"sends PATCH over the {self.name} transport")
-                if size is None or (offset, size) not in left or length > wire.patch_limit(size):
-                    why = "a second time" if size is not None and (offset, size) in planned and length <= wire.patch_limit(size) \
-                        else "which the plan does not give it"
-                    raise TransferError(peer, f"sent a {length}-byte PATCH for bytes at {offset} of version {version}, {why}")
-                left.discard((offset, size))
+                    raise TransferError(book.peer, f"sent a PATCH for bytes at {offset} of version {version}: a sender "
+                                                   f"never sends PATCH over the {self.name} transport")
+                size = book.take_patch(offset, length, wire.patch_limit)
                 if self.patch(sock, offset, size, length, digest, patcher, bounce):
                     sums[offset] = digest
                 else:
                     need.append(offset)
                 patches += 1
-                frames += 1
-                nbytes += size
                 continue
-            what = f"{KIND_NAMES[kind]} for bytes [{offset}, {offset + length}) of version {version}"
             if kind not in self.carried:
-                raise TransferError(peer, f"sent {what}: a sender never sends {KIND_NAMES[kind]} over the {self.name} transport")
-            if (offset, length) not in left:
-                why = "a second time" if (offset, length) in planned else "which the plan does not give it"
-                raise TransferError(peer, f"sent {what}, {why}")
-            left.discard((offset, length))
+                raise TransferError(book.peer, f"sent {KIND_NAMES[kind]} for bytes [{offset}, {offset + length}) of "
+                                               f"version {version}: a sender never sends {KIND_NAMES[kind]} over the "
+                                               f"{self.name} transport")
+            book.take(KIND_NAMES[kind], offset, length)
             if kind == DATA:
                 got = landing.receive(sock, offset, length, bounce, scatter.get(offset))
                 (digest,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
             else:
                 got = self.written(landing, offset, length)
-            if got != digest:
-                raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
-                                          f"{version}: sent {digest:016x}, received {got:016x}")
+            book.checksum(offset, length, digest, got)
             sums[offset] = got
-            frames += 1
-            nbytes += length
 
     @staticmethod
     def patch(sock: socket.socket, offset: int, size: int, length: int, checksum: int, patcher: Patcher | None,

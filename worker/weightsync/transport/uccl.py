@@ -27,7 +27,8 @@ from typing import Any
 from weightsync.transport import wire
 from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable
 from weightsync.transport.checksum import bucket_checksum
-from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender, client_handshake, recv_exact, send_all
+from weightsync.transport.sockets import client_handshake, recv_exact, send_all
+from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender
 from weightsync.transport.wire import ADVERT, WRITTEN
 
 ADVERT_ENTRY = struct.Struct("<QQ64s")  # offset, length, the engine's 64-byte descriptor
