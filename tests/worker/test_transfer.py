@@ -42,17 +42,18 @@ def store():
 class Ranks:
     """The processes of one test; all are gone when it ends, whatever happened."""
 
-    def __init__(self, store, trainers, inferences, shapes, dtype="float32", bucket=4096, versions=2, **extra):
+    def __init__(self, store, trainers, inferences, shapes, dtype="float32", bucket=4096, versions=2, env=None):
         self.store, self.procs = store, {}
         self.common = ["--trainers", str(trainers), "--inferences", str(inferences), "--shapes", shapes,
                        "--dtype", dtype, "--bucket", str(bucket), "--versions", str(versions),
                        "--store-port", str(store.port)]
-        self.extra = extra
+        self.env = env  # env(role, rank): what a process gets in its environment beyond this one's
 
     def start(self, role, rank, *flags, wrap=()):
         """Start a peer process (its command after `wrap`, for example ip netns exec NAME)."""
         cmd = [*wrap, sys.executable, str(PEER), "--role", role, "--rank", str(rank), *self.common, *flags]
-        self.procs[(role, rank)] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, **self.env(role, rank)} if self.env else None
+        self.procs[(role, rank)] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         return self.procs[(role, rank)]
 
     def wait(self, timeout=120):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from weightsync.flat import FlatLayout, byte_view, torch_dtype, views
 from weightsync.plan import make_plan
+from weightsync.ranks import tamper_hook
 from weightsync.shards import Holdings, plan_by_holder
 from weightsync.transfer import VersionReceiver, VersionSender, version_digest
 from weightsync.transport import TransferError, make_transport
@@ -74,6 +75,8 @@ def main():
     p.add_argument("--token", default="test-job-token-0123456789")
     p.add_argument("--timeout", type=float, default=30)
     p.add_argument("--transport", default="tcp", choices=["tcp", "nccl", "uccl"])
+    p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"],
+                   help="the nccl transport's backend (gloo: the same code on host tensors)")
     p.add_argument("--device", default="cpu", help="where the tensors and the staging buffer live (cuda:N for GPUs)")
     p.add_argument("--pause-after-first-bucket", action="store_true", help="trainer: send one bucket, then hang")
     p.add_argument("--listen-only", action="store_true", help="inference: accept connections, never read")
@@ -93,13 +96,19 @@ def main():
     device = torch.device(args.device)
     options = {}
     if args.transport == "nccl":
-        options = {"store": store, "trainers": args.trainers, "inferences": args.inferences, "device": device.index}
+        options = {"store": store, "trainers": args.trainers, "inferences": args.inferences, "device": device.index,
+                   "backend": args.backend}
     elif args.transport == "uccl":
         options = {"gpu": device.index or 0}
     transport = make_transport(args.transport, token=args.token.encode(), timeout=args.timeout, **options)
+    try:
+        end = transport.sender(args.rank) if args.role == "trainer" else transport.receiver(args.rank)
+    except TransferError as e:  # a group that never formed
+        store.set(f"error/{args.role}/{args.rank}", str(e))
+        sys.exit(3)
 
     if args.role == "trainer":
-        sender = transport.sender(args.rank)
+        sender = end
         peers = {i: store.get(f"endpoint/{i}").decode() for i in range(args.inferences)}
         try:
             sender.connect(peers)
@@ -119,7 +128,8 @@ def main():
             sys.stdin.read()  # until killed
             return
         held = Holdings.fsdp(layout, args.trainers, args.rank) if args.fsdp else Holdings.whole(layout)
-        mover = VersionSender(sender, plan, args.rank, delta=args.delta, starts=held.starts(layout) if args.fsdp else None)
+        mover = VersionSender(sender, plan, args.rank, delta=args.delta, starts=held.starts(layout) if args.fsdp else None,
+                              tamper=tamper_hook())
         for v in range(1, args.versions + 1):
             bases = None
             if args.delta:
@@ -135,7 +145,7 @@ def main():
         sender.close()
         return
 
-    receiver = transport.receiver(args.rank)
+    receiver = end
     store.set(f"endpoint/{args.rank}", receiver.listen(args.host, 0))
     if args.listen_only:
         store.set(f"listening/inference/{args.rank}", "1")

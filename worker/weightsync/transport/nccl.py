@@ -1,24 +1,44 @@
-"""NCCL transport: the same interface over torch.distributed NCCL point-to-point on GPU tensors.
+"""NCCL transport: the same interface over torch.distributed point-to-point on GPU tensors.
 
-One NCCL process group spans every trainer and inference rank: trainers are ranks 0..M-1,
-inference ranks M..M+N-1. It is a group of its own (ProcessGroupNCCL built on the job's store
-under the prefix "weightsync-nccl"), so it lives beside the trainers' DDP group. The caller may
-also hand in a ready group with that rank order.
+One process group spans every trainer and inference rank: trainers are ranks 0..M-1, inference
+ranks M..M+N-1. It is a group of its own (built on the job's store under the prefix
+"weightsync-nccl"), so it lives beside the trainers' DDP group. The caller may also hand in a
+ready group with that rank order. The same code runs on host tensors over gloo (backend="gloo"):
+point-to-point works there too, so the framing, the bookkeeping and every failure path run on
+machines without a GPU.
 
 Each range travels as a small header tensor (int64: kind, version, offset, length, checksum),
-then its bytes, received straight into the staging tensor. NCCL keeps point-to-point messages
-between two ranks in order, which is all the framing needs. Checksums are xxh3_64 of the bytes
-as in every transport (computed from a host copy of the bucket). Before the first range, each
-sender proves through the store that it holds the job token: an HMAC over a fresh nonce that the
-receiver published when it started listening, so that a proof from an earlier run (or an earlier
-life of the receiver) does not pass.
+then its bytes, received straight into the staging tensor. Point-to-point messages between two
+ranks keep their order, which is all the framing needs; the receiver checks every frame against
+the plan (ledger.py). Before the first range, each sender proves through the store that it holds
+the job token: an HMAC over a fresh nonce that the receiver published when it started listening,
+so that a proof from an earlier run (or an earlier life of the receiver) does not pass.
+
+Waiting, failing, and why the process survives it:
+- Every send and receive is waited on with work.wait(time left): a deadline per operation on
+  the sender, per version on the receiver. A timeout, a dead peer, or an error of the backend
+  becomes a TransferError naming the peer.
+- NCCL's own watchdog would end the process on a timeout or error. The group's timeout is set
+  well past the transfer timeout (WATCHDOG_FACTOR), and its error handling to abort the
+  communicators without killing the process; a failed version aborts the group itself, so that
+  no pending operation is left for the watchdog. An aborted group carries no more versions:
+  every later call says so (the job fails, naming the first failure).
+- NCCL creates a communicator for each pair of ranks at their first operation, which blocks
+  both until the other arrives and cannot be interrupted; several threads doing it at once on
+  one group can hang. So each end meets its peers first on one thread, in one global order
+  (trainer rank, then inference rank), before any thread of its own sends or receives: the
+  sender at its first send, the receiver at its first receive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
+import logging
+import os
+import re
 import secrets
 import struct
 import threading
@@ -26,22 +46,37 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
-                                       each_peer, wait_all)
+from weightsync.transport.base import (Filling, PeersFailed, Receiver, Sender, Tally, TransferError, Transport,
+                                       TransportUnavailable, each_peer)
 from weightsync.transport.checksum import bucket_checksum
+from weightsync.transport.ledger import Ledger
 from weightsync.transport.wire import DATA, END
 
+log = logging.getLogger("weightsync.transport")
+
 PREFIX = "weightsync-nccl"
+BACKENDS = ("nccl", "gloo")
+HELLO = 0  # the header kind of the first frame between two ranks (it creates their communicator)
+# The group's own timeout, which NCCL's watchdog acts on, in transfer timeouts: the transport
+# gives up, and aborts the group, long before.
+WATCHDOG_FACTOR = 4
+# TORCH_NCCL_ASYNC_ERROR_HANDLING for the transport's group: on an error, abort the
+# communicators and let the waiting call raise, without tearing the process down.
+CLEAN_UP_ONLY = "2"
 
 
-def unavailable_reason() -> str | None:
-    """Why NCCL cannot run here, or None."""
+def unavailable_reason(backend: str = "nccl") -> str | None:
+    """Why the point-to-point transport cannot run here on `backend`, or None."""
     try:
         import torch
         import torch.distributed as dist
     except ImportError as e:
         return f"torch is not installed ({e})"
-    if not dist.is_available() or not dist.is_nccl_available():
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    if backend == "gloo":
+        return None if dist.is_gloo_available() else "this torch build has no gloo support"
+    if not dist.is_nccl_available():
         return "this torch build has no NCCL support"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
@@ -60,31 +95,114 @@ def _hello_mac(token: bytes, nonce: bytes, trainer: int, inference: int) -> str:
     return hmac.new(token, b"nccl hello|" + nonce + f"|{trainer}->{inference}".encode(), hashlib.sha256).hexdigest()
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """`name` set to `value` while a group is built (the backend reads it then)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _first_line(error: BaseException) -> str:
+    """The backend's message, without the source location it starts with."""
+    text = str(error).strip() or type(error).__name__
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", text.splitlines()[0])[:300]
+
+
+def _wait(work, deadline: float, peer: str, what: str) -> None:
+    """Wait for a point-to-point operation until `deadline`; any failure becomes a
+    TransferError naming `peer`."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferError(peer, f"{what} did not complete in time")
+    try:
+        done = work.wait(datetime.timedelta(seconds=left))
+    except Exception as e:  # noqa: BLE001 - the backend's error (timeout, peer gone, group aborted), named below
+        raise TransferError(peer, f"{what} failed: {_first_line(e)}") from None
+    if done is False:
+        raise TransferError(peer, f"{what} did not complete in time")
+
+
 class NcclTransport(Transport):
     name = "nccl"
 
     def __init__(self, token: bytes, timeout: float, trainers: int, inferences: int, store=None, group=None,
-                 device: int | None = None):
-        reason = unavailable_reason()
+                 device: int | None = None, backend: str = "nccl"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        reason = unavailable_reason(backend)
         if reason:
             raise TransportUnavailable(f"nccl: {reason}")
         if store is None and group is None:
-            raise ValueError("the nccl transport needs the job's store (or a ready NCCL process group)")
-        self.token, self.timeout = token, timeout
+            raise ValueError("the nccl transport needs the job's store (or a ready process group)")
+        self.token, self.timeout, self.backend = token, timeout, backend
         self.trainers, self.inferences = trainers, inferences
         self.store, self.group, self.device = store, group, device
+        self.failure: str | None = None  # why the group was aborted, once it was
+        self.lock = threading.Lock()
+
+    @property
+    def host(self) -> bool:
+        """Whether this transport moves host tensors (gloo) rather than GPU tensors (NCCL)."""
+        return self.backend == "gloo"
 
     def _group(self, global_rank: int):
-        import torch
         import torch.distributed as dist
 
-        if self.device is not None:
+        if self.device is not None and not self.host:
+            import torch
+
             torch.cuda.set_device(self.device)
-        if self.group is None:
-            prefixed = dist.PrefixStore(PREFIX, self.store)
-            self.group = dist.ProcessGroupNCCL(prefixed, global_rank, self.trainers + self.inferences,
-                                               datetime.timedelta(seconds=self.timeout))
+        if self.group is not None:
+            return self.group
+        prefixed = dist.PrefixStore(PREFIX, self.store)
+        world = self.trainers + self.inferences
+        watchdog = datetime.timedelta(seconds=self.timeout * WATCHDOG_FACTOR + 60)
+        if self.host:
+            # gloo connects every pair while the group is built: every rank of the job must get here
+            self.store.set(f"{PREFIX}/joined/{global_rank}", "1")
+            try:
+                self.group = dist.ProcessGroupGloo(prefixed, global_rank, world, datetime.timedelta(seconds=self.timeout))
+            except RuntimeError as e:
+                missing = [r for r in range(world) if not self.store.check([f"{PREFIX}/joined/{r}"])]
+                raise TransferError(self._name(missing[0]) if missing else "nccl",
+                                    f"the group did not form within {self.timeout:g}s "
+                                    f"(not joined: {', '.join(self._name(r) for r in missing) or 'none'}): {_first_line(e)}") from None
+            return self.group
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = watchdog
+        with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", CLEAN_UP_ONLY):
+            self.group = dist.ProcessGroupNCCL(prefixed, global_rank, world, options)
         return self.group
+
+    def _name(self, global_rank: int) -> str:
+        if global_rank < self.trainers:
+            return f"trainer rank {global_rank}"
+        return f"inference rank {global_rank - self.trainers}"
+
+    def abort(self, why: str) -> None:
+        """Give the group up: pending operations end, and no later version may use it."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = why
+            group = self.group
+        if group is not None and hasattr(group, "abort"):
+            try:
+                group.abort()
+            except Exception as e:  # noqa: BLE001 - an abort that fails leaves nothing more to do
+                log.warning("aborting the %s group failed: %s", self.backend, e)
+
+    def check(self, peer: str) -> None:
+        """Raise if the group was aborted: the ranks' streams of frames are out of step."""
+        if self.failure is not None:
+            raise TransferError(peer, f"the {self.backend} group was aborted after an earlier failure ({self.failure}); "
+                                      "it carries no more versions")
 
     def sender(self, rank: int) -> "NcclSender":
         return NcclSender(self, rank)
@@ -93,43 +211,54 @@ class NcclTransport(Transport):
         return NcclReceiver(self, rank)
 
 
-def _wait(work, deadline: float, peer: str, what: str, abandon: threading.Event | None = None) -> None:
-    """Wait for an NCCL work item; give up at `deadline`, or as soon as `abandon` is set (another
-    peer's failure has lost the version)."""
-    while not work.is_completed():
-        if abandon is not None and abandon.is_set():
-            raise TransferError(peer, f"{what} was abandoned: the version failed on another connection")
-        if time.monotonic() > deadline:
-            raise TransferError(peer, f"{what} did not complete in time")
-        time.sleep(0.0005)
-    if not work.is_success():
-        raise TransferError(peer, f"{what} failed: {work.exception()}")
-
-
 class NcclSender(Sender):
-    in_place = False  # ranges are sent from registered GPU send buffers
-    buffer_device = "cuda"
+    in_place = False  # ranges are sent from registered send buffers
 
     def __init__(self, transport: NcclTransport, rank: int):
         import torch
 
         self.t, self.rank = transport, rank
         self.group = transport._group(rank)
+        self.buffer_device = "cpu" if transport.host else "cuda"
         # the sending threads start on cuda:0 (the current device is per thread): name this rank's
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device("cpu") if transport.host else torch.device("cuda", torch.cuda.current_device())
         self.peers: list[int] = []
+        self.met: set[int] = set()
         self.pools: dict[int, ThreadPoolExecutor] = {}
         self.pending: dict[int, list[tuple[int, Future]]] = {}
         self.tally = Tally()
 
     def connect(self, peers: dict[int, str]) -> None:
-        for peer in peers:
+        for peer in sorted(peers):
             if self.t.store is not None:  # the receiver published its nonce before it joined
                 nonce = self.t.store.get(f"{PREFIX}/nonce/{peer}")
                 self.t.store.set(f"{PREFIX}/hello/{self.rank}/{peer}", _hello_mac(self.t.token, nonce, self.rank, peer))
             self.pools.setdefault(peer, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"nccl-to-{peer}"))
             if peer not in self.peers:
                 self.peers.append(peer)
+        self.peers.sort()
+
+    def connected(self, peer: int) -> bool:
+        return peer in self.peers
+
+    def _meet(self) -> None:
+        """The first frame to every peer, on this thread, in rank order (see the module's
+        docstring): afterwards no sending thread creates a communicator."""
+        import torch
+
+        for peer in self.peers:
+            if peer in self.met:
+                continue
+            name = f"inference rank {peer}"
+            self.t.check(name)
+            head = torch.tensor([HELLO, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
+            try:
+                _wait(self.group.send([head], self.t.trainers + peer, 0), time.monotonic() + self.t.timeout, name,
+                      "the first frame")
+            except TransferError as e:
+                self.t.abort(str(e))
+                raise
+            self.met.add(peer)
 
     def _submit(self, peer: int, version: int, header: Callable[[], list[int]], data) -> Future:
         """Send header() (called on the peer's thread, where it may wait for the bytes) and then
@@ -140,12 +269,17 @@ class NcclSender(Sender):
         name = f"inference rank {peer}"
 
         def run() -> int:
+            self.t.check(name)
             fields = header()
             deadline = time.monotonic() + self.t.timeout
             head = torch.tensor(fields, dtype=torch.int64, device=self.device)
-            _wait(self.group.send([head], dst, 0), deadline, name, f"header of version {version}")
-            if data is not None:
-                _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}")
+            try:
+                _wait(self.group.send([head], dst, 0), deadline, name, f"the header of version {version}")
+                if data is not None:
+                    _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}")
+            except TransferError as e:
+                self.t.abort(str(e))
+                raise
             return _unsigned(fields[4])
 
         future = self.pools[peer].submit(run)
@@ -153,14 +287,16 @@ class NcclSender(Sender):
         return future
 
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
-        if not hasattr(data, "data_ptr") or data.device.type != "cuda":
-            raise ValueError("the nccl transport sends GPU tensors (uint8)")
-        length = data.numel() * data.element_size()
+        if not hasattr(data, "data_ptr") or data.device.type != self.device.type or data.dtype.itemsize != 1:
+            raise ValueError(f"the nccl transport over {self.t.backend} sends {self.device.type} tensors of bytes (uint8)")
+        if peer not in self.peers:
+            raise TransferError(f"inference rank {peer}", "not connected")
+        self._meet()
+        length = data.numel()
         self.tally.add(version, peer, length)
 
         def header() -> list[int]:
-            digest = bucket_checksum(data, filling)
-            return [DATA, version, offset, length, _signed(digest)]
+            return [DATA, version, offset, length, _signed(bucket_checksum(data, filling))]
 
         return self._submit(peer, version, header, data)
 
@@ -168,11 +304,23 @@ class NcclSender(Sender):
         for peer in self.peers:
             frames, nbytes = self.tally.pop(version, peer)
             self._submit(peer, version, lambda f=frames, n=nbytes: [END, version, f, n, 0], None)
-        wait_all(f for _, f in self.pending.pop(version, []))
+        failed: dict[int, TransferError] = {}
+        other = None
+        for peer, future in self.pending.pop(version, []):
+            e = future.exception()
+            if isinstance(e, TransferError):
+                failed.setdefault(peer, e)
+            elif e is not None and other is None:
+                other = e
+        if other is not None:
+            raise other
+        if failed:
+            raise PeersFailed(failed)
 
     def close(self) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        self.t.abort("the sender closed")
 
 
 class NcclReceiver(Receiver):
@@ -180,6 +328,7 @@ class NcclReceiver(Receiver):
         self.t, self.rank = transport, rank
         self.group = transport._group(transport.trainers + rank)
         self.proven: set[int] = set()
+        self.met: set[int] = set()
         self.nonce = secrets.token_hex(16).encode()
 
     def listen(self, host: str, port: int) -> str:
@@ -187,19 +336,32 @@ class NcclReceiver(Receiver):
             self.t.store.set(f"{PREFIX}/nonce/{self.rank}", self.nonce)
         return f"nccl:{self.t.trainers + self.rank}"
 
-    def _prove(self, trainer: int, deadline: float, abandon: threading.Event) -> None:
+    def _prove(self, trainer: int, deadline: float) -> None:
         if trainer in self.proven or self.t.store is None:
             return
         key = f"{PREFIX}/hello/{trainer}/{self.rank}"
         while not self.t.store.check([key]):
-            if abandon.is_set():
-                raise TransferError(f"trainer rank {trainer}", "had not announced itself when the version failed")
             if time.monotonic() > deadline:
                 raise TransferError(f"trainer rank {trainer}", "did not announce itself in time")
             time.sleep(0.01)
         if not hmac.compare_digest(self.t.store.get(key).decode(), _hello_mac(self.t.token, self.nonce, trainer, self.rank)):
             raise TransferError(f"trainer rank {trainer}", "its announcement does not prove the job token")
         self.proven.add(trainer)
+
+    def _meet(self, trainers: list[int], deadline: float, device) -> None:
+        """Each trainer's first frame, on this thread, in rank order (see the module's docstring)."""
+        import torch
+
+        for trainer in sorted(trainers):
+            if trainer in self.met:
+                continue
+            peer = f"trainer rank {trainer}"
+            self._prove(trainer, deadline)
+            head = torch.empty(5, dtype=torch.int64, device=device)
+            _wait(self.group.recv([head], trainer, 0), deadline, peer, "the first frame")
+            if int(head[0]) != HELLO:
+                raise TransferError(peer, f"sent a frame of kind {int(head[0])} before its first frame")
+            self.met.add(trainer)
 
     def receive(self, version: int, buffer: Any, expected: dict[int, list[tuple[int, int]]], timeout: float,
                 patcher: Any = None, scatter: Any = None) -> dict[int, int]:
@@ -210,50 +372,50 @@ class NcclReceiver(Receiver):
         if scatter:
             raise ValueError("the nccl transport lands every range in one run; this plan bundles runs of several "
                              "tensors into one bucket (a plan made for tcp)")
-
-        if not hasattr(buffer, "data_ptr") or buffer.device.type != "cuda":
-            raise ValueError("the nccl transport receives into a GPU tensor")
+        kind = "cpu" if self.t.host else "cuda"
+        if not hasattr(buffer, "data_ptr") or buffer.device.type != kind:
+            raise ValueError(f"the nccl transport over {self.t.backend} receives into a {kind} tensor")
         flat = buffer.view(torch.uint8).reshape(-1)
+        for trainer, ranges in expected.items():
+            for offset, length in ranges:
+                if offset < 0 or offset + length > flat.numel():
+                    raise ValueError(f"trainer rank {trainer}'s range at {offset} ({length} bytes) does not fit the "
+                                     f"{flat.numel()}-byte buffer")
+        self.t.check(f"inference rank {self.rank}")
         deadline = time.monotonic() + timeout
-        abandon = threading.Event()  # one trainer's failure loses the version: the others stop waiting
-
-        def run(trainer: int) -> dict[int, int]:
-            peer = f"trainer rank {trainer}"
-            self._prove(trainer, deadline, abandon)
-            left = set(expected[trainer])
-            sums: dict[int, int] = {}
-            frames = nbytes = 0
-            head = torch.empty(5, dtype=torch.int64, device=buffer.device)
-            while True:
-                _wait(self.group.recv([head], trainer, 0), deadline, peer, f"header of version {version}", abandon)
-                kind, v, offset, length, digest = (int(x) for x in head.cpu())
-                if v != version:
-                    raise TransferError(peer, f"sent version {v} while version {version} was expected")
-                if kind == END:
-                    if left or (offset, length) != (frames, nbytes):
-                        raise TransferError(peer, f"ended version {version} with {len(left)} ranges missing")
-                    return sums
-                if kind != DATA or (offset, length) not in left:
-                    raise TransferError(peer, f"sent bytes [{offset}, {offset + length}) the plan does not give it")
-                left.discard((offset, length))
-                target = flat[offset:offset + length]
-                _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}",
-                      abandon)
-                torch.cuda.current_stream(buffer.device).synchronize()
-                got = bucket_checksum(target)
-                if got != _unsigned(digest):
-                    raise TransferError(peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version {version}")
-                sums[offset] = got
-                frames += 1
-                nbytes += length
-
         try:
-            results = each_peer(expected, run, lambda _: abandon.set())
-        except Exception:
-            if hasattr(self.group, "abort"):
-                self.group.abort()
+            self._meet(list(expected), deadline, buffer.device)
+            results = each_peer(expected, lambda t: self._from(t, version, flat, expected[t], deadline),
+                                lambda e: self.t.abort(str(e)))
+        except TransferError as e:
+            self.t.abort(str(e))
             raise
         return {offset: digest for sums in results.values() for offset, digest in sums.items()}
 
+    def _from(self, trainer: int, version: int, flat, ranges: list[tuple[int, int]], deadline: float) -> dict[int, int]:
+        """One version's frames from one trainer: its ranges, each once, then END."""
+        import torch
+
+        peer = f"trainer rank {trainer}"
+        book = Ledger(trainer, version, ranges)
+        sums: dict[int, int] = {}
+        head = torch.empty(5, dtype=torch.int64, device=flat.device)
+        while True:
+            self.t.check(peer)
+            _wait(self.group.recv([head], trainer, 0), deadline, peer, f"a header of version {version}")
+            kind, v, offset, length, digest = (int(x) for x in head.cpu())
+            book.check_version(v)
+            if kind == END:
+                book.end(offset, length)
+                return sums
+            if kind != DATA:
+                raise TransferError(peer, f"sent a frame of kind {kind} for bytes at {offset} of version {version}")
+            book.take("DATA", offset, length)
+            target = flat[offset:offset + length]
+            _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}")
+            got = bucket_checksum(target)  # a host copy on the current stream, which the wait ordered after the receive
+            book.checksum(offset, length, _unsigned(digest), got)
+            sums[offset] = got
+
     def close(self) -> None:
-        pass
+        self.t.abort("the receiver closed")
