@@ -42,6 +42,7 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"model": {"path": "models/x"}}, "demo", "spec.model.path: 'models/x' does not match"),
     ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
     ({"transfer": {"transport": "nccl", "delta": {"enabled": True}}}, "demo", "spec.transfer.delta.enabled needs transport tcp"),
+    ({"transfer": {"transport": "uccl", "bucketMB": 4096}}, "demo", "spec.transfer.bucketMB must be below 4096 with transport uccl"),
     ({"transfer": {"delta": {"fullEvery": 0}}}, "demo", "spec.transfer.delta.fullEvery: 0 is less than the minimum of 1"),
     ({"trainer": {"args": ["--fsdp"]}}, "demo", "spec.trainer.args needs spec.trainer.command"),
     ({"trainer": {"env": [{"name": "A", "value": "1"}]}}, "demo", "spec.trainer.env needs spec.trainer.command"),
@@ -113,7 +114,7 @@ def test_network_env_per_mode():
     spec = contract.load_job(job({"network": {"rdma": {"hcas": ["mlx5_0", "mlx5_1"]}}})).spec
     rdma = contract.network_env(spec, "rdma")
     assert rdma["NCCL_IB_DISABLE"] == "0" and rdma["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
-    assert rdma["NCCL_IB_TC"] == "104" and rdma["UCCL_P2P_IB_GID_INDEX"] == "3"
+    assert rdma["NCCL_IB_TC"] == "104" and rdma["UCCL_P2P_RDMA_GID_INDEX"] == "3"
     tcp = contract.network_env(spec, "tcp")
     assert tcp["NCCL_IB_DISABLE"] == "1" and tcp["NCCL_SOCKET_IFNAME"] == "^lo,docker0"
     with pytest.raises(ValueError):

@@ -357,10 +357,10 @@ def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, namespace, 
         assert pod["spec"]["securityContext"]["runAsUser"] == 0  # IPC_LOCK lifts the memlock limit only for root
         assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/dev/shm"}
         assert env["NCCL_IB_DISABLE"] == "0"
-        assert env["NCCL_IB_HCA"] == env["UCCL_P2P_IB_HCA"] == ",".join(rdma["hcas"])
-        assert env["NCCL_IB_GID_INDEX"] == env["UCCL_P2P_IB_GID_INDEX"] == str(rdma["gidIndex"])
-        assert env["NCCL_IB_TC"] == env["UCCL_P2P_IB_TC"] == str(rdma["trafficClass"])
-        assert env["NCCL_IB_SL"] == env["UCCL_P2P_IB_SL"] == str(rdma["serviceLevel"])
+        assert env["NCCL_IB_HCA"] == env["UCCL_P2P_RDMA_DEV"] == ",".join(rdma["hcas"])
+        assert env["NCCL_IB_GID_INDEX"] == env["UCCL_P2P_RDMA_GID_INDEX"] == str(rdma["gidIndex"])
+        assert env["NCCL_IB_TC"] == env["UCCL_P2P_RDMA_TC"] == str(rdma["trafficClass"])
+        assert env["NCCL_IB_SL"] == env["UCCL_P2P_RDMA_SL"] == str(rdma["serviceLevel"])
         assert env["NCCL_NET_GDR_LEVEL"] == rdma["gdrLevel"]
     print(f"{name}: placed on {sorted({p['spec']['nodeName'] for p in scheduled.values()})}; its workers need GPUs "
           "and RDMA NICs, which this machine does not have, so they are not started here")

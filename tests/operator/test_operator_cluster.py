@@ -140,7 +140,7 @@ def test_rdma_job_lands_on_rdma_nodes(ns):
         assert pod["spec"]["hostNetwork"] is True and pod["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
         e = env(s)
         assert e["NCCL_IB_DISABLE"] == "0" and e["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" and e["NCCL_IB_TC"] == "104"
-        assert e["UCCL_P2P_IB_HCA"] == "mlx5_0,mlx5_1"
+        assert e["UCCL_P2P_RDMA_DEV"] == "mlx5_0,mlx5_1"
     ctl = children["StatefulSet/rdma-controller"]
     assert not container(ctl).get("resources") and not ctl["spec"]["template"]["spec"].get("hostNetwork")
 

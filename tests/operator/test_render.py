@@ -210,7 +210,7 @@ def test_rdma_pods():
                                                   "networks": "default/rdma-net", "hostNetwork": True}}})
     for role in (TRAINER, INFERENCE):
         e = env(j, role, "rdma")
-        assert e["NCCL_IB_DISABLE"] == "0" and e["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" == e["UCCL_P2P_IB_HCA"]
+        assert e["NCCL_IB_DISABLE"] == "0" and e["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" == e["UCCL_P2P_RDMA_DEV"]
         assert e["NCCL_IB_GID_INDEX"] == "5" and e["NCCL_IB_TC"] == "104" and e["NCCL_NET_GDR_LEVEL"] == "PHB"
         c = container(j, role, "rdma")
         assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "2" == c["resources"]["requests"]["rdma/rdma_shared_device_a"]

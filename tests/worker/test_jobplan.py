@@ -1,5 +1,6 @@
 """Which plan a job gets (jobplan.py), from what its ranks hold and need, and `weightsync plan job.yaml`
 for jobs whose trainers hold FSDP2 shards and whose inference replicas mix tensor-parallel degrees."""
+import pytest
 import torch
 import yaml
 
@@ -51,6 +52,9 @@ def test_the_planner_follows_what_the_ranks_hold_and_need():
     for transport in ("nccl", "uccl"):
         alone = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 3, 4096, transport=transport)
         assert [(b.trainer, len(b.spans)) for b in alone.buckets] == [(0, 1), (1, 1), (0, 1), (1, 1)]
+    with pytest.raises(ValueError, match="too large for the uccl transport, which moves at most 4294967295 bytes"):
+        make_job_plan(layout, fsdp_holdings(layout, 2, 1), 3, 4096 << 20, transport="uccl")
+    assert make_job_plan(layout, fsdp_holdings(layout, 2, 1), 3, 4096 << 20, transport="nccl").bucket_bytes == 4096 << 20
     needs = (needs_everything(layout, 0), needs_everything(layout, 1))
     sliced = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 2, 4096, needs)
     assert isinstance(sliced, SlicedPlan) and sliced.bytes_by_receiver() == [layout.total_bytes] * 2

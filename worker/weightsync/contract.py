@@ -424,13 +424,13 @@ def network_env(spec: Mapping, mode: str) -> dict[str, str]:
             "NCCL_NET_GDR_LEVEL": rdma["gdrLevel"],
             "NCCL_IB_TC": str(rdma["trafficClass"]),
             "NCCL_IB_SL": str(rdma["serviceLevel"]),
-            "UCCL_P2P_IB_GID_INDEX": str(rdma["gidIndex"]),
-            "UCCL_P2P_IB_TC": str(rdma["trafficClass"]),
-            "UCCL_P2P_IB_SL": str(rdma["serviceLevel"]),
+            "UCCL_P2P_RDMA_GID_INDEX": str(rdma["gidIndex"]),
+            "UCCL_P2P_RDMA_TC": str(rdma["trafficClass"]),
+            "UCCL_P2P_RDMA_SL": str(rdma["serviceLevel"]),
         }
         if rdma.get("hcas"):
             env["NCCL_IB_HCA"] = ",".join(rdma["hcas"])
-            env["UCCL_P2P_IB_HCA"] = ",".join(rdma["hcas"])
+            env["UCCL_P2P_RDMA_DEV"] = ",".join(rdma["hcas"])
         return env
     if mode == "tcp":
         ifname = spec["network"]["tcp"]["socketIfname"]

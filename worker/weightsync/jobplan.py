@@ -24,7 +24,7 @@ from .plan import Plan, make_plan
 from .shards import Holdings, plan_by_holder
 from .slicepath import SlicedPlan, needs_everything
 from .slices import RankSlices
-from .transport import SCATTERING
+from .transport import RANGE_LIMITS, SCATTERING
 
 
 def inference_needs(job: Layout, layout: FlatLayout, slices_of: Callable[[int], RankSlices]) -> tuple[RankSlices, ...] | None:
@@ -42,7 +42,12 @@ def make_job_plan(layout: FlatLayout, holdings: Sequence[Holdings], inferences: 
     """The plan for trainer ranks holding `holdings` (one per rank) and `inferences` inference
     ranks that need `needs` (None: the whole version each), over `transport` (whether a bucket
     may bundle runs of several tensors). ValueError, naming the tensor, where what the trainers
-    hold does not cover what the inference ranks need exactly."""
+    hold does not cover what the inference ranks need exactly, or where `transport` cannot move
+    a bucket of bucket_bytes."""
+    limit = RANGE_LIMITS.get(transport)
+    if limit is not None and bucket_bytes > limit:
+        raise ValueError(f"{bucket_bytes}-byte buckets are too large for the {transport} transport, which moves at most "
+                         f"{limit} bytes at a time: lower spec.transfer.bucketMB")
     if needs is not None:
         if len(needs) != inferences:
             raise ValueError(f"{len(needs)} inference ranks said what they need; the job has {inferences}")

@@ -13,8 +13,11 @@ NAMES = ("tcp", "nccl", "uccl")
 # The transports whose receivers land one frame's bytes in several runs of the version (a bucket
 # that bundles a sharded rank's runs of several tensors); the others take one run per frame.
 SCATTERING = ("tcp",)
+# The largest range (bucket) a transport moves in one transfer, where it has a limit: uccl's
+# transfer sizes are 32-bit.
+RANGE_LIMITS = {"uccl": (1 << 32) - 1}
 
-__all__ = ["NAMES", "SCATTERING", "Receiver", "Sender", "TransferError", "Transport", "TransportUnavailable",
+__all__ = ["NAMES", "RANGE_LIMITS", "SCATTERING", "Receiver", "Sender", "TransferError", "Transport", "TransportUnavailable",
            "make_transport", "resolve_transport"]
 
 
