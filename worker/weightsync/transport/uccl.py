@@ -1,35 +1,49 @@
 """UCCL P2P transport: one-sided RDMA writes straight into the inference rank's staging buffer.
 
-Built on the `uccl` package's P2P engine (`from uccl import p2p`, pip name uccl, v0.1.x):
-`p2p.Endpoint(local_gpu_idx)`, `get_metadata()` / `Endpoint.parse_metadata()`, `connect()` /
-`accept()`, `reg(ptr, size)` to register memory once, `advertise(conn_id, mr_id, ptr, size)` for
+Written for the `uccl` package's P2P engine at exactly version UCCL_VERSION (`from uccl import
+p2p`): `p2p.Endpoint(local_gpu_idx)`, `get_metadata()` / `Endpoint.parse_metadata()`, `connect()`
+/ `accept()`, `reg(ptr, size)` to register memory once, `advertise(conn_id, mr_id, ptr, size)` for
 the 64-byte descriptor of a remote-writable region, `write_async(conn_id, mr_id, ptr, size,
-descriptor)` and `poll_async(transfer_id)`.
+descriptor)` and `poll_async(transfer_id)`. uccl reads its settings from UCCL_P2P_RDMA_DEV,
+UCCL_P2P_RDMA_GID_INDEX, UCCL_P2P_RDMA_TC, UCCL_P2P_RDMA_SL and UCCL_SOCKET_IFNAME (the job
+contract sets them); it runs over RDMA devices, or over TCP where it has none.
 
 Control travels over the TCP transport's authenticated connection and frames (wire.py): the
-HMAC handshake first, then, before the verdict, the receiver's endpoint metadata and the RDMA
-connect/accept. For each version the receiver advertises every range it expects from that trainer
-(an ADVERT frame); the trainer RDMA-writes each bucket from its registered send buffer into
-place, then sends a WRITTEN frame with the bucket's checksum, which the receiver verifies over
-the landed bytes; END closes the version as over TCP.
+HMAC handshake first, then, before the verdict, the receiver's endpoint metadata, the RDMA
+connect/accept, and the sender's own metadata. For each version the receiver advertises every
+range it expects from that trainer (an ADVERT frame); the trainer RDMA-writes each bucket from its
+registered send buffer into place, then sends a WRITTEN frame with the bucket's checksum, which
+the receiver verifies over the landed bytes; END closes the version as over TCP.
+
+What uccl cannot tell, the transport checks. In this version connect, write and poll report
+success whatever happens and accept never times out, so:
+- accept() runs on a thread of its own for the receiver's life (Acceptor); an admission waits,
+  with a deadline, for the accepted connection that comes from the address and GPU the trainer
+  names over its authenticated socket, and never holds a lock while uccl blocks. Whoever
+  connects over RDMA without passing the handshake is never matched to a trainer.
+- connect() runs on a helper thread with a deadline; a write's completion is polled until the
+  transfer timeout; a write that reported success and landed nothing fails the bucket's checksum.
+- A transfer size is 32-bit: ranges of 4 GiB or more are refused (transport.RANGE_LIMITS).
 """
 
 from __future__ import annotations
 
-import glob
+import logging
 import socket
 import struct
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
-from weightsync.transport import wire
+from weightsync.transport import RANGE_LIMITS, wire
 from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import client_handshake, recv_exact, send_all
 from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender
 from weightsync.transport.wire import ADVERT, WRITTEN
+
+log = logging.getLogger("weightsync.transport")
 
 ADVERT_ENTRY = struct.Struct("<QQ64s")  # offset, length, the engine's 64-byte descriptor
 # One entry per bucket a trainer rank sends an inference rank in a version: a million 1 MiB
@@ -37,23 +51,57 @@ ADVERT_ENTRY = struct.Struct("<QQ64s")  # offset, length, the engine's 64-byte d
 # time, so memory follows the bytes that arrive, never the count a peer announces.
 MAX_ADVERT_ENTRIES = 1 << 20
 ADVERT_BATCH = 4096
+UCCL_VERSION = "0.1.1"  # the uccl release this transport is written against (pyproject pins it)
+# The longest an admission waits for the trainer's RDMA connection to be accepted.
+ACCEPT_SECONDS = 30.0
+# Accepted RDMA connections no trainer claimed, kept to be matched (the oldest go first).
+UNCLAIMED_KEPT = 64
+POLL_PAUSE = 20e-6  # between polls of a write's completion: the other connections' threads need the GIL
+METADATA_MAX = 1024  # bytes of an endpoint's metadata (an address, a port, a GPU index)
 
 
 def unavailable_reason() -> str | None:
     """Why UCCL P2P cannot run here, or None."""
+    from importlib import metadata
+
     try:
-        from uccl import p2p  # noqa: F401
+        installed = metadata.version("uccl")
+    except metadata.PackageNotFoundError:
+        return f"the uccl package is not installed (pip install uccl=={UCCL_VERSION})"
+    if installed != UCCL_VERSION:
+        return f"uccl {installed} is installed; this transport is written for uccl=={UCCL_VERSION}"
+    try:
+        import uccl.p2p  # noqa: F401 - the package's __init__ hides this import's own error
     except ImportError as e:
-        return f"the uccl package is not installed (pip install uccl): {e}"
+        return f"uccl {installed}'s P2P engine does not load here: {e}"
     try:
         import torch
     except ImportError as e:
         return f"torch is not installed ({e})"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    if not glob.glob("/sys/class/infiniband/*"):
-        return "no RDMA device (/sys/class/infiniband is empty)"
     return None
+
+
+def run_bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
+    """work() on a helper thread, waited for at most `seconds` (uccl's blocking calls take no
+    deadline); ConnectionError when it has not returned by then (the thread is left to finish)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name=f"uccl {what}")
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise ConnectionError(f"{what} did not complete within {seconds:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class UcclTransport(Transport):
@@ -106,6 +154,49 @@ class Registered:
         return None
 
 
+class Acceptor:
+    """uccl's accept(), run on a thread of its own for the receiver's life (it blocks, with no
+    deadline, and names no peer); admissions claim the connection that came from the address
+    and GPU their trainer names, waiting for it until their deadline."""
+
+    def __init__(self, endpoint, name: str):
+        self.endpoint = endpoint
+        self.accepted: list[tuple[str, int, int]] = []  # (ip, gpu, conn_id), not claimed yet
+        self.cond = threading.Condition()
+        self.closed = False
+        threading.Thread(target=self._run, daemon=True, name=f"uccl-accept-{name}").start()
+
+    def _run(self) -> None:
+        while not self.closed:
+            ok, ip, gpu, conn_id = self.endpoint.accept()
+            with self.cond:
+                if not ok:
+                    log.warning("a UCCL accept failed")
+                    continue
+                self.accepted.append((ip, gpu, conn_id))
+                del self.accepted[:-UNCLAIMED_KEPT]
+                self.cond.notify_all()
+
+    def claim(self, ip: str, gpu: int, seconds: float) -> int:
+        """The conn_id of the RDMA connection from (ip, gpu), once it is accepted."""
+        deadline = time.monotonic() + seconds
+        with self.cond:
+            while True:
+                for i, (a, g, conn_id) in enumerate(self.accepted):
+                    if (a, g) == (ip, gpu):
+                        del self.accepted[i]
+                        return conn_id
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closed:
+                    raise ConnectionError(f"no RDMA connection from {ip} (GPU {gpu}) was accepted within {seconds:g}s")
+                self.cond.wait(left)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
 class UcclSender(TcpSender):
     in_place = False  # one-sided writes go out of registered memory
     buffer_device = "cuda"
@@ -123,10 +214,15 @@ class UcclSender(TcpSender):
     def handshake(self, sock: socket.socket, peer: int) -> None:
         def rdma_connect(s: socket.socket) -> None:
             (n,) = struct.unpack("<I", recv_exact(s, 4))
+            if n > METADATA_MAX:
+                raise ConnectionError(f"{n} bytes of endpoint metadata (at most {METADATA_MAX})")
             ip, port, gpu = self.t.p2p.Endpoint.parse_metadata(recv_exact(s, n))
-            ok, conn_id = self.t.endpoint.connect(ip, gpu, remote_port=port)
+            ok, conn_id = run_bounded(lambda: self.t.endpoint.connect(ip, gpu, remote_port=port),
+                                      min(self.timeout, ACCEPT_SECONDS), f"UCCL connect to {ip}:{port}")
             if not ok:
                 raise ConnectionError(f"UCCL connect to {ip}:{port} failed")
+            mine = bytes(self.t.endpoint.get_metadata())  # so that the receiver claims this connection
+            s.sendall(struct.pack("<I", len(mine)) + mine)
             self.rdma[peer] = conn_id
 
         client_handshake(sock, self.token, self.rank, peer, before_verdict=rdma_connect)
@@ -161,6 +257,8 @@ class UcclSender(TcpSender):
 
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         length = data.numel() * data.element_size()
+        if length > RANGE_LIMITS["uccl"]:
+            raise ValueError(f"a {length}-byte bucket: uccl moves at most {RANGE_LIMITS['uccl']} bytes at a time")
         mr_id = self.memory.find(data.data_ptr(), length)
         if mr_id is None:
             raise ValueError("UCCL writes from registered memory: register() the send buffers first")
@@ -184,6 +282,7 @@ class UcclSender(TcpSender):
                     break
                 if time.monotonic() > deadline:
                     raise socket.timeout()
+                time.sleep(POLL_PAUSE)
             send_all(conn.sock, [memoryview(wire.header(WRITTEN, version, offset, length, digest))])
             return digest
 
@@ -201,19 +300,25 @@ class UcclReceiver(TcpReceiver):
         self.t = transport
         self.memory = Registered(transport.endpoint)
         self.rdma: dict[int, int] = {}  # trainer rank -> engine conn_id
-        self.accepting = threading.Lock()  # one RDMA accept at a time: it names no peer
+        self.acceptor: Acceptor | None = None
 
     def register(self, buffers: list) -> None:
         self.memory.add(buffers)
 
+    def listen(self, host: str, port: int) -> str:
+        self.acceptor = Acceptor(self.t.endpoint, f"inference-{self.rank}")  # before the door lets anyone in
+        return super().listen(host, port)
+
     def after_handshake(self, sock: socket.socket, trainer: int) -> None:
+        """On the door's thread for this connection only: the trainer connects over RDMA, names
+        where it connects from, and this rank claims that connection."""
         meta = bytes(self.t.endpoint.get_metadata())
-        with self.accepting:
-            sock.sendall(struct.pack("<I", len(meta)) + meta)
-            ok, _, _, conn_id = self.t.endpoint.accept()
-            if not ok:
-                raise ConnectionError("UCCL accept failed")
-        self.rdma[trainer] = conn_id
+        sock.sendall(struct.pack("<I", len(meta)) + meta)
+        (n,) = struct.unpack("<I", recv_exact(sock, 4))
+        if n > METADATA_MAX:
+            raise ConnectionError(f"{n} bytes of endpoint metadata (at most {METADATA_MAX})")
+        ip, _, gpu = self.t.p2p.Endpoint.parse_metadata(recv_exact(sock, n))
+        self.rdma[trainer] = self.acceptor.claim(ip, gpu, min(self.timeout, ACCEPT_SECONDS))
 
     def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
                        ranges: list[tuple[int, int]]) -> None:
@@ -226,6 +331,8 @@ class UcclReceiver(TcpReceiver):
             raise ValueError("the staging buffer is not registered: call register() once first")
         entries = []
         for offset, length in ranges:
+            if length > RANGE_LIMITS["uccl"]:
+                raise ValueError(f"a {length}-byte range: uccl moves at most {RANGE_LIMITS['uccl']} bytes at a time")
             ok, blob = self.t.endpoint.advertise(self.rdma[trainer], mr_id, base + offset, length)
             if not ok:
                 raise ConnectionError(f"advertising bytes [{offset}, {offset + length}) failed")
@@ -234,7 +341,14 @@ class UcclReceiver(TcpReceiver):
         send_all(sock, [memoryview(wire.header(ADVERT, version, len(entries), len(payload))), memoryview(payload)])
 
     def written(self, landing: Landing, offset: int, length: int) -> int:
+        """The checksum of a range the sender wrote: its write completed before it sent WRITTEN,
+        so the bytes are in place for any stream (no device-wide synchronize, which would stall
+        inference)."""
         import torch
 
-        torch.cuda.synchronize(landing.device.device)
         return bucket_checksum(landing.device.view(torch.uint8).reshape(-1)[offset:offset + length])
+
+    def close(self) -> None:
+        if self.acceptor is not None:
+            self.acceptor.close()
+        super().close()
