@@ -32,7 +32,7 @@ from weightsync import flat
 from weightsync.delta import LastSent, Patcher
 from weightsync.plan import Plan
 from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, TransferError
-from weightsync.transport.checksum import CHUNK, as_views, bucket_checksum, checksum_of
+from weightsync.transport.checksum import CHUNK, as_views, checksum_of, device_checksum
 
 
 def version_digest(checksums: dict[int, int]) -> str:
@@ -195,6 +195,7 @@ class VersionSender:
         # hashed and before it goes out, as a bad link would (ranks.tamper_hook).
         self.tamper = tamper
         self.version: int | None = None  # being sent
+        self.cast_stream = None  # GPU send buffers: the stream their cast runs on
     @property
     def kept_bytes(self) -> int:
         """Host memory holding the last version sent (delta versions), in bytes."""
@@ -217,10 +218,15 @@ class VersionSender:
         import torch
 
         if data.device.type == "cuda":
-            for offset, length, at in _runs(bucket):
-                flat.fill_range(layout, params, offset, offset + length, data[at:at + length], self.starts)
-            torch.cuda.current_stream(data.device).synchronize()
-            checksum = bucket_checksum(data)
+            # the cast and the checksum (ws64, on the GPU) on a stream of their own, after what the
+            # caller's stream did to the parameters; waiting for the checksum waits for that
+            # stream alone, while the transport's own stream still sends the previous bucket
+            stream = self._stream(data.device)
+            stream.wait_stream(torch.cuda.current_stream(data.device))
+            with torch.cuda.stream(stream):
+                for offset, length, at in _runs(bucket):
+                    flat.fill_range(layout, params, offset, offset + length, data[at:at + length], self.starts)
+                checksum = int(device_checksum(data))
             if self.tamper is not None:
                 first = data[:1].cpu()
                 self.tamper(self.version, memoryview(first.numpy()))
@@ -251,6 +257,14 @@ class VersionSender:
             filling.finish(h.intdigest())
         finally:
             torch.set_num_threads(threads)
+
+    def _stream(self, device):
+        """The side stream the GPU cast runs on, made once."""
+        import torch
+
+        if self.cast_stream is None:
+            self.cast_stream = torch.cuda.Stream(device)
+        return self.cast_stream
 
     def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,
              after_bucket: Callable[[int], None] | None = None, bases: dict[int, int | None] | None = None) -> SentVersion:

@@ -396,6 +396,17 @@ class NcclReceiver(Receiver):
         """One version's frames from one trainer: its ranges, each once, then END."""
         import torch
 
+        if flat.device.type == "cuda":
+            # this thread's own stream: each wait orders it after the receive, the checksum runs
+            # on it, and reading the checksum waits for it alone (not the device, nor the legacy
+            # default stream, which would wait for inference's work)
+            with torch.cuda.stream(torch.cuda.Stream(flat.device)):
+                return self._frames(trainer, version, flat, ranges, deadline)
+        return self._frames(trainer, version, flat, ranges, deadline)
+
+    def _frames(self, trainer: int, version: int, flat, ranges: list[tuple[int, int]], deadline: float) -> dict[int, int]:
+        import torch
+
         peer = f"trainer rank {trainer}"
         book = Ledger(trainer, version, ranges)
         sums: dict[int, int] = {}
@@ -413,7 +424,7 @@ class NcclReceiver(Receiver):
             book.take("DATA", offset, length)
             target = flat[offset:offset + length]
             _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}")
-            got = bucket_checksum(target)  # a host copy on the current stream, which the wait ordered after the receive
+            got = bucket_checksum(target)  # on the current stream, which the wait ordered after the receive
             book.checksum(offset, length, _unsigned(digest), got)
             sums[offset] = got
 
