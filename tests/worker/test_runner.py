@@ -41,18 +41,18 @@ def make_job(name, config=TINY, dtype="bfloat16", trainers=(1, 1), inferences=(1
                  "network": {"mode": "tcp"}}})
 
 
-def start(tmp_path: Path, job, dump: bool = True) -> LocalJob:
+def start(tmp_path: Path, job, dump: bool = True, share_gpus: bool = False) -> LocalJob:
     env = {}
     if dump:
         (tmp_path / "dump").mkdir()
         env[DUMP_DIR_ENV] = str(tmp_path / "dump")
-    local = LocalJob(job, tmp_path / "run", env, progress=io.StringIO())
+    local = LocalJob(job, tmp_path / "run", env, progress=io.StringIO(), share_gpus=share_gpus)
     local.start()
     return local
 
 
-def run_to_end(tmp_path: Path, job) -> tuple[dict, list[dict]]:
-    local = start(tmp_path, job)
+def run_to_end(tmp_path: Path, job, share_gpus: bool = False) -> tuple[dict, list[dict]]:
+    local = start(tmp_path, job, share_gpus=share_gpus)
     try:
         summary = local.wait(timeout=240)
     finally:

@@ -1,4 +1,4 @@
-"""The GPU transports (nccl, uccl): real transfers where the machine has what they need, and
+"""The GPU transports (nccl, uccl, ipc): real transfers where the machine has what they need, and
 everywhere a clear TransportUnavailable saying why, never a silent fallback. (The nccl
 transport's transfers and failures are in test_transport_p2p.py.)"""
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from weightsync.transport import TransportUnavailable, make_transport, nccl, resolve_transport, uccl
+from weightsync.transport import TransportUnavailable, ipc, make_transport, nccl, resolve_transport, uccl
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 TOKEN = b"test-job-token-0123456789"
 
 
-@pytest.mark.parametrize("name,module", [("nccl", nccl), ("uccl", uccl)])
+@pytest.mark.parametrize("name,module", [("nccl", nccl), ("uccl", uccl), ("ipc", ipc)])
 def test_a_transport_that_cannot_run_here_says_why(name, module):
     reason = module.unavailable_reason()
     if reason is None:
@@ -35,6 +35,8 @@ def test_auto_names_its_choice_and_the_reason():
     if nccl.unavailable_reason():
         assert (name, why) == ("tcp", f"auto: {nccl.unavailable_reason()}")
     assert resolve_transport("tcp", "rdma") == ("tcp", "spec.transfer.transport is tcp")
+    colocated = resolve_transport("auto", "tcp", colocated=True)
+    assert colocated[0] == ("tcp" if nccl.unavailable_reason() else "ipc"), colocated
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
         make_transport("carrier-pigeon", token=TOKEN)
 
@@ -59,9 +61,22 @@ def run_pair(transport, trainer_device, inference_device, dtype):
                 p.kill()
                 p.wait()
     assert codes == [0, 0]
+    digests = []
     for v in (1, 2):
         res = json.loads(store.get(f"result/{v}/0"))
         assert res["bit_exact"] and res["digest"] == res["trainers_digest"]
+        digests.append(res["digest"])
+    return digests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_to_gpu_over_tcp_gives_the_bytes_and_digests_of_the_cpu_path(dtype):
+    """The GPU casts and stages through pinned memory; the versions, and so their digests, are
+    the CPU path's bit for bit."""
+    if gpu_count() < 1:
+        pytest.skip("needs a CUDA GPU (torch sees none on this machine)")
+    assert run_pair("tcp", "cuda:0", "cuda:0", dtype) == run_pair("tcp", "cpu", "cpu", dtype)
 
 
 @pytest.mark.gpu
@@ -72,3 +87,12 @@ def test_uccl_transfer_over_rdma(dtype):
         pytest.skip(f"uccl cannot run here: {reason}")
     second = "cuda:1" if gpu_count() > 1 else "cuda:0"
     run_pair("uccl", "cuda:0", second, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ipc_transfer_between_processes_on_one_gpu(dtype):
+    reason = ipc.unavailable_reason()
+    if reason:
+        pytest.skip(f"ipc cannot run here: {reason}")
+    run_pair("ipc", "cuda:0", "cuda:0", dtype)

@@ -74,7 +74,7 @@ def main():
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--token", default="test-job-token-0123456789")
     p.add_argument("--timeout", type=float, default=30)
-    p.add_argument("--transport", default="tcp", choices=["tcp", "nccl", "uccl"])
+    p.add_argument("--transport", default="tcp", choices=["tcp", "nccl", "uccl", "ipc"])
     p.add_argument("--backend", default="nccl", choices=["nccl", "gloo"],
                    help="the nccl transport's backend (gloo: the same code on host tensors)")
     p.add_argument("--device", default="cpu", help="where the tensors and the staging buffer live (cuda:N for GPUs)")

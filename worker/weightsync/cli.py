@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, help="fail if the job has not finished after this many seconds")
     run.add_argument("--vllm-python", help="spec.inference.engine vllm: the Python that runs vLLM (with vLLM and "
                                            "weightsync installed; default: this one)")
+    run.add_argument("--share-gpus", action="store_true",
+                     help="every pod that asks for GPUs gets the same ones (training and inference on one GPU)")
     sub.add_parser("worker", help="run this pod's role (configured by the environment the operator sets)")
     plan = sub.add_parser("plan", help="print the transfer plan of a job, or simulate one at scale")
     plan.add_argument("job", nargs="?", help="a WeightTransferJob YAML file")
@@ -67,7 +69,7 @@ def _run(args) -> int:
     from .runner import CannotRunHere, RunFailed, run
 
     try:
-        summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python)
+        summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python, share_gpus=args.share_gpus)
     except CannotRunHere as e:
         print(f"weightsync run: {e}", file=sys.stderr)
         return EXIT_SPEC

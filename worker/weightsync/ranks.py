@@ -102,7 +102,7 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
     from .transport import make_transport, resolve_transport
 
     spec = ctx.job.spec
-    name, why = resolve_transport(spec["transfer"]["transport"], ctx.network_mode)
+    name, why = resolve_transport(spec["transfer"]["transport"], ctx.network_mode, ctx.colocated)
     options: dict = {}
     if name == "nccl":
         import torch.distributed as dist

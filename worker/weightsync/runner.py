@@ -59,8 +59,9 @@ class CannotRunHere(RuntimeError):
 
 class LocalJob:
     def __init__(self, job: Job, workdir: Path, extra_env: Mapping[str, str] | None = None,
-                 progress: IO[str] = sys.stderr):
+                 progress: IO[str] = sys.stderr, share_gpus: bool = False):
         self.job, self.workdir, self.progress = job, Path(workdir), progress
+        self.share_gpus = share_gpus
         self.extra_env = dict(extra_env or {})
         self.events: queue.Queue = queue.Queue()
         self.transfers: list[dict] = []
@@ -94,7 +95,7 @@ class LocalJob:
         base["PYTHONUNBUFFERED"] = "1"
         # the pods share this machine's cores
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
-        gpus = gpus_per_pod(self.job)
+        gpus = gpus_per_pod(self.job, self.share_gpus)
         pods = []
         for ordinal in range(layout.pods):
             role = layout.role_of(ordinal)
@@ -113,6 +114,7 @@ class LocalJob:
                 Env.SPEC_FILE: str(spec_file),
                 Env.TOKEN_FILE: str(token_file),
                 Env.NETWORK_MODE: "tcp",
+                Env.COLOCATED: "1",
                 "CUDA_VISIBLE_DEVICES": gpus[ordinal],  # what the device plugin gives the pod
             }
             if role == CONTROLLER:
@@ -124,6 +126,10 @@ class LocalJob:
                 env[Env.VLLM_PORT] = str(server_ports[ordinal - first_inference])
             if role == TRAINER and trainer_command(self.job.spec):  # as render.env: where the ranks meet, the user's own
                 env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
+            if self.share_gpus and gpus[ordinal]:
+                # NCCL refuses two ranks on one GPU unless each process names a host of its own;
+                # its socket transport then carries the bytes between them
+                env.update({"NCCL_HOSTID": self.job.pod_name(ordinal), "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"})
             env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
             # a user's command runs where `weightsync run` was started (its paths are the user's)
@@ -248,13 +254,14 @@ def command_env(job: Job) -> dict[str, str]:
     return out
 
 
-def gpus_per_pod(job: Job) -> dict[int, str]:
+def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
     """CUDA_VISIBLE_DEVICES for every pod: distinct GPUs of this machine for the pods that ask
-    for them (procsPerPod x gpusPerProc), none for the others."""
+    for them (procsPerPod x gpusPerProc), none for the others; with `share`, the same first
+    GPUs for every pod that asks (colocated ranks on one GPU)."""
     layout = job.layout
     need = {o: 0 if layout.role_of(o) == CONTROLLER else
             layout.procs_per_pod(layout.role_of(o)) * job.spec[layout.role_of(o)]["gpusPerProc"] for o in range(layout.pods)}
-    total = sum(need.values())
+    total = max(need.values()) if share else sum(need.values())
     visible: list[str] = []
     if total:
         import torch
@@ -270,15 +277,18 @@ def gpus_per_pod(job: Job) -> dict[int, str]:
     out, used = {}, 0
     for ordinal, n in need.items():
         out[ordinal] = ",".join(visible[used:used + n])
-        used += n
+        used += 0 if share else n
     return out
 
 
 def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
-        progress: IO[str] = sys.stderr, timeout: float | None = None, vllm_python: str | None = None) -> dict:
+        progress: IO[str] = sys.stderr, timeout: float | None = None, vllm_python: str | None = None,
+        share_gpus: bool = False) -> dict:
     """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
     the job started), or before starting anything contract.SpecError or CannotRunHere. The
-    inference pods of a vLLM job run vLLM with `vllm_python` (this Python by default)."""
+    inference pods of a vLLM job run vLLM with `vllm_python` (this Python by default). With
+    `share_gpus` every pod that asks for GPUs gets the same ones (colocated training and
+    inference on one GPU)."""
     job = source if isinstance(source, Job) else load_job(source)
     if job.serving.vllm:
         extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
@@ -287,7 +297,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
         command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
     else:
         check_fits(job.spec)
-    gpus_per_pod(job)  # this machine's GPUs and memory, before any file or process is made
+    gpus_per_pod(job, share_gpus)  # this machine's GPUs and memory, before any file or process is made
     too_big = shortfall(job, layout)
     if too_big:
         raise CannotRunHere(too_big)
@@ -296,7 +306,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     local = None
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        local = LocalJob(job, workdir, extra_env, progress)
+        local = LocalJob(job, workdir, extra_env, progress, share_gpus)
         layout = job.layout
         local.say(f"job {job.name}: 1 controller, {layout.trainers} trainer pod(s) x {layout.trainer_procs} and "
                   f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}; "

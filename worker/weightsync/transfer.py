@@ -32,7 +32,7 @@ from weightsync import flat
 from weightsync.delta import LastSent, Patcher
 from weightsync.plan import Plan
 from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, TransferError
-from weightsync.transport.checksum import CHUNK, as_views, checksum_of, device_checksum
+from weightsync.transport.checksum import CHUNK, as_views, bucket_checksum, checksum_of
 
 
 def version_digest(checksums: dict[int, int]) -> str:
@@ -226,7 +226,7 @@ class VersionSender:
             with torch.cuda.stream(stream):
                 for offset, length, at in _runs(bucket):
                     flat.fill_range(layout, params, offset, offset + length, data[at:at + length], self.starts)
-                checksum = int(device_checksum(data))
+                checksum = bucket_checksum(data)
             if self.tamper is not None:
                 first = data[:1].cpu()
                 self.tamper(self.version, memoryview(first.numpy()))

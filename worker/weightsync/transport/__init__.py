@@ -1,4 +1,4 @@
-"""Transports behind one interface (see base.py): tcp, nccl, uccl.
+"""Transports behind one interface (see base.py): tcp, nccl, uccl, and ipc (colocated ranks).
 
 make_transport(name, ...) builds one; a transport that cannot run on this machine raises
 TransportUnavailable saying why. There is no silent fallback: `auto` is resolved once, by
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from weightsync.transport.base import Receiver, Sender, TransferError, Transport, TransportUnavailable
 
-NAMES = ("tcp", "nccl", "uccl")
+NAMES = ("tcp", "nccl", "uccl", "ipc")
 # The transports whose receivers land one frame's bytes in several runs of the version (a bucket
 # that bundles a sharded rank's runs of several tensors); the others take one run per frame.
 SCATTERING = ("tcp",)
@@ -28,7 +28,9 @@ def make_transport(name: str, *, token: bytes, timeout: float = 300.0, **options
     nccl: options store (a torch.distributed Store shared by every trainer and inference rank),
           trainers, inferences (world sizes); or group (a ready NCCL process group whose ranks
           are trainers 0..M-1 then inference M..M+N-1), with trainers and inferences.
+          backend "gloo" runs the same code on host tensors (machines without GPUs, tests).
     uccl: options gpu (local GPU index, default 0).
+    ipc:  no options (trainer and inference ranks on one node, GPUs visible to both).
     Every transport authenticates its connections with `token` and fails a silent peer after
     `timeout` seconds.
     """
@@ -44,17 +46,24 @@ def make_transport(name: str, *, token: bytes, timeout: float = 300.0, **options
         from weightsync.transport.uccl import UcclTransport
 
         return UcclTransport(token=token, timeout=timeout, **options)
+    if name == "ipc":
+        from weightsync.transport.ipc import IpcTransport
+
+        return IpcTransport(token=token, timeout=timeout, **options)
     raise ValueError(f"unknown transport {name!r}; use one of {', '.join(NAMES)}")
 
 
-def resolve_transport(requested: str, network_mode: str) -> tuple[str, str]:
-    """The transport `requested` (spec.transfer.transport) means here, and why: auto picks uccl
-    on an RDMA network with GPUs and the uccl package, else nccl with GPUs, else tcp."""
+def resolve_transport(requested: str, network_mode: str, colocated: bool = False) -> tuple[str, str]:
+    """The transport `requested` (spec.transfer.transport) means here, and why: auto picks ipc
+    when every rank of the job runs on this one machine (`colocated`) with GPUs, uccl on an RDMA
+    network with GPUs and the uccl package, else nccl with GPUs, else tcp."""
     if requested != "auto":
         return requested, f"spec.transfer.transport is {requested}"
     from weightsync.transport import nccl, uccl
 
     gpu_problem = nccl.unavailable_reason()
+    if colocated and gpu_problem is None:
+        return "ipc", "auto: every rank runs on this machine, with GPUs: CUDA IPC"
     if network_mode == "rdma" and gpu_problem is None and uccl.unavailable_reason() is None:
         return "uccl", "auto: RDMA network, GPUs and the uccl package are present"
     if gpu_problem is None:

@@ -64,10 +64,11 @@ def bucket_checksum(data, filling: Filling | None = None) -> int:
     if filling is not None:
         return filling.result()
     if hasattr(data, "data_ptr") and data.device.type != "cpu":
-        return int(device_checksum(data))
+        return int(device_checksum(data)) & U64
     return checksum_of(as_views(data))
 
 
+U64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 # words hashed at a time: bounds the temporaries (a few times 8 bytes per word) on the device
@@ -90,7 +91,8 @@ def _mix(z):
 
 def device_checksum(data):
     """ws64 (see above) of a tensor's bytes, computed on its device on the current stream.
-    Returns a 0-dim int64 tensor there (int() of it waits for that stream only)."""
+    Returns a 0-dim int64 tensor there (int() of it waits for that stream only; & U64 makes
+    it the unsigned value that ranges carry)."""
     import torch
 
     raw = data.detach().reshape(-1).view(torch.uint8)
