@@ -79,6 +79,14 @@ bench-fsdp: setup ## Trainer ranks holding FSDP2 shards vs. DDP replicas, publis
 	$(VENV)/bin/weightsync bench --fsdp
 
 .PHONY: bench-links
+gpu-wheels: ## Wheels for tests/gpu/run.sh on a GPU machine without network (CPython 3.12; torch and numpy are the machine's): .gpu/wheels
+	rm -rf .gpu/wheels && mkdir -p .gpu/wheels
+	$(PY) -m pip download -q -d .gpu/wheels --python-version 3.12 --only-binary=:all: \
+		pyyaml jsonschema cel-python 'transformers>=5.0' xxhash zstandard kubernetes pytest pytest-timeout setuptools wheel
+	$(PY) -m pip download -q -d .gpu/wheels --python-version 3.12 --only-binary=:all: --no-deps 'uccl==0.1.1'
+	rm -f .gpu/wheels/numpy-*  # the machine's torch brings its own; the wheels must fit what a device run carries (64 MiB)
+	du -sh .gpu/wheels
+
 bench-links: setup ## Transfer benchmark over shaped links (root): every rank in its own network namespace at 1 Gb/s each way; whole and delta versions vs. the speed of light
 	$(VENV)/bin/weightsync bench --links 1gbit
 

@@ -1,5 +1,6 @@
 """The `weightsync` command: plan, bench, and clear refusals of bad specs and pod environments."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,18 @@ def test_bench_is_delegated():
     out = weightsync("bench", "--help")
     assert out.returncode == 0 and "weightsync bench" in out.stdout and "--json" in out.stdout
     assert "--links RATE" in out.stdout and "--delta" in out.stdout
+
+
+def test_the_gpu_bench_runs_its_point_to_point_measurement_over_gloo_and_says_what_needs_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU run measures it (tests/gpu/run.sh)")
+    assert weightsync("bench", "--gpu").returncode == 2  # without a GPU, only --backend gloo
+    out = weightsync("bench", "--gpu", "--backend", "gloo", "--mb", "4", "--reps", "1", "--shape", "2x1")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"gloo 2x1 .* ms .* broadcast from trainer rank 0: .* ratio +[0-9.]+x", out.stdout), out.stdout
+    assert "ipc and cast need a CUDA GPU: not measured" in out.stdout
 
 
 def test_bench_refuses_a_link_rate_it_cannot_read():

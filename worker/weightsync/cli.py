@@ -7,6 +7,8 @@
                           the slice plan of a large model on a large cluster, from shapes alone:
                           balance, busiest NIC, projected seconds and the speed of light
   weightsync bench        transfer benchmark: planned M-to-N over TCP vs. broadcast vs. raw sockets
+  weightsync bench --gpu  the GPU data plane: nccl M-to-N vs. broadcast, ipc vs. a device copy,
+                          the GPU cast and checksum vs. a device copy
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--bucket-mb", type=int, default=64, help="largest piece in MiB (default 64)")
     sub.add_parser("bench", help="transfer benchmark (weightsync bench --help for its options)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"] and "--gpu" in argv:
+        from .benchgpu import main as bench_gpu
+
+        return bench_gpu(argv[1:])
     if argv[:1] == ["bench"]:
         from .bench import main as bench
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every GPU test and the GPU benchmark in one go, on a GPU machine without network access: a
+# virtual environment over the machine's own torch (CUDA), weightsync and its test tools from the
+# wheels `make gpu-wheels` put in .gpu/wheels, uccl's pinned wheel, then the tests and the bench.
+# Logs, JUnit XML and the bench's output go to $OUT (default .gpu/out).
+#
+#   bash tests/gpu/run.sh            # from the repository root
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-.gpu/out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/run.log") 2>&1
+
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+step "the machine"
+nvidia-smi || true
+$PY -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count())'
+
+step "environment"
+if [ ! -x .gpu/venv/bin/python ]; then
+  $PY -m venv --system-site-packages .gpu/venv
+fi
+V=.gpu/venv/bin/python
+# torch stays the machine's; everything else comes from the carried wheels (once)
+$V -c 'import weightsync, pytest, transformers' 2>/dev/null || $V -m pip install -q --no-index --find-links .gpu/wheels --no-build-isolation -e '.[worker]' pytest pytest-timeout \
+  || { echo "installing from .gpu/wheels failed: run make gpu-wheels where there is network"; exit 2; }
+$V -c 'import uccl' 2>/dev/null || $V -m pip install -q --no-index --find-links .gpu/wheels --no-deps 'uccl==0.1.1' \
+  || echo "uccl 0.1.1 is not in .gpu/wheels"
+$V -m pip list 2>/dev/null | grep -iE '^(torch|uccl|transformers|xxhash) ' || true
+
+step "uccl: what loads"
+$V - <<'PY' 2>&1 | tee "$OUT/uccl.txt"
+from weightsync.transport import uccl
+print("unavailable_reason:", uccl.unavailable_reason())
+try:
+    from uccl import p2p
+    ep = p2p.Endpoint(0)
+    meta = bytes(ep.get_metadata())
+    print("endpoint metadata:", p2p.Endpoint.parse_metadata(meta))
+except Exception as e:  # report what does not load, and go on
+    print("uccl P2P engine:", type(e).__name__, e)
+PY
+
+step "GPU tests"
+$V -m pytest -ra -m gpu -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
+  tests/worker/test_checksum.py tests/worker/test_transport_p2p.py tests/worker/test_transports_gpu.py \
+  tests/worker/test_runner_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+tests=${PIPESTATUS[0]}
+
+step "the same tests' CPU cases, on this machine"
+$V -m pytest -ra -m 'not gpu' -p no:cacheprovider tests/worker/test_checksum.py tests/worker/test_transport_p2p.py \
+  2>&1 | tee "$OUT/cpu-tests.log"
+
+step "GPU benchmark"
+$V -m weightsync.cli bench --gpu --mb 1024 --shape 2x2 --reps 5 2>&1 | tee "$OUT/bench-gpu-2x2.txt"
+$V -m weightsync.cli bench --gpu --mb 1024 --shape 1x1 --reps 5 2>&1 | tee "$OUT/bench-gpu-1x1.txt"
+
+step "done: GPU tests exited $tests; logs in $OUT"
+exit "$tests"
