@@ -80,19 +80,13 @@ def test_gpu_to_gpu_over_tcp_gives_the_bytes_and_digests_of_the_cpu_path(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,module", [("uccl", uccl), ("ipc", ipc)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_uccl_transfer_over_rdma(dtype):
-    reason = uccl.unavailable_reason()
+def test_one_sided_transfers_between_processes(name, module, dtype):
+    """uccl over RDMA (or its tcp mode), ipc on one node: the inference rank on a second GPU
+    where there is one, else both on the first."""
+    reason = module.unavailable_reason()
     if reason:
-        pytest.skip(f"uccl cannot run here: {reason}")
+        pytest.skip(f"{name} cannot run here: {reason}")
     second = "cuda:1" if gpu_count() > 1 else "cuda:0"
-    run_pair("uccl", "cuda:0", second, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ipc_transfer_between_processes_on_one_gpu(dtype):
-    reason = ipc.unavailable_reason()
-    if reason:
-        pytest.skip(f"ipc cannot run here: {reason}")
-    run_pair("ipc", "cuda:0", "cuda:0", dtype)
+    run_pair(name, "cuda:0", second, dtype)

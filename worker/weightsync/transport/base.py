@@ -249,12 +249,29 @@ def each_peer(peers: Iterable[int], work: Callable[[int], Any],
     return results
 
 
-def wait_all(futures: Iterable[Future]) -> None:
-    """Wait for every future; raise the first failure among them."""
-    first = None
-    for future in futures:
+def settle(pending: Iterable[tuple[int, Future]]) -> None:
+    """Wait for every (peer, future) of a version's sends; raise PeersFailed naming every peer
+    that failed, or the first other failure (the producer's) as it is."""
+    failed: dict[int, TransferError] = {}
+    other = None
+    for peer, future in pending:
         e = future.exception()
-        if e is not None and first is None:
-            first = e
-    if first is not None:
-        raise first
+        if isinstance(e, TransferError):
+            failed.setdefault(peer, e)
+        elif e is not None and other is None:
+            other = e
+    if other is not None:
+        raise other
+    if failed:
+        raise PeersFailed(failed)
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why GPU memory cannot be used here (torch missing, or no CUDA GPU visible), or None."""
+    try:
+        import torch
+    except ImportError as e:
+        return f"torch is not installed ({e})"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
+    return None

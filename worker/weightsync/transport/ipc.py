@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from weightsync.transport import wire
-from weightsync.transport.base import Filling, Transport, TransportUnavailable
+from weightsync.transport.base import Filling, Transport, TransportUnavailable, cuda_unavailable_reason
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import recv_exact, send_all
 from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender
@@ -35,13 +35,7 @@ ADVERT_MAX = 4096  # bytes of an advertisement: a GPU's UUID and one IPC handle
 
 def unavailable_reason() -> str | None:
     """Why CUDA IPC cannot run here, or None."""
-    try:
-        import torch
-    except ImportError as e:
-        return f"torch is not installed ({e})"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    return None
+    return cuda_unavailable_reason()
 
 
 def gpu_uuid(index: int) -> str:

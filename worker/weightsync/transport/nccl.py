@@ -46,8 +46,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from weightsync.transport.base import (Filling, PeersFailed, Receiver, Sender, Tally, TransferError, Transport,
-                                       TransportUnavailable, each_peer)
+from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
+                                       cuda_unavailable_reason, each_peer, settle)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.ledger import Ledger
 from weightsync.transport.wire import DATA, END
@@ -68,7 +68,6 @@ CLEAN_UP_ONLY = "2"
 def unavailable_reason(backend: str = "nccl") -> str | None:
     """Why the point-to-point transport cannot run here on `backend`, or None."""
     try:
-        import torch
         import torch.distributed as dist
     except ImportError as e:
         return f"torch is not installed ({e})"
@@ -78,9 +77,7 @@ def unavailable_reason(backend: str = "nccl") -> str | None:
         return None if dist.is_gloo_available() else "this torch build has no gloo support"
     if not dist.is_nccl_available():
         return "this torch build has no NCCL support"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    return None
+    return cuda_unavailable_reason()
 
 
 def _signed(u: int) -> int:
@@ -304,18 +301,7 @@ class NcclSender(Sender):
         for peer in self.peers:
             frames, nbytes = self.tally.pop(version, peer)
             self._submit(peer, version, lambda f=frames, n=nbytes: [END, version, f, n, 0], None)
-        failed: dict[int, TransferError] = {}
-        other = None
-        for peer, future in self.pending.pop(version, []):
-            e = future.exception()
-            if isinstance(e, TransferError):
-                failed.setdefault(peer, e)
-            elif e is not None and other is None:
-                other = e
-        if other is not None:
-            raise other
-        if failed:
-            raise PeersFailed(failed)
+        settle(self.pending.pop(version, []))
 
     def close(self) -> None:
         for pool in self.pools.values():

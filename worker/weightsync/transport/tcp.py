@@ -36,8 +36,8 @@ from typing import Any, Callable, Mapping, Sequence
 import xxhash
 
 from weightsync.transport import SCATTERING, wire
-from weightsync.transport.base import (Filling, Patcher, PeersFailed, Receiver, Sender, Tally, TransferError, Transport,
-                                       each_peer)
+from weightsync.transport.base import (Filling, Patcher, Receiver, Sender, Tally, TransferError, Transport, each_peer,
+                                       settle)
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.door import Door
 from weightsync.transport.ledger import Ledger
@@ -251,20 +251,8 @@ class TcpSender(Sender):
         conn.sock.sendall(wire.header(END, version, len(offsets), nbytes))
 
     def wait(self, version: int) -> None:
-        """Wait for every queued send of `version`; raise PeersFailed naming every peer that
-        failed, or the first other failure (the producer's) as it is."""
-        failed: dict[int, TransferError] = {}
-        other = None
-        for peer, future in self.pending.pop(version, []):
-            e = future.exception()
-            if isinstance(e, TransferError):
-                failed.setdefault(peer, e)
-            elif e is not None and other is None:
-                other = e
-        if other is not None:
-            raise other
-        if failed:
-            raise PeersFailed(failed)
+        """Wait for every queued send of `version` (base.settle)."""
+        settle(self.pending.pop(version, []))
 
     def close(self) -> None:
         for conn in self.conns.values():

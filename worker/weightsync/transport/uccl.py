@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from weightsync.transport import RANGE_LIMITS, wire
-from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable
+from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable, cuda_unavailable_reason
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import client_handshake, recv_exact, send_all
 from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender
@@ -74,13 +74,7 @@ def unavailable_reason() -> str | None:
         import uccl.p2p  # noqa: F401 - the package's __init__ hides this import's own error
     except ImportError as e:
         return f"uccl {installed}'s P2P engine does not load here: {e}"
-    try:
-        import torch
-    except ImportError as e:
-        return f"torch is not installed ({e})"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False)"
-    return None
+    return cuda_unavailable_reason()
 
 
 def run_bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
