@@ -160,7 +160,6 @@ class NcclTransport(Transport):
             return self.group
         prefixed = dist.PrefixStore(PREFIX, self.store)
         world = self.trainers + self.inferences
-        watchdog = datetime.timedelta(seconds=self.timeout * WATCHDOG_FACTOR + 60)
         if self.host:
             # gloo connects every pair while the group is built: every rank of the job must get here
             self.store.set(f"{PREFIX}/joined/{global_rank}", "1")
@@ -173,7 +172,7 @@ class NcclTransport(Transport):
                                     f"(not joined: {', '.join(self._name(r) for r in missing) or 'none'}): {_first_line(e)}") from None
             return self.group
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = watchdog
+        options._timeout = datetime.timedelta(seconds=self.timeout * WATCHDOG_FACTOR + 60)
         with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", CLEAN_UP_ONLY):
             self.group = dist.ProcessGroupNCCL(prefixed, global_rank, world, options)
         return self.group

@@ -162,7 +162,11 @@ class Acceptor:
 
     def _run(self) -> None:
         while not self.closed:
-            ok, ip, gpu, conn_id = self.endpoint.accept()
+            try:
+                ok, ip, gpu, conn_id = self.endpoint.accept()
+            except Exception as e:  # noqa: BLE001 - the engine is gone: admissions then time out, saying so
+                log.warning("UCCL accept stopped: %s", e)
+                return
             with self.cond:
                 if not ok:
                     log.warning("a UCCL accept failed")
