@@ -4,13 +4,16 @@
 # wheels `make gpu-wheels` put in .gpu/wheels, uccl's pinned wheel, then the tests and the bench.
 # Logs, JUnit XML and the bench's output go to $OUT (default .gpu/out).
 #
-#   bash tests/gpu/run.sh            # from the repository root
+#   bash tests/gpu/run.sh [all|tests|bench]    # from the repository root (default all)
+#
+# tests and bench run apart where one call may not last long enough for both.
 set -uo pipefail
+WHAT=${1:-all}
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-.gpu/out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-exec > >(tee "$OUT/run.log") 2>&1
+exec > >(tee "$OUT/run-$WHAT.log") 2>&1
 
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 
@@ -43,6 +46,8 @@ except Exception as e:  # report what does not load, and go on
     print("uccl P2P engine:", type(e).__name__, e)
 PY
 
+tests=0
+if [ "$WHAT" != bench ]; then
 step "GPU tests"
 $V -m pytest -ra -m gpu -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
   tests/worker/test_checksum.py tests/worker/test_transport_p2p.py tests/worker/test_transports_gpu.py \
@@ -52,10 +57,13 @@ tests=${PIPESTATUS[0]}
 step "the same tests' CPU cases, on this machine"
 $V -m pytest -ra -m 'not gpu' -p no:cacheprovider tests/worker/test_checksum.py tests/worker/test_transport_p2p.py \
   2>&1 | tee "$OUT/cpu-tests.log"
+fi
 
+if [ "$WHAT" != tests ]; then
 step "GPU benchmark"
 $V -m weightsync.cli bench --gpu --mb 1024 --shape 2x2 --reps 5 2>&1 | tee "$OUT/bench-gpu-2x2.txt"
 $V -m weightsync.cli bench --gpu --mb 1024 --shape 1x1 --reps 5 2>&1 | tee "$OUT/bench-gpu-1x1.txt"
+fi
 
 step "done: GPU tests exited $tests; logs in $OUT"
 exit "$tests"
