@@ -40,10 +40,10 @@ def p2p(request):
     return Backend(request.param)
 
 
-def wait_for_key(store, key: str, timeout: float = 60) -> float:
-    """Poll the store until `key` is there; returns when it appeared."""
+def wait_for_key(keys, key: str, timeout: float = 60) -> float:
+    """Poll the store `keys` until `key` is there; returns when it appeared."""
     deadline = time.monotonic() + timeout
-    while not store.check([key]):
+    while not keys.check([key]):
         if time.monotonic() > deadline:
             pytest.fail(f"{key} never appeared in the store")
         time.sleep(0.02)

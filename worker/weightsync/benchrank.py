@@ -103,7 +103,7 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
     from weightsync.transport import make_transport
     from weightsync.transport.checksum import CHUNK
     from weightsync.transport.sockets import recv_into_all
-    from weightsync.transport.tcp import RECV_CHUNK
+    from weightsync.transport.landing import RECV_CHUNK
 
     M, N, dtype, versions, methods = case["trainers"], case["inferences"], case["dtype"], case["versions"], case["methods"]
     index, address, store_host = where(case, role, rank)

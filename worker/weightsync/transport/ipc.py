@@ -27,7 +27,8 @@ from weightsync.transport import wire
 from weightsync.transport.base import Filling, Transport, TransportUnavailable, cuda_unavailable_reason
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import recv_exact, send_all
-from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender
+from weightsync.transport.landing import Landing
+from weightsync.transport.tcp import TcpReceiver, TcpSender
 from weightsync.transport.wire import ADVERT, WRITTEN
 
 ADVERT_MAX = 4096  # bytes of an advertisement: a GPU's UUID and one IPC handle

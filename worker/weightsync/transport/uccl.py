@@ -40,7 +40,8 @@ from weightsync.transport import RANGE_LIMITS, wire
 from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable, cuda_unavailable_reason
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import client_handshake, recv_exact, send_all
-from weightsync.transport.tcp import Landing, TcpReceiver, TcpSender
+from weightsync.transport.landing import Landing
+from weightsync.transport.tcp import TcpReceiver, TcpSender
 from weightsync.transport.wire import ADVERT, WRITTEN
 
 log = logging.getLogger("weightsync.transport")
