@@ -50,8 +50,8 @@ tests=0
 if [ "$WHAT" != bench ]; then
 step "GPU tests"
 $V -m pytest -ra -m gpu -p no:cacheprovider --junitxml "$OUT/gpu-tests.xml" \
-  tests/worker/test_checksum.py tests/worker/test_transport_p2p.py tests/worker/test_transports_gpu.py \
-  tests/worker/test_runner_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+  tests/worker/test_checksum.py tests/worker/test_flat.py tests/worker/test_transport_p2p.py \
+  tests/worker/test_transports_gpu.py tests/worker/test_runner_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 
 step "the same tests' CPU cases, on this machine"

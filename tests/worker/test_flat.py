@@ -122,6 +122,45 @@ def cast_inputs() -> torch.Tensor:
     return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
 
 
+def shipped_nans(nans: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 16-bit NaNs cast_into's docstring defines for float32 NaNs, one Python integer at a time."""
+    out = []
+    for bits in nans.view(torch.int32).tolist():
+        u = bits & 0xFFFFFFFF
+        half = 0xFFFF if dtype == torch.bfloat16 else (u >> 16) & 0x8000 | 0x7E00 | (u >> 13) & 0x3FF
+        out.append(half - 0x10000 if half >= 0x8000 else half)
+    return torch.tensor(out, dtype=torch.int16)
+
+
+def nan_inputs() -> torch.Tensor:
+    values = cast_inputs()
+    nans = values[values.isnan()]
+    assert nans.numel() > 100
+    return nans
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_nan_ships_as_the_one_nan_defined_for_it(dtype):
+    nans = nan_inputs()
+    dest = torch.empty(2 * nans.numel(), dtype=torch.uint8)
+    flat.cast_into(dest, nans, dtype)
+    assert torch.equal(dest.view(torch.int16), shipped_nans(nans, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none on this machine)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_a_gpu_cast_gives_the_bytes_of_the_cpu_cast_nans_included(dtype, where):
+    """Into GPU memory (nccl, uccl, ipc) and into host memory (tcp's pinned send buffers)."""
+    values = cast_inputs()
+    want = torch.empty(2 * values.numel(), dtype=torch.uint8)
+    flat.cast_into(want, values, dtype)
+    got = torch.empty(2 * values.numel(), dtype=torch.uint8, device=where)
+    flat.cast_into(got, values.cuda(), dtype)
+    assert torch.equal(got.cpu(), want)
+
+
 needs_native_cast = pytest.mark.skipif(flat.NATIVE_BF16 is None, reason="this CPU has no AVX512-BF16: bfloat16 "
                                        "casts run in torch here, which the fill tests above cover")
 
@@ -137,12 +176,11 @@ def test_native_bfloat16_cast_has_torchs_bytes():
             dest = torch.full((2 * n,), 0xAB, dtype=torch.uint8)
             flat.cast_into(dest, src, torch.bfloat16)
             assert torch.equal(dest, flat.byte_view(src.to(torch.bfloat16))), (start, n)
-    # NaN has no single encoding; it must stay a NaN, whatever its sign or payload
-    nans = values[values.isnan()]
-    assert nans.numel() > 100
+    # every NaN ships as the one NaN cast_into defines, whatever its sign or payload
+    nans = nan_inputs()
     dest = torch.empty(2 * nans.numel(), dtype=torch.uint8)
     flat.cast_into(dest, nans, torch.bfloat16)
-    assert dest.view(torch.bfloat16).isnan().all()
+    assert torch.equal(dest.view(torch.int16), shipped_nans(nans, torch.bfloat16))
 
 
 @needs_native_cast

@@ -248,14 +248,37 @@ def cast_into(dest: "torch.Tensor", src: "torch.Tensor", dtype: "torch.dtype") -
     """Cast the contiguous tensor `src` to `dtype` into the uint8 tensor `dest`, which holds exactly
     its bytes. float32 -> bfloat16 in host memory runs in one native pass where the CPU has
     AVX512-BF16 (torch's cast of that takes 30% longer, and a trainer casts every element of
-    every version); all else is torch's copy_. The bytes are torch's (a NaN stays a NaN)."""
+    every version); all else is torch's copy_, on the device of `src` (a GPU's parameters are cast
+    there, and only the cast bytes cross to a host buffer).
+
+    The bytes are torch's CPU cast's, on every device, NaNs included (a GPU's cast makes other
+    NaNs): float32 -> bfloat16 makes every NaN 0xFFFF; float32 -> float16 makes a NaN its sign,
+    0x7E00 and the top 10 bits of its mantissa (F16C's conversion). So the same weights give the
+    same bytes, and checksums, whichever device cast them."""
     import torch
 
     if (NATIVE_BF16 is not None and dtype == torch.bfloat16 and src.dtype == torch.float32
             and src.device.type == "cpu" and dest.device.type == "cpu"):
         NATIVE_BF16.float32_to_bfloat16(src.numpy(), dest.numpy())
-    else:
-        dest.view(dtype).copy_(src)
+        return
+    if src.device.type != "cpu" and src.dtype != dtype:
+        cast = src.to(dtype)
+        if src.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16):
+            cast = cast.view(torch.int16)
+            torch.where(src.isnan(), _host_nan(src, dtype), cast, out=cast)
+        dest.view(torch.int16 if cast.dtype == torch.int16 else dtype).copy_(cast)
+        return
+    dest.view(dtype).copy_(src)
+
+
+def _host_nan(src: "torch.Tensor", dtype: "torch.dtype") -> "torch.Tensor":
+    """The 16-bit NaN torch's CPU cast makes of each float32 of `src` (int16, where src is NaN)."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        return torch.full((), -1, dtype=torch.int16, device=src.device)  # 0xFFFF
+    bits = src.view(torch.int32)
+    return ((bits >> 16) & 0x8000 | 0x7E00 | (bits >> 13) & 0x3FF).to(torch.int16)
 
 
 def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int, dest: "torch.Tensor",
