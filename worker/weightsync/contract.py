@@ -86,7 +86,7 @@ class Env:
     SPEC_FILE = "WEIGHTSYNC_SPEC_FILE"
     TOKEN_FILE = "WEIGHTSYNC_TOKEN_FILE"
     NETWORK_MODE = "WEIGHTSYNC_NETWORK_MODE"  # the resolved mode: rdma or tcp
-    COLOCATED = "WEIGHTSYNC_COLOCATED"  # "1": every pod of the job runs on this machine (`weightsync run`)
+    COLOCATED = "WEIGHTSYNC_COLOCATED"  # "1": every pod on this machine's same GPUs (`weightsync run --share-gpus`)
     REPORT_TO_KUBERNETES = "WEIGHTSYNC_REPORT_TO_KUBERNETES"  # "1": the controller patches job status
     # Without Kubernetes (`weightsync run`): the file that stands in for the job's status
     # subresource, so that a controller that starts again finds what the one before it reported.
@@ -501,7 +501,7 @@ class WorkerContext:
     token: bytes
     report_to_kubernetes: bool
     health_port: int = HEALTH_PORT
-    colocated: bool = False  # every rank of the job on this machine (transfer.transport auto may pick ipc)
+    colocated: bool = False  # every rank of the job on the same GPUs of this machine (transport auto may pick ipc)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "WorkerContext":

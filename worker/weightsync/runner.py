@@ -114,7 +114,6 @@ class LocalJob:
                 Env.SPEC_FILE: str(spec_file),
                 Env.TOKEN_FILE: str(token_file),
                 Env.NETWORK_MODE: "tcp",
-                Env.COLOCATED: "1",
                 "CUDA_VISIBLE_DEVICES": gpus[ordinal],  # what the device plugin gives the pod
             }
             if role == CONTROLLER:
@@ -126,6 +125,8 @@ class LocalJob:
                 env[Env.VLLM_PORT] = str(server_ports[ordinal - first_inference])
             if role == TRAINER and trainer_command(self.job.spec):  # as render.env: where the ranks meet, the user's own
                 env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
+            if self.share_gpus:
+                env[Env.COLOCATED] = "1"
             if self.share_gpus and gpus[ordinal]:
                 # NCCL refuses two ranks on one GPU unless each process names a host of its own;
                 # its socket transport then carries the bytes between them

@@ -55,15 +55,15 @@ def make_transport(name: str, *, token: bytes, timeout: float = 300.0, **options
 
 def resolve_transport(requested: str, network_mode: str, colocated: bool = False) -> tuple[str, str]:
     """The transport `requested` (spec.transfer.transport) means here, and why: auto picks ipc
-    when every rank of the job runs on this one machine (`colocated`) with GPUs, uccl on an RDMA
-    network with GPUs and the uccl package, else nccl with GPUs, else tcp."""
+    when every rank of the job shares this machine's GPUs (`colocated`), uccl on an RDMA network
+    with GPUs and the uccl package, else nccl with GPUs, else tcp."""
     if requested != "auto":
         return requested, f"spec.transfer.transport is {requested}"
     from weightsync.transport import nccl, uccl
 
     gpu_problem = nccl.unavailable_reason()
     if colocated and gpu_problem is None:
-        return "ipc", "auto: every rank runs on this machine, with GPUs: CUDA IPC"
+        return "ipc", "auto: every rank shares this machine's GPUs: CUDA IPC"
     if network_mode == "rdma" and gpu_problem is None and uccl.unavailable_reason() is None:
         return "uccl", "auto: RDMA network, GPUs and the uccl package are present"
     if gpu_problem is None:

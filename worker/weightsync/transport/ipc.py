@@ -138,7 +138,9 @@ class IpcSender(TcpSender):
             if offset < 0 or offset + length > target.numel():
                 raise ConnectionError(f"bytes [{offset}, {offset + length}) do not fit inference rank {peer}'s "
                                       f"{target.numel()}-byte buffer")
-            stream = self.streams.setdefault(peer, torch.cuda.Stream(data.device))
+            if peer not in self.streams:
+                self.streams[peer] = torch.cuda.Stream(data.device)
+            stream = self.streams[peer]
             with torch.cuda.stream(stream):
                 target[offset:offset + length].copy_(data.view(torch.uint8).reshape(-1), non_blocking=True)
             stream.synchronize()  # in place before WRITTEN says so (this stream only)
