@@ -266,6 +266,28 @@ def settle(pending: Iterable[tuple[int, Future]]) -> None:
         raise PeersFailed(failed)
 
 
+def bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
+    """work() on a helper thread, waited for at most `seconds`, for library calls that block and
+    take no deadline; TimeoutError when it has not returned by then (the thread is left to
+    finish), else what it returned or raised."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True, name=what)
+    thread.start()
+    thread.join(max(0.0, seconds))
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not complete within {seconds:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def cuda_unavailable_reason() -> str | None:
     """Why GPU memory cannot be used here (torch missing, or no CUDA GPU visible), or None."""
     try:

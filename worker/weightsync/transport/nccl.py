@@ -27,7 +27,8 @@ Waiting, failing, and why the process survives it:
   both until the other arrives and cannot be interrupted; several threads doing it at once on
   one group can hang. So each end meets its peers first on one thread, in one global order
   (trainer rank, then inference rank), before any thread of its own sends or receives: the
-  sender at its first send, the receiver at its first receive.
+  sender at its first send, the receiver at its first receive. Each first operation runs on a
+  helper thread with the deadline, so a peer that never comes is named, not waited for.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
-                                       cuda_unavailable_reason, each_peer, settle)
+                                       bounded, cuda_unavailable_reason, each_peer, settle)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.ledger import Ledger
 from weightsync.transport.wire import DATA, END
@@ -124,6 +125,17 @@ def _wait(work, deadline: float, peer: str, what: str) -> None:
         raise TransferError(peer, f"{what} failed: {_first_line(e)}") from None
     if done is False:
         raise TransferError(peer, f"{what} did not complete in time")
+
+
+def _first_frame(operation: Callable[[], Any], deadline: float, peer: str) -> None:
+    """The first send or receive between two ranks, which creates their communicator: the call
+    itself blocks until the peer gets there too, so it runs on a helper thread, and both the
+    call and its completion are bounded by `deadline`."""
+    try:
+        work = bounded(operation, deadline - time.monotonic(), f"the first frame with {peer}")
+    except TimeoutError:
+        raise TransferError(peer, "did not meet this rank in time (their communicator never formed)") from None
+    _wait(work, deadline, peer, "the first frame")
 
 
 class NcclTransport(Transport):
@@ -249,8 +261,8 @@ class NcclSender(Sender):
             self.t.check(name)
             head = torch.tensor([HELLO, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
             try:
-                _wait(self.group.send([head], self.t.trainers + peer, 0), time.monotonic() + self.t.timeout, name,
-                      "the first frame")
+                _first_frame(lambda: self.group.send([head], self.t.trainers + peer, 0), time.monotonic() + self.t.timeout,
+                             name)
             except TransferError as e:
                 self.t.abort(str(e))
                 raise
@@ -343,7 +355,7 @@ class NcclReceiver(Receiver):
             peer = f"trainer rank {trainer}"
             self._prove(trainer, deadline)
             head = torch.empty(5, dtype=torch.int64, device=device)
-            _wait(self.group.recv([head], trainer, 0), deadline, peer, "the first frame")
+            _first_frame(lambda: self.group.recv([head], trainer, 0), deadline, peer)
             if int(head[0]) != HELLO:
                 raise TransferError(peer, f"sent a frame of kind {int(head[0])} before its first frame")
             self.met.add(trainer)

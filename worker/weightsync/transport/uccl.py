@@ -21,8 +21,9 @@ success whatever happens and accept never times out, so:
   with a deadline, for the accepted connection that comes from the address and GPU the trainer
   names over its authenticated socket, and never holds a lock while uccl blocks. Whoever
   connects over RDMA without passing the handshake is never matched to a trainer.
-- connect() runs on a helper thread with a deadline; a write's completion is polled until the
-  transfer timeout; a write that reported success and landed nothing fails the bucket's checksum.
+- connect() runs on a helper thread with a deadline (base.bounded); a write's completion is
+  polled until the transfer timeout; a write that reported success and landed nothing fails the
+  bucket's checksum.
 - A transfer size is 32-bit: ranges of 4 GiB or more are refused (transport.RANGE_LIMITS).
 """
 
@@ -34,10 +35,11 @@ import struct
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from weightsync.transport import RANGE_LIMITS, wire
-from weightsync.transport.base import Filling, TransferError, Transport, TransportUnavailable, cuda_unavailable_reason
+from weightsync.transport.base import (Filling, TransferError, Transport, TransportUnavailable, bounded,
+                                       cuda_unavailable_reason)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import client_handshake, recv_exact, send_all
 from weightsync.transport.landing import Landing
@@ -76,27 +78,6 @@ def unavailable_reason() -> str | None:
     except ImportError as e:
         return f"uccl {installed}'s P2P engine does not load here: {e}"
     return cuda_unavailable_reason()
-
-
-def run_bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
-    """work() on a helper thread, waited for at most `seconds` (uccl's blocking calls take no
-    deadline); ConnectionError when it has not returned by then (the thread is left to finish)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = work()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True, name=f"uccl {what}")
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise ConnectionError(f"{what} did not complete within {seconds:g}s")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 class UcclTransport(Transport):
@@ -216,7 +197,7 @@ class UcclSender(TcpSender):
             if n > METADATA_MAX:
                 raise ConnectionError(f"{n} bytes of endpoint metadata (at most {METADATA_MAX})")
             ip, port, gpu = self.t.p2p.Endpoint.parse_metadata(recv_exact(s, n))
-            ok, conn_id = run_bounded(lambda: self.t.endpoint.connect(ip, gpu, remote_port=port),
+            ok, conn_id = bounded(lambda: self.t.endpoint.connect(ip, gpu, remote_port=port),
                                       min(self.timeout, ACCEPT_SECONDS), f"UCCL connect to {ip}:{port}")
             if not ok:
                 raise ConnectionError(f"UCCL connect to {ip}:{port} failed")
