@@ -17,8 +17,8 @@ SCATTERING = ("tcp",)
 # transfer sizes are 32-bit.
 RANGE_LIMITS = {"uccl": (1 << 32) - 1}
 
-__all__ = ["NAMES", "RANGE_LIMITS", "SCATTERING", "Receiver", "Sender", "TransferError", "Transport", "TransportUnavailable",
-           "make_transport", "resolve_transport"]
+__all__ = ["NAMES", "RANGE_LIMITS", "SCATTERING", "Receiver", "Sender", "TransferError", "Transport",
+           "TransportUnavailable", "make_transport", "resolve_transport"]
 
 
 def make_transport(name: str, *, token: bytes, timeout: float = 300.0, **options) -> Transport:

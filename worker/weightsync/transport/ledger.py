@@ -45,7 +45,8 @@ class Ledger:
         if length is None or (offset, length) not in self.left or size > limit(length):
             why = "a second time" if length is not None and (offset, length) in self.planned and size <= limit(length) \
                 else "which the plan does not give it"
-            raise TransferError(self.peer, f"sent a {size}-byte PATCH for bytes at {offset} of version {self.version}, {why}")
+            raise TransferError(self.peer, f"sent a {size}-byte PATCH for bytes at {offset} of version {self.version}, "
+                                           f"{why}")
         self.take("PATCH", offset, length)
         return length
 

@@ -176,12 +176,14 @@ class NcclTransport(Transport):
             # gloo connects every pair while the group is built: every rank of the job must get here
             self.store.set(f"{PREFIX}/joined/{global_rank}", "1")
             try:
-                self.group = dist.ProcessGroupGloo(prefixed, global_rank, world, datetime.timedelta(seconds=self.timeout))
+                timeout = datetime.timedelta(seconds=self.timeout)
+                self.group = dist.ProcessGroupGloo(prefixed, global_rank, world, timeout)
             except RuntimeError as e:
                 missing = [r for r in range(world) if not self.store.check([f"{PREFIX}/joined/{r}"])]
+                names = ", ".join(self._name(r) for r in missing) or "none"
                 raise TransferError(self._name(missing[0]) if missing else "nccl",
-                                    f"the group did not form within {self.timeout:g}s "
-                                    f"(not joined: {', '.join(self._name(r) for r in missing) or 'none'}): {_first_line(e)}") from None
+                                    f"the group did not form within {self.timeout:g}s (not joined: {names}): "
+                                    f"{_first_line(e)}") from None
             return self.group
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = datetime.timedelta(seconds=self.timeout * WATCHDOG_FACTOR + 60)
@@ -209,8 +211,8 @@ class NcclTransport(Transport):
     def check(self, peer: str) -> None:
         """Raise if the group was aborted: the ranks' streams of frames are out of step."""
         if self.failure is not None:
-            raise TransferError(peer, f"the {self.backend} group was aborted after an earlier failure ({self.failure}); "
-                                      "it carries no more versions")
+            raise TransferError(peer, f"the {self.backend} group was aborted after an earlier failure "
+                                      f"({self.failure}); it carries no more versions")
 
     def sender(self, rank: int) -> "NcclSender":
         return NcclSender(self, rank)
@@ -261,8 +263,8 @@ class NcclSender(Sender):
             self.t.check(name)
             head = torch.tensor([HELLO, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
             try:
-                _first_frame(lambda: self.group.send([head], self.t.trainers + peer, 0), time.monotonic() + self.t.timeout,
-                             name)
+                _first_frame(lambda: self.group.send([head], self.t.trainers + peer, 0),
+                             time.monotonic() + self.t.timeout, name)
             except TransferError as e:
                 self.t.abort(str(e))
                 raise
@@ -296,7 +298,8 @@ class NcclSender(Sender):
 
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         if not hasattr(data, "data_ptr") or data.device.type != self.device.type or data.dtype.itemsize != 1:
-            raise ValueError(f"the nccl transport over {self.t.backend} sends {self.device.type} tensors of bytes (uint8)")
+            raise ValueError(f"the nccl transport over {self.t.backend} sends {self.device.type} tensors of bytes "
+                             "(uint8)")
         if peer not in self.peers:
             raise TransferError(f"inference rank {peer}", "not connected")
         self._meet()
@@ -341,7 +344,8 @@ class NcclReceiver(Receiver):
             if time.monotonic() > deadline:
                 raise TransferError(f"trainer rank {trainer}", "did not announce itself in time")
             time.sleep(0.01)
-        if not hmac.compare_digest(self.t.store.get(key).decode(), _hello_mac(self.t.token, self.nonce, trainer, self.rank)):
+        proof = _hello_mac(self.t.token, self.nonce, trainer, self.rank)
+        if not hmac.compare_digest(self.t.store.get(key).decode(), proof):
             raise TransferError(f"trainer rank {trainer}", "its announcement does not prove the job token")
         self.proven.add(trainer)
 
@@ -401,7 +405,8 @@ class NcclReceiver(Receiver):
                 return self._frames(trainer, version, flat, ranges, deadline)
         return self._frames(trainer, version, flat, ranges, deadline)
 
-    def _frames(self, trainer: int, version: int, flat, ranges: list[tuple[int, int]], deadline: float) -> dict[int, int]:
+    def _frames(self, trainer: int, version: int, flat, ranges: list[tuple[int, int]],
+                deadline: float) -> dict[int, int]:
         import torch
 
         peer = f"trainer rank {trainer}"
