@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU test and the GPU benchmark in one go, on a GPU machine without network access: a
-# virtual environment over the machine's own torch (CUDA), weightsync and its test tools from the
-# wheels `make gpu-wheels` put in .gpu/wheels, uccl's pinned wheel, then the tests and the bench.
+# Every GPU test and the GPU benchmark in one go, on a GPU machine without network access: the
+# machine's own Python and torch (CUDA), weightsync from this tree, its dependencies, test tools
+# and uccl's pinned wheel from the wheels `make gpu-wheels` put in .gpu/wheels; then the tests
+# and the bench.
 # Logs, JUnit XML and the bench's output go to $OUT (default .gpu/out).
 #
 #   bash tests/gpu/run.sh [all|tests|bench]    # from the repository root (default all)
@@ -22,19 +23,19 @@ nvidia-smi || true
 $PY -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count())'
 
 step "environment"
-if [ ! -x .gpu/venv/bin/python ]; then
-  $PY -m venv --system-site-packages .gpu/venv
+# torch and numpy stay the machine's; everything else comes from the carried wheels, unpacked
+# once into .gpu/site, and weightsync runs from the source tree
+V=$PY
+export PYTHONPATH="$PWD/worker:$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
+if [ ! -d .gpu/site ]; then
+  $V -m pip install -q --no-index --no-deps --target .gpu/site .gpu/wheels/*.whl \
+    || { echo "installing .gpu/wheels failed: run make gpu-wheels where there is network"; exit 2; }
+  rm -rf .gpu/site/setuptools .gpu/site/pkg_resources .gpu/site/_distutils_hack .gpu/site/wheel
 fi
-V=.gpu/venv/bin/python
-# torch stays the machine's; everything else comes from the carried wheels (once)
-$V -c 'import weightsync, pytest, transformers' 2>/dev/null || $V -m pip install -q --no-index --find-links .gpu/wheels --no-build-isolation -e '.[worker]' pytest pytest-timeout \
-  || { echo "installing from .gpu/wheels failed: run make gpu-wheels where there is network"; exit 2; }
-$V -c 'import uccl' 2>/dev/null || $V -m pip install -q --no-index --find-links .gpu/wheels --no-deps 'uccl==0.1.1' \
-  || echo "uccl 0.1.1 is not in .gpu/wheels"
-$V -m pip list 2>/dev/null | grep -iE '^(torch|uccl|transformers|xxhash) ' || true
+$V -c 'import weightsync, transformers, xxhash, pytest, torch; print("weightsync from", weightsync.__file__)'
 
 step "uccl: what loads"
-$V - <<'PY' 2>&1 | tee "$OUT/uccl.txt"
+timeout 120 $V - <<'PY' 2>&1 | tee "$OUT/uccl.txt"
 from weightsync.transport import uccl
 print("unavailable_reason:", uccl.unavailable_reason())
 try:
