@@ -118,7 +118,7 @@ def main():
         store.set(f"connected/trainer/{args.rank}", "1")
         if args.pause_after_first_bucket:
             first = plan.buckets_of(args.rank)[0]
-            data = torch.empty(first.length, dtype=torch.uint8)
+            data = torch.empty(first.length, dtype=torch.uint8, device=device)
             from weightsync.flat import fill_range
 
             fill_range(layout, version_tensors(shapes, 1, args.change), first.offset, first.end, data)

@@ -91,7 +91,7 @@ class IpcSender(TcpSender):
 
     def __init__(self, transport: IpcTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
-        self.opened: dict[str, Any] = {}  # IPC handle -> the receiver's buffer, opened once
+        self.opened: dict[tuple, Any] = {}  # (IPC handle, offsets) -> the receiver's buffer, opened once
         self.landing: dict[int, tuple[int, Any]] = {}  # inference rank -> (version, its buffer for it)
         self.lock = threading.Lock()
         self.streams: dict[int, Any] = {}  # inference rank -> the stream its copies run on
@@ -113,10 +113,13 @@ class IpcSender(TcpSender):
                 raise ConnectionError(f"expected the advertisement of version {version}, got kind {kind} version {v} "
                                       f"({length} bytes)")
             desc = json.loads(recv_exact(sock, length))
+            # one allocation of the receiver's may hold several buffers: the handle names the
+            # allocation, the offsets the buffer
+            key = (desc["handle"], desc["offset"], desc["start"], desc["bytes"])
             with self.lock:
-                if desc["handle"] not in self.opened:
-                    self.opened[desc["handle"]] = open_exported(desc, self._local_gpu(desc["gpu"]))
-                buffer = self.opened[desc["handle"]]
+                if key not in self.opened:
+                    self.opened[key] = open_exported(desc, self._local_gpu(desc["gpu"]))
+                buffer = self.opened[key]
             self.landing[peer] = (version, buffer)
         return self.landing[peer][1]
 
