@@ -2,7 +2,7 @@
 
 import pytest
 
-from weightsync import contract
+from weightsync import job as contract
 
 
 def job(spec=None, name="demo", **top):
@@ -215,7 +215,7 @@ def test_a_missing_file_or_a_directory(tmp_path):
 
 
 def test_choices_are_summarised():
-    from weightsync.crdschema import choices
+    from weightsync.job.schema import choices
 
     assert choices(["a", "b"]) == "a, b"
     assert choices([str(i) for i in range(100)], limit=3) == "0, 1, 2 and 97 more"
@@ -226,7 +226,7 @@ def test_the_contract_checks_without_torch_or_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; from weightsync import contract\n"
+    code = ("import sys; from weightsync import job as contract\n"
             "try:\n"
             "    contract.load_job({'apiVersion': contract.API_VERSION, 'kind': contract.KIND, 'metadata': {'name': 'x'},\n"
             "                       'spec': {'model': {'config': {'model_type': 'gpt2', 'n_layer': 0}}}})\n"

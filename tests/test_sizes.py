@@ -1,7 +1,7 @@
 """Model sizes no model can have, found in a config as written and in a resolved one."""
 import pytest
 
-from weightsync.sizes import canonical_names, size_problems
+from weightsync.job.sizes import canonical_names, size_problems
 
 
 def test_spellings_of_the_same_size_are_recognised():

@@ -11,7 +11,7 @@ from typing import Mapping
 
 import kopf
 
-from weightsync import contract
+from weightsync import job as contract
 from weightsync_operator import network, render, tokens
 from weightsync_operator.kube import Kube
 from weightsync_operator.status import NETWORK_RESOLVED, condition

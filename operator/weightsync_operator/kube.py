@@ -10,7 +10,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 
-from weightsync import contract
+from weightsync import job as contract
 
 FIELD_MANAGER = "weightsync-operator"
 # kind -> plural, for every kind the operator reads or writes.

@@ -12,8 +12,8 @@ import os
 import yaml
 
 import weightsync
-from weightsync import contract
-from weightsync.contract import CONTROLLER, ROLES, Env, Job
+from weightsync import job as contract
+from weightsync.job import CONTROLLER, ROLES, Env, Job
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
@@ -319,7 +319,7 @@ def ports(job: Job, role: str, health: bool = True) -> list[dict]:
 
 
 def probe(spec: contract.Probe) -> dict:
-    """A kubelet probe of the worker's health endpoint (weightsync.health), with the numbers the
+    """A kubelet probe of the worker's health endpoint (weightsync.runtime.health), with the numbers the
     local runner probes with too."""
     return {"httpGet": {"path": spec.path, "port": HEALTH_PORT_NAME, "scheme": "HTTP"},
             "periodSeconds": spec.period_seconds, "timeoutSeconds": spec.timeout_seconds,

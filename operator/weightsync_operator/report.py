@@ -7,8 +7,8 @@ from typing import Iterable, Mapping
 
 import kopf
 
-from weightsync import contract
-from weightsync.contract import Layout
+from weightsync import job as contract
+from weightsync.job import Layout
 from weightsync_operator import status
 from weightsync_operator.kube import ApiError, Kube
 

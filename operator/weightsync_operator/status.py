@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime
 from typing import Iterable, Mapping
 
-from weightsync.contract import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
+from weightsync.job import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
 
 # Condition types.
 NETWORK_RESOLVED = "NetworkResolved"

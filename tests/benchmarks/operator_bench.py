@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT / "tests" / "cluster"), str(ROOT / "tests" / "operator"
 from controlplane import ControlPlane, find_binaries, wait_for  # noqa: E402
 from operator_harness import CRD, Operator  # noqa: E402
 
-from weightsync import contract  # noqa: E402
+from weightsync import job as contract  # noqa: E402
 from weightsync_operator import render  # noqa: E402
 
 # Every kind a job owns, and where the API serves it.

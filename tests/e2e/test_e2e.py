@@ -18,7 +18,7 @@ from e2e_harness import LogFollower, example, install, new_namespace, pods, rest
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
-from weightsync import contract
+from weightsync import job as contract
 
 pytestmark = pytest.mark.cluster
 

@@ -18,7 +18,7 @@ from e2e_harness import install, new_namespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from operator_harness import Namespace, Operator  # noqa: E402
 
-from weightsync import contract  # noqa: E402
+from weightsync import job as contract  # noqa: E402
 from weightsync_operator import tokens  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 from controlplane import die_with_parent, free_ports, probe, stop_group, wait_for
 
-from weightsync import contract
+from weightsync import job as contract
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "weightsync.io_weighttransferjobs.yaml"

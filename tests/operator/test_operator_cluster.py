@@ -9,7 +9,7 @@ import pytest
 import yaml
 from controlplane import wait_for
 
-from weightsync import contract
+from weightsync import job as contract
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

@@ -10,7 +10,7 @@ import types
 import pytest
 from controlplane import wait_for
 
-from weightsync import contract
+from weightsync import job as contract
 from weightsync_operator import tokens
 from weightsync_operator.handlers import jobs
 from weightsync_operator.kube import ApiError, Kube

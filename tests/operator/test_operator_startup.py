@@ -7,7 +7,7 @@ import pytest
 from controlplane import probe, wait_for
 from operator_harness import CRD, Namespace, Operator
 
-from weightsync import contract
+from weightsync import job as contract
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from weightsync import contract
-from weightsync.contract import CONTROLLER, INFERENCE, TRAINER, Env
+from weightsync import job as contract
+from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
 from weightsync_operator import network, render, status, tokens
 from weightsync_operator.handlers import children
 from weightsync_operator.kube import ApiError, matches
@@ -406,7 +406,7 @@ def test_the_failed_condition_takes_the_controllers_reason():
 
 
 def test_the_status_schema_takes_what_the_controller_reports():
-    from weightsync.crdschema import openapi_schema
+    from weightsync.job.schema import openapi_schema
 
     status_schema = openapi_schema(contract.VERSION)["properties"]["status"]["properties"]
     assert set(status_schema["rejoins"]["properties"]) == {TRAINER, INFERENCE}

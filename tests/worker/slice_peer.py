@@ -19,13 +19,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from weightsync.flat import FlatLayout, byte_view, torch_dtype
-from weightsync.shards import Holdings
-from weightsync.slicepath import SlicedPlan, global_tensors
-from weightsync.slices import Box, RankSlices, Slice, Slicing, chunk_bounds, join
-from weightsync.slicesend import SliceSender
-from weightsync.tpslices import tp_needs
-from weightsync.transfer import VersionReceiver, version_digest
+from weightsync.model.flat import FlatLayout, byte_view, torch_dtype
+from weightsync.plan.holders import Holdings
+from weightsync.plan.sliced import SlicedPlan, global_tensors
+from weightsync.plan.slices import Box, RankSlices, Slice, Slicing, chunk_bounds, join
+from weightsync.transfer.slicesend import SliceSender
+from weightsync.plan.tp import tp_needs
+from weightsync.transfer.send import VersionReceiver, version_digest
 from weightsync.transport import TransferError, make_transport
 
 # A small model's tensors under a TP plan of every style that shards: uneven sizes throughout

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weightsync import contract
+from weightsync import job as contract
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tcp-job.yaml"

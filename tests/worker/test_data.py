@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from weightsync import data, model
+from weightsync.model import markov as data, build as model
 
 
 def test_batches_are_walks_on_the_chain_and_reproducible():

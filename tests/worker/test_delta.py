@@ -13,10 +13,10 @@ import pytest
 import torch
 import xxhash
 
-from weightsync import delta
-from weightsync.delta import RECORD, LastSent, PatchError, Patcher, apply_patch
-from weightsync.flat import ITEMSIZE
-from weightsync.plan import Bucket, make_plan
+from weightsync.transfer import delta
+from weightsync.transfer.delta import RECORD, LastSent, PatchError, Patcher, apply_patch
+from weightsync.model.flat import ITEMSIZE
+from weightsync.plan.segments import Bucket, make_plan
 from weightsync.transport.checksum import CHUNK
 
 from test_transfer import ranks, store  # noqa: F401 - fixtures

@@ -4,9 +4,9 @@ fullEvery versions and whenever the transport carries no patches; and a whole jo
 processes with delta versions on, where every inference rank holds the trainers' weights bit for
 bit after every version while the controller's lines show the bytes saved on the wire."""
 
-from weightsync import contract
-from weightsync.contract import Delta
-from weightsync.deltaplan import bases, delta_in_effect
+from weightsync import job as contract
+from weightsync.job import Delta
+from weightsync.plan.deltas import bases, delta_in_effect
 
 from test_runner import ODD, check_every_version, make_job, run_to_end
 

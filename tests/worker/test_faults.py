@@ -26,9 +26,9 @@ import pytest
 import torch
 from test_runner import ODD, as_bytes, assert_nothing_left, make_job
 
-from weightsync.rendezvous import versions
+from weightsync.rendezvous.protocol import versions
 from weightsync.roles.common import DUMP_DIR_ENV, PAUSE_DIR_ENV
-from weightsync.runner import LocalJob, RunFailed
+from weightsync.local.runner import LocalJob, RunFailed
 
 REACH_TIMEOUT = 240.0  # seconds for the job to reach the armed point (start-up on a loaded machine)
 RUN_TIMEOUT = 400.0

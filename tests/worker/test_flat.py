@@ -4,8 +4,8 @@ fill of byte ranges (cast into a buffer, or straight from the parameters)."""
 import pytest
 import torch
 
-from weightsync import flat
-from weightsync.flat import ALIGN, FlatLayout, LayoutMismatch
+from weightsync.model import flat
+from weightsync.model.flat import ALIGN, FlatLayout, LayoutMismatch
 
 
 def tensors(seed=0):

@@ -1,4 +1,4 @@
-"""A worker pod's probes (weightsync.health): /healthz fails while any of the pod's rank processes
+"""A worker pod's probes (weightsync.runtime.health): /healthz fails while any of the pod's rank processes
 is stopped and does not answer while the pod's own process is stopped; /readyz waits for every
 rank. Real processes: the pod's health in this process with its ranks spawned as a pod spawns
 them, and a real `weightsync worker` pod process."""
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weightsync import contract, health
-from weightsync.contract import LIVENESS, READINESS
+from weightsync import job as contract
+from weightsync.runtime import health
+from weightsync.job import LIVENESS, READINESS
 
 DEADLINE = 60  # seconds for anything to happen on a loaded machine
 
@@ -128,7 +129,7 @@ def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:
                  "inference": {"replicas": 1, "gpusPerProc": 0}, "network": {"mode": "tcp"}}})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.to_object()))
     (tmp_path / "token").write_text("t" * 32)
-    from weightsync.runner import free_ports
+    from weightsync.local.runner import free_ports
 
     store, port = free_ports([1, 1])
     base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}

@@ -4,13 +4,13 @@ import pytest
 import torch
 import yaml
 
-from weightsync import contract
+from weightsync import job as contract
 from weightsync.cli import job_plan
-from weightsync.flat import FlatLayout
-from weightsync.jobplan import fsdp_holdings, inference_needs, make_job_plan
-from weightsync.plan import Plan
-from weightsync.shards import Holdings
-from weightsync.slicepath import SlicedPlan, needs_everything
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
+from weightsync.plan.segments import Plan
+from weightsync.plan.holders import Holdings
+from weightsync.plan.sliced import SlicedPlan, needs_everything
 
 from test_cli import weightsync
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from weightsync import links
-from weightsync.links import Links
+from weightsync.bench import netns as links
+from weightsync.bench.netns import Links
 
 from test_transfer import Ranks
 
@@ -92,7 +92,7 @@ def test_links_are_removed_when_their_process_gets_sigterm(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(WORKER)!r})
-        from weightsync.links import Links
+        from weightsync.bench.netns import Links
         with Links("100mbit", 2) as net:
             print(net.bridge, *net.namespaces, flush=True)
             time.sleep(600)

@@ -1,7 +1,8 @@
 """The memory estimate `weightsync run` checks before it starts a job's processes."""
-from weightsync import contract, memory
-from weightsync.flat import FlatLayout
-from weightsync.memory import MiB
+from weightsync import job as contract
+from weightsync.local import memory
+from weightsync.model.flat import FlatLayout
+from weightsync.local.memory import MiB
 
 
 def job(dtype="bfloat16", trainers=2, gpus=0, bucket=1, delta=False):

@@ -4,9 +4,9 @@ flat buffer."""
 import pytest
 import torch
 
-from weightsync import model
-from weightsync.contract import SpecError
-from weightsync.flat import views
+from weightsync.model import build as model
+from weightsync.job import SpecError
+from weightsync.model.flat import views
 
 CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,
           "bos_token_id": 0, "eos_token_id": 0}

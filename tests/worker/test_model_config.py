@@ -2,9 +2,9 @@
 checkpoint directories that are not one are refused on one line; sizes are checked after defaults."""
 import pytest
 
-from weightsync import model
-from weightsync.contract import SpecError
-from weightsync.model_config import config_of, known_keys
+from weightsync.model import build as model
+from weightsync.job import SpecError
+from weightsync.model.config import config_of, known_keys
 
 GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}
 

@@ -3,9 +3,9 @@ weights, more trainers than tensors, JSON, and the table `weightsync plan` print
 
 import pytest
 
-from weightsync import contract
-from weightsync.flat import ALIGN, FlatLayout
-from weightsync.plan import Plan, make_plan
+from weightsync import job as contract
+from weightsync.model.flat import ALIGN, FlatLayout
+from weightsync.plan.segments import Plan, make_plan
 
 
 def layout(shapes, dtype="float32"):

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from test_runner import ODD, assert_nothing_left, make_job, store_of, wait_key
 from test_store import record_session
-from weightsync import contract, store
-from weightsync.ranks import PAUSE_DIR_ENV
-from weightsync.runner import LocalJob
-from weightsync.store import HELLO, PROOF, VERDICT, StoreClient, StoreRefused, pack, seal
+from weightsync import job as contract
+from weightsync.rendezvous import store
+from weightsync.runtime.rank import PAUSE_DIR_ENV
+from weightsync.local.runner import LocalJob
+from weightsync.rendezvous.store import HELLO, PROOF, VERDICT, StoreClient, StoreRefused, pack, seal
 
 # Writes that, through torch's TCPStore, each ended a job with a false cause or cheated it.
 FORGED = [(b"end", b'{"state": "Failed", "message": "forged"}'), (b"failed/trainer/0", b"forged failure"),

@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from weightsync import model
-from weightsync.flat import views
+from weightsync.model import build as model
+from weightsync.model.flat import views
 from weightsync.roles.inference import Generations
 
 SPEC = {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256,

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from weightsync import rendezvous
-from weightsync.contract import Layout
-from weightsync.rendezvous import JobEnded, Keys, Member, ProofError, Restarted, Round
-from weightsync.roster import AWAY, JOINING, RANK_LOST, SERVING, TRAINER_RESTARTED, WAITING, Host, RankFailed
+from weightsync.rendezvous import protocol as rendezvous
+from weightsync.job import Layout
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted, Round
+from weightsync.rendezvous.roster import AWAY, JOINING, RANK_LOST, SERVING, TRAINER_RESTARTED, WAITING, Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/rendezvous"
@@ -87,8 +87,8 @@ def test_a_forged_proof_for_changed_data_is_refused(host):
 
 
 def test_members_accept_only_a_plan_and_endpoints_signed_with_the_token(host):
-    from weightsync.flat import FlatLayout
-    from weightsync.plan import make_plan
+    from weightsync.model.flat import FlatLayout
+    from weightsync.plan.segments import make_plan
 
     plan = make_plan(FlatLayout.from_shapes([("w", (10, 10))], "float32"), 1, 1, 1 << 20)
     host.publish_plan(plan.to_json(), {0: "127.0.0.1:5"})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from weightsync import contract
-from weightsync.report import Reporter
+from weightsync import job as contract
+from weightsync.roles.records import Reporter
 
 ROOT = Path(__file__).resolve().parents[2]
 

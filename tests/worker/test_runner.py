@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync import contract
-from weightsync.rendezvous import Keys, connect_store, versions
+from weightsync import job as contract
+from weightsync.rendezvous.protocol import Keys, connect_store, versions
 from weightsync.roles.common import DUMP_DIR_ENV
-from weightsync.runner import LocalJob, RunFailed
+from weightsync.local.runner import LocalJob, RunFailed
 
 TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,
         "bos_token_id": 0, "eos_token_id": 0}

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from test_runner import assert_nothing_left, make_job, store_of, wait_key
 
-from weightsync import kubelet
-from weightsync.contract import LIVENESS, Env
-from weightsync.runner import LocalJob, RunFailed
+from weightsync.local import kubelet
+from weightsync.job import LIVENESS, Env
+from weightsync.local.runner import LocalJob, RunFailed
 
 DEADLINE = 300  # seconds for a whole job on a loaded machine
 SLACK = 30.0  # seconds a loaded machine may add to a restart's due time

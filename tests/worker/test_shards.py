@@ -4,8 +4,8 @@ the same rows; rows nobody holds, or held in overlapping pieces, are refused nam
 
 import pytest
 
-from weightsync.flat import FlatLayout
-from weightsync.shards import Holdings, plan_by_holder
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.holders import Holdings, plan_by_holder
 
 SHAPES = [("embed", (101, 48)), ("bias", (7,)), ("scale", ()), ("proj", (48, 70)), ("empty", (0, 3))]
 

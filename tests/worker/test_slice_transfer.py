@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from weightsync.slicepath import LocalLayout, SlicedPlan, needs_everything
-from weightsync.flat import FlatLayout
+from weightsync.plan.sliced import LocalLayout, SlicedPlan, needs_everything
+from weightsync.model.flat import FlatLayout
 
 import slice_peer
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weightsync.holdings import dim1_where_dim0_is_uneven, sharded
-from weightsync.linktime import greedy_order, simulate
-from weightsync.sliceplan import check_plan, make_slice_plan
-from weightsync.slices import Box, GlobalTensor, Slicing, chunk_bounds, join
-from weightsync.tpslices import check_heads, tp_boxes, tp_needs
+from weightsync.plan.holdings import dim1_where_dim0_is_uneven, sharded
+from weightsync.plan.linktime import greedy_order, simulate
+from weightsync.plan.pieces import check_plan, make_slice_plan
+from weightsync.plan.slices import Box, GlobalTensor, Slicing, chunk_bounds, join
+from weightsync.plan.tp import check_heads, tp_boxes, tp_needs
 
 LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=130, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
@@ -236,7 +236,7 @@ def test_the_plan_from_what_ranks_publish_equals_the_plan_from_the_layouts():
 def test_holdings_that_miss_or_overlap_are_refused_with_the_tensor_named():
     t = [GlobalTensor("w", (8, 4), "float32")]
     needs = tp_needs(t, {}, 1)
-    from weightsync.slices import RankSlices, Slice
+    from weightsync.plan.slices import RankSlices, Slice
 
     gap = Slicing.from_ranks(t, [RankSlices(0, (Slice("w", Box((0, 0), (3, 4))),)),
                                  RankSlices(1, (Slice("w", Box((4, 0), (8, 4))),))], 2)

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from weightsync.flat import FlatLayout, fill_range, range_views
-from weightsync.plan import make_plan
-from weightsync.shards import Holdings, plan_by_holder
-from weightsync.sources import local_tensors, sources_of, version_name
+from weightsync.model.flat import FlatLayout, fill_range, range_views
+from weightsync.plan.segments import make_plan
+from weightsync.plan.holders import Holdings, plan_by_holder
+from weightsync.publisher.sources import local_tensors, sources_of, version_name
 
 # Sizes that 2, 3 and 4 ranks do not divide: vocab 101, 2 KV heads of 12, intermediate 70.
 CONFIG = dict(vocab_size=101, hidden_size=48, intermediate_size=70, num_hidden_layers=2, num_attention_heads=4,

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from weightsync import store
-from weightsync.store import (CODES, HELLO, PROOF, VERDICT, Limits, StoreClient, StoreError, StoreFull, StoreRefused,
+from weightsync.rendezvous import store
+from weightsync.rendezvous.store import (CODES, HELLO, PROOF, VERDICT, Limits, StoreClient, StoreError, StoreFull, StoreRefused,
                               StoreServer, StoreTimeout, handshake_macs, pack, seal)
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
@@ -341,7 +341,7 @@ def _non_loopback_address() -> str | None:
 
 SERVER = """
 import sys, time
-from weightsync.store import StoreServer
+from weightsync.rendezvous.store import StoreServer
 s = StoreServer("127.0.0.1", 0, sys.argv[1].encode(), sys.argv[2])
 s.set("here", b"1")
 print(s.port, flush=True)
@@ -406,7 +406,7 @@ def test_a_dead_server_is_an_error_at_once(server_process):
 GLOO_RANK = """
 import datetime, sys
 import torch, torch.distributed as dist
-from weightsync.store import StoreClient
+from weightsync.rendezvous.store import StoreClient
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 # handed straight to PrefixStore, without a reference of its own
 store = dist.PrefixStore("ddp", StoreClient("127.0.0.1", port, sys.argv[3].encode(), sys.argv[4], timeout=60))

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync import contract
-from weightsync.model import build, layout_of, logits, prompt
-from weightsync.ranks import DUMP_DIR_ENV
-from weightsync.runner import LocalJob, RunFailed
-from weightsync.tpengine import needs_of
+from weightsync import job as contract
+from weightsync.model.build import build, layout_of, logits, prompt
+from weightsync.runtime.rank import DUMP_DIR_ENV
+from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.roles.tp import needs_of
 
 from test_runner import as_bytes, assert_nothing_left
 

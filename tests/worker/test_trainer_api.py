@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync import contract
-from weightsync.ranks import DUMP_DIR_ENV
-from weightsync.runner import LocalJob, RunFailed
+from weightsync import job as contract
+from weightsync.runtime.rank import DUMP_DIR_ENV
+from weightsync.local.runner import LocalJob, RunFailed
 
 from test_runner import as_bytes, assert_nothing_left
 
@@ -156,7 +156,7 @@ def test_an_exception_in_the_script_after_it_attached_fails_the_job_with_its_mes
     ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, "WORLD_SIZE=2, but this process is trainer rank 3 of 4"),
 ])
 def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected):
-    from weightsync.trainer import rank_of
+    from weightsync.publisher.sync import rank_of
 
     job = command_job("ranks", ["torchrun"], trainers=(2, 2))
     ctx = contract.WorkerContext(job, 2, "trainer", "127.0.0.1", "127.0.0.1", 1, 1, "tcp", b"x" * 16, False)
@@ -167,7 +167,7 @@ def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected)
 
 
 def test_weightsync_run_refuses_env_that_only_a_cluster_can_resolve():
-    from weightsync.runner import CannotRunHere, command_env
+    from weightsync.local.runner import CannotRunHere, command_env
 
     job = command_job("env", ["python", "train.py"], env=[{"name": "A", "value": "1"},
                                                           {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}])

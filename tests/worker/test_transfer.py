@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weightsync.flat import FlatLayout
-from weightsync.plan import make_plan
-from weightsync.transfer import VersionReceiver, VersionSender
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.segments import make_plan
+from weightsync.transfer.send import VersionReceiver, VersionSender
 from weightsync.transport import TransferError, make_transport
 
 from transfer_peer import layout_of, plan_of

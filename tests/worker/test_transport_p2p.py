@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from weightsync.ranks import CORRUPT_ENV
+from weightsync.runtime.rank import CORRUPT_ENV
 from weightsync.transport import nccl
 
 from test_transfer import ODD, ranks, send_and_check, store  # noqa: F401 - fixtures

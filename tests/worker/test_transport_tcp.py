@@ -447,8 +447,8 @@ def a_patch(base: bytes, new: bytes, base_version: int) -> bytes:
     """A real patch of `new` against `base` (delta.py), as a trainer makes it."""
     import numpy as np
 
-    from weightsync.delta import LastSent
-    from weightsync.plan import Bucket
+    from weightsync.transfer.delta import LastSent
+    from weightsync.plan.segments import Bucket
 
     last = LastSent([Bucket(0, 0, 0, len(base))], 2)
     last.encoder(0, None).add(0, np.frombuffer(base, dtype=np.uint8))
@@ -460,7 +460,7 @@ def a_patch(base: bytes, new: bytes, base_version: int) -> bytes:
 def test_a_patch_is_applied_and_a_damaged_one_asked_for_again_whole():
     import torch
 
-    from weightsync.delta import Patcher
+    from weightsync.transfer.delta import Patcher
 
     base = bytes(range(256)) * 16  # two ranges of 2 KiB
     new = bytearray(base)

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync import contract
-from weightsync.ranks import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
-from weightsync.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync import job as contract
+from weightsync.runtime.rank import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
+from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 
 from test_runner import assert_nothing_left
 

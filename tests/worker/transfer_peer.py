@@ -22,11 +22,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from weightsync.flat import FlatLayout, byte_view, torch_dtype, views
-from weightsync.plan import make_plan
-from weightsync.ranks import tamper_hook
-from weightsync.shards import Holdings, plan_by_holder
-from weightsync.transfer import VersionReceiver, VersionSender, version_digest
+from weightsync.model.flat import FlatLayout, byte_view, torch_dtype, views
+from weightsync.plan.segments import make_plan
+from weightsync.runtime.rank import tamper_hook
+from weightsync.plan.holders import Holdings, plan_by_holder
+from weightsync.transfer.send import VersionReceiver, VersionSender, version_digest
 from weightsync.transport import TransferError, make_transport
 
 
@@ -119,7 +119,7 @@ def main():
         if args.pause_after_first_bucket:
             first = plan.buckets_of(args.rank)[0]
             data = torch.empty(first.length, dtype=torch.uint8, device=device)
-            from weightsync.flat import fill_range
+            from weightsync.model.flat import fill_range
 
             fill_range(layout, version_tensors(shapes, 1, args.change), first.offset, first.end, data)
             for peer in peers:

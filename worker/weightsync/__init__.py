@@ -1,6 +1,6 @@
 """weightsync: fresh weights from training ranks to inference ranks, M to N.
 
-The trainer-side API (weightsync.trainer) is imported on first use, so that importing the
+The trainer-side API (weightsync.publisher.sync) is imported on first use, so that importing the
 package (the operator does) loads no torch: attach, Sync, Published, JobEnded."""
 
 __version__ = "0.1.0"

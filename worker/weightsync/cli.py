@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from .contract import SpecError, load_job
+from weightsync.job import SpecError, load_job
 
 EXIT_SPEC = 2  # a spec, a file or an environment that must be fixed, or a machine too small for the job
 EXIT_FAILED = 1
@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="transfer benchmark (weightsync bench --help for its options)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"] and "--gpu" in argv:
-        from .benchgpu import main as bench_gpu
+        from weightsync.bench.gpu import main as bench_gpu
 
         return bench_gpu(argv[1:])
     if argv[:1] == ["bench"]:
-        from .bench import main as bench
+        from weightsync.bench.transfer import main as bench
 
         return bench(argv[1:])
     args = parser.parse_args(argv)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     job = load_job(args.job)  # before importing torch: a bad file is refused at once
-    from .runner import CannotRunHere, RunFailed, run
+    from weightsync.local.runner import CannotRunHere, RunFailed, run
 
     try:
         summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python, share_gpus=args.share_gpus)
@@ -89,7 +89,7 @@ def _run(args) -> int:
 
 
 def _worker(args) -> int:
-    from .roles import main as worker
+    from weightsync.roles import main as worker
 
     return worker()
 
@@ -115,11 +115,11 @@ def job_plan(job, fsdp: int | None = None):
     built on the meta device, its trainer ranks holding every tensor whole (the built-in trainer,
     DDP) or, with `fsdp`, FSDP2 shards of that degree, and its tensor-parallel ranks the slices of
     the model's own TP plan, over the transport its ranks would choose on this machine."""
-    from .contract import INFERENCE, TRAINER
-    from .jobplan import fsdp_holdings, inference_needs, make_job_plan
-    from .model import build, layout_of
-    from .tpengine import needs_of
-    from .transport import resolve_transport
+    from weightsync.job import INFERENCE, TRAINER
+    from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
+    from weightsync.model.build import build, layout_of
+    from weightsync.roles.tp import needs_of
+    from weightsync.transport import resolve_transport
 
     model = build(job.spec["model"], dtype="float32", device="meta", load_weights=False)
     layout = layout_of(model, job.spec["model"]["dtype"])
@@ -131,8 +131,8 @@ def job_plan(job, fsdp: int | None = None):
 
 
 def _simulate(args) -> int:
-    from .flat import ITEMSIZE
-    from .links import rate_bits
+    from weightsync.model.flat import ITEMSIZE
+    from weightsync.bench.netns import rate_bits
 
     try:
         if args.job is not None:
@@ -141,7 +141,7 @@ def _simulate(args) -> int:
             raise ValueError(f"--dtype {args.dtype!r}: use one of {', '.join(ITEMSIZE)}")
         if args.bucket_mb < 1:
             raise ValueError(f"--bucket-mb {args.bucket_mb}: give at least 1")
-        from .simulate import Topology, parse_inference, report, run
+        from weightsync.plan.simulate import Topology, parse_inference, report, run
 
         replicas, tp = parse_inference(args.inference)
         try:

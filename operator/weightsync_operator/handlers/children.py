@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import kopf
 
-from weightsync.contract import LABEL_JOB, LABEL_ROLE, ROLES
+from weightsync.job import LABEL_JOB, LABEL_ROLE, ROLES
 from weightsync_operator.decisions import recorded
 from weightsync_operator.handlers.jobs import drifted, reconcile_job
 from weightsync_operator.report import Indexes, report

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import kopf
 
-from weightsync import contract
+from weightsync import job as contract
 from weightsync_operator import render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches

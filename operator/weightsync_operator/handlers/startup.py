@@ -6,7 +6,7 @@ import logging
 
 import kopf
 
-from weightsync import contract
+from weightsync import job as contract
 from weightsync_operator import tokens
 from weightsync_operator.kube import ApiError, Kube, load_client
 

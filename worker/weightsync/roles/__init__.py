@@ -12,9 +12,9 @@ import sys
 from multiprocessing.connection import wait
 from typing import Mapping
 
-from ..contract import CONTROLLER, TRAINER, SpecError, WorkerContext, trainer_command
-from ..health import PodHealth, RankHealth
-from ..rendezvous import who
+from weightsync.job import CONTROLLER, TRAINER, SpecError, WorkerContext, trainer_command
+from weightsync.runtime.health import PodHealth, RankHealth
+from weightsync.rendezvous.protocol import who
 
 STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL: a pod's ranks, and the local runner's pods
 
@@ -34,11 +34,11 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
         health.rank(0).start()
-        from .controller import run
+        from weightsync.roles.controller import run
 
         return run(ctx)
     if ctx.role == TRAINER and trainer_command(ctx.job.spec):
-        from .command import run
+        from weightsync.roles.command import run
 
         return run(ctx, health)
     if len(ranks) == 1:
@@ -64,11 +64,11 @@ def exit_on_sigterm() -> None:
 def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = None) -> int:
     ctx = ctx or WorkerContext.from_environ()
     if role == TRAINER:
-        from .trainer import run
+        from weightsync.roles.trainer import run
     elif ctx.job.serving.vllm:  # the rank is the pod's vLLM server's worker
-        from .vllm_server import run
+        from weightsync.roles.vllm_server import run
     else:
-        from .inference import run
+        from weightsync.roles.inference import run
     return run(ctx, rank, local_rank)
 
 

@@ -27,11 +27,11 @@ import threading
 import time
 from functools import partial
 
-from ..contract import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env, trainer_command
-from ..health import PodHealth
-from ..ranks import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
-from ..rendezvous import Channel, Keys, connect_store, who
-from . import die_with_parent, exit_status
+from weightsync.job import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env, trainer_command
+from weightsync.runtime.health import PodHealth
+from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
+from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
+from weightsync.roles import die_with_parent, exit_status
 
 TICK = 1.0  # seconds between two looks at the command and the rendezvous
 STOP_GRACE = 4.0  # seconds between SIGTERM and SIGKILL for a command being stopped (within the pod's own grace)

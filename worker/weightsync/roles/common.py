@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import traceback
 
-from ..contract import WorkerContext
-from ..ranks import (DUMP_DIR_ENV, FAILED_WAIT, JOIN_TIMEOUT, PAUSE_DIR_ENV, Expected, dump, dumping, info,  # noqa: F401
+from weightsync.job import WorkerContext
+from weightsync.runtime.rank import (DUMP_DIR_ENV, FAILED_WAIT, JOIN_TIMEOUT, PAUSE_DIR_ENV, Expected, dump, dumping, info,  # noqa: F401
                      linger, log, pause_point, transport_for, wait_for_the_end)
-from ..inbound import StartAgain
-from ..rendezvous import JobEnded, Keys, Member, Restarted, who
+from weightsync.runtime.inbound import StartAgain
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
 
 
 def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) -> int:

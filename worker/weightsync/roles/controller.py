@@ -23,19 +23,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from .. import health
-from ..contract import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
-from ..deltaplan import bases, delta_in_effect
-from ..flat import FlatLayout, LayoutMismatch
-from ..jobplan import inference_needs, make_job_plan
-from ..rendezvous import Keys, ProofError, Round, update_proof, who
-from ..report import Reporter
-from ..shards import Holdings
-from ..roster import Host, RankFailed
-from ..slicepath import needs_from_json
-from ..transfer import reference_digests, reference_for
-from ..vllm_backend.control import ControlError, Server
-from .common import JOIN_TIMEOUT, linger, log, pause_point
+from weightsync.runtime import health
+from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
+from weightsync.plan.deltas import bases, delta_in_effect
+from weightsync.model.flat import FlatLayout, LayoutMismatch
+from weightsync.plan.job import inference_needs, make_job_plan
+from weightsync.rendezvous.protocol import Keys, ProofError, Round, update_proof, who
+from weightsync.roles.records import Reporter
+from weightsync.plan.holders import Holdings
+from weightsync.rendezvous.roster import Host, RankFailed
+from weightsync.plan.sliced import needs_from_json
+from weightsync.transfer.send import reference_digests, reference_for
+from weightsync.vllm_backend.control import ControlError, Server
+from weightsync.roles.common import JOIN_TIMEOUT, linger, log, pause_point
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails

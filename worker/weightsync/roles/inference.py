@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import health
-from ..contract import INFERENCE, WorkerContext
-from ..flat import views
-from ..inbound import GenerationHandover
-from ..model import build, greedy, layout_of, logits, parameters, point_at, prompt
-from ..ranks import generating
-from ..rendezvous import Member, who
-from ..transfer import VersionReceiver, settle_heap
-from .common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
+from weightsync.runtime import health
+from weightsync.job import INFERENCE, WorkerContext
+from weightsync.model.flat import views
+from weightsync.runtime.inbound import GenerationHandover
+from weightsync.model.build import build, greedy, layout_of, logits, parameters, point_at, prompt
+from weightsync.runtime.rank import generating
+from weightsync.rendezvous.protocol import Member, who
+from weightsync.transfer.send import VersionReceiver, settle_heap
+from weightsync.roles.common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8
@@ -29,7 +29,7 @@ NEW_TOKENS = 8
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     if len(ctx.job.layout.tp_group(rank)) > 1:
-        from .sharded import ShardedInference
+        from weightsync.roles.sharded import ShardedInference
 
         return run_rank(ctx, INFERENCE, rank, local_rank, ShardedInference)
     return run_rank(ctx, INFERENCE, rank, local_rank, Inference)

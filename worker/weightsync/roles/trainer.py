@@ -1,6 +1,6 @@
 """The built-in trainer rank: trains the causal LM of spec.model (DDP among the trainer ranks) and
 publishes a version before training and every transfer.everySteps steps, through the public
-trainer API (weightsync.trainer) exactly as a user's own training script does."""
+trainer API (weightsync.publisher.sync) exactly as a user's own training script does."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import traceback
 
 import torch
 
-from ..contract import TRAINER, WorkerContext
-from ..data import MarkovTokens, rank_generator
-from ..flat import torch_dtype
-from ..model import build, check_fits, logits, parameters, prompt, train_step, vocab_size
-from ..ranks import Expected, dump, dumping, linger, log, report_failure
-from ..rendezvous import JobEnded, Restarted, versions, who
-from ..trainer import Sync, attach
-from ..transfer import settle_heap
-from .common import device_for
+from weightsync.job import TRAINER, WorkerContext
+from weightsync.model.markov import MarkovTokens, rank_generator
+from weightsync.model.flat import torch_dtype
+from weightsync.model.build import build, check_fits, logits, parameters, prompt, train_step, vocab_size
+from weightsync.runtime.rank import Expected, dump, dumping, linger, log, report_failure
+from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
+from weightsync.publisher.sync import Sync, attach
+from weightsync.transfer.send import settle_heap
+from weightsync.roles.common import device_for
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:

@@ -20,14 +20,14 @@ import subprocess
 import sys
 import tempfile
 
-from .. import health
-from ..contract import INFERENCE, Env, WorkerContext
-from ..model_config import config_of
-from ..ranks import JOIN_TIMEOUT, linger, log, report_failure
-from ..rendezvous import Channel, Keys, connect_store, who
-from ..vllm_backend import BACKEND
-from ..vllm_backend.control import ControlError, Server
-from . import die_with_parent
+from weightsync.runtime import health
+from weightsync.job import INFERENCE, Env, WorkerContext
+from weightsync.model.config import config_of
+from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
+from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
+from weightsync.vllm_backend import BACKEND
+from weightsync.vllm_backend.control import ControlError, Server
+from weightsync.roles import die_with_parent
 
 INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
 WATCH_EVERY = 1.0  # seconds between looks at the server's process and the job's end

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from ..contract import INFERENCE, Env, WorkerContext
-from ..flat import views
-from ..inbound import receive_rounds
-from ..model import meta_layout
-from ..ranks import JOIN_TIMEOUT, dump, dumping, info, log, report_failure, transport_for
-from ..rendezvous import Keys, Member, update_proof, who
-from ..transfer import ReceivedVersion, VersionReceiver, settle_heap
+from weightsync.job import INFERENCE, Env, WorkerContext
+from weightsync.model.flat import views
+from weightsync.runtime.inbound import receive_rounds
+from weightsync.model.build import meta_layout
+from weightsync.runtime.rank import JOIN_TIMEOUT, dump, dumping, info, log, report_failure, transport_for
+from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
+from weightsync.transfer.send import ReceivedVersion, VersionReceiver, settle_heap
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
 

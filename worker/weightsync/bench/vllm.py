@@ -1,0 +1,212 @@
+"""`weightsync bench --vllm PYTHON`: how long until every vLLM server serves a new version.
+
+Two ways to get a version from trainer ranks into running vLLM servers, measured in one run, on
+the same model and the same number of servers:
+  weightsync  a job with spec.inference.engine vllm (`weightsync run`'s local processes) whose
+              trainer ranks run this module as their command: they only change the weights and
+              publish, as the disk baseline does (no training competes for the cores). Each
+              version goes M to N into every server's staging buffer and is verified there, then
+              the controller has every server load it between two steps. From the controller's go
+              to the last server serving the version (the round's time).
+  disk        what slime's and vLLM's disk path do: the trainer saves the version as a safetensors
+              checkpoint, then every server pauses, reloads its weights from that checkpoint
+              (vLLM's reload_weights) and resumes. From the start of the save to the last server
+              serving it.
+The stall is how long a server serves nothing: from its pause to its resume (the longest of the
+servers). vLLM's own nccl backend needs GPUs; this machine has none, so it is not run here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# A Llama of about 50M parameters (100 MB a version in bfloat16), shaped as vLLM's CPU backend takes it
+MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12,
+         "num_key_value_heads": 4, "num_hidden_layers": 6, "vocab_size": 8192, "max_position_embeddings": 512,
+         "bos_token_id": 0, "eos_token_id": 0}
+SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4"]
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+UP_TIMEOUT = 900.0
+RUN_TIMEOUT = 1800.0
+
+
+def bench_job(name: str, trainers: int, servers: int, versions: int):
+    from weightsync.job import API_VERSION, KIND, load_job
+
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
+        "spec": {"model": {"config": MODEL, "dtype": "bfloat16"},
+                 "trainer": {"replicas": trainers, "gpusPerProc": 0,
+                             "command": [sys.executable, "-m", "weightsync.bench.vllm", str(versions)]},
+                 "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm", "vllm": {"args": SERVER_ARGS}},
+                 "transfer": {"transport": "tcp", "timeoutSeconds": 300},
+                 "network": {"mode": "tcp"}}})
+
+
+def weightsync_times(python: str, trainers: int, servers: int, versions: int) -> list[dict]:
+    """The records of a vLLM job's versions after the first: seconds from go to every server
+    serving it, and the stall."""
+    from weightsync.job import Env
+    from weightsync.local.runner import LocalJob
+
+    job = bench_job("bench-vllm", trainers, servers, versions)
+    with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as folder:
+        local = LocalJob(job, Path(folder), {Env.VLLM_PYTHON: python, **SERVER_ENV}, progress=io.StringIO())
+        try:
+            local.start()
+            local.wait(RUN_TIMEOUT)
+        finally:
+            local.stop()
+    return [{"seconds": t["seconds"], "stall": t["stall_seconds"], "bytes": t["bytes"]} for t in local.transfers[1:]]
+
+
+def disk_times(python: str, servers: int, versions: int) -> list[dict]:
+    """Versions saved as a checkpoint and reloaded from it by every server."""
+    import subprocess
+
+    import torch
+    from safetensors.torch import save_file
+
+    from weightsync.model.build import build, parameters
+    from weightsync.roles.vllm_server import server_command, stop_server
+    from weightsync.local.runner import free_ports
+    from weightsync.vllm_backend.control import Server
+
+    spec = bench_job("bench-vllm-disk", 1, servers, versions).spec
+    model = build(spec["model"], dtype="float32", seed=0)
+    with tempfile.TemporaryDirectory(prefix="weightsync-bench-disk-") as folder:
+        first = Path(folder) / "v0"
+        _save(model, first, save_file)
+        ports = free_ports([1] * servers)
+        path_spec = {**spec, "model": {"path": str(first), "dtype": "bfloat16"}}
+        logs = [open(Path(folder) / f"server-{i}.log", "w") for i in range(servers)]  # noqa: SIM115 - closed below
+        # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
+        args = (*SERVER_ARGS, "--skip-tokenizer-init")
+        procs = [subprocess.Popen(server_command(python, path_spec, "bench", args, "127.0.0.1", p),
+                                  env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"},
+                                  stdout=log, stderr=subprocess.STDOUT) for p, log in zip(ports, logs)]
+        urls = [Server(f"http://127.0.0.1:{p}") for p in ports]
+        try:
+            for s, proc, log in zip(urls, procs, logs):
+                try:
+                    s.wait_up(UP_TIMEOUT, alive=lambda proc=proc: proc.poll() is None)
+                except Exception:
+                    log.flush()
+                    tail = Path(log.name).read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"a vLLM server of the disk baseline did not come up; its log ends:\n{tail}") from None
+            out = []
+            generator = torch.Generator().manual_seed(1)
+            for v in range(1, versions):
+                new_version(model, generator)
+                start = time.monotonic()
+                where = Path(folder) / f"v{v}"
+                _save(model, where, save_file)
+                with ThreadPoolExecutor(len(urls)) as pool:
+                    stalls = list(pool.map(lambda s: _reload(s, where, v), urls))
+                out.append({"seconds": time.monotonic() - start, "stall": max(stalls),
+                            "bytes": sum(p.numel() * 2 for _, p in parameters(model)) * servers})
+            return out
+        finally:
+            for proc, log in zip(procs, logs):
+                stop_server(proc)
+                log.close()
+
+
+def new_version(model, generator) -> None:
+    """What a version changes, in both methods: a little noise on every weight."""
+    import torch
+
+    from weightsync.model.build import parameters
+
+    with torch.no_grad():
+        for _, p in parameters(model):
+            p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
+
+
+def publish_versions(count: int) -> int:
+    """The trainer ranks' command in the weightsync job: `count` versions, published back to back
+    (every rank the same weights: a DDP replica)."""
+    import torch
+
+    import weightsync
+
+    from weightsync.job import WorkerContext
+    from weightsync.model.build import build
+
+    ctx = WorkerContext.from_environ()
+    model = build(ctx.job.spec["model"], dtype="float32", seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with weightsync.attach(model) as sync:
+        for v in range(count):
+            if v:
+                new_version(model, generator)
+            sync.publish(step=v)
+    return 0
+
+
+def _save(model, where: Path, save_file) -> None:
+    import torch
+
+    from weightsync.model.build import parameters
+
+    where.mkdir()
+    model.config.save_pretrained(where)
+    save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in parameters(model)}, str(where / "model.safetensors"))
+
+
+def _reload(server, where: Path, version: int) -> float:
+    server.call("/pause?mode=wait&clear_cache=true", None, 300)
+    paused = time.monotonic()
+    try:
+        server.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(where)}}, 600)
+        server.call("/update_weight_version", {"new_version": str(version)}, 60)
+    finally:
+        server.call("/resume", None, 60)
+    return time.monotonic() - paused
+
+
+def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> dict:
+    from weightsync.local.runner import check_vllm_python
+
+    check_vllm_python(python)
+    results = {"weightsync": weightsync_times(python, trainers, servers, versions),
+               "disk": disk_times(python, servers, versions)}
+    report = {"model": f"Llama, {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, bfloat16",
+              "trainers": trainers, "servers": servers, "methods": {}}
+    for method, rows in results.items():
+        report["methods"][method] = {
+            "seconds_per_version": statistics.median(r["seconds"] for r in rows),
+            "stall_seconds": statistics.median(r["stall"] for r in rows),
+            "bytes_per_version": rows[0]["bytes"], "seconds": [round(r["seconds"], 4) for r in rows],
+            "stalls": [round(r["stall"], 4) for r in rows]}
+    base = report["methods"]["disk"]["seconds_per_version"]
+    for m in report["methods"].values():
+        m["speedup_over_disk"] = base / m["seconds_per_version"]
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [f"model: {report['model']}; {report['trainers']} trainer ranks -> {report['servers']} vLLM servers",
+             f"{'method':<12}{'s/version':>10}{'stall s':>10}{'MB/version':>12}{'vs disk':>9}"]
+    for name, m in report["methods"].items():
+        lines.append(f"{name:<12}{m['seconds_per_version']:>10.3f}{m['stall_seconds']:>10.3f}"
+                     f"{m['bytes_per_version'] / 1e6:>12.1f}{m['speedup_over_disk']:>8.2f}x")
+    return "\n".join(lines)
+
+
+def main(python: str, as_json: bool) -> int:
+    report = run(python)
+    print(json.dumps(report, indent=2) if as_json else table(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(publish_versions(int(sys.argv[1])))

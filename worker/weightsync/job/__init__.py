@@ -1,0 +1,33 @@
+"""The job contract: everything several parts of weightsync agree on about a WeightTransferJob,
+and nothing else. The operator imports only this package; the worker and the local runner read
+from it. No torch, no Kubernetes client.
+
+- spec: reading, defaulting and validating a job (the CRD is the one schema), its typed sections,
+  the names of its children, labels and annotations;
+- topology: the ordinal -> role/rank layout;
+- pod: what a pod receives (environment, ports, mounts, probes) and the WorkerContext read back;
+- schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks.
+
+The names below are the contract's vocabulary, re-exported so that callers need not know which
+module defines each.
+"""
+
+from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, READINESS, SHM_MOUNT, SPEC_KEY,
+                                SPEC_MOUNT, STORE_PORT, TMP_MOUNT, TOKEN_KEY, TOKEN_MOUNT, TORCHRUN_VARS, WORKER_UID,
+                                WRITABLE_ENV, Env, Probe, WorkerContext, master_addr, network_env, torchrun_env,
+                                trainer_command)
+from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
+                                 ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
+                                 PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Job, KubectlLoader, Serving,
+                                 SpecError, load_job, read_job_file, schema)
+from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
+
+__all__ = [
+    "ANNOTATION_NETWORK_MODE", "ANNOTATION_NETWORK_REASON", "ANNOTATION_TOKEN_SHA256", "ANNOTATION_WORKER_IMAGE",
+    "API_VERSION", "BUILTIN", "CONTROLLER", "DATA_PORT", "GROUP", "HEALTH_PORT", "INFERENCE", "KIND", "LABEL_JOB",
+    "LABEL_ROLE", "LIVENESS", "MASTER_PORT", "PLURAL", "POD_INDEX_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
+    "SPEC_KEY", "SPEC_MOUNT", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",
+    "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Job", "KubectlLoader", "Layout",
+    "Probe", "Serving", "SpecError", "WorkerContext", "load_job", "master_addr", "network_env", "read_job_file",
+    "schema", "torchrun_env", "trainer_command",
+]

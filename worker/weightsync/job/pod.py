@@ -1,0 +1,228 @@
+"""What a pod of a job receives, and what its worker process reads back: environment variable
+names, ports, mounts, probes, the network settings of a resolved mode, torchrun's environment for
+a user's trainer command, and the WorkerContext a worker builds from all of these. The operator
+renders from here; the local runner gives its processes the same.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from weightsync.job.spec import Job, SpecError, load_job
+from weightsync.job.topology import TRAINER
+
+STORE_PORT = 29500  # the controller's rendezvous store
+DATA_PORT = 29600  # an inference process listens on DATA_PORT + its local rank
+HEALTH_PORT = 29700  # every pod answers its probes here: /healthz (liveness), /readyz (readiness)
+# spec.trainer.command: the port of torch.distributed's store among the trainer ranks (torchrun's,
+# on trainer rank 0's pod, MASTER_ADDR); the job's own rendezvous is the controller's store.
+MASTER_PORT = 29800
+
+# What the operator mounts into every pod, and where.
+SPEC_KEY = "job.yaml"  # ConfigMap key: the defaulted job the workers read
+TOKEN_KEY = "token"  # Secret key: the per-job secret every connection proves it knows
+SPEC_MOUNT = "/etc/weightsync/spec"
+TOKEN_MOUNT = "/etc/weightsync/token"
+SHM_MOUNT = "/dev/shm"
+# The one writable directory of a pod (an emptyDir): the root filesystem is read-only.
+TMP_MOUNT = "/tmp"
+# Where the worker and its libraries write (home, caches), all under TMP_MOUNT.
+WRITABLE_ENV = {
+    "HOME": "/tmp",
+    "XDG_CACHE_HOME": "/tmp/.cache",
+    "HF_HOME": "/tmp/huggingface",
+    "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor",
+    "TRITON_CACHE_DIR": "/tmp/triton",
+    "VLLM_CACHE_ROOT": "/tmp/vllm",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+# The worker image's user (Dockerfile.worker): pods that need no root run as it.
+WORKER_UID = 10001
+
+
+class Env:
+    """Names of the environment variables a worker pod receives."""
+
+    JOB = "WEIGHTSYNC_JOB"
+    NAMESPACE = "WEIGHTSYNC_NAMESPACE"
+    ORDINAL = "WEIGHTSYNC_ORDINAL"  # downward API: the pod-index label
+    POD_NAME = "WEIGHTSYNC_POD_NAME"
+    POD_IP = "WEIGHTSYNC_POD_IP"  # the address other ranks dial
+    CONTROLLER_HOST = "WEIGHTSYNC_CONTROLLER_HOST"
+    STORE_PORT = "WEIGHTSYNC_STORE_PORT"
+    DATA_PORT = "WEIGHTSYNC_DATA_PORT"
+    SPEC_FILE = "WEIGHTSYNC_SPEC_FILE"
+    TOKEN_FILE = "WEIGHTSYNC_TOKEN_FILE"
+    NETWORK_MODE = "WEIGHTSYNC_NETWORK_MODE"  # the resolved mode: rdma or tcp
+    COLOCATED = "WEIGHTSYNC_COLOCATED"  # "1": every pod on this machine's same GPUs (`weightsync run --share-gpus`)
+    REPORT_TO_KUBERNETES = "WEIGHTSYNC_REPORT_TO_KUBERNETES"  # "1": the controller patches job status
+    # Without Kubernetes (`weightsync run`): the file that stands in for the job's status
+    # subresource, so that a controller that starts again finds what the one before it reported.
+    STATUS_FILE = "WEIGHTSYNC_STATUS_FILE"
+    HEALTH_PORT = "WEIGHTSYNC_HEALTH_PORT"
+    # spec.inference.engine vllm: the address of the pod's vLLM server that a rank tells the
+    # controller (which drives its updates), and the Python that runs vLLM (`weightsync run`:
+    # another environment than weightsync's own; in a vLLM image, the image's)
+    VLLM_SERVER = "WEIGHTSYNC_VLLM_SERVER"
+    VLLM_PYTHON = "WEIGHTSYNC_VLLM_PYTHON"
+    VLLM_PORT = "WEIGHTSYNC_VLLM_PORT"  # `weightsync run`: a local pod's own port (in a cluster, spec.inference.vllm.port)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A kubelet probe of a pod's health endpoint (an httpGet), as the operator renders it and as
+    the local runner probes its pods: `failure_threshold` failures in a row, each a wrong answer
+    or none within `timeout_seconds`, one every `period_seconds`."""
+
+    path: str
+    period_seconds: int
+    timeout_seconds: int
+    failure_threshold: int
+
+    @property
+    def deadline(self) -> float:
+        """The longest from a pod that stops answering to its last failed probe: the first failing
+        probe comes up to one period after it froze, the others one period apart, and the last
+        waits out its timeout."""
+        return self.period_seconds * self.failure_threshold + self.timeout_seconds
+
+
+# Liveness: a pod that stops answering (its process stopped, or starved of CPU time for long)
+# is killed and restarted within LIVENESS.deadline (25 s); one whose rank process stopped,
+# health.STALE_AFTER (10 s) later. Four failures 5 s apart, each given 5 s to answer: a busy node
+# (two cores running a whole job were measured holding the controller's answer past 2 s) must not
+# get a live pod killed, least of all the controller, whose restart ends the job. The stamps come
+# from a thread of their own: a long step, a collective or a garbage collection does not hold
+# them up.
+LIVENESS = Probe("/healthz", period_seconds=5, timeout_seconds=5, failure_threshold=4)
+# Readiness: every rank said it is ready (health.ready()) and is alive. Checked as often as
+# liveness; three failures in a row, as the kubelet's default, so that one slow answer does not
+# flip the pod (and the job's Ready condition) back and forth.
+READINESS = Probe("/readyz", period_seconds=5, timeout_seconds=2, failure_threshold=3)
+
+
+
+# ---------------------------------------------------------------- network settings
+
+
+def network_env(spec: Mapping, mode: str) -> dict[str, str]:
+    """NCCL and UCCL settings for a resolved network mode (rdma or tcp)."""
+    if mode == "rdma":
+        rdma = spec["network"]["rdma"]
+        env = {
+            "NCCL_IB_DISABLE": "0",
+            "NCCL_IB_GID_INDEX": str(rdma["gidIndex"]),
+            "NCCL_NET_GDR_LEVEL": rdma["gdrLevel"],
+            "NCCL_IB_TC": str(rdma["trafficClass"]),
+            "NCCL_IB_SL": str(rdma["serviceLevel"]),
+            "UCCL_P2P_RDMA_GID_INDEX": str(rdma["gidIndex"]),
+            "UCCL_P2P_RDMA_TC": str(rdma["trafficClass"]),
+            "UCCL_P2P_RDMA_SL": str(rdma["serviceLevel"]),
+        }
+        if rdma.get("hcas"):
+            env["NCCL_IB_HCA"] = ",".join(rdma["hcas"])
+            env["UCCL_P2P_RDMA_DEV"] = ",".join(rdma["hcas"])
+        return env
+    if mode == "tcp":
+        ifname = spec["network"]["tcp"]["socketIfname"]
+        env = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": ifname}
+        # Gloo takes only interface names: it has no "^" exclusion syntax. Without the variable it
+        # binds the address the pod's hostname resolves to, which is the pod IP.
+        if not ifname.startswith("^"):
+            env["GLOO_SOCKET_IFNAME"] = ifname
+        return env
+    raise ValueError(f"network mode must be resolved to rdma or tcp, not {mode!r}")
+
+
+# ---------------------------------------------------------------- a user's trainer command
+
+
+def trainer_command(spec: Mapping) -> list[str]:
+    """spec.trainer.command and its args; empty for the built-in trainer."""
+    trainer = spec["trainer"]
+    return [*trainer["command"], *trainer.get("args", [])] if trainer.get("command") else []
+
+
+def master_addr(job: "Job") -> str:
+    """Where a command's trainer ranks meet (torchrun's MASTER_ADDR): trainer rank 0's pod, by its
+    name in the job's headless Service."""
+    return f"{job.pod_name(job.layout.first_ordinal(TRAINER))}.{job.service_name}.{job.namespace}.svc"
+
+
+# What torchrun reads and what it gives the processes it starts; the pod sets them (the others
+# are pod-owned as well: a shell's values never reach a pod).
+TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                 "LOCAL_WORLD_SIZE")
+
+
+def torchrun_env(job: "Job", ordinal: int, addr: str, port: int) -> dict[str, str]:
+    """The environment a trainer pod's command gets to meet its peers, as torchrun expects it:
+    its arguments as PET_* variables (so that a plain `torchrun train.py` starts procsPerPod
+    processes and joins the other pods, static rendezvous at addr:port), and, where the pod runs
+    one rank, RANK and LOCAL_RANK as torchrun would set them (a plain `python train.py` then calls
+    init_process_group() with env://). WORLD_SIZE counts processes, NODE_RANK pods."""
+    layout = job.layout
+    pods, procs = layout.replicas(TRAINER), layout.procs_per_pod(TRAINER)
+    node = ordinal - layout.first_ordinal(TRAINER)
+    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(layout.world_size(TRAINER)),
+           "NODE_RANK": str(node), "GROUP_RANK": str(node), "LOCAL_WORLD_SIZE": str(procs),
+           "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": str(procs), "PET_NODE_RANK": str(node),
+           "PET_MASTER_ADDR": addr, "PET_MASTER_PORT": str(port)}
+    if procs == 1:
+        env.update(RANK=str(node), LOCAL_RANK="0")
+    return env
+
+
+# ---------------------------------------------------------------- what a worker process reads
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Everything a worker process learns from its pod: environment variables and mounted files."""
+
+    job: Job
+    ordinal: int
+    role: str
+    pod_ip: str
+    controller_host: str
+    store_port: int
+    data_port: int
+    network_mode: str
+    token: bytes
+    report_to_kubernetes: bool
+    health_port: int = HEALTH_PORT
+    colocated: bool = False  # every rank of the job on the same GPUs of this machine (transport auto may pick ipc)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "WorkerContext":
+        def need(name: str) -> str:
+            if not environ.get(name):
+                raise SpecError([f"environment variable {name} is not set (the operator sets it in every pod)"])
+            return environ[name]
+
+        job = load_job(need(Env.SPEC_FILE), namespace=environ.get(Env.NAMESPACE, "default"), strict=False)
+        ordinal = int(need(Env.ORDINAL))
+        token = Path(need(Env.TOKEN_FILE)).read_bytes().strip()
+        if len(token) < 16:
+            raise SpecError([f"the job token in {environ[Env.TOKEN_FILE]} is shorter than 16 bytes"])
+        return cls(
+            job=job,
+            ordinal=ordinal,
+            role=job.layout.role_of(ordinal),
+            pod_ip=environ.get(Env.POD_IP) or "127.0.0.1",
+            controller_host=need(Env.CONTROLLER_HOST),
+            store_port=int(environ.get(Env.STORE_PORT, STORE_PORT)),
+            data_port=int(environ.get(Env.DATA_PORT, DATA_PORT)),
+            network_mode=environ.get(Env.NETWORK_MODE, "tcp"),
+            token=token,
+            report_to_kubernetes=environ.get(Env.REPORT_TO_KUBERNETES) == "1",
+            health_port=int(environ.get(Env.HEALTH_PORT, HEALTH_PORT)),
+            colocated=environ.get(Env.COLOCATED) == "1",
+        )
+
+    @property
+    def ranks(self) -> range:
+        return self.job.layout.ranks_of(self.ordinal)

@@ -1,0 +1,87 @@
+"""The ordinal -> role/rank layout of a job: which pod runs which role and which ranks, and how
+inference ranks group into tensor-parallel model replicas. Every part of weightsync derives roles
+and ranks from here, never from start-up order or timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+CONTROLLER, TRAINER, INFERENCE = "controller", "trainer", "inference"
+ROLES = (CONTROLLER, TRAINER, INFERENCE)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Global ordinals: 0 is the controller, 1..T the trainer pods, T+1..T+I the inference pods.
+    Ranks count processes within a role: trainer pod with ordinal o runs trainer ranks
+    (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1. Inference ranks form
+    model replicas of consecutive ranks, `tensor_parallel[i]` of them for the i-th replica
+    (spec.inference.tensorParallelSizes, or tensorParallel for every replica); empty: every
+    inference rank is a whole replica."""
+
+    trainers: int
+    trainer_procs: int
+    inferences: int
+    inference_procs: int
+    tensor_parallel: tuple[int, ...] = ()
+
+    @classmethod
+    def from_spec(cls, spec: Mapping) -> "Layout":
+        inference = spec["inference"]
+        world = inference["replicas"] * inference["procsPerPod"]
+        sizes = inference.get("tensorParallelSizes") or [inference["tensorParallel"]] * (world // inference["tensorParallel"])
+        return cls(spec["trainer"]["replicas"], spec["trainer"]["procsPerPod"],
+                   inference["replicas"], inference["procsPerPod"], tuple(sizes))
+
+    def tp_group(self, inference_rank: int) -> range:
+        """The inference ranks of the model replica `inference_rank` holds a tensor-parallel shard of."""
+        first = 0
+        for size in self.tensor_parallel:
+            if inference_rank < first + size:
+                return range(first, first + size)
+            first += size
+        return range(inference_rank, inference_rank + 1)
+
+    @property
+    def sliced(self) -> bool:
+        """Whether some inference rank holds tensor-parallel slices rather than the whole model."""
+        return any(size > 1 for size in self.tensor_parallel)
+
+    @property
+    def pods(self) -> int:
+        return 1 + self.trainers + self.inferences
+
+    def replicas(self, role: str) -> int:
+        return {CONTROLLER: 1, TRAINER: self.trainers, INFERENCE: self.inferences}[role]
+
+    def procs_per_pod(self, role: str) -> int:
+        return {CONTROLLER: 1, TRAINER: self.trainer_procs, INFERENCE: self.inference_procs}[role]
+
+    def first_ordinal(self, role: str) -> int:
+        return {CONTROLLER: 0, TRAINER: 1, INFERENCE: 1 + self.trainers}[role]
+
+    def ordinals(self, role: str) -> range:
+        start = self.first_ordinal(role)
+        return range(start, start + self.replicas(role))
+
+    def role_of(self, ordinal: int) -> str:
+        for role in ROLES:
+            if ordinal in self.ordinals(role):
+                return role
+        raise ValueError(f"ordinal {ordinal} is outside this job (0..{self.pods - 1})")
+
+    def ranks_of(self, ordinal: int) -> range:
+        """The role ranks of the processes a pod runs."""
+        role = self.role_of(ordinal)
+        procs = self.procs_per_pod(role)
+        first = (ordinal - self.first_ordinal(role)) * procs
+        return range(first, first + procs)
+
+    def world_size(self, role: str) -> int:
+        return self.replicas(role) * self.procs_per_pod(role)
+
+    def ordinal_of_rank(self, role: str, rank: int) -> int:
+        return self.first_ordinal(role) + rank // self.procs_per_pod(role)
+

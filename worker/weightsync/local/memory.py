@@ -1,0 +1,107 @@
+"""Will a job's processes fit in this machine's memory? Estimated before `weightsync run` starts
+any of them, because a process that does not fit is killed by the kernel's OOM killer (SIGKILL)
+half-way through, with an empty log.
+
+The estimate is a floor, from the model's parameter count (meta device, nothing allocated) and
+what each role holds for the whole run; activations come on top. A process that computes on a GPU
+keeps its model there, so on the host it counts only its runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightsync.job import INFERENCE, TRAINER, Job
+from weightsync.model.flat import ITEMSIZE, FlatLayout
+
+MiB, GiB = 1 << 20, 1 << 30
+# Private memory (RssAnon) of a process beyond the weights and state counted below, as measured on
+# CPU (torch 2.15, transformers 5): an inference rank, and the controller, which holds no weights.
+RANK_RUNTIME = 400 * MiB
+CONTROLLER_RUNTIME = 300 * MiB
+SEND_DEPTH = 2  # transfer.VersionSender's default: cast buffers of one bucket each
+# float32 weights, their gradients, AdamW's two moments; DDP among several trainer ranks keeps its
+# own copy of the gradients in its communication buckets.
+TRAINER_BYTES_PER_PARAM = 4 + 4 + 8
+DDP_BYTES_PER_PARAM = 4
+# An inference rank holds the version it runs and the one it receives into, and the weights it was
+# built with until it first points the model at those buffers.
+INFERENCE_VERSIONS = 3
+
+
+@dataclass(frozen=True)
+class Need:
+    """What the processes of one role need, each."""
+
+    role: str
+    processes: int
+    each: int  # bytes per process
+    why: str
+
+    @property
+    def total(self) -> int:
+        return self.processes * self.each
+
+
+def parameters(layout: FlatLayout) -> int:
+    return sum(slot.nbytes // ITEMSIZE[slot.dtype] for slot in layout.slots)
+
+
+def needs(job: Job, layout: FlatLayout) -> list[Need]:
+    """Per role, the host memory of each of its processes on one machine; `layout` is the job's
+    version layout (spec.model.dtype)."""
+    spec, lay = job.spec, job.layout
+    params = parameters(layout)
+    version = layout.total_bytes
+    per_param = TRAINER_BYTES_PER_PARAM + (DDP_BYTES_PER_PARAM if lay.world_size(TRAINER) > 1 else 0)
+    delta = job.delta.enabled  # the last version sent is kept (host memory, also beside a GPU), and sent through buffers
+    cast = SEND_DEPTH * min(spec["transfer"]["bucketMB"] * MiB, version) if layout.dtype != "float32" or delta else 0
+    kept = -(-version // lay.world_size(TRAINER)) if delta else 0
+    what = "weights, gradients, AdamW's two moments" + (" and DDP buckets" if per_param > TRAINER_BYTES_PER_PARAM else "")
+    trainer_state = params * per_param + cast
+    trainer_why = f"{_count(params)} parameters x {per_param} bytes for float32 {what}" + (", send buffers" if cast else "")
+    trainer_why += f", its share of the last version sent ({_size(kept)})" if kept else ""
+    inference_state = INFERENCE_VERSIONS * version
+    inference_why = f"{INFERENCE_VERSIONS} versions of {_size(version)} in {layout.dtype}"
+    out = [Need("controller", 1, CONTROLLER_RUNTIME, "runtime")]
+    for role, state, why in ((TRAINER, trainer_state, trainer_why), (INFERENCE, inference_state, inference_why)):
+        on_gpu = spec[role]["gpusPerProc"] > 0
+        extra = kept if role == TRAINER else 0
+        out.append(Need(role, lay.world_size(role), RANK_RUNTIME + (0 if on_gpu else state) + extra,
+                        "runtime; its model state is on the GPU" if on_gpu else f"{why}, plus runtime"))
+    return out
+
+
+def available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes: what can be allocated without swapping; None where
+    there is no /proc/meminfo."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def shortfall(job: Job, layout: FlatLayout, have: int | None = None) -> str | None:
+    """Why the job cannot fit in memory here, with the numbers; None when it fits (or when the
+    machine does not say what it has)."""
+    have = available() if have is None else have
+    parts = needs(job, layout)
+    total = sum(n.total for n in parts)
+    if have is None or total <= have:
+        return None
+    detail = "; ".join(f"{n.processes} {n.role} process{'es' if n.processes > 1 else ''} x {_size(n.each)} ({n.why})"
+                       for n in parts if n.role != "controller")
+    return (f"the job needs at least {_size(total)} of memory and this machine has {_size(have)} available "
+            f"(MemAvailable): {detail}; make spec.model smaller or run fewer processes")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"

@@ -1,0 +1,399 @@
+"""`weightsync run job.yaml`: a whole WeightTransferJob as local processes, one per pod, on
+127.0.0.1. Each gets the files (the defaulted spec, the job token) and the environment that its
+pod gets in a cluster, with network mode tcp and ports of its own. As in a cluster, a pod that
+exits or fails its liveness probe is started again, with back-off (kubelet.py), and the job's end
+is what its controller reports: the run follows the controller's records until its completion
+record, which names the rank that failed first when the job failed. Progress goes to stderr; the
+run ends with a summary. Every process started here is stopped when the run ends, fails or is
+interrupted.
+
+The summary: versions delivered to and verified by every inference rank, failed verifications,
+bytes delivered per version (version size x inference ranks), the median seconds per version,
+GB/s from those two, the trainers' mean loss over the last steps, and the pods that restarted
+(how often)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Mapping
+
+import yaml
+
+from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job, load_job,
+                       network_env, trainer_command)
+from weightsync.local.kubelet import Kubelet, Pod, tail
+from weightsync.local.memory import shortfall
+from weightsync.model.build import check_fits, meta_layout
+from weightsync.roles import exit_status
+
+LOOPBACK = "127.0.0.1"
+EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
+VLLM_PROBE_TIMEOUT = 180.0  # seconds to import vLLM in the Python that runs it
+STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
+# The pod's environment decides these; the shell's values must not leak into a local pod.
+POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG", "PET_", "TORCHELASTIC_")
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary  # what the job got done before it failed
+
+
+class CannotRunHere(RuntimeError):
+    """A valid job that this machine cannot run (too little memory, too few GPUs), refused before
+    any process starts."""
+
+
+class LocalJob:
+    def __init__(self, job: Job, workdir: Path, extra_env: Mapping[str, str] | None = None,
+                 progress: IO[str] = sys.stderr, share_gpus: bool = False):
+        self.job, self.workdir, self.progress = job, Path(workdir), progress
+        self.share_gpus = share_gpus
+        self.extra_env = dict(extra_env or {})
+        self.events: queue.Queue = queue.Queue()
+        self.transfers: list[dict] = []
+        self.completion: dict | None = None
+        self.pods = self._pods()
+        self.kubelet = Kubelet(self.pods, self.workdir, self.say)
+
+    # ------------------------------------------------------------ what each pod gets
+
+    def _files(self) -> tuple[Path, Path]:
+        """The ConfigMap's and the Secret's content, where the pod's mounts would put them."""
+        spec_file = self.workdir / "spec" / SPEC_KEY
+        token_file = self.workdir / "token" / TOKEN_KEY
+        spec_file.parent.mkdir(parents=True, exist_ok=True)
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        spec_file.write_text(yaml.safe_dump(self.job.to_object(), sort_keys=False))
+        token_file.write_text(secrets.token_hex(32))
+        token_file.chmod(0o600)
+        return spec_file, token_file
+
+    def _pods(self) -> list[Pod]:
+        layout = self.job.layout
+        spec_file, token_file = self._files()
+        inference_procs = layout.procs_per_pod(INFERENCE)
+        servers = layout.inferences if self.job.serving.vllm else 0
+        store_port, master_port, *ports = free_ports([1, 1] + [1] * layout.pods + [inference_procs] * layout.inferences
+                                                     + [1] * servers)
+        health_ports, data_ports = ports[:layout.pods], ports[layout.pods:layout.pods + layout.inferences]
+        server_ports = ports[layout.pods + layout.inferences:]
+        base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES) and k not in TORCHRUN_VARS}
+        base["PYTHONUNBUFFERED"] = "1"
+        # the pods share this machine's cores
+        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
+        gpus = gpus_per_pod(self.job, self.share_gpus)
+        pods = []
+        for ordinal in range(layout.pods):
+            role = layout.role_of(ordinal)
+            first_inference = layout.first_ordinal(INFERENCE)
+            env = {
+                **base,
+                Env.JOB: self.job.name,
+                Env.NAMESPACE: self.job.namespace,
+                Env.ORDINAL: str(ordinal),
+                Env.POD_NAME: self.job.pod_name(ordinal),
+                Env.POD_IP: LOOPBACK,
+                Env.CONTROLLER_HOST: LOOPBACK,
+                Env.STORE_PORT: str(store_port),
+                Env.DATA_PORT: str(data_ports[ordinal - first_inference] if role == INFERENCE else DATA_PORT),
+                Env.HEALTH_PORT: str(health_ports[ordinal]),
+                Env.SPEC_FILE: str(spec_file),
+                Env.TOKEN_FILE: str(token_file),
+                Env.NETWORK_MODE: "tcp",
+                "CUDA_VISIBLE_DEVICES": gpus[ordinal],  # what the device plugin gives the pod
+            }
+            if role == CONTROLLER:
+                env[Env.REPORT_TO_KUBERNETES] = "0"  # no cluster to report to: stdout, and the status file
+                env[Env.STATUS_FILE] = str(self.workdir / STATUS_FILE)
+            else:
+                env.update(network_env(self.job.spec, "tcp"))
+            if role == INFERENCE and servers:
+                env[Env.VLLM_PORT] = str(server_ports[ordinal - first_inference])
+            if role == TRAINER and trainer_command(self.job.spec):  # as render.env: where the ranks meet, the user's own
+                env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
+            if self.share_gpus:
+                env[Env.COLOCATED] = "1"
+            if self.share_gpus and gpus[ordinal]:
+                # NCCL refuses two ranks on one GPU unless each process names a host of its own;
+                # its socket transport then carries the bytes between them
+                env.update({"NCCL_HOSTID": self.job.pod_name(ordinal), "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"})
+            env.update(self.extra_env)
+            name = self.job.pod_name(ordinal)
+            # a user's command runs where `weightsync run` was started (its paths are the user's)
+            cwd = Path.cwd() if role == TRAINER and trainer_command(self.job.spec) else None
+            pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal),
+                            read_stdout=self._read_lines if role == CONTROLLER else None, cwd=cwd))
+        return pods
+
+    # ------------------------------------------------------------ running
+
+    @property
+    def started(self) -> bool:
+        return any(p.proc is not None for p in self.pods)
+
+    def start(self) -> None:
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        self.kubelet.start()
+
+    def _read_lines(self, stream) -> None:
+        """The controller's stdout: its records (JSON lines), and anything else it prints."""
+        for raw in stream:
+            line = raw.decode(errors="replace").strip()
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if isinstance(event, dict) and "event" in event:
+                if event["event"] == "completion":
+                    self.kubelet.end()  # the job's end: from now on no pod is restarted
+                self.events.put(event)
+            elif line:
+                self.say(f"controller: {line}")
+
+    def say(self, text: str) -> None:
+        self.progress.write(f"weightsync: {text}\n")
+        self.progress.flush()
+
+    def _drain(self, timeout: float = 0.0) -> None:
+        try:
+            while True:
+                event = self.events.get(timeout=timeout)
+                timeout = 0.0
+                if event["event"] == "transfer":
+                    self.transfers.append(event)
+                    self.say(_describe_transfer(event))
+                elif event["event"] == "completion":
+                    self.completion = event
+        except queue.Empty:
+            pass
+
+    def follow(self, timeout: float | None = None) -> dict:
+        """Show progress until the controller reports the job's end (its completion record),
+        while the kubelet restarts pods that die or fail their liveness probe. RunFailed past
+        `timeout` seconds, or when a pod keeps dying (kubelet.CrashLoop)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.completion is None:
+            self._drain(0.05)
+            if self.completion is None and self.kubelet.failure is not None:
+                raise RunFailed(f"{self.kubelet.failure}{self._restarts()}")
+            if self.completion is None and deadline is not None and time.monotonic() > deadline:
+                raise RunFailed(f"the job did not finish within {timeout:.0f}s{self._restarts()}")
+        self.kubelet.end()
+        if self.kubelet.restarts():
+            self.say(f"restarted pods: {self.kubelet.describe_restarts()}")
+        return self.completion
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Follow the job to its end and every running process to its exit; return the summary or
+        raise RunFailed. A pod that was down (waiting to restart) when the job ended stays down.
+        A failed job's processes are not waited for, but for the controller's (it reports the
+        failure, to the status file too, before it exits)."""
+        completion = self.follow(timeout)
+        exit_by = time.monotonic() + EXIT_TIMEOUT
+        failed = completion["state"] != "Succeeded"
+        for pod in self.pods:
+            if pod.restart_at is not None or (failed and pod.role != CONTROLLER):
+                continue
+            try:
+                code = pod.proc.wait(max(0.0, exit_by - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RunFailed(f"{pod.describe()} did not exit within {EXIT_TIMEOUT:.0f}s after the job ended"
+                                + (f"; the controller reports: {completion['message']}" if failed else "")) from None
+            if code != 0 and not failed:
+                raise RunFailed(f"{pod.describe()} {exit_status(code)} after the job ended\n{tail(pod.log)}")
+        self._drain()
+        if failed:
+            raise RunFailed(f"the controller reports: {completion['message']}{self._restarts()}")
+        return self.summary()
+
+    def _restarts(self) -> str:
+        described = self.kubelet.describe_restarts()
+        return f"; restarted pods: {described}" if described else ""
+
+    def summary(self) -> dict:
+        seconds = [t["seconds"] for t in self.transfers]
+        median = statistics.median(seconds) if seconds else 0.0
+        bytes_per_version = self.transfers[-1]["bytes"] if self.transfers else 0
+        completion = self.completion or {}
+        # a version sent again to a rank that rejoined counts once; a round that reached no rank not at all
+        return {"versions": len({t["version"] for t in self.transfers if t.get("inference_ranks", 1)}),
+                "failed_verifications": completion.get("failed_verifications", 0),
+                "bytes_per_version": bytes_per_version,
+                "seconds_per_version": round(median, 6),
+                "gbps": round(bytes_per_version / median / 1e9, 4) if median else 0.0,
+                "final_loss": completion.get("final_loss"),
+                "restarts": self.kubelet.restarts()}
+
+    def stop(self) -> None:
+        """Stop every process this run started (whole process groups), then reap them."""
+        self.kubelet.stop()
+
+
+def command_env(job: Job) -> dict[str, str]:
+    """spec.trainer.env as a local process gets it: values only (what valueFrom names, a Secret or
+    a ConfigMap, is the cluster's)."""
+    out = {}
+    for i, var in enumerate(job.spec["trainer"].get("env", [])):
+        if "valueFrom" in var:
+            raise CannotRunHere(f"spec.trainer.env[{i}] ({var['name']}) takes its value from the cluster (valueFrom); "
+                                "weightsync run takes only value")
+        out[var["name"]] = var.get("value", "")
+    return out
+
+
+def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
+    """CUDA_VISIBLE_DEVICES for every pod: distinct GPUs of this machine for the pods that ask
+    for them (procsPerPod x gpusPerProc), none for the others; with `share`, the same first
+    GPUs for every pod that asks (colocated ranks on one GPU)."""
+    layout = job.layout
+    need = {o: 0 if layout.role_of(o) == CONTROLLER else
+            layout.procs_per_pod(layout.role_of(o)) * job.spec[layout.role_of(o)]["gpusPerProc"] for o in range(layout.pods)}
+    total = max(need.values()) if share else sum(need.values())
+    visible: list[str] = []
+    if total:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        given = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = [d for d in given.split(",") if d][:count] if given else [str(i) for i in range(count)]
+        if len(visible) < total:
+            asks = ", ".join(f"{role}: {layout.replicas(role)} pod(s) x {layout.procs_per_pod(role)} x "
+                             f"{job.spec[role]['gpusPerProc']}" for role in ("trainer", "inference"))
+            raise CannotRunHere(f"the job asks for {total} GPUs ({asks}) and this machine has {len(visible)}; "
+                                "set spec.trainer.gpusPerProc and spec.inference.gpusPerProc to 0 to run on CPU")
+    out, used = {}, 0
+    for ordinal, n in need.items():
+        out[ordinal] = ",".join(visible[used:used + n])
+        used += 0 if share else n
+    return out
+
+
+def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
+        progress: IO[str] = sys.stderr, timeout: float | None = None, vllm_python: str | None = None,
+        share_gpus: bool = False) -> dict:
+    """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
+    the job started), or before starting anything contract.SpecError or CannotRunHere. The
+    inference pods of a vLLM job run vLLM with `vllm_python` (this Python by default). With
+    `share_gpus` every pod that asks for GPUs gets the same ones (colocated training and
+    inference on one GPU)."""
+    job = source if isinstance(source, Job) else load_job(source)
+    if job.serving.vllm:
+        extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
+    layout = meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
+    if trainer_command(job.spec):
+        command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
+    else:
+        check_fits(job.spec)
+    gpus_per_pod(job, share_gpus)  # this machine's GPUs and memory, before any file or process is made
+    too_big = shortfall(job, layout)
+    if too_big:
+        raise CannotRunHere(too_big)
+    keep = logs is not None
+    workdir = Path(logs) if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
+    local = None
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        local = LocalJob(job, workdir, extra_env, progress, share_gpus)
+        layout = job.layout
+        local.say(f"job {job.name}: 1 controller, {layout.trainers} trainer pod(s) x {layout.trainer_procs} and "
+                  f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}; "
+                  f"logs in {workdir / 'logs'}")
+        local.start()
+        summary = local.wait(timeout)
+    except (RunFailed, Interrupted) as e:
+        message = f"interrupted by {e}; stopped every process" if isinstance(e, Interrupted) else str(e)
+        if local is not None:
+            local.stop()
+            local.say(f"logs kept in {workdir / 'logs'}")
+        raise RunFailed(message, local.summary() if local and local.started else None) from None
+    finally:
+        if local is not None:
+            local.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return summary
+
+
+def check_vllm_python(python: str) -> str:
+    """`python` if it runs vLLM with weightsync's backend; CannotRunHere saying what to do if not."""
+    probe = "import weightsync.vllm_backend as b; print(b.check_vllm())"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=VLLM_PROBE_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CannotRunHere(f"this job's inference pods run vLLM, and {python} could not be asked for it: {e}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CannotRunHere(f"this job's inference pods run vLLM, which {python} cannot: {last}. Pass --vllm-python "
+                            "with a Python that has vLLM and weightsync installed (`make vllm-env` makes one in "
+                            "~/.cache/weightsync/vllm)")
+    return python
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, _frame):
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def free_ports(runs: list[int]) -> list[int]:
+    """For each n in `runs`, the first of n consecutive free loopback ports (all distinct)."""
+    held: list[socket.socket] = []
+    out = []
+    try:
+        for n in runs:
+            while True:
+                first = _bind(0, held)
+                port = first.getsockname()[1]
+                extra = []
+                try:
+                    for k in range(1, n):
+                        extra.append(_bind(port + k, held))
+                except OSError:
+                    continue  # keep the sockets held (so these ports are not offered again) and retry
+                out.append(port)
+                break
+    finally:
+        for s in held:
+            s.close()
+    return out
+
+
+def _bind(port: int, held: list) -> socket.socket:
+    s = socket.socket()
+    try:
+        s.bind((LOOPBACK, port))
+    except OSError:
+        s.close()
+        raise
+    held.append(s)
+    return s
+
+
+def _describe_transfer(t: dict) -> str:
+    loss = f", loss {t['loss']:.4f}" if "loss" in t else ""
+    delta = ""
+    if t.get("deltaRanks"):
+        changed = f", {t['changed']:.2%} of the elements changed" if "changed" in t else ""
+        delta = f"; as a delta to {t['deltaRanks']}: {t['wireBytes'] / 1e6:.2f} MB on the wire{changed}"
+    return (f"version {t['version']} (step {t.get('step', '?')}{loss}): {t['bytes'] / 1e6:.2f} MB to {t.get('inference_ranks', '?')} "
+            f"inference ranks in {t['seconds']:.4f}s, {t['gbps']:.3f} GB/s over {t['transport']}{delta}")

@@ -1,0 +1,122 @@
+"""The causal LM every role holds: built from spec.model.config (seeded random init, nothing
+downloaded) or loaded from the checkpoint directory spec.model.path. Token ids only, no tokenizer.
+
+The parameters, in the order model.named_parameters() lists them (a tied weight once), are the
+tensors of a weight version; flat.FlatLayout turns them into byte offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import torch
+
+from weightsync.job import SpecError
+from weightsync.model.flat import FlatLayout, torch_dtype
+from weightsync.model.config import config_of
+
+# The fixed input inference ranks generate from, and that tests compare logits on.
+PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def check_fits(spec: Mapping) -> None:
+    """Refuse training sequences longer than the model has positions for."""
+    config = config_of(spec["model"])
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and spec["training"]["seqLen"] > positions:
+        raise SpecError([f"spec.training.seqLen: {spec['training']['seqLen']} is longer than the model's {positions} "
+                         "positions (max_position_embeddings / n_positions of spec.model)"])
+
+
+def build(model_spec: Mapping, *, dtype: str = "float32", device: str | torch.device = "cpu", seed: int = 0,
+          load_weights: bool = True) -> torch.nn.Module:
+    """The causal LM in `dtype` on `device`. From a config: weights drawn from torch's generator
+    seeded with `seed`, so every rank that builds it gets the same ones. From a path: the
+    checkpoint's weights, unless load_weights is False (inference ranks, which receive them)."""
+    from transformers import AutoModelForCausalLM
+
+    config = config_of(model_spec)
+    try:
+        if "path" in model_spec and load_weights:
+            model = AutoModelForCausalLM.from_pretrained(model_spec["path"], dtype=torch_dtype(dtype), local_files_only=True)
+            return model.to(device)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    except (ValueError, OSError) as e:
+        raise SpecError([f"spec.model: transformers cannot build a causal LM from it: {e}"]) from None
+
+
+def parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The tensors of a weight version, in version order (tied weights once)."""
+    return list(model.named_parameters())
+
+
+def layout_of(model: torch.nn.Module, dtype: str) -> FlatLayout:
+    return FlatLayout.from_named_tensors(parameters(model), dtype)
+
+
+def meta_layout(model_spec: Mapping) -> FlatLayout:
+    """The version layout of spec.model without allocating any weights (meta device)."""
+    return layout_of(build(model_spec, dtype="float32", device="meta", load_weights=False), model_spec["dtype"])
+
+
+def point_at(model: torch.nn.Module, views: list[torch.Tensor]) -> None:
+    """Make the model's parameters the given views (typed slices of one flat buffer, in version
+    order). Assigning .data keeps every Parameter object, so tied modules follow along."""
+    params = [p for _, p in parameters(model)]
+    if len(params) != len(views):
+        raise ValueError(f"{len(views)} views for {len(params)} parameters")
+    with torch.no_grad():
+        for p, v in zip(params, views):
+            if p.shape != v.shape or p.dtype != v.dtype:
+                raise ValueError(f"view {list(v.shape)} {v.dtype} does not fit parameter {list(p.shape)} {p.dtype}")
+            p.data = v
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of next-token prediction on `tokens` (a (batch, seq) tensor of ids;
+    `model` may be wrapped in DDP); returns the loss, detached. The trainer role and the
+    benchmark's training both take their steps here."""
+    loss = model(input_ids=tokens, labels=tokens).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    return int(model.config.vocab_size)
+
+
+def prompt(model: torch.nn.Module, device: str | torch.device = "cpu") -> torch.Tensor:
+    """PROMPT as a (1, len) batch of valid token ids for this model."""
+    return torch.tensor([[t % vocab_size(model) for t in PROMPT]], device=device)
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with _eval(model):
+        return model(input_ids=input_ids, use_cache=False).logits
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """Greedy decoding without a cache: a few tokens from a short prompt."""
+    ids = input_ids
+    with _eval(model):
+        for _ in range(new_tokens):
+            nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, input_ids.shape[1]:].tolist()
+
+
+@contextlib.contextmanager
+def _eval(model: torch.nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

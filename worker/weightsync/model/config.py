@@ -1,0 +1,174 @@
+"""spec.model as a transformers config, refused with a one-line reason where transformers would
+take it silently or fail with a long traceback.
+
+transformers keeps any key it does not know (`n_layers: 2` builds the default 12 layers, GPT-2
+keys under `model_type: bert` build bert-base), and its own errors are many lines long (an unknown
+model_type lists all 800 of them). Here unknown keys are refused with the key transformers knows
+that is closest, values of the wrong type with the type the config class declares, an unknown
+model_type with a short list of choices, and a model.path that is not a checkpoint directory
+before transformers takes it for a hub repository id. The resolved config (defaults included)
+then goes through the same size checks the job contract applies to the config as written.
+
+Worker and CLI only: this imports transformers (the operator checks sizes through the contract).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from weightsync.job import SpecError
+from weightsync.job.schema import choices, did_you_mean
+from weightsync.job.sizes import ALIASES, size_problems
+
+WHERE = "spec.model.config"
+# Shown first when model_type is unknown, where this transformers has them.
+COMMON_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "opt")
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def config_of(model_spec: Mapping):
+    """The transformers config of spec.model (a config or a checkpoint directory); SpecError if
+    it cannot be one or holds sizes no model can have."""
+    if "config" in model_spec:
+        config, where = from_mapping(dict(model_spec["config"])), WHERE
+    else:
+        config, where = from_path(model_spec["path"]), f"spec.model.path ({model_spec['path']}/config.json)"
+    problems = size_problems(config.to_dict(), where, getattr(config, "attribute_map", None), head_dim_known=True)
+    if problems:
+        raise SpecError(problems)
+    return config
+
+
+def from_mapping(values: dict):
+    from transformers import AutoConfig
+
+    model_type = values.get("model_type")
+    config_class = _config_class(model_type, f"{WHERE}.model_type")
+    known = known_keys(config_class)
+    unknown = [f"{key}{_suggest(key, known, config_class)}" for key in values if key not in known]
+    if unknown:
+        raise SpecError([f"{WHERE}: unknown key{'s' if len(unknown) > 1 else ''} for {config_class.__name__} "
+                         f"(model_type {model_type}): {', '.join(unknown)}"])
+    try:
+        return AutoConfig.for_model(**values)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; each is a bad value here
+        raise SpecError([_value_problem(e, values, config_class)]) from None
+
+
+def from_path(path: str):
+    """The config of a checkpoint directory, once it is known to be one (transformers would take
+    a missing directory for a hub repository id and say that the id is malformed)."""
+    from transformers import AutoConfig
+
+    where = "spec.model.path"
+    directory = Path(path)
+    if not directory.exists():
+        raise SpecError([f"{where}: {path} does not exist (it must be a checkpoint directory, config.json plus "
+                         "weights, at this path in every pod; `weightsync run` reads it on this machine)"])
+    if not directory.is_dir():
+        raise SpecError([f"{where}: {path} is a file; give the checkpoint directory (config.json plus weights)"])
+    if not (directory / "config.json").is_file():
+        raise SpecError([f"{where}: {path} has no config.json, so it is not a transformers checkpoint directory "
+                         "(save one with model.save_pretrained(DIRECTORY))"])
+    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise SpecError([f"{where}: {path} has config.json but no weights ({' or '.join(WEIGHT_FILES)})"])
+    try:
+        settings = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError([f"{where}: {path}/config.json cannot be read as JSON: {_one_line(e)}"]) from None
+    if not isinstance(settings, dict):
+        raise SpecError([f"{where}: {path}/config.json is not a JSON object"])
+    _config_class(settings.get("model_type"), f"{where} ({path}/config.json): model_type")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - as in from_mapping
+        raise SpecError([f"{where}: transformers cannot read {path}/config.json: {_one_line(e)}"]) from None
+
+
+def known_keys(config_class) -> set[str]:
+    """The keys a config class takes: its fields (a dataclass from transformers 5), its
+    constructor's parameters (before), what its default instance holds, and its attribute_map
+    aliases (GPT-2 takes hidden_size for n_embd)."""
+    keys = {"model_type", *getattr(config_class, "attribute_map", {})}
+    if dataclasses.is_dataclass(config_class):
+        keys |= {f.name for f in dataclasses.fields(config_class)}
+    keys |= {name for name, p in inspect.signature(config_class.__init__).parameters.items()
+             if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    try:
+        keys |= set(config_class().to_dict())
+    except Exception:  # noqa: BLE001 - a config with required arguments: its fields and parameters suffice
+        pass
+    return keys
+
+
+def _config_class(model_type: Any, where: str):
+    """The config class of a model type that transformers can build a causal LM for."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if isinstance(model_type, str) and model_type in causal and model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    if model_type is None:
+        what = "missing"
+    elif isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        what = f"{model_type} has no causal LM in transformers"
+    else:
+        what = f"unknown model type {model_type!r}"
+    close = [t for t in difflib.get_close_matches(str(model_type), causal, n=3, cutoff=0.6) if t != model_type]
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    examples = [t for t in COMMON_TYPES if t in causal] + [t for t in causal if t not in COMMON_TYPES]
+    raise SpecError([f"{where}: {what}; {hint}transformers builds causal LMs for {len(causal)} model types: "
+                     f"{choices(examples)}"])
+
+
+def _suggest(key: str, known: set[str], config_class) -> str:
+    """' (did you mean X?)': the key this class uses for the same size (GPT-2's n_layer is
+    bert's num_hidden_layers), else the closest spelling."""
+    own = {ALIASES.get(k, k): k for k in known}
+    own.update(getattr(config_class, "attribute_map", {}))
+    same = own.get(ALIASES.get(key, key))
+    if same and same != key:
+        return f" (did you mean {same}?)"
+    return did_you_mean(key, sorted(known))
+
+
+def _value_problem(error: Exception, values: Mapping, config_class) -> str:
+    """One line for a value transformers refused: the field, its value and the type it takes."""
+    text = _one_line(error)
+    field = re.search(r"field '(\w+)'", text, re.IGNORECASE)
+    if field and field.group(1) in values:
+        name, value = field.group(1), values[field.group(1)]
+        declared = {f.name: f.type for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else {}
+        if name in declared:
+            return f"{WHERE}.{name}: {value!r} is {_a(value)}, expected {_type_name(declared[name])}{_hint(value, declared[name])}"
+    return f"{WHERE}: transformers refuses it: {text}"
+
+
+def _type_name(annotation: Any) -> str:
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+
+
+def _a(value: Any) -> str:
+    name = type(value).__name__
+    return "null" if value is None else f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _hint(value: Any, annotation: Any) -> str:
+    expected = _type_name(annotation)
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()):
+        return " (write the number without quotes)"
+    if isinstance(value, int) and not isinstance(value, bool) and "float" in expected and "int" not in expected:
+        return f" (write {value}.0)"
+    return ""
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,151 @@
+"""What a trainer rank holds of a version, and the plan that has every rank send only that.
+
+With FSDP2 (torch.distributed.fsdp.fully_shard) no trainer rank holds a whole tensor: each holds
+a contiguous run of dim-0 rows of every parameter (torch.chunk's split, so the last shards may be
+shorter or empty). In the flat layout a tensor's rows are contiguous bytes, so the bytes a rank
+holds are one range per tensor. Each rank publishes, with its join, the dim-0 row range it holds
+of every tensor (Holdings); the controller checks that the ranks' ranges cover every row of every
+tensor and plans by holder: every range held by one rank is sent by that rank, a range held by
+several (replicas of a shard, as in HSDP, or a tensor FSDP left whole) is split into near-equal
+runs of rows among its holders. No rank ever needs a row it does not hold: nothing is gathered.
+
+A rank's runs are one per tensor, most of them far smaller than a bucket (norms, biases, and
+every tensor cut in M): where the receivers can scatter a frame's bytes over several runs, one
+bucket bundles a rank's runs of consecutive tensors, so that a sharded rank sends about as many
+frames as a replica sending the same bytes. Where every rank holds everything (plain or DDP
+replicas) the controller keeps plan.make_plan's contiguous segments.
+Imports no torch (sources.py reads the holdings off a model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from weightsync.model.flat import ALIGN, FlatLayout, TensorSlot
+from weightsync.plan.segments import Bucket, Plan
+from weightsync.plan.slices import chunk_bounds
+
+
+def rows_of(slot: TensorSlot) -> int:
+    """Rows along dim 0 (a 0-d tensor is one row)."""
+    return slot.shape[0] if slot.shape else 1
+
+
+def row_bytes(slot: TensorSlot) -> int:
+    rows = rows_of(slot)
+    return slot.nbytes // rows if rows else 0
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The dim-0 rows [first, end) a rank holds of every tensor of the layout, in layout order."""
+
+    rows: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def whole(cls, layout: FlatLayout) -> "Holdings":
+        return cls(tuple((0, rows_of(s)) for s in layout.slots))
+
+    @classmethod
+    def fsdp(cls, layout: FlatLayout, shard: int, index: int) -> "Holdings":
+        """The rows the index-th of `shard` ranks holds under FSDP2's fully_shard (torch.chunk on dim 0)."""
+        return cls(tuple(chunk_bounds(rows_of(s), shard)[index] for s in layout.slots))
+
+    def is_whole(self, layout: FlatLayout) -> bool:
+        return self == Holdings.whole(layout)
+
+    def starts(self, layout: FlatLayout) -> list[int]:
+        """The element of its tensor each of this rank's shards begins at (flat.check_sources)."""
+        return [first * (s.numel // rows_of(s) if rows_of(s) else 0) for (first, _), s in zip(self.rows, layout.slots)]
+
+    def to_json(self) -> list:
+        return [list(r) for r in self.rows]
+
+    @classmethod
+    def from_json(cls, obj: Sequence) -> "Holdings":
+        return cls(tuple((int(a), int(b)) for a, b in obj))
+
+    def check(self, layout: FlatLayout, who: str) -> None:
+        if len(self.rows) != len(layout.slots):
+            raise ValueError(f"{who} says what it holds of {len(self.rows)} tensors; the version has {len(layout.slots)}")
+        for (a, b), s in zip(self.rows, layout.slots):
+            if not 0 <= a <= b <= rows_of(s):
+                raise ValueError(f"{who} says it holds rows [{a}, {b}) of {s.name}, which has {rows_of(s)}")
+
+
+def plan_by_holder(layout: FlatLayout, holdings: Mapping[int, Holdings], inferences: int, bucket_bytes: int,
+                   bundle: bool = False) -> Plan:
+    """The plan in which trainer rank t sends only rows it holds (holdings: {t: Holdings} for
+    every trainer rank). With `bundle` (receivers that scatter a frame, transport.SCATTERING) a
+    bucket bundles a rank's runs of consecutive tensors up to bucket_bytes; without, every run is
+    a bucket of its own. ValueError naming the tensor where the ranks' rows do not cover every
+    row exactly (two ranks holding different but overlapping rows, or rows nobody holds)."""
+    trainers = len(holdings)
+    if sorted(holdings) != list(range(trainers)) or inferences < 1:
+        raise ValueError(f"a plan needs every trainer rank's holdings and an inference rank (got {sorted(holdings)}, {inferences})")
+    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
+    for t, h in holdings.items():
+        h.check(layout, f"trainer rank {t}")
+    pieces: list[tuple[int, int, int]] = []  # (offset, length, trainer)
+    for i, slot in enumerate(layout.slots):
+        held: dict[tuple[int, int], list[int]] = {}
+        for t in range(trainers):
+            a, b = holdings[t].rows[i]
+            if a < b:
+                held.setdefault((a, b), []).append(t)
+        _check_cover(slot, sorted(held))
+        size = row_bytes(slot)
+        for (a, b), holders in sorted(held.items()):
+            n = len(holders)
+            turn = i % n  # which holder gets the first (larger) run: in turn, tensor by tensor
+            for k in range(n):
+                r0, r1 = a + k * (b - a) // n, a + (k + 1) * (b - a) // n
+                if r0 < r1:
+                    pieces.append((slot.offset + r0 * size, (r1 - r0) * size, holders[(k + turn) % n]))
+    if not bundle:
+        runs = [(t, ((start, min(bucket_bytes, offset + length - start)),))
+                for offset, length, t in sorted(pieces) for start in range(offset, offset + length, bucket_bytes)]
+    else:
+        runs = [(t, parts) for t in range(trainers)
+                for parts in _bundled([(o, n) for o, n, holder in sorted(pieces) if holder == t], bucket_bytes)]
+        runs.sort(key=lambda run: run[1][0][0])
+    buckets = [Bucket(i, t, parts[0][0], sum(n for _, n in parts), parts if len(parts) > 1 else ())
+               for i, (t, parts) in enumerate(runs)]
+    return Plan(layout, trainers, inferences, bucket_bytes, buckets)
+
+
+def _bundled(pieces: list[tuple[int, int]], bucket_bytes: int) -> list[tuple[tuple[int, int], ...]]:
+    """One rank's runs (offset, length), in order, packed into buckets of at most bucket_bytes:
+    a run that does not fit what is left of a bucket is cut there; runs that touch join."""
+    out: list[tuple[tuple[int, int], ...]] = []
+    parts: list[tuple[int, int]] = []
+    room = bucket_bytes
+    for offset, length in pieces:
+        while length:
+            n = min(length, room)
+            if parts and parts[-1][0] + parts[-1][1] == offset:
+                parts[-1] = (parts[-1][0], parts[-1][1] + n)
+            else:
+                parts.append((offset, n))
+            offset, length, room = offset + n, length - n, room - n
+            if not room:
+                out.append(tuple(parts))
+                parts, room = [], bucket_bytes
+    if parts:
+        out.append(tuple(parts))
+    return out
+
+
+def _check_cover(slot: TensorSlot, ranges: list[tuple[int, int]]) -> None:
+    at = 0
+    for a, b in ranges:
+        if a != at:
+            what = f"rows [{at}, {a}) are held by no trainer rank" if a > at else \
+                f"trainer ranks hold overlapping rows ([{a}, {b}) overlaps rows before {at})"
+            raise ValueError(f"tensor {slot.name}: {what}; every row must be held whole by one rank or its replicas "
+                             "(FSDP2 shards on dim 0, replicated or not)")
+        at = b
+    if slot.nbytes and at != rows_of(slot):
+        raise ValueError(f"tensor {slot.name}: rows [{at}, {rows_of(slot)}) are held by no trainer rank")

@@ -1,0 +1,161 @@
+"""`weightsync plan --simulate`: the slice plan of a large model on a large cluster, without either.
+
+The model is built on the meta device (shapes, no weights: a 1T-parameter MoE takes seconds),
+its parameters become global tensors in the transfer dtype, the trainer side is FSDP2 (HSDP where
+the FSDP degree is less than the trainer GPUs, DDP at degree 1), the inference side replicas of
+TP degree k sliced by the model's own transformers TP plan. The same planner the controller runs
+then plans it, the plan is checked (every receiver gets exactly its bytes of every tensor), and
+linktime simulates it on one NIC per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+JITTER, JITTER_RUNS = 1e-3, 3
+
+# Shapes of public checkpoints (their config.json values), built with transformers' own classes.
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3): 256 experts, ~671B parameters
+_DEEPSEEK_V3 = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+    n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_group=8, topk_group=4,
+    tie_word_embeddings=False)
+MODELS = {
+    # Kimi K2 (moonshotai/Kimi-K2-Instruct): the DeepSeek-V3 architecture with 384 experts, ~1.03T parameters
+    "kimi-k2": ("deepseek_v3", {**_DEEPSEEK_V3, "vocab_size": 163840, "num_attention_heads": 64,
+                                "num_key_value_heads": 64, "n_routed_experts": 384, "first_k_dense_replace": 1,
+                                "n_group": 1, "topk_group": 1}),
+    "deepseek-v3": ("deepseek_v3", _DEEPSEEK_V3),
+    # Llama 3 70B (meta-llama/Meta-Llama-3-70B)
+    "llama-3-70b": ("llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)),
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    trainers: int       # trainer GPUs
+    fsdp: int           # FSDP degree (trainers / fsdp replicas: HSDP; 1: DDP)
+    replicas: int       # inference replicas
+    tp: int             # TP degree of each
+    nic_bits: float     # per rank, each way
+    dtype: str = "bfloat16"
+    bucket_bytes: int = 64 << 20
+    fsdp_dim: str = "0"  # "0": fully_shard's default; "auto": dim 1 where dim 0 does not split evenly
+
+    def __post_init__(self):
+        if self.trainers < 1 or self.fsdp < 1 or self.trainers % self.fsdp:
+            raise ValueError(f"--fsdp {self.fsdp} must divide --trainers {self.trainers} (the rest are HSDP replicas)")
+        if self.replicas < 1 or self.tp < 1:
+            raise ValueError("--inference needs at least one replica of TP degree at least 1, for example 8xTP16")
+
+
+def parse_inference(text: str) -> tuple[int, int]:
+    """'8xTP16' (or '8x16') -> (8 replicas, TP degree 16)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(?:TP|tp)?\s*(\d+)\s*", text)
+    if not m:
+        raise ValueError(f"--inference {text!r}: write replicas x TP degree, for example 8xTP16")
+    return int(m.group(1)), int(m.group(2))
+
+
+def model_config(name: str):
+    """A built-in model's transformers config, or the config.json at a path (a file or its directory)."""
+    from transformers import AutoConfig
+
+    if name in MODELS:
+        model_type, values = MODELS[name]
+        return AutoConfig.for_model(model_type, **values)
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--simulate {name!r}: not a built-in model ({', '.join(MODELS)}) and no config.json there")
+    from weightsync.job import SpecError
+    from weightsync.model.config import from_mapping
+
+    try:
+        return from_mapping(json.loads(path.read_text()))
+    except (SpecError, ValueError) as e:
+        raise ValueError(f"--simulate {name}: {e}") from None
+
+
+def meta_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def run(name: str, topo: Topology) -> dict:
+    """Plan `name` on `topo`; the figures `weightsync plan --simulate` prints."""
+    from weightsync.plan.holdings import dim1_where_dim0_is_uneven, sharded
+    from weightsync.plan.linktime import simulate
+    from weightsync.plan.pieces import check_plan, make_slice_plan
+    from weightsync.plan.slices import GlobalTensor
+    from weightsync.plan.tp import check_heads, tp_needs
+
+    t0 = time.perf_counter()
+    config = model_config(name)
+    model = meta_model(config)
+    plan_styles = dict(getattr(model, "_tp_plan", None) or {})
+    if topo.tp > 1 and not plan_styles:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in transformers: "
+                         f"simulate its inference as replicas of TP1 (for example --inference {topo.replicas * topo.tp}xTP1)")
+    check_heads(config, plan_styles, topo.tp)
+    tensors = [GlobalTensor(n, tuple(p.shape), topo.dtype) for n, p in model.named_parameters()]
+    built = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    shard_dim = dim1_where_dim0_is_uneven(topo.fsdp) if topo.fsdp_dim == "auto" else int(topo.fsdp_dim)
+    holders = sharded(tensors, topo.fsdp, topo.trainers // topo.fsdp, shard_dim)
+    needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas)
+    plan = make_slice_plan(holders, needs, topo.bucket_bytes)
+    planned = time.perf_counter() - t1
+
+    check_plan(plan, needs)
+    timing = simulate(plan, topo.nic_bits / 8)
+    jittered = max(simulate(plan, topo.nic_bits / 8, JITTER, seed).seconds for seed in range(JITTER_RUNS))
+    sent, received = plan.bytes_by_sender(), plan.bytes_by_receiver()
+    bs, br = plan.balance()
+    return {"model": name, "parameters": sum(t.numel for t in tensors), "tensors": len(tensors),
+            "version_bytes": sum(t.nbytes for t in tensors), "build_seconds": built, "plan_seconds": planned,
+            "pieces": len(plan), "streams": timing.streams, "sender_balance": bs, "receiver_balance": br,
+            "busiest_sender_bytes": int(sent.max()), "busiest_receiver_bytes": int(received.max()),
+            "busiest_nic_bytes": timing.busiest_nic_bytes, "projected_seconds": timing.seconds,
+            "speed_of_light_seconds": timing.speed_of_light, "over_light": timing.over_light,
+            "jittered_seconds": jittered, "plan": plan}
+
+
+def report(r: dict, topo: Topology) -> str:
+    from weightsync.plan.linktime import WINDOW
+    from weightsync.plan.segments import size_text
+
+    hsdp = topo.trainers // topo.fsdp
+    kind = "FSDP2" if hsdp == 1 else ("DDP" if topo.fsdp == 1 else f"HSDP {hsdp} x FSDP2")
+    lines = [
+        f"model: {r['model']}: {r['parameters'] / 1e9:.1f}B parameters in {r['tensors']} tensors, "
+        f"{size_text(r['version_bytes'])} as {topo.dtype} (built on the meta device in {r['build_seconds']:.1f} s)",
+        f"trainers: {topo.trainers} GPUs, {kind} degree {topo.fsdp} (shard dim {topo.fsdp_dim}); "
+        f"inference: {topo.replicas} replicas x TP{topo.tp} = {topo.replicas * topo.tp} GPUs; "
+        f"one {topo.nic_bits / 1e9:g} Gb/s NIC per GPU, full duplex",
+        f"plan: {r['pieces']} pieces (at most {size_text(topo.bucket_bytes)}), {r['streams']} sender->receiver "
+        f"streams, computed in {r['plan_seconds']:.2f} s; checked: every receiver gets exactly its bytes",
+        f"balance (max / mean): senders {r['sender_balance']:.3f}, receivers {r['receiver_balance']:.3f}",
+        f"busiest sender {size_text(r['busiest_sender_bytes'])}, busiest receiver "
+        f"{size_text(r['busiest_receiver_bytes'])}, busiest NIC {size_text(r['busiest_nic_bytes'])}",
+        f"speed of light: {r['speed_of_light_seconds']:.3f} s (busiest NIC / bandwidth)",
+        f"projected: {r['projected_seconds']:.3f} s = {r['over_light']:.3f} x the speed of light (senders stream "
+        f"their pieces in plan order, {WINDOW} receivers at a time; each NIC shared by its streams)",
+        f"projected with stream sizes jittered by +-{JITTER:.1%}: {r['jittered_seconds']:.3f} s = "
+        f"{r['jittered_seconds'] / r['speed_of_light_seconds'] if r['speed_of_light_seconds'] else 1.0:.3f} x "
+        f"(the worst of {JITTER_RUNS} seeds)",
+    ]
+    return "\n".join(lines)

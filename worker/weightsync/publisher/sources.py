@@ -1,0 +1,128 @@
+"""The tensors of a weight version as a training loop holds them: a plain module, one wrapped in
+DDP (or torch.compile), or one whose parameters FSDP2 (fully_shard) made DTensors sharded on dim 0.
+
+The names are the module's own, as model.named_parameters() lists them for a transformers model
+(the names of its Hugging Face checkpoint): the wrappers' prefixes ("module.", "_orig_mod.") are
+dropped, and a tied weight is listed once. The version's layout is of the global shapes; what
+this rank sends from is its local tensors, each with the rows it holds (shards.Holdings). A
+DTensor is never gathered here: only its local shard is read. Placements other than dim-0
+shards and replicas (tensor-parallel shards on other dims, partial sums) are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.holders import Holdings
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and FSDP1's wrapper; torch.compile's
+
+
+def version_name(name: str) -> str:
+    """A parameter's name without the prefixes wrappers add."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What one trainer rank sends from: the version's layout, and what the rank holds of it
+    (None: every tensor whole)."""
+
+    layout: FlatLayout
+    holdings: Holdings | None
+    device: torch.device
+
+    @property
+    def starts(self) -> list[int] | None:
+        return self.holdings.starts(self.layout) if self.holdings is not None else None
+
+
+def sources_of(model: torch.nn.Module, dtype: str) -> Sources:
+    """The version layout of `model`'s parameters cast to `dtype`, and what this rank holds."""
+    named = _named(model)
+    if not named:
+        raise ValueError("the model has no parameters to publish")
+    layout = FlatLayout.from_shapes([(n, tuple(p.shape)) for n, p in named], dtype)
+    rows = tuple(_rows_held(n, p) for n, p in named)
+    holdings = Holdings(rows)
+    devices = {_local(p).device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({', '.join(sorted(map(str, devices)))}); "
+                         "weightsync sends from one device per rank")
+    return Sources(layout, None if holdings.is_whole(layout) else holdings, devices.pop())
+
+
+def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor]:
+    """This rank's tensors of the version as they are now, in layout order: each whole tensor, or
+    the local shard of each DTensor (no copy). Refuses a model that no longer matches `sources`
+    (parameters replaced, or FSDP's unsharded parameters, inside its forward or backward)."""
+    named = _named(model)
+    names = [s.name for s in sources.layout.slots]
+    if [n for n, _ in named] != names:
+        raise ValueError("the model's parameters are not the ones weightsync.attach() saw: publish from the model attached")
+    out = []
+    for (name, p), (first, end), slot in zip(named, _rows(sources), sources.layout.slots):
+        local = _local(p).detach()
+        rows = local.shape[0] if local.dim() else 1
+        if tuple(p.shape) != slot.shape or rows != end - first:
+            raise ValueError(f"parameter {name} is not as it was when weightsync.attach() saw it ({list(local.shape)} "
+                             f"held of {list(p.shape)}); with FSDP publish between optimizer steps, not inside forward or backward")
+        out.append(local)
+    return out
+
+
+def _rows(sources: Sources) -> tuple[tuple[int, int], ...]:
+    holdings = sources.holdings or Holdings.whole(sources.layout)
+    return holdings.rows
+
+
+def _named(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(version_name(n), p) for n, p in model.named_parameters()]
+
+
+def _is_dtensor(p) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _local(p) -> torch.Tensor:
+    return p.to_local() if _is_dtensor(p) else p
+
+
+def _rows_held(name: str, p) -> tuple[int, int]:
+    """The dim-0 rows [first, end) of `p` this rank holds."""
+    rows = p.shape[0] if p.dim() else 1
+    if not _is_dtensor(p):
+        return 0, rows
+    from torch.distributed.tensor import Replicate, Shard
+
+    first, end = 0, rows
+    sharded = False
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, Shard) or placement.dim != 0 or sharded:
+            raise ValueError(f"parameter {name} is a DTensor placed as {tuple(p.placements)}: weightsync sends "
+                             "shards on dim 0 (FSDP2's fully_shard) and their replicas; shards on other dims "
+                             "(tensor parallelism), nested shards and partial values are not supported")
+        sharded = True
+        mesh = p.device_mesh
+        count, index = mesh.size(dim), mesh.get_local_rank(dim)
+        chunk = -(-rows // count)  # torch.chunk's split, as DTensor and FSDP2 shard: the last ones short or empty
+        first, end = min(index * chunk, rows), min(index * chunk + chunk, rows)
+    local = p.to_local()
+    held = local.shape[0] if local.dim() else 1
+    if held != end - first:
+        raise ValueError(f"parameter {name}: this rank holds {held} rows of {rows}, not the {end - first} rows "
+                         f"[{first}, {end}) that its placement {tuple(p.placements)} gives")
+    return first, end

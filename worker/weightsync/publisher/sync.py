@@ -1,0 +1,315 @@
+"""Publishing weights from any PyTorch training loop: the trainer side of weightsync.
+
+    import weightsync
+
+    sync = weightsync.attach(model)        # a plain module, DDP-wrapped, or FSDP2 (fully_shard)
+    for step in range(steps):
+        loss = train_step(model, batch)
+        if step % 10 == 0:
+            figures = sync.publish(step=step, loss=loss.item())   # every trainer rank, same versions
+    sync.close()                           # or: with weightsync.attach(model) as sync: ...
+
+Every trainer rank of the job calls these, in a process of a trainer pod: the operator (or
+`weightsync run`) puts the job's contract in the pod's environment, and attach() reads it there
+(contract.WorkerContext.from_environ), so the script takes no weightsync arguments. Its trainer
+rank is the pod's only one, or the one torchrun's LOCAL_RANK picks of the pod's procsPerPod.
+
+attach() joins the job: it publishes the version's layout (the model's parameter names, as its
+Hugging Face checkpoint names them, and global shapes, cast to spec.model.dtype: they must be the
+model the inference ranks build from spec.model) and, for FSDP2, the rows this rank holds; then it
+waits for the controller's plan. publish() says this rank is ready with the next version, waits
+for the controller's go (which comes once every trainer rank is ready), sends this rank's share
+straight from its parameters or its local shards (never a gathered tensor) and returns the
+figures. close() says this rank publishes no more: the controller ends the job once every trainer
+rank closed, after sending the last version again to inference ranks that came back after it went
+out. A failure inside any of these, or an exception that leaves the `with` block or reaches the
+top of the script, is reported to the controller, which fails the job naming this rank.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from weightsync.runtime import health
+from weightsync.job import TRAINER, SpecError, WorkerContext
+from weightsync.plan.deltas import delta_in_effect
+from weightsync.runtime.rank import (JOIN_TIMEOUT, Expected, info, log, pause_point, report_failure, tamper_hook, transport_for,
+                    wait_for_the_end)
+from weightsync.publisher.peers import Links
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Round, who
+from weightsync.transfer.slicesend import SliceSender
+from weightsync.publisher.sources import Sources, local_tensors, sources_of
+from weightsync.transfer.send import SentVersion, VersionSender
+
+
+@dataclass(frozen=True)
+class Published:
+    """What publish() did: this rank's share of one version."""
+
+    version: int
+    step: int | None
+    bytes: int  # this rank's share of the version (every receiver got all of it)
+    seconds: float  # sending it, from its first byte to the receivers' last acknowledgement
+    wire_bytes: int  # what it put on the wire for all receivers (less than bytes x receivers with deltas)
+    receivers: int  # inference ranks it went to
+    lost: Mapping[int, str] = field(default_factory=dict)  # {inference rank: why} those it could not reach
+
+
+class Sync:
+    """One trainer rank's link to its job (attach() makes it)."""
+
+    def __init__(self, model, ctx: WorkerContext, rank: int):
+        self.model, self.ctx, self.rank = model, ctx, rank
+        self.me = who(TRAINER, rank)
+        self.version = -1  # the last one published
+        self.step: int | None = None  # its training step
+        self.closed = False
+        transfer = ctx.job.spec["transfer"]
+        self.timeout = float(transfer["timeoutSeconds"])
+        self.member = Member(ctx.controller_host, ctx.store_port, ctx.token, TRAINER, rank, JOIN_TIMEOUT, job=ctx.job.identity)
+        self.sender = None
+        try:
+            self.member.arrive()
+        except Restarted as e:
+            self._restarted(e)
+        self.member.start_heartbeat()
+        try:
+            self.sources: Sources = sources_of(model, ctx.job.spec["model"]["dtype"])
+            device = self.sources.device
+            name, why, self.sender = transport_for(ctx, self.member, TRAINER, rank, device)
+            holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}
+            self.member.join(ctx.pod_ip, self.sources.layout.to_json(), info(ctx, name, why, device, **holds), JOIN_TIMEOUT)
+            plan, endpoints = self.member.plan(JOIN_TIMEOUT)
+            health.ready()
+            self.links = Links(self.sender, self.member, endpoints, self.timeout)
+            self.links.follow(Round(0, receivers=tuple(endpoints)))
+            if plan.sliced:  # the inference ranks hold tensor-parallel slices: each gets only its own
+                self.mover = SliceSender(self.sender, plan, rank)
+            else:
+                self.mover = VersionSender(self.sender, plan, rank, transfer["bucketMB"] << 20,
+                                           delta=delta_in_effect(ctx.job.delta, name)[0], starts=self.sources.starts,
+                                           tamper=tamper_hook())
+        except BaseException as e:
+            self._fail(e)
+            raise
+        held = "its shards" if self.sources.holdings is not None else "its replica"
+        kept = f"; keeps the last {self.mover.kept_bytes} sent for delta versions" if self.mover.kept_bytes else ""
+        log(self.me, f"attached on {device}, {name} transport ({why}); sends {sum(b.length for b in plan.buckets_of(rank))} "
+                     f"of {plan.version_bytes} bytes per version, from {held}, to {len(endpoints)} inference ranks{kept}")
+        _open.append(self)
+
+    # ------------------------------------------------------------ the API
+
+    def publish(self, step: int | None = None, loss: float | None = None, timeout: float | None = None) -> Published:
+        """Publish the model's weights as they are now as the next version: every trainer rank
+        calls this for the same versions. Waits for the controller's go (at most `timeout`
+        seconds, spec.transfer.timeoutSeconds by default, once the previous version is done),
+        sends this rank's share and returns the figures. `step` and `loss` go into the job's
+        status (trainer rank 0's). Raises weightsync.JobEnded if the job ended meanwhile."""
+        self._check_open()
+        version = self.version + 1
+        try:
+            self.member.set(Keys.ready(version, self.rank), "1")
+            pause_point(TRAINER, self.rank, "before-go", version)
+            if version:  # the go comes once the previous version is done (its deadline is the controller's)
+                self.member.wait_for(Keys.done(version - 1), f"the controller to finish version {version - 1}")
+            wait = self.timeout if timeout is None else timeout
+            try:
+                rnd = self.member.round(version, poll_max=0.002, timeout=wait)
+            except TimeoutError:
+                raise Expected(f"the controller's go for version {version} did not come within {wait:.0f}s of the "
+                               "previous version's end: every trainer rank must publish the same versions (the "
+                               "go comes once all of them are ready)") from None
+            sent = self._send(rnd, step, loss)
+        except JobEnded:
+            self._leave()
+            raise
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self.version, self.step = version, step
+        return Published(version, step, sent.bytes, sent.seconds, sent.wire_bytes,
+                         len(rnd.receivers) - len(sent.lost), dict(sent.lost))
+
+    def close(self) -> None:
+        """This rank publishes no more versions. Waits for the end of the job, sending the last
+        version again to inference ranks that come back for it meanwhile; raises
+        weightsync.JobEnded if the job failed."""
+        if self.closed:
+            return
+        try:
+            self.member.set(Keys.closed(self.rank), str(self.version))
+            self.member.store.add(Keys.CLOSED, 1)
+            end = self._send_final_again()
+        except BaseException as e:
+            if not isinstance(e, JobEnded):
+                self._fail(e)
+                raise
+            end = e
+        self._leave()
+        if end.state != "Succeeded":
+            raise end
+
+    def __enter__(self) -> "Sync":
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None:
+            self.close()
+        elif not self.closed:
+            if isinstance(error, JobEnded):
+                self._leave()
+            else:
+                self._fail(error)
+        return False
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host or device memory this rank's sending holds: its send buffers (allocated by the
+        first version that needs them), plus the last version kept for delta versions."""
+        return self.mover.buffer_bytes + self.mover.kept_bytes
+
+    def store(self, prefix: str = "user/"):
+        """A torch.distributed Store on the job's own rendezvous (only the job's ranks, proving its
+        token, reach it), its keys under `prefix`: for init_process_group(store=..., rank=...,
+        world_size=...) among the trainer ranks where torchrun's store is not wanted."""
+        import torch.distributed as dist
+
+        return dist.PrefixStore(prefix, self.member.client().store)
+
+    # ------------------------------------------------------------ sending
+
+    def _params(self) -> list:
+        return local_tensors(self.model, self.sources)
+
+    def _send(self, rnd: Round, step: int | None, loss: float | None) -> SentVersion:
+        """Send a round to its receivers; the ones lost on the way are reported, not fatal: the
+        controller counts them away until they rejoin."""
+        lost = self.links.follow(rnd)
+        with self.member.cuts(rnd, self.sender.cut):  # receivers the controller counts away meanwhile
+            sent = self.mover.send(rnd.version, self._params(), [r for r in rnd.receivers if r not in lost], lose_peers=True,
+                                   after_bucket=lambda k: k == 0 and pause_point(TRAINER, self.rank, "mid-send", rnd.version),
+                                   bases=rnd.bases)
+        lost.update(sent.lost)
+        for r, why in lost.items():
+            self.sender.drop(r)
+            log(self.me, f"lost inference rank {r} while sending {rnd.name}: {why}")
+        self.member.set(Keys.sent(rnd.version, rnd.again, self.rank),
+                        {"checksums": {str(o): c for o, c in sent.checksums.items()}, "bytes": sent.bytes,
+                         "receiver_checksums": {str(r): {str(o): c for o, c in by.items()}
+                                                for r, by in sent.receiver_checksums.items()},
+                         "seconds": sent.seconds, "step": step, "loss": loss, "lost": {str(r): w for r, w in lost.items()},
+                         "wire_bytes": sent.wire_bytes, "changed": sent.changed, "compared": sent.compared})
+        return sent
+
+    def _send_final_again(self) -> JobEnded:
+        """After the last version: send it again whenever the controller says so, until the end."""
+        if self.version < 0:
+            end = self.member.wait_for_end()
+            return JobEnded(end["state"], end["message"])
+        again = 1
+        while True:
+            try:
+                rnd = self.member.round(self.version, again)
+            except JobEnded as e:
+                return e
+            sent = self._send(rnd, self.step, None)
+            log(self.me, f"{rnd.name} to inference ranks {list(rnd.receivers)}: sent {sent.bytes} bytes in {sent.seconds:.4f}s")
+            again += 1
+
+    # ------------------------------------------------------------ the end
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"{self.me} is closed (close() was called, or it failed): it publishes no more")
+
+    def _leave(self) -> None:
+        """Stop the heartbeat and the transport, tell the controller this rank saw the end."""
+        self.closed = True
+        if self in _open:
+            _open.remove(self)
+        self.member.stop_heartbeat()
+        if self.sender is not None:
+            self.sender.close()
+        self.member.bye()
+
+    def _fail(self, error: BaseException, trace: bool = True) -> None:
+        """Report the failure naming this rank, and wait (a bounded time) for the controller to end
+        the job, heartbeats going: the rank that failed first is the one it names."""
+        if self.closed:
+            return
+        if trace and not isinstance(error, (Expected, SpecError, KeyboardInterrupt)):
+            traceback.print_exception(error)
+        log(self.me, f"failed: {error}")
+        report_failure(self.ctx, TRAINER, self.rank, f"{type(error).__name__}: {error}", self.member)
+        wait_for_the_end(self.member, self.me)
+        self._leave()
+
+    def _restarted(self, error: Restarted) -> None:
+        if self.member.has(Keys.END):  # a pod started again after its job ended: nothing to do
+            end = self.member.get_json(Keys.END)
+            raise JobEnded(end["state"], f"{self.me} started again after the job ended: {end['message']}")
+        log(self.me, f"{error}; waiting for the controller to end the job")
+        wait_for_the_end(self.member, self.me)
+        self.member.bye()
+        raise error
+
+
+def attach(model, *, rank: int | None = None, context: WorkerContext | None = None) -> Sync:
+    """Join this process's trainer rank to the job, with `model`'s weights as the versions it
+    publishes. `rank` and `context` default to what the pod's environment says."""
+    ctx = context or WorkerContext.from_environ()
+    if ctx.role != TRAINER:
+        raise SpecError([f"weightsync.attach() runs in trainer pods; this is the {ctx.role} pod {ctx.job.pod_name(ctx.ordinal)}"])
+    sync = Sync(model, ctx, rank_of(ctx) if rank is None else rank)
+    _hook_uncaught()
+    return sync
+
+
+def rank_of(ctx: WorkerContext, environ: Mapping[str, str] | None = None) -> int:
+    """This process's trainer rank: the pod's only one, or LOCAL_RANK's of the pod's ranks (one
+    process per rank, as torchrun starts them); checked against torchrun's RANK and WORLD_SIZE."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    ranks, world = ctx.ranks, ctx.job.layout.world_size(TRAINER)
+    local = environ.get("LOCAL_RANK")
+    if local is None and len(ranks) > 1:
+        raise SpecError([f"this pod runs {len(ranks)} trainer ranks (spec.trainer.procsPerPod): start one process per "
+                         "rank with torchrun (it sets LOCAL_RANK), or pass rank= to weightsync.attach()"])
+    index = int(local or 0)
+    if not 0 <= index < len(ranks):
+        raise SpecError([f"LOCAL_RANK={index}, but this pod runs {len(ranks)} trainer ranks (spec.trainer.procsPerPod)"])
+    rank = ranks[index]
+    for name, want in (("RANK", rank), ("WORLD_SIZE", world)):
+        if environ.get(name) not in (None, str(want)):
+            raise SpecError([f"{name}={environ[name]}, but this process is trainer rank {rank} of {world}: start "
+                             f"{len(ranks)} process(es) per pod (spec.trainer.procsPerPod), e.g. with plain torchrun"])
+    return rank
+
+
+# ---------------------------------------------------------------- an exception nobody caught
+
+_open: list[Sync] = []
+_previous_hook = None
+
+
+def _hook_uncaught() -> None:
+    """An exception that ends the script while a Sync is open is reported as that rank's failure."""
+    global _previous_hook
+    if _previous_hook is not None:
+        return
+    _previous_hook = sys.excepthook
+
+    def hook(kind, error, tb):
+        _previous_hook(kind, error, tb)
+        for sync in list(_open):
+            if isinstance(error, JobEnded):
+                sync._leave()
+            else:
+                sync._fail(error, trace=False)
+
+    sys.excepthook = hook

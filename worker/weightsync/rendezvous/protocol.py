@@ -1,0 +1,447 @@
+"""The rendezvous protocol through the controller's store (store.py: only the job's processes,
+proving the job's token, can read or write it): the keys, and a rank's side of it.
+
+Every key is named by Keys below. A rank joins with an attempt number (1, then one more each time
+its process starts again): the controller issues a fresh challenge per attempt, the rank proves
+the job token over it and what it publishes, and only then is it admitted. Each sending of a
+version is a Round that the controller announces with the go: which inference ranks receive it
+and which set of their endpoints (epoch) to use, so that an inference rank whose pod restarted
+is taken back at the next version under its new endpoint (roster.py is the controller's side).
+A store client serves one thread at a time (a blocking call holds it), so every thread that talks
+to the store opens its own client.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
+
+from weightsync.job import INFERENCE, TRAINER, Layout
+
+HEARTBEAT = 1.0  # seconds between heartbeats
+STORE_TIMEOUT = 60.0  # seconds a single store call may block
+CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
+POLL_MAX = 0.02  # no longer used: the store answers a wait as soon as the keys are set
+CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
+CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
+
+
+class JobEnded(RuntimeError):
+    """The controller ended the job while this rank was waiting (the message says why)."""
+
+    def __init__(self, state: str, message: str):
+        self.state = state
+        super().__init__(f"the job ended ({state}): {message}")
+
+
+class Restarted(RuntimeError):
+    """A trainer rank's process started again after it had joined: the job cannot go on."""
+
+
+class ProofError(RuntimeError):
+    """A rank or the controller could not prove it holds the job's token."""
+
+
+def versions(spec: Mapping) -> Iterator[tuple[int, int]]:
+    """(version, training step) of every weight version: 0 before training, then every
+    transfer.everySteps steps and at the end. training.steps 0 trains without end."""
+    steps, every = spec["training"]["steps"], spec["transfer"]["everySteps"]
+    version, step = 0, 0
+    while True:
+        yield version, step
+        if steps and step >= steps:
+            return
+        version, step = version + 1, step + every if not steps else min(step + every, steps)
+
+
+def mac(token: bytes, *parts: str | bytes) -> str:
+    h = hmac.new(token, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p.encode() if isinstance(p, str) else p
+        h.update(len(b).to_bytes(8, "little") + b)
+    return h.hexdigest()
+
+
+def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
+    """The controller's store, on the pod's own address, for the job's ranks and no one else."""
+    from weightsync.rendezvous.store import Limits, StoreServer
+
+    return StoreServer(address, port, token, job, Limits(connections=CONNECTIONS_PER_RANK * ranks + 16), STORE_TIMEOUT)
+
+
+def connect_store(host: str, port: int, token: bytes, job: str, timeout: float):
+    """A client of the controller's store; retries until `timeout` while the controller starts.
+    StoreRefused if this process's token (or job) is not the store's."""
+    from weightsync.rendezvous.store import StoreClient, StoreError, StoreRefused
+
+    try:
+        return StoreClient(host, port, token, job, timeout=min(STORE_TIMEOUT, timeout), connect_timeout=timeout)
+    except StoreRefused:
+        raise
+    except StoreError as e:
+        raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
+
+
+class Channel:
+    """Waiting on keys of one store client, with a callback that may raise while waiting."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def set(self, key: str, value: str | bytes | dict | list) -> None:
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def get_json(self, key: str):
+        return json.loads(self.store.get(key))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def rank_failed(self, role: str, rank: int, message: str) -> None:
+        """Tell the controller why (role, rank) gave up: its reason, then the counter it watches."""
+        self.set(Keys.failed(role, rank), message)
+        self.store.add(Keys.FAILURES, 1)
+
+    def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
+             check: Callable[[], None] | None = None, poll_max: float = POLL_MAX) -> None:
+        """Wait until every key is set: the store answers as soon as they are (`poll_max` is kept
+        for callers; nothing polls). `check` runs every CHECK_EVERY seconds and may raise; past
+        `timeout` seconds a TimeoutError names `what`."""
+        keys = list(keys)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = CHECK_EVERY if deadline is None else min(CHECK_EVERY, max(deadline - time.monotonic(), 0.0))
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=step))
+                return
+            except TimeoutError:  # not yet (a store that stopped answering fails the next call)
+                pass
+            if check:
+                check()
+            if deadline is not None and time.monotonic() >= deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise TimeoutError(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
+
+
+class Keys:
+    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it).
+    The controller deletes a version's keys but its record (done) two versions later (Host.forget)."""
+
+    FAILURES = "failures"  # counter: failures reported (failed/<role>/<rank> says whose)
+    VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
+    PLAN, PLAN_MAC = "plan", "plan/mac"  # controller: the plan, HMAC'd with the token
+    END = "end"  # controller: the job is over {"state", "reason", "message"}
+    CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)
+
+    @staticmethod
+    def join(role: str, rank: int) -> str:
+        """rank: a counter, its attempt number (above 1: its process started again)."""
+        return f"join/{role}/{rank}"
+
+    @staticmethod
+    def nonce(role: str, rank: int, attempt: int) -> str:
+        """controller: a fresh random challenge for that attempt."""
+        return f"nonce/{role}/{rank}/{attempt}"
+
+    @staticmethod
+    def published(what: str, role: str, rank: int, attempt: int) -> str:
+        """rank: its "endpoint", "meta" (FlatLayout json), "info" (json: transport, why, device,
+        pod) and "proof" (HMAC of the nonce and the other three) for that attempt."""
+        return f"{what}/{role}/{rank}/{attempt}"
+
+    @staticmethod
+    def peers(epoch: int) -> str:
+        """controller: the inference ranks' endpoints as of `epoch` (0 at the plan; one more per
+        rejoin), and .../mac its HMAC."""
+        return f"peers/{epoch}"
+
+    @staticmethod
+    def ready(version: int, rank: int) -> str:
+        """trainer: ready to send `version`."""
+        return f"ready/{version}/{rank}"
+
+    @staticmethod
+    def closed(rank: int) -> str:
+        """trainer: it publishes no more versions; the value is the last it published (-1: none)."""
+        return f"closed/{rank}"
+
+    @staticmethod
+    def go(version: int, again: int = 0) -> str:
+        """controller: a Round (json); again > 0 sends the final version once more, to ranks that
+        rejoined after it went out."""
+        return f"go/{version}" if not again else f"go/{version}/again/{again}"
+
+    @staticmethod
+    def sent(version: int, again: int, rank: int) -> str:
+        """trainer: its bucket checksums, bytes, seconds, step, loss, and the receivers it lost."""
+        return f"sent/{version}/{rank}" if not again else f"sent/{version}/again/{again}/{rank}"
+
+    @staticmethod
+    def cut(version: int, again: int = 0) -> str:
+        """controller: the receivers of a round it counted away while the round was on its way
+        (json list); trainers stop sending to them at once instead of waiting out their timeout."""
+        return f"cut/{version}" if not again else f"cut/{version}/again/{again}"
+
+    @staticmethod
+    def ref(version: int) -> str:
+        """controller: the digest of `version` from all trainers' checksums."""
+        return f"ref/{version}"
+
+    @staticmethod
+    def applied(version: int, rank: int, attempt: int) -> str:
+        """inference: received, verified and switched to `version` (in that attempt)."""
+        return f"applied/{version}/{rank}/{attempt}"
+
+    @staticmethod
+    def staged(version: int, rank: int, attempt: int) -> str:
+        """inference (vLLM): received and verified `version`, waiting for the controller to have
+        its server load it (then applied)."""
+        return f"staged/{version}/{rank}/{attempt}"
+
+    @staticmethod
+    def welcome(rank: int, attempt: int) -> str:
+        """controller: the Round a rejoined inference rank receives first."""
+        return f"welcome/{rank}/{attempt}"
+
+    @staticmethod
+    def done(version: int, again: int = 0) -> str:
+        """controller: the round's record."""
+        return f"done/{version}" if not again else f"done/{version}/again/{again}"
+
+    @staticmethod
+    def failed(role: str, rank: int) -> str:
+        """any rank: why it gave up (the FAILURES counter goes up with it)."""
+        return f"failed/{role}/{rank}"
+
+    @staticmethod
+    def beat(role: str, rank: int) -> str:
+        """any rank: a counter bumped every HEARTBEAT seconds."""
+        return f"beat/{role}/{rank}"
+
+    @staticmethod
+    def bye(role: str, rank: int) -> str:
+        """any rank: saw the end; the controller may go."""
+        return f"bye/{role}/{rank}"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One sending of a version: to which inference ranks, at which of their endpoints, and (delta
+    versions) to which of them as a delta against the version they hold."""
+
+    version: int
+    again: int = 0  # 0: the version's first sending; n: the n-th repeat of the final version
+    receivers: tuple[int, ...] = ()
+    epoch: int = 0
+    bases: Mapping[int, int] = field(default_factory=dict)  # {receiver: its base}; the others get it whole
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "again": self.again, "receivers": list(self.receivers),
+                           "epoch": self.epoch, "bases": {str(r): b for r, b in self.bases.items()}})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Round":
+        obj = json.loads(text)
+        return cls(obj["version"], obj["again"], tuple(obj["receivers"]), obj["epoch"],
+                   {int(r): b for r, b in obj.get("bases", {}).items()})
+
+    @property
+    def name(self) -> str:
+        return f"version {self.version}" + (f" (sent again, {self.again})" if self.again else "")
+
+
+def ranks_of(layout: Layout) -> list[tuple[str, int]]:
+    return [(TRAINER, r) for r in range(layout.world_size(TRAINER))] + \
+           [(INFERENCE, r) for r in range(layout.world_size(INFERENCE))]
+
+
+def who(role: str, rank: int) -> str:
+    return f"{role} rank {rank}"
+
+
+def rank_proof(token: bytes, nonce: bytes, role: str, rank: int, endpoint: str, meta: str, info: str) -> str:
+    return mac(token, b"rank", nonce, role, str(rank), endpoint, meta, info)
+
+
+def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
+    return mac(token, b"peers", str(epoch), text)
+
+
+def update_proof(token: bytes, job: str, version: int) -> str:
+    """What the controller sends with its request that a vLLM server load `version`: a server's
+    control routes are open to whoever reaches its port, its loads only to the job's controller."""
+    return mac(token, b"vllm-update", job, str(version))
+
+
+class Peer(NamedTuple):
+    """An inference rank as the trainers dial it: a new attempt is a new process, whose old
+    connections are dead even where its endpoint is the same (a pod keeps its address)."""
+
+    endpoint: str
+    attempt: int
+
+
+class Member(Channel):
+    """One trainer or inference rank's side of the rendezvous."""
+
+    def __init__(self, host: str, port: int, token: bytes, role: str, rank: int, timeout: float, *, job: str):
+        from weightsync.rendezvous.store import StoreRefused
+
+        try:
+            super().__init__(connect_store(host, port, token, job, timeout))
+        except StoreRefused as e:
+            raise ProofError(f"{who(role, rank)} failed the job token proof: {e}") from None
+        self.address = (host, port, token, job, timeout)
+        self.token, self.role, self.rank = token, role, rank
+        self.attempt = 0  # set by join(): 1 for the rank's first process, then one more per restart
+        self._beat: threading.Event | None = None
+        self._watcher: Channel | None = None
+
+    @property
+    def name(self) -> str:
+        return who(self.role, self.rank)
+
+    def client(self) -> Channel:
+        """Another client of the same store, for another thread."""
+        return Channel(connect_store(*self.address))
+
+    @contextmanager
+    def cuts(self, rnd: Round, on_cut: Callable[[int], None], every: float = CUT_POLL) -> Iterator[None]:
+        """While the body sends `rnd`: each receiver the controller counts away meanwhile
+        (Keys.cut) is handed to on_cut once, from a thread with a store client of its own."""
+        if self._watcher is None:
+            self._watcher = self.client()
+        watcher, key, stop, seen = self._watcher, Keys.cut(rnd.version, rnd.again), threading.Event(), set()
+
+        def watch() -> None:
+            while not stop.wait(every):
+                try:
+                    cut = watcher.get_json(key) if watcher.has(key) else []
+                except Exception:  # the controller is gone; the sending thread finds out on its own
+                    return
+                for r in cut:
+                    if r in rnd.receivers and r not in seen:
+                        seen.add(r)
+                        on_cut(r)
+
+        thread = threading.Thread(target=watch, name=f"cuts-{rnd.name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def check_end(self) -> None:
+        if self.has(Keys.END):
+            end = self.get_json(Keys.END)
+            raise JobEnded(end["state"], end["message"])
+
+    def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, poll_max: float = POLL_MAX) -> None:
+        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, poll_max)
+
+    def wait_for_end(self) -> dict:
+        """Wait for the controller's end of the job: {"state", "message"}."""
+        self.wait([Keys.END], "the end of the job")
+        return self.get_json(Keys.END)
+
+    def arrive(self) -> int:
+        """Count this process's start (at once, before anything slow: the controller learns of
+        a restart from it); returns the attempt. A trainer's process that started again raises
+        Restarted: the controller ends the job (trainers do not rejoin)."""
+        self.attempt = attempt = self.store.add(Keys.join(self.role, self.rank), 1)
+        if attempt > 1 and self.role == TRAINER:
+            raise Restarted(f"{self.name} restarted after it had joined the job (start {attempt}); trainers do not "
+                            "rejoin a running job: the built-in trainer keeps no checkpoint to resume from")
+        return attempt
+
+    def join(self, endpoint: str, meta: str, info: str, timeout: float) -> int:
+        """Publish endpoint, layout and info, proving the job token over the controller's nonce for
+        this attempt; returns the attempt."""
+        attempt = self.attempt or self.arrive()
+        self.wait_for(Keys.nonce(self.role, self.rank, attempt), "the controller's challenge", timeout)
+        nonce = self.get(Keys.nonce(self.role, self.rank, attempt))
+        for what, value in (("endpoint", endpoint), ("meta", meta), ("info", info)):
+            self.set(Keys.published(what, self.role, self.rank, attempt), value)
+        self.set(Keys.published("proof", self.role, self.rank, attempt),
+                 rank_proof(self.token, nonce, self.role, self.rank, endpoint, meta, info))
+        return attempt
+
+    def plan(self, timeout: float):
+        """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
+        holder of the token."""
+        from weightsync.plan.sliced import plan_from_json
+
+        self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
+        text = self.get(Keys.PLAN)
+        if not hmac.compare_digest(mac(self.token, b"plan", text), self.get(Keys.PLAN_MAC).decode()):
+            raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
+        return plan_from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+
+    def peers(self, epoch: int, timeout: float) -> dict[int, "Peer"]:
+        """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""
+        key = Keys.peers(epoch)
+        self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout)
+        text = self.get(key)
+        if not hmac.compare_digest(peers_mac(self.token, epoch, text), self.get(key + "/mac").decode()):
+            raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
+        return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
+
+    def round(self, version: int, again: int = 0, poll_max: float = POLL_MAX, timeout: float | None = None) -> Round:
+        """Wait for the controller's go for that round (TimeoutError past `timeout` seconds)."""
+        key = Keys.go(version, again)
+        self.wait_for(key, f"the controller's go for version {version}", timeout, poll_max=poll_max)
+        return Round.from_json(self.get(key))
+
+    def welcome(self) -> Round:
+        """A rejoined inference rank: the round it receives first (the controller says it at the
+        next version, or at once when the trainers are done)."""
+        key = Keys.welcome(self.rank, self.attempt)
+        self.wait_for(key, "the controller to take this rank back at the next version")
+        return Round.from_json(self.get(key))
+
+    def fail(self, message: str) -> None:
+        """Tell the controller why this rank gives up."""
+        self.rank_failed(self.role, self.rank, message)
+
+    def bye(self) -> bool:
+        """Tell the controller this rank saw the job's end; False where the controller had already
+        gone (it waits a bounded time for every goodbye, then goes: the job's end stands)."""
+        from weightsync.rendezvous.store import StoreError
+
+        try:
+            self.set(Keys.bye(self.role, self.rank), "1")
+        except StoreError:
+            return False
+        return True
+
+    def start_heartbeat(self) -> None:
+        stop = self._beat = threading.Event()
+        channel = self.client()
+        key = Keys.beat(self.role, self.rank)
+
+        def beat():
+            while not stop.wait(HEARTBEAT):
+                try:
+                    channel.store.add(key, 1)
+                except Exception:  # the controller is gone; the main thread finds out on its own
+                    return
+
+        channel.store.add(key, 1)
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self) -> None:
+        if self._beat:
+            self._beat.set()

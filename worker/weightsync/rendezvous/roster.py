@@ -1,0 +1,417 @@
+"""The controller's side of the rendezvous: it hosts the store, admits the ranks that prove the
+job token, and keeps the roster of inference ranks from one round to the next.
+
+Inference pods are StatefulSet pods: one that dies (an OOM kill, a node drain, a preemption) is
+started again under the same name and ordinal. So an inference rank that vanishes does not end
+the job: it is "away" and the versions go on to the others; when its process starts again it
+joins anew (a fresh challenge for its new attempt, a new endpoint), waits, and is taken back at
+the next round, which it receives in full and verifies before it serves. A rank away for longer
+than `away_limit` fails the job. Trainers do not come back: a trainer that restarts, or goes
+silent, fails the job (the built-in trainer keeps no checkpoint to resume from; see the README).
+
+A failure is blamed on the rank that failed first. When a rank reports a failure, the controller
+first looks, for a few heartbeats, for a rank that stopped (its process started again, or its
+heartbeat stopped): a survivor that saw its peer vanish reports first, but its peer is the cause.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from weightsync.job import INFERENCE, TRAINER, Layout
+from weightsync.rendezvous.protocol import (HEARTBEAT, POLL_MAX, Channel, Keys, ProofError, Round, host_store, mac, peers_mac,
+                         rank_proof, ranks_of, who)
+
+BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
+
+# Why a job failed, as the Failed condition's reason.
+RANK_FAILED = "RankFailed"
+RANK_SILENT = "RankSilent"
+RANK_LOST = "RankLost"
+TRAINER_RESTARTED = "TrainerRestarted"
+TRAINERS_DISAGREE = "TrainersDisagree"
+
+SERVING = "serving"  # receives every round
+AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
+JOINING = "joining"  # its process started again; its proof is awaited
+WAITING = "waiting"  # admitted again; receives the next round
+
+
+class RankFailed(RuntimeError):
+    """A rank failed or went silent; the message names it, `reason` says how (a condition reason)."""
+
+    def __init__(self, message: str, reason: str = RANK_FAILED):
+        self.reason = reason
+        super().__init__(message)
+
+
+class _AllClosed(Exception):
+    """Every trainer rank closed: there is no next version."""
+
+
+@dataclass
+class Seat:
+    """An inference rank, as the controller sees it."""
+
+    attempt: int = 1  # of its process: one more each time it starts again
+    endpoint: str = ""
+    state: str = SERVING
+    since: float = 0.0  # when it entered that state
+    # The version it holds: the last it applied, verified; None when it holds none (new, or its
+    # process started again). Delta versions go only to ranks that hold the one the trainers kept.
+    holds: int | None = None
+    rejoins: int = 0
+    info: dict = field(default_factory=dict)  # what its latest attempt told about itself (pod, transport, vLLM server)
+
+
+@dataclass
+class Beat:
+    count: int
+    seen: float  # when the count last changed
+
+
+class Host(Channel):
+    """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
+
+    def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
+                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str):
+        super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
+        self.token, self.layout, self.say = token, layout, say
+        self.silent_limit, self.away_limit = silent_limit, away_limit
+        self.ranks = ranks_of(layout)
+        self.attempts = {r: 1 for r in self.ranks}
+        self.seats: dict[int, Seat] = {}
+        self.epoch = 0
+        self.in_round: dict[int, int] = {}  # receivers of the current round: {rank: attempt}
+        self.round: Round | None = None  # the current round
+        self.cut: set[int] = set()  # receivers of the current round counted away during it
+        self.check_rejoin: Callable[[str, dict], None] = lambda meta, info: None
+        self.failures_seen = 0
+        self.beats: dict[tuple[str, int], Beat] = {}
+        self.last_watch = 0.0
+        for role, rank in self.ranks:
+            self.set(Keys.nonce(role, rank, 1), secrets.token_hex(16))
+
+    # ------------------------------------------------------------ admission
+
+    def _proven(self, role: str, rank: int, attempt: int) -> tuple[str, str, dict] | None:
+        """What the rank published for `attempt`, once it proved the token over it; None before."""
+        if not self.has(Keys.published("proof", role, rank, attempt)):
+            return None
+        endpoint, meta, info = (self.get(Keys.published(k, role, rank, attempt)).decode() for k in ("endpoint", "meta", "info"))
+        expect = rank_proof(self.token, self.get(Keys.nonce(role, rank, attempt)), role, rank, endpoint, meta, info)
+        if not hmac.compare_digest(expect, self.get(Keys.published("proof", role, rank, attempt)).decode()):
+            raise ProofError(f"{who(role, rank)} failed the job token proof (its token file differs from the job's Secret)")
+        return endpoint, meta, json.loads(info)
+
+    def admit(self, timeout: float) -> dict[tuple[str, int], tuple[str, str, dict]]:
+        """Wait for every rank's first proof; return {(role, rank): (endpoint, meta json, info)}."""
+        admitted: dict[tuple[str, int], tuple[str, str, dict]] = {}
+        deadline = time.monotonic() + timeout
+        pause = 0.001
+        while len(admitted) < len(self.ranks):
+            self._check_failures()
+            for role, rank in self.ranks:
+                if (role, rank) not in admitted:
+                    got = self._proven(role, rank, 1)
+                    if got is not None:
+                        admitted[(role, rank)] = got
+            if time.monotonic() > deadline:
+                missing = [who(r, k) for r, k in self.ranks if (r, k) not in admitted]
+                raise TimeoutError(f"{len(missing)} ranks did not join within {timeout:.0f}s: {', '.join(missing[:6])}")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.1)
+        return admitted
+
+    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, dict] | None = None) -> None:
+        text = json.dumps({"plan": plan_json})
+        self.set(Keys.PLAN, text)
+        self.set(Keys.PLAN_MAC, mac(self.token, b"plan", text))
+        now = time.monotonic()
+        self.seats = {r: Seat(endpoint=e, since=now, info=dict((infos or {}).get(r, {}))) for r, e in endpoints.items()}
+        self._publish_peers()
+
+    def _publish_peers(self) -> None:
+        text = json.dumps({str(r): {"endpoint": s.endpoint, "attempt": s.attempt} for r, s in sorted(self.seats.items())})
+        self.set(Keys.peers(self.epoch), text)
+        self.set(Keys.peers(self.epoch) + "/mac", peers_mac(self.token, self.epoch, text))
+
+    # ------------------------------------------------------------ rounds
+
+    def start_round(self, version: int, again: int = 0,
+                    bases: Callable[[Mapping[int, int | None]], Mapping[int, int | None]] | None = None) -> Round:
+        """Say go for a round to every inference rank that is there (taking back the ones that
+        rejoined); a repeat (again > 0) goes only to those that do not hold the version yet.
+        bases({receiver: the version it holds, or None}) says which receivers get the version as a
+        delta, against which version (delta versions); returns the round."""
+        receivers = sorted(r for r, s in self.seats.items() if s.state in (SERVING, WAITING)
+                           and not (again and s.holds == version))
+        named = bases({r: self.seats[r].holds for r in receivers}) if bases is not None else {}
+        rnd = Round(version, again, tuple(receivers), self.epoch, {r: b for r, b in named.items() if b is not None})
+        self.in_round = {r: self.seats[r].attempt for r in receivers}
+        self.round, self.cut = rnd, set()
+        for r in receivers:
+            seat = self.seats[r]
+            if seat.state == WAITING:
+                self.set(Keys.welcome(r, seat.attempt), rnd.to_json())
+                seat.state, seat.since = SERVING, time.monotonic()
+        self.set(Keys.go(version, again), rnd.to_json())
+        return rnd
+
+    def next_version(self, version: int) -> bool:
+        """Wait until every trainer rank is ready for `version` (True) or has closed after
+        version - 1 (False). RankFailed when they disagree: one closed after another version, or
+        one closed while another is ready to go on."""
+        trainers = self.layout.world_size(TRAINER)
+
+        def check() -> None:
+            self.check_ranks()
+            if self.store.add(Keys.CLOSED, 0):
+                closed = {t: int(self.get(Keys.closed(t))) for t in range(trainers) if self.has(Keys.closed(t))}
+                ready = [t for t in range(trainers) if self.has(Keys.ready(version, t))]
+                wrong = {t: v for t, v in closed.items() if v != version - 1}
+                if wrong or ready:
+                    t, v = next(iter(wrong.items())) if wrong else next(iter(closed.items()))
+                    goes_on = f"{who(TRAINER, ready[0])} is ready for version {version}" if ready else \
+                        f"the others published version {version - 1}"
+                    raise RankFailed(f"{who(TRAINER, t)} closed after version {v}, but {goes_on}: every trainer rank "
+                                     "must publish the same versions", TRAINERS_DISAGREE)
+                if len(closed) == trainers:
+                    raise _AllClosed
+
+        try:
+            self.wait([Keys.ready(version, t) for t in range(trainers)], f"the trainers to be ready for version {version}",
+                      check=check)
+        except _AllClosed:
+            return False
+        return True
+
+    def collect_sent(self, rnd: Round, timeout: float) -> list[dict]:
+        """Every trainer's report of the round; receivers a trainer lost count as away."""
+        trainers = self.layout.world_size(TRAINER)
+        self.wait_ranks([Keys.sent(rnd.version, rnd.again, t) for t in range(trainers)],
+                        f"the trainers to send {rnd.name}", timeout, poll_max=0.002)
+        reports = [self.get_json(Keys.sent(rnd.version, rnd.again, t)) for t in range(trainers)]
+        for t, report in enumerate(reports):
+            for r, why in (report.get("lost") or {}).items():
+                self._lost(int(r), f"{who(TRAINER, t)} lost it while sending {rnd.name}: {why}")
+        return reports
+
+    def collect_applied(self, rnd: Round, timeout: float) -> dict[int, dict]:
+        """{inference rank: what it applied} from every receiver of the round that is still there;
+        one that vanished meanwhile is away, and the round goes on without it."""
+        return self._collect(rnd, Keys.applied, "apply", timeout)
+
+    def collect_staged(self, rnd: Round, timeout: float) -> dict[int, dict]:
+        """{inference rank: its digest} from every receiver of the round still there that has the
+        version received and verified, waiting for its vLLM server to load it."""
+        return self._collect(rnd, Keys.staged, "receive and verify", timeout)
+
+    def _collect(self, rnd: Round, key_of, what: str, timeout: float) -> dict[int, dict]:
+        pending = dict(self.in_round)
+        got: dict[int, dict] = {}
+        start = time.monotonic()
+        pause = 0.0005
+        while True:
+            for r, attempt in list(pending.items()):
+                key = key_of(rnd.version, r, attempt)
+                if self.has(key):
+                    got[r] = self.get_json(key)
+                    del pending[r]
+                elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING:
+                    del pending[r]
+            if not pending:
+                return got
+            self.check_ranks()
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
+                                   f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.002)
+
+    def holding(self, version: int, applied: Iterable[int]) -> None:
+        for r in applied:
+            self.seats[r].holds = version
+
+    def behind(self, version: int) -> list[int]:
+        """The inference ranks that do not hold `version`."""
+        return [r for r, s in sorted(self.seats.items()) if s.holds != version]
+
+    def wait_back(self) -> None:
+        """Wait until an inference rank that is away or joining is admitted again (the roster's
+        away_limit bounds the wait: past it, check_ranks fails the job)."""
+        while not any(s.state == WAITING for s in self.seats.values()):
+            self.check_ranks()
+            time.sleep(POLL_MAX)
+
+    def rejoins(self) -> int:
+        return sum(s.rejoins for s in self.seats.values())
+
+    def forget(self, version: int) -> None:
+        """Delete the keys of `version`'s first sending but its record (done): the store bounds
+        what it holds, and an endless job must not fill it. Only for a version no rank still reads
+        (two versions back: every inference rank that is there has applied a later one)."""
+        trainers = self.layout.world_size(TRAINER)
+        keys = [Keys.go(version), Keys.ref(version), Keys.cut(version)]
+        keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
+        keys += [key(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)
+                 for key in (Keys.staged, Keys.applied)]
+        for key in keys:
+            self.store.delete_key(key)
+
+    # ------------------------------------------------------------ watching
+
+    def wait_ranks(self, keys: Iterable[str], what: str, timeout: float | None = None, poll_max: float = POLL_MAX) -> None:
+        self.wait(keys, what, timeout, self.check_ranks, poll_max)
+
+    def check_ranks(self) -> None:
+        """Raise RankFailed for a rank that reported a failure, a trainer that restarted or went
+        silent, or an inference rank away for too long; keep the roster of inference ranks."""
+        self._check_failures()
+        now = time.monotonic()
+        if now - self.last_watch < HEARTBEAT / 4:
+            return
+        self.last_watch = now
+        for role, rank in self.ranks:
+            started = self.store.add(Keys.join(role, rank), 0)
+            if started > self.attempts[(role, rank)]:
+                self.attempts[(role, rank)] = started
+                if role == TRAINER:
+                    raise RankFailed(f"{who(role, rank)} restarted (its process started again, start {started}); trainers "
+                                     "do not rejoin a running job", TRAINER_RESTARTED)
+                self._restarted(rank, started)
+        for role, rank in self.ranks:
+            seat = self.seats.get(rank) if role == INFERENCE else None
+            if seat is not None and seat.state in (AWAY, JOINING):
+                if seat.state == JOINING:
+                    self._readmit(rank)
+                if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
+                    raise RankFailed(f"{who(role, rank)} did not come back within {self.away_limit:.0f}s after it "
+                                     f"went away", RANK_LOST)
+                continue
+            silent = self._silent_for(role, rank, now)
+            if silent > self.silent_limit:
+                why = f"no heartbeat for {silent:.0f}s (its process died, froze, or lost the network)"
+                if seat is None:
+                    raise RankFailed(f"{who(role, rank)} is silent: {why}", RANK_SILENT)
+                self._away(rank, why)
+
+    def _silent_for(self, role: str, rank: int, now: float) -> float:
+        key = Keys.beat(role, rank)
+        if not self.has(key):
+            return 0.0
+        count = self.store.add(key, 0)
+        seen = self.beats.get((role, rank))
+        if seen is None or seen.count != count:
+            self.beats[(role, rank)] = Beat(count, now)
+            return 0.0
+        return now - seen.seen
+
+    def _check_failures(self) -> None:
+        failures = self.store.add(Keys.FAILURES, 0)
+        if failures > self.failures_seen:
+            self.failures_seen = failures
+            for role, rank in self.ranks:
+                if self.has(Keys.failed(role, rank)):
+                    raise self._blame(role, rank, self.get(Keys.failed(role, rank)).decode())
+
+    def _blame(self, role: str, rank: int, message: str) -> RankFailed:
+        """The failure to report when (role, rank) reported `message`: another rank's, if one
+        stopped first (started again, or no heartbeat through the whole window)."""
+        # A rank that never beat cannot have stopped, nor one that reported a failure itself (its
+        # pod reports for each rank its command had not ended)
+        others = [r for r in self.ranks if r != (role, rank) and not self.has(Keys.failed(*r))]
+        counts = {r: self.store.add(Keys.beat(*r), 0) for r in others}
+        others = [r for r in others if counts[r] or self.store.add(Keys.join(*r), 0) > self.attempts[r]]
+        deadline = time.monotonic() + BLAME_WINDOW
+        stopped = None
+        while stopped is None:
+            for r in others:
+                if self.store.add(Keys.join(*r), 0) > self.attempts[r]:
+                    stopped = r, "its process started again"
+            if time.monotonic() > deadline:
+                quiet = [r for r in others if self.store.add(Keys.beat(*r), 0) == counts[r]]
+                if quiet:
+                    stopped = quiet[0], f"no heartbeat for {BLAME_WINDOW:.0f}s: its process died or froze"
+                break
+            time.sleep(0.1)
+        if stopped is None:
+            return RankFailed(f"{who(role, rank)} failed: {message}")
+        (srole, srank), how = stopped
+        return RankFailed(f"{who(srole, srank)} stopped first ({how}); then {who(role, rank)} failed: {message}",
+                          TRAINER_RESTARTED if srole == TRAINER and "started again" in how else RANK_FAILED)
+
+    # ------------------------------------------------------------ the roster
+
+    def _away(self, rank: int, why: str) -> None:
+        seat = self.seats[rank]
+        if seat.state in (SERVING, WAITING):
+            seat.state, seat.since = AWAY, time.monotonic()
+            self.say(f"{who(INFERENCE, rank)} is away: {why}; the job goes on without it until it rejoins "
+                     f"(within {self.away_limit:.0f}s)")
+            if self.in_round.get(rank) == seat.attempt:
+                self._cut(rank)
+
+    def _lost(self, rank: int, why: str) -> None:
+        if self.in_round.get(rank) == self.seats[rank].attempt:
+            self._away(rank, why)
+
+    def _cut(self, rank: int) -> None:
+        """Tell the trainers that a receiver of the round on its way is gone: a receiver whose pod
+        vanished may leave their sends to it hanging (no reset ever comes) until their timeout."""
+        if self.round is not None and rank in self.in_round and rank not in self.cut:
+            self.cut.add(rank)
+            self.set(Keys.cut(self.round.version, self.round.again), sorted(self.cut))
+
+    def _restarted(self, rank: int, attempt: int) -> None:
+        seat = self.seats.get(rank)
+        if seat is None:  # before the plan: the first admission takes the latest attempt
+            raise RankFailed(f"{who(INFERENCE, rank)} restarted before the job started; it cannot be admitted twice")
+        self._away(rank, f"its process started again (start {attempt})")
+        seat.attempt, seat.state, seat.holds = attempt, JOINING, None
+        self.set(Keys.nonce(INFERENCE, rank, attempt), secrets.token_hex(16))
+
+    def _readmit(self, rank: int) -> None:
+        seat = self.seats[rank]
+        got = self._proven(INFERENCE, rank, seat.attempt)
+        if got is None:
+            return
+        endpoint, meta, info = got
+        self.check_rejoin(meta, info)
+        seat.endpoint, seat.state, seat.since, seat.info = endpoint, WAITING, time.monotonic(), info
+        seat.rejoins += 1
+        self.epoch += 1
+        self._publish_peers()
+        self.say(f"{who(INFERENCE, rank)} rejoined (start {seat.attempt}, pod {info.get('pod')}, at {endpoint}); "
+                 "it receives the next round in full and serves once it has verified it")
+
+    # ------------------------------------------------------------ the end
+
+    def end(self, state: str, message: str, reason: str = "") -> None:
+        self.set(Keys.END, {"state": state, "reason": reason, "message": message})
+
+    def wait_byes(self, timeout: float) -> list[str]:
+        """Wait (a bounded time) for every rank that can still answer (not away, not silent) to
+        see the end; returns the ranks that did not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            waiting = [Keys.bye(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k)) and self._answering(r, k, now)]
+            if not waiting or now >= deadline:
+                return [who(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k))]
+            try:
+                self.wait(waiting, "every rank to see the end", min(HEARTBEAT, deadline - now))
+            except TimeoutError:
+                pass
+
+    def _answering(self, role: str, rank: int, now: float) -> bool:
+        seat = self.seats.get(rank) if role == INFERENCE else None
+        if seat is not None and seat.state in (AWAY, JOINING):
+            return False
+        return self._silent_for(role, rank, now) <= self.silent_limit

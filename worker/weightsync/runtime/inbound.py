@@ -1,0 +1,126 @@
+"""An inference rank's side of every round, whatever engine runs its model: receive the version
+into staging, verify it, hand it to the engine, report it applied.
+
+The built-in engine (roles/inference.py) and vLLM's workers (vllm/engine.py) differ only in how a
+verified version reaches the model: the built-in one points its parameters at the staging buffer
+between two generations, vLLM loads it between two scheduler steps when the controller says so.
+Both take it through the same Handover, so a version that fails verification never reaches either
+and the checks are one piece of code.
+
+A rank whose process started again (its pod restarted) is taken back at the next round, which it
+receives in full. A rank the controller counted away (silent, or cut off by the trainers) while its
+process lived on ends its process, so that it starts again and rejoins the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Protocol
+
+from weightsync.job import INFERENCE
+from weightsync.runtime.rank import Expected, log, pause_point
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Round, who
+from weightsync.transfer.send import ReceivedVersion, VersionReceiver, reference_for
+
+
+class VerificationError(Expected):
+    """A version's digest is not the one the trainers sent: it is never applied."""
+
+
+class StartAgain(Expected):
+    """This rank's process must end so that it starts again and rejoins the job (its pod restarts
+    it); not a failure of the job."""
+
+
+class Handover(Protocol):
+    """Where an engine takes versions: the buffer to receive into, the version it can take a delta
+    against, and the hand-over of a verified version (returns once the model runs on it, or
+    raises why it cannot)."""
+
+    def staging(self): ...
+
+    def base(self, version: int | None): ...
+
+    def offer(self, version: int, got: ReceivedVersion) -> None: ...
+
+
+class GenerationHandover:
+    """The hand-over between the receiving thread and an engine's generation loop in one
+    process (the built-in engines): the thread offers a verified version and waits until the loop
+    runs on it; the loop waits for an offer or the end, between two generations. Subclasses say
+    where versions land (staging, base) and how the loop takes one."""
+
+    def __init__(self):
+        self.version: int | None = None  # the version the model runs on
+        self.staged: int | None = None
+        self.end: dict | None = None
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    # the receiving thread
+    def offer(self, version: int, got: ReceivedVersion | None = None) -> None:
+        """Hand over the version in staging and wait until the model runs on it."""
+        with self.cond:
+            self.staged = version
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.staged is None or self.error is not None)
+
+    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
+        with self.cond:
+            self.end, self.error = end, error
+            self.cond.notify_all()
+
+    # the generation loop
+    def next_event(self, timeout: float | None) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
+
+    def start_receiving(self, member: Member, receiver: VersionReceiver, transfer: dict) -> threading.Thread:
+        """Start the receiving thread, the only user of the member's store client from then on: it
+        takes every round and hands the job's end, or why it failed, to the generation loop."""
+        def receive() -> None:
+            try:
+                self.finish(end=receive_rounds(member, receiver, transfer, self))
+            except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
+                self.finish(error=e)
+
+        thread = threading.Thread(target=receive, name="receive", daemon=True)
+        thread.start()
+        return thread
+
+
+def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, engine: Handover) -> dict:
+    """Take every round the controller announces until the job ends; returns its end
+    ({"state", "message"}). Raises VerificationError, StartAgain, or what the transfer raised."""
+    rank, me = receiver.rank, who(INFERENCE, receiver.rank)
+    timeout = float(transfer["timeoutSeconds"])
+    first = member.welcome() if member.attempt > 1 else Round(0)
+    if member.attempt > 1:
+        log(me, f"taken back at {first.name}")
+    for version in itertools.count(first.version):  # until the controller ends the job
+        again = first.again if version == first.version else 0
+        try:
+            rnd = member.round(version, again, poll_max=0.002)
+        except JobEnded as e:
+            return {"state": e.state, "message": str(e)}
+        if rank not in rnd.receivers:
+            raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
+                             "off); ending this process so that it starts again and rejoins")
+        got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
+        if got.refused:
+            log(me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
+                    "the trainers sent those buckets whole")
+        pause_point(INFERENCE, rank, "verifying", version)
+        if transfer["verify"] == "digest":
+            member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
+            reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
+            if got.digest != reference:
+                member.store.add(Keys.VERIFY_FAILURES, 1)
+                raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
+                                        f"the trainers sent {(reference or 'nothing for this rank')[:16]}; the model stays on the version it runs")
+        engine.offer(version, got)
+        member.set(Keys.applied(version, rank, member.attempt),
+                   {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),
+                    "why_refused": got.refused[0] if got.refused else None})
+    raise AssertionError("unreachable")

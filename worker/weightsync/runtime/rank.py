@@ -1,0 +1,171 @@
+"""What every rank process shares, whoever started it (a worker pod's rank process, or a user's
+training script through weightsync.attach): logging, its end of the job's transport, what it
+tells the controller about itself, how a failure reaches the controller, the end of the job in a
+cluster, and the tests' hooks (pause points, dumps). Below roles/ and the trainer API, which both
+use it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from weightsync.job import INFERENCE, TRAINER, WorkerContext
+from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
+
+JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
+FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
+REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
+
+# Tests only: a directory where trainer and inference ranks save, after every version, the
+# version's tensors and the logits on model.PROMPT, so that tests compare real weights and logits.
+DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
+# Tests only: a directory of armed pause points. A rank that reaches point P of version V, when
+# the file <role>-<rank>-<P>-v<V>.arm is there, removes it, creates ....reached and waits (at most
+# PAUSE_LIMIT seconds) for ....release: meanwhile the test kills or stops whatever process it
+# wants, at a known point of a version. Points: trainer "before-go" (ready, before the go) and
+# "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
+# inference rank is then in the middle of receiving); inference "verifying" (received, before the
+# check against the reference); controller "verifying" (the trainers are done, the inference
+# ranks' digests not yet checked).
+PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
+PAUSE_LIMIT = 120.0
+# Tests only: "<version>" - trainer ranks flip one byte of the first chunk they send of that version
+# after hashing it, as a bad link would: every receiver must refuse the version.
+CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
+# Benchmarks only: "1" - the built-in engines switch to every verified version and generate
+# nothing, so that a benchmark timing the transfer has no generation competing for the cores
+# (a version then also waits for no generation to end before the model runs on it).
+IDLE_ENV = "WEIGHTSYNC_BENCH_IDLE"
+
+
+def log(who: str, message: str) -> None:
+    print(f"[{who}] {message}", file=sys.stderr, flush=True)
+
+
+class Expected(RuntimeError):
+    """A failure whose message says it all (no traceback)."""
+
+
+def report_failure(ctx: WorkerContext, role: str, rank: int, message: str, channel: Channel | None = None) -> bool:
+    """Tell the controller that `rank` failed and why, unless the job has ended or the rank said
+    why already (its own words are the better ones); True if this reported it. A controller that
+    cannot be reached is logged: the job's deadlines and heartbeats find the rank then."""
+    try:
+        channel = channel or Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity,
+                                                   REPORT_CONNECT))
+        if channel.has(Keys.END) or channel.has(Keys.failed(role, rank)):
+            return False
+        channel.rank_failed(role, rank, message)
+        return True
+    except Exception as e:  # noqa: BLE001 - the store is gone or refuses: nothing more to tell
+        log(who(role, rank), f"could not report its failure to the controller: {e}")
+        return False
+
+
+def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT) -> dict | None:
+    """After a failure: wait (at most `timeout`) for the controller to end the job; its end
+    record, or None."""
+    try:
+        channel.wait([Keys.END], "the controller to end the job", timeout)
+        return channel.get_json(Keys.END)
+    except TimeoutError:
+        log(me, f"the controller did not end the job within {timeout:.0f}s")
+    except Exception as e:  # noqa: BLE001 - the controller's store is gone
+        log(me, f"lost the controller while waiting for the end of the job: {e}")
+    return None
+
+
+def in_cluster(ctx: WorkerContext) -> bool:
+    """In a pod, an exiting process is restarted, so a rank whose job has ended stays up."""
+    return ctx.report_to_kubernetes or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
+def linger(ctx: WorkerContext, who: str) -> None:
+    """After the job's end: in a cluster, wait for the operator to scale the pod down."""
+    if not in_cluster(ctx):
+        return
+    log(who, "the job has ended; waiting for the operator to remove this pod")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Timed waits: Python runs a signal's handler on the main thread only once it wakes, and a
+    # SIGTERM the kernel hands to another thread (health, store) would not wake an untimed wait.
+    while not stop.wait(1.0):
+        pass
+
+
+def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, device):
+    """This rank's end of the job's transport: (name, why, Sender or Receiver)."""
+    from weightsync.transport import make_transport, resolve_transport
+
+    spec = ctx.job.spec
+    name, why = resolve_transport(spec["transfer"]["transport"], ctx.network_mode, ctx.colocated)
+    options: dict = {}
+    if name == "nccl":
+        import torch.distributed as dist
+
+        layout = ctx.job.layout
+        options = {"store": dist.PrefixStore("transfer/", member.client().store), "trainers": layout.world_size(TRAINER),
+                   "inferences": layout.world_size(INFERENCE), "device": device.index}
+    elif name == "uccl":
+        options = {"gpu": device.index}
+    transport = make_transport(name, token=ctx.token, timeout=float(spec["transfer"]["timeoutSeconds"]), **options)
+    end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)
+    return name, why, end
+
+
+def info(ctx: WorkerContext, transport: str, why: str, device, **more) -> str:
+    """What a rank tells the controller about itself besides endpoint and layout."""
+    return json.dumps({"transport": transport, "why": why, "device": str(device),
+                       "pod": ctx.job.pod_name(ctx.ordinal), **more}, sort_keys=True)
+
+
+def pause_point(role: str, rank: int, point: str, version: int) -> None:
+    """Tests only (PAUSE_DIR_ENV): hold here while the test acts, if it armed this point."""
+    folder = os.environ.get(PAUSE_DIR_ENV)
+    if not folder:
+        return
+    base = os.path.join(folder, f"{role}-{rank}-{point}-v{version}")
+    try:
+        os.remove(base + ".arm")
+    except FileNotFoundError:
+        return
+    open(base + ".reached", "w").close()
+    deadline = time.monotonic() + PAUSE_LIMIT
+    while not os.path.exists(base + ".release") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def tamper_hook():
+    """Tests only (CORRUPT_ENV): the VersionSender's tamper function, or None."""
+    version = os.environ.get(CORRUPT_ENV)
+    if not version:
+        return None
+    flipped: set[int] = set()
+
+    def tamper(v: int, chunk: memoryview) -> None:
+        if v == int(version) and v not in flipped and len(chunk):
+            chunk[0] ^= 0xFF
+            flipped.add(v)
+
+    return tamper
+
+
+def dumping() -> bool:
+    return bool(os.environ.get(DUMP_DIR_ENV))
+
+
+def generating() -> bool:
+    """Whether the built-in engines generate between versions (IDLE_ENV: not in benchmarks)."""
+    return os.environ.get(IDLE_ENV) != "1"
+
+
+def dump(role: str, rank: int, version: int, tensors: dict, logits) -> None:
+    """Tests only (DUMP_DIR_ENV): save this rank's tensors of a version and its logits on the prompt."""
+    import torch
+
+    torch.save({"tensors": tensors, "logits": logits},
+               os.path.join(os.environ[DUMP_DIR_ENV], f"{role}-{rank}-v{version}.pt"))

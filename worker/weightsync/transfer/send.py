@@ -1,0 +1,417 @@
+"""Moving one weight version: the pipelined sender and the verifying receiver.
+
+The trainer role and `weightsync bench` both use exactly this code. A trainer rank sends the
+buckets the plan gives it to every inference rank: each bucket is cast into a send buffer chunk
+by chunk and streamed to the peers right behind the cast, while earlier buckets are still on the
+wire (depth buffers of one bucket each, allocated once and registered with the transport once);
+when no cast is needed the bytes go straight from the parameters. An inference rank receives
+every trainer's ranges straight into its staging buffer, each bucket checked against its xxh3_64
+checksum, and gets back the version's digest.
+
+With delta versions on (delta.py), a trainer rank keeps what it sent last and sends a bucket to an
+inference rank that holds that version as a patch; the receiver applies it against the version it
+holds into its staging buffer. The checksums, and so the digest, are of the new bytes either way:
+a patched version is verified exactly like a whole one. Who gets patches is the caller's word
+(`bases`, from the controller); the sender also checks that it still keeps that base.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import struct
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import Callable
+
+import xxhash
+
+from weightsync.model import flat
+from weightsync.transfer.delta import LastSent, Patcher
+from weightsync.plan.segments import Plan
+from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, TransferError
+from weightsync.transport.checksum import CHUNK, as_views, bucket_checksum, checksum_of
+
+
+def version_digest(checksums: dict[int, int]) -> str:
+    """The digest of a whole version from its per-bucket checksums ({offset: xxh3_64}); the
+    controller computes it from what the trainers report, every inference rank from what it
+    received, and the two must be equal."""
+    h = hashlib.sha256()
+    for offset in sorted(checksums):
+        h.update(struct.pack("<QQ", offset, checksums[offset]))
+    return h.hexdigest()
+
+
+def reference_digests(plan, sent: list[dict], receivers) -> str:
+    """What the controller publishes as a round's reference, from the trainers' reports (each
+    with "checksums", or over slices "receiver_checksums": {receiver: {offset: xxh3_64}}): the
+    version's digest, or over slices a JSON object of every receiver's own digest."""
+    if not plan.sliced:
+        return version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
+    digests = {}
+    for r in receivers:
+        sums = {int(o): c for s in sent for o, c in s["receiver_checksums"].get(str(r), {}).items()}
+        digests[str(r)] = version_digest(sums)
+    return json.dumps(digests, sort_keys=True)
+
+
+def reference_for(reference: str, receiver: int) -> str | None:
+    """Inference rank `receiver`'s digest in what reference_digests() made (None: not in the round)."""
+    if not reference.startswith("{"):
+        return reference
+    return json.loads(reference).get(str(receiver))
+
+
+def settle_heap() -> None:
+    """Put every object made so far (the libraries, the model) out of the garbage collector's
+    reach: a full collection would otherwise walk them all again while a version is on the
+    wire, holding the GIL the connection threads need. Call once, after start-up."""
+    gc.collect()
+    gc.freeze()
+
+
+def send_buffers(sender: Sender, params, size: int, count: int) -> list:
+    """`count` send buffers of `size` bytes, registered with the transport once: on the GPU of
+    the parameters where the transport sends from GPU memory, else in host memory (pinned when
+    the parameters are on a GPU, as the host staging of device tensors)."""
+    import torch
+
+    on_gpu = any(p.device.type == "cuda" for p in params)
+    if getattr(sender, "buffer_device", "cpu") == "cuda" and on_gpu:
+        kwargs = {"device": next(p.device for p in params if p.device.type == "cuda")}
+    else:
+        kwargs = {"pin_memory": on_gpu}
+    buffers = [torch.empty(size, dtype=torch.uint8, **kwargs) for _ in range(count)]
+    sender.register(buffers)
+    return buffers
+
+
+class BufferRing:
+    """The send buffers, used in turn: each bucket takes the next bytes of the current buffer, so
+    that many small buckets (FSDP2 shards: a few rows of every tensor) share one buffer instead of
+    each taking a whole one and draining the pipeline; moving on to a buffer first waits until
+    what was last sent from it is off the wire (a failure there is end_version's to raise)."""
+
+    def __init__(self, buffers: list):
+        self.buffers = buffers
+        self.current, self.used = 0, 0
+        self.inflight: list[list[Future]] = [[] for _ in buffers]
+
+    def take(self, length: int):
+        """(`length` bytes of a buffer, the list to add the futures that send them to)."""
+        if self.used + length > self.buffers[self.current].numel():
+            self.current, self.used = (self.current + 1) % len(self.buffers), 0
+            wait(self.inflight[self.current])
+            self.inflight[self.current] = []
+        data = self.buffers[self.current][self.used:self.used + length]
+        self.used += -(-length // flat.ALIGN) * flat.ALIGN
+        return data, self.inflight[self.current]
+
+
+def _runs(bucket) -> list[tuple[int, int, int]]:
+    """(offset in the version, length, offset in the bucket's bytes) of every run of the bucket."""
+    out, at = [], 0
+    for offset, length in bucket.spans:
+        out.append((offset, length, at))
+        at += length
+    return out
+
+
+@dataclass
+class SentVersion:
+    version: int
+    bytes: int  # this rank's share of the version (each peer received it)
+    seconds: float
+    checksums: dict = field(default_factory=dict)  # {offset: xxh3_64} of this rank's buckets
+    lost: dict = field(default_factory=dict)  # {peer: why} the peers it could not send to
+    wire_bytes: int = 0  # what it put on the wire for all peers: whole ranges, patches, ranges re-sent whole
+    patched_peers: int = 0  # peers that were sent patches (the others got every range whole)
+    changed: int = 0  # elements that changed since the base, in the buckets sent as patches
+    compared: int = 0  # elements compared there
+    receiver_checksums: dict = field(default_factory=dict)  # over slices: {peer: {offset: xxh3_64}}, per receiver
+
+
+@dataclass
+class ReceivedVersion:
+    version: int
+    bytes: int
+    seconds: float
+    checksums: dict
+    digest: str
+    patched: int = 0  # buckets that came as patches and were applied
+    refused: list = field(default_factory=list)  # why other patches were not (those buckets came again, whole)
+
+
+def end_version(sender: Sender, version: int, lose_peers: bool) -> dict[int, str]:
+    """End the version on every peer; {peer: why} of those it could not be sent to (with
+    lose_peers; without, PeersFailed is raised)."""
+    try:
+        sender.end_version(version)
+    except PeersFailed as e:
+        if not lose_peers:
+            raise
+        return {peer: str(error) for peer, error in e.failed.items()}
+    return {}
+
+
+class VersionSender:
+    """Sends this trainer rank's share of each version to every inference rank.
+
+    `params` passed to send() are the model's tensors in the plan's layout order (what
+    FlatLayout.from_named_tensors was given), in any dtype and on any device: they are cast to
+    the layout's dtype on the way; with `starts` they are this rank's shards (FSDP2: each its
+    local rows, beginning at element starts[i] of its tensor), and the plan gives this rank only
+    bytes it holds (shards.plan_by_holder). Send buffers: `depth` buffers of bucket_bytes, allocated on the
+    first version that needs a cast, then reused; buffer_bytes says how much that is. The cast
+    of host tensors runs on `cast_threads` intra-op threads (one thread casting cache-sized
+    chunks leaves the other cores to the connections, which run at the same time).
+
+    With `delta`, the rank keeps its share of the last version it sent (LastSent: kept_bytes, one
+    share of a version in the layout's dtype) and every bucket goes through a send buffer, also
+    without a cast, to be compared with it and kept; chunks are encoded on `delta_threads`
+    threads, the first beside the cast of the next chunk."""
+
+    def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
+                 depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2,
+                 starts: list[int] | None = None, tamper: Callable[[int, memoryview], None] | None = None):
+        if depth < 1:
+            raise ValueError("the pipeline depth must be at least 1")
+        if delta and not (sender.patches and getattr(sender, "buffer_device", "cpu") == "cpu"):
+            raise ValueError(f"the {type(sender).__name__} transport carries no patches: delta versions need tcp")
+        self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
+        self.starts = starts  # shards: the element of its tensor each param begins at (flat.check_sources)
+        self.buckets = plan.buckets_of(trainer_rank)
+        self.bucket_bytes = bucket_bytes or plan.bucket_bytes
+        if self.buckets and max(b.length for b in self.buckets) > self.bucket_bytes:
+            raise ValueError(f"bucket_bytes {self.bucket_bytes} is smaller than the plan's buckets ({plan.bucket_bytes})")
+        self.peers = list(range(plan.inferences))
+        self.cast_threads = cast_threads
+        self.buffers: list | None = None
+        self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype], delta_threads) if delta else None
+        # Tests only: tamper(version, chunk) may change a chunk of a send buffer after it was
+        # hashed and before it goes out, as a bad link would (ranks.tamper_hook).
+        self.tamper = tamper
+        self.version: int | None = None  # being sent
+        self.cast_stream = None  # GPU send buffers: the stream their cast runs on
+    @property
+    def kept_bytes(self) -> int:
+        """Host memory holding the last version sent (delta versions), in bytes."""
+        return self.last.nbytes if self.last is not None else 0
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers) if self.buffers else 0
+
+    def _buffers(self, params) -> list:
+        if self.buffers is None:
+            size = min(self.bucket_bytes, max(b.length for b in self.buckets))
+            self.buffers = send_buffers(self.sender, params, size, min(self.depth, len(self.buckets)))
+        return self.buffers
+
+    def _fill(self, layout, params, bucket, data, filling: Filling, each=None) -> None:
+        """Cast the bucket into `data` and give `filling` its checksum; host buffers in
+        cache-sized chunks, each hashed while it is still in cache and handed to the
+        transport at once, then to each(start, end) when given."""
+        import torch
+
+        if data.device.type == "cuda":
+            # the cast and the checksum (ws64, on the GPU) on a stream of their own, after what the
+            # caller's stream did to the parameters; waiting for the checksum waits for that
+            # stream alone, while the transport's own stream still sends the previous bucket
+            stream = self._stream(data.device)
+            stream.wait_stream(torch.cuda.current_stream(data.device))
+            with torch.cuda.stream(stream):
+                for offset, length, at in _runs(bucket):
+                    flat.fill_range(layout, params, offset, offset + length, data[at:at + length], self.starts)
+                checksum = bucket_checksum(data)
+            if self.tamper is not None:
+                first = data[:1].cpu()
+                self.tamper(self.version, memoryview(first.numpy()))
+                data[:1].copy_(first)
+            filling.finish(checksum)
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.cast_threads)
+        try:
+            h = xxhash.xxh3_64()
+            view = memoryview(data.numpy())
+            runs, r = _runs(bucket), 0
+            for a in range(0, bucket.length, CHUNK):  # chunks of the bucket's bytes (delta's unit)
+                b = min(a + CHUNK, bucket.length)
+                while r < len(runs) and runs[r][2] < b:  # the runs this chunk overlaps
+                    offset, length, at = runs[r]
+                    lo, hi = max(a, at), min(b, at + length)
+                    flat.fill_range(layout, params, offset + lo - at, offset + hi - at, data[lo:hi], self.starts)
+                    if at + length > b:
+                        break
+                    r += 1
+                h.update(view[a:b])
+                if self.tamper is not None:
+                    self.tamper(self.version, view[a:b])
+                filling.advance(b)
+                if each is not None:
+                    each(a, b)
+            filling.finish(h.intdigest())
+        finally:
+            torch.set_num_threads(threads)
+
+    def _stream(self, device):
+        """The side stream the GPU cast runs on, made once."""
+        import torch
+
+        if self.cast_stream is None:
+            self.cast_stream = torch.cuda.Stream(device)
+        return self.cast_stream
+
+    def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,
+             after_bucket: Callable[[int], None] | None = None, bases: dict[int, int | None] | None = None) -> SentVersion:
+        """Send this rank's share of `version` to `peers` (every inference rank by default).
+        With lose_peers a peer that fails (its process died) is named in SentVersion.lost and
+        the others get all of it; without, PeersFailed is raised. after_bucket(k) runs once the
+        k-th bucket is handed to the transport. With delta versions, `bases` ({inference rank:
+        the version it holds, or None}) names the peers that may get patches."""
+        layout = self.plan.layout
+        flat.check_sources(layout, params, self.starts)
+        start = time.monotonic()
+        self.version = version
+        peers = self.peers if peers is None else list(peers)
+        if self.last is not None and self.buckets:
+            return self._send_keeping(version, params, peers, lose_peers, after_bucket, bases or {}, start)
+        if not self.buckets or not peers:
+            if self.last is not None:
+                self.last.version = version  # it keeps nothing: every version is as good a base
+            return SentVersion(version, 0, 0.0, {})
+        in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
+        ring = None if in_place else BufferRing(self._buffers(params))
+        fillings: dict[int, Filling] = {}
+        for k, b in enumerate(self.buckets):
+            filling = fillings[b.offset] = Filling(b.length)
+            if in_place:
+                # one peer's connection hashes the bytes as it sends them (while they are in
+                # cache; the peers take turns by bucket); the others send them at once and take
+                # that checksum when it is there
+                data = [v for offset, length in b.spans
+                        for v in flat.range_views(layout, params, offset, offset + length, self.starts)]
+                hasher = peers[k % len(peers)]
+                hashed = self.sender.send(hasher, version, b.offset, data)
+                # a hasher that failed (its peer went away) leaves the checksum to this side
+                hashed.add_done_callback(lambda f, fl=filling, d=data: fl.finish(
+                    f.result() if f.exception() is None else checksum_of(as_views(d))))
+                filling.advance(b.length)
+                for p in peers:
+                    if p != hasher:
+                        self.sender.send(p, version, b.offset, data, filling)
+                if after_bucket is not None:
+                    after_bucket(k)
+                continue
+            data, inflight = ring.take(b.length)
+            inflight.extend(self.sender.send(p, version, b.offset, data, filling) for p in peers)
+            try:
+                self._fill(layout, params, b, data, filling)
+            except BaseException as e:
+                filling.fail(e)
+                raise
+            if after_bucket is not None:
+                after_bucket(k)
+        lost = self._end(version, lose_peers)
+        sums = {offset: filling.result() for offset, filling in fillings.items()}
+        total = sum(b.length for b in self.buckets)
+        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=total * len(peers))
+
+    def _end(self, version: int, lose_peers: bool) -> dict[int, str]:
+        return end_version(self.sender, version, lose_peers)
+
+    def _send_keeping(self, version: int, params, peers: list[int], lose_peers: bool,
+                      after_bucket: Callable[[int], None] | None, bases: dict, start: float) -> SentVersion:
+        """send() with delta versions on. Peers whose base is the version kept get each bucket as
+        a patch, unless its first chunk shows that too much changed (then whole, streamed right
+        behind the cast like to the other peers); every bucket is kept for the next version, also
+        when there is no peer to send it to."""
+        layout, last = self.plan.layout, self.last
+        base = last.version
+        patched = [p for p in peers if base is not None and bases.get(p) == base]
+        whole = [p for p in peers if p not in patched]
+        last.version = None  # being overwritten: a failure now leaves nothing to patch against
+        ring = BufferRing(self._buffers(params))
+        fillings: dict[int, Filling] = {}
+        resent: list[int] = []
+        wire = changed = compared = 0
+        for k, b in enumerate(self.buckets):
+            filling = fillings[b.offset] = Filling(b.length)
+            data, futures = ring.take(b.length)
+            futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in whole)
+            encoder = last.encoder(b.offset, base if patched else None)
+
+            def keep(a: int, e: int, encoder=encoder, futures=futures, data=data, filling=filling, b=b,
+                     host=data.numpy()) -> None:
+                encoder.add(a, host[a:e])
+                if a == 0 and patched and encoder.dense:  # too much changed: whole, right behind the cast
+                    futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in patched)
+
+            try:
+                self._fill(layout, params, b, data, filling, keep)
+            except BaseException as e:
+                filling.fail(e)
+                raise
+            wire += b.length * len(whole)
+            if patched and encoder.dense:
+                wire += b.length * len(patched)
+            elif patched:
+                payload = encoder.finish(b.length)
+
+                def again(b=b):  # the peer could not apply the patch: the bucket whole, as kept
+                    resent.append(b.length)
+                    return last.bucket(b.offset)
+
+                for p in patched:
+                    self.sender.send_patch(p, version, b.offset, b.length, payload, filling.result(), again)
+                wire += sum(len(part) for part in payload) * len(patched)
+                changed, compared = changed + encoder.changed, compared + encoder.compared
+            if after_bucket is not None:
+                after_bucket(k)
+        lost = self._end(version, lose_peers)
+        last.version = version  # every bucket was kept, whoever received it
+        sums = {offset: filling.result() for offset, filling in fillings.items()}
+        total = sum(b.length for b in self.buckets)
+        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=wire + sum(resent),
+                           patched_peers=len(patched), changed=changed, compared=compared)
+
+
+class VersionReceiver:
+    """Receives versions on one inference rank into a staging buffer (a 1-d uint8 tensor of at
+    least plan.bytes_for(rank): the whole version, or over slices this rank's local layout;
+    registered once with the transport by the caller or on first use), verifying every bucket.
+    `plan` is a plan.Plan or a slicepath.SlicedPlan. A version may come as patches against
+    `base`, (the version this rank holds, its buffer), which is only read."""
+
+    def __init__(self, receiver: Receiver, plan, inference_rank: int):
+        self.receiver, self.plan, self.rank = receiver, plan, inference_rank
+        self.expected = plan.expected_for(inference_rank)
+        self.scatter = plan.scatter_for(inference_rank)
+        self.nbytes = plan.bytes_for(inference_rank)
+        self.registered: set[int] = set()
+        receiver.expect_trainers(plan.trainers)
+
+    def receive(self, version: int, staging, timeout: float, base: tuple[int, object] | None = None) -> ReceivedVersion:
+        if staging.numel() * staging.element_size() < self.nbytes:
+            raise ValueError(f"the staging buffer holds {staging.numel() * staging.element_size()} bytes, "
+                             f"a version needs {self.nbytes}")
+        if staging.data_ptr() not in self.registered:
+            self.receiver.register([staging])
+            self.registered.add(staging.data_ptr())
+        patcher = None
+        if self.receiver.patches:
+            if base is not None and base[1].data_ptr() == staging.data_ptr():
+                raise ValueError("the base of a delta version must be another buffer than the staging buffer")
+            patcher = Patcher(base[0], base[1], staging, self.scatter) if base is not None else Patcher(None)
+        start = time.monotonic()
+        sums = self.receiver.receive(version, staging, self.expected, timeout, patcher, self.scatter)
+        want = {o for ranges in self.expected.values() for o, _ in ranges}
+        if set(sums) != want:
+            missing = sorted(want - set(sums))
+            raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
+        return ReceivedVersion(version, self.nbytes, time.monotonic() - start, sums, version_digest(sums),
+                               patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [])
