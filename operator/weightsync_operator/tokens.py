@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import os
 import secrets
 from pathlib import Path
 
+from weightsync.job.token import mac
 from weightsync_operator.kube import ApiError, Kube
 
 # Where the key lives: a Secret in the operator's own namespace (the chart creates it and lets the
@@ -53,7 +53,7 @@ def load_key(kube: Kube) -> bytes:
 
 def derive(key: bytes, uid: str) -> str:
     """The token of the job with this uid: 43 url-safe characters (256 bits)."""
-    return base64.urlsafe_b64encode(hmac.new(key, uid.encode(), hashlib.sha256).digest()).decode().rstrip("=")
+    return base64.urlsafe_b64encode(mac(key, uid)).decode().rstrip("=")
 
 
 def fingerprint(token: str) -> str:

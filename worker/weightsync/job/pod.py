@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 from weightsync.job.spec import Job, SpecError, load_job
+from weightsync.job.token import read_token
 from weightsync.job.topology import TRAINER
 
 STORE_PORT = 29500  # the controller's rendezvous store
@@ -205,9 +205,7 @@ class WorkerContext:
 
         job = load_job(need(Env.SPEC_FILE), namespace=environ.get(Env.NAMESPACE, "default"), strict=False)
         ordinal = int(need(Env.ORDINAL))
-        token = Path(need(Env.TOKEN_FILE)).read_bytes().strip()
-        if len(token) < 16:
-            raise SpecError([f"the job token in {environ[Env.TOKEN_FILE]} is shorter than 16 bytes"])
+        token = read_token(need(Env.TOKEN_FILE))
         return cls(
             job=job,
             ordinal=ordinal,

@@ -14,8 +14,6 @@ to the store opens its own client.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import json
 import threading
 import time
@@ -24,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from weightsync.job import INFERENCE, TRAINER, Layout
+from weightsync.job.token import mac, same
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
@@ -59,14 +58,6 @@ def versions(spec: Mapping) -> Iterator[tuple[int, int]]:
         if steps and step >= steps:
             return
         version, step = version + 1, step + every if not steps else min(step + every, steps)
-
-
-def mac(token: bytes, *parts: str | bytes) -> str:
-    h = hmac.new(token, digestmod=hashlib.sha256)
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else p
-        h.update(len(b).to_bytes(8, "little") + b)
-    return h.hexdigest()
 
 
 def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
@@ -271,18 +262,29 @@ def who(role: str, rank: int) -> str:
     return f"{role} rank {rank}"
 
 
+# The proofs below are hex HMACs (job/token.py) of their parts, each preceded by its length.
+LENGTHS = "<Q"
+
+
 def rank_proof(token: bytes, nonce: bytes, role: str, rank: int, endpoint: str, meta: str, info: str) -> str:
-    return mac(token, b"rank", nonce, role, str(rank), endpoint, meta, info)
+    """A rank's proof of what it published for an attempt, over the controller's nonce for it."""
+    return mac(token, b"rank", nonce, role, str(rank), endpoint, meta, info, lengths=LENGTHS).hex()
+
+
+def plan_mac(token: bytes, text: str | bytes) -> str:
+    """The controller's signature of the plan it published."""
+    return mac(token, b"plan", text, lengths=LENGTHS).hex()
 
 
 def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
-    return mac(token, b"peers", str(epoch), text)
+    """The controller's signature of the inference ranks' endpoints as of `epoch`."""
+    return mac(token, b"peers", str(epoch), text, lengths=LENGTHS).hex()
 
 
 def update_proof(token: bytes, job: str, version: int) -> str:
     """What the controller sends with its request that a vLLM server load `version`: a server's
     control routes are open to whoever reaches its port, its loads only to the job's controller."""
-    return mac(token, b"vllm-update", job, str(version))
+    return mac(token, b"vllm-update", job, str(version), lengths=LENGTHS).hex()
 
 
 class Peer(NamedTuple):
@@ -386,7 +388,7 @@ class Member(Channel):
 
         self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
         text = self.get(Keys.PLAN)
-        if not hmac.compare_digest(mac(self.token, b"plan", text), self.get(Keys.PLAN_MAC).decode()):
+        if not same(self.get(Keys.PLAN_MAC).decode(), plan_mac(self.token, text)):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
         return plan_from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
@@ -395,7 +397,7 @@ class Member(Channel):
         key = Keys.peers(epoch)
         self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout)
         text = self.get(key)
-        if not hmac.compare_digest(peers_mac(self.token, epoch, text), self.get(key + "/mac").decode()):
+        if not same(self.get(key + "/mac").decode(), peers_mac(self.token, epoch, text)):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
         return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
 

@@ -16,7 +16,6 @@ heartbeat stopped): a survivor that saw its peer vanish reports first, but its p
 
 from __future__ import annotations
 
-import hmac
 import json
 import secrets
 import sys
@@ -25,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from weightsync.job import INFERENCE, TRAINER, Layout
-from weightsync.rendezvous.protocol import (HEARTBEAT, POLL_MAX, Channel, Keys, ProofError, Round, host_store, mac, peers_mac,
-                         rank_proof, ranks_of, who)
+from weightsync.job.token import same
+from weightsync.rendezvous.protocol import (HEARTBEAT, POLL_MAX, Channel, Keys, ProofError, Round, host_store, peers_mac,
+                                            plan_mac, rank_proof, ranks_of, who)
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 
@@ -106,7 +106,7 @@ class Host(Channel):
             return None
         endpoint, meta, info = (self.get(Keys.published(k, role, rank, attempt)).decode() for k in ("endpoint", "meta", "info"))
         expect = rank_proof(self.token, self.get(Keys.nonce(role, rank, attempt)), role, rank, endpoint, meta, info)
-        if not hmac.compare_digest(expect, self.get(Keys.published("proof", role, rank, attempt)).decode()):
+        if not same(self.get(Keys.published("proof", role, rank, attempt)).decode(), expect):
             raise ProofError(f"{who(role, rank)} failed the job token proof (its token file differs from the job's Secret)")
         return endpoint, meta, json.loads(info)
 
@@ -132,7 +132,7 @@ class Host(Channel):
     def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, dict] | None = None) -> None:
         text = json.dumps({"plan": plan_json})
         self.set(Keys.PLAN, text)
-        self.set(Keys.PLAN_MAC, mac(self.token, b"plan", text))
+        self.set(Keys.PLAN_MAC, plan_mac(self.token, text))
         now = time.monotonic()
         self.seats = {r: Seat(endpoint=e, since=now, info=dict((infos or {}).get(r, {}))) for r, e in endpoints.items()}
         self._publish_peers()

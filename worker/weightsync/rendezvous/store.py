@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import hashlib
-import hmac
 import logging
 import secrets
 import socket
@@ -52,6 +50,8 @@ import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from weightsync.job.token import mac, same
 
 log = logging.getLogger("weightsync.rendezvous.store")
 
@@ -122,16 +122,9 @@ def _seconds(timeout) -> float:
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    for p in parts:
-        h.update(LENGTH.pack(len(p)) + p)
-    return h.digest()
-
-
 def handshake_macs(token: bytes, job: str, server_nonce: bytes, client_nonce: bytes) -> tuple[bytes, bytes, bytes]:
     """(client proof, server proof, session key) for one connection."""
-    return tuple(_mac(token, b"weightsync store " + what, job.encode(), server_nonce, client_nonce)
+    return tuple(mac(token, b"weightsync store " + what, job, server_nonce, client_nonce, lengths=LENGTH.format)
                  for what in (b"client", b"server", b"session"))
 
 
@@ -188,7 +181,7 @@ def unpack(data: bytes) -> list:
 
 def seal(key: bytes, direction: bytes, seq: int, payload: bytes) -> bytes:
     head = SEQ.pack(seq)
-    tag = hmac.new(key, direction + head + payload, hashlib.sha256).digest()
+    tag = mac(key, direction, head, payload)
     return LENGTH.pack(len(head) + len(payload) + MAC_BYTES) + head + payload + tag
 
 
@@ -209,8 +202,7 @@ def read_frame(sock: socket.socket, key: bytes, direction: bytes, expect_seq: in
 def open_frame(body: bytes, key: bytes, direction: bytes, expect_seq: int) -> bytes:
     """The payload of a frame's body (what follows its length), checked."""
     head, payload, tag = body[:SEQ.size], body[SEQ.size:-MAC_BYTES], body[-MAC_BYTES:]
-    want = hmac.new(key, direction + head + payload, hashlib.sha256).digest()
-    if not hmac.compare_digest(tag, want):
+    if not same(tag, mac(key, direction, head, payload)):
         raise ValueError("a frame with a wrong HMAC (altered, or from another connection)")
     if SEQ.unpack(head)[0] != expect_seq:
         raise ValueError(f"a frame numbered {SEQ.unpack(head)[0]} where {expect_seq} was due (replayed or reordered)")
@@ -494,7 +486,7 @@ class StoreServer(Table):
             log.debug("rendezvous store: %s hung up without proving the job token", who)
             return None
         want, answer, key = handshake_macs(self._token, self._job, server_nonce, client_nonce)
-        if magic != MAGIC or not hmac.compare_digest(proof, want):
+        if magic != MAGIC or not same(proof, want):
             self._note_refused(f"refused {who}: its proof does not match this job's token")
             try:
                 send_all(sock, VERDICT.pack(0, bytes(32)), deadline)
@@ -617,7 +609,7 @@ class StoreClient(dist.Store):
         if not ok:
             raise StoreRefused(f"{self._where} refused this client's proof: its token differs from the one of "
                                f"job {self._job}, or the store belongs to another job")
-        if not hmac.compare_digest(server_proof, answer):
+        if not same(server_proof, answer):
             raise StoreRefused(f"{self._where} did not prove it holds the token of job {self._job}: it is not this "
                                "job's controller")
         return key

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import hmac
 import logging
 import os
 import re
@@ -47,6 +45,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from weightsync.job.token import mac, same
 from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
                                        bounded, cuda_unavailable_reason, each_peer, settle)
 from weightsync.transport.checksum import bucket_checksum
@@ -90,7 +89,7 @@ def _unsigned(s: int) -> int:
 
 
 def _hello_mac(token: bytes, nonce: bytes, trainer: int, inference: int) -> str:
-    return hmac.new(token, b"nccl hello|" + nonce + f"|{trainer}->{inference}".encode(), hashlib.sha256).hexdigest()
+    return mac(token, b"nccl hello|", nonce, f"|{trainer}->{inference}").hex()
 
 
 @contextlib.contextmanager
@@ -345,7 +344,7 @@ class NcclReceiver(Receiver):
                 raise TransferError(f"trainer rank {trainer}", "did not announce itself in time")
             time.sleep(0.01)
         proof = _hello_mac(self.t.token, self.nonce, trainer, self.rank)
-        if not hmac.compare_digest(self.t.store.get(key).decode(), proof):
+        if not same(self.t.store.get(key).decode(), proof):
             raise TransferError(f"trainer rank {trainer}", "its announcement does not prove the job token")
         self.proven.add(trainer)
 

@@ -11,7 +11,7 @@ Handshake, as soon as the sender (trainer) connects to the receiver (inference):
   sender -> receiver  ANSWER     b"WSHA" | u32 trainer rank | u32 inference rank |
                                  HMAC-SHA256(token, CHALLENGE || first 12 bytes of ANSWER)  44 bytes
   receiver -> sender  VERDICT    b"WSOK" | HMAC-SHA256(token, b"accept" || CHALLENGE || ANSWER)  36 bytes
-  The receiver checks the MAC with hmac.compare_digest and that the answer names its own rank;
+  The receiver checks the MAC (job/token.py, in constant time) and that the answer names its own rank;
   on failure it logs the attempt and closes the connection without a verdict, and nothing the
   connection sent is ever read. The verdict proves the receiver knows the token too.
 Then frames, each a 40-byte header
@@ -39,11 +39,11 @@ Then frames, each a 40-byte header
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import struct
 from typing import NamedTuple
+
+from weightsync.job.token import mac, same
 
 CHALLENGE = struct.Struct("<4sI32s")
 ANSWER = struct.Struct("<4sII32s")
@@ -66,10 +66,6 @@ class Frame(NamedTuple):
     offset: int
     length: int
     checksum: int
-
-
-def mac(token: bytes, *parts: bytes) -> bytes:
-    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
 
 
 def challenge(rank: int) -> bytes:
@@ -96,7 +92,7 @@ def check_answer(token: bytes, challenge_bytes: bytes, raw: bytes) -> tuple[int,
     magic, trainer, target, their_mac = ANSWER.unpack(raw)
     if magic != b"WSHA":
         raise WireError("not a weightsync handshake")
-    if not hmac.compare_digest(their_mac, mac(token, challenge_bytes, raw[:ANSWER_HEAD.size])):
+    if not same(their_mac, mac(token, challenge_bytes, raw[:ANSWER_HEAD.size])):
         raise WireError(f"wrong token (claimed trainer rank {trainer})")
     return trainer, target
 
@@ -107,7 +103,7 @@ def verdict(token: bytes, challenge_bytes: bytes, answer_bytes: bytes) -> bytes:
 
 def check_verdict(token: bytes, challenge_bytes: bytes, answer_bytes: bytes, raw: bytes) -> None:
     magic, their_mac = VERDICT.unpack(raw)
-    if magic != b"WSOK" or not hmac.compare_digest(their_mac, mac(token, b"accept", challenge_bytes, answer_bytes)):
+    if magic != b"WSOK" or not same(their_mac, mac(token, b"accept", challenge_bytes, answer_bytes)):
         raise WireError("the peer's handshake verdict does not prove the job token")
 
 

@@ -21,7 +21,6 @@ need that reload, are refused at init.
 
 from __future__ import annotations
 
-import hmac
 import os
 import threading
 import time
@@ -31,10 +30,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from weightsync.job import INFERENCE, Env, WorkerContext
+from weightsync.job.token import same
 from weightsync.model.flat import views
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.model.build import meta_layout
-from weightsync.runtime.rank import JOIN_TIMEOUT, dump, dumping, info, log, report_failure, transport_for
+from weightsync.runtime.faults import dump, dumping
+from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.send import ReceivedVersion, VersionReceiver, settle_heap
 
@@ -133,7 +134,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         version = update_info.version
-        if not hmac.compare_digest(update_proof(self.ctx.token, self.ctx.job.identity, version), update_info.proof):
+        if not same(update_info.proof, update_proof(self.ctx.token, self.ctx.job.identity, version)):
             raise PermissionError(f"{self.me}: an update to version {version} without the job's proof was refused")
         with self.cond:
             if self.failed is not None:
