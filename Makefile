@@ -60,15 +60,15 @@ test: setup vllm-env binaries node-images ## Run every test (unit, local control
 # takes a quarter of an hour on two cores.
 .PHONY: binaries
 binaries: ## Build the local control plane's binaries once: etcd, Kubernetes 1.34, KWOK, helm (cached in $(CACHE)/bin)
-	@test -n "$(KUBEBUILDER_ASSETS)" || bash tests/cluster/build-binaries.sh >/dev/null
+	@test -n "$(KUBEBUILDER_ASSETS)" || bash hack/cluster/build-binaries.sh >/dev/null
 
 # The real node's Debian packages and the images its pods run, built from the project's Dockerfiles
 # (a first build downloads Debian and PyPI's torch: several GB, a quarter of an hour). Without root
 # this says why the real-pod tests will skip, and builds nothing.
 .PHONY: node-images
 node-images: setup binaries ## Install the real node's Debian packages and build the operator and worker images into its cache (root)
-	@bash tests/node/install-packages.sh
-	@$(PY) tests/node/images.py
+	@bash hack/node/install-packages.sh
+	@$(PY) hack/node/images.py
 
 .PHONY: bench
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets
@@ -130,20 +130,20 @@ undeploy: ## Delete the example jobs and uninstall the chart (the CRD stays, as 
 	$(HELM) uninstall $(RELEASE) --namespace $(NAMESPACE) --ignore-not-found --wait
 	@echo "the CRD and any other jobs stay; remove both with: $(KUBECTL) delete crd weighttransferjobs.weightsync.io"
 
-# The local control plane (tests/cluster/controlplane.py; needs only python3 and the binaries,
+# The local control plane (hack/cluster/controlplane.py; needs only python3 and the binaries,
 # which are built once into $(CACHE)/bin, or taken from KUBEBUILDER_ASSETS).
 CLUSTER_DIR ?= .cluster
 
 .PHONY: cluster-up
 cluster-up: binaries ## Start the control plane, KWOK GPU/RDMA nodes and, as root, a real node running the project's images (kubeconfig: .cluster/kubeconfig)
-	python3 tests/cluster/controlplane.py up --dir $(CLUSTER_DIR)
-	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory node-images && python3 tests/node/node.py up --dir $(CLUSTER_DIR); \
+	python3 hack/cluster/controlplane.py up --dir $(CLUSTER_DIR)
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory node-images && python3 hack/node/node.py up --dir $(CLUSTER_DIR); \
 	 else echo "no real node: it needs root (KWOK's nodes run no containers)"; fi
 
 .PHONY: cluster-down
 cluster-down: ## Stop the local cluster started by cluster-up (real node first); nothing keeps running
-	@if [ -e $(CLUSTER_DIR)/node ]; then python3 tests/node/node.py down --dir $(CLUSTER_DIR); fi
-	python3 tests/cluster/controlplane.py down --dir $(CLUSTER_DIR)
+	@if [ -e $(CLUSTER_DIR)/node ]; then python3 hack/node/node.py down --dir $(CLUSTER_DIR); fi
+	python3 hack/cluster/controlplane.py down --dir $(CLUSTER_DIR)
 
 # The operator in the foreground, as in its image, against the cluster cluster-up started.
 OPERATOR_HEALTH ?= http://127.0.0.1:8080/healthz

@@ -1,4 +1,4 @@
-"""The `cluster` fixture: a real local Kubernetes control plane (tests/cluster/controlplane.py)
+"""The `cluster` fixture: a real local Kubernetes control plane (hack/cluster/controlplane.py)
 shared by every test marked `@pytest.mark.cluster`, started once per session and stopped at its end."""
 import contextlib
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack" / "cluster"))
 from controlplane import ControlPlane, find_binaries  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dockerfiles import DOCKERFILES, ROOT, exec_form, installed_extras, instructions
+from support.dockerfiles import DOCKERFILES, ROOT, exec_form, installed_extras, instructions
 
 BIN = Path(sys.executable).parent
 

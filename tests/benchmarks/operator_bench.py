@@ -3,7 +3,7 @@ children exist, for one job at a time (median of 20) and for 50 jobs applied at 
 baseline in the same run (the same nine objects applied directly with kubectl, no operator); and
 the operator's memory (peak resident set, VmHWM) and CPU time.
 
-Starts its own local control plane (tests/cluster/controlplane.py) and runs the operator as
+Starts its own local control plane (hack/cluster/controlplane.py) and runs the operator as
 `kopf run`; children are timed by watches on the API server, as they are stored.
 
     make bench-operator      # or: python tests/benchmarks/operator_bench.py [--single 20] [--many 50]
@@ -29,9 +29,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests" / "cluster"), str(ROOT / "tests" / "operator")]
+sys.path[:0] = [str(ROOT / "hack" / "cluster"), str(ROOT / "tests")]
 from controlplane import ControlPlane, find_binaries, wait_for  # noqa: E402
-from operator_harness import CRD, Operator  # noqa: E402
+from support.operator_harness import CRD, Operator  # noqa: E402
 
 from weightsync import job as contract  # noqa: E402
 from weightsync_operator import render  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from e2e_harness import Helm, Operator, new_namespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "node"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack" / "node"))
 from node import RealNode, unavailable  # noqa: E402
 
 

@@ -157,3 +157,19 @@ class Operator:
 
 def example(name: str) -> dict:
     return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+# What a chart release may create, by scope.
+CLUSTER_SCOPED = ("clusterroles", "clusterrolebindings", "validatingadmissionpolicies", "validatingadmissionpolicybindings")
+NAMESPACED = ("deployments", "serviceaccounts", "roles", "rolebindings", "secrets", "configmaps", "services")
+
+
+
+def leftovers(cluster, release: str, namespaces: list[str]) -> list[str]:
+    selector = f"app.kubernetes.io/instance={release}"
+    found = cluster.kubectl("get", ",".join(CLUSTER_SCOPED), "-l", selector, "-o", "name").stdout.split()
+    for ns in namespaces:
+        found += cluster.kubectl("get", ",".join(NAMESPACED), "-n", ns, "-l", selector, "-o", "name").stdout.split()
+        # helm's own record of the release
+        found += cluster.kubectl("get", "secrets", "-n", ns, "-l", f"owner=helm,name={release}", "-o", "name").stdout.split()
+    return found

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import yaml
 from e2e_harness import CHART, ROOT, new_namespace
-from test_rbac import leftovers
+from e2e_harness import leftovers
 
 from weightsync_operator.render import DEFAULT_WORKER_IMAGE_ENV, FALLBACK_WORKER_IMAGE
 

@@ -1,7 +1,7 @@
 """End to end, the way a user runs weightsync: the chart installed with helm, the operator running
 as the chart's Deployment pod from the operator image (with that pod's ServiceAccount, so the
 chart's RBAC is all it has), jobs applied with kubectl from examples/. Pods that need no GPU run
-as containers of the worker image on the real node (tests/node): the tcp example trains,
+as containers of the worker image on the real node (hack/node): the tcp example trains,
 transfers over the pod network, reports through the API and is ended by the operator. Pods that
 need GPUs and RDMA land on KWOK's fake nodes, which run nothing."""
 

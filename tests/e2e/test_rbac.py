@@ -6,7 +6,6 @@ job with nothing more, and that helm uninstall leaves nothing behind."""
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from pathlib import Path
 
@@ -15,16 +14,14 @@ import yaml
 from controlplane import wait_for
 from e2e_harness import install, new_namespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from operator_harness import Namespace, Operator  # noqa: E402
+from support.operator_harness import Namespace, Operator  # noqa: E402
 
 from weightsync import job as contract  # noqa: E402
 from weightsync_operator import tokens  # noqa: E402
+from e2e_harness import leftovers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
-CLUSTER_SCOPED = ("clusterroles", "clusterrolebindings", "validatingadmissionpolicies", "validatingadmissionpolicybindings")
-NAMESPACED = ("deployments", "serviceaccounts", "roles", "rolebindings", "secrets", "configmaps", "services")
 JOBS = "weighttransferjobs.weightsync.io"
 
 
@@ -32,16 +29,6 @@ def can(cluster, who: str, *request: str) -> bool:
     proc = cluster.kubectl("auth", "can-i", f"--as={who}", *request, check=False)
     assert proc.stdout.strip() in ("yes", "no"), proc.stdout + proc.stderr
     return proc.stdout.strip() == "yes"
-
-
-def leftovers(cluster, release: str, namespaces: list[str]) -> list[str]:
-    selector = f"app.kubernetes.io/instance={release}"
-    found = cluster.kubectl("get", ",".join(CLUSTER_SCOPED), "-l", selector, "-o", "name").stdout.split()
-    for ns in namespaces:
-        found += cluster.kubectl("get", ",".join(NAMESPACED), "-n", ns, "-l", selector, "-o", "name").stdout.split()
-        # helm's own record of the release
-        found += cluster.kubectl("get", "secrets", "-n", ns, "-l", f"owner=helm,name={release}", "-o", "name").stdout.split()
-    return found
 
 
 def refused(proc, *words: str) -> bool:

@@ -5,7 +5,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from operator_harness import CRD, Namespace, Operator
+from support.operator_harness import CRD, Namespace, Operator
 
 
 @pytest.fixture(scope="session")

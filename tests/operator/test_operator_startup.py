@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 from controlplane import probe, wait_for
-from operator_harness import CRD, Namespace, Operator
+from support.operator_harness import CRD, Namespace, Operator
 
 from weightsync import job as contract
 

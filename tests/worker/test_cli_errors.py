@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_cli import EXAMPLE, example
+from support.cli import EXAMPLE, example
 
 MARK = "WS_CLI_ERRORS_RUN"  # inherited by every process the CLI would start
 

@@ -1,0 +1,151 @@
+"""Whole jobs as local processes on loopback (controller, trainers, inference ranks, each with its
+pod's files and environment): after every version each inference rank holds the trainers'
+weights bit for bit and computes the same logits as the trainer's model cast to the same dtype;
+the loss goes down; bad tokens are refused; no pod restarts on the way, and no process is left
+behind (test_runner_restarts.py: how pods that die or freeze are restarted; test_faults.py: what
+the job does then)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from weightsync import job as contract
+from weightsync.rendezvous.protocol import Keys
+from weightsync.local.runner import LocalJob, RunFailed
+from support.jobs import ODD, assert_nothing_left, check_every_version, make_job, pids_of, run_to_end, start, store_of, wait_key
+
+
+def test_one_to_one_float32_odd_sizes(tmp_path):
+    job = make_job("one-to-one", config=ODD, dtype="float32", steps=4, every=2)
+    summary, transfers = run_to_end(tmp_path, job)
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
+    assert summary["bytes_per_version"] == transfers[0]["version_bytes"] > 2 << 20
+    assert check_every_version(tmp_path / "dump", job) == 3
+
+
+def test_two_to_one_bfloat16_and_the_loss_goes_down(tmp_path):
+    job = make_job("two-to-one", trainers=(2, 1), steps=20, every=5)
+    summary, transfers = run_to_end(tmp_path, job)
+    assert summary["versions"] == 5 and summary["failed_verifications"] == 0
+    assert check_every_version(tmp_path / "dump", job) == 5
+    losses = [t["loss"] for t in transfers[1:]]
+    assert summary["final_loss"] == losses[-1] < losses[0] - 0.3, losses
+
+
+def test_two_to_three_bfloat16_with_several_processes_per_pod(tmp_path):
+    # one trainer pod with two processes (DDP inside the pod), one inference pod with three
+    job = make_job("two-to-three", config=ODD, trainers=(1, 2), inferences=(1, 3), steps=2, every=1)
+    summary, _ = run_to_end(tmp_path, job)
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
+    assert check_every_version(tmp_path / "dump", job) == 9
+
+
+def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_applied(tmp_path):
+    from weightsync.transport.wire import ANSWER, CHALLENGE, DATA, HEADER, MAGIC
+
+    job = make_job("wrong-token", steps=4, every=2)
+    local = start(tmp_path, job)
+    try:
+        store = store_of(local)
+        wait_key(store, "plan/mac")
+        host, port = store.get(Keys.published("endpoint", "inference", 0, 1)).decode().rsplit(":", 1)
+        # an impostor claiming trainer rank 0, ready to overwrite version 1 with garbage
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            challenge = sock.recv(CHALLENGE.size, socket.MSG_WAITALL)
+            assert CHALLENGE.unpack(challenge)[0] == b"WSHC"
+            sock.sendall(ANSWER.pack(b"WSHA", 0, 0, os.urandom(32)))
+            garbage = os.urandom(4096)
+            try:
+                sock.sendall(HEADER.pack(MAGIC, DATA, 1, 0, len(garbage), 0) + garbage)
+                verdict = sock.recv(64)
+            except (ConnectionResetError, BrokenPipeError):
+                verdict = b""
+            assert verdict == b"", "the receiver answered an impostor"
+        summary = local.wait(timeout=240)
+    finally:
+        local.stop()
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
+    assert check_every_version(tmp_path / "dump", job) == 3
+    assert "refused connection" in (local.workdir / "logs" / f"{job.pod_name(2)}.log").read_text()
+
+
+def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path):
+    job = make_job("wrong-token-file")
+    local = LocalJob(job, tmp_path / "run", progress=io.StringIO())
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-job-token-at-all")
+    local.pods[2].env[contract.Env.TOKEN_FILE] = str(wrong)  # the inference pod
+    local.start()
+    try:
+        with pytest.raises(RunFailed, match="inference rank 0 failed the job token proof"):
+            local.wait(timeout=240)
+    finally:
+        local.stop()
+    assert local.transfers == []
+    assert_nothing_left(local)
+
+
+def test_how_a_process_ended_is_said_in_words():
+    from weightsync.roles import exit_status
+
+    assert exit_status(-signal.SIGKILL) == "was probably out of memory (killed by SIGKILL)"
+    assert exit_status(-signal.SIGTERM) == "was killed by signal SIGTERM"
+    assert exit_status(3) == "exited with code 3"
+
+
+def test_in_a_cluster_every_process_stays_up_after_the_end_until_sigterm(tmp_path):
+    # In a pod an exiting process is restarted, so after the job's end every rank and the
+    # controller wait for the operator to scale them down.
+    job = make_job("lingering", steps=2, every=2)
+    local = LocalJob(job, tmp_path / "run", {"KUBERNETES_SERVICE_HOST": "127.0.0.1"}, progress=io.StringIO())
+    local.start()
+    try:
+        assert local.follow(timeout=240)["state"] == "Succeeded"
+        store = store_of(local)
+        # the completion comes once every rank has seen the end: after it the operator removes the
+        # pods, the controller's store with them
+        assert store.check(["bye/trainer/0", "bye/inference/0"])
+        still = time.monotonic() + 1.0
+        while time.monotonic() < still:
+            assert [p.proc.poll() for p in local.pods] == [None] * 3
+            time.sleep(0.05)
+        for pod in local.pods:
+            pod.proc.send_signal(signal.SIGTERM)
+        assert [pod.proc.wait(30) for pod in local.pods] == [0, 0, 0]
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+
+
+def test_sigint_stops_every_process(tmp_path):
+    import subprocess
+    import sys
+
+    job_file = tmp_path / "job.yaml"
+    import yaml
+
+    job = make_job("interrupted", steps=0, every=2)
+    job_file.write_text(yaml.safe_dump(job.to_object()))
+    proc = subprocess.Popen([sys.executable, "-m", "weightsync.cli", "run", str(job_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # progress: wait for a delivered version
+            if "version 1 " in line:
+                break
+        else:
+            pytest.fail(f"the run ended before delivering a version: {proc.wait()}")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        rest, out = proc.stderr.read(), proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code != 0 and "interrupted by SIGINT" in rest
+    assert json.loads(out)["versions"] >= 2  # what it delivered before it was stopped
+    assert pids_of("interrupted") == [], "processes outlived the interrupted run"

@@ -1,0 +1,176 @@
+"""The trainer API from a user's own script, run as spec.trainer.command by `weightsync run` (local
+processes on loopback, each pod with its environment): examples/train_with_weightsync.py with DDP
+(plain python, one rank per pod) and with FSDP2 under torchrun (two pods of two ranks, shards of
+uneven sizes); every version is verified by digest on the inference ranks, and the final version
+there equals, bit for bit, the final weights the script saved. A command that exits non-zero, one
+that never attaches, and one that fails after attaching fail the job naming the rank."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync import job as contract
+from weightsync.runtime.rank import DUMP_DIR_ENV
+from weightsync.local.runner import LocalJob, RunFailed
+
+from support.jobs import as_bytes, assert_nothing_left
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = str(ROOT / "examples" / "train_with_weightsync.py")
+# Qwen2 with GQA and tied embeddings, in sizes 2 and 4 ranks do not divide (vocab 101, intermediate 70)
+CONFIG = {"model_type": "qwen2", "vocab_size": 101, "hidden_size": 48, "intermediate_size": 70, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
+RUN_TIMEOUT = 300
+
+
+def command_job(name, command, args=(), trainers=(1, 1), inferences=(1, 1), dtype="bfloat16", **trainer):
+    return contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+        "spec": {"model": {"config": CONFIG, "dtype": dtype},
+                 "trainer": {"replicas": trainers[0], "procsPerPod": trainers[1], "gpusPerProc": 0,
+                             "command": list(command), "args": list(args), **trainer},
+                 "inference": {"replicas": inferences[0], "procsPerPod": inferences[1], "gpusPerProc": 0},
+                 "transfer": {"bucketMB": 1, "transport": "tcp", "timeoutSeconds": 60},
+                 "network": {"mode": "tcp"}}})
+
+
+def run(tmp_path: Path, job) -> tuple[LocalJob, dict | RunFailed]:
+    (tmp_path / "dump").mkdir()
+    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=io.StringIO())
+    local.start()
+    try:
+        outcome = local.wait(timeout=RUN_TIMEOUT)
+    except RunFailed as e:
+        outcome = e
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+    return local, outcome
+
+
+def status(local: LocalJob) -> dict:
+    return json.loads((local.workdir / "status.json").read_text())
+
+
+def example_args(tmp_path: Path, *more: str) -> list[str]:
+    return ["--config", json.dumps(CONFIG), "--steps", "6", "--publish-every", "3", "--save", str(tmp_path / "final.pt"), *more]
+
+
+def check_final_version(tmp_path: Path, job, versions: int) -> None:
+    saved = torch.load(tmp_path / "final.pt")
+    dtype = getattr(torch, job.spec["model"]["dtype"])
+    for rank in range(job.layout.world_size("inference")):
+        for v in range(versions):
+            assert (tmp_path / "dump" / f"inference-{rank}-v{v}.pt").exists(), f"inference rank {rank} missed version {v}"
+        got = torch.load(tmp_path / "dump" / f"inference-{rank}-v{versions - 1}.pt")["tensors"]
+        assert "lm_head.weight" not in got  # tied: sent once, as the embedding
+        for name, tensor in got.items():
+            assert torch.equal(as_bytes(tensor), as_bytes(saved[name].to(dtype))), f"inference rank {rank}: {name}"
+
+
+def test_a_users_ddp_script_publishes_every_version_through_the_api(tmp_path):
+    job = command_job("user-ddp", [sys.executable, EXAMPLE], example_args(tmp_path), trainers=(2, 1), inferences=(2, 1))
+    local, summary = run(tmp_path, job)
+    assert not isinstance(summary, RunFailed), summary
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0 and summary["restarts"] == {}
+    assert [t["step"] for t in local.transfers] == [0, 3, 6]
+    check_final_version(tmp_path, job, 3)
+    log = local.pods[1].log.read_text()
+    assert "from its replica" in log and "step 6: version 2" in log
+
+
+def test_a_users_fsdp2_script_under_torchrun_sends_each_ranks_own_shard(tmp_path):
+    job = command_job("user-fsdp", [sys.executable, "-m", "torch.distributed.run", EXAMPLE], example_args(tmp_path, "--fsdp"),
+                      trainers=(2, 2), inferences=(1, 1), dtype="float16")
+    local, summary = run(tmp_path, job)
+    assert not isinstance(summary, RunFailed), summary
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
+    check_final_version(tmp_path, job, 3)
+    controller = local.pods[0].log.read_text()
+    shares = [line.split() for line in controller.splitlines() if line.strip()[:1].isdigit() and "KiB" in line]
+    assert len(shares) == 4, controller  # every one of the 4 ranks sends its own share
+    for pod in local.pods[1:3]:
+        assert pod.log.read_text().count("from its shards") == 2
+
+
+def test_a_command_that_exits_non_zero_fails_the_job_naming_the_rank(tmp_path):
+    job = command_job("user-exits", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    local, failure = run(tmp_path, job)
+    assert isinstance(failure, RunFailed)
+    completion = status(local)["completion"]
+    assert completion["state"] == "Failed" and completion["reason"] == "RankFailed"
+    assert completion["message"].startswith("trainer rank 0 failed: the trainer command exited with code 3 before this "
+                                            "rank closed its weightsync.attach()"), completion
+    assert "trainer rank 0" in str(failure)
+
+
+def test_a_command_that_never_attaches_fails_the_job_within_its_deadline(tmp_path):
+    job = command_job("user-late", [sys.executable, "-c", "import time; time.sleep(600)"], trainers=(2, 1),
+                      attachTimeoutSeconds=5)
+    start = time.monotonic()
+    local, failure = run(tmp_path, job)
+    took = time.monotonic() - start
+    assert isinstance(failure, RunFailed)
+    message = status(local)["completion"]["message"]
+    print(f"the job failed {took:.1f}s after its start: {message}")
+    # each pod's supervisor reports its own rank at its own deadline: the first report names the job's failure
+    assert re.match(r"trainer rank [01] failed: the trainer command has not called weightsync\.attach\(\) within 5s of "
+                    r"its start \(spec\.trainer\.attachTimeoutSeconds\)", message), message
+    assert took < RUN_TIMEOUT
+
+
+FAILS_AFTER_ATTACHING = """
+import json, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+import weightsync
+
+model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(sys.argv[1])))
+sync = weightsync.attach(model)
+sync.publish(step=0)
+raise RuntimeError("the data loader ran dry")
+"""
+
+
+def test_an_exception_in_the_script_after_it_attached_fails_the_job_with_its_message(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_AFTER_ATTACHING)
+    job = command_job("user-raises", [sys.executable, str(script), json.dumps(CONFIG)])
+    local, failure = run(tmp_path, job)
+    assert isinstance(failure, RunFailed)
+    completion = status(local)["completion"]
+    assert completion["message"] == "trainer rank 0 failed: RuntimeError: the data loader ran dry", completion
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2, but this pod runs 2 trainer ranks"),
+    ({}, "this pod runs 2 trainer ranks (spec.trainer.procsPerPod): start one process per rank with torchrun"),
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, "WORLD_SIZE=2, but this process is trainer rank 3 of 4"),
+])
+def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected):
+    from weightsync.publisher.sync import rank_of
+
+    job = command_job("ranks", ["torchrun"], trainers=(2, 2))
+    ctx = contract.WorkerContext(job, 2, "trainer", "127.0.0.1", "127.0.0.1", 1, 1, "tcp", b"x" * 16, False)
+    assert rank_of(ctx, {"LOCAL_RANK": "1", "RANK": "3", "WORLD_SIZE": "4"}) == 3
+    with pytest.raises(contract.SpecError) as err:
+        rank_of(ctx, env)
+    assert expected in str(err.value)
+
+
+def test_weightsync_run_refuses_env_that_only_a_cluster_can_resolve():
+    from weightsync.local.runner import CannotRunHere, command_env
+
+    job = command_job("env", ["python", "train.py"], env=[{"name": "A", "value": "1"},
+                                                          {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}])
+    with pytest.raises(CannotRunHere, match=r"spec.trainer.env\[1\] \(HF_TOKEN\) takes its value from the cluster"):
+        command_env(job)
+    assert command_env(command_job("env", ["python"], env=[{"name": "A", "value": "1"}, {"name": "B"}])) == {"A": "1", "B": ""}

@@ -1,0 +1,201 @@
+"""Faults against a running local job, the way a cluster produces them: kill -9 (an OOM kill, a
+lost node) and SIGSTOP (a frozen process) of each role at known points of a version. The job
+holds a rank at a pause point (roles/common.py PAUSE_DIR_ENV) while the test kills or stops a
+process, so "mid-bucket" really is in the middle of a version's buckets. `weightsync run` restarts
+dead pods and probes them as a kubelet does, so the outcomes are the cluster's:
+
+- an inference rank that dies or freezes comes back, rejoins, receives the next version (or the
+  final one again) in full, and the job succeeds with every version verified on every rank that
+  applied it, and every rank on the final version;
+- a trainer that dies or freezes fails the job, naming that trainer (not the survivor that saw
+  it go);
+- a controller that dies or freezes is started again and fails the job saying so.
+
+Each prints how long detection and recovery took."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support.jobs import ODD, as_bytes, assert_nothing_left, make_job
+
+from weightsync.rendezvous.protocol import versions
+from weightsync.roles.common import DUMP_DIR_ENV, PAUSE_DIR_ENV
+from weightsync.local.runner import LocalJob, RunFailed
+
+REACH_TIMEOUT = 240.0  # seconds for the job to reach the armed point (start-up on a loaded machine)
+RUN_TIMEOUT = 400.0
+
+
+def fault_job(name: str):
+    # ~2.8 MB float32 versions in 1 MiB buckets: each trainer sends two buckets or more
+    return make_job(name, config=ODD, dtype="float32", trainers=(2, 1), inferences=(2, 1), steps=4, every=2)
+
+
+class Faulty:
+    """A local job with an armed pause point."""
+
+    def __init__(self, tmp_path: Path, job, point: str):
+        self.dump, self.pause = tmp_path / "dump", tmp_path / "pause"
+        self.dump.mkdir()
+        self.pause.mkdir()
+        (self.pause / f"{point}.arm").touch()
+        self.point = point
+        self.local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(self.dump), PAUSE_DIR_ENV: str(self.pause)},
+                              progress=io.StringIO())
+        self.outcome: dict = {}
+        self.follower = threading.Thread(target=self._follow, daemon=True)
+
+    def pod(self, role: str, rank: int):
+        return next(p for p in self.local.pods if p.role == role and rank in p.ranks)
+
+    def strike(self, target, sig: int) -> float:
+        """Start the job (followed by `weightsync run`'s loop on a thread, which restarts and
+        probes pods), wait for the pause point, send `sig` to the target pod's processes, let the
+        paused rank go on; returns when it struck."""
+        self.local.start()
+        self.follower.start()
+        deadline = time.monotonic() + REACH_TIMEOUT
+        while not (self.pause / f"{self.point}.reached").exists():
+            assert time.monotonic() < deadline, f"the job did not reach {self.point} within {REACH_TIMEOUT:.0f}s"
+            assert self.follower.is_alive(), f"the job ended before {self.point}: {self.outcome}"
+            time.sleep(0.02)
+        os.killpg(target.proc.pid, sig)
+        struck = time.monotonic()
+        (self.pause / f"{self.point}.release").touch()
+        return struck
+
+    def _follow(self) -> None:
+        try:
+            self.outcome["summary"] = self.local.wait(timeout=RUN_TIMEOUT)
+        except RunFailed as e:
+            self.outcome["failed"] = e
+
+    def end(self) -> dict:
+        """The run's summary; RunFailed if the job failed."""
+        self.follower.join(RUN_TIMEOUT + 60)
+        assert not self.follower.is_alive(), "the run did not end"
+        if "failed" in self.outcome:
+            raise self.outcome["failed"]
+        return self.outcome["summary"]
+
+    def log(self, pod) -> str:
+        return pod.log.read_text(errors="replace")
+
+    def status(self) -> dict:
+        return json.loads((self.local.workdir / "status.json").read_text())
+
+
+def wait_for_line(path: Path, text: str, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return time.monotonic()
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} did not appear in {path.name} within {timeout:.0f}s")
+
+
+def check_applied_versions(dump: Path, job) -> dict[int, list[int]]:
+    """Every version an inference rank applied equals the trainers' bit for bit; returns {rank:
+    versions applied}. A restarted rank dumps again the versions it applied again."""
+    final = list(versions(job.spec))[-1][0]
+    applied = {}
+    for rank in range(job.layout.world_size("inference")):
+        seen = sorted(int(p.stem.rsplit("-v", 1)[1]) for p in dump.glob(f"inference-{rank}-v*.pt"))
+        for version in seen:
+            want = torch.load(dump / f"trainer-0-v{version}.pt")["tensors"]
+            got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
+            for name, tensor in want.items():
+                assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), f"inference rank {rank}, version {version}, {name}"
+        assert final in seen, f"inference rank {rank} does not hold the final version {final}: it applied {seen}"
+        applied[rank] = seen
+    return applied
+
+
+INFERENCE_FAULTS = [
+    # (pause point, signal): the victim is inference rank 1 in every case
+    ("trainer-0-mid-send-v1", signal.SIGKILL),  # mid-bucket: its buckets half received
+    ("inference-1-verifying-v1", signal.SIGKILL),  # received, before the digest check
+    ("trainer-0-before-go-v1", signal.SIGKILL),  # between versions, before the go
+    ("trainer-0-mid-send-v2", signal.SIGKILL),  # the final version: it gets it again once back
+    ("trainer-0-mid-send-v1", signal.SIGSTOP),  # frozen mid-bucket: the liveness probe restarts it
+]
+
+
+@pytest.mark.parametrize("point,sig", INFERENCE_FAULTS, ids=[f"{p}-{signal.Signals(s).name}" for p, s in INFERENCE_FAULTS])
+def test_an_inference_rank_that_dies_or_freezes_rejoins_and_the_job_succeeds(tmp_path, point, sig):
+    job = fault_job("inference-fault")
+    faulty = Faulty(tmp_path, job, point)
+    victim = faulty.pod("inference", 1)
+    controller = faulty.local.pods[0]
+    try:
+        struck = faulty.strike(victim, sig)
+        away = wait_for_line(controller.log, "inference rank 1 is away", 120)
+        back = wait_for_line(controller.log, "inference rank 1 rejoined", 180)
+        summary = faulty.end()
+    finally:
+        faulty.local.stop()
+    print(f"{point} {signal.Signals(sig).name}: away after {away - struck:.1f}s, rejoined after {back - struck:.1f}s")
+    assert summary["failed_verifications"] == 0
+    assert faulty.status()["rejoins"]["inference"] >= 1
+    assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 3
+    applied = check_applied_versions(faulty.dump, job)
+    assert applied[0] == [0, 1, 2]  # the survivor missed nothing
+    assert "taken back at" in faulty.log(victim)
+    assert_nothing_left(faulty.local)
+
+
+TRAINER_FAULTS = [
+    ("trainer-0-mid-send-v1", signal.SIGKILL),
+    ("trainer-1-before-go-v1", signal.SIGKILL),
+    ("trainer-0-mid-send-v1", signal.SIGSTOP),
+]
+
+
+@pytest.mark.parametrize("point,sig", TRAINER_FAULTS, ids=[f"{p}-{signal.Signals(s).name}" for p, s in TRAINER_FAULTS])
+def test_a_trainer_that_dies_or_freezes_fails_the_job_naming_it(tmp_path, point, sig):
+    job = fault_job("trainer-fault")
+    faulty = Faulty(tmp_path, job, point)
+    victim = faulty.pod("trainer", 1)
+    try:
+        struck = faulty.strike(victim, sig)
+        with pytest.raises(RunFailed) as failure:
+            faulty.end()
+        took = time.monotonic() - struck
+    finally:
+        faulty.local.stop()
+    print(f"{point} {signal.Signals(sig).name}: the job failed {took:.1f}s later: {faulty.status()['completion']['message']}")
+    completion = faulty.status()["completion"]
+    assert completion["state"] == "Failed"
+    message = completion["message"]
+    assert message.startswith("trainer rank 1"), message  # the one struck, not a survivor
+    assert completion["reason"] in ("TrainerRestarted", "RankSilent", "RankFailed"), completion
+    assert "trainer rank 1" in str(failure.value)
+    assert_nothing_left(faulty.local)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_controller_that_dies_or_freezes_is_started_again_and_fails_the_job_saying_so(tmp_path, sig):
+    job = fault_job("controller-fault")
+    faulty = Faulty(tmp_path, job, "controller-0-verifying-v1")
+    try:
+        struck = faulty.strike(faulty.local.pods[0], sig)
+        with pytest.raises(RunFailed) as failure:
+            faulty.end()
+        took = time.monotonic() - struck
+    finally:
+        faulty.local.stop()
+    completion = faulty.status()["completion"]
+    print(f"controller {signal.Signals(sig).name}: the job failed {took:.1f}s later: {completion['message']}")
+    assert completion["state"] == "Failed" and completion["reason"] == "ControllerRestarted"
+    assert "the controller started again (start 2) after version 0" in completion["message"]
+    assert faulty.status()["controller"]["starts"] == 2
+    assert "the controller started again" in str(failure.value)
+    assert_nothing_left(faulty.local)

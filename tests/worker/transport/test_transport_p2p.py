@@ -1,0 +1,137 @@
+"""The nccl transport, every rank a real process (transfer_peer.py): over NCCL where a GPU is
+there (all processes sharing it), and on every machine over gloo on host tensors (backend
+"gloo"), where the framing, the bookkeeping and the failure paths are the NCCL transport's own and
+only the backend differs. Every failure ends the version within the transfer timeout, naming the
+peer, never a hang and never a process killed by a library's watchdog."""
+
+import json
+import time
+
+import pytest
+
+from weightsync.runtime.rank import CORRUPT_ENV
+from weightsync.transport import nccl
+
+from support.transfer import ODD, send_and_check
+
+
+
+class Backend:
+    """The flags and environment of the ranks of one backend."""
+
+    def __init__(self, name: str):
+        self.name = name
+        device = "cuda:0" if name == "nccl" else "cpu"
+        self.flags = ("--transport", "nccl", "--backend", name, "--device", device)
+
+    def env(self, role: str, rank: int) -> dict:
+        if self.name != "nccl":
+            return {}
+        # NCCL refuses two ranks on one GPU unless each process names a host of its own; its
+        # socket transport then carries the bytes
+        return {"NCCL_HOSTID": f"weightsync-{role}-{rank}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+
+
+@pytest.fixture(params=["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def p2p(request):
+    reason = nccl.unavailable_reason(request.param)
+    if reason:
+        pytest.skip(f"the nccl transport over {request.param} cannot run here: {reason}")
+    return Backend(request.param)
+
+
+def wait_for_key(keys, key: str, timeout: float = 60) -> float:
+    """Poll the store `keys` until `key` is there; returns when it appeared."""
+    deadline = time.monotonic() + timeout
+    while not keys.check([key]):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{key} never appeared in the store")
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", [
+    (1, 1, "float32", "64x64,10", 4096),
+    (1, 1, "bfloat16", ODD, 1024),
+    (2, 2, "float32", ODD, 512),
+    (2, 2, "bfloat16", ODD, 4096),
+    (2, 3, "float16", ODD, 256),
+])
+def test_versions_arrive_bit_for_bit_over_point_to_point(p2p, ranks, store, trainers, inferences, dtype, shapes, bucket):
+    send_and_check(ranks(trainers, inferences, shapes, dtype, bucket, 3, env=p2p.env), store, trainers, inferences, 3,
+                   *p2p.flags)
+
+
+def test_a_killed_trainer_is_named_within_seconds(p2p, ranks, store):
+    r = ranks(2, 1, "256x256,77", "float32", 4096, 1, env=p2p.env)
+    r.start("inference", 0, *p2p.flags, "--timeout", "20")
+    r.start("trainer", 0, *p2p.flags, "--timeout", "20")
+    victim = r.start("trainer", 1, *p2p.flags, "--timeout", "20", "--pause-after-first-bucket")
+    wait_for_key(store, "paused/trainer/1")
+    victim.kill()
+    killed = time.monotonic()
+    failed = wait_for_key(store, "result/1/0")
+    res = json.loads(store.get("result/1/0"))
+    assert res["peer"] == "trainer rank 1", res
+    assert "of version 1" in res["error"], res
+    # gloo sees the closed connection at once; NCCL at the latest at the transfer timeout
+    assert failed - killed < (10 if p2p.name == "gloo" else 20 + 5)
+    assert r.procs[("inference", 0)].wait(30) == 4
+
+
+def test_a_stalled_trainer_fails_the_version_at_its_deadline(p2p, ranks, store):
+    r = ranks(1, 1, "256x256,77", "float32", 4096, 1, env=p2p.env)
+    r.start("inference", 0, *p2p.flags, "--timeout", "4")
+    r.start("trainer", 0, *p2p.flags, "--timeout", "4", "--pause-after-first-bucket")
+    started = wait_for_key(store, "paused/trainer/0")
+    failed = wait_for_key(store, "result/1/0")
+    res = json.loads(store.get("result/1/0"))
+    assert res["peer"] == "trainer rank 0", res
+    assert "of version 1" in res["error"], res
+    assert failed - started < 4 + 5
+
+
+def test_a_byte_changed_on_the_way_fails_the_checksum(p2p, ranks, store, monkeypatch):
+    monkeypatch.setenv(CORRUPT_ENV, "1")
+    r = ranks(1, 1, "64x64", "bfloat16", 4096, 1, env=p2p.env)
+    r.start("inference", 0, *p2p.flags)
+    r.start("trainer", 0, *p2p.flags)
+    wait_for_key(store, "result/1/0")
+    res = json.loads(store.get("result/1/0"))
+    assert res["peer"] == "trainer rank 0", res
+    assert "checksum mismatch for bytes [0, 4096) of version 1" in res["error"], res
+
+
+def test_a_trainer_without_the_job_token_is_refused_and_nothing_is_applied(p2p, ranks, store):
+    r = ranks(1, 1, "64x64", "float32", 4096, 1, env=p2p.env)
+    r.start("inference", 0, *p2p.flags)
+    r.start("trainer", 0, *p2p.flags, "--token", "not-the-job-token-987654321")
+    wait_for_key(store, "result/1/0")
+    res = json.loads(store.get("result/1/0"))
+    assert res["peer"] == "trainer rank 0", res
+    assert "does not prove the job token" in res["error"], res
+    assert res["untouched"]
+
+
+def test_a_rank_that_never_joins_is_named(p2p, ranks, store):
+    r = ranks(2, 1, "64x64", "float32", 4096, 1, env=p2p.env)
+    r.start("inference", 0, *p2p.flags, "--timeout", "3")
+    r.start("trainer", 0, *p2p.flags, "--timeout", "3")
+    if p2p.name == "gloo":  # gloo connects every pair while the group forms
+        wait_for_key(store, "error/inference/0")
+        error = store.get("error/inference/0").decode()
+        assert "did not form within 3s" in error and "not joined: trainer rank 1" in error, error
+        assert r.procs[("inference", 0)].wait(30) == 3
+        return
+    wait_for_key(store, "result/1/0")
+    res = json.loads(store.get("result/1/0"))
+    assert res["peer"] == "trainer rank 1" and "did not announce itself" in res["error"], res
+
+
+def test_a_group_that_failed_carries_no_more_versions():
+    """After a failure the ranks' streams of frames are out of step: the transport says so at
+    once instead of reading another rank's leftovers as a new version."""
+    transport = nccl.NcclTransport(b"test-job-token-0123456789", 5, 1, 1, group=object(), backend="gloo")
+    transport.abort("trainer rank 0: bytes at 0 of version 3 failed: Connection closed by peer")
+    with pytest.raises(nccl.TransferError, match="aborted after an earlier failure .*version 3.*carries no more"):
+        transport.check("trainer rank 0")

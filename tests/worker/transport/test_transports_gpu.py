@@ -1,0 +1,93 @@
+"""The GPU transports (nccl, uccl, ipc): real transfers where the machine has what they need, and
+everywhere a clear TransportUnavailable saying why, never a silent fallback. (The nccl
+transport's transfers and failures are in test_transport_p2p.py.)"""
+
+import datetime
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support import SUPPORT
+import torch.distributed as dist
+
+from weightsync.transport import TransportUnavailable, ipc, make_transport, nccl, resolve_transport, uccl
+
+PEER = SUPPORT / "transfer_peer.py"
+TOKEN = b"test-job-token-0123456789"
+
+
+@pytest.mark.parametrize("name,module", [("nccl", nccl), ("uccl", uccl), ("ipc", ipc)])
+def test_a_transport_that_cannot_run_here_says_why(name, module):
+    reason = module.unavailable_reason()
+    if reason is None:
+        pytest.skip(f"{name} can run on this machine; the real transfer test covers it")
+    options = {"store": object(), "trainers": 1, "inferences": 1} if name == "nccl" else {}
+    with pytest.raises(TransportUnavailable) as err:
+        make_transport(name, token=TOKEN, **options)
+    assert str(err.value) == f"{name}: {reason}"
+    print(f"{name} is unavailable here: {reason}")
+
+
+def test_auto_names_its_choice_and_the_reason():
+    name, why = resolve_transport("auto", "tcp")
+    assert name in ("tcp", "nccl") and why.startswith("auto: ")
+    if nccl.unavailable_reason():
+        assert (name, why) == ("tcp", f"auto: {nccl.unavailable_reason()}")
+    assert resolve_transport("tcp", "rdma") == ("tcp", "spec.transfer.transport is tcp")
+    colocated = resolve_transport("auto", "tcp", colocated=True)
+    assert colocated[0] == ("tcp" if nccl.unavailable_reason() else "ipc"), colocated
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
+        make_transport("carrier-pigeon", token=TOKEN)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_pair(transport, trainer_device, inference_device, dtype):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    common = ["--trainers", "1", "--inferences", "1", "--shapes", "7x3,1,33,1024x1024", "--dtype", dtype,
+              "--bucket", str(1 << 20), "--versions", "2", "--store-port", str(store.port), "--transport", transport]
+    procs = [subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", "0", "--device", inference_device, *common]),
+             subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", "0", "--device", trainer_device, *common])]
+    try:
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == [0, 0]
+    digests = []
+    for v in (1, 2):
+        res = json.loads(store.get(f"result/{v}/0"))
+        assert res["bit_exact"] and res["digest"] == res["trainers_digest"]
+        digests.append(res["digest"])
+    return digests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_to_gpu_over_tcp_gives_the_bytes_and_digests_of_the_cpu_path(dtype):
+    """The GPU casts and stages through pinned memory; the versions, and so their digests, are
+    the CPU path's bit for bit."""
+    if gpu_count() < 1:
+        pytest.skip("needs a CUDA GPU (torch sees none on this machine)")
+    assert run_pair("tcp", "cuda:0", "cuda:0", dtype) == run_pair("tcp", "cpu", "cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,module", [("uccl", uccl), ("ipc", ipc)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_sided_transfers_between_processes(name, module, dtype):
+    """uccl over RDMA (or its tcp mode), ipc on one node: the inference rank on a second GPU
+    where there is one, else both on the first."""
+    reason = module.unavailable_reason()
+    if reason:
+        pytest.skip(f"{name} cannot run here: {reason}")
+    second = "cuda:1" if gpu_count() > 1 else "cuda:0"
+    run_pair(name, "cuda:0", second, dtype)
