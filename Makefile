@@ -49,12 +49,22 @@ vllm-env: $(VLLM_STAMP) ## Create vLLM's environment (its CPU build, torch 2.13)
 	  || $(VLLM_PY) -m pip install -q --no-deps -e . >/dev/null
 
 .PHONY: demo
-demo: setup ## Train and transfer the example job as local processes, one per pod (CPU, ~2 minutes)
+demo: setup ## Train and transfer the example job as local processes, one per pod (CPU; docs/benchmarks.md says how long)
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-test: setup vllm-env binaries node-images ## Run every test (unit, local control plane, real pods, end to end)
+test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, local control plane, real pods, end to end)
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+# The fast tier: no cluster, no binaries, no images, no vLLM, no whole jobs (docs/testing.md).
+UNIT_MARKERS := not cluster and not slow and not gpu
+.PHONY: unit
+unit: setup ## The fast tier a developer runs every few minutes: unit tests only (no cluster, binaries, images or whole jobs)
+	$(PY) -m pytest -q -m '$(UNIT_MARKERS)' --ignore=tests/e2e --ignore=tests/hack $(PYTEST_ARGS)
+
+.PHONY: lint
+lint: setup ## Lint every Python file with ruff (rules in pyproject.toml)
+	$(PY) -m ruff check --no-cache .
 
 # Built here rather than inside the first cluster test, which has a time limit: a first build
 # takes a quarter of an hour on two cores.
@@ -135,10 +145,13 @@ undeploy: ## Delete the example jobs and uninstall the chart (the CRD stays, as 
 CLUSTER_DIR ?= .cluster
 
 .PHONY: cluster-up
-cluster-up: binaries ## Start the control plane, KWOK GPU/RDMA nodes and, as root, a real node running the project's images (kubeconfig: .cluster/kubeconfig)
+# The real node needs root: as root, cluster-up builds its images first (a prerequisite, so that
+# `make -n cluster-up` stays dry).
+AS_ROOT := $(filter 0,$(shell id -u))
+
+cluster-up: binaries $(if $(AS_ROOT),node-images) ## Start the control plane, KWOK GPU/RDMA nodes and, as root, a real node running the project's images (kubeconfig: .cluster/kubeconfig)
 	python3 hack/cluster/controlplane.py up --dir $(CLUSTER_DIR)
-	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory node-images && python3 hack/node/node.py up --dir $(CLUSTER_DIR); \
-	 else echo "no real node: it needs root (KWOK's nodes run no containers)"; fi
+	$(if $(AS_ROOT),python3 hack/node/node.py up --dir $(CLUSTER_DIR),@echo "no real node: it needs root (KWOK's nodes run no containers)")
 
 .PHONY: cluster-down
 cluster-down: ## Stop the local cluster started by cluster-up (real node first); nothing keeps running

@@ -613,4 +613,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ClusterError as e:  # what is missing or wrong, on one line: no traceback for a prerequisite
+        print(f"controlplane.py: {e}", file=sys.stderr)
+        sys.exit(1)

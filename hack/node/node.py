@@ -512,4 +512,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except NodeError as e:  # what is missing or wrong, on one line: no traceback for a prerequisite
+        print(f"node.py: {e}", file=sys.stderr)
+        sys.exit(1)

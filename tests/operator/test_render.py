@@ -317,24 +317,23 @@ def node(name, allocatable, unschedulable=False):
 
 
 def test_auto_takes_rdma_where_a_node_offers_it():
-    spec = job().spec
-    mode, reason = network.resolve(spec, [node("gpu-0", {"nvidia.com/gpu": "8"}),
-                                          node("rdma-0", {"rdma/rdma_shared_device_a": "1k"})])
+    mode, reason = network.resolve(job().network, [node("gpu-0", {"nvidia.com/gpu": "8"}),
+                                                  node("rdma-0", {"rdma/rdma_shared_device_a": "1k"})])
     assert mode == "rdma" and "rdma-0" in reason
 
 
 def test_auto_takes_tcp_where_no_node_offers_rdma():
-    spec = job().spec
+    net = job().network
     nodes = [node("gpu-0", {"nvidia.com/gpu": "8"}), node("cordoned", {"rdma/rdma_shared_device_a": "4"}, True),
              node("zero", {"rdma/rdma_shared_device_a": "0"})]
-    mode, reason = network.resolve(spec, nodes)
+    mode, reason = network.resolve(net, nodes)
     assert mode == "tcp" and "no schedulable node offers 1 rdma/rdma_shared_device_a" in reason
-    assert network.resolve(spec, [])[0] == "tcp"
+    assert network.resolve(net, [])[0] == "tcp"
 
 
 def test_explicit_modes_need_no_nodes():
-    assert network.resolve(job({"network": {"mode": "rdma"}}).spec, []) == ("rdma", "spec.network.mode is rdma")
-    assert network.resolve(job({"network": {"mode": "tcp"}}).spec, [node("r", {"rdma/rdma_shared_device_a": "1"})])[0] == "tcp"
+    assert network.resolve(job({"network": {"mode": "rdma"}}).network, []) == ("rdma", "spec.network.mode is rdma")
+    assert network.resolve(job({"network": {"mode": "tcp"}}).network, [node("r", {"rdma/rdma_shared_device_a": "1"})])[0] == "tcp"
 
 
 # ------------------------------------------------------------------ status

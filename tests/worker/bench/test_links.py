@@ -22,6 +22,8 @@ from weightsync.bench.netns import Links
 
 from support.transfer import Ranks
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 WHY = links.unavailable()
 needs_namespaces = pytest.mark.skipif(WHY is not None, reason=f"network namespaces cannot be made here: {WHY}")
 

@@ -21,10 +21,32 @@ def test_defaults_come_from_the_crd():
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
     assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,
                                 "delta": {"enabled": False, "fullEvery": 10}}
-    assert contract.load_job(job()).delta == contract.Delta(enabled=False, full_every=10)
     assert spec["network"]["mode"] == "auto"
     assert spec["network"]["rdma"]["trafficClass"] == 104  # DSCP 26
     assert spec["network"]["tcp"]["socketIfname"] == "^lo,docker0"
+
+
+def test_the_spec_is_read_once_into_typed_sections():
+    j = contract.load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4, "command": ["torchrun", "train.py"],
+                                           "args": ["--fsdp"], "env": [{"name": "A", "value": "1"}, {"name": "B"},
+                                                                       {"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]},
+                                "inference": {"replicas": 3, "tensorParallelSizes": [2, 1], "gpusPerProc": 0},
+                                "transfer": {"bucketMB": 3, "verify": "none"}, "imagePullSecrets": [{"name": "pull"}]}))
+    assert j.model == contract.Model(config={"model_type": "gpt2"}, dtype="bfloat16")
+    assert (j.trainer.replicas, j.trainer.procs_per_pod, j.trainer.gpus) == (2, 4, 4)
+    assert j.trainer.argv == ["torchrun", "train.py", "--fsdp"] and j.trainer.attach_timeout_seconds == 1800
+    assert j.trainer.env == {"A": "1", "B": "", "T": contract.ValueFrom({"secretKeyRef": {"name": "s", "key": "t"}})}
+    assert j.inference.model_replicas == (2, 1) and j.inference.gpus == 0 and not j.inference.runs_vllm
+    assert j.pods("controller") == contract.Pods() and j.pods("trainer") is j.trainer
+    assert j.transfer.bucket_bytes == 3 << 20 and j.transfer.timeout == 300.0 and not j.transfer.verify_digest
+    assert j.transfer.delta == contract.Delta(enabled=False, full_every=10)
+    assert j.training == contract.Training(steps=100, learning_rate=3.0e-4, batch_size=8, seq_len=128, seed=0)
+    assert j.network.rdma.traffic_class == 104 and j.network.tcp.socket_ifname == "^lo,docker0"
+    assert j.image is None and j.image_pull_policy == "IfNotPresent" and j.image_pull_secrets == ("pull",)
+    assert j.layout == contract.Layout(2, 4, 3, 1, (2, 1))
+    vllm = contract.load_job(job({"inference": {"engine": "vllm", "vllm": {"port": 8100, "args": ["--x"]}}})).inference
+    assert vllm.runs_vllm and vllm.vllm == contract.Vllm(port=8100, args=("--x",))
+    assert contract.load_job(job()).inference.vllm.port == contract.VLLM_PORT and not contract.load_job(job()).trainer.argv
 
 
 def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
@@ -111,14 +133,33 @@ def test_layout_assigns_global_ordinals_and_role_ranks():
 
 
 def test_network_env_per_mode():
-    spec = contract.load_job(job({"network": {"rdma": {"hcas": ["mlx5_0", "mlx5_1"]}}})).spec
-    rdma = contract.network_env(spec, "rdma")
+    network = contract.load_job(job({"network": {"rdma": {"hcas": ["mlx5_0", "mlx5_1"]}}})).network
+    rdma = contract.network_env(network, "rdma")
     assert rdma["NCCL_IB_DISABLE"] == "0" and rdma["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     assert rdma["NCCL_IB_TC"] == "104" and rdma["UCCL_P2P_RDMA_GID_INDEX"] == "3"
-    tcp = contract.network_env(spec, "tcp")
+    tcp = contract.network_env(network, "tcp")
     assert tcp["NCCL_IB_DISABLE"] == "1" and tcp["NCCL_SOCKET_IFNAME"] == "^lo,docker0"
     with pytest.raises(ValueError):
-        contract.network_env(spec, "auto")
+        contract.network_env(network, "auto")
+
+
+def test_pod_env_takes_what_differs_between_a_cluster_and_a_local_run_from_its_site():
+    j = contract.load_job(job({"trainer": {"command": ["torchrun", "train.py"], "env": [{"name": "A", "value": "1"},
+                                                                                       {"name": "MASTER_PORT", "value": "7"}]},
+                                "network": {"tcp": {"socketIfname": "eth0"}}}))
+    site = contract.PodSite(namespace="ns", ordinal="1", pod_name="demo-trainer-1", pod_ip="10.0.0.1", controller_host="ctl",
+                            store_port=1, data_port=2, health_port=3, spec_file="/s", token_file="/t", master_addr="m",
+                            master_port=4, report_to_kubernetes=False, status_file="/status")
+    env = contract.pod_env(j, "trainer", "tcp", site)
+    assert env[contract.Env.ORDINAL] == "1" and env[contract.Env.STORE_PORT] == "1" and env[contract.Env.HEALTH_PORT] == "3"
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MASTER_ADDR"] == "m"
+    assert env["MASTER_PORT"] == "7" and list(env)[-1] == "A"  # the command's own come last and win
+    assert contract.Env.REPORT_TO_KUBERNETES not in env and "HOME" not in env
+    controller = contract.pod_env(j, "controller", "tcp", site)
+    assert controller[contract.Env.REPORT_TO_KUBERNETES] == "0" and controller[contract.Env.STATUS_FILE] == "/status"
+    assert "NCCL_IB_DISABLE" not in controller and "MASTER_ADDR" not in controller
+    inference = contract.pod_env(j, "inference", "tcp", site)
+    assert "A" not in inference and "MASTER_ADDR" not in inference and inference["NCCL_IB_DISABLE"] == "1"
 
 
 def test_worker_context_reads_env_and_files(tmp_path):

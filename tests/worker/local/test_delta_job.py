@@ -4,6 +4,8 @@ fullEvery versions and whenever the transport carries no patches; and a whole jo
 processes with delta versions on, where every inference rank holds the trainers' weights bit for
 bit after every version while the controller's lines show the bytes saved on the wire."""
 
+import pytest
+
 from weightsync import job as contract
 from weightsync.job import Delta
 from weightsync.plan.deltas import bases, delta_in_effect
@@ -36,6 +38,7 @@ def test_without_delta_or_without_patches_every_version_is_whole():
     assert not delta_in_effect(Delta(False, 10), "tcp")[0]
 
 
+@pytest.mark.slow
 def test_a_job_with_delta_versions(tmp_path):
     """Two trainer and two inference ranks, a version every optimizer step at a learning rate RL
     fine-tuning uses; version 0 and every 4th go whole, the others as deltas."""

@@ -20,6 +20,8 @@ from weightsync.rendezvous.protocol import Keys
 from weightsync.local.runner import LocalJob, RunFailed
 from support.jobs import ODD, assert_nothing_left, check_every_version, make_job, pids_of, run_to_end, start, store_of, wait_key
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 
 def test_one_to_one_float32_odd_sizes(tmp_path):
     job = make_job("one-to-one", config=ODD, dtype="float32", steps=4, every=2)

@@ -22,6 +22,8 @@ from weightsync.local import kubelet
 from weightsync.job import LIVENESS, Env
 from weightsync.local.runner import LocalJob, RunFailed
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 DEADLINE = 300  # seconds for a whole job on a loaded machine
 SLACK = 30.0  # seconds a loaded machine may add to a restart's due time
 

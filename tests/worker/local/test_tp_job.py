@@ -32,6 +32,8 @@ from weightsync.roles.tp import needs_of
 
 from support.jobs import as_bytes, assert_nothing_left
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 SCRIPT = str(SUPPORT / "fsdp_publisher.py")
 # sizes 4 trainer ranks and 2 TP ranks do not all divide: vocab 101, intermediate 70
 LLAMA = {"model_type": "llama", "vocab_size": 101, "hidden_size": 48, "intermediate_size": 70, "num_hidden_layers": 2,

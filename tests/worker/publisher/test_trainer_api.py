@@ -133,6 +133,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 import weightsync
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(sys.argv[1])))
 sync = weightsync.attach(model)
 sync.publish(step=0)

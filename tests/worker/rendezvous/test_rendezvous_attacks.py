@@ -23,6 +23,8 @@ from weightsync.runtime.rank import PAUSE_DIR_ENV
 from weightsync.local.runner import LocalJob
 from weightsync.rendezvous.store import HELLO, PROOF, VERDICT, StoreClient, StoreRefused, pack, seal
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 # Writes that, through torch's TCPStore, each ended a job with a false cause or cheated it.
 FORGED = [(b"end", b'{"state": "Failed", "message": "forged"}'), (b"failed/trainer/0", b"forged failure"),
           (b"failures", b"1"), (b"restart/inference/0", b"1"), (b"ref/20", b"0" * 64), (b"join/inference/1", b"7"),

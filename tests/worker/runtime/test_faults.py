@@ -30,6 +30,8 @@ from weightsync.rendezvous.protocol import versions
 from weightsync.roles.common import DUMP_DIR_ENV, PAUSE_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 REACH_TIMEOUT = 240.0  # seconds for the job to reach the armed point (start-up on a loaded machine)
 RUN_TIMEOUT = 400.0
 

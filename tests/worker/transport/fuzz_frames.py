@@ -11,13 +11,15 @@ not a slow peer. The plan is small: version 7, trainer rank 1 sends three ranges
 buffer. Every input must end in one of two ways: accepted, with each range's checksum equal to
 the bytes that landed, or refused with the transport's own error (a TransferError naming
 trainer rank 1, or the door refusing the connection). Any other exception, a hang (the receiver
-waiting on a peer that has closed), or memory beyond -rss_limit_mb is a crash.
+waiting on a peer that has closed), or memory beyond the limit is a crash. `--rss-growth-mb N`
+sets libFuzzer's -rss_limit_mb to what the harness holds once set up (torch and all, which
+differs by machine) plus N: the limit measures what the parser grows by, not the machine.
 
 The test suite runs it for a bounded time (test_fuzz_frames.py). By hand, for longer, from the
 repository root:
-  PYTHONPATH=worker python tests/worker/fuzz_frames.py -max_total_time=3600 -rss_limit_mb=512 \\
+  PYTHONPATH=worker python tests/worker/transport/fuzz_frames.py -max_total_time=3600 --rss-growth-mb 512 \\
       -max_len=4096 -timeout=30 --seeds-into CORPUS_DIR CORPUS_DIR
-(-seed=N repeats a run; a crash leaves its input in crash-* for `python tests/worker/fuzz_frames.py
+(-seed=N repeats a run; a crash leaves its input in crash-* for `python tests/worker/transport/fuzz_frames.py
 crash-...` to replay.)
 """
 
@@ -173,6 +175,12 @@ def TestOneInput(data: bytes) -> None:
         after_handshake(rest[:MAX_STREAM])
 
 
+def resident_mb() -> int:
+    """This process's resident memory now, in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+
+
 def main() -> None:
     global receiver, endpoint
     logging.disable(logging.CRITICAL)  # every refused input logs a line
@@ -189,6 +197,11 @@ def main() -> None:
         for n, s in enumerate(seeds()):
             with open(os.path.join(seed_dir, f"seed-{n}"), "wb") as f:
                 f.write(s)
+    if "--rss-growth-mb" in argv:
+        i = argv.index("--rss-growth-mb")
+        growth = int(argv[i + 1])
+        del argv[i:i + 2]
+        argv.insert(1, f"-rss_limit_mb={resident_mb() + growth}")
     atheris.Setup(argv, TestOneInput)
     atheris.Fuzz()
 

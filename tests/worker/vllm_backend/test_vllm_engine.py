@@ -30,6 +30,8 @@ from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 
 from support.jobs import assert_nothing_left
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
