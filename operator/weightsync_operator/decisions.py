@@ -12,6 +12,7 @@ from typing import Mapping
 import kopf
 
 from weightsync import job as contract
+from weightsync.job import reasons
 from weightsync_operator import network, render, tokens
 from weightsync_operator.kube import Kube
 from weightsync_operator.status import NETWORK_RESOLVED, condition
@@ -82,7 +83,8 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
         contract.ANNOTATION_WORKER_IMAGE: decisions.image,
         contract.ANNOTATION_TOKEN_SHA256: tokens.fingerprint(decisions.token),
     })
-    why = "Requested" if requested != "auto" else ("RdmaNodeFound" if mode == "rdma" else "NoRdmaNode")
+    why = reasons.REQUESTED if requested != "auto" else (reasons.RDMA_NODE_FOUND if mode == "rdma" else
+                                                         reasons.NO_RDMA_NODE)
     write(set_conditions=[condition(NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
     return decisions
 

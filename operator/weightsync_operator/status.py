@@ -7,18 +7,18 @@ from __future__ import annotations
 import datetime
 from typing import Iterable, Mapping
 
-from weightsync.job import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
+from weightsync.job import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout, reasons
 
-# Condition types.
+# Condition types (their reasons: weightsync/job/reasons.py).
 NETWORK_RESOLVED = "NetworkResolved"
 CHILDREN_CREATED = "ChildrenCreated"
 READY = "Ready"
 COMPLETED = "Completed"
 FAILED = "Failed"
 
-# ChildrenCreated reasons that no retry can fix: the job fails.
-PERMANENT_REASONS = {"ChildRefused", "InvalidSpec", "TokenLost"}
-# Container waiting reasons that mean a pod will not run without someone's help.
+# Ready reasons that deserve no Event: the usual way to and from running.
+QUIET = (reasons.PODS_NOT_READY, reasons.FINISHED)
+# Container waiting reasons (Kubernetes' own) that mean a pod will not run without someone's help.
 WAITING_PROBLEMS = {
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
     "CreateContainerError", "CrashLoopBackOff", "RunContainerError",
@@ -85,24 +85,25 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
 
     problems = sorted(problems)
     if finished:
-        conditions[READY] = condition(READY, False, "Finished", "the job finished; its StatefulSets are scaled to zero")
+        conditions[READY] = condition(READY, False, reasons.FINISHED,
+                                      "the job finished; its StatefulSets are scaled to zero")
     elif all_ready:
-        conditions[READY] = condition(READY, True, "AllPodsReady", _counts(replicas) + " are ready")
+        conditions[READY] = condition(READY, True, reasons.ALL_PODS_READY, _counts(replicas) + " are ready")
     elif problems:
         what, reason, message = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         conditions[READY] = condition(READY, False, reason, f"{what}: {message}{more}")
     else:
         ready = ", ".join(f"{r} {replicas[r]['summary']}" for r in ROLES)
-        conditions[READY] = condition(READY, False, "PodsNotReady", f"ready pods: {ready}")
+        conditions[READY] = condition(READY, False, reasons.PODS_NOT_READY, f"ready pods: {ready}")
 
     created = conditions.get(CHILDREN_CREATED)
     if completion.get("state") == "Succeeded":
-        conditions[COMPLETED] = condition(COMPLETED, True, "Succeeded", _completion_message(completion))
+        conditions[COMPLETED] = condition(COMPLETED, True, reasons.SUCCEEDED, _completion_message(completion))
     if completion.get("state") == "Failed":
-        conditions[FAILED] = condition(FAILED, True, completion.get("reason") or "WorkersFailed",
+        conditions[FAILED] = condition(FAILED, True, completion.get("reason") or reasons.WORKERS_FAILED,
                                        _completion_message(completion))
-    elif created and created["status"] == "False" and created.get("reason") in PERMANENT_REASONS:
+    elif created and created["status"] == "False" and created.get("reason") in reasons.PERMANENT:
         conditions[FAILED] = condition(FAILED, True, created["reason"], created.get("message", ""))
     else:
         conditions.pop(FAILED, None)
@@ -159,7 +160,7 @@ def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
             continue
         if c["type"] == NETWORK_RESOLVED:
             out.append(("Normal", NETWORK_RESOLVED, c.get("message", "")))
-        elif c["status"] == "False" and c["type"] in (CHILDREN_CREATED, READY) and c.get("reason") not in ("PodsNotReady", "Finished"):
+        elif c["status"] == "False" and c["type"] in (CHILDREN_CREATED, READY) and c.get("reason") not in QUIET:
             out.append(("Warning", c["reason"], c.get("message", "")))
     phase = new.get("phase")
     if phase in ("Running", "Succeeded", "Failed") and phase != current.get("phase"):

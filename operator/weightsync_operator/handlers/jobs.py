@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 import kopf
 
 from weightsync import job as contract
+from weightsync.job import reasons
 from weightsync_operator import render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches
@@ -64,7 +65,7 @@ def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repai
         # Not a refusal the operator knows: still a condition and an Event for the user (once,
         # not at every retry), and a retry later.
         message = f"{type(e).__name__}: {e}"
-        write(set_conditions=[condition(CHILDREN_CREATED, False, "OperatorError", message)])
+        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.OPERATOR_ERROR, message)])
         raise kopf.TemporaryError(message, delay=30) from e
 
 
@@ -95,13 +96,13 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     try:
         job = load(obj)
     except contract.SpecError as e:
-        write(set_conditions=[condition(CHILDREN_CREATED, False, "InvalidSpec", str(e))])
+        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.INVALID_SPEC, str(e))])
         raise kopf.PermanentError(str(e)) from None
 
     try:
         decisions = decide(kube, key, job, obj, write)
     except TokenLost as e:
-        write(set_conditions=[condition(CHILDREN_CREATED, False, "TokenLost", str(e))])
+        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.TOKEN_LOST, str(e))])
         raise kopf.PermanentError(str(e)) from None
     missing = missing_pull_secrets(kube, job)
 
@@ -124,7 +125,7 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     if missing:
         message = (f"image pull secret(s) {', '.join(missing)} not found in namespace {namespace}: create them; "
                    f"the StatefulSets are created once they exist")
-        write(set_conditions=[condition(CHILDREN_CREATED, False, "ImagePullSecretMissing", message)])
+        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.IMAGE_PULL_SECRET_MISSING, message)])
         raise kopf.TemporaryError(message, delay=15)
 
     before = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == CHILDREN_CREATED), {})
@@ -138,11 +139,11 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
             f"{w} (it had been {'deleted' if changed[w] == 'created' else 'changed'})" for w in restored)
         if any(w.startswith("Secret ") for w in restored):
             message += "; the Secret holds the job's own token, as before"
-        conditions.append(condition(CHILDREN_CREATED, True, "Repaired", message))
-        kopf.event(obj, type="Warning", reason="Repaired", message=message)
+        conditions.append(condition(CHILDREN_CREATED, True, reasons.REPAIRED, message))
+        kopf.event(obj, type="Warning", reason=reasons.REPAIRED, message=message)
     elif changed or not was_created:
         pods = "scaled to zero" if desired_replicas(manifests) == 0 else f"{job.layout.pods} pods"
-        conditions.append(condition(CHILDREN_CREATED, True, "Created",
+        conditions.append(condition(CHILDREN_CREATED, True, reasons.CREATED,
                                     f"Service, Secret, ConfigMap, ServiceAccount, Role, RoleBinding and "
                                     f"3 StatefulSets ({pods}) match the job"))
     write(set_conditions=conditions, observed_generation=obj["metadata"].get("generation"))
@@ -186,12 +187,12 @@ def refused(write, what: str, e: ApiError):
         raise e
     if e.status in (400, 422):
         message = f"the API server refused {what}: {e.message}"
-        write(set_conditions=[condition(CHILDREN_CREATED, False, "ChildRefused", message)])
+        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.CHILD_REFUSED, message)])
         raise kopf.PermanentError(message)
     if e.status == 403:
         message = (f"the operator may not write {what}: {e.message} (is this namespace one the operator "
                    f"watches? The chart grants it rights only in its watchNamespaces)")
-        write(set_conditions=[condition(CHILDREN_CREATED, False, "Forbidden", message)])
+        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.FORBIDDEN, message)])
         raise kopf.TemporaryError(message, delay=60)
     raise kopf.TemporaryError(str(e), delay=10)
 

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from weightsync.rendezvous import protocol as rendezvous
-from weightsync.job import Layout
+from weightsync.job import Layout, reasons
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted, Round
-from weightsync.rendezvous.roster import AWAY, JOINING, RANK_LOST, SERVING, TRAINER_RESTARTED, WAITING, Host, RankFailed
+from weightsync.rendezvous.roster import AWAY, JOINING, SERVING, WAITING, Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/rendezvous"
@@ -108,7 +108,7 @@ def test_a_restarted_trainer_is_told_so_and_fails_the_job_naming_it():
         member(host, "trainer", 1).join("x:1", "{}", "{}", timeout=5)
     with pytest.raises(RankFailed, match="trainer rank 1 restarted") as failed:
         host.wait_ranks(["never"], "nothing", timeout=10)
-    assert failed.value.reason == TRAINER_RESTARTED
+    assert failed.value.reason == reasons.TRAINER_RESTARTED
 
 
 def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at_its_new_endpoint():
@@ -182,7 +182,7 @@ def test_an_inference_rank_away_for_too_long_fails_the_job():
     host._away(1, "gone")
     with pytest.raises(RankFailed, match="inference rank 1 did not come back within 0s") as failed:
         host.wait_ranks(["never"], "nothing", timeout=10)
-    assert failed.value.reason == RANK_LOST
+    assert failed.value.reason == reasons.RANK_LOST
 
 
 def test_a_silent_inference_rank_is_away_a_silent_trainer_fails_the_job():

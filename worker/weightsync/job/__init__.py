@@ -6,7 +6,9 @@ from it. No torch, no Kubernetes client.
   the names of its children, labels and annotations;
 - topology: the ordinal -> role/rank layout;
 - pod: what a pod receives (environment, ports, mounts, probes) and the WorkerContext read back;
-- schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks.
+- schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks;
+- token: the job's secret, read and proven (one HMAC for every proof of it);
+- reasons: every reason a job's status and Events give, with what it means.
 
 The names below are the contract's vocabulary, re-exported so that callers need not know which
 module defines each.

@@ -23,19 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
-from weightsync.job import INFERENCE, TRAINER, Layout
+from weightsync.job import INFERENCE, TRAINER, Layout, reasons
 from weightsync.job.token import same
 from weightsync.rendezvous.protocol import (HEARTBEAT, POLL_MAX, Channel, Keys, ProofError, Round, host_store, peers_mac,
                                             plan_mac, rank_proof, ranks_of, who)
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
-
-# Why a job failed, as the Failed condition's reason.
-RANK_FAILED = "RankFailed"
-RANK_SILENT = "RankSilent"
-RANK_LOST = "RankLost"
-TRAINER_RESTARTED = "TrainerRestarted"
-TRAINERS_DISAGREE = "TrainersDisagree"
 
 SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
@@ -44,9 +37,9 @@ WAITING = "waiting"  # admitted again; receives the next round
 
 
 class RankFailed(RuntimeError):
-    """A rank failed or went silent; the message names it, `reason` says how (a condition reason)."""
+    """A rank failed or went silent; the message names it, `reason` says how (job/reasons.py)."""
 
-    def __init__(self, message: str, reason: str = RANK_FAILED):
+    def __init__(self, message: str, reason: str = reasons.RANK_FAILED):
         self.reason = reason
         super().__init__(message)
 
@@ -181,7 +174,7 @@ class Host(Channel):
                     goes_on = f"{who(TRAINER, ready[0])} is ready for version {version}" if ready else \
                         f"the others published version {version - 1}"
                     raise RankFailed(f"{who(TRAINER, t)} closed after version {v}, but {goes_on}: every trainer rank "
-                                     "must publish the same versions", TRAINERS_DISAGREE)
+                                     "must publish the same versions", reasons.TRAINERS_DISAGREE)
                 if len(closed) == trainers:
                     raise _AllClosed
 
@@ -284,7 +277,7 @@ class Host(Channel):
                 self.attempts[(role, rank)] = started
                 if role == TRAINER:
                     raise RankFailed(f"{who(role, rank)} restarted (its process started again, start {started}); trainers "
-                                     "do not rejoin a running job", TRAINER_RESTARTED)
+                                     "do not rejoin a running job", reasons.TRAINER_RESTARTED)
                 self._restarted(rank, started)
         for role, rank in self.ranks:
             seat = self.seats.get(rank) if role == INFERENCE else None
@@ -293,13 +286,13 @@ class Host(Channel):
                     self._readmit(rank)
                 if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
                     raise RankFailed(f"{who(role, rank)} did not come back within {self.away_limit:.0f}s after it "
-                                     f"went away", RANK_LOST)
+                                     f"went away", reasons.RANK_LOST)
                 continue
             silent = self._silent_for(role, rank, now)
             if silent > self.silent_limit:
                 why = f"no heartbeat for {silent:.0f}s (its process died, froze, or lost the network)"
                 if seat is None:
-                    raise RankFailed(f"{who(role, rank)} is silent: {why}", RANK_SILENT)
+                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
                 self._away(rank, why)
 
     def _silent_for(self, role: str, rank: int, now: float) -> float:
@@ -345,7 +338,8 @@ class Host(Channel):
             return RankFailed(f"{who(role, rank)} failed: {message}")
         (srole, srank), how = stopped
         return RankFailed(f"{who(srole, srank)} stopped first ({how}); then {who(role, rank)} failed: {message}",
-                          TRAINER_RESTARTED if srole == TRAINER and "started again" in how else RANK_FAILED)
+                          reasons.TRAINER_RESTARTED if srole == TRAINER and "started again" in how
+                          else reasons.RANK_FAILED)
 
     # ------------------------------------------------------------ the roster
 

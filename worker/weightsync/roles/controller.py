@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from weightsync.runtime import health
-from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext
+from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext, reasons
 from weightsync.plan.deltas import bases, delta_in_effect
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.job import inference_needs, make_job_plan
@@ -44,17 +44,10 @@ REPORT_SLACK = 10.0  # seconds for a trainer to report a round after its own dea
 
 ME = "controller"
 
-# Why a job failed, as the Failed condition's reason (roster.py has the ranks' own).
-CONTROLLER_RESTARTED = "ControllerRestarted"
-VERIFICATION_FAILED = "VerificationFailed"
-LOAD_FAILED = "ServerLoadFailed"
-TIMED_OUT = "TimedOut"
-INVALID = "RanksDisagree"
-PROOF_FAILED = "TokenProofFailed"
-NO_VERSIONS = "NoVersions"
-
 
 class JobFailed(RuntimeError):
+    """The job cannot go on; the message says why, `reason` how (job/reasons.py)."""
+
     def __init__(self, message: str, reason: str):
         self.reason = reason
         super().__init__(message)
@@ -82,7 +75,7 @@ def run(ctx: WorkerContext) -> int:
         return _fail(ctx, host, reporter, JobFailed(
             f"the controller started again (start {starts}) {where}: the rendezvous it hosted, and with it the "
             "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
-            CONTROLLER_RESTARTED), 0, None)
+            reasons.CONTROLLER_RESTARTED), 0, None)
     log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
     reached: set[int] = set()  # the versions verified on at least one inference rank
     loss = None
@@ -108,7 +101,7 @@ def run(ctx: WorkerContext) -> int:
                 host.forget(version - 2)
             version += 1
         if not version:
-            raise JobFailed("every trainer rank closed without publishing a version", NO_VERSIONS)
+            raise JobFailed("every trainer rank closed without publishing a version", reasons.NO_VERSIONS)
         final, again = version - 1, 0
         while host.behind(final):  # ranks that came back after the final version
             host.wait_back()
@@ -151,7 +144,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
             was, now = reference_for(first, r), reference_for(reference, r)
             if was is not None and was != now:
                 raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not the "
-                                f"{was[:16]} they sent the first time", VERIFICATION_FAILED)
+                                f"{was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
     stall = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.serving.vllm else None
     applied = host.collect_applied(rnd, timeout)
     seconds = time.monotonic() - start
@@ -160,7 +153,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
         if got["digest"] != want:
             host.store.add(Keys.VERIFY_FAILURES, 1)
             raise JobFailed(f"{who(INFERENCE, r)} applied version {rnd.version} with digest {got['digest'][:16]}, "
-                            f"but the trainers sent {want[:16]}", VERIFICATION_FAILED)
+                            f"but the trainers sent {want[:16]}", reasons.VERIFICATION_FAILED)
         if got.get("refused"):
             log(ME, f"{who(INFERENCE, r)} could not apply {got['refused']} patch(es) of {rnd.name} ({got['why_refused']}); "
                     "the trainers sent those buckets whole")
@@ -191,7 +184,7 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
             return Server(seats[rank].info["server"]).update(rnd.version, proof, timeout)
         except ControlError as e:
             raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.get('pod')}) did not load {rnd.name} "
-                            f"into its vLLM server: {e}", LOAD_FAILED) from None
+                            f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED) from None
 
     with ThreadPoolExecutor(max_workers=max(1, len(seats))) as pool:
         return max(pool.map(load, sorted(seats)), default=0.0)
@@ -208,7 +201,7 @@ def _plan(ctx: WorkerContext, admitted: dict):
     transports = {info["transport"] for _, _, info in admitted.values()}
     if len(transports) != 1:
         chosen = ", ".join(f"{who(role, rank)}: {info['transport']} ({info['why']})" for (role, rank), (_, _, info) in admitted.items())
-        raise JobFailed(f"the ranks chose different transports: {chosen}", INVALID)
+        raise JobFailed(f"the ranks chose different transports: {chosen}", reasons.RANKS_DISAGREE)
     holdings = {rank: info["holds"] for (role, rank), (_, _, info) in admitted.items() if role == TRAINER and "holds" in info}
     trainers = ctx.job.layout.world_size(TRAINER)
     held = [Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)]
@@ -220,7 +213,8 @@ def _plan(ctx: WorkerContext, admitted: dict):
                              ctx.job.spec["transfer"]["bucketMB"] << 20, needs, transport)
     except (KeyError, ValueError) as e:
         what = "the slices the inference ranks need" if ctx.job.layout.sliced else "the version"
-        raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}", INVALID) from None
+        raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}",
+                        reasons.RANKS_DISAGREE) from None
     return plan, transport
 
 
@@ -229,13 +223,14 @@ def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> 
     layout.check_matches(FlatLayout.from_json(meta), what=f"the rejoining pod {info.get('pod')}")
     if info["transport"] != transport:
         raise JobFailed(f"the rejoining pod {info.get('pod')} chose the {info['transport']} transport ({info['why']}); "
-                        f"the job runs on {transport}", INVALID)
+                        f"the job runs on {transport}", reasons.RANKS_DISAGREE)
 
 
 def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss) -> int:
     message = str(error)
-    reason = getattr(error, "reason", None) or (TIMED_OUT if isinstance(error, TimeoutError) else
-                                                PROOF_FAILED if isinstance(error, ProofError) else INVALID)
+    reason = getattr(error, "reason", None) or (reasons.TIMED_OUT if isinstance(error, TimeoutError) else
+                                                reasons.TOKEN_PROOF_FAILED if isinstance(error, ProofError) else
+                                                reasons.RANKS_DISAGREE)
     log(ME, f"the job failed: {message}")
     host.end("Failed", message, reason)
     host.wait_byes(5.0)  # as for success: the ranks see the end before the pods go
