@@ -118,7 +118,7 @@ class Sync:
                 self.member.wait_for(Keys.done(version - 1), f"the controller to finish version {version - 1}")
             wait = self.timeout if timeout is None else timeout
             try:
-                rnd = self.member.round(version, poll_max=0.002, timeout=wait)
+                rnd = self.member.round(version, timeout=wait)
             except TimeoutError:
                 raise Expected(f"the controller's go for version {version} did not come within {wait:.0f}s of the "
                                "previous version's end: every trainer rank must publish the same versions (the "

@@ -27,7 +27,6 @@ from weightsync.job.token import mac, same
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
 CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
-POLL_MAX = 0.02  # no longer used: the store answers a wait as soon as the keys are set
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
 CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
 
@@ -106,10 +105,10 @@ class Channel:
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
-             check: Callable[[], None] | None = None, poll_max: float = POLL_MAX) -> None:
-        """Wait until every key is set: the store answers as soon as they are (`poll_max` is kept
-        for callers; nothing polls). `check` runs every CHECK_EVERY seconds and may raise; past
-        `timeout` seconds a TimeoutError names `what`."""
+             check: Callable[[], None] | None = None) -> None:
+        """Wait until every key is set: the store answers as soon as they are (nothing polls).
+        `check` runs every CHECK_EVERY seconds and may raise; past `timeout` seconds a
+        TimeoutError names `what`."""
         keys = list(keys)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -351,8 +350,8 @@ class Member(Channel):
             end = self.get_json(Keys.END)
             raise JobEnded(end["state"], end["message"])
 
-    def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, poll_max: float = POLL_MAX) -> None:
-        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, poll_max)
+    def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None) -> None:
+        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end)
 
     def wait_for_end(self) -> dict:
         """Wait for the controller's end of the job: {"state", "message"}."""
@@ -401,10 +400,10 @@ class Member(Channel):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
         return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
 
-    def round(self, version: int, again: int = 0, poll_max: float = POLL_MAX, timeout: float | None = None) -> Round:
+    def round(self, version: int, again: int = 0, timeout: float | None = None) -> Round:
         """Wait for the controller's go for that round (TimeoutError past `timeout` seconds)."""
         key = Keys.go(version, again)
-        self.wait_for(key, f"the controller's go for version {version}", timeout, poll_max=poll_max)
+        self.wait_for(key, f"the controller's go for version {version}", timeout)
         return Round.from_json(self.get(key))
 
     def welcome(self) -> Round:

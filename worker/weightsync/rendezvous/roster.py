@@ -25,10 +25,11 @@ from typing import Callable, Iterable, Mapping
 
 from weightsync.job import INFERENCE, TRAINER, Layout, reasons
 from weightsync.job.token import same
-from weightsync.rendezvous.protocol import (HEARTBEAT, POLL_MAX, Channel, Keys, ProofError, Round, host_store, peers_mac,
-                                            plan_mac, rank_proof, ranks_of, who)
+from weightsync.rendezvous.protocol import (HEARTBEAT, Channel, Keys, ProofError, Round, host_store, peers_mac, plan_mac,
+                                            rank_proof, ranks_of, who)
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
+BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 
 SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
@@ -189,7 +190,7 @@ class Host(Channel):
         """Every trainer's report of the round; receivers a trainer lost count as away."""
         trainers = self.layout.world_size(TRAINER)
         self.wait_ranks([Keys.sent(rnd.version, rnd.again, t) for t in range(trainers)],
-                        f"the trainers to send {rnd.name}", timeout, poll_max=0.002)
+                        f"the trainers to send {rnd.name}", timeout)
         reports = [self.get_json(Keys.sent(rnd.version, rnd.again, t)) for t in range(trainers)]
         for t, report in enumerate(reports):
             for r, why in (report.get("lost") or {}).items():
@@ -241,7 +242,7 @@ class Host(Channel):
         away_limit bounds the wait: past it, check_ranks fails the job)."""
         while not any(s.state == WAITING for s in self.seats.values()):
             self.check_ranks()
-            time.sleep(POLL_MAX)
+            time.sleep(BACK_POLL)
 
     def rejoins(self) -> int:
         return sum(s.rejoins for s in self.seats.values())
@@ -260,8 +261,8 @@ class Host(Channel):
 
     # ------------------------------------------------------------ watching
 
-    def wait_ranks(self, keys: Iterable[str], what: str, timeout: float | None = None, poll_max: float = POLL_MAX) -> None:
-        self.wait(keys, what, timeout, self.check_ranks, poll_max)
+    def wait_ranks(self, keys: Iterable[str], what: str, timeout: float | None = None) -> None:
+        self.wait(keys, what, timeout, self.check_ranks)
 
     def check_ranks(self) -> None:
         """Raise RankFailed for a rank that reported a failure, a trainer that restarted or went

@@ -101,7 +101,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, en
     for version in itertools.count(first.version):  # until the controller ends the job
         again = first.again if version == first.version else 0
         try:
-            rnd = member.round(version, again, poll_max=0.002)
+            rnd = member.round(version, again)
         except JobEnded as e:
             return {"state": e.state, "message": str(e)}
         if rank not in rnd.receivers:
@@ -113,7 +113,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, en
                     "the trainers sent those buckets whole")
         pause_point(INFERENCE, rank, "verifying", version)
         if transfer["verify"] == "digest":
-            member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout, poll_max=0.002)
+            member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout)
             reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
