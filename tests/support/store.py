@@ -3,7 +3,7 @@
 from __future__ import annotations
 import socket
 import threading
-from weightsync.rendezvous.store import (StoreClient)
+from weightsync.rendezvous.store.client import StoreClient
 
 
 def record_session(port: int, token: bytes, job: str, talk) -> bytes:

@@ -18,10 +18,12 @@ import torch.distributed as dist
 from support.jobs import ODD, assert_nothing_left, make_job, store_of, wait_key
 from support.store import record_session
 from weightsync import job as contract
-from weightsync.rendezvous import store
 from weightsync.runtime.rank import PAUSE_DIR_ENV
 from weightsync.local.runner import LocalJob
-from weightsync.rendezvous.store import HELLO, PROOF, VERDICT, StoreClient, StoreRefused, pack, seal
+from weightsync.rendezvous.store.client import StoreClient
+from weightsync.rendezvous.store.table import StoreRefused
+from weightsync.rendezvous.store.wire import CODES, HELLO, PROOF, VERDICT, pack, seal
+from weightsync.transport.sockets import recv_exact
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -56,7 +58,7 @@ def stranger(port: int, then: bytes) -> bytes:
     """Connect as someone without the token: a made-up proof, then `then`; what came back after
     the server's hello."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        assert HELLO.unpack(store.recv_exact(sock, HELLO.size))[:2] == (b"WSKV", 1)  # the store is up
+        assert HELLO.unpack(recv_exact(sock, HELLO.size))[:2] == (b"WSKV", 1)  # the store is up
         try:
             sock.sendall(PROOF.pack(b"WSKV", os.urandom(32), os.urandom(32)) + then)
         except OSError:
@@ -103,8 +105,8 @@ def test_without_the_token_a_running_job_cannot_be_read_written_or_filled(tmp_pa
         # made-up proofs followed by frames that read the plan and the proofs, and write every
         # forged key, under a guessed session key: only the refusal comes back
         guess = os.urandom(32)
-        frames = [seal(guess, b"C", i + 1, bytes([store.CODES["get"]]) + pack([key, 1.0])) for i, key in enumerate(READS)]
-        frames += [seal(guess, b"C", len(frames) + i + 1, bytes([store.CODES["set"]]) + pack([k, v]))
+        frames = [seal(guess, b"C", i + 1, bytes([CODES["get"]]) + pack([key, 1.0])) for i, key in enumerate(READS)]
+        frames += [seal(guess, b"C", len(frames) + i + 1, bytes([CODES["set"]]) + pack([k, v]))
                    for i, (k, v) in enumerate(FORGED)]
         assert stranger(port, b"".join(frames)) == VERDICT.pack(0, bytes(32))
         # 256 MiB of junk on 8 connections at once
@@ -153,7 +155,7 @@ def capture_session(port: int, token: bytes, job: str) -> bytes:
 
 def stranger_replay(port: int, captured: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        HELLO.unpack(store.recv_exact(sock, HELLO.size))
+        HELLO.unpack(recv_exact(sock, HELLO.size))
         try:
             sock.sendall(captured)
         except OSError:

@@ -16,9 +16,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from weightsync.rendezvous import store
-from weightsync.rendezvous.store import (CODES, HELLO, PROOF, VERDICT, Limits, StoreClient, StoreError, StoreFull, StoreRefused,
-                              StoreServer, StoreTimeout, handshake_macs, pack, seal)
+from weightsync.rendezvous.store.client import StoreClient
+from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
+from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
+from weightsync.rendezvous.store.wire import CODES, HELLO, OK, PROOF, VERDICT, handshake_macs, pack, read_frame, seal
+from weightsync.transport.sockets import recv_exact
 
 from support.store import record_session
 
@@ -55,12 +57,12 @@ def recv_all(sock: socket.socket, timeout: float = 30.0) -> bytes:
 def raw_session(port: int, token: bytes = TOKEN, job: str = JOB) -> tuple[socket.socket, bytes]:
     """A hand-made authenticated connection: (socket, session key)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    _, version, server_nonce = HELLO.unpack(store.recv_exact(sock, HELLO.size))
+    _, version, server_nonce = HELLO.unpack(recv_exact(sock, HELLO.size))
     assert version == 1
     client_nonce = os.urandom(32)
     proof, answer, key = handshake_macs(token, job, server_nonce, client_nonce)
     sock.sendall(PROOF.pack(b"WSKV", client_nonce, proof))
-    assert VERDICT.unpack(store.recv_exact(sock, VERDICT.size)) == (1, answer)
+    assert VERDICT.unpack(recv_exact(sock, VERDICT.size)) == (1, answer)
     return sock, key
 
 
@@ -135,7 +137,7 @@ def test_a_client_does_not_trust_a_server_without_the_token():
     def serve():
         conn, _ = impostor.accept()
         conn.sendall(HELLO.pack(b"WSKV", 1, os.urandom(32)))
-        store.recv_exact(conn, PROOF.size)
+        recv_exact(conn, PROOF.size)
         conn.sendall(VERDICT.pack(1, os.urandom(32)))  # accepts anyone, proves nothing
         recv_all(conn)
         conn.close()
@@ -150,7 +152,7 @@ def test_without_the_token_nothing_is_read_or_written(server):
     server.set("plan", b"the plan")
     forged_key = os.urandom(32)
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        magic, version, _ = HELLO.unpack(store.recv_exact(sock, HELLO.size))
+        magic, version, _ = HELLO.unpack(recv_exact(sock, HELLO.size))
         assert (magic, version) == (b"WSKV", 1)
         sock.sendall(PROOF.pack(b"WSKV", os.urandom(32), os.urandom(32)))
         try:  # frames as if the proof had passed: read the plan, end the job
@@ -166,7 +168,7 @@ def test_without_the_token_nothing_is_read_or_written(server):
 def test_junk_before_the_handshake_is_not_read(server):
     # what a TCPStore client, or any stranger, sends: never more than the proof's size is read
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        HELLO.unpack(store.recv_exact(sock, HELLO.size))
+        HELLO.unpack(recv_exact(sock, HELLO.size))
         try:
             for _ in range(64):
                 sock.sendall(os.urandom(1 << 20))
@@ -185,7 +187,7 @@ def test_a_captured_session_replayed_on_a_new_connection_is_refused(server):
     server.delete_key("x")
 
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        HELLO.unpack(store.recv_exact(sock, HELLO.size))
+        HELLO.unpack(recv_exact(sock, HELLO.size))
         sock.sendall(bytes(captured))  # the whole client side: proof, set, add
         assert recv_all(sock) == VERDICT.pack(0, bytes(32))
     assert not server.check(["x"]) and server.get("counter") == b"1"
@@ -196,8 +198,8 @@ def test_within_a_session_a_frame_replayed_reordered_altered_or_reflected_closes
     sock, key = raw_session(server.port)
     first = seal(key, b"C", 1, request("add", b"n", 1))
     sock.sendall(first)
-    reply = store.read_frame(sock, key, b"S", 1, 1 << 20)
-    assert reply[0] == store.OK
+    reply = read_frame(sock, key, b"S", 1, 1 << 20)
+    assert reply[0] == OK
     bad = {"replayed": first,
            "reordered": seal(key, b"C", 3, request("add", b"n", 1)),
            "altered": first[:-40] + bytes([first[-40] ^ 1]) + first[-39:],
@@ -242,13 +244,13 @@ def test_unauthenticated_connections_are_capped_and_timed_out():
     try:
         idle = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(2)]
         for sock in idle:
-            assert HELLO.unpack(store.recv_exact(sock, HELLO.size))[1] == 1
+            assert HELLO.unpack(recv_exact(sock, HELLO.size))[1] == 1
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as third:
             assert recv_all(third) == HELLO.pack(b"WSKV", 0, bytes(32))  # busy, and closed
         # a real client meanwhile retries, and gets in once the idle ones were timed out
-        c = client(s, connect_timeout=store.HANDSHAKE_SECONDS + 60)
+        c = client(s, connect_timeout=HANDSHAKE_SECONDS + 60)
         for sock in idle:
-            assert recv_all(sock, timeout=store.HANDSHAKE_SECONDS + 60) == b""
+            assert recv_all(sock, timeout=HANDSHAKE_SECONDS + 60) == b""
             sock.close()
         c.set("in", b"1")
     finally:
@@ -303,7 +305,7 @@ def _non_loopback_address() -> str | None:
 
 SERVER = """
 import sys, time
-from weightsync.rendezvous.store import StoreServer
+from weightsync.rendezvous.store.server import StoreServer
 s = StoreServer("127.0.0.1", 0, sys.argv[1].encode(), sys.argv[2])
 s.set("here", b"1")
 print(s.port, flush=True)
@@ -368,8 +370,7 @@ def test_a_dead_server_is_an_error_at_once(server_process):
 GLOO_RANK = """
 import datetime, sys
 import torch, torch.distributed as dist
-from weightsync.rendezvous.store import StoreClient
-from support.store import record_session
+from weightsync.rendezvous.store.client import StoreClient
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 # handed straight to PrefixStore, without a reference of its own
 store = dist.PrefixStore("ddp", StoreClient("127.0.0.1", port, sys.argv[3].encode(), sys.argv[4], timeout=60))

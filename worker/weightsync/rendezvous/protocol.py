@@ -1,4 +1,4 @@
-"""The rendezvous protocol through the controller's store (store.py: only the job's processes,
+"""The rendezvous protocol through the controller's store (store/: only the job's processes,
 proving the job's token, can read or write it): the keys, and a rank's side of it.
 
 Every key is named by Keys below. A rank joins with an attempt number (1, then one more each time
@@ -23,6 +23,8 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from weightsync.job import INFERENCE, TRAINER, Layout
 from weightsync.job.token import mac, same
+from weightsync.rendezvous.store.server import StoreServer
+from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
@@ -61,15 +63,13 @@ def versions(spec: Mapping) -> Iterator[tuple[int, int]]:
 
 def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
     """The controller's store, on the pod's own address, for the job's ranks and no one else."""
-    from weightsync.rendezvous.store import Limits, StoreServer
-
     return StoreServer(address, port, token, job, Limits(connections=CONNECTIONS_PER_RANK * ranks + 16), STORE_TIMEOUT)
 
 
 def connect_store(host: str, port: int, token: bytes, job: str, timeout: float):
     """A client of the controller's store; retries until `timeout` while the controller starts.
     StoreRefused if this process's token (or job) is not the store's."""
-    from weightsync.rendezvous.store import StoreClient, StoreError, StoreRefused
+    from weightsync.rendezvous.store.client import StoreClient  # torch
 
     try:
         return StoreClient(host, port, token, job, timeout=min(STORE_TIMEOUT, timeout), connect_timeout=timeout)
@@ -298,8 +298,6 @@ class Member(Channel):
     """One trainer or inference rank's side of the rendezvous."""
 
     def __init__(self, host: str, port: int, token: bytes, role: str, rank: int, timeout: float, *, job: str):
-        from weightsync.rendezvous.store import StoreRefused
-
         try:
             super().__init__(connect_store(host, port, token, job, timeout))
         except StoreRefused as e:
@@ -420,8 +418,6 @@ class Member(Channel):
     def bye(self) -> bool:
         """Tell the controller this rank saw the job's end; False where the controller had already
         gone (it waits a bounded time for every goodbye, then goes: the job's end stands)."""
-        from weightsync.rendezvous.store import StoreError
-
         try:
             self.set(Keys.bye(self.role, self.rank), "1")
         except StoreError:

@@ -1,9 +1,11 @@
-"""The socket toolkit of the socket transports (tcp, and the control channel of uccl).
+"""The socket toolkit of the socket transports (tcp, and the control channel of uccl), and of the
+rendezvous store above them.
 
 Sending a list of byte views without joining them, receiving exactly n bytes, closing a socket so
 that a blocked thread wakes up, dialing a peer that may not listen yet, and the sender's side of
 the handshake (wire.py defines its bytes; door.py is the receiver's side). Every call here runs
-under the socket's own timeout, so the transports above turn a silent peer into a TransferError.
+under the socket's own timeout, or within a deadline where the caller gives one, so the callers
+turn a silent peer into an error of their own (a TransferError, a store's timeout).
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ def tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:
     sock.settimeout(timeout)
 
 
-def send_all(sock: socket.socket, views: list[memoryview]) -> None:
-    """sendmsg until every byte of `views` is on its way (no copies into a joined buffer)."""
+def within(sock: socket.socket, deadline: float) -> None:
+    """Give the socket's next call the time left until `deadline` (time.monotonic()) as its
+    timeout: socket.timeout once it has passed."""
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+
+
+def send_all(sock: socket.socket, views: list[memoryview], deadline: float | None = None) -> None:
+    """sendmsg until every byte of `views` is on its way (no copies into a joined buffer); with a
+    deadline, all of it before then."""
     views = [v for v in views if len(v)]
     i = 0
     while i < len(views):
+        if deadline is not None:
+            within(sock, deadline)
         sent = sock.sendmsg(views[i:i + IOV_MAX])
         while sent:
             n = len(views[i])
@@ -66,18 +77,22 @@ class PeerClosed(ConnectionError):
     """The peer closed the connection."""
 
 
-def recv_into_all(sock: socket.socket, view: memoryview) -> None:
+def recv_into_all(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket (PeerClosed if the peer closes first); with a deadline, all of
+    it before then."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            within(sock, deadline)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
         got += n
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_into_all(sock, memoryview(buf))
+    recv_into_all(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 

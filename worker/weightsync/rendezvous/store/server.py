@@ -1,0 +1,196 @@
+"""The store's server: the table, served on one address (the pod's own) to clients that prove
+the job's token (wire.py defines the bytes), within the bounds of its Limits. The controller runs
+it; a connection that does not prove the token within HANDSHAKE_SECONDS is closed, and refused
+connections are logged at most once per LOG_EVERY.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import secrets
+import socket
+import threading
+import time
+
+from weightsync.job.token import same
+from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreTimeout, Table
+from weightsync.rendezvous.store.wire import (ERROR, FULL, HELLO, MAGIC, OK, OPS, PROOF, TIMEOUT, VERDICT,
+                                              handshake_macs, pack, read_frame, seal, tags, unpack)
+from weightsync.transport.sockets import hang_up, recv_exact, send_all
+
+log = logging.getLogger("weightsync.rendezvous.store")
+
+HANDSHAKE_SECONDS = 5.0  # a connection must prove the token within this
+IO_SECONDS = 60.0  # the server's limit for receiving the rest of a frame, and for sending one
+DRAIN_SECONDS = 2.0  # a closing server's wait for the answers it is sending
+LOG_EVERY = 1.0  # seconds between two log lines about refused connections
+
+
+class StoreServer(Table):
+    """The table, served on one address to clients that prove the job's token. The process that
+    runs it uses the Table methods directly."""
+
+    def __init__(self, address: str, port: int, token: bytes, job: str, limits: Limits = Limits(),
+                 timeout: float = 60.0):
+        super().__init__(limits, timeout)
+        if address in ("", "0.0.0.0", "::"):
+            raise ValueError(f"the store binds one address (the pod's own), not every interface ({address!r})")
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind(sockaddr)
+        except OSError as e:
+            self._listener.close()
+            raise OSError(e.errno, f"the rendezvous store cannot listen on {address}:{port}: {e.strerror}") from None
+        self._listener.listen(256)
+        self.address, self.port = address, self._listener.getsockname()[1]
+        self._token, self._job = token, job
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._open: set[socket.socket] = set()
+        self._pending = self._answering = 0
+        self._closed = False
+        self._refused, self._last_log = 0, 0.0
+        threading.Thread(target=self._accept, name="store-accept", daemon=True).start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop serving: requests being answered get their answer first (for up to DRAIN_SECONDS),
+        and waits end at once. The process that exits closes its server: a client whose last
+        request was applied must not lose the answer to the race with the exit."""
+        if self._closed:
+            return
+        self._closed = True
+        hang_up(self._listener)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        with self._idle:
+            self._idle.wait_for(lambda: self._answering == 0, DRAIN_SECONDS)
+            for sock in list(self._open):
+                hang_up(sock)
+
+    def _note_refused(self, message: str) -> None:
+        """Log a refused connection: at most one line per LOG_EVERY, counting the rest."""
+        with self._lock:
+            self._refused += 1
+            now = time.monotonic()
+            if now - self._last_log < LOG_EVERY:
+                return
+            count, self._refused, self._last_log = self._refused, 0, now
+        more = f" ({count - 1} more refused since the last report)" if count > 1 else ""
+        log.warning("rendezvous store: %s%s", message, more)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("rendezvous store: accept failed: %s", e)
+                time.sleep(0.1)  # out of file descriptors: let connections close
+                continue
+            with self._lock:
+                busy = len(self._open) >= self.limits.connections or self._pending >= self.limits.pending
+                if not busy:
+                    self._open.add(sock)
+                    self._pending += 1
+            if busy:
+                try:
+                    sock.settimeout(1.0)
+                    sock.sendall(HELLO.pack(MAGIC, 0, bytes(32)))
+                except OSError:
+                    pass
+                hang_up(sock)
+                self._note_refused(f"turned away {peer[0]}:{peer[1]}: at the limit of {self.limits.connections} "
+                                   f"connections or {self.limits.pending} unauthenticated ones")
+                continue
+            threading.Thread(target=self._serve, args=(sock, peer), name="store-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer) -> None:
+        who = f"{peer[0]}:{peer[1]}"
+        try:
+            try:
+                key = self._handshake(sock, who)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+            if key is not None:
+                self._requests(sock, who, key)
+        except OSError:
+            pass  # the client went away
+        finally:
+            with self._lock:
+                self._open.discard(sock)
+            hang_up(sock)
+
+    def _handshake(self, sock: socket.socket, who: str) -> bytes | None:
+        deadline = time.monotonic() + HANDSHAKE_SECONDS
+        server_nonce = secrets.token_bytes(32)
+        try:
+            send_all(sock, [HELLO.pack(MAGIC, 1, server_nonce)], deadline)
+            magic, client_nonce, proof = PROOF.unpack(recv_exact(sock, PROOF.size, deadline))
+        except socket.timeout:
+            self._note_refused(f"closed {who}: it sent no proof of the job token within {HANDSHAKE_SECONDS:.0f}s")
+            return None
+        except OSError:  # a TCP probe or a port scan: not worth a line in the log
+            log.debug("rendezvous store: %s hung up without proving the job token", who)
+            return None
+        want, answer, key = handshake_macs(self._token, self._job, server_nonce, client_nonce)
+        if magic != MAGIC or not same(proof, want):
+            self._note_refused(f"refused {who}: its proof does not match this job's token")
+            try:
+                send_all(sock, [VERDICT.pack(0, bytes(32))], deadline)
+            except OSError:
+                pass
+            return None
+        send_all(sock, [VERDICT.pack(1, answer)], deadline)
+        return key
+
+    def _requests(self, sock: socket.socket, who: str, key: bytes) -> None:
+        if hasattr(socket, "TCP_KEEPIDLE"):  # find clients that vanished without closing
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        seq = 0
+        while True:
+            seq += 1
+            sock.settimeout(None)  # an authenticated client may stay idle as long as it likes
+            try:
+                head = sock.recv(1, socket.MSG_PEEK)
+                if not head:
+                    return
+                payload = read_frame(sock, key, b"C", seq, self.limits.frame_bytes, time.monotonic() + IO_SECONDS)
+            except ValueError as e:
+                log.warning("rendezvous store: closed %s after %s", who, e)
+                return
+            with self._lock:
+                self._answering += 1
+            try:
+                status, results = self._dispatch(payload)
+                send_all(sock, [seal(key, b"S", seq, bytes([status]) + pack(results))], time.monotonic() + IO_SECONDS)
+            finally:
+                with self._idle:
+                    self._answering -= 1
+                    self._idle.notify_all()
+
+    def _dispatch(self, payload: bytes) -> tuple[int, list]:
+        try:
+            name, wanted = OPS.get(payload[0], (None, ""))
+            if name is None:
+                raise StoreError(f"unknown operation {payload[0]}")
+            args = unpack(payload[1:])
+            if tags(args) != wanted:
+                raise StoreError(f"{name}: malformed arguments")
+            result = getattr(self, name)(*args)
+            return OK, [] if result is None else [result]
+        except StoreTimeout as e:
+            return TIMEOUT, [str(e)]
+        except StoreFull as e:
+            return FULL, [str(e)]
+        except (StoreError, ValueError, IndexError) as e:
+            return ERROR, [str(e)]

@@ -1,0 +1,182 @@
+"""The store's keys and values, with the semantics of torch's TCPStore and the bounds of Limits,
+and the errors every side of the store raises. The server's clients and the server's own process
+(the controller) use the same Table methods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+
+from weightsync.rendezvous.store.wire import as_bytes
+
+MAX_WAIT = 86400.0  # the longest a client may ask the server to wait for keys
+KEY_OVERHEAD = 64  # bytes counted per key on top of its name and value (the table's own cost)
+
+
+class StoreError(RuntimeError):
+    """The store refused a request, or the connection to it failed (the message says which)."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A deadline passed: keys not set in time, or a server that did not answer in time."""
+
+
+class StoreFull(StoreError):
+    """A request would take the store over one of its bounds (Limits)."""
+
+
+class StoreRefused(StoreError):
+    """The handshake failed: the client or the server does not hold the job's token."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What clients may make the server hold."""
+
+    value_bytes: int = 64 << 20  # one value, and all values of one request
+    total_bytes: int = 256 << 20  # keys and values together, KEY_OVERHEAD per key included
+    keys: int = 100_000
+    key_bytes: int = 4096
+    connections: int = 512  # open connections, authenticated or not
+    pending: int = 64  # connections that have not proven the token yet
+
+    @property
+    def frame_bytes(self) -> int:
+        return self.value_bytes + (1 << 20)
+
+
+def as_seconds(timeout) -> float:
+    """A timeout given as a timedelta (torch's way) or as seconds, in seconds."""
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+def _shown(key: bytes) -> str:
+    return key.decode(errors="replace")
+
+
+class Table:
+    """The keys and values, with the store's semantics (those of torch's TCPStore) and bounds.
+    The server's clients and its own process use the same methods."""
+
+    def __init__(self, limits: Limits, timeout: float):
+        self.limits, self.timeout = limits, timeout
+        self._data: dict[bytes, bytes] = {}
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self._closing = False
+
+    @property
+    def bytes_held(self) -> int:
+        return self._bytes
+
+    def _room(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Raise StoreFull unless every (key, value) fits; the caller holds the lock."""
+        lim = self.limits
+        total, keys, new = self._bytes, len(self._data), set()
+        for key, value in items:
+            if len(key) > lim.key_bytes:
+                raise StoreFull(f"a key of {len(key)} bytes is over the store's limit of {lim.key_bytes}")
+            if len(value) > lim.value_bytes:
+                raise StoreFull(f"a value of {len(value)} bytes for {_shown(key)!r} is over the store's limit of "
+                                f"{lim.value_bytes} bytes per value")
+            old = self._data.get(key)
+            if old is None and key not in new:
+                new.add(key)
+                keys += 1
+                total += len(key) + len(value) + KEY_OVERHEAD
+            else:
+                total += len(value) - len(old or b"")
+            if keys > lim.keys:
+                raise StoreFull(f"the store holds its limit of {lim.keys} keys; {_shown(key)!r} was not added")
+            if total > lim.total_bytes:
+                raise StoreFull(f"{_shown(key)!r} would take the store to {total} bytes, over its limit of "
+                                f"{lim.total_bytes} bytes")
+
+    def _put(self, items: list[tuple[bytes, bytes]]) -> None:
+        self._room(items)
+        for key, value in items:
+            old = self._data.get(key)
+            self._bytes += len(value) + (len(key) + KEY_OVERHEAD if old is None else -len(old))
+            self._data[key] = value
+        self._cond.notify_all()
+
+    def _await(self, keys: list[bytes], timeout, what: str) -> None:
+        """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
+        limit = min(max(as_seconds(self.timeout if timeout is None else timeout), 0.0), MAX_WAIT)
+        if not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys), limit):
+            missing = ", ".join(_shown(k) for k in keys if k not in self._data)
+            raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
+        if not all(k in self._data for k in keys):
+            raise StoreError(f"{what}: the store is closing (its process is ending)")
+
+    def set(self, key, value) -> None:
+        with self._cond:
+            self._put([(as_bytes(key), as_bytes(value))])
+
+    def get(self, key, timeout=None) -> bytes:
+        key = as_bytes(key)
+        with self._cond:
+            self._await([key], timeout, "get")
+            return self._data[key]
+
+    def add(self, key, amount: int) -> int:
+        key = as_bytes(key)
+        with self._cond:
+            old = self._data.get(key, b"0")
+            try:
+                value = int(old) + int(amount)
+            except ValueError:
+                raise StoreError(f"add: {_shown(key)!r} holds {old[:32]!r}, not a number") from None
+            self._put([(key, str(value).encode())])
+            return value
+
+    def check(self, keys) -> bool:
+        with self._cond:
+            return all(as_bytes(k) in self._data for k in keys)
+
+    def wait(self, keys, timeout=None) -> None:
+        with self._cond:
+            self._await([as_bytes(k) for k in keys], timeout, "wait")
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        """As TCPStore: set `desired` if the key holds `expected` (or is unset and `expected` is
+        empty); return what the key holds afterwards (`expected` if it stays unset)."""
+        key, expected, desired = as_bytes(key), as_bytes(expected), as_bytes(desired)
+        with self._cond:
+            current = self._data.get(key)
+            if (current is None and not expected) or (current is not None and current == expected):
+                self._put([(key, desired)])
+                return desired
+            return expected if current is None else current
+
+    def delete_key(self, key) -> bool:
+        key = as_bytes(key)
+        with self._cond:
+            value = self._data.pop(key, None)
+            if value is None:
+                return False
+            self._bytes -= len(key) + len(value) + KEY_OVERHEAD
+            return True
+
+    def num_keys(self) -> int:
+        with self._cond:
+            return len(self._data)
+
+    def append(self, key, value) -> None:
+        key = as_bytes(key)
+        with self._cond:
+            self._put([(key, self._data.get(key, b"") + as_bytes(value))])
+
+    def multi_get(self, keys, timeout=None) -> list[bytes]:
+        keys = [as_bytes(k) for k in keys]
+        with self._cond:
+            self._await(keys, timeout, "multi_get")
+            return [self._data[k] for k in keys]
+
+    def multi_set(self, keys, values) -> None:
+        if len(keys) != len(values):
+            raise StoreError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        with self._cond:
+            self._put([(as_bytes(k), as_bytes(v)) for k, v in zip(keys, values)])
