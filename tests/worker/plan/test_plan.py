@@ -5,7 +5,10 @@ import pytest
 
 from weightsync import job as contract
 from weightsync.model.flat import ALIGN, FlatLayout
+from weightsync.plan.holders import Holdings, plan_by_holder
+from weightsync.plan.interface import TransferBucket, TransferPlan
 from weightsync.plan.segments import Plan, make_plan
+from weightsync.plan.sliced import SlicedPlan, needs_everything
 
 
 def layout(shapes, dtype="float32"):
@@ -89,6 +92,25 @@ def test_json_round_trip():
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert again.to_json() == plan.to_json()
+
+
+def test_every_planner_makes_a_transfer_plan():
+    """The whole plan, the plan by holder and the plan over slices all speak interface.TransferPlan
+    (what the send pipeline and the receiver ask of a plan): every bucket goes to every inference
+    rank, or over slices to its one receiver, and each receiver expects exactly those."""
+    lay = layout([(10, 64), (7, 32)])
+    held = tuple(Holdings.fsdp(lay, 2, t) for t in range(2))
+    plans = [make_plan(lay, 2, 3, 4096), plan_by_holder(lay, dict(enumerate(held)), 3, 4096, bundle=True),
+             SlicedPlan(lay, held, tuple(needs_everything(lay, r) for r in range(3)), 4096)]
+    for plan in plans:
+        assert isinstance(plan, TransferPlan)
+        buckets = [b for t in range(plan.trainers) for b in plan.buckets_of(t)]
+        assert buckets and all(isinstance(b, TransferBucket) for b in buckets)
+        assert {b.receiver is None for b in buckets} == {not plan.sliced}
+        for r in range(plan.inferences):
+            expected = sorted(o for ranges in plan.expected_for(r).values() for o, _ in ranges)
+            assert expected == sorted(b.offset for b in buckets if b.receiver in (None, r))
+            assert plan.bytes_for(r) == lay.total_bytes
 
 
 def test_bad_arguments_say_what_to_fix():

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weightsync.plan.holdings import dim1_where_dim0_is_uneven, sharded
+from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
 from weightsync.plan.linktime import greedy_order, simulate
-from weightsync.plan.pieces import check_plan, make_slice_plan
+from weightsync.plan.pieces import assign_pieces, check_assignment
 from weightsync.plan.slices import Box, GlobalTensor, Slicing, chunk_bounds, join
 from weightsync.plan.tp import check_heads, tp_boxes, tp_needs
 
@@ -214,8 +214,8 @@ def test_every_needed_byte_comes_from_exactly_one_holder(case):
         needs = join(tp_needs(tensors, plan_styles, 2), tp_needs(tensors, plan_styles, 1))
     else:
         needs = tp_needs(tensors, plan_styles, 2)
-    plan = make_slice_plan(holders, needs, bucket_bytes=2048)
-    check_plan(plan, needs)
+    plan = assign_pieces(holders, needs, bucket_bytes=2048)
+    check_assignment(plan, needs)
     paint(plan, holders, needs)
     assert plan.bytes_by_receiver().tolist() == needs.bytes_of_rank()
 
@@ -227,8 +227,8 @@ def test_the_plan_from_what_ranks_publish_equals_the_plan_from_the_layouts():
     needs = join(tp_needs(tensors, model._tp_plan, 2), tp_needs(tensors, model._tp_plan, 1))
     published_h = Slicing.from_ranks(tensors, [holders.of_rank(r) for r in range(holders.world)], holders.world)
     published_n = Slicing.from_ranks(tensors, [needs.of_rank(r) for r in range(needs.world)], needs.world)
-    a = make_slice_plan(holders, needs, 4096)
-    b = make_slice_plan(published_h, published_n, 4096)
+    a = assign_pieces(holders, needs, 4096)
+    b = assign_pieces(published_h, published_n, 4096)
     for s in range(holders.world):
         assert a.pieces_of(s) == b.pieces_of(s)
 
@@ -241,11 +241,11 @@ def test_holdings_that_miss_or_overlap_are_refused_with_the_tensor_named():
     gap = Slicing.from_ranks(t, [RankSlices(0, (Slice("w", Box((0, 0), (3, 4))),)),
                                  RankSlices(1, (Slice("w", Box((4, 0), (8, 4))),))], 2)
     with pytest.raises(ValueError, match=r"tensor w: .*need \[0:8, 0:4\] \(32 elements\) but the trainer ranks hold 28"):
-        make_slice_plan(gap, needs, 1024)
+        assign_pieces(gap, needs, 1024)
     overlap = Slicing.from_ranks(t, [RankSlices(0, (Slice("w", Box((0, 0), (5, 4))),)),
                                      RankSlices(1, (Slice("w", Box((4, 0), (8, 4))),))], 2)
     with pytest.raises(ValueError, match="tensor w: trainer ranks hold overlapping but different boxes"):
-        make_slice_plan(overlap, needs, 1024)
+        assign_pieces(overlap, needs, 1024)
 
 
 # ---------------------------------------------------------------- balance and order
@@ -264,8 +264,8 @@ def test_senders_are_balanced_within_five_percent(shard, replicas, tp, inference
     tensors = tensors_of(model)
     holders = sharded(tensors, shard, replicas)
     needs = tp_needs(tensors, model._tp_plan, tp, inference_replicas)
-    plan = make_slice_plan(holders, needs, 64 << 20)
-    check_plan(plan, needs)
+    plan = assign_pieces(holders, needs, 64 << 20)
+    check_assignment(plan, needs)
     senders, receivers = plan.balance()
     assert senders <= 1.05, plan.table()
     assert plan.bytes_by_receiver().tolist() == needs.bytes_of_rank()
@@ -276,7 +276,7 @@ def test_senders_are_balanced_within_five_percent(shard, replicas, tp, inference
 def test_senders_start_on_different_receivers():
     model = build(LLAMA)
     tensors = tensors_of(model)
-    plan = make_slice_plan(sharded(tensors, 4), tp_needs(tensors, model._tp_plan, 1, 4), 1 << 20)
+    plan = assign_pieces(sharded(tensors, 4), tp_needs(tensors, model._tp_plan, 1, 4), 1 << 20)
     firsts = [plan.pieces_of(s)[0].receiver for s in range(4)]
     assert sorted(firsts) == [0, 1, 2, 3]
     for s in range(4):  # all a sender owes one receiver goes as one stream
@@ -287,39 +287,21 @@ def test_senders_start_on_different_receivers():
 
 def test_uniform_all_to_all_runs_at_the_speed_of_light_and_a_queue_does_not():
     pairs = np.full((4, 4), 1000.0)
-
-    class Plan:
-        senders = receivers = 4
-
-        def __init__(self, position):
-            self.position = position
-
-        def pair_bytes(self):
-            return pairs
-
     one_at_a_time = greedy_order(pairs, window=1)
     assert sorted(one_at_a_time[:, 0].tolist()) == [0, 1, 2, 3]  # a Latin square: each receiver one sender at a time
-    fast = simulate(Plan(one_at_a_time), bandwidth=1000.0, window=1)
+    fast = simulate(pairs, one_at_a_time, bandwidth=1000.0, window=1)
     assert fast.speed_of_light == pytest.approx(4.0) and fast.seconds == pytest.approx(4.0)
-    queue = simulate(Plan(np.tile(np.arange(4), (4, 1))), bandwidth=1000.0, window=1)  # all start on receiver 0
+    queue = simulate(pairs, np.tile(np.arange(4), (4, 1)), bandwidth=1000.0, window=1)  # all start on receiver 0
     assert queue.seconds == pytest.approx(16.0) and queue.over_light == pytest.approx(4.0)
-    assert simulate(Plan(greedy_order(pairs)), bandwidth=1000.0).seconds == pytest.approx(4.0)
-    jittered = simulate(Plan(greedy_order(pairs)), bandwidth=1000.0, jitter=0.01, seed=1)
+    assert simulate(pairs, greedy_order(pairs), bandwidth=1000.0).seconds == pytest.approx(4.0)
+    jittered = simulate(pairs, greedy_order(pairs), bandwidth=1000.0, jitter=0.01, seed=1)
     assert 4.0 * 0.99 <= jittered.seconds <= 4.0 * 1.01
 
 
 def test_a_stream_runs_at_the_share_of_its_more_crowded_end():
     # sender 0 owes receivers 0 and 1; sender 1 owes receiver 1 only: receiver 1 splits its NIC
     pairs = np.array([[1000.0, 1000.0], [0.0, 1000.0]])
-
-    class Plan:
-        senders = receivers = 2
-        position = np.array([[0, 1], [0, 0]])
-
-        def pair_bytes(self):
-            return pairs
-
-    t = simulate(Plan(), bandwidth=1000.0, window=2)
+    t = simulate(pairs, np.array([[0, 1], [0, 0]]), bandwidth=1000.0, window=2)
     # all three streams at 500 B/s (sender 0 has two, receiver 1 has two): 2 s, as the speed of light
     assert t.seconds == pytest.approx(2.0) and t.speed_of_light == pytest.approx(2.0)
 

@@ -1,30 +1,38 @@
-"""What a trainer rank holds of a version, and the plan that has every rank send only that.
+"""What trainer ranks hold of a version, and the plan that has every rank send only that.
 
-With FSDP2 (torch.distributed.fsdp.fully_shard) no trainer rank holds a whole tensor: each holds
-a contiguous run of dim-0 rows of every parameter (torch.chunk's split, so the last shards may be
-shorter or empty). In the flat layout a tensor's rows are contiguous bytes, so the bytes a rank
-holds are one range per tensor. Each rank publishes, with its join, the dim-0 row range it holds
-of every tensor (Holdings); the controller checks that the ranks' ranges cover every row of every
-tensor and plans by holder: every range held by one rank is sent by that rank, a range held by
-several (replicas of a shard, as in HSDP, or a tensor FSDP left whole) is split into near-equal
-runs of rows among its holders. No rank ever needs a row it does not hold: nothing is gathered.
+FSDP2's fully_shard cuts every parameter on dim 0 (or the dim its shard_placement_fn picks) into
+`shard` chunks as torch.chunk does: ceil(n / shard) rows each, the last chunk shorter and ranks
+past the end empty. HSDP keeps `replicas` copies of that sharding; ranks are numbered as a
+(replicate, shard) device mesh numbers them, so rank = replica * shard + shard index. DDP is the
+degenerate case of one shard and N replicas. Replicas hold the same bytes: the plan chooses
+among them to balance the senders. sharded() says this as slices of the global tensors, for the
+slice planner (pieces.py) and `weightsync plan --simulate`.
+
+On dim 0, a rank holds a contiguous run of rows of every parameter, and in the flat layout a
+tensor's rows are contiguous bytes, so the bytes a rank holds are one range per tensor. Each rank
+publishes, with its join, the dim-0 row range it holds of every tensor (Holdings); the controller
+checks that the ranks' ranges cover every row of every tensor and plans by holder: every range
+held by one rank is sent by that rank, a range held by several (replicas of a shard, as in HSDP,
+or a tensor FSDP left whole) is split into near-equal runs of rows among its holders. No rank ever
+needs a row it does not hold: nothing is gathered.
 
 A rank's runs are one per tensor, most of them far smaller than a bucket (norms, biases, and
 every tensor cut in M): where the receivers can scatter a frame's bytes over several runs, one
 bucket bundles a rank's runs of consecutive tensors, so that a sharded rank sends about as many
 frames as a replica sending the same bytes. Where every rank holds everything (plain or DDP
-replicas) the controller keeps plan.make_plan's contiguous segments.
-Imports no torch (sources.py reads the holdings off a model).
+replicas) the controller keeps segments.make_plan's contiguous segments.
+Imports no torch (publisher/sources.py reads the holdings off a model).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, Union
 
 from weightsync.model.flat import ALIGN, FlatLayout, TensorSlot
 from weightsync.plan.segments import Bucket, Plan
-from weightsync.plan.slices import chunk_bounds
+from weightsync.plan.slices import GlobalTensor, Placement, Slicing, chunk_bounds, dim_chunks
+
+ShardDim = Union[int, Callable[[GlobalTensor], int]]
 
 
 def rows_of(slot: TensorSlot) -> int:
@@ -77,7 +85,7 @@ class Holdings:
 def plan_by_holder(layout: FlatLayout, holdings: Mapping[int, Holdings], inferences: int, bucket_bytes: int,
                    bundle: bool = False) -> Plan:
     """The plan in which trainer rank t sends only rows it holds (holdings: {t: Holdings} for
-    every trainer rank). With `bundle` (receivers that scatter a frame, transport.SCATTERING) a
+    every trainer rank). With `bundle` (receivers that scatter a frame, Capabilities.scatters) a
     bucket bundles a rank's runs of consecutive tensors up to bucket_bytes; without, every run is
     a bucket of its own. ValueError naming the tensor where the ranks' rows do not cover every
     row exactly (two ranks holding different but overlapping rows, or rows nobody holds)."""
@@ -149,3 +157,42 @@ def _check_cover(slot: TensorSlot, ranges: list[tuple[int, int]]) -> None:
         at = b
     if slot.nbytes and at != rows_of(slot):
         raise ValueError(f"tensor {slot.name}: rows [{at}, {rows_of(slot)}) are held by no trainer rank")
+
+
+# ---------------------------------------------------------------- the same, as slices of the global tensors
+
+
+def sharded(tensors: Sequence[GlobalTensor], shard: int, replicas: int = 1, shard_dim: ShardDim = 0) -> Slicing:
+    """`replicas` x `shard` trainer ranks: FSDP2 (replicas=1), HSDP, or DDP (shard=1).
+    `shard_dim` is the dim every tensor is cut on, or a function of the tensor that returns it
+    (FSDP2's shard_placement_fn); a 0-d tensor is held whole by the first shard."""
+    if shard < 1 or replicas < 1:
+        raise ValueError(f"trainer sharding needs shard >= 1 and replicas >= 1 (got shard={shard}, replicas={replicas})")
+    cache: dict = {}
+    placements = []
+    for t in tensors:
+        dim = shard_dim(t) if callable(shard_dim) else shard_dim
+        if t.shape and not 0 <= dim < len(t.shape):
+            raise ValueError(f"tensor {t.name} {list(t.shape)} cannot be sharded on dim {dim}")
+        key = (t.shape, dim if t.shape else None)
+        if key not in cache:
+            chunks = dim_chunks(t.shape, dim, shard) if t.shape else [t.whole()] + [None] * (shard - 1)
+            boxes, ranks = [], []
+            for i, box in enumerate(chunks):
+                if box is not None:
+                    boxes.append(box)
+                    ranks.append(tuple(g * shard + i for g in range(replicas)))
+            cache[key] = Placement(tuple(boxes), tuple(ranks))
+        placements.append(cache[key])
+    return Slicing(tuple(tensors), tuple(placements), shard * replicas)
+
+
+def dim1_where_dim0_is_uneven(shard: int) -> Callable[[GlobalTensor], int]:
+    """A shard_placement_fn in the way torchtitan shards MoE experts: dim 0 unless it does not
+    split evenly over `shard` ranks (384 experts over 256 ranks would leave 64 ranks empty and
+    the rest with two experts each), then dim 1 where that one does."""
+    def pick(t: GlobalTensor) -> int:
+        if len(t.shape) >= 2 and t.shape[0] % shard and t.shape[1] % shard == 0:
+            return 1
+        return 0
+    return pick

@@ -23,12 +23,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from weightsync.plan.pieces import SlicePlan
 
 WINDOW = 4  # streams a sender keeps in flight
 
@@ -143,26 +139,29 @@ def greedy_order(pair_bytes: np.ndarray, window: int = WINDOW) -> np.ndarray:
             pick(s)
 
 
-def simulate(plan: "SlicePlan", bandwidth: float, jitter: float = 0.0, seed: int = 0,
+def simulate(pair_bytes: np.ndarray, position: np.ndarray, bandwidth: float, jitter: float = 0.0, seed: int = 0,
              window: int = WINDOW) -> Timing:
-    """Simulated seconds of `plan` (in its order) over NICs of `bandwidth` bytes per second each way.
-    `jitter` > 0 scales every stream by a random factor within 1 +- jitter (seeded): a real
-    network never ends streams exactly when the model does."""
+    """Simulated seconds of an order over NICs of `bandwidth` bytes per second each way:
+    pair_bytes[s, r] the bytes sender s owes receiver r, position[s, r] the place of receiver r in
+    sender s's order (greedy_order's, or a plan's: pieces.PieceAssignment.pair_bytes() and
+    .position). `jitter` > 0 scales every stream by a random factor within 1 +- jitter (seeded): a
+    real network never ends streams exactly when the model does."""
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    pairs = plan.pair_bytes()
+    pairs = pair_bytes
+    senders, receivers = pairs.shape
     busiest = int(max(pairs.sum(axis=1).max(initial=0), pairs.sum(axis=0).max(initial=0)))
-    # each sender's streams: its receivers with bytes owed, in the plan's order
+    # each sender's streams: its receivers with bytes owed, in the order's order
     sender, receiver = np.nonzero(pairs)
-    order = np.lexsort((plan.position[sender, receiver], sender))
+    order = np.lexsort((position[sender, receiver], sender))
     sender, receiver = sender[order], receiver[order]
     size = pairs[sender, receiver]
     if jitter:
         size = size * (1 + jitter * np.random.default_rng(seed).uniform(-1, 1, len(size)))
-    nxt = np.searchsorted(sender, np.arange(plan.senders)).tolist()  # each sender's next stream
-    last = np.searchsorted(sender, np.arange(plan.senders), side="right").tolist()
-    streams = _Streams(plan.senders, plan.receivers, bandwidth)
-    free = [s for _ in range(window) for s in range(plan.senders)]
+    nxt = np.searchsorted(sender, np.arange(senders)).tolist()  # each sender's next stream
+    last = np.searchsorted(sender, np.arange(senders), side="right").tolist()
+    streams = _Streams(senders, receivers, bandwidth)
+    free = [s for _ in range(window) for s in range(senders)]
     while free:
         for s in free:
             if nxt[s] < last[s]:

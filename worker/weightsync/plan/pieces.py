@@ -1,4 +1,4 @@
-"""The plan over slices: which trainer rank sends which box of which tensor to which inference rank.
+"""The assignment of pieces: which trainer rank sends which box of which tensor to which inference rank.
 
 Every box an inference rank needs is intersected with the boxes trainer ranks hold; each
 intersection is one piece, sent by one of the ranks holding it. Holders of one box are disjoint
@@ -12,8 +12,9 @@ a sender pipelines them as the flat plan's buckets are.
 Scale: 256 trainers x 128 inference ranks over a 1T-parameter MoE is tens of millions of pieces.
 The work is done per class of tensors (same shape, same holder placement, same need placement:
 every layer's q_proj is one class): intersected, balanced and cut once with numpy, and kept once
-with the list of the class's tensors. The plan is still the complete list of pieces:
+with the list of the class's tensors. The assignment is still the complete list of pieces:
 pieces_of(sender) lists every one of them, and the tests check them byte by byte.
+sliced.SlicedPlan turns an assignment into the transfer plan: the pieces as buckets of bytes.
 
 Order: all a sender owes one receiver goes as one stream, and each sender takes its receivers
 in the order linktime.greedy_order finds by playing the transfer forward on the links' model:
@@ -49,7 +50,7 @@ class Piece:
 @dataclass(frozen=True, eq=False)
 class PieceClass:
     """The pieces of a class of tensors that are alike (same shape, dtype, holders and needs):
-    the same boxes, senders and receivers for each of `tensors` (indices into the plan's tensors).
+    the same boxes, senders and receivers for each of `tensors` (indices into the assignment's tensors).
     Arrays of one length; lo and hi are (pieces, ndim), unused trailing dims of lower-rank tensors
     [0, 1). Sorted by sender."""
 
@@ -62,7 +63,7 @@ class PieceClass:
 
 
 @dataclass(frozen=True, eq=False)
-class SlicePlan:
+class PieceAssignment:
     """Every piece of every tensor, by class; position[s, r] is where receiver r comes in sender
     s's order (all pieces s owes r go as one stream)."""
 
@@ -131,7 +132,7 @@ class SlicePlan:
         return "\n".join(lines)
 
 
-def make_slice_plan(holders: Slicing, needs: Slicing, bucket_bytes: int) -> SlicePlan:
+def assign_pieces(holders: Slicing, needs: Slicing, bucket_bytes: int) -> PieceAssignment:
     """Assign every byte every inference rank needs (`needs`) to exactly one trainer rank holding
     it (`holders`), balanced by bytes across replicas, cut to pieces of at most bucket_bytes."""
     if bucket_bytes < 1:
@@ -162,23 +163,23 @@ def make_slice_plan(holders: Slicing, needs: Slicing, bucket_bytes: int) -> Slic
     bounds = np.searchsorted(klass, np.arange(len(members_of) + 1))
     classes = tuple(PieceClass(np.asarray(idx, dtype=np.int64), *(x[a:b] for x in (sender, recv, lo, hi, nbytes)))
                     for idx, a, b in zip(members_of, bounds[:-1], bounds[1:]))
-    return SlicePlan(tensors, holders.world, needs.world, bucket_bytes, classes, position)
+    return PieceAssignment(tensors, holders.world, needs.world, bucket_bytes, classes, position)
 
 
-def check_plan(plan: SlicePlan, needs: Slicing) -> None:
-    """Cheap whole-plan check (the tests check byte by byte on small cases): for every tensor and
-    receiver, the pieces add up to exactly the bytes that receiver needs of that tensor."""
-    for c in plan.classes:
-        got = np.bincount(c.receiver, weights=c.nbytes, minlength=plan.receivers)
+def check_assignment(assignment: PieceAssignment, needs: Slicing) -> None:
+    """Cheap whole-assignment check (the tests check byte by byte on small cases): for every
+    tensor and receiver, the pieces add up to exactly the bytes that receiver needs of it."""
+    for c in assignment.classes:
+        got = np.bincount(c.receiver, weights=c.nbytes, minlength=assignment.receivers)
         for t in c.tensors:
-            want = np.zeros(plan.receivers)
+            want = np.zeros(assignment.receivers)
             tensor, p = needs.tensors[t], needs.placements[t]
             for box, ranks in zip(p.boxes, p.ranks):
                 want[np.asarray(ranks)] += box.numel * tensor.itemsize
             bad = np.flatnonzero(got != want)
             if len(bad):
                 r = int(bad[0])
-                raise AssertionError(f"plan gives receiver {r} {int(got[r])} bytes of {tensor.name}, it needs {int(want[r])}")
+                raise AssertionError(f"the assignment gives receiver {r} {int(got[r])} bytes of {tensor.name}, it needs {int(want[r])}")
 
 
 def _check_same_tensors(holders: Slicing, needs: Slicing) -> None:

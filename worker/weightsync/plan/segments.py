@@ -7,9 +7,10 @@ exactly one trainer, and all trainers send their share to every inference rank a
 (M -> N), instead of one rank broadcasting everything. The controller computes the plan once and
 publishes its JSON; each version is then only "go".
 
-A bucket is one run of the version's bytes, or (shards.plan_by_holder over a transport whose
+A bucket is one run of the version's bytes, or (holders.plan_by_holder over a transport whose
 receivers scatter) several runs bundled into one frame: a sharded rank holds one run per tensor,
-many of them small, and a frame per run costs more than its bytes.
+many of them small, and a frame per run costs more than its bytes. Plan is an
+interface.TransferPlan, as sliced.SlicedPlan is.
 """
 
 from __future__ import annotations
@@ -43,15 +44,22 @@ class Bucket:
         offset, length = self.spans[-1]
         return offset + length
 
+    @property
+    def receiver(self) -> None:
+        """Every inference rank receives it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Plan:
+    """The plan of a version every inference rank receives whole (interface.TransferPlan)."""
+
     layout: FlatLayout
     trainers: int
     inferences: int
     bucket_bytes: int
     buckets: list
-    sliced = False  # every inference rank receives the whole version (slicepath.SlicedPlan: slices)
+    sliced = False  # every inference rank receives the whole version (sliced.SlicedPlan: slices)
 
     def buckets_of(self, trainer: int) -> list[Bucket]:
         return [b for b in self.buckets if b.trainer == trainer]

@@ -1,11 +1,11 @@
-"""`weightsync plan --simulate`: the slice plan of a large model on a large cluster, without either.
+"""`weightsync plan --simulate`: the pieces of a large model on a large cluster, without either.
 
 The model is built on the meta device (shapes, no weights: a 1T-parameter MoE takes seconds),
 its parameters become global tensors in the transfer dtype, the trainer side is FSDP2 (HSDP where
 the FSDP degree is less than the trainer GPUs, DDP at degree 1), the inference side replicas of
 TP degree k sliced by the model's own transformers TP plan. The same planner the controller runs
-then plans it, the plan is checked (every receiver gets exactly its bytes of every tensor), and
-linktime simulates it on one NIC per rank.
+then assigns every piece to a sender, the assignment is checked (every receiver gets exactly its
+bytes of every tensor), and linktime simulates its order on one NIC per rank.
 """
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from weightsync.job import SpecError
+from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
+from weightsync.plan.linktime import WINDOW, simulate
+from weightsync.plan.pieces import assign_pieces, check_assignment
+from weightsync.plan.segments import size_text
+from weightsync.plan.slices import GlobalTensor
+from weightsync.plan.tp import check_heads, tp_needs
 
 JITTER, JITTER_RUNS = 1e-3, 3
 
@@ -77,7 +85,6 @@ def model_config(name: str):
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"--simulate {name!r}: not a built-in model ({', '.join(MODELS)}) and no config.json there")
-    from weightsync.job import SpecError
     from weightsync.model.config import from_mapping
 
     try:
@@ -95,13 +102,8 @@ def meta_model(config):
 
 
 def run(name: str, topo: Topology) -> dict:
-    """Plan `name` on `topo`; the figures `weightsync plan --simulate` prints."""
-    from weightsync.plan.holdings import dim1_where_dim0_is_uneven, sharded
-    from weightsync.plan.linktime import simulate
-    from weightsync.plan.pieces import check_plan, make_slice_plan
-    from weightsync.plan.slices import GlobalTensor
-    from weightsync.plan.tp import check_heads, tp_needs
-
+    """Plan `name` on `topo`; the figures `weightsync plan --simulate` prints ("plan": the
+    pieces.PieceAssignment)."""
     t0 = time.perf_counter()
     config = model_config(name)
     model = meta_model(config)
@@ -117,27 +119,26 @@ def run(name: str, topo: Topology) -> dict:
     shard_dim = dim1_where_dim0_is_uneven(topo.fsdp) if topo.fsdp_dim == "auto" else int(topo.fsdp_dim)
     holders = sharded(tensors, topo.fsdp, topo.trainers // topo.fsdp, shard_dim)
     needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas)
-    plan = make_slice_plan(holders, needs, topo.bucket_bytes)
+    assignment = assign_pieces(holders, needs, topo.bucket_bytes)
     planned = time.perf_counter() - t1
 
-    check_plan(plan, needs)
-    timing = simulate(plan, topo.nic_bits / 8)
-    jittered = max(simulate(plan, topo.nic_bits / 8, JITTER, seed).seconds for seed in range(JITTER_RUNS))
-    sent, received = plan.bytes_by_sender(), plan.bytes_by_receiver()
-    bs, br = plan.balance()
+    check_assignment(assignment, needs)
+    pairs = assignment.pair_bytes()
+    timing = simulate(pairs, assignment.position, topo.nic_bits / 8)
+    jittered = max(simulate(pairs, assignment.position, topo.nic_bits / 8, JITTER, seed).seconds
+                   for seed in range(JITTER_RUNS))
+    sent, received = assignment.bytes_by_sender(), assignment.bytes_by_receiver()
+    bs, br = assignment.balance()
     return {"model": name, "parameters": sum(t.numel for t in tensors), "tensors": len(tensors),
             "version_bytes": sum(t.nbytes for t in tensors), "build_seconds": built, "plan_seconds": planned,
-            "pieces": len(plan), "streams": timing.streams, "sender_balance": bs, "receiver_balance": br,
+            "pieces": len(assignment), "streams": timing.streams, "sender_balance": bs, "receiver_balance": br,
             "busiest_sender_bytes": int(sent.max()), "busiest_receiver_bytes": int(received.max()),
             "busiest_nic_bytes": timing.busiest_nic_bytes, "projected_seconds": timing.seconds,
             "speed_of_light_seconds": timing.speed_of_light, "over_light": timing.over_light,
-            "jittered_seconds": jittered, "plan": plan}
+            "jittered_seconds": jittered, "plan": assignment}
 
 
 def report(r: dict, topo: Topology) -> str:
-    from weightsync.plan.linktime import WINDOW
-    from weightsync.plan.segments import size_text
-
     hsdp = topo.trainers // topo.fsdp
     kind = "FSDP2" if hsdp == 1 else ("DDP" if topo.fsdp == 1 else f"HSDP {hsdp} x FSDP2")
     lines = [

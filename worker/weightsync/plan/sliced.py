@@ -1,4 +1,4 @@
-"""The data path over slices: where every byte of the slice plan lands and what it is cut from.
+"""The transfer plan over slices: where every assigned piece lands and what it is cut from.
 
 When inference ranks hold tensor-parallel slices, a version is no longer one run of bytes that
 every receiver gets whole. Each inference rank has its own local layout: the boxes it needs (of
@@ -6,14 +6,15 @@ the global tensors), each contiguous in its box's shape, in tensor order and the
 offsets aligned as flat.FlatLayout aligns them. Its staging buffer is that size, and its typed
 views are its local shards. A receiver that needs every tensor whole has exactly the flat layout.
 
-The slice plan (sliceplan.make_slice_plan) says which trainer rank sends which box to which
+The piece assignment (pieces.assign_pieces) says which trainer rank sends which box to which
 receiver. Here each piece becomes runs of bytes in the receiver's local layout: a piece cut from
 dim-0 holder boxes is one run in the receiver's box (rows of a column-parallel box, or rows of a
 row-parallel box, which are whole rows of that box); a piece that is not contiguous there is cut
 into rows until each part is. A sender then packs consecutive runs for one receiver into buckets
 of at most bucket_bytes (runs separated only by the local layout's padding join one bucket, the
 padding sent as zeros), which travel as the flat path's buckets do: offset and bytes into the
-receiver's registered staging buffer, each with its checksum.
+receiver's registered staging buffer, each with its checksum. SlicedPlan is an
+interface.TransferPlan, as segments.Plan is: the send pipeline and the receiver take either.
 
 What the controller publishes is the plan's inputs: the global layout, the rows every trainer rank
 holds, the boxes every inference rank needs, the bucket size. The plan is a pure function of
@@ -31,14 +32,15 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 from weightsync.model.flat import ALIGN, ITEMSIZE, FlatLayout
-from weightsync.plan.segments import Plan, size_text
 from weightsync.plan.holders import Holdings, rows_of
-from weightsync.plan.pieces import SlicePlan, make_slice_plan
+from weightsync.plan.interface import TransferPlan
+from weightsync.plan.pieces import PieceAssignment, assign_pieces
+from weightsync.plan.segments import Plan, size_text
 from weightsync.plan.slices import Box, GlobalTensor, RankSlices, Slice, Slicing
 
 
 def global_tensors(layout: FlatLayout) -> tuple[GlobalTensor, ...]:
-    """The version's tensors as the slice plan names them (the layout's transfer dtype)."""
+    """The version's tensors as the piece assignment names them (the layout's transfer dtype)."""
     return tuple(GlobalTensor(s.name, s.shape, layout.dtype) for s in layout.slots)
 
 
@@ -152,7 +154,7 @@ class Part:
 @dataclass(frozen=True)
 class SliceBucket:
     """Bytes [offset, offset + length) of one receiver's buffer, sent by one trainer rank; the
-    bytes between and after its parts are padding (zero)."""
+    bytes between its parts are padding (zero)."""
 
     trainer: int
     receiver: int
@@ -167,7 +169,8 @@ class SliceBucket:
 
 @dataclass(frozen=True, eq=False)
 class SlicedPlan:
-    """The plan of a version whose receivers need slices: its inputs, and what derives from them."""
+    """The transfer plan of a version whose receivers need slices (interface.TransferPlan): its
+    inputs, and what derives from them."""
 
     layout: FlatLayout
     holdings: tuple  # per trainer rank: Holdings (dim-0 rows of every tensor)
@@ -193,10 +196,11 @@ class SlicedPlan:
         return len(self.needs)
 
     @cached_property
-    def slices(self) -> SlicePlan:
+    def assignment(self) -> PieceAssignment:
+        """Which trainer rank sends which box to which inference rank."""
         holders = holder_slicing(self.layout, dict(enumerate(self.holdings)))
         needs = Slicing.from_ranks(global_tensors(self.layout), self.needs, self.inferences)
-        return make_slice_plan(holders, needs, self.bucket_bytes)
+        return assign_pieces(holders, needs, self.bucket_bytes)
 
     @cached_property
     def local(self) -> tuple:
@@ -207,7 +211,7 @@ class SlicedPlan:
         return self.local[rank]
 
     def buckets_of(self, trainer: int) -> list[SliceBucket]:
-        """What `trainer` sends, in sending order: receiver by receiver in the slice plan's order,
+        """What `trainer` sends, in sending order: receiver by receiver in the assignment's order,
         each receiver's buckets by offset."""
         return self._buckets[trainer]
 
@@ -218,7 +222,7 @@ class SlicedPlan:
         out = []
         for trainer in range(self.trainers):
             runs: dict[int, list] = {}  # receiver -> [(offset, tensor, box)], receivers in sending order
-            for p in self.slices.pieces_of(trainer):
+            for p in self.assignment.pieces_of(trainer):
                 t = index[p.tensor]
                 runs.setdefault(p.receiver, []).extend((o, t, b) for o, b in self.local[p.receiver].runs(t, p.box))
             streams = [self._pack(trainer, receiver, sorted(rs, key=lambda x: x[0]), item) for receiver, rs in runs.items()]
@@ -286,7 +290,7 @@ class SlicedPlan:
 
     def table(self) -> str:
         return (f"version: {len(self.layout.slots)} tensors, {size_text(self.version_bytes)} as {self.layout.dtype}; "
-                f"receivers need slices\n{self.slices.table()}")
+                f"receivers need slices\n{self.assignment.table()}")
 
 
 def needs_to_json(needs: RankSlices) -> list:
@@ -302,6 +306,6 @@ def needs_everything(layout: FlatLayout, rank: int) -> RankSlices:
     return RankSlices(rank, tuple(Slice(s.name, rows_box(s.shape, 0, rows_of(s))) for s in layout.slots))
 
 
-def plan_from_json(text: str):
-    """The published plan: a flat plan.Plan, or a SlicedPlan when receivers need slices."""
+def plan_from_json(text: str) -> TransferPlan:
+    """The published plan: a segments.Plan, or a SlicedPlan when receivers need slices."""
     return SlicedPlan.from_json(text) if json.loads(text).get("kind") == "slices" else Plan.from_json(text)
