@@ -36,13 +36,6 @@ def torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in ITEMSIZE:
-        raise ValueError(f"unsupported dtype {dtype}; use one of {', '.join(ITEMSIZE)}")
-    return name
-
-
 @dataclass(frozen=True)
 class TensorSlot:
     name: str
