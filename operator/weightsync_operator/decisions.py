@@ -45,7 +45,7 @@ def recorded(obj: Mapping) -> dict[str, str] | None:
 
 def recorded_mode(job: contract.Job, decisions: Mapping[str, str]) -> str:
     """A job that names its mode gets that mode, whatever its annotations say."""
-    requested = job.spec["network"]["mode"]
+    requested = job.network.mode
     mode = requested if requested != "auto" else decisions[contract.ANNOTATION_NETWORK_MODE]
     if mode not in render.MODES:
         raise kopf.PermanentError(f"annotation {contract.ANNOTATION_NETWORK_MODE} must be rdma or tcp, not {mode!r}")
@@ -68,13 +68,13 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
         return Decisions(recorded_mode(job, done), done[contract.ANNOTATION_NETWORK_REASON],
                          done[contract.ANNOTATION_WORKER_IMAGE], token)
 
-    requested = job.spec["network"]["mode"]
+    requested = job.network.mode
     earlier = (obj.get("status") or {}).get("network") or {}
     if requested == "auto" and earlier.get("mode") in render.MODES:
         # Decided by an operator version that kept the decision in the status only.
         mode, reason = earlier["mode"], earlier.get("reason") or "decided earlier"
     else:
-        mode, reason = network.resolve(job.spec, kube.list("v1", "Node") if requested == "auto" else [])
+        mode, reason = network.resolve(job.network, kube.list("v1", "Node") if requested == "auto" else [])
     # A job whose Secret exists already (created by an earlier operator version) keeps its token.
     decisions = Decisions(mode, reason, render.default_worker_image(), stored or derived)
     kube.annotate_job(job.namespace, job.name, {

@@ -6,15 +6,16 @@ from typing import Iterable, Mapping
 
 from kubernetes.utils import parse_quantity
 
+from weightsync.job import Network
 
-def resolve(spec: Mapping, nodes: Iterable[Mapping]) -> tuple[str, str]:
-    """(mode, reason) for a job's spec.network.mode given the cluster's nodes. `auto` takes rdma
-    when some schedulable node offers the RDMA resource in its allocatable resources, else tcp."""
-    requested = spec["network"]["mode"]
+
+def resolve(network: Network, nodes: Iterable[Mapping]) -> tuple[str, str]:
+    """(mode, reason) for a job's spec.network given the cluster's nodes. `auto` takes rdma when
+    some schedulable node offers the RDMA resource in its allocatable resources, else tcp."""
+    requested = network.mode
     if requested != "auto":
         return requested, f"spec.network.mode is {requested}"
-    rdma = spec["network"]["rdma"]
-    resource, count = rdma["resourceName"], rdma["resourceCount"]
+    resource, count = network.rdma.resource_name, network.rdma.resource_count
     offering = sorted(
         n["metadata"]["name"] for n in nodes
         if not (n.get("spec") or {}).get("unschedulable")

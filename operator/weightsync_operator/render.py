@@ -13,7 +13,7 @@ import yaml
 
 import weightsync
 from weightsync import job as contract
-from weightsync.job import CONTROLLER, ROLES, Env, Job
+from weightsync.job import CONTROLLER, ROLES, Job, ValueFrom
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
@@ -33,9 +33,9 @@ def default_worker_image() -> str:
     return os.environ.get(DEFAULT_WORKER_IMAGE_ENV) or FALLBACK_WORKER_IMAGE
 
 
-def worker_image(spec: dict, recorded: str | None = None) -> str:
+def worker_image(job: Job, recorded: str | None = None) -> str:
     """The job's own image, else the default recorded when the job was created."""
-    return spec.get("image") or recorded or default_worker_image()
+    return job.image or recorded or default_worker_image()
 
 
 def children(job: Job, mode: str, token: str, *, image: str | None = None, finished: bool = False,
@@ -46,7 +46,7 @@ def children(job: Job, mode: str, token: str, *, image: str | None = None, finis
     template may replace its pods."""
     return [
         service(job),
-        *([vllm_service(job)] if job.serving.vllm else []),
+        *([vllm_service(job)] if job.inference.runs_vllm else []),
         secret(job, token),
         configmap(job),
         service_account(job),
@@ -93,7 +93,7 @@ def vllm_service(job: Job) -> dict:
         "metadata": _meta(job, job.vllm_service_name, contract.INFERENCE),
         "spec": {
             "selector": job.labels(contract.INFERENCE),
-            "ports": [{"name": VLLM_PORT_NAME, "port": job.serving.port, "targetPort": VLLM_PORT_NAME, "protocol": "TCP"}],
+            "ports": [{"name": VLLM_PORT_NAME, "port": job.inference.vllm.port, "targetPort": VLLM_PORT_NAME, "protocol": "TCP"}],
         },
     }
 
@@ -178,8 +178,7 @@ def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, fin
 def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> dict:
     if mode not in MODES:
         raise ValueError(f"network mode must be resolved to one of {MODES} before rendering, not {mode!r}")
-    spec = job.spec
-    role_spec = spec[role]
+    pods = job.pods(role)
     worker = role != CONTROLLER
     rdma = worker and mode == "rdma"
     host_network = on_host_network(job, role, mode)
@@ -198,14 +197,14 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     # RDMA registers pinned buffers, and NCCL (and vLLM, between its server, engine and workers)
     # moves data between the processes of one pod through /dev/shm; the container runtime's
     # default /dev/shm is 64 MiB.
-    if rdma or (worker and procs > 1) or (role == contract.INFERENCE and job.serving.vllm):
+    if rdma or (worker and procs > 1) or (role == contract.INFERENCE and job.inference.runs_vllm):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": contract.SHM_MOUNT})
 
     container = {
         "name": CONTAINER,
-        "image": role_spec.get("image") or worker_image(spec, image),
-        "imagePullPolicy": spec["imagePullPolicy"],
+        "image": pods.image or worker_image(job, image),
+        "imagePullPolicy": job.image_pull_policy,
         "command": list(WORKER_COMMAND),
         "env": env(job, role, mode),
         "ports": ports(job, role, health=not host_network),
@@ -233,17 +232,17 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
-    if role_spec.get("nodeSelector"):
-        pod["nodeSelector"] = dict(role_spec["nodeSelector"])
-    if role_spec.get("tolerations"):
-        pod["tolerations"] = copy.deepcopy(role_spec["tolerations"])
-    if spec.get("imagePullSecrets"):
-        pod["imagePullSecrets"] = [{"name": s["name"]} for s in spec["imagePullSecrets"]]
+    if pods.node_selector:
+        pod["nodeSelector"] = dict(pods.node_selector)
+    if pods.tolerations:
+        pod["tolerations"] = copy.deepcopy(list(pods.tolerations))
+    if job.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in job.image_pull_secrets]
 
     # Pods of every role must read the same spec: a changed spec rolls all of them.
     annotations = {SPEC_HASH_ANNOTATION: hashlib.sha256(spec_document(job).encode()).hexdigest()[:16]}
-    if rdma and spec["network"]["rdma"]["networks"]:
-        annotations[MULTUS_ANNOTATION] = spec["network"]["rdma"]["networks"]
+    if rdma and job.network.rdma.networks:
+        annotations[MULTUS_ANNOTATION] = job.network.rdma.networks
     return {"metadata": {"labels": job.labels(role), "annotations": annotations}, "spec": pod}
 
 
@@ -266,43 +265,33 @@ def container_security(rdma: bool) -> dict:
 
 
 def env(job: Job, role: str, mode: str) -> list[dict]:
-    def field(path: str) -> dict:
-        return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
-
-    variables = [
-        {"name": Env.JOB, "value": job.name},
-        {"name": Env.NAMESPACE, **field("metadata.namespace")},
-        {"name": Env.ORDINAL, **field(f"metadata.labels['{contract.POD_INDEX_LABEL}']")},
-        {"name": Env.POD_NAME, **field("metadata.name")},
-        {"name": Env.POD_IP, **field("status.podIP")},
-        {"name": Env.CONTROLLER_HOST, "value": job.controller_host},
-        {"name": Env.STORE_PORT, "value": str(contract.STORE_PORT)},
-        {"name": Env.DATA_PORT, "value": str(contract.DATA_PORT)},
-        {"name": Env.HEALTH_PORT, "value": "0" if on_host_network(job, role, mode) else str(contract.HEALTH_PORT)},
-        {"name": Env.SPEC_FILE, "value": f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"},
-        {"name": Env.TOKEN_FILE, "value": f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"},
-        {"name": Env.NETWORK_MODE, "value": mode},
-        *({"name": k, "value": v} for k, v in contract.WRITABLE_ENV.items()),
-    ]
-    if role == CONTROLLER:
-        # The controller moves no weights: it reports to the API server and needs no NCCL settings.
-        variables.append({"name": Env.REPORT_TO_KUBERNETES, "value": "1"})
-    else:
-        variables += [{"name": k, "value": v} for k, v in contract.network_env(job.spec, mode).items()]
-    if role == contract.TRAINER and contract.trainer_command(job.spec):
-        # A user's command: where its ranks meet (the worker adds the rest of torchrun's variables
-        # for its pod, contract.torchrun_env), then the user's own variables.
-        variables += [{"name": "MASTER_ADDR", "value": contract.master_addr(job)},
-                      {"name": "MASTER_PORT", "value": str(contract.MASTER_PORT)}]
-        variables += copy.deepcopy(job.spec["trainer"].get("env", []))
-    return variables
+    """The pod's environment (contract.pod_env), as its template gives it: one template for every
+    pod of the role, so each learns its ordinal, name and address through the downward API."""
+    site = contract.PodSite(
+        namespace=ValueFrom.field("metadata.namespace"),
+        ordinal=ValueFrom.field(f"metadata.labels['{contract.POD_INDEX_LABEL}']"),
+        pod_name=ValueFrom.field("metadata.name"),
+        pod_ip=ValueFrom.field("status.podIP"),
+        controller_host=job.controller_host,
+        store_port=contract.STORE_PORT,
+        data_port=contract.DATA_PORT,
+        health_port=0 if on_host_network(job, role, mode) else contract.HEALTH_PORT,
+        spec_file=f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}",
+        token_file=f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}",
+        master_addr=contract.master_addr(job),
+        master_port=contract.MASTER_PORT,
+        report_to_kubernetes=True,
+        writable=contract.WRITABLE_ENV,
+    )
+    return [{"name": name, "valueFrom": copy.deepcopy(dict(value.source))} if isinstance(value, ValueFrom)
+            else {"name": name, "value": value} for name, value in contract.pod_env(job, role, mode, site).items()]
 
 
 def on_host_network(job: Job, role: str, mode: str) -> bool:
     """Worker pods of rdma jobs may share the node's network. Those get no health port and no
     probes: every pod on a node would need the same port, so pods of one job could not share a
     node; their frozen ranks are still found by the controller's heartbeats."""
-    return role != CONTROLLER and mode == "rdma" and bool(job.spec["network"]["rdma"]["hostNetwork"])
+    return role != CONTROLLER and mode == "rdma" and job.network.rdma.host_network
 
 
 def ports(job: Job, role: str, health: bool = True) -> list[dict]:
@@ -310,10 +299,10 @@ def ports(job: Job, role: str, health: bool = True) -> list[dict]:
     if role == CONTROLLER:
         return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, *health]
     if role == contract.INFERENCE:
-        server = [{"name": VLLM_PORT_NAME, "containerPort": job.serving.port, "protocol": "TCP"}] if job.serving.vllm else []
+        server = [{"name": VLLM_PORT_NAME, "containerPort": job.inference.vllm.port, "protocol": "TCP"}] if job.inference.runs_vllm else []
         return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
                   for i in range(job.layout.procs_per_pod(role))), *server, *health]
-    if contract.trainer_command(job.spec):
+    if job.trainer.command:
         return [{"name": "torch", "containerPort": contract.MASTER_PORT, "protocol": "TCP"}, *health]
     return health
 
@@ -330,18 +319,17 @@ def resources(job: Job, role: str, mode: str) -> dict:
     """The role's resources from the spec, plus the GPUs its processes need and, for rdma, the
     RDMA device: each only where the spec does not name that resource itself. The controller
     asks for neither."""
-    role_spec = job.spec[role]
-    given = role_spec.get("resources") or {}
+    pods = job.pods(role)
+    given = pods.resources
     out = {k: dict(given[k]) for k in ("limits", "requests") if given.get(k)}
     if role == CONTROLLER:
         return out
     extra = {}
-    gpus = role_spec["procsPerPod"] * role_spec["gpusPerProc"]
-    if gpus:
-        extra[GPU_RESOURCE] = str(gpus)
+    if pods.gpus:
+        extra[GPU_RESOURCE] = str(pods.gpus)
     if mode == "rdma":
-        rdma = job.spec["network"]["rdma"]
-        extra[rdma["resourceName"]] = str(rdma["resourceCount"])
+        rdma = job.network.rdma
+        extra[rdma.resource_name] = str(rdma.resource_count)
     for name, count in extra.items():
         if any(name in out.get(k, {}) for k in ("limits", "requests")):
             continue

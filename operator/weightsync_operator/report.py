@@ -66,7 +66,7 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
         if job is None or job["metadata"].get("deletionTimestamp"):
             return None
         current = job.get("status") or {}
-        layout = Layout.from_spec(job["spec"])
+        layout = contract.Job(name, namespace, job["spec"]).layout  # the spec as stored: defaulted
         statefulsets, problems, restarts = indexes.observed(namespace, name, layout)
         new = status.compute(current, layout, statefulsets, problems, set_conditions, pod_restarts=restarts)
         network = network_of(job)

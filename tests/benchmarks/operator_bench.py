@@ -107,7 +107,7 @@ class Watches:
 
 
 def children_keys(namespace: str, name: str) -> set:
-    job = contract.Job(name=name, namespace=namespace, spec={})
+    job = contract.load_job(job_doc(name), namespace=namespace)
     return {(namespace, "Service", job.service_name), (namespace, "Secret", job.secret_name),
             (namespace, "ConfigMap", job.configmap_name), (namespace, "ServiceAccount", job.service_account_name),
             (namespace, "Role", job.service_account_name), (namespace, "RoleBinding", job.service_account_name),

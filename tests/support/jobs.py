@@ -63,9 +63,9 @@ def check_every_version(dump: Path, job, logits_tolerance: float | None = None) 
     of the trainer's model cast to the job's dtype on the same input (identical; within a
     tolerance only where trainer and inference compute on different kinds of device)."""
     layout = job.layout
-    dtype = getattr(torch, job.spec["model"]["dtype"])
+    dtype = getattr(torch, job.model.dtype)
     count = 0
-    for version, _ in versions(job.spec):
+    for version, _ in versions(job):
         trainer = torch.load(dump / f"trainer-0-v{version}.pt")
         for t in range(1, layout.world_size("trainer")):  # DDP keeps the trainer ranks identical
             other = torch.load(dump / f"trainer-{t}-v{version}.pt")

@@ -121,12 +121,12 @@ def job_plan(job, fsdp: int | None = None):
     from weightsync.roles.tp import needs_of
     from weightsync.transport import resolve_transport
 
-    model = build(job.spec["model"], dtype="float32", device="meta", load_weights=False)
-    layout = layout_of(model, job.spec["model"]["dtype"])
+    model = build(job.model, dtype="float32", device="meta", load_weights=False)
+    layout = layout_of(model, job.model.dtype)
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
     needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r))
-    transport, _ = resolve_transport(job.spec["transfer"]["transport"], job.spec["network"]["mode"])
-    return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.spec["transfer"]["bucketMB"] << 20,
+    transport, _ = resolve_transport(job.transfer.transport, job.network.mode)
+    return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.transfer.bucket_bytes,
                          needs, transport)
 
 

@@ -198,5 +198,4 @@ def refused(write, what: str, e: ApiError):
 
 
 def missing_pull_secrets(kube: Kube, job: contract.Job) -> list[str]:
-    names = [s["name"] for s in job.spec.get("imagePullSecrets") or []]
-    return [n for n in names if kube.get("v1", "Secret", job.namespace, n) is None]
+    return [n for n in job.image_pull_secrets if kube.get("v1", "Secret", job.namespace, n) is None]

@@ -25,6 +25,7 @@ from support import SUPPORT
 import torch
 
 from weightsync import job as contract
+from weightsync.job import Model
 from weightsync.model.build import build, layout_of, logits, prompt
 from weightsync.runtime.rank import DUMP_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
@@ -78,7 +79,7 @@ def test_fsdp2_trainers_to_tp2_and_tp1_replicas(tmp_path, config, dtype, inferen
     assert summary["versions"] == VERSIONS and summary["failed_verifications"] == 0
 
     torch_dtype = getattr(torch, dtype)
-    reference = build({"config": config, "dtype": dtype}, dtype=dtype, load_weights=False)
+    reference = build(Model(config=config, dtype=dtype), dtype=dtype, load_weights=False)
     layout = layout_of(reference, dtype)
     assert len(layout.slots) < len(reference.state_dict()) or not config["tie_word_embeddings"]
     ranks = range(job.layout.world_size(contract.INFERENCE))

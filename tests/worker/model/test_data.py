@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from weightsync.job import Model
 from weightsync.model import markov as data, build as model
 
 
@@ -18,8 +19,8 @@ def test_batches_are_walks_on_the_chain_and_reproducible():
 
 
 def test_the_loss_goes_down_towards_the_chain_entropy():
-    spec = {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 128,
-                       "n_positions": 32, "bos_token_id": 0, "eos_token_id": 0}, "dtype": "float32"}
+    spec = Model(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 128,
+                         "n_positions": 32, "bos_token_id": 0, "eos_token_id": 0}, dtype="float32")
     m = model.build(spec, seed=0)
     m.train()
     chain = data.MarkovTokens(model.vocab_size(m), seed=0)

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from weightsync.model import build as model
-from weightsync.job import SpecError
+from weightsync.job import Model, SpecError
 from weightsync.model.flat import views
 
 CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,
           "bos_token_id": 0, "eos_token_id": 0}
-SPEC = {"config": CONFIG, "dtype": "bfloat16"}
+SPEC = Model(config=CONFIG, dtype="bfloat16")
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
@@ -49,7 +49,7 @@ def test_point_at_makes_parameters_views_of_the_buffer_and_tied_weights_follow()
 
 def test_point_at_refuses_views_of_another_model():
     m = model.build(SPEC)
-    other = model.build({"config": {**CONFIG, "n_embd": 32}, "dtype": "float32"})
+    other = model.build(Model(config={**CONFIG, "n_embd": 32}, dtype="float32"))
     with pytest.raises(ValueError, match="does not fit"):
         model.point_at(m, [p for _, p in model.parameters(other)])
 
@@ -57,18 +57,18 @@ def test_point_at_refuses_views_of_another_model():
 def test_checkpoint_directory(tmp_path):
     saved = model.build(SPEC, seed=7)
     saved.save_pretrained(tmp_path)
-    loaded = model.build({"path": str(tmp_path), "dtype": "bfloat16"})
+    loaded = model.build(Model(path=str(tmp_path), dtype="bfloat16"))
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(model.parameters(saved), model.parameters(loaded)))
-    assert model.meta_layout({"path": str(tmp_path), "dtype": "bfloat16"}) == model.layout_of(saved, "bfloat16")
-    shaped = model.build({"path": str(tmp_path), "dtype": "bfloat16"}, load_weights=False)
+    assert model.meta_layout(Model(path=str(tmp_path), dtype="bfloat16")) == model.layout_of(saved, "bfloat16")
+    shaped = model.build(Model(path=str(tmp_path), dtype="bfloat16"), load_weights=False)
     assert [n for n, _ in model.parameters(shaped)] == [n for n, _ in model.parameters(saved)]
 
 
 def test_bad_config_and_missing_path_are_spec_errors(tmp_path):
     with pytest.raises(SpecError, match="spec.model.config"):
-        model.build({"config": {"model_type": "no-such-model"}, "dtype": "float32"})
+        model.build(Model(config={"model_type": "no-such-model"}, dtype="float32"))
     with pytest.raises(SpecError, match="spec.model.path"):
-        model.build({"path": str(tmp_path / "absent"), "dtype": "float32"})
+        model.build(Model(path=str(tmp_path / "absent"), dtype="float32"))
 
 
 def test_greedy_generation_is_deterministic():

@@ -3,25 +3,25 @@ checkpoint directories that are not one are refused on one line; sizes are check
 import pytest
 
 from weightsync.model import build as model
-from weightsync.job import SpecError
+from weightsync.job import Model, SpecError
 from weightsync.model.config import config_of, known_keys
 
 GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}
 
 
-def refusal(model_spec) -> str:
+def refusal(spec: Model) -> str:
     with pytest.raises(SpecError) as err:
-        config_of(model_spec)
+        config_of(spec)
     message = str(err.value)
     assert "\n" not in message and len(message) < 600
     return message
 
 
 def test_a_good_config_and_its_aliases():
-    assert config_of({"config": GPT2}).n_layer == 1
+    assert config_of(Model(config=GPT2)).n_layer == 1
     # GPT-2's config takes the common names too (its attribute_map)
-    assert config_of({"config": {"model_type": "gpt2", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4}}).n_layer == 3
-    assert {"n_layer", "hidden_size", "bos_token_id", "tie_word_embeddings"} <= known_keys(type(config_of({"config": GPT2})))
+    assert config_of(Model(config={"model_type": "gpt2", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4})).n_layer == 3
+    assert {"n_layer", "hidden_size", "bos_token_id", "tie_word_embeddings"} <= known_keys(type(config_of(Model(config=GPT2))))
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -32,7 +32,7 @@ def test_a_good_config_and_its_aliases():
                              "max_position_embeddings?)"),
 ])
 def test_unknown_keys_are_refused_with_the_closest_known_one(config, expected):
-    assert expected in refusal({"config": {**GPT2, **config}})
+    assert expected in refusal(Model(config={**GPT2, **config}))
 
 
 @pytest.mark.parametrize("key, value, expected", [
@@ -42,40 +42,40 @@ def test_unknown_keys_are_refused_with_the_closest_known_one(config, expected):
     ("bos_token_id", "x", "spec.model.config.bos_token_id: 'x' is a str, expected int | None"),
 ])
 def test_values_of_the_wrong_type_are_refused_with_the_declared_type(key, value, expected):
-    assert expected in refusal({"config": {**GPT2, key: value}})
+    assert expected in refusal(Model(config={**GPT2, key: value}))
 
 
 def test_an_unknown_model_type_gets_a_short_list_of_choices():
-    message = refusal({"config": {"model_type": "gpt3"}})
+    message = refusal(Model(config={"model_type": "gpt3"}))
     assert "spec.model.config.model_type: unknown model type 'gpt3'; did you mean" in message and "gpt2" in message
     assert "transformers builds causal LMs for" in message and " more" in message and len(message) < 400
-    assert "has no causal LM in transformers" in refusal({"config": {"model_type": "t5"}})
+    assert "has no causal LM in transformers" in refusal(Model(config={"model_type": "t5"}))
 
 
 def test_sizes_are_checked_with_the_defaults_filled_in():
     # n_head is not written: GPT-2's default, 12, does not divide 64
-    assert "spec.model.config.n_embd: 64 is not divisible by n_head 12" in refusal({"config": {"model_type": "gpt2", "n_embd": 64}})
+    assert "spec.model.config.n_embd: 64 is not divisible by n_head 12" in refusal(Model(config={"model_type": "gpt2", "n_embd": 64}))
 
 
 def test_a_path_that_is_not_a_checkpoint_directory(tmp_path):
-    assert "spec.model.path: /nonexistent/x does not exist" in refusal({"path": "/nonexistent/x"})
+    assert "spec.model.path: /nonexistent/x does not exist" in refusal(Model(path="/nonexistent/x"))
     (tmp_path / "file").write_text("")
-    assert "is a file; give the checkpoint directory" in refusal({"path": str(tmp_path / "file")})
-    assert f"{tmp_path} has no config.json" in refusal({"path": str(tmp_path)})
+    assert "is a file; give the checkpoint directory" in refusal(Model(path=str(tmp_path / "file")))
+    assert f"{tmp_path} has no config.json" in refusal(Model(path=str(tmp_path)))
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    assert "has config.json but no weights" in refusal({"path": str(tmp_path)})
+    assert "has config.json but no weights" in refusal(Model(path=str(tmp_path)))
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "config.json").write_text("{")
-    assert "config.json cannot be read as JSON" in refusal({"path": str(tmp_path)})
+    assert "config.json cannot be read as JSON" in refusal(Model(path=str(tmp_path)))
     (tmp_path / "config.json").write_text("[1]")
-    assert "config.json is not a JSON object" in refusal({"path": str(tmp_path)})
+    assert "config.json is not a JSON object" in refusal(Model(path=str(tmp_path)))
     (tmp_path / "config.json").write_text('{"model_type": "nope"}')
-    assert "model_type: unknown model type 'nope'" in refusal({"path": str(tmp_path)})
+    assert "model_type: unknown model type 'nope'" in refusal(Model(path=str(tmp_path)))
 
 
 def test_a_checkpoint_with_impossible_sizes(tmp_path):
-    saved = model.build({"config": GPT2, "dtype": "float32"})
+    saved = model.build(Model(config=GPT2, dtype="float32"))
     saved.config.n_layer = -1
     saved.save_pretrained(tmp_path)
-    message = refusal({"path": str(tmp_path)})
+    message = refusal(Model(path=str(tmp_path)))
     assert f"spec.model.path ({tmp_path}/config.json).n_layer: -1 must be a positive integer" in message

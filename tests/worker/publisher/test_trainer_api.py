@@ -66,7 +66,7 @@ def example_args(tmp_path: Path, *more: str) -> list[str]:
 
 def check_final_version(tmp_path: Path, job, versions: int) -> None:
     saved = torch.load(tmp_path / "final.pt")
-    dtype = getattr(torch, job.spec["model"]["dtype"])
+    dtype = getattr(torch, job.model.dtype)
     for rank in range(job.layout.world_size("inference")):
         for v in range(versions):
             assert (tmp_path / "dump" / f"inference-{rank}-v{v}.pt").exists(), f"inference rank {rank} missed version {v}"
@@ -169,10 +169,12 @@ def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected)
 
 
 def test_weightsync_run_refuses_env_that_only_a_cluster_can_resolve():
-    from weightsync.local.runner import CannotRunHere, command_env
+    from weightsync.local.runner import CannotRunHere, check_command_env
 
     job = command_job("env", ["python", "train.py"], env=[{"name": "A", "value": "1"},
                                                           {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}])
     with pytest.raises(CannotRunHere, match=r"spec.trainer.env\[1\] \(HF_TOKEN\) takes its value from the cluster"):
-        command_env(job)
-    assert command_env(command_job("env", ["python"], env=[{"name": "A", "value": "1"}, {"name": "B"}])) == {"A": "1", "B": ""}
+        check_command_env(job)
+    values = command_job("env", ["python"], env=[{"name": "A", "value": "1"}, {"name": "B"}])
+    check_command_env(values)
+    assert values.trainer.env == {"A": "1", "B": ""}  # an EnvVar without a value is empty, as in Kubernetes

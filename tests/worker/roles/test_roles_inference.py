@@ -5,12 +5,13 @@ import time
 
 import torch
 
+from weightsync.job import Model
 from weightsync.model import build as model
 from weightsync.model.flat import views
 from weightsync.roles.inference import Generations
 
-SPEC = {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256,
-                   "n_positions": 32, "bos_token_id": 0, "eos_token_id": 0}, "dtype": "bfloat16"}
+SPEC = Model(config={"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256,
+                     "n_positions": 32, "bos_token_id": 0, "eos_token_id": 0}, dtype="bfloat16")
 
 
 def versions_of(n):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from weightsync.rendezvous import protocol as rendezvous
-from weightsync.job import Layout, reasons
+from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted, Round
 from weightsync.rendezvous.roster import AWAY, JOINING, SERVING, WAITING, Host, RankFailed
 
@@ -58,7 +58,9 @@ def started(layout=TWO, **kwargs):
 
 def test_versions_schedule():
     def spec(steps, every):
-        return {"training": {"steps": steps}, "transfer": {"everySteps": every}}
+        return load_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "v"},
+                         "spec": {"model": {"config": {"model_type": "gpt2"}}, "training": {"steps": steps},
+                                  "transfer": {"everySteps": every}}})
 
     assert list(rendezvous.versions(spec(20, 10))) == [(0, 0), (1, 10), (2, 20)]
     assert list(rendezvous.versions(spec(25, 10))) == [(0, 0), (1, 10), (2, 20), (3, 25)]

@@ -107,7 +107,7 @@ def wait_for_line(path: Path, text: str, timeout: float) -> float:
 def check_applied_versions(dump: Path, job) -> dict[int, list[int]]:
     """Every version an inference rank applied equals the trainers' bit for bit; returns {rank:
     versions applied}. A restarted rank dumps again the versions it applied again."""
-    final = list(versions(job.spec))[-1][0]
+    final = list(versions(job))[-1][0]
     applied = {}
     for rank in range(job.layout.world_size("inference")):
         seen = sorted(int(p.stem.rsplit("-v", 1)[1]) for p in dump.glob(f"inference-{rank}-v*.pt"))

@@ -173,7 +173,7 @@ def trainer_rank(wrap: str, versions: int, out: Path) -> int:
     dist.init_process_group("gloo")  # env://, as the pod's environment gives it
     rank = dist.get_rank()
     ctx = WorkerContext.from_environ()
-    model = build(ctx.job.spec["model"], device="meta")  # the code is loaded, no weight exists yet
+    model = build(ctx.job.model, device="meta")  # the code is loaded, no weight exists yet
     if wrap == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

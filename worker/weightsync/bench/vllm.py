@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from weightsync.job import Model
+
 # A Llama of about 50M parameters (100 MB a version in bfloat16), shaped as vLLM's CPU backend takes it
 MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12,
          "num_key_value_heads": 4, "num_hidden_layers": 6, "vocab_size": 8192, "max_position_embeddings": 512,
@@ -80,17 +82,15 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
     from weightsync.local.runner import free_ports
     from weightsync.vllm_backend.control import Server
 
-    spec = bench_job("bench-vllm-disk", 1, servers, versions).spec
-    model = build(spec["model"], dtype="float32", seed=0)
+    model = build(bench_job("bench-vllm-disk", 1, servers, versions).model, dtype="float32", seed=0)
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-disk-") as folder:
         first = Path(folder) / "v0"
         _save(model, first, save_file)
         ports = free_ports([1] * servers)
-        path_spec = {**spec, "model": {"path": str(first), "dtype": "bfloat16"}}
         logs = [open(Path(folder) / f"server-{i}.log", "w") for i in range(servers)]  # noqa: SIM115 - closed below
         # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
         args = (*SERVER_ARGS, "--skip-tokenizer-init")
-        procs = [subprocess.Popen(server_command(python, path_spec, "bench", args, "127.0.0.1", p),
+        procs = [subprocess.Popen(server_command(python, Model(path=str(first), dtype="bfloat16"), "bench", args, "127.0.0.1", p),
                                   env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"},
                                   stdout=log, stderr=subprocess.STDOUT) for p, log in zip(ports, logs)]
         urls = [Server(f"http://127.0.0.1:{p}") for p in ports]
@@ -142,7 +142,7 @@ def publish_versions(count: int) -> int:
     from weightsync.model.build import build
 
     ctx = WorkerContext.from_environ()
-    model = build(ctx.job.spec["model"], dtype="float32", seed=0)
+    model = build(ctx.job.model, dtype="float32", seed=0)
     generator = torch.Generator().manual_seed(1)
     with weightsync.attach(model) as sync:
         for v in range(count):

@@ -2,10 +2,11 @@
 and nothing else. The operator imports only this package; the worker and the local runner read
 from it. No torch, no Kubernetes client.
 
-- spec: reading, defaulting and validating a job (the CRD is the one schema), its typed sections,
-  the names of its children, labels and annotations;
+- spec: reading, defaulting and validating a job (the CRD is the one schema), its typed sections
+  (Model, Trainer, Inference, Training, Transfer, Network, ...; job.transfer.bucket_bytes), the
+  names of its children, labels and annotations;
 - topology: the ordinal -> role/rank layout;
-- pod: what a pod receives (environment, ports, mounts, probes) and the WorkerContext read back;
+- pod: what a pod receives (pod_env(), ports, mounts, probes) and the WorkerContext read back;
 - schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks;
 - token: the job's secret, read and proven (one HMAC for every proof of it);
 - reasons: every reason a job's status and Events give, with what it means.
@@ -16,12 +17,13 @@ module defines each.
 
 from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, READINESS, SHM_MOUNT, SPEC_KEY,
                                 SPEC_MOUNT, STORE_PORT, TMP_MOUNT, TOKEN_KEY, TOKEN_MOUNT, TORCHRUN_VARS, WORKER_UID,
-                                WRITABLE_ENV, Env, Probe, WorkerContext, master_addr, network_env, torchrun_env,
-                                trainer_command)
+                                WRITABLE_ENV, Env, PodSite, Probe, Value, WorkerContext, master_addr, network_env,
+                                pod_env, torchrun_env)
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
                                  ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
-                                 PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Job, KubectlLoader, Serving,
-                                 SpecError, load_job, read_job_file, schema)
+                                 PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job, KubectlLoader,
+                                 Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
+                                 load_job, read_job_file, schema)
 from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
 
 __all__ = [
@@ -29,7 +31,8 @@ __all__ = [
     "API_VERSION", "BUILTIN", "CONTROLLER", "DATA_PORT", "GROUP", "HEALTH_PORT", "INFERENCE", "KIND", "LABEL_JOB",
     "LABEL_ROLE", "LIVENESS", "MASTER_PORT", "PLURAL", "POD_INDEX_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
     "SPEC_KEY", "SPEC_MOUNT", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",
-    "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Job", "KubectlLoader", "Layout",
-    "Probe", "Serving", "SpecError", "WorkerContext", "load_job", "master_addr", "network_env", "read_job_file",
-    "schema", "torchrun_env", "trainer_command",
+    "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Inference", "Job", "KubectlLoader",
+    "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer", "Training",
+    "Transfer", "Value", "ValueFrom", "Vllm", "WorkerContext", "load_job", "master_addr", "network_env", "pod_env",
+    "read_job_file", "schema", "torchrun_env",
 ]

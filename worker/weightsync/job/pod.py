@@ -1,18 +1,19 @@
 """What a pod of a job receives, and what its worker process reads back: environment variable
 names, ports, mounts, probes, the network settings of a resolved mode, torchrun's environment for
-a user's trainer command, and the WorkerContext a worker builds from all of these. The operator
-renders from here; the local runner gives its processes the same.
+a user's trainer command, and the WorkerContext a worker builds from all of these. A pod's
+environment is made in one place, pod_env(): the operator renders it into every pod template, the
+local runner gives it to its processes, each with what differs where the pod runs (PodSite).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
-from weightsync.job.spec import Job, SpecError, load_job
+from weightsync.job.spec import Job, Network, SpecError, ValueFrom, load_job
 from weightsync.job.token import read_token
-from weightsync.job.topology import TRAINER
+from weightsync.job.topology import CONTROLLER, TRAINER
 
 STORE_PORT = 29500  # the controller's rendezvous store
 DATA_PORT = 29600  # an inference process listens on DATA_PORT + its local rank
@@ -108,26 +109,26 @@ READINESS = Probe("/readyz", period_seconds=5, timeout_seconds=2, failure_thresh
 # ---------------------------------------------------------------- network settings
 
 
-def network_env(spec: Mapping, mode: str) -> dict[str, str]:
+def network_env(network: Network, mode: str) -> dict[str, str]:
     """NCCL and UCCL settings for a resolved network mode (rdma or tcp)."""
     if mode == "rdma":
-        rdma = spec["network"]["rdma"]
+        rdma = network.rdma
         env = {
             "NCCL_IB_DISABLE": "0",
-            "NCCL_IB_GID_INDEX": str(rdma["gidIndex"]),
-            "NCCL_NET_GDR_LEVEL": rdma["gdrLevel"],
-            "NCCL_IB_TC": str(rdma["trafficClass"]),
-            "NCCL_IB_SL": str(rdma["serviceLevel"]),
-            "UCCL_P2P_RDMA_GID_INDEX": str(rdma["gidIndex"]),
-            "UCCL_P2P_RDMA_TC": str(rdma["trafficClass"]),
-            "UCCL_P2P_RDMA_SL": str(rdma["serviceLevel"]),
+            "NCCL_IB_GID_INDEX": str(rdma.gid_index),
+            "NCCL_NET_GDR_LEVEL": rdma.gdr_level,
+            "NCCL_IB_TC": str(rdma.traffic_class),
+            "NCCL_IB_SL": str(rdma.service_level),
+            "UCCL_P2P_RDMA_GID_INDEX": str(rdma.gid_index),
+            "UCCL_P2P_RDMA_TC": str(rdma.traffic_class),
+            "UCCL_P2P_RDMA_SL": str(rdma.service_level),
         }
-        if rdma.get("hcas"):
-            env["NCCL_IB_HCA"] = ",".join(rdma["hcas"])
-            env["UCCL_P2P_RDMA_DEV"] = ",".join(rdma["hcas"])
+        if rdma.hcas:
+            env["NCCL_IB_HCA"] = ",".join(rdma.hcas)
+            env["UCCL_P2P_RDMA_DEV"] = ",".join(rdma.hcas)
         return env
     if mode == "tcp":
-        ifname = spec["network"]["tcp"]["socketIfname"]
+        ifname = network.tcp.socket_ifname
         env = {"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": ifname}
         # Gloo takes only interface names: it has no "^" exclusion syntax. Without the variable it
         # binds the address the pod's hostname resolves to, which is the pod IP.
@@ -138,12 +139,6 @@ def network_env(spec: Mapping, mode: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- a user's trainer command
-
-
-def trainer_command(spec: Mapping) -> list[str]:
-    """spec.trainer.command and its args; empty for the built-in trainer."""
-    trainer = spec["trainer"]
-    return [*trainer["command"], *trainer.get("args", [])] if trainer.get("command") else []
 
 
 def master_addr(job: "Job") -> str:
@@ -173,6 +168,78 @@ def torchrun_env(job: "Job", ordinal: int, addr: str, port: int) -> dict[str, st
            "PET_MASTER_ADDR": addr, "PET_MASTER_PORT": str(port)}
     if procs == 1:
         env.update(RANK=str(node), LOCAL_RANK="0")
+    return env
+
+
+# ---------------------------------------------------------------- a pod's environment
+
+
+Value = str | ValueFrom
+
+
+@dataclass(frozen=True)
+class PodSite:
+    """What a pod's environment takes from where it runs. In a cluster (the operator's render),
+    one template for every pod of a role: the pod learns its ordinal, name and address through the
+    downward API and finds its files where its mounts put them. Under `weightsync run` (the local
+    runner), a process of this machine with its own values, ports and files."""
+
+    namespace: Value
+    ordinal: Value
+    pod_name: Value
+    pod_ip: Value
+    """The address other ranks dial."""
+    controller_host: str
+    store_port: int
+    data_port: int
+    """An inference process listens on data_port + its local rank."""
+    health_port: int
+    """Where the pod answers its probes; 0 for none."""
+    spec_file: str
+    token_file: str
+    master_addr: str
+    """spec.trainer.command: where its ranks meet (torchrun's MASTER_ADDR, trainer rank 0's pod)."""
+    master_port: int
+    report_to_kubernetes: bool
+    """The controller patches the job's status through the Kubernetes API."""
+    status_file: str | None = None
+    """Without Kubernetes: the file that stands in for the job's status subresource."""
+    writable: Mapping[str, str] = field(default_factory=dict)
+    """Where the worker and its libraries write, on a read-only root filesystem (WRITABLE_ENV)."""
+
+
+def pod_env(job: Job, role: str, mode: str, site: PodSite) -> dict[str, Value]:
+    """The environment every pod of `role` gets, in a cluster and under `weightsync run` alike:
+    the contract's variables (Env) with the values `site` gives, the settings of the resolved
+    network `mode` and, in trainer pods that run spec.trainer.command, where its ranks meet and
+    the command's own variables, last (where two share a name, the last one counts, as in a
+    Kubernetes container's env)."""
+    env: dict[str, Value] = {
+        Env.JOB: job.name,
+        Env.NAMESPACE: site.namespace,
+        Env.ORDINAL: site.ordinal,
+        Env.POD_NAME: site.pod_name,
+        Env.POD_IP: site.pod_ip,
+        Env.CONTROLLER_HOST: site.controller_host,
+        Env.STORE_PORT: str(site.store_port),
+        Env.DATA_PORT: str(site.data_port),
+        Env.HEALTH_PORT: str(site.health_port),
+        Env.SPEC_FILE: site.spec_file,
+        Env.TOKEN_FILE: site.token_file,
+        Env.NETWORK_MODE: mode,
+        **site.writable,
+    }
+    if role == CONTROLLER:
+        # The controller moves no weights: it reports the job's progress and needs no network settings.
+        env[Env.REPORT_TO_KUBERNETES] = "1" if site.report_to_kubernetes else "0"
+        if site.status_file:
+            env[Env.STATUS_FILE] = site.status_file
+    else:
+        env.update(network_env(job.network, mode))
+    if role == TRAINER and job.trainer.command:
+        # The worker adds the rest of torchrun's variables for its pod (torchrun_env).
+        env.update({"MASTER_ADDR": site.master_addr, "MASTER_PORT": str(site.master_port)})
+        env.update(job.trainer.env)
     return env
 
 

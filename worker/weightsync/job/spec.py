@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,7 +18,7 @@ import yaml
 
 from weightsync.job.schema import apply_defaults, cel_rules, openapi_schema, schema_problems, unknown_fields
 from weightsync.job.sizes import size_problems
-from weightsync.job.topology import Layout
+from weightsync.job.topology import CONTROLLER, INFERENCE, TRAINER, Layout
 
 GROUP = "weightsync.io"
 VERSION = "v1alpha1"
@@ -37,7 +37,6 @@ ANNOTATION_NETWORK_MODE = f"{GROUP}/network-mode"  # rdma or tcp
 ANNOTATION_NETWORK_REASON = f"{GROUP}/network-reason"
 ANNOTATION_WORKER_IMAGE = f"{GROUP}/worker-image"  # the default image when the job was created
 ANNOTATION_TOKEN_SHA256 = f"{GROUP}/token-sha256"  # proves a restored Secret holds the same token
-
 
 
 class SpecError(ValueError):
@@ -135,6 +134,179 @@ def _model_problems(model: Mapping) -> list[str]:
     return size_problems(config, "spec.model.config") if isinstance(config, dict) else []
 
 
+# ---------------------------------------------------------------- the spec's typed sections
+# Each section of the spec as a frozen dataclass, read once from the defaulted spec (Job, below):
+# the CRD stays the one schema (types, defaults, limits, rules); these say what each value means
+# to the code that reads it, and derive what several readers would otherwise compute each.
+
+
+@dataclass(frozen=True)
+class Model:
+    """spec.model: the causal LM every role holds. Exactly one of `config` and `path` is set."""
+
+    config: Mapping[str, Any] | None = None
+    """A transformers config (model_type plus its fields): weights are randomly initialised from
+    spec.training.seed, nothing is downloaded."""
+    path: str | None = None
+    """An absolute path, inside every pod, to a checkpoint directory (config.json plus weights)."""
+    dtype: str = "bfloat16"
+    """The dtype inference ranks receive and run the weights in (float32, bfloat16, float16)."""
+
+    @classmethod
+    def read(cls, model: Mapping) -> "Model":
+        return cls(config=model.get("config"), path=model.get("path"), dtype=model["dtype"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pods:
+    """What spec.controller, spec.trainer and spec.inference say about their role's pods. The
+    Kubernetes fields (resources, nodeSelector, tolerations) are the operator's to pass through to
+    the pod template as written."""
+
+    replicas: int = 1
+    """Pods of this role (the controller: always one)."""
+    procs_per_pod: int = 1
+    """Processes per pod (ranks), one per GPU on GPU nodes (the controller: one)."""
+    gpus_per_proc: int = 0
+    """GPUs each process uses; 0 runs on CPU (the controller: none)."""
+    image: str | None = None
+    """The role's own image; unset, spec.image (the controller always runs spec.image)."""
+    resources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Kubernetes resource requirements (limits, requests) of each pod; the operator adds the GPUs
+    and the RDMA device where these do not name them."""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    """Kubernetes nodeSelector of the role's pods."""
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    """Kubernetes tolerations of the role's pods."""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a pod asks for (nvidia.com/gpu), unless resources name them."""
+        return self.procs_per_pod * self.gpus_per_proc
+
+    @staticmethod
+    def common(section: Mapping) -> dict[str, Any]:
+        """The fields every role's section has, read from it."""
+        return {"image": section.get("image"), "resources": section.get("resources") or {},
+                "node_selector": section.get("nodeSelector") or {}, "tolerations": tuple(section.get("tolerations") or ())}
+
+
+@dataclass(frozen=True)
+class ValueFrom:
+    """A variable's value that Kubernetes gives a pod when it starts (an EnvVarSource): what a
+    user's spec.trainer.env takes from the cluster (a Secret, a ConfigMap), or what the pod learns
+    about itself through the downward API (pod.pod_env)."""
+
+    source: Mapping[str, Any]
+
+    @classmethod
+    def field(cls, path: str) -> "ValueFrom":
+        """The downward API's value of a field of the pod's own object."""
+        return cls({"fieldRef": {"apiVersion": "v1", "fieldPath": path}})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trainer(Pods):
+    """spec.trainer: the trainer pods, which run the built-in trainer or the user's command."""
+
+    command: tuple[str, ...] = ()
+    """The user's training command (for example torchrun train.py), run in every trainer pod
+    instead of the built-in trainer; it publishes versions through weightsync.attach(). Empty:
+    the built-in trainer (spec.training)."""
+    args: tuple[str, ...] = ()
+    """Arguments appended to the command."""
+    env: Mapping[str, str | ValueFrom] = field(default_factory=dict)
+    """The command's own environment variables, after weightsync's, by name: a value, or where
+    Kubernetes takes it from (valueFrom, passed through to the pod as written)."""
+    attach_timeout_seconds: int = 1800
+    """With a command: seconds from its start for every rank of the pod to call
+    weightsync.attach(); a rank that has not by then fails the job, named."""
+
+    @property
+    def argv(self) -> list[str]:
+        """The command and its arguments; empty for the built-in trainer."""
+        return [*self.command, *self.args] if self.command else []
+
+    @classmethod
+    def read(cls, trainer: Mapping) -> "Trainer":
+        return cls(replicas=trainer["replicas"], procs_per_pod=trainer["procsPerPod"], gpus_per_proc=trainer["gpusPerProc"],
+                   command=tuple(trainer.get("command") or ()), args=tuple(trainer.get("args") or ()),
+                   env={var["name"]: ValueFrom(var["valueFrom"]) if "valueFrom" in var else var.get("value", "")
+                        for var in trainer.get("env") or ()},
+                   attach_timeout_seconds=trainer["attachTimeoutSeconds"],
+                   **Pods.common(trainer))
+
+
+BUILTIN, VLLM = "builtin", "vllm"  # spec.inference.engine
+VLLM_PORT = 8000  # spec.inference.vllm.port's default: vLLM's own
+
+
+@dataclass(frozen=True)
+class Vllm:
+    """spec.inference.vllm: with engine vllm, every inference pod runs one vLLM OpenAI-compatible
+    server, started with weightsync as its weight-transfer backend."""
+
+    port: int = VLLM_PORT
+    """The port every server serves the OpenAI API on (and the job's Service "<name>-vllm")."""
+    args: tuple[str, ...] = ()
+    """The user's arguments for `vllm serve`, after weightsync's own."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inference(Pods):
+    """spec.inference: the inference pods, how their ranks group into tensor-parallel model
+    replicas, and the engine that serves the weights."""
+
+    tensor_parallel: int = 1
+    """The tensor-parallel degree of every model replica (consecutive inference ranks)."""
+    tensor_parallel_sizes: tuple[int, ...] = ()
+    """Instead of tensor_parallel, the degree of each model replica in inference rank order."""
+    engine: str = BUILTIN
+    """builtin (weightsync's own transformers model) or vllm (a vLLM server per pod)."""
+    vllm: Vllm = Vllm()
+    """The vLLM servers' settings (engine vllm)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.procs_per_pod
+
+    @property
+    def model_replicas(self) -> tuple[int, ...]:
+        """The tensor-parallel degree of each model replica, in inference rank order."""
+        return self.tensor_parallel_sizes or (self.tensor_parallel,) * (self.world_size // self.tensor_parallel)
+
+    @property
+    def runs_vllm(self) -> bool:
+        return self.engine == VLLM
+
+    @classmethod
+    def read(cls, inference: Mapping) -> "Inference":
+        vllm = inference.get("vllm") or {}
+        return cls(replicas=inference["replicas"], procs_per_pod=inference["procsPerPod"],
+                   gpus_per_proc=inference["gpusPerProc"], tensor_parallel=inference["tensorParallel"],
+                   tensor_parallel_sizes=tuple(inference.get("tensorParallelSizes") or ()),
+                   engine=inference.get("engine", BUILTIN),
+                   vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ()))), **Pods.common(inference))
+
+
+@dataclass(frozen=True)
+class Training:
+    """spec.training: the built-in trainer's loop (a user's command decides its own)."""
+
+    steps: int = 100
+    """Optimizer steps; 0 trains until the job is deleted."""
+    learning_rate: float = 3.0e-4
+    """AdamW's learning rate."""
+    batch_size: int = 8
+    """Sequences per trainer rank per step."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    seed: int = 0
+    """Seeds the model's initial weights (the same on every rank) and the training data."""
+
+    @classmethod
+    def read(cls, training: Mapping) -> "Training":
+        return cls(training["steps"], training["learningRate"], training["batchSize"], training["seqLen"], training["seed"])
 
 
 @dataclass(frozen=True)
@@ -143,61 +315,162 @@ class Delta:
     changed, and every how many versions every rank gets a whole version anyway."""
 
     enabled: bool
+    """Send patches against the previous version (transport tcp) instead of whole versions."""
     full_every: int
-
-    @classmethod
-    def from_spec(cls, spec: Mapping) -> "Delta":
-        delta = spec["transfer"]["delta"]
-        return cls(bool(delta["enabled"]), int(delta["fullEvery"]))
-
-
-BUILTIN, VLLM = "builtin", "vllm"  # spec.inference.engine
-VLLM_PORT = 8000  # spec.inference.vllm.port's default: vLLM's own
+    """Every this many versions, every inference rank gets a whole version, whatever it holds."""
 
 
 @dataclass(frozen=True)
-class Serving:
-    """spec.inference: which engine the inference ranks run. With vllm, every inference pod runs
-    one vLLM OpenAI-compatible server on `port` (the job's Service serves it to clients), started
-    with weightsync as its weight-transfer backend and the user's `args` after weightsync's own."""
+class Transfer:
+    """spec.transfer: how each version travels from the trainer ranks to the inference ranks."""
 
-    engine: str
-    port: int
-    args: tuple[str, ...]
-
-    @classmethod
-    def from_spec(cls, spec: Mapping) -> "Serving":
-        inference = spec["inference"]
-        vllm = inference.get("vllm") or {}
-        return cls(inference.get("engine", BUILTIN), int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())))
+    every_steps: int = 10
+    """The built-in trainer publishes a version every this many optimizer steps (and once before
+    training)."""
+    bucket_mb: int = 64
+    """The size of one transfer bucket in MiB; large tensors are split across buckets."""
+    verify: str = "digest"
+    """digest: every inference rank checks a digest of the whole version before applying it;
+    none: only the per-bucket checksums, which are always checked."""
+    transport: str = "auto"
+    """auto, tcp, nccl, uccl or ipc (auto: resolved on each rank, transport.resolve_transport)."""
+    timeout_seconds: int = 300
+    """A peer silent for this long fails the job with its rank named."""
+    delta: Delta = Delta(False, 10)
+    """Delta versions."""
 
     @property
-    def vllm(self) -> bool:
-        return self.engine == VLLM
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb << 20
+
+    @property
+    def timeout(self) -> float:
+        """timeout_seconds, as the deadlines that take it."""
+        return float(self.timeout_seconds)
+
+    @property
+    def verify_digest(self) -> bool:
+        return self.verify == "digest"
+
+    @classmethod
+    def read(cls, transfer: Mapping) -> "Transfer":
+        delta = transfer["delta"]
+        return cls(transfer["everySteps"], transfer["bucketMB"], transfer["verify"], transfer["transport"],
+                   transfer["timeoutSeconds"], Delta(bool(delta["enabled"]), int(delta["fullEvery"])))
+
+
+@dataclass(frozen=True)
+class Rdma:
+    """spec.network.rdma: what pods of an rdma job get (device, NIC settings, networks)."""
+
+    resource_name: str = "rdma/rdma_shared_device_a"
+    """The device-plugin resource that exposes the RDMA NICs."""
+    resource_count: int = 1
+    """How many of it every trainer and inference pod asks for."""
+    hcas: tuple[str, ...] = ()
+    """HCA names for NCCL_IB_HCA and UCCL_P2P_RDMA_DEV; empty lets the libraries choose."""
+    gid_index: int = 3
+    """RoCE GID index (3 is RoCEv2 over IPv4 on most NICs)."""
+    gdr_level: str = "PHB"
+    """NCCL_NET_GDR_LEVEL: the farthest GPU-NIC distance at which GPUDirect RDMA is used."""
+    traffic_class: int = 104
+    """RoCE traffic class, DSCP times 4."""
+    service_level: int = 3
+    """InfiniBand service level."""
+    networks: str = ""
+    """Multus networks (the k8s.v1.cni.cncf.io/networks annotation); empty for none."""
+    host_network: bool = False
+    """Trainer and inference pods share their node's network (and then have no probes)."""
+
+    @classmethod
+    def read(cls, rdma: Mapping) -> "Rdma":
+        return cls(rdma["resourceName"], rdma["resourceCount"], tuple(rdma.get("hcas") or ()), rdma["gidIndex"],
+                   rdma["gdrLevel"], rdma["trafficClass"], rdma["serviceLevel"], rdma["networks"], bool(rdma["hostNetwork"]))
+
+
+@dataclass(frozen=True)
+class Tcp:
+    """spec.network.tcp: the settings of mode tcp."""
+
+    socket_ifname: str = "^lo,docker0"
+    """NCCL_SOCKET_IFNAME, and GLOO_SOCKET_IFNAME where it names interfaces (gloo takes no "^")."""
+
+
+@dataclass(frozen=True)
+class Network:
+    """spec.network: the network mode the job asks for and each mode's settings."""
+
+    mode: str = "auto"
+    """auto, rdma or tcp; the operator resolves auto once, when the job is created (rdma where
+    some node offers spec.network.rdma's resource, else tcp)."""
+    rdma: Rdma = Rdma()
+    """Settings of mode rdma."""
+    tcp: Tcp = Tcp()
+    """Settings of mode tcp."""
+
+    @classmethod
+    def read(cls, network: Mapping) -> "Network":
+        return cls(network["mode"], Rdma.read(network["rdma"]), Tcp(network["tcp"]["socketIfname"]))
+
+
+def _read() -> Any:
+    """A field of Job read from its spec (so equal specs make equal jobs)."""
+    return field(init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class Job:
+    """A WeightTransferJob as weightsync reads it: its name, its defaulted spec, and the spec's
+    typed sections, read from it once. The spec itself is what the ConfigMap holds; read a value
+    from the sections (job.transfer.bucket_bytes, job.trainer.replicas), never from the spec."""
+
     name: str
     namespace: str
     spec: dict
+    """The defaulted spec, as the CRD's schema shapes it."""
+    model: Model = _read()
+    controller: Pods = _read()
+    trainer: Trainer = _read()
+    inference: Inference = _read()
+    training: Training = _read()
+    transfer: Transfer = _read()
+    network: Network = _read()
+    image: str | None = _read()
+    """spec.image: the image of every pod whose role names none; unset, the operator's default."""
+    image_pull_policy: str = _read()
+    image_pull_secrets: tuple[str, ...] = _read()
+    """The names of the Secrets every pod pulls its image with."""
+    layout: Layout = _read()
+    """The ordinal -> role/rank layout."""
 
-    @property
-    def layout(self) -> Layout:
-        return Layout.from_spec(self.spec)
+    def __post_init__(self) -> None:
+        spec = self.spec
+        trainer, inference = Trainer.read(spec["trainer"]), Inference.read(spec["inference"])
+        sections = {
+            "model": Model.read(spec["model"]),
+            "controller": Pods(**Pods.common(spec["controller"])),  # one pod, one process, no GPU
+            "trainer": trainer,
+            "inference": inference,
+            "training": Training.read(spec["training"]),
+            "transfer": Transfer.read(spec["transfer"]),
+            "network": Network.read(spec["network"]),
+            "image": spec.get("image"),
+            "image_pull_policy": spec["imagePullPolicy"],
+            "image_pull_secrets": tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
+            "layout": Layout(trainer.replicas, trainer.procs_per_pod, inference.replicas, inference.procs_per_pod,
+                             inference.model_replicas),
+        }
+        for name, value in sections.items():
+            object.__setattr__(self, name, value)
+
+    def pods(self, role: str) -> Pods:
+        """The section of a role (controller, trainer or inference)."""
+        return {CONTROLLER: self.controller, TRAINER: self.trainer, INFERENCE: self.inference}[role]
 
     @property
     def identity(self) -> str:
         """namespace/name: every rendezvous connection is bound to it (with the token)."""
         return f"{self.namespace}/{self.name}"
-
-    @property
-    def delta(self) -> Delta:
-        return Delta.from_spec(self.spec)
-
-    @property
-    def serving(self) -> Serving:
-        return Serving.from_spec(self.spec)
 
     def to_object(self) -> dict:
         """The defaulted job as the workers read it (the ConfigMap's content)."""
@@ -242,5 +515,3 @@ class Job:
         if role:
             labels[LABEL_ROLE] = role
         return labels
-
-

@@ -6,7 +6,6 @@ and ranks from here, never from start-up order or timing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 CONTROLLER, TRAINER, INFERENCE = "controller", "trainer", "inference"
 ROLES = (CONTROLLER, TRAINER, INFERENCE)
@@ -19,21 +18,13 @@ class Layout:
     (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1. Inference ranks form
     model replicas of consecutive ranks, `tensor_parallel[i]` of them for the i-th replica
     (spec.inference.tensorParallelSizes, or tensorParallel for every replica); empty: every
-    inference rank is a whole replica."""
+    inference rank is a whole replica. The job's own is Job.layout, from its spec's sections."""
 
     trainers: int
     trainer_procs: int
     inferences: int
     inference_procs: int
     tensor_parallel: tuple[int, ...] = ()
-
-    @classmethod
-    def from_spec(cls, spec: Mapping) -> "Layout":
-        inference = spec["inference"]
-        world = inference["replicas"] * inference["procsPerPod"]
-        sizes = inference.get("tensorParallelSizes") or [inference["tensorParallel"]] * (world // inference["tensorParallel"])
-        return cls(spec["trainer"]["replicas"], spec["trainer"]["procsPerPod"],
-                   inference["replicas"], inference["procsPerPod"], tuple(sizes))
 
     def tp_group(self, inference_rank: int) -> range:
         """The inference ranks of the model replica `inference_rank` holds a tensor-parallel shard of."""

@@ -51,12 +51,12 @@ def parameters(layout: FlatLayout) -> int:
 def needs(job: Job, layout: FlatLayout) -> list[Need]:
     """Per role, the host memory of each of its processes on one machine; `layout` is the job's
     version layout (spec.model.dtype)."""
-    spec, lay = job.spec, job.layout
+    lay = job.layout
     params = parameters(layout)
     version = layout.total_bytes
     per_param = TRAINER_BYTES_PER_PARAM + (DDP_BYTES_PER_PARAM if lay.world_size(TRAINER) > 1 else 0)
-    delta = job.delta.enabled  # the last version sent is kept (host memory, also beside a GPU), and sent through buffers
-    cast = SEND_DEPTH * min(spec["transfer"]["bucketMB"] * MiB, version) if layout.dtype != "float32" or delta else 0
+    delta = job.transfer.delta.enabled  # the last version sent is kept (host memory, also beside a GPU), and sent through buffers
+    cast = SEND_DEPTH * min(job.transfer.bucket_bytes, version) if layout.dtype != "float32" or delta else 0
     kept = -(-version // lay.world_size(TRAINER)) if delta else 0
     what = "weights, gradients, AdamW's two moments" + (" and DDP buckets" if per_param > TRAINER_BYTES_PER_PARAM else "")
     trainer_state = params * per_param + cast
@@ -66,7 +66,7 @@ def needs(job: Job, layout: FlatLayout) -> list[Need]:
     inference_why = f"{INFERENCE_VERSIONS} versions of {_size(version)} in {layout.dtype}"
     out = [Need("controller", 1, CONTROLLER_RUNTIME, "runtime")]
     for role, state, why in ((TRAINER, trainer_state, trainer_why), (INFERENCE, inference_state, inference_why)):
-        on_gpu = spec[role]["gpusPerProc"] > 0
+        on_gpu = job.pods(role).gpus_per_proc > 0
         extra = kept if role == TRAINER else 0
         out.append(Need(role, lay.world_size(role), RANK_RUNTIME + (0 if on_gpu else state) + extra,
                         "runtime; its model state is on the GPU" if on_gpu else f"{why}, plus runtime"))

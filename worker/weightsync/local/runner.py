@@ -31,8 +31,8 @@ from typing import IO, Mapping
 
 import yaml
 
-from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job, load_job,
-                       network_env, trainer_command)
+from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job,
+                            PodSite, ValueFrom, load_job, pod_env)
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
@@ -86,7 +86,7 @@ class LocalJob:
         layout = self.job.layout
         spec_file, token_file = self._files()
         inference_procs = layout.procs_per_pod(INFERENCE)
-        servers = layout.inferences if self.job.serving.vllm else 0
+        servers = layout.inferences if self.job.inference.runs_vllm else 0
         store_port, master_port, *ports = free_ports([1, 1] + [1] * layout.pods + [inference_procs] * layout.inferences
                                                      + [1] * servers)
         health_ports, data_ports = ports[:layout.pods], ports[layout.pods:layout.pods + layout.inferences]
@@ -96,35 +96,31 @@ class LocalJob:
         # the pods share this machine's cores
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
         gpus = gpus_per_pod(self.job, self.share_gpus)
+        check_command_env(self.job)
+        first_inference = layout.first_ordinal(INFERENCE)
         pods = []
         for ordinal in range(layout.pods):
             role = layout.role_of(ordinal)
-            first_inference = layout.first_ordinal(INFERENCE)
-            env = {
-                **base,
-                Env.JOB: self.job.name,
-                Env.NAMESPACE: self.job.namespace,
-                Env.ORDINAL: str(ordinal),
-                Env.POD_NAME: self.job.pod_name(ordinal),
-                Env.POD_IP: LOOPBACK,
-                Env.CONTROLLER_HOST: LOOPBACK,
-                Env.STORE_PORT: str(store_port),
-                Env.DATA_PORT: str(data_ports[ordinal - first_inference] if role == INFERENCE else DATA_PORT),
-                Env.HEALTH_PORT: str(health_ports[ordinal]),
-                Env.SPEC_FILE: str(spec_file),
-                Env.TOKEN_FILE: str(token_file),
-                Env.NETWORK_MODE: "tcp",
-                "CUDA_VISIBLE_DEVICES": gpus[ordinal],  # what the device plugin gives the pod
-            }
-            if role == CONTROLLER:
-                env[Env.REPORT_TO_KUBERNETES] = "0"  # no cluster to report to: stdout, and the status file
-                env[Env.STATUS_FILE] = str(self.workdir / STATUS_FILE)
-            else:
-                env.update(network_env(self.job.spec, "tcp"))
+            site = PodSite(
+                namespace=self.job.namespace,
+                ordinal=str(ordinal),
+                pod_name=self.job.pod_name(ordinal),
+                pod_ip=LOOPBACK,
+                controller_host=LOOPBACK,
+                store_port=store_port,
+                data_port=data_ports[ordinal - first_inference] if role == INFERENCE else DATA_PORT,
+                health_port=health_ports[ordinal],
+                spec_file=str(spec_file),
+                token_file=str(token_file),
+                master_addr=LOOPBACK,
+                master_port=master_port,
+                report_to_kubernetes=False,  # no cluster to report to: stdout, and the status file
+                status_file=str(self.workdir / STATUS_FILE),
+            )
+            # CUDA_VISIBLE_DEVICES: what the device plugin gives the pod
+            env = {**base, "CUDA_VISIBLE_DEVICES": gpus[ordinal], **pod_env(self.job, role, "tcp", site)}
             if role == INFERENCE and servers:
                 env[Env.VLLM_PORT] = str(server_ports[ordinal - first_inference])
-            if role == TRAINER and trainer_command(self.job.spec):  # as render.env: where the ranks meet, the user's own
-                env.update({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(master_port), **command_env(self.job)})
             if self.share_gpus:
                 env[Env.COLOCATED] = "1"
             if self.share_gpus and gpus[ordinal]:
@@ -134,7 +130,7 @@ class LocalJob:
             env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
             # a user's command runs where `weightsync run` was started (its paths are the user's)
-            cwd = Path.cwd() if role == TRAINER and trainer_command(self.job.spec) else None
+            cwd = Path.cwd() if role == TRAINER and self.job.trainer.command else None
             pods.append(Pod(ordinal, role, name, env, self.workdir / "logs" / f"{name}.log", layout.ranks_of(ordinal),
                             read_stdout=self._read_lines if role == CONTROLLER else None, cwd=cwd))
         return pods
@@ -243,16 +239,13 @@ class LocalJob:
         self.kubelet.stop()
 
 
-def command_env(job: Job) -> dict[str, str]:
-    """spec.trainer.env as a local process gets it: values only (what valueFrom names, a Secret or
-    a ConfigMap, is the cluster's)."""
-    out = {}
-    for i, var in enumerate(job.spec["trainer"].get("env", [])):
-        if "valueFrom" in var:
-            raise CannotRunHere(f"spec.trainer.env[{i}] ({var['name']}) takes its value from the cluster (valueFrom); "
+def check_command_env(job: Job) -> None:
+    """spec.trainer.env as a local process can take it: values only (what valueFrom names, a
+    Secret or a ConfigMap, is the cluster's)."""
+    for i, (name, value) in enumerate(job.trainer.env.items()):
+        if isinstance(value, ValueFrom):
+            raise CannotRunHere(f"spec.trainer.env[{i}] ({name}) takes its value from the cluster (valueFrom); "
                                 "weightsync run takes only value")
-        out[var["name"]] = var.get("value", "")
-    return out
 
 
 def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
@@ -260,8 +253,7 @@ def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
     for them (procsPerPod x gpusPerProc), none for the others; with `share`, the same first
     GPUs for every pod that asks (colocated ranks on one GPU)."""
     layout = job.layout
-    need = {o: 0 if layout.role_of(o) == CONTROLLER else
-            layout.procs_per_pod(layout.role_of(o)) * job.spec[layout.role_of(o)]["gpusPerProc"] for o in range(layout.pods)}
+    need = {o: 0 if layout.role_of(o) == CONTROLLER else job.pods(layout.role_of(o)).gpus for o in range(layout.pods)}
     total = max(need.values()) if share else sum(need.values())
     visible: list[str] = []
     if total:
@@ -272,7 +264,7 @@ def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
         visible = [d for d in given.split(",") if d][:count] if given else [str(i) for i in range(count)]
         if len(visible) < total:
             asks = ", ".join(f"{role}: {layout.replicas(role)} pod(s) x {layout.procs_per_pod(role)} x "
-                             f"{job.spec[role]['gpusPerProc']}" for role in ("trainer", "inference"))
+                             f"{job.pods(role).gpus_per_proc}" for role in (TRAINER, INFERENCE))
             raise CannotRunHere(f"the job asks for {total} GPUs ({asks}) and this machine has {len(visible)}; "
                                 "set spec.trainer.gpusPerProc and spec.inference.gpusPerProc to 0 to run on CPU")
     out, used = {}, 0
@@ -291,13 +283,13 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     `share_gpus` every pod that asks for GPUs gets the same ones (colocated training and
     inference on one GPU)."""
     job = source if isinstance(source, Job) else load_job(source)
-    if job.serving.vllm:
+    if job.inference.runs_vllm:
         extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
-    layout = meta_layout(job.spec["model"])  # a model transformers cannot build is refused before anything starts
-    if trainer_command(job.spec):
-        command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
+    layout = meta_layout(job.model)  # a model transformers cannot build is refused before anything starts
+    if job.trainer.command:
+        check_command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
     else:
-        check_fits(job.spec)
+        check_fits(job.model, job.training.seq_len)
     gpus_per_pod(job, share_gpus)  # this machine's GPUs and memory, before any file or process is made
     too_big = shortfall(job, layout)
     if too_big:

@@ -8,11 +8,10 @@ tensors of a weight version; flat.FlatLayout turns them into byte offsets.
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping
 
 import torch
 
-from weightsync.job import SpecError
+from weightsync.job import Model, SpecError
 from weightsync.model.flat import FlatLayout, torch_dtype
 from weightsync.model.config import config_of
 
@@ -20,27 +19,27 @@ from weightsync.model.config import config_of
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-def check_fits(spec: Mapping) -> None:
-    """Refuse training sequences longer than the model has positions for."""
-    config = config_of(spec["model"])
+def check_fits(model: Model, seq_len: int) -> None:
+    """Refuse training sequences (spec.training.seqLen) longer than the model has positions for."""
+    config = config_of(model)
     positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and spec["training"]["seqLen"] > positions:
-        raise SpecError([f"spec.training.seqLen: {spec['training']['seqLen']} is longer than the model's {positions} "
+    if positions is not None and seq_len > positions:
+        raise SpecError([f"spec.training.seqLen: {seq_len} is longer than the model's {positions} "
                          "positions (max_position_embeddings / n_positions of spec.model)"])
 
 
-def build(model_spec: Mapping, *, dtype: str = "float32", device: str | torch.device = "cpu", seed: int = 0,
+def build(model: Model, *, dtype: str = "float32", device: str | torch.device = "cpu", seed: int = 0,
           load_weights: bool = True) -> torch.nn.Module:
     """The causal LM in `dtype` on `device`. From a config: weights drawn from torch's generator
     seeded with `seed`, so every rank that builds it gets the same ones. From a path: the
     checkpoint's weights, unless load_weights is False (inference ranks, which receive them)."""
     from transformers import AutoModelForCausalLM
 
-    config = config_of(model_spec)
+    config = config_of(model)
     try:
-        if "path" in model_spec and load_weights:
-            model = AutoModelForCausalLM.from_pretrained(model_spec["path"], dtype=torch_dtype(dtype), local_files_only=True)
-            return model.to(device)
+        if model.path is not None and load_weights:
+            loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch_dtype(dtype), local_files_only=True)
+            return loaded.to(device)
         torch.manual_seed(seed)
         with torch.device(device):
             return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
@@ -57,9 +56,9 @@ def layout_of(model: torch.nn.Module, dtype: str) -> FlatLayout:
     return FlatLayout.from_named_tensors(parameters(model), dtype)
 
 
-def meta_layout(model_spec: Mapping) -> FlatLayout:
+def meta_layout(model: Model) -> FlatLayout:
     """The version layout of spec.model without allocating any weights (meta device)."""
-    return layout_of(build(model_spec, dtype="float32", device="meta", load_weights=False), model_spec["dtype"])
+    return layout_of(build(model, dtype="float32", device="meta", load_weights=False), model.dtype)
 
 
 def point_at(model: torch.nn.Module, views: list[torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from weightsync.job import SpecError
+from weightsync.job import Model, SpecError
 from weightsync.job.schema import choices, did_you_mean
 from weightsync.job.sizes import ALIASES, size_problems
 
@@ -32,13 +32,13 @@ COMMON_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
-def config_of(model_spec: Mapping):
+def config_of(model: Model):
     """The transformers config of spec.model (a config or a checkpoint directory); SpecError if
     it cannot be one or holds sizes no model can have."""
-    if "config" in model_spec:
-        config, where = from_mapping(dict(model_spec["config"])), WHERE
+    if model.config is not None:
+        config, where = from_mapping(dict(model.config)), WHERE
     else:
-        config, where = from_path(model_spec["path"]), f"spec.model.path ({model_spec['path']}/config.json)"
+        config, where = from_path(model.path), f"spec.model.path ({model.path}/config.json)"
     problems = size_problems(config.to_dict(), where, getattr(config, "attribute_map", None), head_dim_known=True)
     if problems:
         raise SpecError(problems)

@@ -67,8 +67,8 @@ class Sync:
         self.version = -1  # the last one published
         self.step: int | None = None  # its training step
         self.closed = False
-        transfer = ctx.job.spec["transfer"]
-        self.timeout = float(transfer["timeoutSeconds"])
+        transfer = ctx.job.transfer
+        self.timeout = transfer.timeout
         self.member = Member(ctx.controller_host, ctx.store_port, ctx.token, TRAINER, rank, JOIN_TIMEOUT, job=ctx.job.identity)
         self.sender = None
         try:
@@ -77,7 +77,7 @@ class Sync:
             self._restarted(e)
         self.member.start_heartbeat()
         try:
-            self.sources: Sources = sources_of(model, ctx.job.spec["model"]["dtype"])
+            self.sources: Sources = sources_of(model, ctx.job.model.dtype)
             device = self.sources.device
             name, why, self.sender = transport_for(ctx, self.member, TRAINER, rank, device)
             holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}
@@ -89,8 +89,8 @@ class Sync:
             if plan.sliced:  # the inference ranks hold tensor-parallel slices: each gets only its own
                 self.mover = SliceSender(self.sender, plan, rank)
             else:
-                self.mover = VersionSender(self.sender, plan, rank, transfer["bucketMB"] << 20,
-                                           delta=delta_in_effect(ctx.job.delta, name)[0], starts=self.sources.starts,
+                self.mover = VersionSender(self.sender, plan, rank, transfer.bucket_bytes,
+                                           delta=delta_in_effect(transfer.delta, name)[0], starts=self.sources.starts,
                                            tamper=tamper_hook())
         except BaseException as e:
             self._fail(e)

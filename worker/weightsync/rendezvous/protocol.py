@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
-from weightsync.job import INFERENCE, TRAINER, Layout
+from weightsync.job import INFERENCE, TRAINER, Job, Layout
 from weightsync.job.token import mac, same
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused
@@ -49,10 +49,11 @@ class ProofError(RuntimeError):
     """A rank or the controller could not prove it holds the job's token."""
 
 
-def versions(spec: Mapping) -> Iterator[tuple[int, int]]:
-    """(version, training step) of every weight version: 0 before training, then every
-    transfer.everySteps steps and at the end. training.steps 0 trains without end."""
-    steps, every = spec["training"]["steps"], spec["transfer"]["everySteps"]
+def versions(job: Job) -> Iterator[tuple[int, int]]:
+    """(version, training step) of every weight version the built-in trainer publishes: 0 before
+    training, then every transfer.every_steps steps and at the end. training.steps 0 trains
+    without end."""
+    steps, every = job.training.steps, job.transfer.every_steps
     version, step = 0, 0
     while True:
         yield version, step

@@ -12,7 +12,7 @@ import sys
 from multiprocessing.connection import wait
 from typing import Mapping
 
-from weightsync.job import CONTROLLER, TRAINER, SpecError, WorkerContext, trainer_command
+from weightsync.job import CONTROLLER, TRAINER, SpecError, WorkerContext
 from weightsync.runtime.health import PodHealth, RankHealth
 from weightsync.rendezvous.protocol import who
 
@@ -37,7 +37,7 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         from weightsync.roles.controller import run
 
         return run(ctx)
-    if ctx.role == TRAINER and trainer_command(ctx.job.spec):
+    if ctx.role == TRAINER and ctx.job.trainer.command:
         from weightsync.roles.command import run
 
         return run(ctx, health)
@@ -65,7 +65,7 @@ def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = 
     ctx = ctx or WorkerContext.from_environ()
     if role == TRAINER:
         from weightsync.roles.trainer import run
-    elif ctx.job.serving.vllm:  # the rank is the pod's vLLM server's worker
+    elif ctx.job.inference.runs_vllm:  # the rank is the pod's vLLM server's worker
         from weightsync.roles.vllm_server import run
     else:
         from weightsync.roles.inference import run

@@ -27,7 +27,7 @@ import threading
 import time
 from functools import partial
 
-from weightsync.job import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env, trainer_command
+from weightsync.job import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env
 from weightsync.runtime.health import PodHealth
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
@@ -42,7 +42,7 @@ FINISH_GRACE = 15.0
 
 
 def run(ctx: WorkerContext, health: PodHealth) -> int:
-    argv = trainer_command(ctx.job.spec)
+    argv = ctx.job.trainer.argv
     ranks = list(ctx.ranks)
     me = f"trainer pod {ctx.job.pod_name(ctx.ordinal)}"
     slots = [health.rank(i) for i in range(len(ranks))]
@@ -62,7 +62,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     succeeded = threading.Event()  # set once the job is seen to have succeeded
     signal.signal(signal.SIGTERM, partial(_stop_on_sigterm, proc, succeeded))
     watch = Watch(ctx, channel, ranks, me, slots)
-    deadline = time.monotonic() + ctx.job.spec["trainer"]["attachTimeoutSeconds"]
+    deadline = time.monotonic() + ctx.job.trainer.attach_timeout_seconds
     code, end, gone = None, None, False
     while code is None:
         if end is not None and end["state"] == "Succeeded":
@@ -89,7 +89,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
         elif late and time.monotonic() > deadline and code is None:
             for r in late:
                 report_failure(ctx, TRAINER, r, f"the trainer command has not called weightsync.attach() within "
-                                                f"{ctx.job.spec['trainer']['attachTimeoutSeconds']}s of its start "
+                                                f"{ctx.job.trainer.attach_timeout_seconds}s of its start "
                                                 f"(spec.trainer.attachTimeoutSeconds): {command}", channel)
             _stop(proc)
             return _end(ctx, channel, me, proc.wait())

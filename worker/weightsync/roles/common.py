@@ -61,14 +61,14 @@ def device_for(ctx: WorkerContext, role: str, local_rank: int):
     """cuda:<local rank> when the role asks for GPUs (gpusPerProc > 0), else the CPU."""
     import torch
 
-    spec = ctx.job.spec[role]
-    if spec["gpusPerProc"] == 0:
+    pods = ctx.job.pods(role)
+    if pods.gpus_per_proc == 0:
         return torch.device("cpu")
-    need = spec["procsPerPod"] * spec["gpusPerProc"]
+    need = pods.gpus
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < need:
-        raise Expected(f"spec.{role} asks for {need} GPUs per pod (procsPerPod {spec['procsPerPod']} x gpusPerProc "
-                       f"{spec['gpusPerProc']}) but this pod has {have}; set spec.{role}.gpusPerProc: 0 to run on CPU")
-    index = local_rank * spec["gpusPerProc"]
+        raise Expected(f"spec.{role} asks for {need} GPUs per pod (procsPerPod {pods.procs_per_pod} x gpusPerProc "
+                       f"{pods.gpus_per_proc}) but this pod has {have}; set spec.{role}.gpusPerProc: 0 to run on CPU")
+    index = local_rank * pods.gpus_per_proc
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

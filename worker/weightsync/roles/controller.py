@@ -54,10 +54,9 @@ class JobFailed(RuntimeError):
 
 
 def run(ctx: WorkerContext) -> int:
-    spec = ctx.job.spec
     layout = ctx.job.layout
     trainers, inferences = layout.world_size(TRAINER), layout.world_size(INFERENCE)
-    timeout = float(spec["transfer"]["timeoutSeconds"])
+    timeout = ctx.job.transfer.timeout
     reporter = Reporter(ctx.job, ctx.report_to_kubernetes)
     status = reporter.status()
     if (status.get("completion") or {}).get("state"):
@@ -86,9 +85,9 @@ def run(ctx: WorkerContext) -> int:
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)},
                           {rank: admitted[(INFERENCE, rank)][2] for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
-        delta_on, why = delta_in_effect(ctx.job.delta, transport, plan.sliced)
+        delta_on, why = delta_in_effect(ctx.job.transfer.delta, transport, plan.sliced)
         log(ME, why)
-        delta = Delta(delta_on, ctx.job.delta.full_every)
+        delta = Delta(delta_on, ctx.job.transfer.delta.full_every)
         version = 0
         while host.next_version(version):  # until every trainer rank closed
             rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
@@ -145,7 +144,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
             if was is not None and was != now:
                 raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not the "
                                 f"{was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
-    stall = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.serving.vllm else None
+    stall = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.inference.runs_vllm else None
     applied = host.collect_applied(rnd, timeout)
     seconds = time.monotonic() - start
     for r, got in sorted(applied.items()):
@@ -210,7 +209,7 @@ def _plan(ctx: WorkerContext, admitted: dict):
         needs = inference_needs(ctx.job.layout, reference,
                                 lambda r: needs_from_json(r, admitted[(INFERENCE, r)][2]["needs"]))
         plan = make_job_plan(reference, held, ctx.job.layout.world_size(INFERENCE),
-                             ctx.job.spec["transfer"]["bucketMB"] << 20, needs, transport)
+                             ctx.job.transfer.bucket_bytes, needs, transport)
     except (KeyError, ValueError) as e:
         what = "the slices the inference ranks need" if ctx.job.layout.sliced else "the version"
         raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}",

@@ -39,11 +39,11 @@ def serving_model(ctx: WorkerContext, member: Member, local_rank: int):
     """An inference rank's start: its heartbeat, and (model, its version layout, device) of
     spec.model in the job's dtype, evaluating, without weights worth keeping (versions replace
     them)."""
-    spec = ctx.job.spec
-    dtype = spec["model"]["dtype"]
+    job = ctx.job
+    dtype = job.model.dtype
     device = device_for(ctx, INFERENCE, local_rank)
     member.start_heartbeat()
-    model = build(spec["model"], dtype=dtype, device=device, seed=spec["training"]["seed"], load_weights=False)
+    model = build(job.model, dtype=dtype, device=device, seed=job.training.seed, load_weights=False)
     model.eval()
     return model, layout_of(model, dtype), device
 
@@ -85,11 +85,11 @@ class Generations(GenerationHandover):
 class Inference:
     def __init__(self, ctx: WorkerContext, member: Member, rank: int, local_rank: int):
         self.ctx, self.member, self.rank, self.local_rank = ctx, member, rank, local_rank
-        self.spec = ctx.job.spec
+        self.transfer = ctx.job.transfer
         self.me = who(INFERENCE, rank)
 
     def run(self) -> str:
-        spec, member = self.spec, self.member
+        member = self.member
         model, layout, device = serving_model(self.ctx, member, self.local_rank)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
@@ -102,7 +102,7 @@ class Inference:
                      f"{plan.bytes_for(self.rank)} bytes per version from {len(plan.expected_for(self.rank))} trainer ranks{again}")
 
         settle_heap()
-        mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), spec["transfer"])
+        mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.transfer)
         try:
             self._generate(model, gens, device)
         finally:
@@ -120,7 +120,7 @@ class Inference:
                 raise gens.error
             switched = gens.switch()
             if switched is not None:
-                verified = " (digest verified)" if self.spec["transfer"]["verify"] == "digest" else ""
+                verified = " (digest verified)" if self.transfer.verify_digest else ""
                 log(self.me, f"switched to version {switched}{verified}")
                 health.ready()  # serving a verified version: the pod is ready
             if switched is not None and dumping():

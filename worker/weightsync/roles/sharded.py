@@ -53,18 +53,18 @@ class ShardedGenerations(GenerationHandover):
 class ShardedInference:
     def __init__(self, ctx: WorkerContext, member: Member, rank: int, local_rank: int):
         self.ctx, self.member, self.rank, self.local_rank = ctx, member, rank, local_rank
-        self.spec = ctx.job.spec
+        self.transfer = ctx.job.transfer
         self.me = who(INFERENCE, rank)
         self.group = ctx.job.layout.tp_group(rank)
 
     def run(self) -> str:
-        spec, member = self.spec, self.member
+        member = self.member
         model, layout, device = serving_model(self.ctx, member, self.local_rank)
         try:
             needs = needs_of(model, layout, self.group, self.rank)
         except ValueError as e:
             raise Expected(f"tensor-parallel degree {len(self.group)} (spec.inference): {e}") from None
-        tp = TensorParallel(member.client().store, self.group, self.rank, device, float(spec["transfer"]["timeoutSeconds"]))
+        tp = TensorParallel(member.client().store, self.group, self.rank, device, self.transfer.timeout)
         try:
             tp.shard(model)
             name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
@@ -84,7 +84,7 @@ class ShardedInference:
                          f"{self.group.stop - 1}); {local.total_bytes} of {plan.version_bytes} bytes per version "
                          f"from {len(plan.expected_for(self.rank))} trainer ranks")
             settle_heap()
-            mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), spec["transfer"])
+            mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.transfer)
             try:
                 self._generate(model, tp, layout, local, gens, device)
             finally:
@@ -106,7 +106,7 @@ class ShardedInference:
             if version is not None:
                 load(model, layout, local, gens.buffer)
                 gens.switched(version)
-                verified = " (digest verified)" if self.spec["transfer"]["verify"] == "digest" else ""
+                verified = " (digest verified)" if self.transfer.verify_digest else ""
                 log(self.me, f"switched to version {version}{verified}")
                 health.ready()
                 if dumping():

@@ -47,26 +47,25 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
 class BuiltIn:
     def __init__(self, ctx: WorkerContext, rank: int, local_rank: int):
         self.ctx, self.rank, self.local_rank = ctx, rank, local_rank
-        self.spec = ctx.job.spec
+        self.job = ctx.job
         self.me = who(TRAINER, rank)
 
     def run(self) -> str:
-        spec = self.spec
-        training = spec["training"]
+        job, training = self.job, self.job.training
         device = device_for(self.ctx, TRAINER, self.local_rank)
-        check_fits(spec)
-        model = build(spec["model"], dtype="float32", device=device, seed=training["seed"])
+        check_fits(job.model, training.seq_len)
+        model = build(job.model, dtype="float32", device=device, seed=training.seed)
         model.train()
         with attach(model, rank=self.rank, context=self.ctx) as sync:
             ddp = self._ddp(sync, model, device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=training["learningRate"])
-            data = MarkovTokens(vocab_size(model), training["seed"])
-            generator = rank_generator(training["seed"], self.rank)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate)
+            data = MarkovTokens(vocab_size(model), training.seed)
+            generator = rank_generator(training.seed, self.rank)
             step, losses = 0, []
             settle_heap()
-            for version, at_step in versions(spec):
+            for version, at_step in versions(job):
                 while step < at_step:
-                    tokens = data.batch(training["batchSize"], training["seqLen"], generator).to(device)
+                    tokens = data.batch(training.batch_size, training.seq_len, generator).to(device)
                     losses.append(train_step(ddp, optimizer, tokens))
                     step += 1
                 mean_loss = self._mean_loss(losses, device)
@@ -76,7 +75,7 @@ class BuiltIn:
                 log(self.me, f"version {version} at step {step}{loss_text}: sent {sent.bytes} bytes in {sent.seconds:.4f}s "
                              f"({sent.wire_bytes} bytes on the wire)")
                 if dumping():
-                    self._dump(model, version, spec["model"]["dtype"], device)
+                    self._dump(model, version, job.model.dtype, device)
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         return "Succeeded"  # close() raised JobEnded otherwise

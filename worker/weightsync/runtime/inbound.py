@@ -18,7 +18,7 @@ import itertools
 import threading
 from typing import Protocol
 
-from weightsync.job import INFERENCE
+from weightsync.job import INFERENCE, Transfer
 from weightsync.runtime.rank import Expected, log, pause_point
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Round, who
 from weightsync.transfer.send import ReceivedVersion, VersionReceiver, reference_for
@@ -76,7 +76,7 @@ class GenerationHandover:
         with self.cond:
             self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
 
-    def start_receiving(self, member: Member, receiver: VersionReceiver, transfer: dict) -> threading.Thread:
+    def start_receiving(self, member: Member, receiver: VersionReceiver, transfer: Transfer) -> threading.Thread:
         """Start the receiving thread, the only user of the member's store client from then on: it
         takes every round and hands the job's end, or why it failed, to the generation loop."""
         def receive() -> None:
@@ -90,11 +90,11 @@ class GenerationHandover:
         return thread
 
 
-def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, engine: Handover) -> dict:
+def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer, engine: Handover) -> dict:
     """Take every round the controller announces until the job ends; returns its end
     ({"state", "message"}). Raises VerificationError, StartAgain, or what the transfer raised."""
     rank, me = receiver.rank, who(INFERENCE, receiver.rank)
-    timeout = float(transfer["timeoutSeconds"])
+    timeout = transfer.timeout
     first = member.welcome() if member.attempt > 1 else Round(0)
     if member.attempt > 1:
         log(me, f"taken back at {first.name}")
@@ -112,7 +112,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: dict, en
             log(me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
                     "the trainers sent those buckets whole")
         pause_point(INFERENCE, rank, "verifying", version)
-        if transfer["verify"] == "digest":
+        if transfer.verify_digest:
             member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout)
             reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:

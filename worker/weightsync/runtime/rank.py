@@ -101,8 +101,7 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
     """This rank's end of the job's transport: (name, why, Sender or Receiver)."""
     from weightsync.transport import make_transport, resolve_transport
 
-    spec = ctx.job.spec
-    name, why = resolve_transport(spec["transfer"]["transport"], ctx.network_mode, ctx.colocated)
+    name, why = resolve_transport(ctx.job.transfer.transport, ctx.network_mode, ctx.colocated)
     options: dict = {}
     if name == "nccl":
         import torch.distributed as dist
@@ -112,7 +111,7 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
                    "inferences": layout.world_size(INFERENCE), "device": device.index}
     elif name == "uccl":
         options = {"gpu": device.index}
-    transport = make_transport(name, token=ctx.token, timeout=float(spec["transfer"]["timeoutSeconds"]), **options)
+    transport = make_transport(name, token=ctx.token, timeout=ctx.job.transfer.timeout, **options)
     end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)
     return name, why, end
 

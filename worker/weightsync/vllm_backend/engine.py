@@ -63,12 +63,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise ValueError(f"the weightsync backend loads unquantized weights in place; this server quantizes "
                              f"them ({self.model_config.quantization}): serve the model unquantized")
         ctx = WorkerContext.from_environ()
-        self.ctx, self.spec = ctx, ctx.job.spec
+        self.ctx = ctx
         local_rank = self.parallel_config.rank
         self.rank = ctx.job.layout.ranks_of(ctx.ordinal)[local_rank]
         self.me = who(INFERENCE, self.rank)
-        self.layout = meta_layout(self.spec["model"])
-        delta = ctx.job.delta.enabled
+        self.layout = meta_layout(ctx.job.model)
+        delta = ctx.job.transfer.delta.enabled
         # one staging buffer; with delta versions a second, holding the version loaded (the base)
         self.buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
                         for _ in range(2 if delta else 1)]
@@ -95,7 +95,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             plan, _ = member.plan(JOIN_TIMEOUT)
             log(self.me, f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
             settle_heap()
-            end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.spec["transfer"], self)
+            end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job.transfer, self)
             log(self.me, f"the job ended: {end['message']}")  # the pod's server process says goodbye
         except BaseException as e:  # noqa: BLE001 - the controller fails the job naming this rank
             with self.cond:
