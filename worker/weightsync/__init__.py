@@ -5,7 +5,8 @@ package (the operator does) loads no torch: attach, Sync, Published, JobEnded.""
 
 __version__ = "0.1.0"
 
-_API = {"attach": "trainer", "Sync": "trainer", "Published": "trainer", "JobEnded": "rendezvous"}
+_API = {"attach": "publisher.sync", "Sync": "publisher.sync", "Published": "publisher.sync",
+        "JobEnded": "rendezvous.protocol"}
 
 
 def __getattr__(name: str):
