@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from weightsync import job as contract
 from weightsync.rendezvous.protocol import connect_store, versions
-from weightsync.roles.common import DUMP_DIR_ENV
+from weightsync.runtime.faults import DUMP_DIR_ENV
 from weightsync.local.runner import LocalJob
 
 

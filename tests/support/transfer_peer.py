@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from weightsync.model.flat import FlatLayout, byte_view, torch_dtype, views
 from weightsync.plan.segments import make_plan
-from weightsync.runtime.rank import tamper_hook
+from weightsync.runtime.faults import tamper_hook
 from weightsync.plan.holders import Holdings, plan_by_holder
 from weightsync.transfer.send import VersionReceiver, VersionSender, version_digest
 from weightsync.transport import TransferError, make_transport

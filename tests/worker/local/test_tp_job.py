@@ -27,7 +27,7 @@ import torch
 from weightsync import job as contract
 from weightsync.job import Model
 from weightsync.model.build import build, layout_of, logits, prompt
-from weightsync.runtime.rank import DUMP_DIR_ENV
+from weightsync.runtime.faults import DUMP_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
 from weightsync.roles.tp import needs_of
 

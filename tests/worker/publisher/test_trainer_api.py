@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from weightsync import job as contract
-from weightsync.runtime.rank import DUMP_DIR_ENV
+from weightsync.runtime.faults import DUMP_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
 
 from support.jobs import as_bytes, assert_nothing_left

@@ -1,6 +1,6 @@
 """Faults against a running local job, the way a cluster produces them: kill -9 (an OOM kill, a
 lost node) and SIGSTOP (a frozen process) of each role at known points of a version. The job
-holds a rank at a pause point (roles/common.py PAUSE_DIR_ENV) while the test kills or stops a
+holds a rank at a pause point (runtime/faults.py PAUSE_DIR_ENV) while the test kills or stops a
 process, so "mid-bucket" really is in the middle of a version's buckets. `weightsync run` restarts
 dead pods and probes them as a kubelet does, so the outcomes are the cluster's:
 
@@ -27,7 +27,7 @@ import torch
 from support.jobs import ODD, as_bytes, assert_nothing_left, make_job
 
 from weightsync.rendezvous.protocol import versions
-from weightsync.roles.common import DUMP_DIR_ENV, PAUSE_DIR_ENV
+from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from weightsync.runtime.rank import CORRUPT_ENV
+from weightsync.runtime.faults import CORRUPT_ENV
 from weightsync.transport import nccl
 
 from support.transfer import ODD, send_and_check

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from weightsync import job as contract
-from weightsync.runtime.rank import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
+from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 
 from support.jobs import assert_nothing_left

@@ -58,7 +58,7 @@ def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: i
 def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
     """One job: the controller's seconds for every version after the first, and each trainer
     rank's memory figures."""
-    from weightsync.runtime.rank import IDLE_ENV
+    from weightsync.runtime.faults import IDLE_ENV
     from weightsync.local.runner import LocalJob
 
     with tempfile.TemporaryDirectory(prefix=f"weightsync-bench-{wrap}-") as folder:

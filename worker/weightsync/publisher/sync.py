@@ -36,8 +36,8 @@ from typing import Mapping
 from weightsync.runtime import health
 from weightsync.job import TRAINER, SpecError, WorkerContext
 from weightsync.plan.deltas import delta_in_effect
-from weightsync.runtime.rank import (JOIN_TIMEOUT, Expected, info, log, pause_point, report_failure, tamper_hook, transport_for,
-                    wait_for_the_end)
+from weightsync.runtime.faults import pause_point, tamper_hook
+from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
 from weightsync.publisher.peers import Links
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Round, who
 from weightsync.transfer.slicesend import SliceSender

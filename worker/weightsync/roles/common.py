@@ -1,15 +1,14 @@
-"""What the roles' rank processes share: their device, and running one rank to its end (ranks.py has
-what any rank process shares, the trainer API's included)."""
+"""What the roles' rank processes share: their device, and running one rank to its end
+(runtime/rank.py has what any rank process shares, the trainer API's included)."""
 
 from __future__ import annotations
 
 import traceback
 
 from weightsync.job import WorkerContext
-from weightsync.runtime.rank import (DUMP_DIR_ENV, FAILED_WAIT, JOIN_TIMEOUT, PAUSE_DIR_ENV, Expected, dump, dumping, info,  # noqa: F401
-                     linger, log, pause_point, transport_for, wait_for_the_end)
-from weightsync.runtime.inbound import StartAgain
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
+from weightsync.runtime.inbound import StartAgain
+from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, linger, log, wait_for_the_end
 
 
 def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) -> int:

@@ -35,7 +35,8 @@ from weightsync.rendezvous.roster import Host, RankFailed
 from weightsync.plan.sliced import needs_from_json
 from weightsync.transfer.send import reference_digests, reference_for
 from weightsync.vllm_backend.control import ControlError, Server
-from weightsync.roles.common import JOIN_TIMEOUT, linger, log, pause_point
+from weightsync.runtime.faults import pause_point
+from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails

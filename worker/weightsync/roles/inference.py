@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.runtime import health
 from weightsync.job import INFERENCE, WorkerContext
-from weightsync.model.flat import views
-from weightsync.runtime.inbound import GenerationHandover
 from weightsync.model.build import build, greedy, layout_of, logits, parameters, point_at, prompt
-from weightsync.runtime.rank import generating
+from weightsync.model.flat import views
 from weightsync.rendezvous.protocol import Member, who
+from weightsync.roles.common import device_for, run_rank
+from weightsync.runtime import health
+from weightsync.runtime.faults import dump, dumping, generating
+from weightsync.runtime.inbound import GenerationHandover
+from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, transport_for
 from weightsync.transfer.send import VersionReceiver, settle_heap
-from weightsync.roles.common import JOIN_TIMEOUT, device_for, dump, dumping, info, log, run_rank, transport_for
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8

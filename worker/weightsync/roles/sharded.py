@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.runtime import health
 from weightsync.job import INFERENCE, WorkerContext
-from weightsync.runtime.inbound import GenerationHandover
 from weightsync.model.build import greedy, logits, prompt
-from weightsync.runtime.rank import generating
-from weightsync.rendezvous.protocol import Member, who
 from weightsync.plan.sliced import needs_to_json
-from weightsync.roles.tp import TensorParallel, load, local_shards, needs_of
-from weightsync.transfer.send import VersionReceiver, settle_heap
-from weightsync.roles.common import JOIN_TIMEOUT, Expected, dump, dumping, info, log, transport_for
+from weightsync.rendezvous.protocol import Member, who
 from weightsync.roles.inference import serving_model
+from weightsync.roles.tp import TensorParallel, load, local_shards, needs_of
+from weightsync.runtime import health
+from weightsync.runtime.faults import dump, dumping, generating
+from weightsync.runtime.inbound import GenerationHandover
+from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, transport_for
+from weightsync.transfer.send import VersionReceiver, settle_heap
 
 GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
 NEW_TOKENS = 8

@@ -11,14 +11,15 @@ import traceback
 import torch
 
 from weightsync.job import TRAINER, WorkerContext
-from weightsync.model.markov import MarkovTokens, rank_generator
-from weightsync.model.flat import torch_dtype
 from weightsync.model.build import build, check_fits, logits, parameters, prompt, train_step, vocab_size
-from weightsync.runtime.rank import Expected, dump, dumping, linger, log, report_failure
-from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
+from weightsync.model.flat import torch_dtype
+from weightsync.model.markov import MarkovTokens, rank_generator
 from weightsync.publisher.sync import Sync, attach
-from weightsync.transfer.send import settle_heap
+from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
 from weightsync.roles.common import device_for
+from weightsync.runtime.faults import dump, dumping
+from weightsync.runtime.rank import Expected, linger, log, report_failure
+from weightsync.transfer.send import settle_heap
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:

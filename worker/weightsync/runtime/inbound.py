@@ -19,8 +19,9 @@ import threading
 from typing import Protocol
 
 from weightsync.job import INFERENCE, Transfer
-from weightsync.runtime.rank import Expected, log, pause_point
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Round, who
+from weightsync.runtime.faults import pause_point
+from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.send import ReceivedVersion, VersionReceiver, reference_for
 
 

@@ -1,8 +1,7 @@
 """What every rank process shares, whoever started it (a worker pod's rank process, or a user's
 training script through weightsync.attach): logging, its end of the job's transport, what it
 tells the controller about itself, how a failure reaches the controller, the end of the job in a
-cluster, and the tests' hooks (pause points, dumps). Below roles/ and the trainer API, which both
-use it."""
+cluster. Below roles/ and the trainer API, which both use it; the tests' hooks are faults.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
@@ -19,28 +17,6 @@ from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store,
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
 REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
-
-# Tests only: a directory where trainer and inference ranks save, after every version, the
-# version's tensors and the logits on model.PROMPT, so that tests compare real weights and logits.
-DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
-# Tests only: a directory of armed pause points. A rank that reaches point P of version V, when
-# the file <role>-<rank>-<P>-v<V>.arm is there, removes it, creates ....reached and waits (at most
-# PAUSE_LIMIT seconds) for ....release: meanwhile the test kills or stops whatever process it
-# wants, at a known point of a version. Points: trainer "before-go" (ready, before the go) and
-# "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
-# inference rank is then in the middle of receiving); inference "verifying" (received, before the
-# check against the reference); controller "verifying" (the trainers are done, the inference
-# ranks' digests not yet checked).
-PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
-PAUSE_LIMIT = 120.0
-# Tests only: "<version>" - trainer ranks flip one byte of the first chunk they send of that version
-# after hashing it, as a bad link would: every receiver must refuse the version.
-CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
-# Benchmarks only: "1" - the built-in engines switch to every verified version and generate
-# nothing, so that a benchmark timing the transfer has no generation competing for the cores
-# (a version then also waits for no generation to end before the model runs on it).
-IDLE_ENV = "WEIGHTSYNC_BENCH_IDLE"
-
 
 def log(who: str, message: str) -> None:
     print(f"[{who}] {message}", file=sys.stderr, flush=True)
@@ -121,50 +97,3 @@ def info(ctx: WorkerContext, transport: str, why: str, device, **more) -> str:
     return json.dumps({"transport": transport, "why": why, "device": str(device),
                        "pod": ctx.job.pod_name(ctx.ordinal), **more}, sort_keys=True)
 
-
-def pause_point(role: str, rank: int, point: str, version: int) -> None:
-    """Tests only (PAUSE_DIR_ENV): hold here while the test acts, if it armed this point."""
-    folder = os.environ.get(PAUSE_DIR_ENV)
-    if not folder:
-        return
-    base = os.path.join(folder, f"{role}-{rank}-{point}-v{version}")
-    try:
-        os.remove(base + ".arm")
-    except FileNotFoundError:
-        return
-    open(base + ".reached", "w").close()
-    deadline = time.monotonic() + PAUSE_LIMIT
-    while not os.path.exists(base + ".release") and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def tamper_hook():
-    """Tests only (CORRUPT_ENV): the VersionSender's tamper function, or None."""
-    version = os.environ.get(CORRUPT_ENV)
-    if not version:
-        return None
-    flipped: set[int] = set()
-
-    def tamper(v: int, chunk: memoryview) -> None:
-        if v == int(version) and v not in flipped and len(chunk):
-            chunk[0] ^= 0xFF
-            flipped.add(v)
-
-    return tamper
-
-
-def dumping() -> bool:
-    return bool(os.environ.get(DUMP_DIR_ENV))
-
-
-def generating() -> bool:
-    """Whether the built-in engines generate between versions (IDLE_ENV: not in benchmarks)."""
-    return os.environ.get(IDLE_ENV) != "1"
-
-
-def dump(role: str, rank: int, version: int, tensors: dict, logits) -> None:
-    """Tests only (DUMP_DIR_ENV): save this rank's tensors of a version and its logits on the prompt."""
-    import torch
-
-    torch.save({"tensors": tensors, "logits": logits},
-               os.path.join(os.environ[DUMP_DIR_ENV], f"{role}-{rank}-v{version}.pt"))

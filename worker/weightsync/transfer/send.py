@@ -192,7 +192,7 @@ class VersionSender:
         self.buffers: list | None = None
         self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype], delta_threads) if delta else None
         # Tests only: tamper(version, chunk) may change a chunk of a send buffer after it was
-        # hashed and before it goes out, as a bad link would (ranks.tamper_hook).
+        # hashed and before it goes out, as a bad link would (runtime/faults.py tamper_hook).
         self.tamper = tamper
         self.version: int | None = None  # being sent
         self.cast_stream = None  # GPU send buffers: the stream their cast runs on

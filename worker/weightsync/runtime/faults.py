@@ -1,0 +1,98 @@
+"""Every test and bench hook, in one place: the points where the product's code lets a test hold
+a rank, see its weights, corrupt its bytes, or a benchmark quiet its engines. Nothing happens
+unless the hook's environment variable is set, which a job cannot do (the CRD refuses WEIGHTSYNC_*
+in spec.trainer.env, and `weightsync run` keeps the shell's from its pods): a test or benchmark
+sets it in its own processes or through LocalJob's extra environment.
+
+  PAUSE_DIR_ENV  pause_point(): a rank holds at a named point of a version while the test kills
+                 or stops whatever process it wants (tests/worker/runtime/test_faults.py,
+                 tests/worker/rendezvous/test_rendezvous_attacks.py,
+                 tests/worker/vllm_backend/test_vllm_engine.py).
+  DUMP_DIR_ENV   dumping(), dump(): trainer and inference ranks save every version's tensors and
+                 logits, so that a test compares real weights and logits (tests/support/jobs.py,
+                 and with it the runner, fault, restart, delta, TP and GPU job tests;
+                 tests/worker/publisher/test_trainer_api.py,
+                 tests/worker/vllm_backend/test_vllm_engine.py).
+  CORRUPT_ENV    tamper_hook(): trainer ranks flip a byte of a version after hashing it, as a bad
+                 link would (tests/worker/transport/test_transport_p2p.py through
+                 tests/support/transfer_peer.py, tests/worker/vllm_backend/test_vllm_engine.py).
+  IDLE_ENV       generating(): the built-in engines generate nothing between versions
+                 (`weightsync bench --fsdp`, bench/shards.py).
+
+Torch-free: the controller's pause point needs no torch, and dump() imports it when it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+# A directory where trainer and inference ranks save, after every version, the version's tensors
+# and the logits on model.PROMPT.
+DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
+# A directory of armed pause points. A rank that reaches point P of version V, when the file
+# <role>-<rank>-<P>-v<V>.arm is there, removes it, creates ....reached and waits (at most
+# PAUSE_LIMIT seconds) for ....release: meanwhile the test kills or stops whatever process it
+# wants, at a known point of a version. Points: trainer "before-go" (ready, before the go) and
+# "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
+# inference rank is then in the middle of receiving); inference "verifying" (received, before the
+# check against the reference); controller "verifying" (the trainers are done, the inference
+# ranks' digests not yet checked).
+PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
+PAUSE_LIMIT = 120.0
+# "<version>" - trainer ranks flip one byte of the first chunk they send of that version after
+# hashing it, as a bad link would: every receiver must refuse the version.
+CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
+# "1" - the built-in engines switch to every verified version and generate nothing, so that a
+# benchmark timing the transfer has no generation competing for the cores (a version then also
+# waits for no generation to end before the model runs on it).
+IDLE_ENV = "WEIGHTSYNC_BENCH_IDLE"
+
+
+def pause_point(role: str, rank: int, point: str, version: int) -> None:
+    """PAUSE_DIR_ENV: hold here while the test acts, if it armed this point."""
+    folder = os.environ.get(PAUSE_DIR_ENV)
+    if not folder:
+        return
+    base = os.path.join(folder, f"{role}-{rank}-{point}-v{version}")
+    try:
+        os.remove(base + ".arm")
+    except FileNotFoundError:
+        return
+    open(base + ".reached", "w").close()
+    deadline = time.monotonic() + PAUSE_LIMIT
+    while not os.path.exists(base + ".release") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def tamper_hook():
+    """CORRUPT_ENV: the VersionSender's tamper function, or None."""
+    version = os.environ.get(CORRUPT_ENV)
+    if not version:
+        return None
+    flipped: set[int] = set()
+
+    def tamper(v: int, chunk: memoryview) -> None:
+        if v == int(version) and v not in flipped and len(chunk):
+            chunk[0] ^= 0xFF
+            flipped.add(v)
+
+    return tamper
+
+
+def dumping() -> bool:
+    """DUMP_DIR_ENV: whether ranks save their versions (dump())."""
+    return bool(os.environ.get(DUMP_DIR_ENV))
+
+
+def dump(role: str, rank: int, version: int, tensors: dict, logits) -> None:
+    """DUMP_DIR_ENV: save this rank's tensors of a version and its logits on the prompt."""
+    import torch
+
+    torch.save({"tensors": tensors, "logits": logits},
+               os.path.join(os.environ[DUMP_DIR_ENV], f"{role}-{rank}-v{version}.pt"))
+
+
+def generating() -> bool:
+    """Whether the built-in engines generate between versions (IDLE_ENV: not in benchmarks)."""
+    return os.environ.get(IDLE_ENV) != "1"
