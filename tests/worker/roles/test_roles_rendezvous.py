@@ -9,7 +9,8 @@ import pytest
 
 from weightsync.rendezvous import protocol as rendezvous
 from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted, Round
+from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
 from weightsync.rendezvous.roster import AWAY, JOINING, SERVING, WAITING, Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
@@ -36,7 +37,7 @@ def member(host, role="trainer", rank=0, token=TOKEN):
 
 def join(host, role, rank, endpoint=None, token=TOKEN):
     m = member(host, role, rank, token)
-    m.join(endpoint or f"127.0.0.1:{1000 + 10 * len(role) + rank}", '{"layout": 1}', json.dumps({"transport": "tcp", "pod": f"p{rank}"}),
+    m.join(endpoint or f"127.0.0.1:{1000 + 10 * len(role) + rank}", '{"layout": 1}', RankInfo("tcp", pod=f"p{rank}"),
            timeout=10)
     return m
 
@@ -52,7 +53,7 @@ def started(layout=TWO, **kwargs):
     host = make_host(layout, **kwargs)
     members = join_all(host, layout=layout)
     admitted = host.admit(timeout=5)
-    host.publish_plan("{}", {r: admitted[("inference", r)][0] for r in range(layout.world_size("inference"))})
+    host.publish_plan("{}", {r: admitted[("inference", r)].endpoint for r in range(layout.world_size("inference"))})
     return host, members
 
 
@@ -72,8 +73,8 @@ def test_versions_schedule():
 def test_ranks_that_prove_the_token_are_admitted_with_what_they_published(host):
     join_all(host)
     admitted = host.admit(timeout=5)
-    assert admitted[("trainer", 0)] == ("127.0.0.1:1070", '{"layout": 1}', {"transport": "tcp", "pod": "p0"})
-    assert admitted[("inference", 0)][0] == "127.0.0.1:1090"
+    assert admitted[("trainer", 0)] == Admission("127.0.0.1:1070", '{"layout": 1}', RankInfo("tcp", pod="p0"))
+    assert admitted[("inference", 0)].endpoint == "127.0.0.1:1090"
 
 
 def test_a_rank_with_another_token_is_refused_naming_it(host):
@@ -107,7 +108,7 @@ def test_members_accept_only_a_plan_and_endpoints_signed_with_the_token(host):
 def test_a_restarted_trainer_is_told_so_and_fails_the_job_naming_it():
     host, _ = started()
     with pytest.raises(Restarted, match="trainer rank 1 restarted"):
-        member(host, "trainer", 1).join("x:1", "{}", "{}", timeout=5)
+        member(host, "trainer", 1).join("x:1", "{}", RankInfo("tcp"), timeout=5)
     with pytest.raises(RankFailed, match="trainer rank 1 restarted") as failed:
         host.wait_ranks(["never"], "nothing", timeout=10)
     assert failed.value.reason == reasons.TRAINER_RESTARTED
@@ -120,7 +121,7 @@ def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at
     ready = threading.Event()
 
     def rejoin():
-        assert again.join("127.0.0.1:7777", '{"layout": 1}', json.dumps({"transport": "tcp", "pod": "p1"}), timeout=10) == 2
+        assert again.join("127.0.0.1:7777", '{"layout": 1}', RankInfo("tcp", pod="p1"), timeout=10) == 2
         ready.set()
 
     t = threading.Thread(target=rejoin)
@@ -139,7 +140,7 @@ def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at
     rnd = host.start_round(1)
     assert rnd == Round(1, 0, (0, 1), 1)
     assert again.welcome() == rnd and host.seats[1].state == SERVING
-    assert members[("trainer", 0)].peers(1, timeout=5) == {0: ("127.0.0.1:1090", 1), 1: ("127.0.0.1:7777", 2)}
+    assert members[("trainer", 0)].peers(1, timeout=5) == {0: Peer("127.0.0.1:1090", 1), 1: Peer("127.0.0.1:7777", 2)}
     assert members[("trainer", 0)].round(1) == rnd
 
 
@@ -162,7 +163,7 @@ def test_receivers_a_trainer_lost_are_away_and_not_in_the_next_round():
     host, _ = started()
     rnd = host.start_round(0)
     for t in range(2):
-        host.set(Keys.sent(0, 0, t), {"checksums": {}, "lost": {"1": "connection reset"} if t == 1 else {}})
+        host.set(Keys.sent(0, 0, t), SentReport(0, 0.0, lost={1: "connection reset"} if t == 1 else {}).to_json())
     host.collect_sent(rnd, timeout=5)
     assert host.seats[1].state == AWAY
     host.set(Keys.applied(0, 0, 1), {"digest": "d"})

@@ -5,7 +5,8 @@ at the same one) is dialled again."""
 from __future__ import annotations
 
 from weightsync.job import INFERENCE
-from weightsync.rendezvous.protocol import Member, Peer, Round, who
+from weightsync.rendezvous.messages import Peer, Round
+from weightsync.rendezvous.protocol import Member, who
 from weightsync.transport.base import TransferError
 
 

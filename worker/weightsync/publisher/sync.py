@@ -39,7 +39,8 @@ from weightsync.plan.deltas import delta_in_effect
 from weightsync.runtime.faults import pause_point, tamper_hook
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
 from weightsync.publisher.peers import Links
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Round, who
+from weightsync.rendezvous.messages import Round, SentReport
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
 from weightsync.transfer.slicesend import SliceSender
 from weightsync.publisher.sources import Sources, local_tensors, sources_of
 from weightsync.transfer.send import SentVersion, VersionSender
@@ -197,12 +198,9 @@ class Sync:
         for r, why in lost.items():
             self.sender.drop(r)
             log(self.me, f"lost inference rank {r} while sending {rnd.name}: {why}")
-        self.member.set(Keys.sent(rnd.version, rnd.again, self.rank),
-                        {"checksums": {str(o): c for o, c in sent.checksums.items()}, "bytes": sent.bytes,
-                         "receiver_checksums": {str(r): {str(o): c for o, c in by.items()}
-                                                for r, by in sent.receiver_checksums.items()},
-                         "seconds": sent.seconds, "step": step, "loss": loss, "lost": {str(r): w for r, w in lost.items()},
-                         "wire_bytes": sent.wire_bytes, "changed": sent.changed, "compared": sent.compared})
+        report = SentReport(sent.bytes, sent.seconds, sent.checksums, sent.receiver_checksums, step=step, loss=loss,
+                            lost=lost, wire_bytes=sent.wire_bytes, changed=sent.changed, compared=sent.compared)
+        self.member.set(Keys.sent(rnd.version, rnd.again, self.rank), report.to_json())
         return sent
 
     def _send_final_again(self) -> JobEnded:

@@ -1,5 +1,6 @@
 """The rendezvous protocol through the controller's store (store/: only the job's processes,
-proving the job's token, can read or write it): the keys, and a rank's side of it.
+proving the job's token, can read or write it): the keys, and a rank's side of it (the messages
+under the keys are typed in messages.py).
 
 Every key is named by Keys below. A rank joins with an attempt number (1, then one more each time
 its process starts again): the controller issues a fresh challenge per attempt, the rank proves
@@ -18,11 +19,11 @@ import json
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import Callable, Iterable, Iterator
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout
 from weightsync.job.token import mac, same
+from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused
 
@@ -148,8 +149,8 @@ class Keys:
 
     @staticmethod
     def published(what: str, role: str, rank: int, attempt: int) -> str:
-        """rank: its "endpoint", "meta" (FlatLayout json), "info" (json: transport, why, device,
-        pod) and "proof" (HMAC of the nonce and the other three) for that attempt."""
+        """rank: its "endpoint", "meta" (FlatLayout json), "info" (RankInfo) and "proof" (HMAC of
+        the nonce and the other three) for that attempt."""
         return f"{what}/{role}/{rank}/{attempt}"
 
     @staticmethod
@@ -176,7 +177,7 @@ class Keys:
 
     @staticmethod
     def sent(version: int, again: int, rank: int) -> str:
-        """trainer: its bucket checksums, bytes, seconds, step, loss, and the receivers it lost."""
+        """trainer: its report of the round (SentReport)."""
         return f"sent/{version}/{rank}" if not again else f"sent/{version}/again/{again}/{rank}"
 
     @staticmethod
@@ -227,32 +228,6 @@ class Keys:
         return f"bye/{role}/{rank}"
 
 
-@dataclass(frozen=True)
-class Round:
-    """One sending of a version: to which inference ranks, at which of their endpoints, and (delta
-    versions) to which of them as a delta against the version they hold."""
-
-    version: int
-    again: int = 0  # 0: the version's first sending; n: the n-th repeat of the final version
-    receivers: tuple[int, ...] = ()
-    epoch: int = 0
-    bases: Mapping[int, int] = field(default_factory=dict)  # {receiver: its base}; the others get it whole
-
-    def to_json(self) -> str:
-        return json.dumps({"version": self.version, "again": self.again, "receivers": list(self.receivers),
-                           "epoch": self.epoch, "bases": {str(r): b for r, b in self.bases.items()}})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "Round":
-        obj = json.loads(text)
-        return cls(obj["version"], obj["again"], tuple(obj["receivers"]), obj["epoch"],
-                   {int(r): b for r, b in obj.get("bases", {}).items()})
-
-    @property
-    def name(self) -> str:
-        return f"version {self.version}" + (f" (sent again, {self.again})" if self.again else "")
-
-
 def ranks_of(layout: Layout) -> list[tuple[str, int]]:
     return [(TRAINER, r) for r in range(layout.world_size(TRAINER))] + \
            [(INFERENCE, r) for r in range(layout.world_size(INFERENCE))]
@@ -285,14 +260,6 @@ def update_proof(token: bytes, job: str, version: int) -> str:
     """What the controller sends with its request that a vLLM server load `version`: a server's
     control routes are open to whoever reaches its port, its loads only to the job's controller."""
     return mac(token, b"vllm-update", job, str(version), lengths=LENGTHS).hex()
-
-
-class Peer(NamedTuple):
-    """An inference rank as the trainers dial it: a new attempt is a new process, whose old
-    connections are dead even where its endpoint is the same (a pod keeps its address)."""
-
-    endpoint: str
-    attempt: int
 
 
 class Member(Channel):
@@ -367,10 +334,11 @@ class Member(Channel):
                             "rejoin a running job: the built-in trainer keeps no checkpoint to resume from")
         return attempt
 
-    def join(self, endpoint: str, meta: str, info: str, timeout: float) -> int:
-        """Publish endpoint, layout and info, proving the job token over the controller's nonce for
-        this attempt; returns the attempt."""
+    def join(self, endpoint: str, meta: str, about: RankInfo, timeout: float) -> int:
+        """Publish endpoint, layout and what the rank tells about itself, proving the job token over
+        the controller's nonce for this attempt; returns the attempt."""
         attempt = self.attempt or self.arrive()
+        info = about.to_json()
         self.wait_for(Keys.nonce(self.role, self.rank, attempt), "the controller's challenge", timeout)
         nonce = self.get(Keys.nonce(self.role, self.rank, attempt))
         for what, value in (("endpoint", endpoint), ("meta", meta), ("info", info)):
@@ -390,14 +358,14 @@ class Member(Channel):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
         return plan_from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
-    def peers(self, epoch: int, timeout: float) -> dict[int, "Peer"]:
+    def peers(self, epoch: int, timeout: float) -> dict[int, Peer]:
         """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""
         key = Keys.peers(epoch)
         self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout)
         text = self.get(key)
         if not same(self.get(key + "/mac").decode(), peers_mac(self.token, epoch, text)):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
-        return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
+        return peers_from_json(text)
 
     def round(self, version: int, again: int = 0, timeout: float | None = None) -> Round:
         """Wait for the controller's go for that round (TimeoutError past `timeout` seconds)."""

@@ -20,12 +20,13 @@ import json
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from weightsync.job import INFERENCE, TRAINER, Layout, reasons
 from weightsync.job.token import same
-from weightsync.rendezvous.protocol import (HEARTBEAT, Channel, Keys, ProofError, Round, host_store, peers_mac, plan_mac,
+from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
+from weightsync.rendezvous.protocol import (HEARTBEAT, Channel, Keys, ProofError, host_store, peers_mac, plan_mac,
                                             rank_proof, ranks_of, who)
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
@@ -61,7 +62,7 @@ class Seat:
     # process started again). Delta versions go only to ranks that hold the one the trainers kept.
     holds: int | None = None
     rejoins: int = 0
-    info: dict = field(default_factory=dict)  # what its latest attempt told about itself (pod, transport, vLLM server)
+    info: RankInfo | None = None  # what its latest attempt told about itself (pod, transport, vLLM server)
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Host(Channel):
         self.in_round: dict[int, int] = {}  # receivers of the current round: {rank: attempt}
         self.round: Round | None = None  # the current round
         self.cut: set[int] = set()  # receivers of the current round counted away during it
-        self.check_rejoin: Callable[[str, dict], None] = lambda meta, info: None
+        self.check_rejoin: Callable[[str, RankInfo], None] = lambda meta, info: None
         self.failures_seen = 0
         self.beats: dict[tuple[str, int], Beat] = {}
         self.last_watch = 0.0
@@ -94,7 +95,7 @@ class Host(Channel):
 
     # ------------------------------------------------------------ admission
 
-    def _proven(self, role: str, rank: int, attempt: int) -> tuple[str, str, dict] | None:
+    def _proven(self, role: str, rank: int, attempt: int) -> Admission | None:
         """What the rank published for `attempt`, once it proved the token over it; None before."""
         if not self.has(Keys.published("proof", role, rank, attempt)):
             return None
@@ -102,11 +103,11 @@ class Host(Channel):
         expect = rank_proof(self.token, self.get(Keys.nonce(role, rank, attempt)), role, rank, endpoint, meta, info)
         if not same(self.get(Keys.published("proof", role, rank, attempt)).decode(), expect):
             raise ProofError(f"{who(role, rank)} failed the job token proof (its token file differs from the job's Secret)")
-        return endpoint, meta, json.loads(info)
+        return Admission(endpoint, meta, RankInfo.from_json(info))
 
-    def admit(self, timeout: float) -> dict[tuple[str, int], tuple[str, str, dict]]:
-        """Wait for every rank's first proof; return {(role, rank): (endpoint, meta json, info)}."""
-        admitted: dict[tuple[str, int], tuple[str, str, dict]] = {}
+    def admit(self, timeout: float) -> dict[tuple[str, int], Admission]:
+        """Wait for every rank's first proof; return {(role, rank): what it published}."""
+        admitted: dict[tuple[str, int], Admission] = {}
         deadline = time.monotonic() + timeout
         pause = 0.001
         while len(admitted) < len(self.ranks):
@@ -123,16 +124,16 @@ class Host(Channel):
             pause = min(pause * 1.5, 0.1)
         return admitted
 
-    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, dict] | None = None) -> None:
+    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, RankInfo] | None = None) -> None:
         text = json.dumps({"plan": plan_json})
         self.set(Keys.PLAN, text)
         self.set(Keys.PLAN_MAC, plan_mac(self.token, text))
         now = time.monotonic()
-        self.seats = {r: Seat(endpoint=e, since=now, info=dict((infos or {}).get(r, {}))) for r, e in endpoints.items()}
+        self.seats = {r: Seat(endpoint=e, since=now, info=(infos or {}).get(r)) for r, e in endpoints.items()}
         self._publish_peers()
 
     def _publish_peers(self) -> None:
-        text = json.dumps({str(r): {"endpoint": s.endpoint, "attempt": s.attempt} for r, s in sorted(self.seats.items())})
+        text = peers_to_json({r: Peer(s.endpoint, s.attempt) for r, s in self.seats.items()})
         self.set(Keys.peers(self.epoch), text)
         self.set(Keys.peers(self.epoch) + "/mac", peers_mac(self.token, self.epoch, text))
 
@@ -186,15 +187,15 @@ class Host(Channel):
             return False
         return True
 
-    def collect_sent(self, rnd: Round, timeout: float) -> list[dict]:
+    def collect_sent(self, rnd: Round, timeout: float) -> list[SentReport]:
         """Every trainer's report of the round; receivers a trainer lost count as away."""
         trainers = self.layout.world_size(TRAINER)
         self.wait_ranks([Keys.sent(rnd.version, rnd.again, t) for t in range(trainers)],
                         f"the trainers to send {rnd.name}", timeout)
-        reports = [self.get_json(Keys.sent(rnd.version, rnd.again, t)) for t in range(trainers)]
+        reports = [SentReport.from_json(self.get(Keys.sent(rnd.version, rnd.again, t))) for t in range(trainers)]
         for t, report in enumerate(reports):
-            for r, why in (report.get("lost") or {}).items():
-                self._lost(int(r), f"{who(TRAINER, t)} lost it while sending {rnd.name}: {why}")
+            for r, why in report.lost.items():
+                self._lost(r, f"{who(TRAINER, t)} lost it while sending {rnd.name}: {why}")
         return reports
 
     def collect_applied(self, rnd: Round, timeout: float) -> dict[int, dict]:
@@ -377,13 +378,12 @@ class Host(Channel):
         got = self._proven(INFERENCE, rank, seat.attempt)
         if got is None:
             return
-        endpoint, meta, info = got
-        self.check_rejoin(meta, info)
-        seat.endpoint, seat.state, seat.since, seat.info = endpoint, WAITING, time.monotonic(), info
+        self.check_rejoin(got.meta, got.info)
+        seat.endpoint, seat.state, seat.since, seat.info = got.endpoint, WAITING, time.monotonic(), got.info
         seat.rejoins += 1
         self.epoch += 1
         self._publish_peers()
-        self.say(f"{who(INFERENCE, rank)} rejoined (start {seat.attempt}, pod {info.get('pod')}, at {endpoint}); "
+        self.say(f"{who(INFERENCE, rank)} rejoined (start {seat.attempt}, pod {got.info.pod}, at {got.endpoint}); "
                  "it receives the next round in full and serves once it has verified it")
 
     # ------------------------------------------------------------ the end

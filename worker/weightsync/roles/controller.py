@@ -28,7 +28,8 @@ from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext,
 from weightsync.plan.deltas import bases, delta_in_effect
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.job import inference_needs, make_job_plan
-from weightsync.rendezvous.protocol import Keys, ProofError, Round, update_proof, who
+from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
+from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
 from weightsync.roles.records import Reporter
 from weightsync.plan.holders import Holdings
 from weightsync.rendezvous.roster import Host, RankFailed
@@ -83,8 +84,8 @@ def run(ctx: WorkerContext) -> int:
         admitted = host.admit(JOIN_TIMEOUT)
         plan, transport = _plan(ctx, admitted)
         host.check_rejoin = lambda meta, info: _check_rejoin(plan.layout, transport, meta, info)
-        host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)][0] for rank in range(inferences)},
-                          {rank: admitted[(INFERENCE, rank)][2] for rank in range(inferences)})
+        host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)].endpoint for rank in range(inferences)},
+                          {rank: admitted[(INFERENCE, rank)].info for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
         delta_on, why = delta_in_effect(ctx.job.transfer.delta, transport, plan.sliced)
         log(ME, why)
@@ -93,8 +94,8 @@ def run(ctx: WorkerContext) -> int:
         while host.next_version(version):  # until every trainer rank closed
             rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
             sent, applied = _round(ctx, host, reporter, plan, rnd, transport, timeout)
-            if sent[0].get("loss") is not None:
-                loss = sent[0]["loss"]
+            if sent[0].loss is not None:
+                loss = sent[0].loss
             if applied:  # a round whose receivers were all away delivered nothing
                 reached.add(version)
             if version >= 2:
@@ -126,7 +127,8 @@ def run(ctx: WorkerContext) -> int:
     return 0
 
 
-def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round, transport: str, timeout: float):
+def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round, transport: str,
+           timeout: float) -> tuple[list[SentReport], int]:
     """One round: wait for the trainers' reports, publish the reference digest, wait for every
     receiver still there to apply it, check the digests; report it. Returns the trainers' reports
     and how many inference ranks applied the version."""
@@ -160,13 +162,13 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     host.holding(rnd.version, applied)
     if rnd.again or host.rejoins():
         reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
-    loss, step = sent[0].get("loss"), sent[0].get("step")
-    changed, compared = sum(s.get("changed", 0) for s in sent), sum(s.get("compared", 0) for s in sent)
+    loss, step = sent[0].loss, sent[0].step
+    changed, compared = sum(s.changed for s in sent), sum(s.compared for s in sent)
     extra = {"changed": round(changed / compared, 6)} if compared else {}
     if stall is not None:
         extra["stall_seconds"] = round(stall, 4)
     record = reporter.transfer(rnd.version, step, sum(plan.bytes_for(r) for r in applied), seconds, transport, loss,
-                               wire_bytes=sum(s["wire_bytes"] for s in sent), delta_ranks=len(rnd.bases),
+                               wire_bytes=sum(s.wire_bytes for s in sent), delta_ranks=len(rnd.bases),
                                version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
     host.set(Keys.done(rnd.version, rnd.again), record)
     return sent, len(applied)
@@ -181,34 +183,40 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
 
     def load(rank: int) -> float:
         try:
-            return Server(seats[rank].info["server"]).update(rnd.version, proof, timeout)
+            return Server(seats[rank].info.server).update(rnd.version, proof, timeout)
         except ControlError as e:
-            raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.get('pod')}) did not load {rnd.name} "
+            raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
                             f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED) from None
 
     with ThreadPoolExecutor(max_workers=max(1, len(seats))) as pool:
         return max(pool.map(load, sorted(seats)), default=0.0)
 
 
-def _plan(ctx: WorkerContext, admitted: dict):
+def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):
     """The plan from the trainers' layout, after checking every rank agrees on layout and transport."""
-    reference = FlatLayout.from_json(admitted[(TRAINER, 0)][1])
-    for (role, rank), (_, meta, _) in admitted.items():
+    reference = FlatLayout.from_json(admitted[(TRAINER, 0)].meta)
+    for (role, rank), admission in admitted.items():
         try:
-            reference.check_matches(FlatLayout.from_json(meta), what=who(role, rank))
+            reference.check_matches(FlatLayout.from_json(admission.meta), what=who(role, rank))
         except LayoutMismatch as e:
             raise LayoutMismatch(f"{who(role, rank)} holds a different model than trainer rank 0: {e}") from None
-    transports = {info["transport"] for _, _, info in admitted.values()}
+    transports = {a.info.transport for a in admitted.values()}
     if len(transports) != 1:
-        chosen = ", ".join(f"{who(role, rank)}: {info['transport']} ({info['why']})" for (role, rank), (_, _, info) in admitted.items())
+        chosen = ", ".join(f"{who(role, rank)}: {a.info.transport} ({a.info.why})" for (role, rank), a in admitted.items())
         raise JobFailed(f"the ranks chose different transports: {chosen}", reasons.RANKS_DISAGREE)
-    holdings = {rank: info["holds"] for (role, rank), (_, _, info) in admitted.items() if role == TRAINER and "holds" in info}
+    holdings = {rank: a.info.holds for (role, rank), a in admitted.items() if role == TRAINER and a.info.holds is not None}
     trainers = ctx.job.layout.world_size(TRAINER)
     held = [Holdings.from_json(holdings[t]) if t in holdings else Holdings.whole(reference) for t in range(trainers)]
     transport = transports.pop()
+
+    def slices_of(rank: int):
+        needs = admitted[(INFERENCE, rank)].info.needs
+        if needs is None:
+            raise KeyError(f"{who(INFERENCE, rank)} did not say which slices it needs")
+        return needs_from_json(rank, needs)
+
     try:
-        needs = inference_needs(ctx.job.layout, reference,
-                                lambda r: needs_from_json(r, admitted[(INFERENCE, r)][2]["needs"]))
+        needs = inference_needs(ctx.job.layout, reference, slices_of)
         plan = make_job_plan(reference, held, ctx.job.layout.world_size(INFERENCE),
                              ctx.job.transfer.bucket_bytes, needs, transport)
     except (KeyError, ValueError) as e:
@@ -218,11 +226,11 @@ def _plan(ctx: WorkerContext, admitted: dict):
     return plan, transport
 
 
-def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: dict) -> None:
+def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: RankInfo) -> None:
     """A rank that rejoins must hold the same model and use the same transport as before."""
-    layout.check_matches(FlatLayout.from_json(meta), what=f"the rejoining pod {info.get('pod')}")
-    if info["transport"] != transport:
-        raise JobFailed(f"the rejoining pod {info.get('pod')} chose the {info['transport']} transport ({info['why']}); "
+    layout.check_matches(FlatLayout.from_json(meta), what=f"the rejoining pod {info.pod}")
+    if info.transport != transport:
+        raise JobFailed(f"the rejoining pod {info.pod} chose the {info.transport} transport ({info.why}); "
                         f"the job runs on {transport}", reasons.RANKS_DISAGREE)
 
 

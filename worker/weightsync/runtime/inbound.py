@@ -19,7 +19,8 @@ import threading
 from typing import Protocol
 
 from weightsync.job import INFERENCE, Transfer
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Round, who
+from weightsync.rendezvous.messages import Round
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.send import ReceivedVersion, VersionReceiver, reference_for

@@ -5,13 +5,13 @@ cluster. Below roles/ and the trainer API, which both use it; the tests' hooks a
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import threading
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
+from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
@@ -92,8 +92,8 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
     return name, why, end
 
 
-def info(ctx: WorkerContext, transport: str, why: str, device, **more) -> str:
-    """What a rank tells the controller about itself besides endpoint and layout."""
-    return json.dumps({"transport": transport, "why": why, "device": str(device),
-                       "pod": ctx.job.pod_name(ctx.ordinal), **more}, sort_keys=True)
+def info(ctx: WorkerContext, transport: str, why: str, device, **more) -> RankInfo:
+    """What a rank tells the controller about itself besides endpoint and layout (`more`: the
+    other fields of RankInfo)."""
+    return RankInfo(transport, why, str(device), ctx.job.pod_name(ctx.ordinal), **more)
 

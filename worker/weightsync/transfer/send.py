@@ -45,15 +45,16 @@ def version_digest(checksums: dict[int, int]) -> str:
     return h.hexdigest()
 
 
-def reference_digests(plan, sent: list[dict], receivers) -> str:
-    """What the controller publishes as a round's reference, from the trainers' reports (each
-    with "checksums", or over slices "receiver_checksums": {receiver: {offset: xxh3_64}}): the
-    version's digest, or over slices a JSON object of every receiver's own digest."""
+def reference_digests(plan, sent: list, receivers) -> str:
+    """What the controller publishes as a round's reference, from the trainers' reports of what
+    they sent (each with checksums {offset: xxh3_64}, or over slices receiver_checksums {receiver:
+    {offset: xxh3_64}}, as SentVersion has them): the version's digest, or over slices a JSON
+    object of every receiver's own digest."""
     if not plan.sliced:
-        return version_digest({int(o): c for s in sent for o, c in s["checksums"].items()})
+        return version_digest({o: c for s in sent for o, c in s.checksums.items()})
     digests = {}
     for r in receivers:
-        sums = {int(o): c for s in sent for o, c in s["receiver_checksums"].get(str(r), {}).items()}
+        sums = {o: c for s in sent for o, c in s.receiver_checksums.get(r, {}).items()}
         digests[str(r)] = version_digest(sums)
     return json.dumps(digests, sort_keys=True)
 

@@ -1,0 +1,129 @@
+"""The messages that the job's processes leave for each other in the rendezvous store, typed.
+
+Each is a frozen dataclass with its JSON written and read in one place (to_json, from_json), so a
+reader knows the shape of what a rank publishes and of what the controller reads back, and a field
+added is added on both sides at once. JSON object keys are strings: the ranks and offsets that key
+these messages are ints again once read. The store keys they live under are in protocol.Keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Round:
+    """One sending of a version (the controller's go, Keys.go): to which inference ranks, at which
+    of their endpoints, and (delta versions) to which of them as a delta against the version they
+    hold."""
+
+    version: int
+    again: int = 0  # 0: the version's first sending; n: the n-th repeat of the final version
+    receivers: tuple[int, ...] = ()
+    epoch: int = 0
+    bases: Mapping[int, int] = field(default_factory=dict)  # {receiver: its base}; the others get it whole
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "again": self.again, "receivers": list(self.receivers),
+                           "epoch": self.epoch, "bases": {str(r): b for r, b in self.bases.items()}})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Round:
+        obj = json.loads(text)
+        return cls(obj["version"], obj["again"], tuple(obj["receivers"]), obj["epoch"],
+                   {int(r): b for r, b in obj.get("bases", {}).items()})
+
+    @property
+    def name(self) -> str:
+        return f"version {self.version}" + (f" (sent again, {self.again})" if self.again else "")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """An inference rank as the trainers dial it: a new attempt is a new process, whose old
+    connections are dead even where its endpoint is the same (a pod keeps its address)."""
+
+    endpoint: str
+    attempt: int
+
+
+def peers_to_json(peers: Mapping[int, Peer]) -> str:
+    """The inference ranks' endpoints as of an epoch (Keys.peers), in rank order."""
+    return json.dumps({str(r): {"endpoint": p.endpoint, "attempt": p.attempt} for r, p in sorted(peers.items())})
+
+
+def peers_from_json(text: str | bytes) -> dict[int, Peer]:
+    return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank tells the controller about itself when it joins, besides its endpoint and its
+    layout (Keys.published "info"; the rank's proof covers it)."""
+
+    transport: str  # the transport it chose
+    why: str = ""  # why that one
+    device: str = ""  # where its weights live ("cpu", "cuda:0")
+    pod: str = ""  # its pod's name
+    holds: Any = None  # a trainer holding shards: its Holdings, as Holdings.to_json() makes them
+    needs: Any = None  # an inference rank holding slices: what it needs, as needs_to_json() makes it
+    engine: str | None = None  # "vllm" for a worker of a vLLM server
+    server: str | None = None  # that server's control URL, where the controller asks it to load a version
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankInfo:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a rank published for one attempt, read back once it proved the job token over it."""
+
+    endpoint: str  # where the trainers dial it (an inference rank), or its pod's address (a trainer)
+    meta: str  # its FlatLayout, as FlatLayout.to_json() makes it
+    info: RankInfo
+
+
+@dataclass(frozen=True)
+class SentReport:
+    """A trainer rank's report of one round it sent (Keys.sent): what the controller checks the
+    inference ranks' digests against, and what it reports of the round."""
+
+    bytes: int  # its share of the version
+    seconds: float
+    checksums: Mapping[int, int] = field(default_factory=dict)  # {offset: xxh3_64} of its buckets
+    # over slices: {receiver: {offset: xxh3_64}} of each receiver's own buckets
+    receiver_checksums: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
+    step: int | None = None  # the training step of the version (None: a training script that did not say)
+    loss: float | None = None
+    lost: Mapping[int, str] = field(default_factory=dict)  # {receiver: why} the receivers it lost on the way
+    wire_bytes: int = 0  # what it put on the wire for all receivers (less than bytes x receivers with deltas)
+    changed: int = 0  # elements that changed since the base, in the buckets sent as patches
+    compared: int = 0  # elements compared there
+
+    def to_json(self) -> str:
+        return json.dumps({"bytes": self.bytes, "seconds": self.seconds, "step": self.step, "loss": self.loss,
+                           "checksums": _keyed(self.checksums),
+                           "receiver_checksums": {str(r): _keyed(by) for r, by in self.receiver_checksums.items()},
+                           "lost": _keyed(self.lost), "wire_bytes": self.wire_bytes, "changed": self.changed,
+                           "compared": self.compared})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> SentReport:
+        obj = json.loads(text)
+        return cls(obj["bytes"], obj["seconds"], _unkeyed(obj["checksums"]),
+                   {int(r): _unkeyed(by) for r, by in obj["receiver_checksums"].items()}, obj["step"], obj["loss"],
+                   _unkeyed(obj["lost"]), obj["wire_bytes"], obj["changed"], obj["compared"])
+
+
+def _keyed(by_int: Mapping[int, Any]) -> dict[str, Any]:
+    return {str(k): v for k, v in by_int.items()}
+
+
+def _unkeyed(by_str: Mapping[str, Any]) -> dict[int, Any]:
+    return {int(k): v for k, v in by_str.items()}
