@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +34,7 @@ def pid_one(mode: str) -> tuple[subprocess.Popen, int]:
 
 
 def child_of(proc: subprocess.Popen) -> int:
-    (child,) = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    (child,) = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     return child
 
 
@@ -41,7 +42,7 @@ def exited(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 return True
         except FileNotFoundError:
             return True
@@ -67,8 +68,7 @@ def test_without_the_handler_pid_one_ignores_sigterm():
 
 
 def test_a_worker_pod_as_pid_one_answers_its_probes_and_ends_on_sigterm(tmp_path):
-    from test_health import DEADLINE, answer, until, worker_env
-
+    from support.health import DEADLINE, answer, until, worker_env
     from weightsync.job import READINESS, Env
 
     env = worker_env(tmp_path, ordinal=0)  # the controller's pod: ready once its rendezvous is up

@@ -1,0 +1,49 @@
+"""A worker pod's probes from the outside, as the kubelet sends them: the environment of a real
+`weightsync worker` pod process (a small job's controller or trainer pod), a probe of its health
+endpoint, and waiting for what it answers. The health tests and the PID 1 signal tests share them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from weightsync import job as contract
+from weightsync.job import LIVENESS
+from weightsync.local.runner import free_ports
+from weightsync.runtime import health
+
+DEADLINE = 60  # seconds for anything to happen on a loaded machine
+
+
+def answer(port: int, spec=LIVENESS) -> tuple[bool, str]:
+    return health.probe("127.0.0.1", port, spec)
+
+
+def until(what: str, check, timeout: float = DEADLINE):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} within {timeout}s"
+        time.sleep(0.1)
+
+
+def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:
+    job = contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "probed"},
+        "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+                                      "n_positions": 16}},
+                 "trainer": {"replicas": 1, "procsPerPod": procs, "gpusPerProc": 0},
+                 "inference": {"replicas": 1, "gpusPerProc": 0}, "network": {"mode": "tcp"}}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.to_object()))
+    (tmp_path / "token").write_text("t" * 32)
+    store, port = free_ports([1, 1])
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    return {**base, contract.Env.ORDINAL: str(ordinal), contract.Env.SPEC_FILE: str(tmp_path / "job.yaml"),
+            contract.Env.TOKEN_FILE: str(tmp_path / "token"), contract.Env.CONTROLLER_HOST: "127.0.0.1",
+            contract.Env.POD_IP: "127.0.0.1", contract.Env.STORE_PORT: str(store), contract.Env.HEALTH_PORT: str(port),
+            contract.Env.JOB: "probed", "PYTHONUNBUFFERED": "1"}
