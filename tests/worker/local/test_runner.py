@@ -94,7 +94,7 @@ def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path):
 
 
 def test_how_a_process_ended_is_said_in_words():
-    from weightsync.roles import exit_status
+    from weightsync.runtime.procs import exit_status
 
     assert exit_status(-signal.SIGKILL) == "was probably out of memory (killed by SIGKILL)"
     assert exit_status(-signal.SIGTERM) == "was killed by signal SIGTERM"

@@ -78,7 +78,8 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
     from safetensors.torch import save_file
 
     from weightsync.model.build import build, parameters
-    from weightsync.roles.vllm_server import server_command, stop_server
+    from weightsync.roles.vllm_server import server_command
+    from weightsync.runtime.procs import VLLM_STOP_GRACE, stop
     from weightsync.local.runner import free_ports
     from weightsync.vllm_backend.control import Server
 
@@ -116,7 +117,7 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
             return out
         finally:
             for proc, log in zip(procs, logs):
-                stop_server(proc)
+                stop(proc, grace=VLLM_STOP_GRACE)
                 log.close()
 
 

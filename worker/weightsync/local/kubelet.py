@@ -1,7 +1,7 @@
 """What a kubelet does for its pods, done for the local runner's pod processes, on threads of
 its own from start() on: start each pod's process; start it again whenever it exits
 (restartPolicy Always), after an exponential back-off; and probe its /healthz as the kubelet's
-liveness probe does (contract.LIVENESS, the numbers the operator renders), killing a pod that
+liveness probe does (job.LIVENESS, the numbers the operator renders), killing a pod that
 fails the probe (SIGKILL to its whole process group, as the kubelet kills a container's
 processes) so that it is started again. A restarted pod is the same command with the same
 environment, and its output goes on in the same log, after a line that says which restart it is
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import IO, Callable
 
 from weightsync.job import CONTROLLER, LIVENESS, Env
+from weightsync.runtime import procs
 from weightsync.runtime.health import probe
-from weightsync.roles import STOP_GRACE, die_with_parent, exit_status
 
 # The kubelet's back-off has this shape: doubling from a base, capped, and back to the base once a
 # container ran long enough. Its numbers (10 s, 300 s, 10 minutes) are for pods that run for days;
@@ -96,7 +96,7 @@ class Kubelet:
 
     def _supervise(self) -> None:
         # This thread starts the restarted processes and lives until stop() has killed them all:
-        # a process's "parent" for roles.die_with_parent (PR_SET_PDEATHSIG) is the thread that
+        # a process's "parent" for procs.die_with_parent (PR_SET_PDEATHSIG) is the thread that
         # started it, and the process gets SIGKILL when that thread ends.
         while not self.stopped.wait(TICK):
             if self.failure is None:
@@ -113,7 +113,7 @@ class Kubelet:
                 [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=pod.cwd or self.cwd,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.read_stdout else log, stderr=log,
                 # nothing outlives the run, even if this process is killed
-                start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                start_new_session=True, preexec_fn=functools.partial(procs.die_with_parent, os.getpid()))
         with pod.lock:
             pod.proc, pod.started_at, pod.restart_at, pod.killed_for = proc, time.monotonic(), None, None
         if pod.read_stdout:
@@ -140,8 +140,8 @@ class Kubelet:
 
     def _died(self, pod: Pod, now: float) -> None:
         with pod.lock:
-            how = pod.killed_for or exit_status(pod.proc.returncode)
-        _signal_group(pod.proc.pid, signal.SIGKILL)  # what is left of the pod: its rank processes
+            how = pod.killed_for or procs.exit_status(pod.proc.returncode)
+        procs.signal_group(pod.proc.pid, signal.SIGKILL)  # what is left of the pod: its rank processes
         pod.exits.append(how)
         if now - pod.started_at >= BACKOFF_RESET:
             pod.in_a_row = 0
@@ -174,7 +174,7 @@ class Kubelet:
             with pod.lock:
                 if pod.proc is proc and proc.poll() is None and not self.ended.is_set():
                     pod.killed_for = f"failed its liveness probe {failures} times in a row ({detail}), and was killed"
-                    _signal_group(proc.pid, signal.SIGKILL)
+                    procs.signal_group(proc.pid, signal.SIGKILL)
             failures = 0
 
     def end(self) -> None:
@@ -189,7 +189,7 @@ class Kubelet:
                     self.say(f"{pod.describe()}: the job has ended, so it is not restarted")
                 elif pod.proc is not None and pod.proc.poll() is not None and pod.proc.returncode:
                     with pod.lock:
-                        how = pod.killed_for or exit_status(pod.proc.returncode)
+                        how = pod.killed_for or procs.exit_status(pod.proc.returncode)
                     pod.exits.append(how)
                     self.say(f"{pod.describe()} {how} as the job ended, so it is not restarted\n{tail(pod.log)}")
                 else:
@@ -209,21 +209,13 @@ class Kubelet:
         with self.lock:  # after the tick under way, none
             self.ended.set()
         started = [p for p in self.pods if p.proc is not None and not p.reaped]
+        procs.stop(*(pod.proc for pod in started), grace=procs.STOP_GRACE, group=True)
         for pod in started:
-            _signal_group(pod.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for pod in started:
-            try:
-                pod.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for pod in started:
-            _signal_group(pod.proc.pid, signal.SIGKILL)  # whatever is left of the pod, ranks included
-            pod.proc.wait()
             pod.reaped = True
         self.stopped.set()
         for thread in self.threads:
-            thread.join(STOP_GRACE)  # probes and the supervisor see the end; stdout readers reach the end of their pipe
+            # probes and the supervisor see the end; stdout readers reach the end of their pipe
+            thread.join(procs.STOP_GRACE)
 
 
 def _read(read_stdout: Callable[[IO[bytes]], None], stream: IO[bytes]) -> None:
@@ -238,13 +230,6 @@ def _line_break(log: Path) -> str:
             return ""
         f.seek(-1, os.SEEK_END)
         return "" if f.read(1) == b"\n" else "\n"
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def tail(path: Path) -> str:

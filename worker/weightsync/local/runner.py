@@ -36,7 +36,7 @@ from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KE
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
-from weightsync.roles import exit_status
+from weightsync.runtime.procs import exit_status
 
 LOOPBACK = "127.0.0.1"
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended

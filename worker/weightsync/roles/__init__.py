@@ -1,7 +1,7 @@
 """The worker every pod runs: its ordinal picks the role, and a trainer or inference pod runs one
 process per rank (procsPerPod, one per GPU), or, for trainers with spec.trainer.command, the user's
 command (command.py), which starts its own. The pod's first process answers the kubelet's probes
-for all of them (health.py), from before anything heavy is imported."""
+for all of them (runtime/health.py), from before anything heavy is imported."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ from multiprocessing.connection import wait
 from typing import Mapping
 
 from weightsync.job import CONTROLLER, TRAINER, SpecError, WorkerContext
-from weightsync.runtime.health import PodHealth, RankHealth
 from weightsync.rendezvous.protocol import who
-
-STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL: a pod's ranks, and the local runner's pods
+from weightsync.runtime.health import PodHealth, RankHealth
+from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
 
 
 def main(environ: Mapping[str, str] = os.environ) -> int:
-    """`weightsync worker`: raises contract.SpecError on a bad environment or spec."""
+    """`weightsync worker`: raises job.SpecError on a bad environment or spec."""
     try:
         ctx = WorkerContext.from_environ(environ)
     except (OSError, ValueError) as e:
@@ -53,12 +52,12 @@ def exit_on_sigterm() -> None:
     out its whole grace period and be killed. Nothing is lost: a version is applied whole or not at
     all. supervise() replaces this with its own handler, which stops the ranks first."""
 
-    def stop(signum, _frame):
+    def exit_now(signum, _frame):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, exit_now)
 
 
 def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = None) -> int:
@@ -88,11 +87,11 @@ def supervise(role: str, ranks: list[int], health: PodHealth) -> int:
     for p in procs:
         p.start()
 
-    def stop(signum, _frame):  # the pod is being deleted: its ranks end (cleanly, once the job is over)
-        _terminate(procs)
+    def end(signum, _frame):  # the pod is being deleted: its ranks end (cleanly, once the job is over)
+        stop(*procs, grace=STOP_GRACE)
         sys.exit(0 if all(p.exitcode == 0 for p in procs) else 128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, end)
     running = list(procs)
     while running:
         # timed, so that a SIGTERM taken by another thread still reaches its handler here
@@ -105,40 +104,6 @@ def supervise(role: str, ranks: list[int], health: PodHealth) -> int:
             else:
                 print(f"weightsync worker: {p.name} {exit_status(p.exitcode)}; stopping the pod's other ranks",
                       file=sys.stderr, flush=True)
-                _terminate(running)
+                stop(*running, grace=STOP_GRACE)
                 return 1
     return 0
-
-
-def _terminate(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(STOP_GRACE)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def exit_status(code: int) -> str:
-    """How a process ended, from its exit code (negative: the signal that killed it), to follow
-    its name. SIGKILL is what the kernel's OOM killer sends (weightsync itself sends it only to
-    processes that outlast a SIGTERM while it stops them, or whose parent died), so it is reported
-    as the likely cause."""
-    if code == -signal.SIGKILL:
-        return "was probably out of memory (killed by SIGKILL)"
-    return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-
-
-def die_with_parent(parent: int) -> None:
-    """Linux: this process gets SIGKILL when its parent dies, so no rank outlives its pod process
-    (and no local pod its `weightsync run`)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)

@@ -3,7 +3,7 @@ publishes through weightsync.attach) instead of the built-in trainer, and watche
 supervisor:
 
 - the command's environment is the pod's (weightsync's contract, spec.trainer.env) with torchrun's
-  variables for this pod (contract.torchrun_env), so that `torchrun train.py` needs no arguments;
+  variables for this pod (job.torchrun_env), so that `torchrun train.py` needs no arguments;
 - the pod is alive while the command runs, and ready once every rank of the pod attached;
 - a rank of the pod that has not attached within spec.trainer.attachTimeoutSeconds of the
   command's start, or the command's exit before every rank of the pod closed, is reported to the
@@ -28,16 +28,15 @@ import time
 from functools import partial
 
 from weightsync.job import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env
-from weightsync.runtime.health import PodHealth
-from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
-from weightsync.roles import die_with_parent, exit_status
+from weightsync.runtime.health import PodHealth
+from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
+from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
 
 TICK = 1.0  # seconds between two looks at the command and the rendezvous
-STOP_GRACE = 4.0  # seconds between SIGTERM and SIGKILL for a command being stopped (within the pod's own grace)
 # seconds a command gets to exit on its own when its pod is deleted after the job succeeded (the
 # operator removes a finished job's pods at once, while the script may still be tearing down);
-# with STOP_GRACE within the pod's default 30 s of grace
+# with procs.STOP_GRACE within the pod's default 30 s of grace
 FINISH_GRACE = 15.0
 
 
@@ -85,13 +84,13 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
         code = proc.poll()
         if end is not None and end["state"] != "Succeeded" and code is None:
             log(me, "the job failed: stopping the command")
-            _stop(proc)
+            stop(proc, grace=STOP_GRACE)  # torchrun passes the SIGTERM on to its workers
         elif late and time.monotonic() > deadline and code is None:
             for r in late:
                 report_failure(ctx, TRAINER, r, f"the trainer command has not called weightsync.attach() within "
                                                 f"{ctx.job.trainer.attach_timeout_seconds}s of its start "
                                                 f"(spec.trainer.attachTimeoutSeconds): {command}", channel)
-            _stop(proc)
+            stop(proc, grace=STOP_GRACE)
             return _end(ctx, channel, me, proc.wait())
     if end is None and not gone:
         end = channel.get_json(Keys.END) if channel.has(Keys.END) else None
@@ -143,18 +142,6 @@ def _end(ctx: WorkerContext, channel: Channel, me: str, code: int | None, end: d
     return 0 if state == "Succeeded" and code == 0 else 1
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command (torchrun passes it on to its workers), SIGKILL if it outlasts
-    STOP_GRACE."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(STOP_GRACE)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _stop_on_sigterm(proc: subprocess.Popen, succeeded: threading.Event, signum, _frame) -> None:
     """The pod is being deleted: the command ends first, then this process. After the job
     succeeded the command is only finishing: it gets FINISH_GRACE to exit on its own first."""
@@ -163,7 +150,7 @@ def _stop_on_sigterm(proc: subprocess.Popen, succeeded: threading.Event, signum,
             proc.wait(FINISH_GRACE)
         except subprocess.TimeoutExpired:
             pass
-    _stop(proc)
+    stop(proc, grace=STOP_GRACE)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(128 + signum)

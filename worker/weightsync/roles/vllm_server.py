@@ -15,23 +15,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 
-from weightsync.runtime import health
 from weightsync.job import INFERENCE, Env, Model, WorkerContext
 from weightsync.model.config import config_of
-from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
+from weightsync.runtime import health
+from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
+from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.vllm_backend import BACKEND
 from weightsync.vllm_backend.control import ControlError, Server
-from weightsync.roles import die_with_parent
 
 INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
 WATCH_EVERY = 1.0  # seconds between looks at the server's process and the job's end
-STOP_GRACE = 30.0  # seconds vLLM gets to stop after SIGTERM
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
@@ -57,13 +55,13 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
             log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
         report_failure(ctx, INFERENCE, rank, str(e), channel)
-        stop_server(proc)
+        stop(proc, grace=VLLM_STOP_GRACE)
         return 1
     if state is None:  # the server died while the job ran: its worker's heartbeats stopped with it
         log(me, f"the vLLM server exited with code {proc.returncode}; ending the pod so that it starts again "
                 "and its new worker rejoins the job")
         return 1
-    stop_server(proc)
+    stop(proc, grace=VLLM_STOP_GRACE)
     linger(ctx, me)
     return 0 if state == "Succeeded" else 1
 
@@ -113,13 +111,3 @@ def _served(server: Server) -> str:
         return str(server.weight_version())
     except ControlError as e:
         return f"unknown ({e})"
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_GRACE)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
