@@ -29,8 +29,9 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def condition(type: str, ok: bool, reason: str, message: str) -> dict:
-    return {"type": type, "status": "True" if ok else "False", "reason": reason, "message": message}
+def condition(kind: str, ok: bool, reason: str, message: str) -> dict:
+    """A condition of type `kind` (the types above; reasons: weightsync/job/reasons.py)."""
+    return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
 def pod_problem(pod_status: Mapping) -> tuple[str, str] | None:
@@ -120,8 +121,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
 
     old = {c["type"]: c for c in current.get("conditions") or []}
     merged = []
-    for type, c in conditions.items():
-        before = old.get(type)
+    for kind, c in conditions.items():
+        before = old.get(kind)
         c["lastTransitionTime"] = (before["lastTransitionTime"] if before and before.get("status") == c["status"]
                                    and before.get("lastTransitionTime") else at)
         merged.append(c)

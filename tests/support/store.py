@@ -1,8 +1,10 @@
 """What someone on the path between a client and the store sees: a recording proxy."""
 
 from __future__ import annotations
+
 import socket
 import threading
+
 from weightsync.rendezvous.store.client import StoreClient
 
 

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from support.jobs import ODD, assert_nothing_left, make_job, store_of, wait_key
 from support.store import record_session
 from weightsync import job as contract
-from weightsync.runtime.faults import PAUSE_DIR_ENV
 from weightsync.local.runner import LocalJob
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.table import StoreRefused
 from weightsync.rendezvous.store.wire import CODES, HELLO, PROOF, VERDICT, pack, seal
+from weightsync.runtime.faults import PAUSE_DIR_ENV
 from weightsync.transport.sockets import recv_exact
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`

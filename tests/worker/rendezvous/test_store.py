@@ -12,17 +12,17 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from support.store import record_session
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
 from weightsync.rendezvous.store.wire import CODES, HELLO, OK, PROOF, VERDICT, handshake_macs, pack, read_frame, seal
 from weightsync.transport.sockets import recv_exact
-
-from support.store import record_session
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 JOB = "team-a/job-1"
@@ -318,7 +318,7 @@ def freeze(pid: int) -> None:
     asynchronously: a thread on another core may still answer one request)."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 30
-    while any(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] != "T"
+    while any(Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T"
               for t in os.listdir(f"/proc/{pid}/task")):
         assert time.monotonic() < deadline, "the server did not stop"
         time.sleep(0.01)

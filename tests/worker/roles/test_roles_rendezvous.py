@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from weightsync.rendezvous import protocol as rendezvous
 from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
+from weightsync.rendezvous import protocol as rendezvous
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
 from weightsync.rendezvous.roster import AWAY, JOINING, SERVING, WAITING, Host, RankFailed

@@ -296,7 +296,7 @@ class Member(Channel):
             while not stop.wait(every):
                 try:
                     cut = watcher.get_json(key) if watcher.has(key) else []
-                except Exception:  # the controller is gone; the sending thread finds out on its own
+                except Exception:  # noqa: BLE001 - the controller is gone; the sending thread finds out on its own
                     return
                 for r in cut:
                     if r in rnd.receivers and r not in seen:
@@ -355,7 +355,8 @@ class Member(Channel):
         self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
         text = self.get(Keys.PLAN)
         if not same(self.get(Keys.PLAN_MAC).decode(), plan_mac(self.token, text)):
-            raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, or a wrong token file)")
+            raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, "
+                             "or a wrong token file)")
         return plan_from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
     def peers(self, epoch: int, timeout: float) -> dict[int, Peer]:
@@ -402,7 +403,7 @@ class Member(Channel):
             while not stop.wait(HEARTBEAT):
                 try:
                     channel.store.add(key, 1)
-                except Exception:  # the controller is gone; the main thread finds out on its own
+                except Exception:  # noqa: BLE001 - the controller is gone; the main thread finds out on its own
                     return
 
         channel.store.add(key, 1)

@@ -26,8 +26,18 @@ from typing import Callable, Iterable, Mapping
 from weightsync.job import INFERENCE, TRAINER, Layout, reasons
 from weightsync.job.token import same
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
-from weightsync.rendezvous.protocol import (HEARTBEAT, Channel, Keys, ProofError, host_store, peers_mac, plan_mac,
-                                            rank_proof, ranks_of, who)
+from weightsync.rendezvous.protocol import (
+    HEARTBEAT,
+    Channel,
+    Keys,
+    ProofError,
+    host_store,
+    peers_mac,
+    plan_mac,
+    rank_proof,
+    ranks_of,
+    who,
+)
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back

@@ -61,11 +61,13 @@ class Reporter:
         self._line({"event": "rejoins", **rejoins})
         self._patch({"rejoins": rejoins})
 
-    def transfer(self, version: int, step: int | None, bytes: int, seconds: float, transport: str,
+    def transfer(self, version: int, step: int | None, delivered: int, seconds: float, transport: str,
                  loss: float | None, wire_bytes: int | None = None, delta_ranks: int = 0, **extra) -> dict:
-        record = {"version": version, "step": step, "bytes": bytes, "seconds": round(seconds, 6),
-                  "gbps": round(bytes / seconds / 1e9, 4) if seconds > 0 else 0.0, "time": now(),
-                  "transport": transport, "wireBytes": bytes if wire_bytes is None else wire_bytes,
+        """Report a delivered version: `delivered` bytes (the module's docstring says which) in
+        `seconds`; `extra` goes into the line on stdout only."""
+        record = {"version": version, "step": step, "bytes": delivered, "seconds": round(seconds, 6),
+                  "gbps": round(delivered / seconds / 1e9, 4) if seconds > 0 else 0.0, "time": now(),
+                  "transport": transport, "wireBytes": delivered if wire_bytes is None else wire_bytes,
                   "deltaRanks": delta_ranks}
         if loss is not None:
             record["loss"] = round(loss, 6)
@@ -78,7 +80,7 @@ class Reporter:
     def completion(self, state: str, message: str, versions: int, reason: str = "", **extra) -> dict:
         record = {"state": state, "message": message, "versions": versions, "time": now()}
         if reason:
-            record["reason"] = reason  # why it failed, as a condition reason
+            record["reason"] = reason  # why it failed (job/reasons.py), the Failed condition's reason
         self._line({"event": "completion", **record, **extra})
         self._patch({"completion": record})
         return record

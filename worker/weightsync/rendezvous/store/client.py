@@ -17,8 +17,25 @@ import torch.distributed as dist
 
 from weightsync.job.token import same
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout, as_seconds
-from weightsync.rendezvous.store.wire import (BLOCKING, CODES, FULL, HELLO, LENGTH, MAGIC, OK, PROOF, TIMEOUT, VERDICT,
-                                              as_bytes, frame_length, handshake_macs, open_frame, pack, seal, unpack)
+from weightsync.rendezvous.store.wire import (
+    BLOCKING,
+    CODES,
+    FULL,
+    HELLO,
+    LENGTH,
+    MAGIC,
+    OK,
+    PROOF,
+    TIMEOUT,
+    VERDICT,
+    as_bytes,
+    frame_length,
+    handshake_macs,
+    open_frame,
+    pack,
+    seal,
+    unpack,
+)
 from weightsync.transport.sockets import PeerClosed, hang_up, recv_exact, send_all
 
 
@@ -205,8 +222,8 @@ class StoreClient(dist.Store):
     def clone(self) -> "StoreClient":
         return StoreClient(self.host, self.port, self._token, self._job, as_seconds(self.timeout), limits=self.limits)
 
-    deleteKey = delete_key
-    getNumKeys = num_keys
+    deleteKey = delete_key  # noqa: N815 - the names PrefixStore's C++ side calls
+    getNumKeys = num_keys  # noqa: N815
 
 
 _OPEN: set[StoreClient] = set()

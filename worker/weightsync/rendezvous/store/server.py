@@ -15,8 +15,23 @@ import time
 
 from weightsync.job.token import same
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreTimeout, Table
-from weightsync.rendezvous.store.wire import (ERROR, FULL, HELLO, MAGIC, OK, OPS, PROOF, TIMEOUT, VERDICT,
-                                              handshake_macs, pack, read_frame, seal, tags, unpack)
+from weightsync.rendezvous.store.wire import (
+    ERROR,
+    FULL,
+    HELLO,
+    MAGIC,
+    OK,
+    OPS,
+    PROOF,
+    TIMEOUT,
+    VERDICT,
+    handshake_macs,
+    pack,
+    read_frame,
+    seal,
+    tags,
+    unpack,
+)
 from weightsync.transport.sockets import hang_up, recv_exact, send_all
 
 log = logging.getLogger("weightsync.rendezvous.store")
