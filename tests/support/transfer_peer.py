@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from weightsync.plan.segments import make_plan
 from weightsync.runtime.faults import tamper_hook
 from weightsync.plan.holders import Holdings, plan_by_holder
 from weightsync.transfer.send import VersionReceiver, VersionSender, version_digest
-from weightsync.transport import TransferError, make_transport
+from weightsync.transport import RankContext, TransferError, make_transport, options_for
 
 
 def parse_shapes(text):
@@ -94,13 +95,10 @@ def main():
     layout = layout_of(args.shapes, args.dtype)
     plan = plan_of(layout, args.trainers, args.inferences, args.bucket, args.fsdp)
     device = torch.device(args.device)
-    options = {}
-    if args.transport == "nccl":
-        options = {"store": store, "trainers": args.trainers, "inferences": args.inferences, "device": device.index,
-                   "backend": args.backend}
-    elif args.transport == "uccl":
-        options = {"gpu": device.index or 0}
-    transport = make_transport(args.transport, token=args.token.encode(), timeout=args.timeout, **options)
+    options = options_for(args.transport, RankContext(args.trainers, args.inferences, device, lambda: store))
+    if args.transport == "nccl":  # the test's choice of backend: gloo runs it on host tensors
+        options = replace(options, backend=args.backend)
+    transport = make_transport(args.transport, token=args.token.encode(), timeout=args.timeout, options=options)
     try:
         end = transport.sender(args.rank) if args.role == "trainer" else transport.receiver(args.rank)
     except TransferError as e:  # a group that never formed

@@ -119,15 +119,16 @@ def job_plan(job, fsdp: int | None = None):
     from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
     from weightsync.model.build import build, layout_of
     from weightsync.roles.tp import needs_of
-    from weightsync.transport import resolve_transport
+    from weightsync.transport import capabilities_of, resolve_transport
 
     model = build(job.model, dtype="float32", device="meta", load_weights=False)
     layout = layout_of(model, job.model.dtype)
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
     needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r))
     transport, _ = resolve_transport(job.transfer.transport, job.network.mode)
+    can = capabilities_of(transport)
     return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.transfer.bucket_bytes,
-                         needs, transport)
+                         needs, transport=transport, scatters=can.scatters, range_limit=can.range_limit)
 
 
 def _simulate(args) -> int:

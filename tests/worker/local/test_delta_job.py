@@ -1,4 +1,4 @@
-"""Delta versions in a job: who gets a delta is the controller's decision (deltaplan.py) - only a
+"""Delta versions in a job: who gets a delta is the controller's decision (plan/job.py) - only a
 rank holding the version the trainers kept, never a new or restarted one, everyone whole every
 fullEvery versions and whenever the transport carries no patches; and a whole job as local
 processes with delta versions on, where every inference rank holds the trainers' weights bit for
@@ -8,7 +8,8 @@ import pytest
 
 from weightsync import job as contract
 from weightsync.job import Delta
-from weightsync.plan.deltas import bases, delta_in_effect
+from weightsync.plan.job import bases, delta_in_effect
+from weightsync.transport import capabilities_of
 
 from support.jobs import ODD, check_every_version, make_job, run_to_end
 
@@ -32,10 +33,10 @@ def test_the_final_version_sent_again_goes_whole():
 
 def test_without_delta_or_without_patches_every_version_is_whole():
     assert bases(Delta(enabled=False, full_every=10), 1, 0, {0: 0, 1: 0}) == {0: None, 1: None}
-    assert delta_in_effect(Delta(True, 10), "tcp")[0]
-    on, why = delta_in_effect(Delta(True, 10), "nccl")
+    assert delta_in_effect(Delta(True, 10), "tcp", capabilities_of("tcp").patches)[0]
+    on, why = delta_in_effect(Delta(True, 10), "nccl", capabilities_of("nccl").patches)
     assert not on and "nccl transport carries no patches" in why
-    assert not delta_in_effect(Delta(False, 10), "tcp")[0]
+    assert not delta_in_effect(Delta(False, 10), "tcp", True)[0]
 
 
 @pytest.mark.slow

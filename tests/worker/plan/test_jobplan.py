@@ -1,4 +1,4 @@
-"""Which plan a job gets (jobplan.py), from what its ranks hold and need, and `weightsync plan job.yaml`
+"""Which plan a job gets (plan/job.py), from what its ranks hold and need, and `weightsync plan job.yaml`
 for jobs whose trainers hold FSDP2 shards and whose inference replicas mix tensor-parallel degrees."""
 import pytest
 import torch
@@ -11,6 +11,7 @@ from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
 from weightsync.plan.segments import Plan
 from weightsync.plan.holders import Holdings
 from weightsync.plan.sliced import SlicedPlan, needs_everything
+from weightsync.transport import capabilities_of
 
 from support.cli import weightsync
 
@@ -24,6 +25,12 @@ def job(inference: dict) -> contract.Job:
                               "spec": {"model": {"config": CONFIG, "dtype": "bfloat16"},
                                        "trainer": {"replicas": 2, "procsPerPod": 2},
                                        "inference": inference, "transfer": {"bucketMB": 1}}})
+
+
+def over(transport: str) -> dict:
+    """What the planner is told of a transport, as the controller tells it."""
+    can = capabilities_of(transport)
+    return {"transport": transport, "scatters": can.scatters, "range_limit": can.range_limit}
 
 
 def test_fsdp_holdings_are_torch_chunks_rows_and_hsdp_repeats_them():
@@ -50,11 +57,11 @@ def test_the_planner_follows_what_the_ranks_hold_and_need():
     # over tcp a bucket bundles a rank's runs of both tensors; nccl and uccl land a frame in one run
     assert [(b.trainer, len(b.spans)) for b in shards.buckets] == [(0, 2), (1, 2)]
     for transport in ("nccl", "uccl"):
-        alone = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 3, 4096, transport=transport)
+        alone = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 3, 4096, **over(transport))
         assert [(b.trainer, len(b.spans)) for b in alone.buckets] == [(0, 1), (1, 1), (0, 1), (1, 1)]
     with pytest.raises(ValueError, match="too large for the uccl transport, which moves at most 4294967295 bytes"):
-        make_job_plan(layout, fsdp_holdings(layout, 2, 1), 3, 4096 << 20, transport="uccl")
-    assert make_job_plan(layout, fsdp_holdings(layout, 2, 1), 3, 4096 << 20, transport="nccl").bucket_bytes == 4096 << 20
+        make_job_plan(layout, fsdp_holdings(layout, 2, 1), 3, 4096 << 20, **over("uccl"))
+    assert make_job_plan(layout, fsdp_holdings(layout, 2, 1), 3, 4096 << 20, **over("nccl")).bucket_bytes == 4096 << 20
     needs = (needs_everything(layout, 0), needs_everything(layout, 1))
     sliced = make_job_plan(layout, fsdp_holdings(layout, 2, 2), 2, 4096, needs)
     assert isinstance(sliced, SlicedPlan) and sliced.bytes_by_receiver() == [layout.total_bytes] * 2

@@ -12,6 +12,7 @@ import struct
 import termios
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -59,7 +60,8 @@ def test_a_transport_that_lands_a_range_in_one_run_refuses_a_bundled_plan():
     layout = layout_of(ODD, "bfloat16")
     plan = plan_of(layout, 2, 1, 4096, fsdp=True)
     receiver = make_transport("tcp", token=TOKEN.encode(), timeout=5).receiver(0)
-    receiver.scatters = False  # as the uccl receiver, whose writes land where the sender puts them
+    # as the uccl receiver, whose writes land where the sender puts them
+    receiver.capabilities = replace(receiver.capabilities, scatters=False)
     try:
         with pytest.raises(ValueError, match="lands every range in one run"):
             VersionReceiver(receiver, plan, 0).receive(1, torch.zeros(layout.total_bytes, dtype=torch.uint8), 5)

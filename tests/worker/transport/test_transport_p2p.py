@@ -131,7 +131,7 @@ def test_a_rank_that_never_joins_is_named(p2p, ranks, store):
 def test_a_group_that_failed_carries_no_more_versions():
     """After a failure the ranks' streams of frames are out of step: the transport says so at
     once instead of reading another rank's leftovers as a new version."""
-    transport = nccl.NcclTransport(b"test-job-token-0123456789", 5, 1, 1, group=object(), backend="gloo")
+    transport = nccl.NcclTransport(b"test-job-token-0123456789", 5, nccl.NcclOptions(1, 1, group=object(), backend="gloo"))
     transport.abort("trainer rank 0: bytes at 0 of version 3 failed: Connection closed by peer")
     with pytest.raises(nccl.TransferError, match="aborted after an earlier failure .*version 3.*carries no more"):
         transport.check("trainer rank 0")

@@ -10,9 +10,11 @@ import sys
 import pytest
 
 from support import SUPPORT
+import torch
 import torch.distributed as dist
 
-from weightsync.transport import TransportUnavailable, ipc, make_transport, nccl, resolve_transport, uccl
+from weightsync.transport import (Capabilities, RankContext, TransportUnavailable, capabilities_of, ipc, make_transport,
+                                  nccl, options_for, resolve_transport, tcp, uccl)
 
 PEER = SUPPORT / "transfer_peer.py"
 TOKEN = b"test-job-token-0123456789"
@@ -23,9 +25,9 @@ def test_a_transport_that_cannot_run_here_says_why(name, module):
     reason = module.unavailable_reason()
     if reason is None:
         pytest.skip(f"{name} can run on this machine; the real transfer test covers it")
-    options = {"store": object(), "trainers": 1, "inferences": 1} if name == "nccl" else {}
+    options = nccl.NcclOptions(1, 1, store=object()) if name == "nccl" else None
     with pytest.raises(TransportUnavailable) as err:
-        make_transport(name, token=TOKEN, **options)
+        make_transport(name, token=TOKEN, options=options)
     assert str(err.value) == f"{name}: {reason}"
     print(f"{name} is unavailable here: {reason}")
 
@@ -42,9 +44,32 @@ def test_auto_names_its_choice_and_the_reason():
         make_transport("carrier-pigeon", token=TOKEN)
 
 
-def gpu_count() -> int:
-    import torch
+def test_each_transport_declares_what_it_can_do_and_builds_its_options_for_a_rank():
+    """One record per transport, carried by its senders and receivers; one Options record per
+    transport, made from what a rank offers, and refused by another transport."""
+    assert capabilities_of("tcp") == Capabilities(patches=True, scatters=True, in_place=True, buffer_device="cpu")
+    assert capabilities_of("uccl") == Capabilities(buffer_device="cuda", range_limit=(1 << 32) - 1)
+    assert capabilities_of("nccl") == capabilities_of("ipc") == Capabilities(buffer_device="cuda")
+    transport = make_transport("tcp", token=TOKEN)
+    sender, receiver = transport.sender(0), transport.receiver(0)
+    assert sender.capabilities == receiver.capabilities == capabilities_of("tcp")
+    receiver.close()
+    if nccl.unavailable_reason("gloo") is None:  # nccl over gloo moves host tensors, and says so
+        gloo = nccl.NcclTransport(TOKEN, 5, nccl.NcclOptions(1, 1, group=object(), backend="gloo"))
+        assert gloo.capabilities == Capabilities(buffer_device="cpu")
+    store = dist.HashStore()
+    rank = RankContext(2, 3, torch.device("cuda", 1), lambda: store)
+    assert options_for("tcp", rank) == tcp.TcpOptions() and options_for("ipc", rank) == ipc.IpcOptions()
+    assert options_for("uccl", rank) == uccl.UcclOptions(gpu=1)
+    built = options_for("nccl", rank)
+    assert (built.trainers, built.inferences, built.device, built.backend, built.group) == (2, 3, 1, "nccl", None)
+    built.store.set("key", "value")  # the job's store, under the transport's own prefix
+    assert dist.PrefixStore(nccl.STORE_PREFIX, store).get("key") == b"value"
+    with pytest.raises(TypeError, match="the tcp transport takes TcpOptions, not IpcOptions"):
+        make_transport("tcp", token=TOKEN, options=ipc.IpcOptions())
 
+
+def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

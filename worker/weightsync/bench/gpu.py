@@ -54,6 +54,7 @@ def _p2p_rank(role: str, rank: int, trainers: int, inferences: int, port: int, n
     from weightsync.plan.segments import make_plan
     from weightsync.transfer.send import VersionReceiver, VersionSender
     from weightsync.transport import make_transport
+    from weightsync.transport.nccl import NcclOptions
 
     world = trainers + inferences
     me = rank if role == "trainer" else trainers + rank
@@ -66,8 +67,8 @@ def _p2p_rank(role: str, rank: int, trainers: int, inferences: int, port: int, n
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
     layout = FlatLayout.from_shapes([("w", (nbytes // 2,))], "bfloat16")
     plan = make_plan(layout, trainers, inferences, 64 << 20)
-    transport = make_transport("nccl", token=TOKEN, timeout=120, store=store, trainers=trainers, inferences=inferences,
-                               device=0 if backend == "nccl" else None, backend=backend)
+    options = NcclOptions(trainers, inferences, store=store, device=0 if backend == "nccl" else None, backend=backend)
+    transport = make_transport("nccl", token=TOKEN, timeout=120, options=options)
     if role == "trainer":
         end = transport.sender(rank)
         end.connect({i: store.get(f"endpoint/{i}").decode() for i in range(inferences)})

@@ -35,7 +35,7 @@ from typing import Mapping
 
 from weightsync.runtime import health
 from weightsync.job import TRAINER, SpecError, WorkerContext
-from weightsync.plan.deltas import delta_in_effect
+from weightsync.plan.job import delta_in_effect
 from weightsync.runtime.faults import pause_point, tamper_hook
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
 from weightsync.publisher.peers import Links
@@ -90,8 +90,9 @@ class Sync:
             if plan.sliced:  # the inference ranks hold tensor-parallel slices: each gets only its own
                 self.mover = SliceSender(self.sender, plan, rank)
             else:
-                self.mover = VersionSender(self.sender, plan, rank, transfer.bucket_bytes,
-                                           delta=delta_in_effect(transfer.delta, name)[0], starts=self.sources.starts,
+                delta, _ = delta_in_effect(transfer.delta, name, self.sender.capabilities.patches)
+                self.mover = VersionSender(self.sender, plan, rank, transfer.bucket_bytes, delta=delta,
+                                           starts=self.sources.starts,
                                            tamper=tamper_hook())
         except BaseException as e:
             self._fail(e)

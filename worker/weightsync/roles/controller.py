@@ -25,9 +25,8 @@ from functools import partial
 
 from weightsync.runtime import health
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext, reasons
-from weightsync.plan.deltas import bases, delta_in_effect
 from weightsync.model.flat import FlatLayout, LayoutMismatch
-from weightsync.plan.job import inference_needs, make_job_plan
+from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
 from weightsync.roles.records import Reporter
@@ -35,6 +34,7 @@ from weightsync.plan.holders import Holdings
 from weightsync.rendezvous.roster import Host, RankFailed
 from weightsync.plan.sliced import needs_from_json
 from weightsync.transfer.send import reference_digests, reference_for
+from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
@@ -87,7 +87,8 @@ def run(ctx: WorkerContext) -> int:
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)].endpoint for rank in range(inferences)},
                           {rank: admitted[(INFERENCE, rank)].info for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
-        delta_on, why = delta_in_effect(ctx.job.transfer.delta, transport, plan.sliced)
+        delta_on, why = delta_in_effect(ctx.job.transfer.delta, transport, capabilities_of(transport).patches,
+                                        plan.sliced)
         log(ME, why)
         delta = Delta(delta_on, ctx.job.transfer.delta.full_every)
         version = 0
@@ -217,8 +218,10 @@ def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):
 
     try:
         needs = inference_needs(ctx.job.layout, reference, slices_of)
+        can = capabilities_of(transport)
         plan = make_job_plan(reference, held, ctx.job.layout.world_size(INFERENCE),
-                             ctx.job.transfer.bucket_bytes, needs, transport)
+                             ctx.job.transfer.bucket_bytes, needs, transport=transport,
+                             scatters=can.scatters, range_limit=can.range_limit)
     except (KeyError, ValueError) as e:
         what = "the slices the inference ranks need" if ctx.job.layout.sliced else "the version"
         raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}",

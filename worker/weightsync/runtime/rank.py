@@ -75,19 +75,14 @@ def linger(ctx: WorkerContext, who: str) -> None:
 
 def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, device):
     """This rank's end of the job's transport: (name, why, Sender or Receiver)."""
-    from weightsync.transport import make_transport, resolve_transport
+    from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
 
     name, why = resolve_transport(ctx.job.transfer.transport, ctx.network_mode, ctx.colocated)
-    options: dict = {}
-    if name == "nccl":
-        import torch.distributed as dist
-
-        layout = ctx.job.layout
-        options = {"store": dist.PrefixStore("transfer/", member.client().store), "trainers": layout.world_size(TRAINER),
-                   "inferences": layout.world_size(INFERENCE), "device": device.index}
-    elif name == "uccl":
-        options = {"gpu": device.index}
-    transport = make_transport(name, token=ctx.token, timeout=ctx.job.transfer.timeout, **options)
+    layout = ctx.job.layout
+    context = RankContext(layout.world_size(TRAINER), layout.world_size(INFERENCE), device,
+                          lambda: member.client().store)
+    transport = make_transport(name, token=ctx.token, timeout=ctx.job.transfer.timeout,
+                               options=options_for(name, context))
     end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)
     return name, why, end
 

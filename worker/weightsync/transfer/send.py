@@ -81,7 +81,7 @@ def send_buffers(sender: Sender, params, size: int, count: int) -> list:
     import torch
 
     on_gpu = any(p.device.type == "cuda" for p in params)
-    if getattr(sender, "buffer_device", "cpu") == "cuda" and on_gpu:
+    if sender.capabilities.buffer_device == "cuda" and on_gpu:
         kwargs = {"device": next(p.device for p in params if p.device.type == "cuda")}
     else:
         kwargs = {"pin_memory": on_gpu}
@@ -180,7 +180,7 @@ class VersionSender:
                  starts: list[int] | None = None, tamper: Callable[[int, memoryview], None] | None = None):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
-        if delta and not (sender.patches and getattr(sender, "buffer_device", "cpu") == "cpu"):
+        if delta and not (sender.capabilities.patches and sender.capabilities.buffer_device == "cpu"):
             raise ValueError(f"the {type(sender).__name__} transport carries no patches: delta versions need tcp")
         self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
         self.starts = starts  # shards: the element of its tensor each param begins at (flat.check_sources)
@@ -285,7 +285,7 @@ class VersionSender:
             if self.last is not None:
                 self.last.version = version  # it keeps nothing: every version is as good a base
             return SentVersion(version, 0, 0.0, {})
-        in_place = getattr(self.sender, "in_place", False) and flat.can_send_in_place(layout, params)
+        in_place = self.sender.capabilities.in_place and flat.can_send_in_place(layout, params)
         ring = None if in_place else BufferRing(self._buffers(params))
         fillings: dict[int, Filling] = {}
         for k, b in enumerate(self.buckets):
@@ -404,7 +404,7 @@ class VersionReceiver:
             self.receiver.register([staging])
             self.registered.add(staging.data_ptr())
         patcher = None
-        if self.receiver.patches:
+        if self.receiver.capabilities.patches:
             if base is not None and base[1].data_ptr() == staging.data_ptr():
                 raise ValueError("the base of a delta version must be another buffer than the staging buffer")
             patcher = Patcher(base[0], base[1], staging, self.scatter) if base is not None else Patcher(None)

@@ -3,9 +3,14 @@
 A Sender lives on a trainer rank and a Receiver on an inference rank. Connections are opened
 once and kept across versions. Every byte range travels with the xxh3_64 checksum of its bytes,
 which the receiver verifies before it reports the range delivered. A range may be handed to the
-sender before its bytes exist (a Filling): the sender streams them as the producer fills them. Transports that can carry patches (tcp) also
-send a range as a patch against bytes the receiver already holds, which the receiver applies with
-a Patcher or refuses, and then gets the range whole.
+sender before its bytes exist (a Filling): the sender streams them as the producer fills them.
+Transports that carry patches also send a range as a patch against bytes the receiver already
+holds, which the receiver applies with a Patcher or refuses, and then gets the range whole.
+
+What a transport can do is declared once, on its class, as a Capabilities record that its
+senders and receivers carry too; what it needs to be built is its own Options record, which
+options_for makes from what any rank offers (a RankContext), so no caller branches on a
+transport's name.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import abc
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Protocol, Sequence
 
 
 class TransferError(RuntimeError):
@@ -38,6 +44,29 @@ class PeersFailed(TransferError):
 
 class TransportUnavailable(RuntimeError):
     """This transport cannot run here; the message says why (never a silent fallback)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do: the planner, the send pipeline and the receive side read it here,
+    never from the transport's name."""
+
+    patches: bool = False  # sends a range as a patch against bytes the receiver holds (delta versions)
+    scatters: bool = False  # a receiver lands one range in several runs (a bucket bundling runs of several tensors)
+    in_place: bool = False  # a sender takes lists of memoryviews of the parameters, with no send buffer
+    buffer_device: str = "cpu"  # where send buffers live: "cpu", or "cuda" (the parameters' GPU, when they are on one)
+    range_limit: int | None = None  # the most bytes one range (bucket) may have, where the transport has a limit
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank of a job offers the transport it builds, whichever that is: each transport's
+    options_for takes what it needs from here."""
+
+    trainers: int  # the job's trainer ranks
+    inferences: int  # the job's inference ranks
+    device: Any = None  # this rank's torch.device (None: the host)
+    store: Callable[[], Any] | None = None  # makes a client of the job's torch.distributed Store, when asked
 
 
 class Filling:
@@ -124,7 +153,7 @@ class Sender(abc.ABC):
     """One per trainer rank."""
 
     rank: int
-    patches = False  # whether send_patch() works
+    capabilities: Capabilities  # its transport's (send_patch() works where it says patches)
 
     @abc.abstractmethod
     def connect(self, peers: dict[int, str]) -> None:
@@ -178,7 +207,7 @@ class Receiver(abc.ABC):
     """One per inference rank."""
 
     rank: int
-    patches = False  # whether receive() takes a patcher
+    capabilities: Capabilities  # its transport's (receive() takes a patcher where it says patches)
 
     @abc.abstractmethod
     def listen(self, host: str, port: int) -> str:
@@ -200,7 +229,7 @@ class Receiver(abc.ABC):
         A range may come as a patch, which `patcher` applies (without one, or when it cannot, the
         range is asked for again, whole; transports without patches take no patcher). A range
         whose offset is in `scatter` lands in those runs (offset, length) of `buffer` in turn
-        instead of at its offset (only on transports that scatter; the others refuse it).
+        instead of at its offset (only where capabilities.scatters; the others refuse it).
         Raises TransferError naming the trainer rank when it has not connected within `timeout`
         seconds, goes silent for longer than the transport's timeout, closes its connection,
         sends a bad checksum, or sends a range it was not expected to send."""
@@ -210,9 +239,18 @@ class Receiver(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """Makes the senders and receivers of one kind of transport."""
+    """Makes the senders and receivers of one kind of transport. Each kind declares its name,
+    what it can do, and its options: a frozen dataclass (Options) that its constructor takes
+    after the job token and timeout, and that options_for builds from a rank's context."""
 
-    name: str
+    name: ClassVar[str]
+    capabilities: Capabilities
+    Options: ClassVar[type]
+
+    @classmethod
+    @abc.abstractmethod
+    def options_for(cls, context: RankContext) -> Any:
+        """This transport's Options for a rank that offers `context`."""
 
     @abc.abstractmethod
     def sender(self, rank: int) -> Sender: ...

@@ -21,10 +21,12 @@ import json
 import socket
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from weightsync.transport import wire
-from weightsync.transport.base import Filling, Transport, TransportUnavailable, cuda_unavailable_reason
+from weightsync.transport.base import (Capabilities, Filling, RankContext, Transport, TransportUnavailable,
+                                       cuda_unavailable_reason)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import recv_exact, send_all
 from weightsync.transport.landing import Landing
@@ -68,14 +70,26 @@ def open_exported(desc: dict, device: int):
     return whole[desc["start"]:desc["start"] + desc["bytes"]]
 
 
+@dataclass(frozen=True)
+class IpcOptions:
+    """None: the ranks find each other's GPUs by UUID."""
+
+
 class IpcTransport(Transport):
     name = "ipc"
+    # copies out of send buffers on the GPU, each whole into one run
+    capabilities = Capabilities(buffer_device="cuda")
+    Options = IpcOptions
 
-    def __init__(self, token: bytes, timeout: float):
+    def __init__(self, token: bytes, timeout: float, options: IpcOptions = IpcOptions()):
         reason = unavailable_reason()
         if reason:
             raise TransportUnavailable(f"ipc: {reason}")
         self.token, self.timeout = token, timeout
+
+    @classmethod
+    def options_for(cls, context: RankContext) -> IpcOptions:
+        return IpcOptions()
 
     def sender(self, rank: int) -> "IpcSender":
         return IpcSender(self, rank)
@@ -85,9 +99,7 @@ class IpcTransport(Transport):
 
 
 class IpcSender(TcpSender):
-    in_place = False  # copies go out of the send buffers, on the GPU
-    buffer_device = "cuda"
-    patches = False  # its ranges are copied whole into GPU memory
+    capabilities = IpcTransport.capabilities
 
     def __init__(self, transport: IpcTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
@@ -155,9 +167,8 @@ class IpcSender(TcpSender):
 
 class IpcReceiver(TcpReceiver):
     name = "ipc"
-    carried = (WRITTEN,)  # the sender copies into place and never sends DATA
-    patches = False
-    scatters = False  # a copy lands in one run
+    capabilities = IpcTransport.capabilities
+    carried = (WRITTEN,)  # the sender copies into place and never sends DATA, nor PATCH
 
     def __init__(self, transport: IpcTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)

@@ -43,11 +43,13 @@ import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from weightsync.job.token import mac, same
-from weightsync.transport.base import (Filling, Receiver, Sender, Tally, TransferError, Transport, TransportUnavailable,
-                                       bounded, cuda_unavailable_reason, each_peer, settle)
+from weightsync.transport.base import (Capabilities, Filling, RankContext, Receiver, Sender, Tally, TransferError,
+                                       Transport, TransportUnavailable, bounded, cuda_unavailable_reason, each_peer,
+                                       settle)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.ledger import Ledger
 from weightsync.transport.wire import DATA, END
@@ -55,6 +57,7 @@ from weightsync.transport.wire import DATA, END
 log = logging.getLogger("weightsync.transport")
 
 PREFIX = "weightsync-nccl"
+STORE_PREFIX = "transfer/"  # the transport's keys in a job's store, apart from the rendezvous's
 BACKENDS = ("nccl", "gloo")
 HELLO = 0  # the header kind of the first frame between two ranks (it creates their communicator)
 # The group's own timeout, which NCCL's watchdog acts on, in transfer timeouts: the transport
@@ -137,23 +140,46 @@ def _first_frame(operation: Callable[[], Any], deadline: float, peer: str) -> No
     _wait(work, deadline, peer, "the first frame")
 
 
+@dataclass(frozen=True)
+class NcclOptions:
+    trainers: int  # the job's trainer ranks (the group's ranks 0..M-1)
+    inferences: int  # the job's inference ranks (the group's ranks M..M+N-1)
+    store: Any = None  # a torch.distributed Store shared by every rank, where the group forms
+    group: Any = None  # or a ready process group with that rank order
+    device: int | None = None  # this rank's GPU index
+    backend: str = "nccl"  # or "gloo": the same code on host tensors (machines without GPUs, tests)
+
+
 class NcclTransport(Transport):
     name = "nccl"
+    # ranges go from registered send buffers on the GPU (on the host over gloo: see __init__),
+    # each whole into one run
+    capabilities = Capabilities(buffer_device="cuda")
+    Options = NcclOptions
 
-    def __init__(self, token: bytes, timeout: float, trainers: int, inferences: int, store=None, group=None,
-                 device: int | None = None, backend: str = "nccl"):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-        reason = unavailable_reason(backend)
+    def __init__(self, token: bytes, timeout: float, options: NcclOptions):
+        if options.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {options.backend!r}; use one of {', '.join(BACKENDS)}")
+        reason = unavailable_reason(options.backend)
         if reason:
             raise TransportUnavailable(f"nccl: {reason}")
-        if store is None and group is None:
+        if options.store is None and options.group is None:
             raise ValueError("the nccl transport needs the job's store (or a ready process group)")
-        self.token, self.timeout, self.backend = token, timeout, backend
-        self.trainers, self.inferences = trainers, inferences
-        self.store, self.group, self.device = store, group, device
+        self.token, self.timeout, self.backend = token, timeout, options.backend
+        self.trainers, self.inferences = options.trainers, options.inferences
+        self.store, self.group, self.device = options.store, options.group, options.device
         self.failure: str | None = None  # why the group was aborted, once it was
         self.lock = threading.Lock()
+        if self.host:
+            self.capabilities = replace(self.capabilities, buffer_device="cpu")
+
+    @classmethod
+    def options_for(cls, context: RankContext) -> NcclOptions:
+        """The group forms on the job's store, under a prefix of its own."""
+        import torch.distributed as dist
+
+        return NcclOptions(context.trainers, context.inferences, store=dist.PrefixStore(STORE_PREFIX, context.store()),
+                           device=None if context.device is None else context.device.index)
 
     @property
     def host(self) -> bool:
@@ -221,14 +247,11 @@ class NcclTransport(Transport):
 
 
 class NcclSender(Sender):
-    in_place = False  # ranges are sent from registered send buffers
-
     def __init__(self, transport: NcclTransport, rank: int):
         import torch
 
-        self.t, self.rank = transport, rank
+        self.t, self.rank, self.capabilities = transport, rank, transport.capabilities
         self.group = transport._group(rank)
-        self.buffer_device = "cpu" if transport.host else "cuda"
         # the sending threads start on cuda:0 (the current device is per thread): name this rank's
         self.device = torch.device("cpu") if transport.host else torch.device("cuda", torch.cuda.current_device())
         self.peers: list[int] = []
@@ -324,7 +347,7 @@ class NcclSender(Sender):
 
 class NcclReceiver(Receiver):
     def __init__(self, transport: NcclTransport, rank: int):
-        self.t, self.rank = transport, rank
+        self.t, self.rank, self.capabilities = transport, rank, transport.capabilities
         self.group = transport._group(transport.trainers + rank)
         self.proven: set[int] = set()
         self.met: set[int] = set()

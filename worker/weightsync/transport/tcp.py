@@ -31,13 +31,14 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import xxhash
 
-from weightsync.transport import SCATTERING, wire
-from weightsync.transport.base import (Filling, Patcher, Receiver, Sender, Tally, TransferError, Transport, each_peer,
-                                       settle)
+from weightsync.transport import wire
+from weightsync.transport.base import (Capabilities, Filling, Patcher, RankContext, Receiver, Sender, Tally,
+                                       TransferError, Transport, each_peer, settle)
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.door import Door
 from weightsync.transport.landing import Landing
@@ -55,6 +56,32 @@ SOCKET_BUFFER = 0
 BACKLOG = 64
 # refusal reasons kept, to say why a trainer never connected
 REFUSED_KEPT = 8
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    socket_buffer: int = SOCKET_BUFFER  # bytes of each socket's kernel buffers (0: the kernel's autotuning)
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+    # bytes leave from lists of memoryviews of host memory, ranges may go as patches, and a
+    # receiver lands a DATA frame in several runs
+    capabilities = Capabilities(patches=True, scatters=True, in_place=True, buffer_device="cpu")
+    Options = TcpOptions
+
+    def __init__(self, token: bytes, timeout: float = 300.0, options: TcpOptions = TcpOptions()):
+        self.token, self.timeout, self.socket_buffer = token, timeout, options.socket_buffer
+
+    @classmethod
+    def options_for(cls, context: RankContext) -> TcpOptions:
+        return TcpOptions()
+
+    def sender(self, rank: int) -> "TcpSender":
+        return TcpSender(rank, self.token, self.timeout, self.socket_buffer)
+
+    def receiver(self, rank: int) -> "TcpReceiver":
+        return TcpReceiver(rank, self.token, self.timeout, self.socket_buffer)
 
 
 # ---------------------------------------------------------------- sender (trainer rank)
@@ -75,9 +102,7 @@ class Connection:
 
 
 class TcpSender(Sender):
-    in_place = True  # accepts lists of memoryviews straight into parameter memory
-    buffer_device = "cpu"
-    patches = True
+    capabilities = TcpTransport.capabilities
 
     def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
         if len(token) < 16:
@@ -261,9 +286,8 @@ class TcpSender(Sender):
 
 class TcpReceiver(Receiver):
     name = "tcp"
+    capabilities = TcpTransport.capabilities
     carried = (DATA,)  # the frame kinds that deliver a range whole over this transport
-    patches = True  # PATCH frames (delta versions) too
-    scatters = True  # a DATA frame may land in several runs (transport.SCATTERING)
 
     def __init__(self, rank: int, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
         if len(token) < 16:
@@ -362,9 +386,9 @@ class TcpReceiver(Receiver):
                 ) -> dict[int, int]:
         landing = Landing(buffer)
         scatter = scatter or {}
-        if scatter and not self.scatters:
+        if scatter and not self.capabilities.scatters:
             raise ValueError(f"the {self.name} transport lands every range in one run; this plan bundles runs of "
-                             f"several tensors into one bucket (a plan made for {', '.join(SCATTERING)})")
+                             "several tensors into one bucket (a plan made for a transport that scatters, as tcp)")
         for trainer, ranges in expected.items():
             for offset, length in ranges:
                 runs = scatter.get(offset, ((offset, length),))
@@ -434,7 +458,7 @@ class TcpReceiver(Receiver):
                 patches, need = 0, []
                 continue
             if kind == PATCH:
-                if not self.patches:
+                if not self.capabilities.patches:
                     raise TransferError(book.peer, f"sent a PATCH for bytes at {offset} of version {version}: a sender "
                                                    f"never sends PATCH over the {self.name} transport")
                 size = book.take_patch(offset, length, wire.patch_limit)
@@ -494,16 +518,3 @@ class TcpReceiver(Receiver):
             self.cond.notify_all()
         for s in socks:
             hang_up(s)
-
-
-class TcpTransport(Transport):
-    name = "tcp"
-
-    def __init__(self, token: bytes, timeout: float = 300.0, socket_buffer: int = SOCKET_BUFFER):
-        self.token, self.timeout, self.socket_buffer = token, timeout, socket_buffer
-
-    def sender(self, rank: int) -> TcpSender:
-        return TcpSender(rank, self.token, self.timeout, self.socket_buffer)
-
-    def receiver(self, rank: int) -> TcpReceiver:
-        return TcpReceiver(rank, self.token, self.timeout, self.socket_buffer)

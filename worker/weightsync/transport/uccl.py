@@ -24,7 +24,8 @@ success whatever happens and accept never times out, so:
 - connect() runs on a helper thread with a deadline (base.bounded); a write's completion is
   polled until the transfer timeout; a write that reported success and landed nothing fails the
   bucket's checksum.
-- A transfer size is 32-bit: ranges of 4 GiB or more are refused (transport.RANGE_LIMITS).
+- A transfer size is 32-bit: ranges of 4 GiB or more are refused (its capabilities' range_limit,
+  which the planner keeps buckets under).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import struct
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
-from weightsync.transport import RANGE_LIMITS, wire
-from weightsync.transport.base import (Filling, TransferError, Transport, TransportUnavailable, bounded,
-                                       cuda_unavailable_reason)
+from weightsync.transport import wire
+from weightsync.transport.base import (Capabilities, Filling, RankContext, TransferError, Transport,
+                                       TransportUnavailable, bounded, cuda_unavailable_reason)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.sockets import client_handshake, recv_exact, send_all
 from weightsync.transport.landing import Landing
@@ -80,18 +82,30 @@ def unavailable_reason() -> str | None:
     return cuda_unavailable_reason()
 
 
+@dataclass(frozen=True)
+class UcclOptions:
+    gpu: int = 0  # the local GPU index of this rank's engine
+
+
 class UcclTransport(Transport):
     name = "uccl"
+    # one-sided writes from registered GPU memory, each whole into one run, with a 32-bit size
+    capabilities = Capabilities(buffer_device="cuda", range_limit=(1 << 32) - 1)
+    Options = UcclOptions
 
-    def __init__(self, token: bytes, timeout: float, gpu: int = 0):
+    def __init__(self, token: bytes, timeout: float, options: UcclOptions = UcclOptions()):
         reason = unavailable_reason()
         if reason:
             raise TransportUnavailable(f"uccl: {reason}")
         from uccl import p2p
 
-        self.p2p, self.token, self.timeout, self.gpu = p2p, token, timeout, gpu
+        self.p2p, self.token, self.timeout, self.gpu = p2p, token, timeout, options.gpu
         self._endpoint = None
         self.lock = threading.Lock()
+
+    @classmethod
+    def options_for(cls, context: RankContext) -> UcclOptions:
+        return UcclOptions(gpu=context.device.index)
 
     @property
     def endpoint(self):
@@ -178,9 +192,7 @@ class Acceptor:
 
 
 class UcclSender(TcpSender):
-    in_place = False  # one-sided writes go out of registered memory
-    buffer_device = "cuda"
-    patches = False  # its ranges go one-sided into GPU memory
+    capabilities = UcclTransport.capabilities
 
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
@@ -237,8 +249,9 @@ class UcclSender(TcpSender):
 
     def send(self, peer: int, version: int, offset: int, data: Any, filling: Filling | None = None) -> Future:
         length = data.numel() * data.element_size()
-        if length > RANGE_LIMITS["uccl"]:
-            raise ValueError(f"a {length}-byte bucket: uccl moves at most {RANGE_LIMITS['uccl']} bytes at a time")
+        limit = self.capabilities.range_limit
+        if length > limit:
+            raise ValueError(f"a {length}-byte bucket: uccl moves at most {limit} bytes at a time")
         mr_id = self.memory.find(data.data_ptr(), length)
         if mr_id is None:
             raise ValueError("UCCL writes from registered memory: register() the send buffers first")
@@ -271,9 +284,8 @@ class UcclSender(TcpSender):
 
 class UcclReceiver(TcpReceiver):
     name = "uccl"
-    carried = (WRITTEN,)  # the sender writes one-sided and never sends DATA
-    patches = False  # nor PATCH: every version goes whole
-    scatters = False  # a write lands in one run
+    capabilities = UcclTransport.capabilities
+    carried = (WRITTEN,)  # the sender writes one-sided and never sends DATA, nor PATCH
 
     def __init__(self, transport: UcclTransport, rank: int):
         super().__init__(rank, transport.token, transport.timeout)
@@ -309,10 +321,10 @@ class UcclReceiver(TcpReceiver):
         mr_id = self.memory.find(base, landing.size)
         if mr_id is None:
             raise ValueError("the staging buffer is not registered: call register() once first")
-        entries = []
+        entries, limit = [], self.capabilities.range_limit
         for offset, length in ranges:
-            if length > RANGE_LIMITS["uccl"]:
-                raise ValueError(f"a {length}-byte range: uccl moves at most {RANGE_LIMITS['uccl']} bytes at a time")
+            if length > limit:
+                raise ValueError(f"a {length}-byte range: uccl moves at most {limit} bytes at a time")
             ok, blob = self.t.endpoint.advertise(self.rdma[trainer], mr_id, base + offset, length)
             if not ok:
                 raise ConnectionError(f"advertising bytes [{offset}, {offset + length}) failed")
