@@ -14,6 +14,7 @@ from typing import Mapping
 
 from weightsync.job import CONTROLLER, TRAINER, SpecError, WorkerContext
 from weightsync.rendezvous.protocol import who
+from weightsync.roles import command, controller, vllm_server
 from weightsync.runtime.health import PodHealth, RankHealth
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
 
@@ -33,13 +34,9 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
         health.rank(0).start()
-        from weightsync.roles.controller import run
-
-        return run(ctx)
+        return controller.run(ctx)
     if ctx.role == TRAINER and ctx.job.trainer.command:
-        from weightsync.roles.command import run
-
-        return run(ctx, health)
+        return command.run(ctx, health)
     if len(ranks) == 1:
         health.rank(0).start()
         return run_rank(ctx.role, ranks[0], 0)
@@ -62,13 +59,16 @@ def exit_on_sigterm() -> None:
 
 def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = None) -> int:
     ctx = ctx or WorkerContext.from_environ()
+    # The built-in trainer and inference ranks import torch (seconds) here, not with this module:
+    # a pod's first process answers its ranks' probes from before anything heavy is imported, and
+    # the controller's, a trainer command's and a vLLM server's pods never import torch.
     if role == TRAINER:
-        from weightsync.roles.trainer import run
+        from weightsync.roles import trainer as program
     elif ctx.job.inference.runs_vllm:  # the rank is the pod's vLLM server's worker
-        from weightsync.roles.vllm_server import run
+        program = vllm_server
     else:
-        from weightsync.roles.inference import run
-    return run(ctx, rank, local_rank)
+        from weightsync.roles import inference as program
+    return program.run(ctx, rank, local_rank)
 
 
 def _child(role: str, rank: int, local_rank: int, parent: int, health: RankHealth) -> None:

@@ -1,14 +1,21 @@
-"""What the roles' rank processes share: their device, and running one rank to its end
-(runtime/rank.py has what any rank process shares, the trainer API's included)."""
+"""What the roles' rank processes share: their device, an inference rank's model and generation
+pace (inference.py and sharded.py), and running one rank to its end (runtime/rank.py has what any
+rank process shares, the trainer API's included)."""
 
 from __future__ import annotations
 
 import traceback
 
-from weightsync.job import WorkerContext
+import torch
+
+from weightsync.job import INFERENCE, WorkerContext
+from weightsync.model.build import build, layout_of
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
 from weightsync.runtime.inbound import StartAgain
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, linger, log, wait_for_the_end
+
+GENERATE_EVERY = 1.0  # seconds between an inference rank's generations while no new version arrives
+NEW_TOKENS = 8  # tokens an inference rank generates from the prompt each time
 
 
 def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) -> int:
@@ -58,8 +65,6 @@ def _wait_for_the_end(ctx: WorkerContext, member: Member, me: str) -> int:
 
 def device_for(ctx: WorkerContext, role: str, local_rank: int):
     """cuda:<local rank> when the role asks for GPUs (gpusPerProc > 0), else the CPU."""
-    import torch
-
     pods = ctx.job.pods(role)
     if pods.gpus_per_proc == 0:
         return torch.device("cpu")
@@ -71,3 +76,16 @@ def device_for(ctx: WorkerContext, role: str, local_rank: int):
     index = local_rank * pods.gpus_per_proc
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def serving_model(ctx: WorkerContext, member: Member, local_rank: int):
+    """An inference rank's start: its heartbeat, and (model, its version layout, device) of
+    spec.model in the job's dtype, evaluating, without weights worth keeping (versions replace
+    them)."""
+    job = ctx.job
+    dtype = job.model.dtype
+    device = device_for(ctx, INFERENCE, local_rank)
+    member.start_heartbeat()
+    model = build(job.model, dtype=dtype, device=device, seed=job.training.seed, load_weights=False)
+    model.eval()
+    return model, layout_of(model, dtype), device

@@ -14,39 +14,23 @@ from __future__ import annotations
 import torch
 
 from weightsync.job import INFERENCE, WorkerContext
-from weightsync.model.build import build, greedy, layout_of, logits, parameters, point_at, prompt
+from weightsync.model.build import greedy, logits, parameters, point_at, prompt
 from weightsync.model.flat import views
 from weightsync.rendezvous.protocol import Member, who
-from weightsync.roles.common import device_for, run_rank
+from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, run_rank, serving_model
+from weightsync.roles.sharded import ShardedInference
 from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating
 from weightsync.runtime.inbound import GenerationHandover
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, transport_for
 from weightsync.transfer.send import VersionReceiver, settle_heap
 
-GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
-NEW_TOKENS = 8
-
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
-    if len(ctx.job.layout.tp_group(rank)) > 1:
-        from weightsync.roles.sharded import ShardedInference
-
-        return run_rank(ctx, INFERENCE, rank, local_rank, ShardedInference)
-    return run_rank(ctx, INFERENCE, rank, local_rank, Inference)
-
-
-def serving_model(ctx: WorkerContext, member: Member, local_rank: int):
-    """An inference rank's start: its heartbeat, and (model, its version layout, device) of
-    spec.model in the job's dtype, evaluating, without weights worth keeping (versions replace
-    them)."""
-    job = ctx.job
-    dtype = job.model.dtype
-    device = device_for(ctx, INFERENCE, local_rank)
-    member.start_heartbeat()
-    model = build(job.model, dtype=dtype, device=device, seed=job.training.seed, load_weights=False)
-    model.eval()
-    return model, layout_of(model, dtype), device
+    """An inference rank of the built-in engine, to the job's end: a rank of a tensor-parallel
+    replica holds a shard of it (sharded.py), any other the whole model."""
+    body = ShardedInference if len(ctx.job.layout.tp_group(rank)) > 1 else Inference
+    return run_rank(ctx, INFERENCE, rank, local_rank, body)
 
 
 class Generations(GenerationHandover):
@@ -99,8 +83,8 @@ class Inference:
         attempt = member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, _ = member.plan(JOIN_TIMEOUT)
         again = f" (start {attempt}: rejoining the running job)" if attempt > 1 else ""
-        log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; "
-                     f"{plan.bytes_for(self.rank)} bytes per version from {len(plan.expected_for(self.rank))} trainer ranks{again}")
+        log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; {plan.bytes_for(self.rank)} "
+                     f"bytes per version from {len(plan.expected_for(self.rank))} trainer ranks{again}")
 
         settle_heap()
         mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.transfer)

@@ -1,7 +1,7 @@
 """An inference rank of a tensor-parallel model replica (spec.inference.tensorParallel or
 tensorParallelSizes above 1).
 
-It holds one shard of its replica's model (tpengine.py: transformers' own TP plan over the
+It holds one shard of its replica's model (tp.py: transformers' own TP plan over the
 replica's processes) and declares, when it joins, the slices of the version it needs; the
 controller plans over slices and it receives only those, into a staging buffer of its local
 layout, verified against its own digest (inbound.py). The generation loop copies a verified
@@ -18,7 +18,7 @@ from weightsync.job import INFERENCE, WorkerContext
 from weightsync.model.build import greedy, logits, prompt
 from weightsync.plan.sliced import needs_to_json
 from weightsync.rendezvous.protocol import Member, who
-from weightsync.roles.inference import serving_model
+from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, serving_model
 from weightsync.roles.tp import TensorParallel, load, local_shards, needs_of
 from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating
@@ -26,12 +26,9 @@ from weightsync.runtime.inbound import GenerationHandover
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, transport_for
 from weightsync.transfer.send import VersionReceiver, settle_heap
 
-GENERATE_EVERY = 1.0  # seconds between generations while no new version arrives
-NEW_TOKENS = 8
-
 
 class ShardedGenerations(GenerationHandover):
-    """inbound.Handover of a TP rank: one staging buffer; the receiving thread offers a verified
+    """inbound.GenerationHandover of a TP rank: one staging buffer; the receiving thread offers a verified
     version there and waits until the generation loop has copied it into the shards."""
 
     def __init__(self, nbytes: int, device):

@@ -1,13 +1,13 @@
 """Tensor parallelism for the built-in inference engine: transformers' own TP plan over the
 processes of one model replica.
 
-A replica of TP degree tp is tp consecutive inference ranks (contract.Layout.tp_group). They form
+A replica of TP degree tp is tp consecutive inference ranks (job.Layout.tp_group). They form
 a torch.distributed group (gloo on CPU, nccl on GPUs) through the job's rendezvous, and
 transformers shards the model over it with the model's own plan (model._tp_plan expanded as
 transformers expands it, apply_tensor_parallelism on a DeviceMesh): the parameters become
-DTensors whose local shards are exactly the boxes tpslices.tp_needs gives the rank (checked
+DTensors whose local shards are exactly the boxes plan.tp.tp_needs gives the rank (checked
 against apply_tensor_parallelism in the tests), which is what the rank declares when it joins. A
-received version lands in the rank's local layout (slicepath.LocalLayout) and is copied into the
+received version lands in the rank's local layout (plan.sliced.LocalLayout) and is copied into the
 local shards between two generations, at the same generation on every rank of the replica: the
 ranks agree on it with one all-reduce per generation, so no forward pass mixes two versions.
 
@@ -23,6 +23,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from weightsync.model.flat import FlatLayout, torch_dtype
 from weightsync.plan.sliced import LocalLayout, global_tensors
@@ -40,7 +41,7 @@ def tp_plan_of(model) -> dict:
 
 def needs_of(model, layout: FlatLayout, group: range, rank: int) -> RankSlices:
     """What inference rank `rank` needs of a version as a rank of the replica `group` (its
-    inference ranks, contract.Layout.tp_group)."""
+    inference ranks, job.Layout.tp_group)."""
     plan = tp_plan_of(model)
     check_heads(model.config, plan, len(group))
     mine = tp_needs(global_tensors(layout), plan, len(group)).of_rank(rank - group.start)
@@ -51,8 +52,6 @@ class TensorParallel:
     """One rank's membership of its replica's process group, over `store` (the job's rendezvous)."""
 
     def __init__(self, store, group: range, rank: int, device: torch.device, timeout: float):
-        from torch.distributed.device_mesh import DeviceMesh
-
         self.group, self.rank, self.tp = group, rank, len(group)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.PrefixStore(f"tp/{group.start}/", store), rank=rank - group.start,
@@ -62,6 +61,7 @@ class TensorParallel:
 
     def shard(self, model) -> None:
         """Shard `model` (built whole, on this rank's device) as transformers does with its TP plan."""
+        # here only: a second or more to import, which every other inference rank and `weightsync plan` skip
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         first: dict[int, str] = {}

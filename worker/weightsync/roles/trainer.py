@@ -9,6 +9,8 @@ import datetime
 import traceback
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from weightsync.job import TRAINER, WorkerContext
 from weightsync.model.build import build, check_fits, logits, parameters, prompt, train_step, vocab_size
@@ -77,16 +79,13 @@ class BuiltIn:
                              f"({sent.wire_bytes} bytes on the wire)")
                 if dumping():
                     self._dump(model, version, job.model.dtype, device)
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return "Succeeded"  # close() raised JobEnded otherwise
 
     def _ddp(self, sync: Sync, model, device):
         """DDP among the trainer ranks, its process group met through the job's own rendezvous
         (authenticated with the job's token) rather than torchrun's."""
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
-
         world = self.ctx.job.layout.world_size(TRAINER)
         store = sync.store("ddp/")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -100,8 +99,8 @@ class BuiltIn:
         if not losses:
             return None
         total = torch.stack(losses).mean().reshape(1).to(device)
-        torch.distributed.all_reduce(total)
-        return total.item() / torch.distributed.get_world_size()
+        dist.all_reduce(total)
+        return total.item() / dist.get_world_size()
 
     def _dump(self, model, version: int, dtype: str, device) -> None:
         cast = copy.deepcopy(model).to(torch_dtype(dtype))

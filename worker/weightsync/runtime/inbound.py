@@ -119,8 +119,9 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
             reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
+                sent = (reference or "nothing for this rank")[:16]
                 raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
-                                        f"the trainers sent {(reference or 'nothing for this rank')[:16]}; the model stays on the version it runs")
+                                        f"the trainers sent {sent}; the model stays on the version it runs")
         engine.offer(version, got)
         member.set(Keys.applied(version, rank, member.attempt),
                    {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),

@@ -13,10 +13,12 @@ import threading
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
+from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
 REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
+
 
 def log(who: str, message: str) -> None:
     print(f"[{who}] {message}", file=sys.stderr, flush=True)
@@ -75,8 +77,6 @@ def linger(ctx: WorkerContext, who: str) -> None:
 
 def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, device):
     """This rank's end of the job's transport: (name, why, Sender or Receiver)."""
-    from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
-
     name, why = resolve_transport(ctx.job.transfer.transport, ctx.network_mode, ctx.colocated)
     layout = ctx.job.layout
     context = RankContext(layout.world_size(TRAINER), layout.world_size(INFERENCE), device,
