@@ -23,21 +23,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from weightsync.runtime import health
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext, reasons
 from weightsync.model.flat import FlatLayout, LayoutMismatch
+from weightsync.plan.holders import Holdings
 from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
+from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
-from weightsync.roles.records import Reporter
-from weightsync.plan.holders import Holdings
 from weightsync.rendezvous.roster import Host, RankFailed
-from weightsync.plan.sliced import needs_from_json
+from weightsync.roles.records import Reporter
+from weightsync.runtime import health
+from weightsync.runtime.faults import pause_point
+from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.send import reference_digests, reference_for
 from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server
-from weightsync.runtime.faults import pause_point
-from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
