@@ -88,7 +88,8 @@ bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast v
 bench-fsdp: setup ## Trainer ranks holding FSDP2 shards vs. DDP replicas, publishing through the trainer API: seconds per version, trainer peak memory vs. shard + send buffers
 	$(VENV)/bin/weightsync bench --fsdp
 
-.PHONY: bench-links
+
+.PHONY: gpu-wheels
 gpu-wheels: ## Wheels for tests/gpu/run.sh on a GPU machine without network (CPython 3.12; torch and numpy are the machine's): .gpu/wheels
 	rm -rf .gpu/wheels && mkdir -p .gpu/wheels
 	$(PY) -m pip download -q -d .gpu/wheels --python-version 3.12 --only-binary=:all: \
@@ -97,6 +98,7 @@ gpu-wheels: ## Wheels for tests/gpu/run.sh on a GPU machine without network (CPy
 	rm -f .gpu/wheels/numpy-*  # the machine's torch brings its own; the wheels must fit what a device run carries (64 MiB)
 	du -sh .gpu/wheels
 
+.PHONY: bench-links
 bench-links: setup ## Transfer benchmark over shaped links (root): every rank in its own network namespace at 1 Gb/s each way; whole and delta versions vs. the speed of light
 	$(VENV)/bin/weightsync bench --links 1gbit
 

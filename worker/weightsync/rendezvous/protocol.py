@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout
 from weightsync.job.token import mac, same
+from weightsync.plan.sliced import plan_from_json
 from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused
@@ -350,8 +351,6 @@ class Member(Channel):
     def plan(self, timeout: float):
         """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
         holder of the token."""
-        from weightsync.plan.sliced import plan_from_json
-
         self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
         text = self.get(Keys.PLAN)
         if not same(self.get(Keys.PLAN_MAC).decode(), plan_mac(self.token, text)):
