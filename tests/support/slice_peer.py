@@ -5,7 +5,7 @@ tensors (torch.chunk's split over --shard ranks, --replicas copies of that), the
 are replicas of the TP degrees in --tp (each rank needing what tpslices gives it under a TP plan
 with column-, row- and packed styles), or with --random-needs each a random box of every tensor.
 Trainers send from their local rows only (a copy of those rows, nothing else of the tensor) through
-SliceSender over TCP; inference ranks receive through VersionReceiver into a buffer of their local
+VersionSender over TCP; inference ranks receive through VersionReceiver into a buffer of their local
 layout and check every slot against torch slicing of the full tensors cast to the dtype, bit for
 bit, and their digest against the one computed from the trainers' reported checksums.
 """
@@ -23,9 +23,9 @@ from weightsync.model.flat import FlatLayout, byte_view, torch_dtype
 from weightsync.plan.holders import Holdings
 from weightsync.plan.sliced import SlicedPlan, global_tensors
 from weightsync.plan.slices import Box, RankSlices, Slice, Slicing, chunk_bounds, join
-from weightsync.transfer.slicesend import SliceSender
 from weightsync.plan.tp import tp_needs
-from weightsync.transfer.send import VersionReceiver, version_digest
+from weightsync.transfer.receive import VersionReceiver, version_digest
+from weightsync.transfer.send import VersionSender
 from weightsync.transport import TransferError, make_transport
 
 # A small model's tensors under a TP plan of every style that shards: uneven sizes throughout
@@ -116,7 +116,7 @@ def main():
         sender = transport.sender(args.rank)
         sender.connect({i: store.get(f"endpoint/{i}").decode() for i in range(plan.inferences)})
         store.set(f"connected/trainer/{args.rank}", "1")
-        mover = SliceSender(sender, plan, args.rank)
+        mover = VersionSender(sender, plan, args.rank)
         rows = plan.holdings[args.rank].rows
         for v in range(1, args.versions + 1):
             # this rank's rows only, as FSDP2 keeps them: a separate tensor, nothing else of the full one

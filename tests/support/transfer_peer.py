@@ -27,7 +27,8 @@ from weightsync.model.flat import FlatLayout, byte_view, torch_dtype, views
 from weightsync.plan.segments import make_plan
 from weightsync.runtime.faults import tamper_hook
 from weightsync.plan.holders import Holdings, plan_by_holder
-from weightsync.transfer.send import VersionReceiver, VersionSender, version_digest
+from weightsync.transfer.receive import VersionReceiver, version_digest
+from weightsync.transfer.send import VersionSender
 from weightsync.transport import RankContext, TransferError, make_transport, options_for
 
 

@@ -19,7 +19,8 @@ import torch
 
 from weightsync.model.flat import FlatLayout
 from weightsync.plan.segments import make_plan
-from weightsync.transfer.send import VersionReceiver, VersionSender
+from weightsync.transfer.receive import VersionReceiver
+from weightsync.transfer.send import VersionSender
 from weightsync.transport import TransferError, make_transport
 
 from support.transfer_peer import layout_of, plan_of
@@ -167,7 +168,7 @@ def test_a_receiver_that_dies_mid_version_is_lost_and_the_others_get_all_of_it(r
     """Trainer rank 0 is this process, sending to two inference ranks; inference rank 0 accepts,
     never reads, and is killed mid-version. With lose_peers the trainer names it as lost and
     inference rank 1 still receives the whole version, bit for bit, with the trainers' digest."""
-    from transfer_peer import version_tensors
+    from support.transfer_peer import version_tensors
 
     shapes = "2048x2048"
     r = ranks(1, 2, shapes, "bfloat16", 4 << 20, 1)
@@ -208,7 +209,7 @@ def test_idle_connections_cost_no_thread_and_the_trainer_still_delivers(ranks, s
     stays where it was, its memory barely moves, every idle connection is closed (the excess at
     once, the rest after the handshake timeout), and the trainer (this process) connects and
     delivers a version while they are held."""
-    from transfer_peer import version_tensors, parse_shapes
+    from support.transfer_peer import version_tensors, parse_shapes
     from weightsync.transport import door
 
     shapes = ODD

@@ -52,7 +52,8 @@ def _p2p_rank(role: str, rank: int, trainers: int, inferences: int, port: int, n
 
     from weightsync.model.flat import FlatLayout
     from weightsync.plan.segments import make_plan
-    from weightsync.transfer.send import VersionReceiver, VersionSender
+    from weightsync.transfer.receive import VersionReceiver
+    from weightsync.transfer.send import VersionSender
     from weightsync.transport import make_transport
     from weightsync.transport.nccl import NcclOptions
 
@@ -141,7 +142,8 @@ def _ipc_rank(role: str, port: int, nbytes: int, reps: int, results) -> None:
 
     from weightsync.model.flat import FlatLayout
     from weightsync.plan.segments import make_plan
-    from weightsync.transfer.send import VersionReceiver, VersionSender
+    from weightsync.transfer.receive import VersionReceiver
+    from weightsync.transfer.send import VersionSender
     from weightsync.transport import make_transport
 
     device = torch.device("cuda", 0)

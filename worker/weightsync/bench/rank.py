@@ -99,7 +99,8 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
     from weightsync.model.flat import FlatLayout, fill_range, views
     from weightsync.plan.segments import make_plan
     from weightsync.bench.trained import TrainedVersions
-    from weightsync.transfer.send import VersionReceiver, VersionSender, settle_heap, version_digest
+    from weightsync.transfer.receive import VersionReceiver, settle_heap, version_digest
+    from weightsync.transfer.send import VersionSender
     from weightsync.transport import make_transport
     from weightsync.transport.checksum import CHUNK
     from weightsync.transport.sockets import recv_into_all

@@ -41,7 +41,6 @@ from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_fa
 from weightsync.publisher.peers import Links
 from weightsync.rendezvous.messages import Round, SentReport
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
-from weightsync.transfer.slicesend import SliceSender
 from weightsync.publisher.sources import Sources, local_tensors, sources_of
 from weightsync.transfer.send import SentVersion, VersionSender
 
@@ -87,13 +86,10 @@ class Sync:
             health.ready()
             self.links = Links(self.sender, self.member, endpoints, self.timeout)
             self.links.follow(Round(0, receivers=tuple(endpoints)))
-            if plan.sliced:  # the inference ranks hold tensor-parallel slices: each gets only its own
-                self.mover = SliceSender(self.sender, plan, rank)
-            else:
-                delta, _ = delta_in_effect(transfer.delta, name, self.sender.capabilities.patches)
-                self.mover = VersionSender(self.sender, plan, rank, transfer.bucket_bytes, delta=delta,
-                                           starts=self.sources.starts,
-                                           tamper=tamper_hook())
+            # over slices (the inference ranks hold tensor-parallel slices) each gets only its own
+            delta, _ = delta_in_effect(transfer.delta, name, self.sender.capabilities.patches, plan.sliced)
+            self.mover = VersionSender(self.sender, plan, rank, transfer.bucket_bytes, delta=delta,
+                                       starts=self.sources.starts, tamper=tamper_hook())
         except BaseException as e:
             self._fail(e)
             raise

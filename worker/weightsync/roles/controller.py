@@ -35,7 +35,7 @@ from weightsync.roles.records import Reporter
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
-from weightsync.transfer.send import reference_digests, reference_for
+from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server
 

@@ -24,7 +24,7 @@ from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating
 from weightsync.runtime.inbound import GenerationHandover
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, transport_for
-from weightsync.transfer.send import VersionReceiver, settle_heap
+from weightsync.transfer.receive import VersionReceiver, settle_heap
 
 
 class ShardedGenerations(GenerationHandover):

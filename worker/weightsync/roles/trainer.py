@@ -21,7 +21,7 @@ from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
 from weightsync.roles.common import device_for
 from weightsync.runtime.faults import dump, dumping
 from weightsync.runtime.rank import Expected, linger, log, report_failure
-from weightsync.transfer.send import settle_heap
+from weightsync.transfer.receive import settle_heap
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:

@@ -23,7 +23,7 @@ from weightsync.rendezvous.messages import Round
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.rank import Expected, log
-from weightsync.transfer.send import ReceivedVersion, VersionReceiver, reference_for
+from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
 
 
 class VerificationError(Expected):

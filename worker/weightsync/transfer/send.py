@@ -1,77 +1,40 @@
-"""Moving one weight version: the pipelined sender and the verifying receiver.
+"""Sending one weight version: the pipelined sender, one for every plan.
 
-The trainer role and `weightsync bench` both use exactly this code. A trainer rank sends the
-buckets the plan gives it to every inference rank: each bucket is cast into a send buffer chunk
-by chunk and streamed to the peers right behind the cast, while earlier buckets are still on the
-wire (depth buffers of one bucket each, allocated once and registered with the transport once);
-when no cast is needed the bytes go straight from the parameters. An inference rank receives
-every trainer's ranges straight into its staging buffer, each bucket checked against its xxh3_64
-checksum, and gets back the version's digest.
+The trainer roles, the trainer API (publisher/sync.py) and `weightsync bench` all use exactly
+this code. A trainer rank sends the buckets the plan gives it (interface.TransferPlan: a whole
+version's, where every bucket goes to every inference rank, or a version over slices, where each
+goes to the one receiver whose slices it holds): each bucket is packed into a send buffer (cast,
+and over slices gathered, by pack.py) chunk by chunk and streamed to its peers right behind the
+packing, while earlier buckets are still on the wire (`depth` buffers of one bucket each,
+allocated once and registered with the transport once). A host buffer is hashed chunk by chunk
+while the chunk is in cache; a GPU buffer is packed and hashed (ws64) on a side stream of its
+own, after what the caller's stream did to the parameters, with no device-wide synchronize, so
+the transport's own stream keeps sending the previous bucket meanwhile. Where no cast is needed
+(host tensors in the transfer dtype, a transport that takes them) a whole version's bytes go
+straight from the parameters.
 
-With delta versions on (delta.py), a trainer rank keeps what it sent last and sends a bucket to an
-inference rank that holds that version as a patch; the receiver applies it against the version it
-holds into its staging buffer. The checksums, and so the digest, are of the new bytes either way:
-a patched version is verified exactly like a whole one. Who gets patches is the caller's word
-(`bases`, from the controller); the sender also checks that it still keeps that base.
+With delta versions on (delta.py; whole versions only), a trainer rank keeps what it sent last
+and sends a bucket to an inference rank that holds that version as a patch; the receiver applies
+it against the version it holds. The checksums are of the new bytes either way. Who gets patches
+is the caller's word (`bases`, from the controller); the sender also checks that it still keeps
+that base.
 """
 
 from __future__ import annotations
 
-import gc
-import hashlib
-import json
-import struct
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import xxhash
 
 from weightsync.model import flat
-from weightsync.transfer.delta import LastSent, Patcher
-from weightsync.plan.segments import Plan
-from weightsync.transport.base import Filling, PeersFailed, Receiver, Sender, TransferError
-from weightsync.transport.checksum import CHUNK, as_views, bucket_checksum, checksum_of
-
-
-def version_digest(checksums: dict[int, int]) -> str:
-    """The digest of a whole version from its per-bucket checksums ({offset: xxh3_64}); the
-    controller computes it from what the trainers report, every inference rank from what it
-    received, and the two must be equal."""
-    h = hashlib.sha256()
-    for offset in sorted(checksums):
-        h.update(struct.pack("<QQ", offset, checksums[offset]))
-    return h.hexdigest()
-
-
-def reference_digests(plan, sent: list, receivers) -> str:
-    """What the controller publishes as a round's reference, from the trainers' reports of what
-    they sent (each with checksums {offset: xxh3_64}, or over slices receiver_checksums {receiver:
-    {offset: xxh3_64}}, as SentVersion has them): the version's digest, or over slices a JSON
-    object of every receiver's own digest."""
-    if not plan.sliced:
-        return version_digest({o: c for s in sent for o, c in s.checksums.items()})
-    digests = {}
-    for r in receivers:
-        sums = {o: c for s in sent for o, c in s.receiver_checksums.get(r, {}).items()}
-        digests[str(r)] = version_digest(sums)
-    return json.dumps(digests, sort_keys=True)
-
-
-def reference_for(reference: str, receiver: int) -> str | None:
-    """Inference rank `receiver`'s digest in what reference_digests() made (None: not in the round)."""
-    if not reference.startswith("{"):
-        return reference
-    return json.loads(reference).get(str(receiver))
-
-
-def settle_heap() -> None:
-    """Put every object made so far (the libraries, the model) out of the garbage collector's
-    reach: a full collection would otherwise walk them all again while a version is on the
-    wire, holding the GIL the connection threads need. Call once, after start-up."""
-    gc.collect()
-    gc.freeze()
+from weightsync.plan.interface import TransferBucket, TransferPlan
+from weightsync.transfer.delta import LastSent
+from weightsync.transfer.pack import Packer, packer_for
+from weightsync.transport.base import Filling, PeersFailed, Sender
+from weightsync.transport.checksum import as_views, bucket_checksum, checksum_of
 
 
 def send_buffers(sender: Sender, params, size: int, count: int) -> list:
@@ -112,38 +75,18 @@ class BufferRing:
         return data, self.inflight[self.current]
 
 
-def _runs(bucket) -> list[tuple[int, int, int]]:
-    """(offset in the version, length, offset in the bucket's bytes) of every run of the bucket."""
-    out, at = [], 0
-    for offset, length in bucket.spans:
-        out.append((offset, length, at))
-        at += length
-    return out
-
-
 @dataclass
 class SentVersion:
     version: int
-    bytes: int  # this rank's share of the version (each peer received it)
+    bytes: int  # this rank's share of the version (each bucket once, however many peers received it)
     seconds: float
-    checksums: dict = field(default_factory=dict)  # {offset: xxh3_64} of this rank's buckets
+    checksums: dict = field(default_factory=dict)  # {offset: xxh3_64} of this rank's buckets that every peer gets
     lost: dict = field(default_factory=dict)  # {peer: why} the peers it could not send to
     wire_bytes: int = 0  # what it put on the wire for all peers: whole ranges, patches, ranges re-sent whole
     patched_peers: int = 0  # peers that were sent patches (the others got every range whole)
     changed: int = 0  # elements that changed since the base, in the buckets sent as patches
     compared: int = 0  # elements compared there
-    receiver_checksums: dict = field(default_factory=dict)  # over slices: {peer: {offset: xxh3_64}}, per receiver
-
-
-@dataclass
-class ReceivedVersion:
-    version: int
-    bytes: int
-    seconds: float
-    checksums: dict
-    digest: str
-    patched: int = 0  # buckets that came as patches and were applied
-    refused: list = field(default_factory=list)  # why other patches were not (those buckets came again, whole)
+    receiver_checksums: dict = field(default_factory=dict)  # over slices: {peer: {offset: xxh3_64}} of each peer's own
 
 
 def end_version(sender: Sender, version: int, lose_peers: bool) -> dict[int, str]:
@@ -158,30 +101,34 @@ def end_version(sender: Sender, version: int, lose_peers: bool) -> dict[int, str
     return {}
 
 
+
 class VersionSender:
-    """Sends this trainer rank's share of each version to every inference rank.
+    """Sends this trainer rank's share of each version to the inference ranks.
 
     `params` passed to send() are the model's tensors in the plan's layout order (what
     FlatLayout.from_named_tensors was given), in any dtype and on any device: they are cast to
-    the layout's dtype on the way; with `starts` they are this rank's shards (FSDP2: each its
+    the layout's dtype on the way. With `starts` they are this rank's shards (FSDP2: each its
     local rows, beginning at element starts[i] of its tensor), and the plan gives this rank only
-    bytes it holds (shards.plan_by_holder). Send buffers: `depth` buffers of bucket_bytes, allocated on the
-    first version that needs a cast, then reused; buffer_bytes says how much that is. The cast
-    of host tensors runs on `cast_threads` intra-op threads (one thread casting cache-sized
-    chunks leaves the other cores to the connections, which run at the same time).
+    bytes it holds (holders.plan_by_holder); over slices the plan itself says which rows the rank
+    holds. Send buffers: `depth` buffers of the plan's largest bucket, allocated on the first
+    version that needs them, then reused; buffer_bytes says how much that is. The cast of host
+    tensors runs on `cast_threads` intra-op threads (one thread casting cache-sized chunks leaves
+    the other cores to the connections, which run at the same time).
 
-    With `delta`, the rank keeps its share of the last version it sent (LastSent: kept_bytes, one
-    share of a version in the layout's dtype) and every bucket goes through a send buffer, also
-    without a cast, to be compared with it and kept; chunks are encoded on `delta_threads`
-    threads, the first beside the cast of the next chunk."""
+    With `delta` (whole versions only), the rank keeps its share of the last version it sent
+    (LastSent: kept_bytes, one share of a version in the layout's dtype) and every bucket goes
+    through a send buffer, also without a cast, to be compared with it and kept; chunks are
+    encoded on `delta_threads` threads, the first beside the cast of the next chunk."""
 
-    def __init__(self, sender: Sender, plan: Plan, trainer_rank: int, bucket_bytes: int | None = None,
+    def __init__(self, sender: Sender, plan: TransferPlan, trainer_rank: int, bucket_bytes: int | None = None,
                  depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2,
-                 starts: list[int] | None = None, tamper: Callable[[int, memoryview], None] | None = None):
+                 starts: Sequence[int] | None = None, tamper: Callable[[int, memoryview], None] | None = None):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         if delta and not (sender.capabilities.patches and sender.capabilities.buffer_device == "cpu"):
             raise ValueError(f"the {type(sender).__name__} transport carries no patches: delta versions need tcp")
+        if delta and plan.sliced:
+            raise ValueError("delta versions are not sent over slices")
         self.sender, self.plan, self.rank, self.depth = sender, plan, trainer_rank, depth
         self.starts = starts  # shards: the element of its tensor each param begins at (flat.check_sources)
         self.buckets = plan.buckets_of(trainer_rank)
@@ -197,6 +144,7 @@ class VersionSender:
         self.tamper = tamper
         self.version: int | None = None  # being sent
         self.cast_stream = None  # GPU send buffers: the stream their cast runs on
+
     @property
     def kept_bytes(self) -> int:
         """Host memory holding the last version sent (delta versions), in bytes."""
@@ -208,12 +156,79 @@ class VersionSender:
 
     def _buffers(self, params) -> list:
         if self.buffers is None:
-            size = min(self.bucket_bytes, max(b.length for b in self.buckets))
+            size = max(b.length for b in self.buckets)
             self.buffers = send_buffers(self.sender, params, size, min(self.depth, len(self.buckets)))
         return self.buffers
 
-    def _fill(self, layout, params, bucket, data, filling: Filling, each=None) -> None:
-        """Cast the bucket into `data` and give `filling` its checksum; host buffers in
+    def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,
+             after_bucket: Callable[[int], None] | None = None, bases: dict[int, int | None] | None = None) -> SentVersion:
+        """Send this rank's share of `version` to `peers` (every inference rank by default): each
+        bucket to every one of them, or over slices to its receiver where that is one of them.
+        With lose_peers a peer that fails (its process died) is named in SentVersion.lost and
+        the others get all of it; without, PeersFailed is raised. after_bucket(k) runs once the
+        k-th bucket sent is handed to the transport. With delta versions, `bases` ({inference
+        rank: the version it holds, or None}) names the peers that may get patches; without,
+        every bucket goes whole."""
+        packer = packer_for(self.plan, self.rank, params, self.starts)
+        start = time.monotonic()
+        self.version = version
+        peers = self.peers if peers is None else list(peers)
+        if self.last is not None and self.buckets:
+            return self._send_keeping(version, packer, params, peers, lose_peers, after_bucket, bases or {}, start)
+        # each bucket with the peers it goes to: all of them, or over slices its receiver if wanted
+        todo = [(b, to) for b in self.buckets
+                if (to := peers if b.receiver is None else [b.receiver] if b.receiver in peers else [])]
+        if not todo:  # no receiver expects a word from this rank
+            if self.last is not None:
+                self.last.version = version  # it keeps nothing: every version is as good a base
+            return SentVersion(version, 0, 0.0, {})
+        in_place = self.sender.capabilities.in_place and packer.in_place
+        ring = None if in_place else BufferRing(self._buffers(params))
+        fillings: list[Filling] = []
+        for k, (b, to) in enumerate(todo):
+            filling = Filling(b.length)
+            fillings.append(filling)
+            if in_place:
+                self._send_in_place(version, packer, b, to, k, filling)
+            else:
+                data, inflight = ring.take(b.length)
+                inflight.extend(self.sender.send(p, version, b.offset, data, filling) for p in to)
+                try:
+                    self._fill(packer, b, data, filling)
+                except BaseException as e:
+                    filling.fail(e)
+                    raise
+            if after_bucket is not None:
+                after_bucket(k)
+        lost = end_version(self.sender, version, lose_peers)
+        sums: dict[int, int] = {}
+        own: dict[int, dict[int, int]] = {}  # over slices: each receiver's buckets
+        for (b, to), filling in zip(todo, fillings):
+            if b.receiver is None:
+                sums[b.offset] = filling.result()
+            elif b.receiver not in lost:
+                own.setdefault(b.receiver, {})[b.offset] = filling.result()
+        return SentVersion(version, sum(b.length for b, _ in todo), time.monotonic() - start, sums, lost,
+                           wire_bytes=sum(b.length * len(to) for b, to in todo), receiver_checksums=own)
+
+    def _send_in_place(self, version: int, packer: Packer, bucket: TransferBucket, peers: list[int], k: int,
+                       filling: Filling) -> None:
+        """Send a bucket straight from the parameters: one peer's connection hashes the bytes as
+        it sends them (while they are in cache; the peers take turns by bucket); the others send
+        them at once and take that checksum when it is there."""
+        data = packer.views(bucket)
+        hasher = peers[k % len(peers)]
+        hashed = self.sender.send(hasher, version, bucket.offset, data)
+        # a hasher that failed (its peer went away) leaves the checksum to this side
+        hashed.add_done_callback(lambda f: filling.finish(
+            f.result() if f.exception() is None else checksum_of(as_views(data))))
+        filling.advance(bucket.length)
+        for p in peers:
+            if p != hasher:
+                self.sender.send(p, version, bucket.offset, data, filling)
+
+    def _fill(self, packer: Packer, bucket: TransferBucket, data, filling: Filling, each=None) -> None:
+        """Pack the bucket into `data` and give `filling` its checksum; host buffers in
         cache-sized chunks, each hashed while it is still in cache and handed to the
         transport at once, then to each(start, end) when given."""
         import torch
@@ -225,8 +240,7 @@ class VersionSender:
             stream = self._stream(data.device)
             stream.wait_stream(torch.cuda.current_stream(data.device))
             with torch.cuda.stream(stream):
-                for offset, length, at in _runs(bucket):
-                    flat.fill_range(layout, params, offset, offset + length, data[at:at + length], self.starts)
+                packer.fill(bucket, data)
                 checksum = bucket_checksum(data)
             if self.tamper is not None:
                 first = data[:1].cpu()
@@ -239,22 +253,15 @@ class VersionSender:
         try:
             h = xxhash.xxh3_64()
             view = memoryview(data.numpy())
-            runs, r = _runs(bucket), 0
-            for a in range(0, bucket.length, CHUNK):  # chunks of the bucket's bytes (delta's unit)
-                b = min(a + CHUNK, bucket.length)
-                while r < len(runs) and runs[r][2] < b:  # the runs this chunk overlaps
-                    offset, length, at = runs[r]
-                    lo, hi = max(a, at), min(b, at + length)
-                    flat.fill_range(layout, params, offset + lo - at, offset + hi - at, data[lo:hi], self.starts)
-                    if at + length > b:
-                        break
-                    r += 1
+            a = 0
+            for b in packer.steps(bucket, data):
                 h.update(view[a:b])
                 if self.tamper is not None:
                     self.tamper(self.version, view[a:b])
                 filling.advance(b)
                 if each is not None:
                     each(a, b)
+                a = b
             filling.finish(h.intdigest())
         finally:
             torch.set_num_threads(threads)
@@ -267,71 +274,13 @@ class VersionSender:
             self.cast_stream = torch.cuda.Stream(device)
         return self.cast_stream
 
-    def send(self, version: int, params, peers: list[int] | None = None, lose_peers: bool = False,
-             after_bucket: Callable[[int], None] | None = None, bases: dict[int, int | None] | None = None) -> SentVersion:
-        """Send this rank's share of `version` to `peers` (every inference rank by default).
-        With lose_peers a peer that fails (its process died) is named in SentVersion.lost and
-        the others get all of it; without, PeersFailed is raised. after_bucket(k) runs once the
-        k-th bucket is handed to the transport. With delta versions, `bases` ({inference rank:
-        the version it holds, or None}) names the peers that may get patches."""
-        layout = self.plan.layout
-        flat.check_sources(layout, params, self.starts)
-        start = time.monotonic()
-        self.version = version
-        peers = self.peers if peers is None else list(peers)
-        if self.last is not None and self.buckets:
-            return self._send_keeping(version, params, peers, lose_peers, after_bucket, bases or {}, start)
-        if not self.buckets or not peers:
-            if self.last is not None:
-                self.last.version = version  # it keeps nothing: every version is as good a base
-            return SentVersion(version, 0, 0.0, {})
-        in_place = self.sender.capabilities.in_place and flat.can_send_in_place(layout, params)
-        ring = None if in_place else BufferRing(self._buffers(params))
-        fillings: dict[int, Filling] = {}
-        for k, b in enumerate(self.buckets):
-            filling = fillings[b.offset] = Filling(b.length)
-            if in_place:
-                # one peer's connection hashes the bytes as it sends them (while they are in
-                # cache; the peers take turns by bucket); the others send them at once and take
-                # that checksum when it is there
-                data = [v for offset, length in b.spans
-                        for v in flat.range_views(layout, params, offset, offset + length, self.starts)]
-                hasher = peers[k % len(peers)]
-                hashed = self.sender.send(hasher, version, b.offset, data)
-                # a hasher that failed (its peer went away) leaves the checksum to this side
-                hashed.add_done_callback(lambda f, fl=filling, d=data: fl.finish(
-                    f.result() if f.exception() is None else checksum_of(as_views(d))))
-                filling.advance(b.length)
-                for p in peers:
-                    if p != hasher:
-                        self.sender.send(p, version, b.offset, data, filling)
-                if after_bucket is not None:
-                    after_bucket(k)
-                continue
-            data, inflight = ring.take(b.length)
-            inflight.extend(self.sender.send(p, version, b.offset, data, filling) for p in peers)
-            try:
-                self._fill(layout, params, b, data, filling)
-            except BaseException as e:
-                filling.fail(e)
-                raise
-            if after_bucket is not None:
-                after_bucket(k)
-        lost = self._end(version, lose_peers)
-        sums = {offset: filling.result() for offset, filling in fillings.items()}
-        total = sum(b.length for b in self.buckets)
-        return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=total * len(peers))
-
-    def _end(self, version: int, lose_peers: bool) -> dict[int, str]:
-        return end_version(self.sender, version, lose_peers)
-
-    def _send_keeping(self, version: int, params, peers: list[int], lose_peers: bool,
+    def _send_keeping(self, version: int, packer: Packer, params, peers: list[int], lose_peers: bool,
                       after_bucket: Callable[[int], None] | None, bases: dict, start: float) -> SentVersion:
         """send() with delta versions on. Peers whose base is the version kept get each bucket as
         a patch, unless its first chunk shows that too much changed (then whole, streamed right
         behind the cast like to the other peers); every bucket is kept for the next version, also
         when there is no peer to send it to."""
-        layout, last = self.plan.layout, self.last
+        last = self.last
         base = last.version
         patched = [p for p in peers if base is not None and bases.get(p) == base]
         whole = [p for p in peers if p not in patched]
@@ -353,7 +302,7 @@ class VersionSender:
                     futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in patched)
 
             try:
-                self._fill(layout, params, b, data, filling, keep)
+                self._fill(packer, b, data, filling, keep)
             except BaseException as e:
                 filling.fail(e)
                 raise
@@ -373,46 +322,9 @@ class VersionSender:
                 changed, compared = changed + encoder.changed, compared + encoder.compared
             if after_bucket is not None:
                 after_bucket(k)
-        lost = self._end(version, lose_peers)
+        lost = end_version(self.sender, version, lose_peers)
         last.version = version  # every bucket was kept, whoever received it
         sums = {offset: filling.result() for offset, filling in fillings.items()}
         total = sum(b.length for b in self.buckets)
         return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=wire + sum(resent),
                            patched_peers=len(patched), changed=changed, compared=compared)
-
-
-class VersionReceiver:
-    """Receives versions on one inference rank into a staging buffer (a 1-d uint8 tensor of at
-    least plan.bytes_for(rank): the whole version, or over slices this rank's local layout;
-    registered once with the transport by the caller or on first use), verifying every bucket.
-    `plan` is a plan.Plan or a slicepath.SlicedPlan. A version may come as patches against
-    `base`, (the version this rank holds, its buffer), which is only read."""
-
-    def __init__(self, receiver: Receiver, plan, inference_rank: int):
-        self.receiver, self.plan, self.rank = receiver, plan, inference_rank
-        self.expected = plan.expected_for(inference_rank)
-        self.scatter = plan.scatter_for(inference_rank)
-        self.nbytes = plan.bytes_for(inference_rank)
-        self.registered: set[int] = set()
-        receiver.expect_trainers(plan.trainers)
-
-    def receive(self, version: int, staging, timeout: float, base: tuple[int, object] | None = None) -> ReceivedVersion:
-        if staging.numel() * staging.element_size() < self.nbytes:
-            raise ValueError(f"the staging buffer holds {staging.numel() * staging.element_size()} bytes, "
-                             f"a version needs {self.nbytes}")
-        if staging.data_ptr() not in self.registered:
-            self.receiver.register([staging])
-            self.registered.add(staging.data_ptr())
-        patcher = None
-        if self.receiver.capabilities.patches:
-            if base is not None and base[1].data_ptr() == staging.data_ptr():
-                raise ValueError("the base of a delta version must be another buffer than the staging buffer")
-            patcher = Patcher(base[0], base[1], staging, self.scatter) if base is not None else Patcher(None)
-        start = time.monotonic()
-        sums = self.receiver.receive(version, staging, self.expected, timeout, patcher, self.scatter)
-        want = {o for ranges in self.expected.values() for o, _ in ranges}
-        if set(sums) != want:
-            missing = sorted(want - set(sums))
-            raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
-        return ReceivedVersion(version, self.nbytes, time.monotonic() - start, sums, version_digest(sums),
-                               patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [])

@@ -37,7 +37,7 @@ from weightsync.model.build import meta_layout
 from weightsync.runtime.faults import dump, dumping
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
-from weightsync.transfer.send import ReceivedVersion, VersionReceiver, settle_heap
+from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
 

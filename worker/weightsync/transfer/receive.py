@@ -1,0 +1,115 @@
+"""Receiving one weight version and verifying it: the inference side of a transfer.
+
+The inference roles, the vLLM backend and `weightsync bench` all use exactly this code. An
+inference rank receives every trainer's buckets straight into its staging buffer (the whole
+version, or over slices its own local layout), each bucket checked against the xxh3_64 checksum
+its sender computed while producing it, and gets back the version's digest. The controller makes
+the reference that digest is checked against from what the trainers report (reference_digests),
+so a version is only taken when every byte of it is the trainers'.
+
+With delta versions on (delta.py), a bucket may come as a patch against the version this rank
+holds; the receiver applies it into the staging buffer, reading the base only. The checksums,
+and so the digest, are of the new bytes either way: a patched version is verified exactly like a
+whole one.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+
+from weightsync.plan.interface import TransferPlan
+from weightsync.transfer.delta import Patcher
+from weightsync.transport.base import Receiver, TransferError
+
+
+def version_digest(checksums: dict[int, int]) -> str:
+    """The digest of a whole version from its per-bucket checksums ({offset: xxh3_64}); the
+    controller computes it from what the trainers report, every inference rank from what it
+    received, and the two must be equal."""
+    h = hashlib.sha256()
+    for offset in sorted(checksums):
+        h.update(struct.pack("<QQ", offset, checksums[offset]))
+    return h.hexdigest()
+
+
+def reference_digests(plan: TransferPlan, sent: list, receivers) -> str:
+    """What the controller publishes as a round's reference, from the trainers' reports of what
+    they sent (each with checksums {offset: xxh3_64}, or over slices receiver_checksums {receiver:
+    {offset: xxh3_64}}, as SentVersion has them): the version's digest, or over slices a JSON
+    object of every receiver's own digest."""
+    if not plan.sliced:
+        return version_digest({o: c for s in sent for o, c in s.checksums.items()})
+    digests = {}
+    for r in receivers:
+        sums = {o: c for s in sent for o, c in s.receiver_checksums.get(r, {}).items()}
+        digests[str(r)] = version_digest(sums)
+    return json.dumps(digests, sort_keys=True)
+
+
+def reference_for(reference: str, receiver: int) -> str | None:
+    """Inference rank `receiver`'s digest in what reference_digests() made (None: not in the round)."""
+    if not reference.startswith("{"):
+        return reference
+    return json.loads(reference).get(str(receiver))
+
+
+def settle_heap() -> None:
+    """Put every object made so far (the libraries, the model) out of the garbage collector's
+    reach: a full collection would otherwise walk them all again while a version is on the
+    wire, holding the GIL the connection threads need. Every rank process (trainers too) calls
+    it once, after start-up."""
+    gc.collect()
+    gc.freeze()
+
+
+@dataclass
+class ReceivedVersion:
+    version: int
+    bytes: int
+    seconds: float
+    checksums: dict
+    digest: str
+    patched: int = 0  # buckets that came as patches and were applied
+    refused: list = field(default_factory=list)  # why other patches were not (those buckets came again, whole)
+
+
+class VersionReceiver:
+    """Receives versions on one inference rank into a staging buffer (a 1-d uint8 tensor of at
+    least plan.bytes_for(rank): the whole version, or over slices this rank's local layout;
+    registered once with the transport by the caller or on first use), verifying every bucket.
+    A version may come as patches against `base`, (the version this rank holds, its buffer),
+    which is only read."""
+
+    def __init__(self, receiver: Receiver, plan: TransferPlan, inference_rank: int):
+        self.receiver, self.plan, self.rank = receiver, plan, inference_rank
+        self.expected = plan.expected_for(inference_rank)
+        self.scatter = plan.scatter_for(inference_rank)
+        self.nbytes = plan.bytes_for(inference_rank)
+        self.registered: set[int] = set()
+        receiver.expect_trainers(plan.trainers)
+
+    def receive(self, version: int, staging, timeout: float, base: tuple[int, object] | None = None) -> ReceivedVersion:
+        if staging.numel() * staging.element_size() < self.nbytes:
+            raise ValueError(f"the staging buffer holds {staging.numel() * staging.element_size()} bytes, "
+                             f"a version needs {self.nbytes}")
+        if staging.data_ptr() not in self.registered:
+            self.receiver.register([staging])
+            self.registered.add(staging.data_ptr())
+        patcher = None
+        if self.receiver.capabilities.patches:
+            if base is not None and base[1].data_ptr() == staging.data_ptr():
+                raise ValueError("the base of a delta version must be another buffer than the staging buffer")
+            patcher = Patcher(base[0], base[1], staging, self.scatter) if base is not None else Patcher(None)
+        start = time.monotonic()
+        sums = self.receiver.receive(version, staging, self.expected, timeout, patcher, self.scatter)
+        want = {o for ranges in self.expected.values() for o, _ in ranges}
+        if set(sums) != want:
+            missing = sorted(want - set(sums))
+            raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
+        return ReceivedVersion(version, self.nbytes, time.monotonic() - start, sums, version_digest(sums),
+                               patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [])
