@@ -30,6 +30,8 @@ CONFIG = {"model_type": "qwen2", "vocab_size": 101, "hidden_size": 48, "intermed
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
 RUN_TIMEOUT = 300
 
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
 
 def command_job(name, command, args=(), trainers=(1, 1), inferences=(1, 1), dtype="bfloat16", **trainer):
     return contract.load_job({
@@ -132,8 +134,6 @@ import json, sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 import weightsync
-
-pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(sys.argv[1])))
 sync = weightsync.attach(model)
