@@ -116,7 +116,7 @@ def test_chart_and_package_versions_agree():
     # `make images` tags both images with the package version; the operator's default worker
     # image and the chart's operator image (its appVersion) are those tags.
     from weightsync_operator.render import FALLBACK_WORKER_IMAGE
-    assert FALLBACK_WORKER_IMAGE == f"ghcr.io/weightsync/worker:{version}"
+    assert f"ghcr.io/weightsync/worker:{version}" == FALLBACK_WORKER_IMAGE
 
 
 def test_make_images_builds_both_dockerfiles_with_the_engine_it_is_given():

@@ -182,8 +182,8 @@ class ControlPlane:
     components outlive the process that started them (the command line's `up`); otherwise they
     die with it."""
 
-    def __init__(self, dir: str | os.PathLike, binaries: dict[str, Path] | None = None, detached: bool = False):
-        self.dir = Path(dir).resolve()
+    def __init__(self, directory: str | os.PathLike, binaries: dict[str, Path] | None = None, detached: bool = False):
+        self.dir = Path(directory).resolve()
         self._sources = binaries
         self.detached = detached
         self.binaries = self.dir / "bin"  # links to every binary, helm included
@@ -208,7 +208,7 @@ class ControlPlane:
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,  # noqa: A002 - a keyword callers pass, as to subprocess.run
                 timeout: float = 120) -> subprocess.CompletedProcess:
         """Runs the real kubectl against this cluster; with check, a failure raises with its stderr."""
         proc = subprocess.run(
@@ -428,8 +428,7 @@ class ControlPlane:
         self.timings["controllers"] = time.monotonic() - t
 
     def _run(self, name: str, args: list[str]) -> None:
-        log = open(self.dir / "logs" / f"{name}.log", "ab")
-        with log:
+        with open(self.dir / "logs" / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
                 [str(self.binaries / name), *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=self.dir, start_new_session=True, preexec_fn=None if self.detached else die_with_parent,

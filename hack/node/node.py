@@ -155,11 +155,11 @@ state = "{self.state}"
 class RealNode:
     """The node NODE_NAME, joined to `cluster`; its state, logs and pid files in `dir`."""
 
-    def __init__(self, cluster: ControlPlane, dir: Path, binaries: dict[str, Path] | None = None,
+    def __init__(self, cluster: ControlPlane, directory: Path, binaries: dict[str, Path] | None = None,
                  images: images_mod.Images | None = None, cache: Path = images_mod.NODE_CACHE,
                  detached: bool = False):
         self.cluster = cluster
-        self.dir = Path(dir).resolve()
+        self.dir = Path(directory).resolve()
         self.binaries = binaries
         self.images = images or images_mod.Images.default()
         self.cache = cache
@@ -220,7 +220,7 @@ class RealNode:
         return self
 
     def _take_lock(self) -> None:
-        self._lock = open(LOCK, "w")
+        self._lock = open(LOCK, "w")  # noqa: SIM115 - held open while the node runs: it is the lock
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -355,7 +355,7 @@ class RealNode:
         def step(what, fn, *args):
             try:
                 fn(*args)
-            except Exception as e:  # keep going: everything else must still be undone
+            except Exception as e:  # noqa: BLE001 - keep going: everything else must still be undone
                 errors.append(f"{what}: {e}")
 
         cordoned = self.dir / "cordoned.json"

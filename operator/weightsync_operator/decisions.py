@@ -59,7 +59,8 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
     derived = tokens.derive(key, obj["metadata"]["uid"])
     done = recorded(obj)
     if done is not None:
-        token = next((t for t in (stored, derived) if t and tokens.fingerprint(t) == done[contract.ANNOTATION_TOKEN_SHA256]), None)
+        token = next((t for t in (stored, derived)
+                      if t and tokens.fingerprint(t) == done[contract.ANNOTATION_TOKEN_SHA256]), None)
         if token is None:
             raise TokenLost(
                 f"Secret {job.secret_name} was deleted or changed and the job's token cannot be restored (the "

@@ -79,7 +79,8 @@ class Kube:
                 refusal = json.loads(data)
             except ValueError:
                 refusal = {}
-            raise ApiError(status, refusal.get("reason") or "Error", refusal.get("message") or data.decode(errors="replace")[:500],
+            raise ApiError(status, refusal.get("reason") or "Error",
+                           refusal.get("message") or data.decode(errors="replace")[:500],
                            f"{method} {resource_path}", (refusal.get("details") or {}).get("causes"))
         return json.loads(data) if data else None
 

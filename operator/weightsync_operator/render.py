@@ -299,7 +299,8 @@ def ports(job: Job, role: str, health: bool = True) -> list[dict]:
     if role == CONTROLLER:
         return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, *health]
     if role == contract.INFERENCE:
-        server = [{"name": VLLM_PORT_NAME, "containerPort": job.inference.vllm.port, "protocol": "TCP"}] if job.inference.runs_vllm else []
+        server = ([{"name": VLLM_PORT_NAME, "containerPort": job.inference.vllm.port, "protocol": "TCP"}]
+                  if job.inference.runs_vllm else [])
         return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
                   for i in range(job.layout.procs_per_pod(role))), *server, *health]
     if job.trainer.command:

@@ -88,7 +88,7 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
         events = status.events(current, {**current, **patch})
         # Not into a namespace being deleted: no Event can be created there.
         if events and not kube.namespace_terminating(namespace):
-            for type, reason, message in events:
-                kopf.event(job, type=type, reason=reason, message=message)
+            for kind, reason, message in events:
+                kopf.event(job, type=kind, reason=reason, message=message)
         return {**current, **patch}
     raise kopf.TemporaryError(f"the status of {namespace}/{name} kept changing while it was being written", delay=1)

@@ -22,7 +22,8 @@ class Helm:
         self.env = {**cluster.env, "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
                     "HELM_DATA_HOME": str(home / "data")}
 
-    def __call__(self, *args: str, check: bool = True, input: str | None = None, timeout: float = 180):
+    def __call__(self, *args: str, check: bool = True, input: str | None = None,  # noqa: A002 - as subprocess.run's
+                 timeout: float = 180):
         proc = subprocess.run([str(self.cluster.binaries / "helm"), f"--kubeconfig={self.cluster.kubeconfig}", *args],
                               capture_output=True, text=True, env=self.env, input=input, timeout=timeout)
         if check and proc.returncode != 0:

@@ -58,8 +58,10 @@ def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster):
         bindings = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["kind"] == "ClusterRole"]
         assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)
         (binding,) = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
-        (cluster_wide,) = [o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == binding["roleRef"]["name"]]
-        assert {r for rule in cluster_wide["rules"] for r in rule["resources"]} == {"nodes", "customresourcedefinitions", "namespaces"}
+        (cluster_wide,) = [o for o in objects
+                           if o["kind"] == "ClusterRole" and o["metadata"]["name"] == binding["roleRef"]["name"]]
+        assert ({r for rule in cluster_wide["rules"] for r in rule["resources"]}
+                == {"nodes", "customresourcedefinitions", "namespaces"})
         assert {v for rule in cluster_wide["rules"] for v in rule["verbs"]} <= {"get", "list", "watch"}
         proc = cluster.kubectl("apply", "--dry-run=server", "-f", "-", "-o", "name", input=rendered)
         assert len(proc.stdout.split()) == len(objects), proc.stdout

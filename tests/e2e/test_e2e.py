@@ -221,7 +221,8 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
 
         try:
             wait_for(f"{name} to deliver version 1",
-                     lambda: ((get_job(cluster, namespace, name).get("status") or {}).get("transfer") or {}).get("version", -1) >= 1,
+                     lambda: (((get_job(cluster, namespace, name).get("status") or {}).get("transfer") or {})
+                              .get("version", -1) >= 1),
                      300, interval=1, failed=progress)
             first_uid = job_pods(cluster, namespace, name)[victim]["metadata"]["uid"]
             cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")

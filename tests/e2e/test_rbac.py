@@ -58,12 +58,13 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
             for request in (("watch", JOBS), ("patch", JOBS), ("patch", JOBS, "--subresource=status"),
                             ("create", "statefulsets.apps"), ("patch", "statefulsets.apps"), ("list", "pods"),
                             ("create", "secrets"), ("get", "secrets"), ("watch", "secrets"),
-                            ("create", "roles.rbac.authorization.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
-                            ("create", "events")):
+                            ("create", "roles.rbac.authorization.k8s.io"),
+                            ("create", "rolebindings.rbac.authorization.k8s.io"), ("create", "events")):
                 assert can(cluster, sa, *request, "-n", ns) == (ns == watched), (request, ns)
             # ...and what it never does, anywhere.
             for request in (("delete", "secrets"), ("delete", JOBS), ("create", JOBS), ("create", "pods"),
-                            ("delete", "statefulsets.apps"), ("create", "deployments.apps"), ("create", "serviceaccounts", "--subresource=token"),
+                            ("delete", "statefulsets.apps"), ("create", "deployments.apps"),
+                            ("create", "serviceaccounts", "--subresource=token"),
                             ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
                             ("bind", "clusterroles.rbac.authorization.k8s.io"), ("impersonate", "serviceaccounts"), ("*", "*")):
                 assert not can(cluster, sa, *request, "-n", ns), (request, ns)
@@ -71,7 +72,8 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         assert can(cluster, sa, "list", "nodes") and can(cluster, sa, "watch", "customresourcedefinitions.apiextensions.k8s.io")
         for request in (("list", "secrets", "-A"), ("list", JOBS, "-A"), ("list", "pods", "-A"), ("patch", "nodes"),
                         ("create", "customresourcedefinitions.apiextensions.k8s.io"),
-                        ("create", "clusterroles.rbac.authorization.k8s.io"), ("create", "clusterrolebindings.rbac.authorization.k8s.io")):
+                        ("create", "clusterroles.rbac.authorization.k8s.io"),
+                        ("create", "clusterrolebindings.rbac.authorization.k8s.io")):
             assert not can(cluster, sa, *request), request
         assert can(cluster, sa, "get", f"secret/{fullname}-token-key", "-n", release_ns)
         assert not can(cluster, sa, "get", "secrets", "-n", release_ns)
@@ -79,7 +81,7 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         # Real attempts with its own token.
         token = cluster.kubectl("create", "token", fullname, "-n", release_ns).stdout.strip()
 
-        def as_operator(*args, input=None):
+        def as_operator(*args, input=None):  # noqa: A002 - as kubectl's
             return cluster.kubectl("--token", token, *args, input=input, check=False)
 
         assert refused(as_operator("get", "secrets", "-n", "kube-system"), "forbidden")
@@ -98,7 +100,8 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         assert refused(as_operator("create", "-f", "-", input=json.dumps(role)), "ValidatingAdmissionPolicy",
                        "creates only a job's own Role")
         # A job's Role, as the operator makes it, bound to anyone but the job's own account.
-        role["rules"] = [{"apiGroups": [contract.GROUP], "resources": [contract.PLURAL], "resourceNames": ["x"], "verbs": ["get"]}]
+        role["rules"] = [{"apiGroups": [contract.GROUP], "resources": [contract.PLURAL], "resourceNames": ["x"],
+                          "verbs": ["get"]}]
         cluster.kubectl("create", "-f", "-", input=json.dumps(role))
         binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                    "metadata": {"name": "x-controller", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}},

@@ -33,7 +33,8 @@ INVALID = [
     ({"trainer": {"replicas": 0}}, "demo", "spec.trainer.replicas in body should be greater than or equal to 1"),
     ({"inference": {"replicas": 0}}, "demo", "spec.inference.replicas in body should be greater than or equal to 1"),
     ({"trainer": {"procsPerPod": 17}}, "demo", "spec.trainer.procsPerPod in body should be less than or equal to 16"),
-    ({"network": {"mode": "infiniband"}}, "demo", 'spec.network.mode: Unsupported value: "infiniband": supported values: "auto", "rdma", "tcp"'),
+    ({"network": {"mode": "infiniband"}}, "demo",
+     'spec.network.mode: Unsupported value: "infiniband": supported values: "auto", "rdma", "tcp"'),
     ({"network": {"rdma": {"gidIndex": 300}}}, "demo", "spec.network.rdma.gidIndex in body should be less than or equal to 255"),
     ({}, "j" * 43, "metadata.name must be at most 42 characters"),
     ({}, "demo.v2", "metadata.name must start with a lowercase letter"),
@@ -118,7 +119,8 @@ def test_tcp_job_children(ns):
     assert status["network"] == {"mode": "tcp", "reason": "spec.network.mode is tcp"}
     assert {r: v["summary"] for r, v in status["replicas"].items()} == {"controller": "1/1", "trainer": "2/2", "inference": "1/1"}
     pods = wait_running_pods(ns, "tcp", 4)
-    assert sorted(p["metadata"]["name"] for p in pods) == ["tcp-controller-0", "tcp-inference-3", "tcp-trainer-1", "tcp-trainer-2"]
+    assert sorted(p["metadata"]["name"] for p in pods) == ["tcp-controller-0", "tcp-inference-3",
+                                                           "tcp-trainer-1", "tcp-trainer-2"]
     gpu_nodes = {"gpu-0", "gpu-1"} | RDMA_NODES
     for p in pods:
         if p["metadata"]["labels"][contract.LABEL_ROLE] != contract.CONTROLLER:
@@ -225,7 +227,8 @@ def test_drifted_children_are_put_back(ns):
     wait_for("StatefulSet put back", lambda: ns.get("statefulset", "drift-trainer")["spec"]["replicas"] == 2)
     ns.kubectl("delete", "configmap", "drift-spec")
     wait_for("ConfigMap put back", lambda: ns.get("configmap", "drift-spec"))
-    repaired = wait_for("ChildrenCreated Repaired", lambda: (c := ns.condition("drift", "ChildrenCreated")).get("reason") == "Repaired" and c)
+    repaired = wait_for("ChildrenCreated Repaired",
+                        lambda: (c := ns.condition("drift", "ChildrenCreated")).get("reason") == "Repaired" and c)
     assert repaired["status"] == "True" and "ConfigMap drift-spec (it had been deleted)" in repaired["message"]
     assert ns.status("drift")["phase"] == "Running"
 
@@ -262,10 +265,11 @@ def test_completion_scales_to_zero_and_succeeds(cluster, ns):
 def test_topology_is_immutable(ns):
     ns.apply_job("fixed", SMALL)
     ns.wait_children("fixed")
+    topology = "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"
     refusals = [
-        ('{"spec":{"trainer":{"replicas":3}}}', "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"),
-        ('{"spec":{"inference":{"procsPerPod":2}}}', "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"),
-        ('{"spec":{"inference":{"tensorParallelSizes":[1]}}}', "trainer and inference replicas, procsPerPod and the tensor-parallel sizes are immutable"),
+        ('{"spec":{"trainer":{"replicas":3}}}', topology),
+        ('{"spec":{"inference":{"procsPerPod":2}}}', topology),
+        ('{"spec":{"inference":{"tensorParallelSizes":[1]}}}', topology),
         ('{"spec":{"model":{"dtype":"float32"}}}', "spec.model is immutable"),
         ('{"spec":{"network":{"mode":"tcp"}}}', "spec.network.mode is immutable"),
     ]
@@ -278,7 +282,8 @@ def test_an_impossible_request_ends_in_a_condition_and_an_event(operator, ns):
     # 16 GPUs per pod; the largest node has 8.
     ns.apply_job("huge", {"trainer": {"procsPerPod": 2, "gpusPerProc": 8}})
     ns.wait_children("huge")
-    ready = wait_for("Ready=False Unschedulable", lambda: (c := ns.condition("huge", "Ready")).get("reason") == "Unschedulable" and c)
+    ready = wait_for("Ready=False Unschedulable",
+                     lambda: (c := ns.condition("huge", "Ready")).get("reason") == "Unschedulable" and c)
     assert ready["status"] == "False" and "huge-trainer-1" in ready["message"] and "nvidia.com/gpu" in ready["message"]
     assert ns.wait_event("huge", "Unschedulable")["type"] == "Warning"
     assert ns.status("huge")["phase"] == "Pending"
@@ -287,7 +292,8 @@ def test_an_impossible_request_ends_in_a_condition_and_an_event(operator, ns):
 
 def test_a_missing_pull_secret_holds_the_pods_until_it_exists(ns):
     ns.apply_job("private", {"imagePullSecrets": [{"name": "regcred"}]})
-    cond = wait_for("ChildrenCreated=False", lambda: (c := ns.condition("private", "ChildrenCreated")).get("reason") == "ImagePullSecretMissing" and c)
+    cond = wait_for("ChildrenCreated=False",
+                    lambda: (c := ns.condition("private", "ChildrenCreated")).get("reason") == "ImagePullSecretMissing" and c)
     assert "regcred" in cond["message"] and cond["status"] == "False"
     assert ns.wait_event("private", "ImagePullSecretMissing")["type"] == "Warning"
     assert not [k for k in ns.children("private") if k.startswith("StatefulSet/")]

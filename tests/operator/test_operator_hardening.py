@@ -88,7 +88,8 @@ def test_the_controller_pod_cannot_change_what_the_operator_renders(ns):
         after = ns.get("statefulset", f"mine-{r}")
         assert after["spec"]["template"] == before[r]["spec"]["template"]
         (c,) = after["spec"]["template"]["spec"]["containers"]
-        assert "add" not in c["securityContext"]["capabilities"] and "rdma/rdma_shared_device_a" not in c.get("resources", {}).get("limits", {})
+        assert "add" not in c["securityContext"]["capabilities"]
+        assert "rdma/rdma_shared_device_a" not in c.get("resources", {}).get("limits", {})
 
 
 def test_a_running_job_is_never_rolled(operator, ns):

@@ -213,7 +213,8 @@ def test_rdma_pods():
         assert e["NCCL_IB_DISABLE"] == "0" and e["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" == e["UCCL_P2P_RDMA_DEV"]
         assert e["NCCL_IB_GID_INDEX"] == "5" and e["NCCL_IB_TC"] == "104" and e["NCCL_NET_GDR_LEVEL"] == "PHB"
         c = container(j, role, "rdma")
-        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "2" == c["resources"]["requests"]["rdma/rdma_shared_device_a"]
+        resources = c["resources"]
+        assert resources["limits"]["rdma/rdma_shared_device_a"] == "2" == resources["requests"]["rdma/rdma_shared_device_a"]
         # IPC_LOCK and root (which IPC_LOCK needs to lift the locked-memory limit), nothing more.
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                         "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
@@ -386,7 +387,8 @@ def test_restarts_and_rejoins_per_role():
     assert running["replicas"][INFERENCE] == {"ready": 1, "desired": 1, "summary": "1/1", "restarts": 1, "rejoins": 1}
     assert running["replicas"][CONTROLLER]["restarts"] == running["replicas"][CONTROLLER]["rejoins"] == 0
     # A pod deleted and created again starts counting from zero, as kubectl counts.
-    assert status.compute({**reported, **running}, LAYOUT, READY, [], pod_restarts={TRAINER: 3})["replicas"][TRAINER]["restarts"] == 3
+    again = status.compute({**reported, **running}, LAYOUT, READY, [], pod_restarts={TRAINER: 3})
+    assert again["replicas"][TRAINER]["restarts"] == 3
     # A finished job's pods are gone: its status keeps the counts it had.
     done = status.compute({**reported, **running, "completion": {"state": "Succeeded", "versions": 3}}, LAYOUT, {}, [],
                           pod_restarts={})
@@ -417,7 +419,8 @@ def test_the_status_schema_takes_what_the_controller_reports():
 def test_refusals_fail_the_job_and_stuck_pods_say_why():
     refused = status.compute({}, LAYOUT, {}, [], [status.condition(status.CHILDREN_CREATED, False, "ChildRefused", "bad")])
     assert refused["phase"] == "Failed"
-    stuck = status.compute({}, LAYOUT, {}, [("pod demo-trainer-2", "Unschedulable", "0/5 nodes"), ("pod demo-trainer-1", "Unschedulable", "0/5 nodes")], [CREATED])
+    stuck = status.compute({}, LAYOUT, {}, [("pod demo-trainer-2", "Unschedulable", "0/5 nodes"),
+                                            ("pod demo-trainer-1", "Unschedulable", "0/5 nodes")], [CREATED])
     ready = {c["type"]: c for c in stuck["conditions"]}[status.READY]
     assert stuck["phase"] == "Pending" and ready["reason"] == "Unschedulable"
     assert ready["message"] == "pod demo-trainer-1: 0/5 nodes (and 1 more)"
@@ -431,21 +434,25 @@ def test_pod_problems():
     assert status.pod_problem({"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                                "message": "0/5 nodes are available: 5 Insufficient nvidia.com/gpu."}]}) == (
         "Unschedulable", "0/5 nodes are available: 5 Insufficient nvidia.com/gpu.")
-    assert status.pod_problem({"containerStatuses": [{"name": "worker", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]})[0] == "ImagePullBackOff"
-    assert status.pod_problem({"containerStatuses": [{"name": "worker", "state": {"waiting": {"reason": "ContainerCreating"}}}]}) is None
+    def waiting(reason):
+        return {"containerStatuses": [{"name": "worker", "state": {"waiting": {"reason": reason}}}]}
+
+    assert status.pod_problem(waiting("ImagePullBackOff"))[0] == "ImagePullBackOff"
+    assert status.pod_problem(waiting("ContainerCreating")) is None
     assert status.pod_problem({"phase": "Running"}) is None
 
 
 # ------------------------------------------------------------------ create-or-compare
 
 def test_stored_objects_match_when_every_rendered_field_is_there():
-    desired = {"spec": {"replicas": 2, "hostNetwork": False, "volumes": [], "resources": {"limits": {"cpu": "0.5", "memory": "1Gi"}},
-                        "env": [{"name": "A", "value": "1"}]}}
+    desired = {"spec": {"replicas": 2, "hostNetwork": False, "volumes": [],
+                        "resources": {"limits": {"cpu": "0.5", "memory": "1Gi"}}, "env": [{"name": "A", "value": "1"}]}}
     stored = {"metadata": {"uid": "x"}, "spec": {"replicas": 2, "resources": {"limits": {"cpu": "500m", "memory": "1024Mi"}},
                                                  "env": [{"name": "A", "value": "1"}], "dnsPolicy": "ClusterFirst"}}
     assert matches(desired, stored)
     assert not matches(desired, {**stored, "spec": {**stored["spec"], "replicas": 0}})
-    assert not matches(desired, {**stored, "spec": {**stored["spec"], "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}})
+    assert not matches(desired, {**stored, "spec": {**stored["spec"],
+                                                    "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}})
     assert not matches({"spec": {"replicas": 0}}, {"spec": {}})
     assert not matches({"metadata": {"labels": {"a": "1"}}}, {"metadata": {}})
 
@@ -516,7 +523,8 @@ def test_a_namespace_being_deleted_is_told_apart_from_a_missing_permission():
 
 def test_pods_not_created_are_problems_only_while_their_statefulset_lacks_pods():
     event = {"reason": "FailedCreate", "involvedObject": {"kind": "StatefulSet", "name": "my-job-trainer"},
-             "message": 'create Pod my-job-trainer-1 in StatefulSet my-job-trainer failed error: pods "my-job-trainer-1" is forbidden'}
+             "message": 'create Pod my-job-trainer-1 in StatefulSet my-job-trainer failed error: '
+                        'pods "my-job-trainer-1" is forbidden'}
     assert children.statefulset_of_a_job(event) == ("my-job", TRAINER)
     assert children.statefulset_of_a_job({**event, "involvedObject": {"kind": "StatefulSet", "name": "other"}}) is None
     failed = {("ns", "my-job"): [("my-job-trainer", TRAINER, event["message"])]}

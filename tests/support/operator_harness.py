@@ -71,7 +71,7 @@ class Namespace:
     def __init__(self, cluster, name: str):
         self.cluster, self.name = cluster, name
 
-    def kubectl(self, *args, input=None, check=True):
+    def kubectl(self, *args, input=None, check=True):  # noqa: A002 - as the cluster's kubectl
         return self.cluster.kubectl("-n", self.name, *args, input=input, check=check)
 
     def get(self, kind: str, name: str | None = None, selector: str | None = None):
@@ -95,8 +95,8 @@ class Namespace:
     def status(self, name: str) -> dict:
         return (self.job(name) or {}).get("status") or {}
 
-    def condition(self, name: str, type: str) -> dict:
-        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type), {})
+    def condition(self, name: str, kind: str) -> dict:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == kind), {})
 
     def children(self, name: str) -> dict[str, dict]:
         """Every object labelled as the job's, by "Kind/name"."""

@@ -48,7 +48,8 @@ ROWS = [
     ("wrong-type-layers", dump(config(n_layer="four")), "run", ["spec.model.config.n_layer", "'four'", "positive integer"]),
     ("wrong-type-float", GOOD.replace("model_type: gpt2,", "model_type: gpt2, layer_norm_epsilon: '1e-5',"), "run",
      ["spec.model.config.layer_norm_epsilon", "expected float", "without quotes"]),
-    ("wrong-type-bool", dump(config(tie_word_embeddings="yes")), "plan", ["spec.model.config.tie_word_embeddings", "expected bool"]),
+    ("wrong-type-bool", dump(config(tie_word_embeddings="yes")), "plan",
+     ["spec.model.config.tie_word_embeddings", "expected bool"]),
     ("unknown-field", GOOD.replace("    steps: 80", "    stpes: 4"), "run",
      ["spec.training.stpes", "unknown field", "did you mean steps"]),
     ("unknown-field-deep", dump(example(**{"network.rdma": {"gidindex": 3}})), "plan",
@@ -60,7 +61,8 @@ ROWS = [
     ("negative-layers", dump(config(n_layer=-1)), "run", ["spec.model.config.n_layer", "-1", "positive integer", "layers"]),
     ("zero-vocab", dump(config(vocab_size=0)), "run", ["spec.model.config.vocab_size", "positive integer"]),
     ("width-not-divisible", dump(config(n_embd=250)), "run", ["spec.model.config.n_embd", "250", "not divisible by n_head 4"]),
-    ("unknown-model-type", dump(config(model_type="gpt3")), "plan", ["unknown model type 'gpt3'", "did you mean", "gpt2", "more"]),
+    ("unknown-model-type", dump(config(model_type="gpt3")), "plan",
+     ["unknown model type 'gpt3'", "did you mean", "gpt2", "more"]),
     ("missing-path", dump(example(**{"model.config": None, "model.path": "/nonexistent/model"})), "run",
      ["spec.model.path", "/nonexistent/model does not exist", "checkpoint directory"]),
     ("path-without-config", checkpoint_without_config, "run", ["spec.model.path", "no config.json"]),
@@ -76,9 +78,9 @@ def processes_marked(mark: str) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            if f"{MARK}={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(entry.name))
+            if (f"{MARK}={mark}".encode() in (entry / "environ").read_bytes().split(b"\0")
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                found.append(int(entry.name))
         except OSError:
             continue
     return found

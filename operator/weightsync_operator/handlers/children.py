@@ -82,7 +82,7 @@ def pods_not_created(namespace, body, memo: kopf.Memo, **kwargs):
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
-def statefulset_changed(type, body, namespace, labels, uid, memo: kopf.Memo, logger, **kwargs):
+def statefulset_changed(type, body, namespace, labels, uid, memo: kopf.Memo, logger, **kwargs):  # noqa: A002 - kopf's name
     indexes = Indexes.of(kwargs)
     report(memo.kube, namespace, labels[LABEL_JOB], indexes)
     # Most of a StatefulSet's changes are its status: compared with what the job wants only when
@@ -106,7 +106,7 @@ def pod_stuck(namespace, labels, memo: kopf.Memo, **kwargs):
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED, when=lambda status, **_: restarts(status) > 0)
-def pod_restarted(type, namespace, labels, uid, status, memo: kopf.Memo, **kwargs):
+def pod_restarted(type, namespace, labels, uid, status, memo: kopf.Memo, **kwargs):  # noqa: A002 - kopf's name
     """A container restarted: the role's restarts in the job's status. Most events of a pod that
     restarted once are about something else: only a new count is reported."""
     seen = memo.pod_restarts
@@ -120,7 +120,7 @@ def pod_restarted(type, namespace, labels, uid, status, memo: kopf.Memo, **kwarg
     report(memo.kube, namespace, labels[LABEL_JOB], Indexes.of(kwargs))
 
 
-def child_changed(type, body, labels, memo: kopf.Memo, logger, **kwargs):
+def child_changed(type, body, labels, memo: kopf.Memo, logger, **kwargs):  # noqa: A002 - kopf's name
     put_back(memo, type, body, labels, logger, Indexes.of(kwargs))
 
 
@@ -128,17 +128,17 @@ for _group, _version, _plural in OTHER_CHILDREN:
     kopf.on.event(_group, _version, _plural, labels={LABEL_JOB: kopf.PRESENT}, when=_owned)(child_changed)
 
 
-def put_back(memo: kopf.Memo, type, body, labels, logger, indexes: Indexes):
+def put_back(memo: kopf.Memo, event, body, labels, logger, indexes: Indexes):
     """A child was deleted, or changed so that it is not what its job wants: reconcile the job
     (which creates or patches it, and says so in a condition and an Event)."""
-    if type not in ("MODIFIED", "DELETED") or not _owned(body, labels):
+    if event not in ("MODIFIED", "DELETED") or not _owned(body, labels):
         return  # listed at start-up (resuming each job compares every child), or just created
     namespace = body["metadata"]["namespace"]
     job = memo.kube.get_job(namespace, labels[LABEL_JOB])
     if job is None or job["metadata"].get("deletionTimestamp") or recorded(job) is None:
         return  # gone, going, or its first pass (which creates every child) is under way
     what = f"{body['kind']} {body['metadata']['name']}"
-    if type == "DELETED":
+    if event == "DELETED":
         cause = f"{what} was deleted"
     elif drifted(job, dict(body)):
         cause = f"{what} was changed"

@@ -92,7 +92,7 @@ def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) 
 
 
 def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logger, repairing: bool = False):
-    namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    namespace = obj["metadata"]["namespace"]
     try:
         job = load(obj)
     except contract.SpecError as e:

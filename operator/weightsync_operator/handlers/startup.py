@@ -47,7 +47,7 @@ def crd_served(memo: kopf.Memo, **_):
     jobs (their CRD was deleted), so that a restart waits for the CRD again."""
     try:
         ok = served(memo.kube)
-    except Exception as e:  # refused, or no connection
+    except Exception as e:  # noqa: BLE001 - refused, or no connection: any failure fails the probe
         raise kopf.PermanentError(f"the API server does not answer: {e}") from None
     if not ok:
         raise kopf.PermanentError(f"the API server does not serve {contract.API_VERSION} {contract.KIND}")

@@ -28,8 +28,9 @@ def test_defaults_come_from_the_crd():
 
 def test_the_spec_is_read_once_into_typed_sections():
     j = contract.load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4, "command": ["torchrun", "train.py"],
-                                           "args": ["--fsdp"], "env": [{"name": "A", "value": "1"}, {"name": "B"},
-                                                                       {"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]},
+                                           "args": ["--fsdp"],
+                                           "env": [{"name": "A", "value": "1"}, {"name": "B"},
+                                                   {"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]},
                                 "inference": {"replicas": 3, "tensorParallelSizes": [2, 1], "gpusPerProc": 0},
                                 "transfer": {"bucketMB": 3, "verify": "none"}, "imagePullSecrets": [{"name": "pull"}]}))
     assert j.model == contract.Model(config={"model_type": "gpt2"}, dtype="bfloat16")
@@ -64,7 +65,8 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"model": {"path": "models/x"}}, "demo", "spec.model.path: 'models/x' does not match"),
     ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
     ({"transfer": {"transport": "nccl", "delta": {"enabled": True}}}, "demo", "spec.transfer.delta.enabled needs transport tcp"),
-    ({"transfer": {"transport": "uccl", "bucketMB": 4096}}, "demo", "spec.transfer.bucketMB must be below 4096 with transport uccl"),
+    ({"transfer": {"transport": "uccl", "bucketMB": 4096}}, "demo",
+     "spec.transfer.bucketMB must be below 4096 with transport uccl"),
     ({"transfer": {"delta": {"fullEvery": 0}}}, "demo", "spec.transfer.delta.fullEvery: 0 is less than the minimum of 1"),
     ({"trainer": {"args": ["--fsdp"]}}, "demo", "spec.trainer.args needs spec.trainer.command"),
     ({"trainer": {"env": [{"name": "A", "value": "1"}]}}, "demo", "spec.trainer.env needs spec.trainer.command"),
@@ -74,8 +76,10 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
      "spec.trainer.env[0]: spec.trainer.env may not set WEIGHTSYNC_* variables"),
     ({"trainer": {"command": ["torchrun"], "env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {}}}]}}, "demo",
      "spec.trainer.env[0]: spec.trainer.env entries take value or valueFrom, not both"),
-    ({"trainer": {"command": ["torchrun"], "env": [{"name": "A B", "value": "1"}]}}, "demo", "spec.trainer.env.0.name: 'A B' does not match"),
-    ({"trainer": {"command": ["torchrun"], "attachTimeoutSeconds": 0}}, "demo", "spec.trainer.attachTimeoutSeconds: 0 is less than"),
+    ({"trainer": {"command": ["torchrun"], "env": [{"name": "A B", "value": "1"}]}}, "demo",
+     "spec.trainer.env.0.name: 'A B' does not match"),
+    ({"trainer": {"command": ["torchrun"], "attachTimeoutSeconds": 0}}, "demo",
+     "spec.trainer.attachTimeoutSeconds: 0 is less than"),
     ({"inference": {"command": ["python"]}}, "demo", "spec.inference.command: unknown field"),
     ({"inference": {"engine": "sglang"}}, "demo", "spec.inference.engine: 'sglang' is not one of"),
     ({"inference": {"vllm": {"port": 9000}}}, "demo", "spec.inference.vllm needs spec.inference.engine vllm"),
@@ -275,7 +279,8 @@ def test_the_contract_checks_without_torch_or_transformers():
             "    print(e)\n"
             "print(sorted({'torch', 'transformers'} & sys.modules.keys()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out == ["invalid WeightTransferJob: spec.model.config.n_layer: 0 must be a positive integer (the number of layers)", "[]"]
+    assert out == ["invalid WeightTransferJob: spec.model.config.n_layer: 0 must be a positive integer (the number of layers)",
+                   "[]"]
 
 
 def test_numbers_in_a_job_file_are_read_as_kubectl_reads_them(tmp_path):

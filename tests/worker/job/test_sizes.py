@@ -24,8 +24,9 @@ def test_possible_sizes_pass(config):
     ({"n_layer": 0}, ["spec.model.config.n_layer: 0 must be a positive integer (the number of layers)"]),
     ({"n_head": True}, ["spec.model.config.n_head: True must be a positive integer (the number of attention heads)"]),
     ({"n_embd": 2.0}, ["spec.model.config.n_embd: 2.0 must be a positive integer (the embedding width)"]),
-    ({"vocab_size": -5, "n_positions": 0}, ["spec.model.config.vocab_size: -5 must be a positive integer (the vocabulary size)",
-                                            "spec.model.config.n_positions: 0 must be a positive integer (the number of positions)"]),
+    ({"vocab_size": -5, "n_positions": 0},
+     ["spec.model.config.vocab_size: -5 must be a positive integer (the vocabulary size)",
+      "spec.model.config.n_positions: 0 must be a positive integer (the number of positions)"]),
 ])
 def test_counts_must_be_positive_integers(config, expected):
     assert size_problems(config) == expected

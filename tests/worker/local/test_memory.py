@@ -9,7 +9,8 @@ def job(dtype="bfloat16", trainers=2, gpus=0, bucket=1, delta=False):
     return contract.load_job({
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "m"},
         "spec": {"model": {"config": {"model_type": "gpt2"}, "dtype": dtype},
-                 "trainer": {"replicas": trainers, "gpusPerProc": gpus}, "inference": {"replicas": 1, "procsPerPod": 3, "gpusPerProc": 0},
+                 "trainer": {"replicas": trainers, "gpusPerProc": gpus},
+                 "inference": {"replicas": 1, "procsPerPod": 3, "gpusPerProc": 0},
                  "transfer": {"bucketMB": bucket, "delta": {"enabled": delta}}}})
 
 
@@ -55,7 +56,8 @@ def test_shortfall_names_the_numbers():
     assert memory.shortfall(j, lay, have=total) is None
     assert memory.shortfall(j, lay, have=total - 1) is not None
     message = memory.shortfall(j, lay, have=1536 * MiB)
-    assert message.startswith(f"the job needs at least {total / 1024 / MiB:.2f} GiB of memory and this machine has 1.50 GiB available")
+    assert message.startswith(f"the job needs at least {total / 1024 / MiB:.2f} GiB of memory "
+                              "and this machine has 1.50 GiB available")
     assert "(MemAvailable): 2 trainer processes x" in message and "3 inference processes x" in message
     assert "\n" not in message
 

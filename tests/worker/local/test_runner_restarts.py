@@ -160,7 +160,8 @@ def test_a_stopped_controller_fails_its_liveness_probe_and_is_restarted(tmp_path
 
     print(f"the stopped controller was killed and started again {took:.1f}s after it froze")
     # Killed by the probe (its failure threshold of probes unanswered) and started again after its back-off.
-    why = f"failed its liveness probe {LIVENESS.failure_threshold} times in a row (no answer within {LIVENESS.timeout_seconds}s), and was killed"
+    why = (f"failed its liveness probe {LIVENESS.failure_threshold} times in a row "
+           f"(no answer within {LIVENESS.timeout_seconds}s), and was killed")
     assert controller.exits[0] == why
     assert took < LIVENESS.deadline + kubelet.BACKOFF_BASE + SLACK, took
     assert f"weightsync: {controller.describe()} {why}; restarting it in 1s (restart 1)" in progress.text()

@@ -20,7 +20,8 @@ def refusal(spec: Model) -> str:
 def test_a_good_config_and_its_aliases():
     assert config_of(Model(config=GPT2)).n_layer == 1
     # GPT-2's config takes the common names too (its attribute_map)
-    assert config_of(Model(config={"model_type": "gpt2", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4})).n_layer == 3
+    aliased = {"model_type": "gpt2", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4}
+    assert config_of(Model(config=aliased)).n_layer == 3
     assert {"n_layer", "hidden_size", "bos_token_id", "tie_word_embeddings"} <= known_keys(type(config_of(Model(config=GPT2))))
 
 
@@ -54,7 +55,8 @@ def test_an_unknown_model_type_gets_a_short_list_of_choices():
 
 def test_sizes_are_checked_with_the_defaults_filled_in():
     # n_head is not written: GPT-2's default, 12, does not divide 64
-    assert "spec.model.config.n_embd: 64 is not divisible by n_head 12" in refusal(Model(config={"model_type": "gpt2", "n_embd": 64}))
+    assert ("spec.model.config.n_embd: 64 is not divisible by n_head 12"
+            in refusal(Model(config={"model_type": "gpt2", "n_embd": 64})))
 
 
 def test_a_path_that_is_not_a_checkpoint_directory(tmp_path):

@@ -92,8 +92,8 @@ def test_plan_prints_every_sender_and_receiver_of_a_tensor_parallel_job(tmp_path
     assert out.returncode == 0, out.stderr
     assert "4 trainer rank(s) -> 3 inference rank(s)" in out.stdout
     lines = out.stdout.splitlines()
-    senders = lines[lines.index(next(l for l in lines if l.strip().startswith("sender"))) + 1:][:4]
-    assert [l.split()[0] for l in senders] == ["0", "1", "2", "3"]
-    assert any(l.strip().startswith("receiver") for l in lines) and "balance (max / mean): senders" in out.stdout
+    senders = lines[lines.index(next(line for line in lines if line.strip().startswith("sender"))) + 1:][:4]
+    assert [line.split()[0] for line in senders] == ["0", "1", "2", "3"]
+    assert any(line.strip().startswith("receiver") for line in lines) and "balance (max / mean): senders" in out.stdout
     wrong = weightsync("plan", str(path), "--fsdp", "3")
     assert wrong.returncode == 2 and "the FSDP degree 3 must divide the job's 4 trainer ranks" in wrong.stderr

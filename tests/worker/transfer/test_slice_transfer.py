@@ -48,7 +48,8 @@ def run_ranks(store, args, versions=2, timeout=180):
     procs = {}
     try:
         for i in range(plan.inferences):
-            procs[("inference", i)] = subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", str(i), *common],
+            procs[("inference", i)] = subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", str(i),
+                                                        *common],
                                                        stderr=subprocess.PIPE, text=True)
         for t in range(plan.trainers):
             procs[("trainer", t)] = subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", str(t), *common],

@@ -100,7 +100,8 @@ def recipe(fdp: "atheris.FuzzedDataProvider") -> bytes:
             out += wire.header(wire.END, version, count, total)
         elif step == 7:  # any header at all
             out += struct.pack("<4sB3sQQQQ", wire.MAGIC if fdp.ConsumeBool() else fdp.ConsumeBytes(4).ljust(4, b"\0"),
-                               fdp.ConsumeIntInRange(0, 255), b"\0\0\0" if fdp.ConsumeBool() else fdp.ConsumeBytes(3).ljust(3, b"\0"),
+                               fdp.ConsumeIntInRange(0, 255),
+                               b"\0\0\0" if fdp.ConsumeBool() else fdp.ConsumeBytes(3).ljust(3, b"\0"),
                                version, fdp.ConsumeIntInRange(0, U64), fdp.ConsumeIntInRange(0, U64),
                                fdp.ConsumeIntInRange(0, U64))
         elif step == 8:  # raw bytes
@@ -163,7 +164,7 @@ def after_handshake(stream: bytes) -> None:
         receiver.drop(TRAINER)  # the next input starts on a connection of its own
 
 
-def TestOneInput(data: bytes) -> None:
+def TestOneInput(data: bytes) -> None:  # noqa: N802 - the entry point's name in atheris and libFuzzer
     if not data:
         return
     mode, rest = data[0] % 3, data[1:]

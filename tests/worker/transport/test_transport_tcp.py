@@ -286,7 +286,8 @@ PLANNED = {3: [(0, 64), (64, 64)]}
 U64 = 2 ** 64
 
 CRAFTED = {
-    "huge length": (frame(wire.DATA, 1, 0, U64 - 1), "sent DATA for bytes [0, 18446744073709551615) of version 1, which the plan"),
+    "huge length": (frame(wire.DATA, 1, 0, U64 - 1),
+                    "sent DATA for bytes [0, 18446744073709551615) of version 1, which the plan"),
     "negative offset (u64 wrap)": (frame(wire.DATA, 1, U64 - 64, 64), f"[{U64 - 64}, {U64}) of version 1, which the plan"),
     "overlapping range": (frame(wire.DATA, 1, 32, 64), "bytes [32, 96) of version 1, which the plan does not give it"),
     "a range of the plan twice": (data(1, 0, A) + frame(wire.DATA, 1, 0, 64), "bytes [0, 64) of version 1, a second time"),
@@ -481,7 +482,8 @@ def test_a_patch_is_applied_and_a_damaged_one_asked_for_again_whole():
     sum1, sum2 = xxhash.xxh3_64_intdigest(new[:2048]), xxhash.xxh3_64_intdigest(new[2048:])
     sock.sendall(wire.header(wire.PATCH, 5, 0, len(first), sum1) + first + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(first)))
     damaged = bytes([second[0] ^ 0xFF]) + second[1:]
-    sock.sendall(wire.header(wire.PATCH, 5, 2048, len(second), sum2) + damaged + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(second)))
+    sock.sendall(wire.header(wire.PATCH, 5, 2048, len(second), sum2) + damaged
+                 + wire.TRAILER.pack(xxhash.xxh3_64_intdigest(second)))
     sock.sendall(wire.header(wire.END, 5, 2, 4096))
     frame = wire.parse_header(sockets.recv_exact(sock, wire.HEADER.size))
     assert wire.parse_need(frame, sockets.recv_exact(sock, frame.length)) == [2048]

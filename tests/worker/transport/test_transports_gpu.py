@@ -77,8 +77,10 @@ def run_pair(transport, trainer_device, inference_device, dtype):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     common = ["--trainers", "1", "--inferences", "1", "--shapes", "7x3,1,33,1024x1024", "--dtype", dtype,
               "--bucket", str(1 << 20), "--versions", "2", "--store-port", str(store.port), "--transport", transport]
-    procs = [subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", "0", "--device", inference_device, *common]),
-             subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", "0", "--device", trainer_device, *common])]
+    procs = [subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", "0", "--device", inference_device,
+                               *common]),
+             subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", "0", "--device", trainer_device,
+                               *common])]
     try:
         codes = [p.wait(300) for p in procs]
     finally:

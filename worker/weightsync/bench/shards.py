@@ -142,9 +142,9 @@ def table(report: dict) -> str:
         for wrap, m in c["methods"].items():
             worst = max(m["memory"], key=lambda r: r["peak_beyond_start"])
             lines.append(f"{c['dtype']:<9} {c['trainers']}->{c['inferences']:<3} {wrap:<9} {m['seconds_per_version']:>10.3f} "
-                         f"{m['send_seconds_per_version']:>7.3f} {m['bytes_per_version'] / 1e6:>11.1f} {worst['held_bytes'] / mib:>9.0f} "
-                         f"{worst['buffer_bytes'] / mib:>8.0f} {worst['model_rss'] / mib:>10.0f} "
-                         f"{worst['peak_beyond_start'] / mib:>7.0f}")
+                         f"{m['send_seconds_per_version']:>7.3f} {m['bytes_per_version'] / 1e6:>11.1f} "
+                         f"{worst['held_bytes'] / mib:>9.0f} {worst['buffer_bytes'] / mib:>8.0f} "
+                         f"{worst['model_rss'] / mib:>10.0f} {worst['peak_beyond_start'] / mib:>7.0f}")
     for t in report["targets"]:
         lines.append(f"target {t['name']}: {t['value']:.2f} (want {t['want']}) -> {'met' if t['met'] else 'NOT met'}")
     return "\n".join(lines)

@@ -89,52 +89,52 @@ def summarize(case: dict, store) -> dict:
     from weightsync.model.flat import FlatLayout
     from weightsync.plan.segments import make_plan
 
-    M, N, methods = case["trainers"], case["inferences"], case["methods"]
+    trainers, inferences, methods = case["trainers"], case["inferences"], case["methods"]
     results = {(role, r): json.loads(store.get(f"result/{role}/{r}"))
-               for role, n in (("trainer", M), ("inference", N)) for r in range(n)}
+               for role, n in (("trainer", trainers), ("inference", inferences)) for r in range(n)}
     version_bytes = case["version_bytes"]
-    plan = make_plan(FlatLayout.from_json(case["layout"]), M, N, case["bucket_mb"] << 20)
+    plan = make_plan(FlatLayout.from_json(case["layout"]), trainers, inferences, case["bucket_mb"] << 20)
     out = {}
     for m in methods:
-        senders = [r for r in range(M) if store.check([f"{m}/1/start/{r}"])]
+        senders = [r for r in range(trainers) if store.check([f"{m}/1/start/{r}"])]
         seconds = []
         for v in range(1, case["versions"] + 1):
             start = min(float(store.get(f"{m}/{v}/start/{r}")) for r in senders)
-            end = max(float(store.get(f"{m}/{v}/end/{i}")) for i in range(N))
+            end = max(float(store.get(f"{m}/{v}/end/{i}")) for i in range(inferences))
             seconds.append(end - start)
         median = statistics.median(seconds)
-        out[m] = {"seconds_per_version": median, "gbps": version_bytes * N / median / 1e9,
+        out[m] = {"seconds_per_version": median, "gbps": version_bytes * inferences / median / 1e9,
                   "seconds": [round(s, 4) for s in seconds]}
     for m in methods:
         out[m]["ratio_to_ceiling"] = out["ceiling"]["seconds_per_version"] / out[m]["seconds_per_version"]
         out[m]["speedup_over_broadcast"] = out["broadcast"]["seconds_per_version"] / out[m]["seconds_per_version"]
-    summary = {"dtype": case["dtype"], "trainers": M, "inferences": N, "versions": case["versions"],
+    summary = {"dtype": case["dtype"], "trainers": trainers, "inferences": inferences, "versions": case["versions"],
                "bucket_mb": case["bucket_mb"], "depth": case["depth"], "plan_balance": plan.balance(),
-               "verified": all(results[("inference", i)].get("verified") for i in range(N)), "methods": out}
+               "verified": all(results[("inference", i)].get("verified") for i in range(inferences)), "methods": out}
     if case.get("links"):
         light = speed_of_light(plan, case["links"]["bits"])
         summary["speed_of_light"] = light
         for m in methods:
             out[m]["ratio_to_light"] = light / out[m]["seconds_per_version"]
         # the broadcast's own bound: one sender sends the whole version to every inference rank
-        summary["broadcast_one_sender_bound"] = version_bytes * N * 8 / case["links"]["bits"]
+        summary["broadcast_one_sender_bound"] = version_bytes * inferences * 8 / case["links"]["bits"]
     if "delta" in methods:
         d = out["delta"]
-        d["wire_fraction"] = [sum(int(store.get(f"delta/{v}/wire/{t}")) for t in range(M)) / (version_bytes * N)
+        d["wire_fraction"] = [sum(int(store.get(f"delta/{v}/wire/{t}")) for t in range(trainers)) / (version_bytes * inferences)
                               for v in range(1, case["versions"] + 1)]
         d["speedup_over_weightsync"] = out["weightsync"]["seconds_per_version"] / d["seconds_per_version"]
         d["changed"] = case["trained"]["changed"][case["dtype"]][:case["versions"]]
-        summary["trainer_kept_bytes"] = max(results[("trainer", t)]["kept_bytes"] for t in range(M))
+        summary["trainer_kept_bytes"] = max(results[("trainer", t)]["kept_bytes"] for t in range(trainers))
     else:
-        peak = max(results[("inference", i)]["peak_rss_beyond_model"] for i in range(N))
+        peak = max(results[("inference", i)]["peak_rss_beyond_model"] for i in range(inferences))
         summary["memory"] = {
             "version_bytes": version_bytes,
             "inference_peak_rss_beyond_model": peak,
             "inference_peak_over_version": peak / version_bytes,
             "inference_limit_over_version": 2.5,
             "inference_peak_rss_beyond_model_all_methods":
-                max(results[("inference", i)]["peak_rss_beyond_model_all_methods"] for i in range(N)),
-            "trainer_send_buffer_bytes": max(results[("trainer", t)]["send_buffer_bytes"] for t in range(M)),
+                max(results[("inference", i)]["peak_rss_beyond_model_all_methods"] for i in range(inferences)),
+            "trainer_send_buffer_bytes": max(results[("trainer", t)]["send_buffer_bytes"] for t in range(trainers)),
             "trainer_send_buffer_limit": case["depth"] * (case["bucket_mb"] << 20),
         }
     return summary
@@ -152,11 +152,13 @@ def render(report: dict) -> str:
         lines.append(f"{'dtype':<9} {'ranks':<6} {'method':<11} {'s/version':>10} {'GB/s':>7} {'light (s)':>10} "
                      f"{'vs light':>9} {'vs full':>8}  notes")
     else:
-        lines.append(f"{'dtype':<9} {'ranks':<6} {'method':<11} {'s/version':>10} {'GB/s':>7} {'vs ceiling':>11} {'vs broadcast':>13}")
+        lines.append(f"{'dtype':<9} {'ranks':<6} {'method':<11} {'s/version':>10} {'GB/s':>7} {'vs ceiling':>11} "
+                     f"{'vs broadcast':>13}")
     for c in report["cases"]:
         for m in c["methods"]:
             r = c["methods"][m]
-            head = f"{c['dtype']:<9} {c['trainers']}->{c['inferences']:<3} {m:<11} {r['seconds_per_version']:>10.3f} {r['gbps']:>7.2f}"
+            head = (f"{c['dtype']:<9} {c['trainers']}->{c['inferences']:<3} {m:<11} {r['seconds_per_version']:>10.3f} "
+                    f"{r['gbps']:>7.2f}")
             if links:
                 vs_full = f"{r['speedup_over_weightsync']:>7.2f}x" if m == "delta" else f"{'':>8}"
                 notes = ""
@@ -171,8 +173,10 @@ def render(report: dict) -> str:
                 lines.append(f"{head} {r['ratio_to_ceiling']:>11.2f} {r['speedup_over_broadcast']:>12.2f}x{extra}")
         if "memory" in c:
             mem = c["memory"]
-            lines.append(f"{'':<17}memory: inference peak RSS beyond the model {mem['inference_peak_rss_beyond_model'] / 2**20:.0f} MiB "
-                         f"= {mem['inference_peak_over_version']:.2f} x version ({mem['version_bytes'] / 2**20:.0f} MiB; limit 2.5); "
+            lines.append(f"{'':<17}memory: inference peak RSS beyond the model "
+                         f"{mem['inference_peak_rss_beyond_model'] / 2**20:.0f} MiB "
+                         f"= {mem['inference_peak_over_version']:.2f} x version "
+                         f"({mem['version_bytes'] / 2**20:.0f} MiB; limit 2.5); "
                          f"trainer send buffers {mem['trainer_send_buffer_bytes'] / 2**20:.0f} MiB (limit depth x bucket = "
                          f"{mem['trainer_send_buffer_limit'] / 2**20:.0f} MiB); verified: {c['verified']}")
         else:
@@ -217,7 +221,8 @@ def targets(cases: list[dict], links: bool) -> list[dict]:
         w = c["methods"]["weightsync"]
         where = f"{c['dtype']} 2->2"
         out += [
-            {"name": f"{where} ratio to ceiling", "value": w["ratio_to_ceiling"], "want": ">= 0.7", "met": w["ratio_to_ceiling"] >= 0.7},
+            {"name": f"{where} ratio to ceiling", "value": w["ratio_to_ceiling"], "want": ">= 0.7",
+             "met": w["ratio_to_ceiling"] >= 0.7},
             {"name": f"{where} speedup over broadcast", "value": w["speedup_over_broadcast"], "want": ">= 1.5",
              "met": w["speedup_over_broadcast"] >= 1.5},
         ]

@@ -99,7 +99,7 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
             for s, proc, log in zip(urls, procs, logs):
                 try:
                     s.wait_up(UP_TIMEOUT, alive=lambda proc=proc: proc.poll() is None)
-                except Exception:
+                except Exception:  # noqa: BLE001 - whatever kept it down, its log says why
                     log.flush()
                     tail = Path(log.name).read_text(errors="replace")[-3000:]
                     raise RuntimeError(f"a vLLM server of the disk baseline did not come up; its log ends:\n{tail}") from None

@@ -387,5 +387,6 @@ def _describe_transfer(t: dict) -> str:
     if t.get("deltaRanks"):
         changed = f", {t['changed']:.2%} of the elements changed" if "changed" in t else ""
         delta = f"; as a delta to {t['deltaRanks']}: {t['wireBytes'] / 1e6:.2f} MB on the wire{changed}"
-    return (f"version {t['version']} (step {t.get('step', '?')}{loss}): {t['bytes'] / 1e6:.2f} MB to {t.get('inference_ranks', '?')} "
-            f"inference ranks in {t['seconds']:.4f}s, {t['gbps']:.3f} GB/s over {t['transport']}{delta}")
+    return (f"version {t['version']} (step {t.get('step', '?')}{loss}): {t['bytes'] / 1e6:.2f} MB "
+            f"to {t.get('inference_ranks', '?')} inference ranks in {t['seconds']:.4f}s, "
+            f"{t['gbps']:.3f} GB/s over {t['transport']}{delta}")

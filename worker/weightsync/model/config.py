@@ -147,7 +147,8 @@ def _value_problem(error: Exception, values: Mapping, config_class) -> str:
         name, value = field.group(1), values[field.group(1)]
         declared = {f.name: f.type for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else {}
         if name in declared:
-            return f"{WHERE}.{name}: {value!r} is {_a(value)}, expected {_type_name(declared[name])}{_hint(value, declared[name])}"
+            return (f"{WHERE}.{name}: {value!r} is {_a(value)}, "
+                    f"expected {_type_name(declared[name])}{_hint(value, declared[name])}")
     return f"{WHERE}: transformers refuses it: {text}"
 
 

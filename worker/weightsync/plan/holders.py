@@ -91,7 +91,8 @@ def plan_by_holder(layout: FlatLayout, holdings: Mapping[int, Holdings], inferen
     row exactly (two ranks holding different but overlapping rows, or rows nobody holds)."""
     trainers = len(holdings)
     if sorted(holdings) != list(range(trainers)) or inferences < 1:
-        raise ValueError(f"a plan needs every trainer rank's holdings and an inference rank (got {sorted(holdings)}, {inferences})")
+        raise ValueError(f"a plan needs every trainer rank's holdings and an inference rank "
+                         f"(got {sorted(holdings)}, {inferences})")
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket size must be a positive multiple of {ALIGN} bytes, got {bucket_bytes}")
     for t, h in holdings.items():

@@ -179,7 +179,8 @@ def check_assignment(assignment: PieceAssignment, needs: Slicing) -> None:
             bad = np.flatnonzero(got != want)
             if len(bad):
                 r = int(bad[0])
-                raise AssertionError(f"the assignment gives receiver {r} {int(got[r])} bytes of {tensor.name}, it needs {int(want[r])}")
+                raise AssertionError(f"the assignment gives receiver {r} {int(got[r])} bytes of {tensor.name}, "
+                                     f"it needs {int(want[r])}")
 
 
 def _check_same_tensors(holders: Slicing, needs: Slicing) -> None:

@@ -267,7 +267,7 @@ class SlicedPlan:
         return self.local[rank].total_bytes
 
     def bytes_by_receiver(self) -> list[int]:
-        return [l.total_bytes for l in self.local]
+        return [layout.total_bytes for layout in self.local]
 
     @property
     def version_bytes(self) -> int:

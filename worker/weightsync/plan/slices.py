@@ -123,7 +123,8 @@ class Slicing:
             raise ValueError(f"{len(self.placements)} placements for {len(self.tensors)} tensors")
         for t, p in zip(self.tensors, self.placements):
             for box, ranks in zip(p.boxes, p.ranks):
-                if len(box.start) != len(t.shape) or any(a < 0 or b > n or a >= b for a, b, n in zip(box.start, box.stop, t.shape)):
+                if (len(box.start) != len(t.shape)
+                        or any(a < 0 or b > n or a >= b for a, b, n in zip(box.start, box.stop, t.shape))):
                     raise ValueError(f"tensor {t.name} {list(t.shape)}: box {box} is empty or outside the tensor")
                 bad = [r for r in ranks if not 0 <= r < self.world]
                 if bad:

@@ -75,7 +75,8 @@ def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor
         rows = local.shape[0] if local.dim() else 1
         if tuple(p.shape) != slot.shape or rows != end - first:
             raise ValueError(f"parameter {name} is not as it was when weightsync.attach() saw it ({list(local.shape)} "
-                             f"held of {list(p.shape)}); with FSDP publish between optimizer steps, not inside forward or backward")
+                             f"held of {list(p.shape)}); with FSDP publish between optimizer steps, "
+                             "not inside forward or backward")
         out.append(local)
     return out
 

@@ -371,7 +371,8 @@ class TcpReceiver(Receiver):
                     raise TransferError(f"trainer rank {trainer}", "not connected when the version was abandoned")
                 if left <= 0 or self.closed:
                     refused = f" (refused meanwhile: {'; '.join(list(self.refused)[-3:])})" if self.refused else ""
-                    raise TransferError(f"trainer rank {trainer}", f"did not connect within {time.monotonic() - start:.0f}s{refused}")
+                    raise TransferError(f"trainer rank {trainer}",
+                                        f"did not connect within {time.monotonic() - start:.0f}s{refused}")
                 self.cond.wait(left)
             return self.conns[trainer]
 

@@ -35,7 +35,8 @@ def check_vllm() -> str:
         from vllm.distributed.weight_transfer.base import WeightTransferEngine
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError as e:
-        raise IncompatibleVllm(advice + f"it has no vllm.distributed.weight_transfer ({e}); use vLLM {TESTED_VLLM} or later") from None
+        raise IncompatibleVllm(advice + f"it has no vllm.distributed.weight_transfer ({e}); "
+                               f"use vLLM {TESTED_VLLM} or later") from None
     missing = [m for m in NEEDED if not hasattr(WeightTransferEngine, m)]
     if missing or not hasattr(WeightTransferEngineFactory, "register_engine"):
         raise IncompatibleVllm(advice + f"its WeightTransferEngine lacks {', '.join(missing) or 'register_engine'}")
