@@ -150,7 +150,8 @@ def main():
         for t in range(plan.trainers):
             store.wait([f"sums/{v}/{t}"])
             sums.update({int(o): c for o, c in json.loads(store.get(f"sums/{v}/{t}")).get(str(args.rank), {}).items()})
-        store.set(f"result/{v}/{args.rank}", json.dumps({"bad": bad, "digest": got.digest, "trainers_digest": version_digest(sums),
+        store.set(f"result/{v}/{args.rank}", json.dumps({"bad": bad, "digest": got.digest,
+                                                          "trainers_digest": version_digest(sums),
                                                           "bytes": got.bytes, "slots": len(local_layout.slots)}))
     store.wait([f"connected/trainer/{t}" for t in range(plan.trainers)])
     receiver.close()

@@ -171,8 +171,9 @@ def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected)
 def test_weightsync_run_refuses_env_that_only_a_cluster_can_resolve():
     from weightsync.local.runner import CannotRunHere, check_command_env
 
+    from_secret = {"secretKeyRef": {"name": "hf", "key": "t"}}
     job = command_job("env", ["python", "train.py"], env=[{"name": "A", "value": "1"},
-                                                          {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}])
+                                                          {"name": "HF_TOKEN", "valueFrom": from_secret}])
     with pytest.raises(CannotRunHere, match=r"spec.trainer.env\[1\] \(HF_TOKEN\) takes its value from the cluster"):
         check_command_env(job)
     values = command_job("env", ["python"], env=[{"name": "A", "value": "1"}, {"name": "B"}])

@@ -26,6 +26,13 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from weightsync.model.flat import FlatLayout, fill_range
+from weightsync.plan.segments import make_plan
+from weightsync.transfer.receive import VersionReceiver
+from weightsync.transfer.send import VersionSender
+from weightsync.transport import make_transport
+from weightsync.transport.checksum import device_checksum
+from weightsync.transport.nccl import NcclOptions
 
 TOKEN = b"weightsync-bench-gpu-token"
 
@@ -49,13 +56,6 @@ def _p2p_rank(role: str, rank: int, trainers: int, inferences: int, port: int, n
     """One rank of the nccl measurement: `reps` versions over the transport, then `reps`
     broadcasts of the same bytes from trainer rank 0."""
     import torch.distributed as dist
-
-    from weightsync.model.flat import FlatLayout
-    from weightsync.plan.segments import make_plan
-    from weightsync.transfer.receive import VersionReceiver
-    from weightsync.transfer.send import VersionSender
-    from weightsync.transport import make_transport
-    from weightsync.transport.nccl import NcclOptions
 
     world = trainers + inferences
     me = rank if role == "trainer" else trainers + rank
@@ -140,12 +140,6 @@ def bench_nccl(trainers: int, inferences: int, nbytes: int, reps: int, backend: 
 def _ipc_rank(role: str, port: int, nbytes: int, reps: int, results) -> None:
     import torch.distributed as dist
 
-    from weightsync.model.flat import FlatLayout
-    from weightsync.plan.segments import make_plan
-    from weightsync.transfer.receive import VersionReceiver
-    from weightsync.transfer.send import VersionSender
-    from weightsync.transport import make_transport
-
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
@@ -210,9 +204,6 @@ def _timed(work, reps: int) -> float:
 
 def bench_cast(nbytes: int, reps: int) -> tuple[float, float]:
     """(the GPU cast float32 -> bfloat16 plus ws64 of `nbytes` output bytes, a device copy of them)."""
-    from weightsync.model.flat import FlatLayout, fill_range
-    from weightsync.transport.checksum import device_checksum
-
     layout = FlatLayout.from_shapes([("w", (nbytes // 2,))], "bfloat16")
     src = torch.randn(nbytes // 2, device="cuda")
     dst = torch.empty(layout.total_bytes, dtype=torch.uint8, device="cuda")

@@ -18,6 +18,16 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from weightsync.bench.netns import enter
+from weightsync.bench.trained import TrainedVersions
+from weightsync.model.flat import FlatLayout, fill_range, views
+from weightsync.plan.segments import make_plan
+from weightsync.transfer.receive import VersionReceiver, settle_heap, version_digest
+from weightsync.transfer.send import VersionSender
+from weightsync.transport import make_transport
+from weightsync.transport.checksum import CHUNK
+from weightsync.transport.landing import RECV_CHUNK
+from weightsync.transport.sockets import recv_into_all
 
 TOKEN = b"weightsync-bench-token-0123456789"
 
@@ -77,8 +87,6 @@ def run(role: str, rank: int, case: dict, store_port: int) -> None:
     or thread); a failure is left in the store for the parent to report."""
     index, _, store_host = where(case, role, rank)
     if case.get("links"):
-        from weightsync.bench.netns import enter
-
         enter(case["links"]["namespaces"][index])
         os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no names for the links' addresses: c10d warns of each
@@ -96,21 +104,12 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from weightsync.model.flat import FlatLayout, fill_range, views
-    from weightsync.plan.segments import make_plan
-    from weightsync.bench.trained import TrainedVersions
-    from weightsync.transfer.receive import VersionReceiver, settle_heap, version_digest
-    from weightsync.transfer.send import VersionSender
-    from weightsync.transport import make_transport
-    from weightsync.transport.checksum import CHUNK
-    from weightsync.transport.sockets import recv_into_all
-    from weightsync.transport.landing import RECV_CHUNK
-
-    M, N, dtype, versions, methods = case["trainers"], case["inferences"], case["dtype"], case["versions"], case["methods"]
+    trainers, inferences = case["trainers"], case["inferences"]
+    dtype, versions, methods = case["dtype"], case["versions"], case["methods"]
     index, address, store_host = where(case, role, rank)
     timeout = datetime.timedelta(seconds=case["timeout"])
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
-    barrier = Barrier(store, M + N)
+    barrier = Barrier(store, trainers + inferences)
     trainer = role == "trainer"
     result: dict = {}
     trained = None
@@ -127,27 +126,28 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
     else:
         layout = FlatLayout.from_shapes([(s.name, s.shape) for s in trained.layout.slots], dtype)
         params = [torch.empty(s.shape) for s in trained.layout.slots] if trainer else []
-    plan = make_plan(layout, M, N, case["bucket_mb"] << 20)
+    plan = make_plan(layout, trainers, inferences, case["bucket_mb"] << 20)
     if not trainer:
         reset_peak_rss()
         result["rss_after_model"] = proc_status("VmRSS")
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=index, world_size=M + N, timeout=timeout)
-    bcast_group = dist.new_group([0] + list(range(M, M + N)))
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=index, world_size=trainers + inferences,
+                            timeout=timeout)
+    bcast_group = dist.new_group([0] + list(range(trainers, trainers + inferences)))
 
     # ---- set-up of the methods (connections, buffers), outside the timed versions
     transport = make_transport("tcp", token=TOKEN, timeout=case["timeout"])
     ranges = plan.expected()
     if trainer:
         sender = transport.sender(rank)
-        sender.connect({i: store.get(f"ep/{i}").decode() for i in range(N)})
+        sender.connect({i: store.get(f"ep/{i}").decode() for i in range(inferences)})
         mover = VersionSender(sender, plan, rank, depth=case["depth"])
         patcher = VersionSender(sender, plan, rank, depth=case["depth"], delta=True) if "delta" in methods else None
         share = sum(n for _, n in ranges.get(rank, []))
         payload = memoryview(torch.ones(share, dtype=torch.uint8).numpy())
-        raw = [socket.create_connection(tuple_endpoint(store.get(f"raw/{i}"))) for i in range(N) if rank in ranges]
+        raw = [socket.create_connection(tuple_endpoint(store.get(f"raw/{i}"))) for i in range(inferences) if rank in ranges]
         for s in raw:
             s.sendall(rank.to_bytes(4, "little"))
-        pool = ThreadPoolExecutor(max_workers=N)
+        pool = ThreadPoolExecutor(max_workers=inferences)
     else:
         receiver = transport.receiver(rank)
         store.set(f"ep/{rank}", receiver.listen(address, 0))
@@ -184,7 +184,7 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
 
     def delta(v: int) -> None:
         if trainer:
-            sent = patcher.send(v, params, bases={i: v - 1 for i in range(N)} if v else None)
+            sent = patcher.send(v, params, bases={i: v - 1 for i in range(inferences)} if v else None)
             store.set(f"delta/{v}/sums/{rank}", json.dumps(sent.checksums))
             store.set(f"delta/{v}/wire/{rank}", str(sent.wire_bytes))
         else:
@@ -197,7 +197,7 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
             return
         got = received.pop((m, v))
         sums = {}
-        for t in range(M):
+        for t in range(trainers):
             sums.update({int(k): s for k, s in json.loads(store.get(f"{m}/{v}/sums/{t}")).items()})
         if got.digest != version_digest(sums):
             raise RuntimeError(f"{m} version {v}: digest {got.digest} differs from the trainers' {version_digest(sums)}")

@@ -28,6 +28,12 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+import weightsync
+from weightsync.bench.rank import proc_status, reset_peak_rss
+from weightsync.job import API_VERSION, KIND, WorkerContext, load_job
+from weightsync.local.runner import LocalJob
+from weightsync.model.build import build
+from weightsync.runtime.faults import IDLE_ENV
 
 # GPT-2 124M (transformers' GPT2Config defaults), as `weightsync bench`
 MODEL = {"model_type": "gpt2"}
@@ -42,8 +48,6 @@ SLACK_BYTES = 32 << 20
 
 
 def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int, out: Path):
-    from weightsync.job import API_VERSION, KIND, load_job
-
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": f"bench-{wrap}"},
         "spec": {"model": {"config": MODEL, "dtype": dtype},
@@ -58,9 +62,6 @@ def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: i
 def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
     """One job: the controller's seconds for every version after the first, and each trainer
     rank's memory figures."""
-    from weightsync.runtime.faults import IDLE_ENV
-    from weightsync.local.runner import LocalJob
-
     with tempfile.TemporaryDirectory(prefix=f"weightsync-bench-{wrap}-") as folder:
         out = Path(folder) / "ranks"
         out.mkdir()
@@ -163,12 +164,6 @@ def trainer_rank(wrap: str, versions: int, out: Path) -> int:
     """Build the model as `wrap` says, attach, publish `versions` versions, write the figures."""
     import torch
     import torch.distributed as dist
-
-    import weightsync
-
-    from weightsync.bench.rank import proc_status, reset_peak_rss
-    from weightsync.job import WorkerContext
-    from weightsync.model.build import build
 
     dist.init_process_group("gloo")  # env://, as the pod's environment gives it
     rank = dist.get_rank()

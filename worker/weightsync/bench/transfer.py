@@ -33,6 +33,13 @@ import statistics
 import sys
 import tempfile
 import time
+from weightsync.bench.netns import Links, rate_bits, unavailable
+from weightsync.bench.rank import build_model, run
+from weightsync.bench.shards import main as shards_bench
+from weightsync.bench.trained import train
+from weightsync.bench.vllm import main as vllm_bench
+from weightsync.model.flat import FlatLayout, cast_name
+from weightsync.plan.segments import make_plan
 
 METHODS = ("weightsync", "broadcast", "ceiling")
 WITH_DELTA = ("weightsync", "delta", "broadcast", "ceiling")  # weightsync first: delta is checked after it
@@ -46,8 +53,6 @@ def run_case(case: dict) -> dict:
     import multiprocessing
 
     import torch.distributed as dist
-
-    from weightsync.bench.rank import run
 
     host = case["links"]["store_host"] if case.get("links") else "127.0.0.1"
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
@@ -86,9 +91,6 @@ def speed_of_light(plan, bits: float) -> float:
 
 
 def summarize(case: dict, store) -> dict:
-    from weightsync.model.flat import FlatLayout
-    from weightsync.plan.segments import make_plan
-
     trainers, inferences, methods = case["trainers"], case["inferences"], case["methods"]
     results = {(role, r): json.loads(store.get(f"result/{role}/{r}"))
                for role, n in (("trainer", trainers), ("inference", inferences)) for r in range(n)}
@@ -265,23 +267,17 @@ def main(argv: list[str] | None = None) -> int:
                                                             "version, trainer memory); --shapes one TRAINERSxINFERENCE")
     args = parser.parse_args(argv)
     if args.vllm:
-        from weightsync.bench.vllm import main as vllm_bench
-
         return vllm_bench(args.vllm, args.json)
     dtypes = args.dtypes.split(",")
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
             parser.error(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
     if args.fsdp:
-        from weightsync.bench.shards import main as shards_bench
-
         m, _, n = (args.shapes or "2x2").partition("x")
         if not (m.isdigit() and n.isdigit() and int(m) > 1 and int(n) > 0):
             parser.error(f"--fsdp --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE with at least 2 trainer ranks")
         return shards_bench(dtypes, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
     signal.signal(signal.SIGTERM, _exit)  # so that what the run made (files, namespaces) is removed
-
-    from weightsync.model.flat import cast_name
 
     shapes = []
     for s in (args.shapes or (LINK_SHAPES if args.links else "2x2,1x1")).split(","):
@@ -294,8 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--versions: at least 1")
     bits = None
     if args.links:
-        from weightsync.bench.netns import rate_bits, unavailable
-
         try:
             bits = rate_bits(args.links)
         except ValueError as e:
@@ -321,9 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as directory:
         trained = None
         if delta:
-            from weightsync.bench.rank import build_model
-            from weightsync.bench.trained import train
-
             print(f"bench: training {versions} steps for the versions ...", file=sys.stderr, flush=True)
             trained = train(build_model("float32"), versions + 1, directory, learning_rate=args.lr, batch=args.train_batch,
                             seq_len=args.train_seq, dtypes=tuple(dtypes))
@@ -341,12 +332,8 @@ def run_cases(args, shapes, dtypes, versions, meta, trained, bits) -> list[dict]
     """Every (dtype, shape) case; with links, inside one set of namespaces made for the run."""
     import contextlib
 
-    from weightsync.model.flat import FlatLayout
-
     scope = contextlib.nullcontext(None)
     if args.links:
-        from weightsync.bench.netns import Links
-
         scope = Links(args.links, max(m + n for m, n in shapes))
     cases = []
     with scope as links:

@@ -28,7 +28,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from weightsync.job import Model
+import weightsync
+from weightsync.job import API_VERSION, Env, KIND, Model, WorkerContext, load_job
+from weightsync.local.runner import LocalJob, check_vllm_python, free_ports
+from weightsync.model.build import build, parameters
+from weightsync.roles.vllm_server import server_command
+from weightsync.runtime.procs import VLLM_STOP_GRACE, stop
+from weightsync.vllm_backend.control import Server
 
 # A Llama of about 50M parameters (100 MB a version in bfloat16), shaped as vLLM's CPU backend takes it
 MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12,
@@ -41,8 +47,6 @@ RUN_TIMEOUT = 1800.0
 
 
 def bench_job(name: str, trainers: int, servers: int, versions: int):
-    from weightsync.job import API_VERSION, KIND, load_job
-
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": MODEL, "dtype": "bfloat16"},
@@ -56,9 +60,6 @@ def bench_job(name: str, trainers: int, servers: int, versions: int):
 def weightsync_times(python: str, trainers: int, servers: int, versions: int) -> list[dict]:
     """The records of a vLLM job's versions after the first: seconds from go to every server
     serving it, and the stall."""
-    from weightsync.job import Env
-    from weightsync.local.runner import LocalJob
-
     job = bench_job("bench-vllm", trainers, servers, versions)
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as folder:
         local = LocalJob(job, Path(folder), {Env.VLLM_PYTHON: python, **SERVER_ENV}, progress=io.StringIO())
@@ -76,12 +77,6 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
 
     import torch
     from safetensors.torch import save_file
-
-    from weightsync.model.build import build, parameters
-    from weightsync.roles.vllm_server import server_command
-    from weightsync.runtime.procs import VLLM_STOP_GRACE, stop
-    from weightsync.local.runner import free_ports
-    from weightsync.vllm_backend.control import Server
 
     model = build(bench_job("bench-vllm-disk", 1, servers, versions).model, dtype="float32", seed=0)
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-disk-") as folder:
@@ -125,8 +120,6 @@ def new_version(model, generator) -> None:
     """What a version changes, in both methods: a little noise on every weight."""
     import torch
 
-    from weightsync.model.build import parameters
-
     with torch.no_grad():
         for _, p in parameters(model):
             p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
@@ -136,11 +129,6 @@ def publish_versions(count: int) -> int:
     """The trainer ranks' command in the weightsync job: `count` versions, published back to back
     (every rank the same weights: a DDP replica)."""
     import torch
-
-    import weightsync
-
-    from weightsync.job import WorkerContext
-    from weightsync.model.build import build
 
     ctx = WorkerContext.from_environ()
     model = build(ctx.job.model, dtype="float32", seed=0)
@@ -155,8 +143,6 @@ def publish_versions(count: int) -> int:
 
 def _save(model, where: Path, save_file) -> None:
     import torch
-
-    from weightsync.model.build import parameters
 
     where.mkdir()
     model.config.save_pretrained(where)
@@ -175,8 +161,6 @@ def _reload(server, where: Path, version: int) -> float:
 
 
 def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> dict:
-    from weightsync.local.runner import check_vllm_python
-
     check_vllm_python(python)
     results = {"weightsync": weightsync_times(python, trainers, servers, versions),
                "disk": disk_times(python, servers, versions)}

@@ -142,7 +142,8 @@ class SlicePacker:
         src = self.params[tensor].detach()
         if box.start:
             first = self.first[tensor]
-            index = (slice(box.start[0] - first, box.stop[0] - first),) + tuple(slice(a, b) for a, b in zip(box.start[1:], box.stop[1:]))
+            index = ((slice(box.start[0] - first, box.stop[0] - first),)
+                     + tuple(slice(a, b) for a, b in zip(box.start[1:], box.stop[1:])))
             src = src[index]
         if src.is_contiguous():
             flat.cast_into(dest, src.reshape(-1), self.dtype)
