@@ -5,11 +5,11 @@ endpoint, and waiting for what it answers. The health tests and the PID 1 signal
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import yaml
 
+from support import waits
 from weightsync import job as contract
 from weightsync.job import LIVENESS
 from weightsync.local.runner import free_ports
@@ -23,13 +23,7 @@ def answer(port: int, spec=LIVENESS) -> tuple[bool, str]:
 
 
 def until(what: str, check, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what} within {timeout}s"
-        time.sleep(0.1)
+    return waits.until(what, check, timeout, every=0.1)
 
 
 def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:

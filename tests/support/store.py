@@ -47,3 +47,16 @@ def record_session(port: int, token: bytes, job: str, talk) -> bytes:
     listener.close()
     return bytes(captured)
 
+
+def recv_all(sock: socket.socket, timeout: float = 30.0) -> bytes:
+    """Everything the peer sends until it closes the connection."""
+    sock.settimeout(timeout)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import waits
 from support.jobs import assert_nothing_left, make_job, store_of, wait_key
 
 from weightsync.local import kubelet
@@ -45,13 +46,7 @@ class Progress(io.StringIO):
 
 
 def until(what: str, check, timeout: float = DEADLINE, every: float = 0.001):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(every)
+    return waits.until(what, check, timeout, every)
 
 
 def run_in_background(local: LocalJob) -> tuple[threading.Thread, dict]:

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from support.jobs import ODD, assert_nothing_left, make_job, store_of, wait_key
-from support.store import record_session
+from support.store import record_session, recv_all
 from weightsync import job as contract
 from weightsync.local.runner import LocalJob
 from weightsync.rendezvous.store.client import StoreClient
@@ -41,19 +41,6 @@ def rss_kib(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def received_until_closed(sock: socket.socket) -> bytes:
-    sock.settimeout(60)
-    out = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
-
-
 def stranger(port: int, then: bytes) -> bytes:
     """Connect as someone without the token: a made-up proof, then `then`; what came back after
     the server's hello."""
@@ -63,7 +50,7 @@ def stranger(port: int, then: bytes) -> bytes:
             sock.sendall(PROOF.pack(b"WSKV", os.urandom(32), os.urandom(32)) + then)
         except OSError:
             pass  # the store closed the connection while this was sending
-        return received_until_closed(sock)
+        return recv_all(sock, timeout=60)
 
 
 def test_without_the_token_a_running_job_cannot_be_read_written_or_filled(tmp_path):
@@ -160,4 +147,4 @@ def stranger_replay(port: int, captured: bytes) -> bytes:
             sock.sendall(captured)
         except OSError:
             pass
-        return received_until_closed(sock)
+        return recv_all(sock, timeout=60)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from support.store import record_session
+from support.store import record_session, recv_all
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
@@ -38,20 +38,6 @@ def server():
 
 def client(server, token=TOKEN, job=JOB, timeout=10.0, **kw) -> StoreClient:
     return StoreClient("127.0.0.1", server.port, token, job, timeout=timeout, **kw)
-
-
-def recv_all(sock: socket.socket, timeout: float = 30.0) -> bytes:
-    """Everything the peer sends until it closes the connection."""
-    sock.settimeout(timeout)
-    out = b""
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
 
 
 def raw_session(port: int, token: bytes = TOKEN, job: str = JOB) -> tuple[socket.socket, bytes]:

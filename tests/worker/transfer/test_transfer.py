@@ -24,6 +24,7 @@ from weightsync.transfer.send import VersionSender
 from weightsync.transport import TransferError, make_transport
 
 from support.transfer_peer import layout_of, plan_of
+from support.waits import until
 from support.transfer import ODD, TOKEN, send_and_check
 
 
@@ -84,13 +85,6 @@ def test_wrong_token_is_refused_and_nothing_is_applied(ranks, store):
     assert intruder.returncode == 3
 
 
-def wait_until(done, failure: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.01)
-
-
 def kill_and_join(victim, thread) -> float:
     """SIGKILL the victim process and wait for the thread facing it to end; returns when the
     kill was sent."""
@@ -123,7 +117,7 @@ def test_killed_trainer_mid_transfer_is_named_within_seconds(ranks, store):
     thread.start()
     store.wait(["paused/trainer/1"])
     first = plan.buckets_of(1)[0]  # the bucket lands, then the trainer hangs mid-version
-    wait_until(lambda: staging[first.offset:first.end].any(), "the first bucket never arrived")
+    until("first bucket", lambda: staging[first.offset:first.end].any(), timeout=30, every=0.01)
     killed = kill_and_join(victim, thread)
     assert out["error"].peer == "trainer rank 1", out["error"]
     assert "connection lost during version 1" in str(out["error"])
@@ -156,7 +150,7 @@ def test_killed_inference_mid_transfer_is_named_within_seconds(ranks, store):
     thread = threading.Thread(target=send)
     thread.start()
     # mid-transfer: the kernel holds bytes the peer does not read
-    wait_until(lambda: unsent_bytes(sender.conns[0].sock) >= (1 << 20), "the send never backed up")
+    until("send backed up", lambda: unsent_bytes(sender.conns[0].sock) >= (1 << 20), timeout=30, every=0.01)
     killed = kill_and_join(victim, thread)
     assert out["error"].peer == "inference rank 0", out["error"]
     assert out["at"] - killed < 5
@@ -186,7 +180,7 @@ def test_a_receiver_that_dies_mid_version_is_lost_and_the_others_get_all_of_it(r
         store.set("sums/1/0", json.dumps(out["sent"].checksums))
     thread = threading.Thread(target=send)
     thread.start()
-    wait_until(lambda: unsent_bytes(sender.conns[0].sock) >= (1 << 20), "the send never backed up")
+    until("send backed up", lambda: unsent_bytes(sender.conns[0].sock) >= (1 << 20), timeout=30, every=0.01)
     kill_and_join(victim, thread)
     sent = out["sent"]
     assert list(sent.lost) == [0] and "inference rank 0" in sent.lost[0]
