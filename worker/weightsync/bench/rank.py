@@ -1,12 +1,12 @@
 """One rank of a `weightsync bench` case, in its own process: the methods it times, version by
-version, and the checks between them (bench.py starts the processes and reports).
+version, and the checks between them (transfer.py starts the processes and reports).
 
 A trainer rank holds float32 master weights: GPT-2's random init for every version, or, with
 trained versions (trained.py), version v loaded into the same resident tensors before version v
 is timed, as a trainer's optimizer step would leave them. An inference rank receives into
 buffers of one version each. Every process of a case meets the others at named barriers through
 the case's store, so the methods run one at a time on an otherwise idle set of processes, version
-by version, interleaved. With links (links.py), the process first moves into its own network
+by version, interleaved. With links (netns.py), the process first moves into its own network
 namespace, and every connection, the store's included, goes over its shaped link.
 """
 

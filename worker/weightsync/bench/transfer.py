@@ -15,7 +15,7 @@ A version's time runs from the first trainer starting to the last inference rank
 GB/s counts the bytes delivered to all inference ranks.
 
 By default every process talks over loopback: that measures CPU copies, not a network. With
---links RATE every rank runs in its own network namespace with a link of RATE each way (links.py),
+--links RATE every rank runs in its own network namespace with a link of RATE each way (netns.py),
 and every method is compared with the speed of light of the shape: the larger of what the busiest
 trainer must send and what the busiest inference rank must receive, over RATE. Delta versions need
 versions that differ as training makes them differ: the benchmark first trains the model

@@ -1,6 +1,6 @@
 """The CRD's structural schema applied to a job as the API server applies it: defaults, unknown
 fields (strict field validation), the OpenAPI schema and the CEL rules. Each check returns the
-problems it finds, as "path: what to fix" lines; the job contract (contract.py) raises them.
+problems it finds, as "path: what to fix" lines; the job contract (job/spec.py) raises them.
 
 A separate module so that the contract reads as the contract (names, layout, environment) and
 this as the mechanics of one Kubernetes feature. Imports neither torch nor the Kubernetes client.
