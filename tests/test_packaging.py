@@ -128,3 +128,17 @@ def test_make_images_builds_both_dockerfiles_with_the_engine_it_is_given():
     built = [line for line in proc.stdout.splitlines() if line.startswith("build ")]
     assert built == [f"build -f Dockerfile.operator -t r.example/ws/operator:{version} .",
                      f"build -f Dockerfile.worker -t r.example/ws/worker:{version} ."]
+
+
+def test_every_data_file_a_package_reads_is_shipped_with_it():
+    """A wheel (what the images install) carries a package's data files only where pyproject.toml
+    names them under that package: each named file exists there, and the CRD the job contract
+    reads is among them."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = config["tool"]["setuptools"]["package-data"]
+    for package, files in shipped.items():
+        folder = ROOT / "worker" / package.replace(".", "/")
+        for name in files:
+            assert (folder / name).is_file(), f"pyproject.toml ships {package}/{name}, which is not there"
+    schema = importlib.util.find_spec("weightsync.job.schema").origin
+    assert "crd.yaml" in Path(schema).read_text() and "crd.yaml" in shipped.get("weightsync.job", [])
