@@ -108,8 +108,8 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
                                                     tmp_path):
     job = fast(example("tcp-job.yaml"))
     name = job["metadata"]["name"]
-    spec = contract.load_job(job, namespace).spec
-    layout = contract.Layout.from_spec(spec)
+    loaded = contract.load_job(job, namespace)
+    spec, layout = loaded.spec, loaded.layout
     assert spec["network"]["mode"] == "tcp"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)  # a tcp job's pods need nothing more
@@ -209,8 +209,8 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     job = fast(example("tcp-job.yaml"))
     job["metadata"]["name"] = name = "rejoin"
     job["spec"]["training"].update(steps=12)
-    spec = contract.load_job(job, namespace).spec
-    layout = contract.Layout.from_spec(spec)
+    loaded = contract.load_job(job, namespace)
+    spec, layout = loaded.spec, loaded.layout
     versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
     victim = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
@@ -255,7 +255,7 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, rea
     job["spec"]["inference"].update(replicas=3, tensorParallelSizes=[2, 1])
     for role in ("trainer", "inference"):
         job["spec"][role]["resources"]["requests"]["cpu"] = "200m"
-    layout = contract.Layout.from_spec(contract.load_job(job, namespace).spec)
+    layout = contract.load_job(job, namespace).layout
     versions = 1 + steps // every
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)
@@ -330,8 +330,8 @@ def more_rdma_nodes(cluster):
 def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, namespace, chart, operator_from_chart,
                                                             more_rdma_nodes):
     job = example("rdma-job.yaml")
-    name, spec = job["metadata"]["name"], contract.load_job(job, namespace).spec
-    layout = contract.Layout.from_spec(spec)
+    loaded = contract.load_job(job, namespace)
+    name, spec, layout = job["metadata"]["name"], loaded.spec, loaded.layout
     nodes = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
     rdma_nodes = {n["metadata"]["name"] for n in nodes if RDMA in n["status"]["allocatable"]}
 
@@ -419,7 +419,7 @@ def test_a_namespaced_install_runs_jobs_in_its_namespace_only(cluster, helm, ope
             apply(cluster, other, job)
             apply(cluster, watched, job)
             wait_for(f"{job['metadata']['name']} in {watched} has its pods", lambda: len(job_pods(cluster, watched, "scoped"))
-                     == contract.Layout.from_spec(contract.load_job(job).spec).pods, 60, failed=operator.check)
+                     == contract.load_job(job).layout.pods, 60, failed=operator.check)
             wait_for("scoped has ChildrenCreated", lambda: any(
                 c["type"] == "ChildrenCreated" and c["status"] == "True"
                 for c in get_job(cluster, watched, "scoped").get("status", {}).get("conditions", [])), 30,
