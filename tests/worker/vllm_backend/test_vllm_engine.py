@@ -2,8 +2,9 @@
 server (its CPU build, in the environment `make vllm-env` makes) with weightsync as the weight
 transfer backend, as local processes (`weightsync run`'s LocalJob).
 
-What is checked: after every version the parameters vLLM holds, read in its worker (fused qkv_proj
-and gate_up_proj included), equal the trainer's weights bit for bit; a greedy completion through
+What is checked: after every version the parameters vLLM computes with, read in its worker (fused
+qkv_proj and gate_up_proj included, read back through the CPU build's repacked GEMM kernels where
+it leaves the parameter empty), equal the trainer's weights bit for bit; a greedy completion through
 the OpenAI API changes with the version, and vLLM's generate route names the version of every
 token; a request in flight while a version is loaded completes on one version, and no request
 after a load uses KV blocks cached before it; delta versions arrive bit for bit; a version whose

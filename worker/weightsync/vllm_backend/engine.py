@@ -8,15 +8,14 @@ allocated and registered with the transport once. From then on a thread of its o
 round (inbound.py, the built-in engine's code): it receives the version into staging while vLLM
 serves the previous one, verifies it, and tells the controller it is staged. The controller then
 drives the update on every server (control.py): between two scheduler steps, receive_weights loads
-the staged version, in place, into vLLM's parameters (its fused qkv_proj and gate_up_proj are
-vLLM's load_weights' business). A version that failed verification is never staged, so it cannot
-be loaded; an update call that names a version other than the staged one, or that does not prove
-the job token, changes nothing.
-
-Loading is in place (vLLM's load_weights into the live parameters, every check done before the
-first copy), not vLLM's layerwise reload, which moves each layer to the meta device until all its
-weights arrived: a failure there would leave a half-loaded model. Online-quantized models, which
-need that reload, are refused at init.
+the staged version through vLLM's own reload machinery (its layerwise reload: each layer's
+checkpoint-format tensors loaded, then processed again as vLLM processes weights after loading,
+fused into qkv_proj and gate_up_proj and repacked for its kernels, and copied into the tensors the
+model runs on). A version that failed verification is never staged, so it cannot be loaded; an
+update call that names a version other than the staged one, or that does not prove the job token,
+changes nothing: every check is done before the reload starts. A load that fails part-way (which
+a verified version of the declared layout does not) fails the job naming the server.
+Online-quantized models are refused at init.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from weightsync.job import INFERENCE, Env, WorkerContext
 from weightsync.job.token import same
@@ -130,7 +130,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     # vLLM's side: the engine core, between two scheduler steps
     def start_weight_update(self) -> None:
-        pass  # loading is in place: nothing to prepare
+        pass  # the reload is set up in receive_weights, once the update was checked
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         version = update_info.version
@@ -143,13 +143,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 raise ValueError(f"{self.me} has version {self.staged} staged, not {version}: nothing was loaded")
             buffer = self.buffers[self.staging_index]
         start = time.monotonic()
-        self.model.load_weights(zip(self.layout.names, views(buffer, self.layout)))
+        self.load(buffer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log(self.me, f"loaded version {version} into vLLM in {time.monotonic() - start:.3f}s")
         if dumping():
-            tensors = {n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}
-            dump(INFERENCE, self.rank, version, tensors, None)
+            dump(INFERENCE, self.rank, version, served_parameters(self.model), None)
         with self.cond:
             self.loaded, self.staged = version, None
             if len(self.buffers) == 2:  # the loaded version stays as the next one's base
@@ -157,7 +156,37 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.cond.notify_all()
 
     def finish_weight_update(self) -> None:
-        pass  # loaded in place by receive_weights
+        pass  # the reload is finished in receive_weights
+
+    def load(self, buffer) -> None:
+        """The staged version into the model through vLLM's own reload machinery: each layer is
+        loaded from the checkpoint-format tensors and processed again as vLLM processes weights
+        after loading (fused, repacked for its kernels), then copied into the tensors the model
+        runs on. Set up only once the update was checked, so a refused one leaves the model as it
+        was."""
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(zip(self.layout.names, views(buffer, self.layout)))
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
         pass  # the receiving thread ends with the job
+
+
+def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as the model computes with it, for the tests' dumps. vLLM's CPU build
+    repacks a linear layer's weight for its GEMM kernel (oneDNN, or its own small-GEMM kernel) and
+    leaves the parameter empty: such a weight is read back through the layer's own kernel, an
+    identity in and the weight's transpose out, so a check sees what vLLM serves."""
+    modules = dict(model.named_modules())
+    out = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            tensor = param.detach()
+            module = modules.get(name.rpartition(".")[0])
+            if tensor.numel() == 0 and name.endswith(".weight") and hasattr(module, "cpu_linear"):
+                identity = torch.eye(module.input_size_per_partition, dtype=tensor.dtype, device=tensor.device)
+                tensor = module.cpu_linear(identity, tensor, None).t()
+            out[name] = tensor.cpu().clone()
+    return out
