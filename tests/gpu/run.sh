@@ -51,8 +51,8 @@ tests=0
 if [ "$WHAT" != bench ]; then
 step "GPU tests"
 # GPU_TESTS: some of the files, where one call may not last long enough for all of them
-GPU_TESTS=${GPU_TESTS:-tests/worker/test_checksum.py tests/worker/test_flat.py tests/worker/test_transport_p2p.py \
-  tests/worker/test_transports_gpu.py tests/worker/test_runner_gpu.py}
+GPU_TESTS=${GPU_TESTS:-tests/worker/transport/test_checksum.py tests/worker/model/test_flat.py \
+  tests/worker/transport/test_transport_p2p.py tests/worker/transport/test_transports_gpu.py tests/worker/local/test_runner_gpu.py}
 $V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" --junitxml "$OUT/gpu-tests.xml" \
   $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
@@ -60,7 +60,8 @@ fi
 
 if [ "$WHAT" = all ]; then
 step "the same tests' CPU cases, on this machine"
-$V -m pytest -ra -m 'not gpu' -p no:cacheprovider tests/worker/test_checksum.py tests/worker/test_transport_p2p.py \
+$V -m pytest -ra -m 'not gpu' -p no:cacheprovider tests/worker/transport/test_checksum.py \
+  tests/worker/transport/test_transport_p2p.py \
   2>&1 | tee "$OUT/cpu-tests.log"
 fi
 
