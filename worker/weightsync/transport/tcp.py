@@ -507,7 +507,8 @@ class TcpReceiver(Receiver):
     def written(self, landing: Landing, offset: int, length: int) -> int:
         """Checksum of a range the sender wrote one-sided (RDMA transports only, which carry
         WRITTEN frames)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} receives no one-sided writes: only the RDMA and IPC "
+                                  "transports send WRITTEN frames")
 
     def close(self) -> None:
         if self.door is not None:
