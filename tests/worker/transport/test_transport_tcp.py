@@ -441,6 +441,30 @@ def test_refusals_are_logged_at_most_once_per_interval_with_a_count(caplog):
     receiver.close()
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_door_survives_bursts_of_connections_opened_and_closed_at_once(threads):
+    receiver, endpoint = pair()
+    receiver.expect_trainers(1)  # a small cap: the burst makes the door close pending connections itself
+    host, port = sockets.parse_endpoint(endpoint)
+
+    def burst():
+        for _ in range(6):
+            socks = [socket.create_connection((host, port), timeout=30) for _ in range(40)]
+            for s in socks:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, at once
+                s.close()
+
+    workers = [threading.Thread(target=burst) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert receiver.door.thread.is_alive(), "the door thread died: the data port no longer accepts"
+    sock = authenticated_raw_client(endpoint)  # a trainer still gets in after the burst
+    sock.close()
+    receiver.close()
+
+
 # ---------------------------------------------------------------- patches (delta versions)
 
 

@@ -87,7 +87,9 @@ class Pending:
     addr: str
     challenge: bytes
     deadline: float
+    fd: int  # its descriptor when it was registered: the key it is pending under, also once it is closed
     answer: bytearray = field(default_factory=bytearray)
+    left: bool = False  # it left the door (proven, refused or dropped); a readiness event for it is stale
 
 
 class Door:
@@ -138,7 +140,7 @@ class Door:
                         self._accept()
                     elif key.fileobj is self.wake_r:
                         pass
-                    else:
+                    elif not key.data.left:  # not closed by an earlier event of the same batch
                         self._read(key.data)
                 self._expire()
                 self.say.flush()
@@ -199,8 +201,8 @@ class Door:
         if sent != len(challenge):
             self._refused_now(sock, addr, f"could not send the challenge: {why}")
             return
-        p = Pending(sock, addr, challenge, time.monotonic() + HANDSHAKE_TIMEOUT)
-        self.pending[sock.fileno()] = p
+        p = Pending(sock, addr, challenge, time.monotonic() + HANDSHAKE_TIMEOUT, sock.fileno())
+        self.pending[p.fd] = p
         self.selector.register(sock, selectors.EVENT_READ, p)
 
     def _read(self, p: Pending) -> None:
@@ -239,8 +241,13 @@ class Door:
             self.selector.register(self.listener, selectors.EVENT_READ)
 
     def _leave(self, p: Pending) -> None:
-        self.pending.pop(p.sock.fileno(), None)
-        self.selector.unregister(p.sock)
+        """Out of the pending set and the selector, once: by its registered descriptor, which stays
+        its key after the socket is closed (a closed socket's fileno() is -1)."""
+        if p.left:
+            return
+        p.left = True
+        self.pending.pop(p.fd, None)
+        self.selector.unregister(p.fd)
 
     def _drop(self, p: Pending) -> None:
         self._leave(p)
