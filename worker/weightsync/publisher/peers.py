@@ -1,12 +1,14 @@
 """A trainer rank's connections to the inference ranks, kept in step with the controller's rounds:
 a rank that went away is dropped, and one that came back (a new attempt, at its new endpoint or
-at the same one) is dialled again."""
+at the same one) is dialled again. The same peers name the job's vLLM servers, for a script that
+sends its own requests to them (Sync.servers)."""
 
 from __future__ import annotations
 
 from weightsync.job import INFERENCE
-from weightsync.rendezvous.messages import Peer, Round
-from weightsync.rendezvous.protocol import Member, who
+from weightsync.job.token import same
+from weightsync.rendezvous.messages import Peer, RankInfo, Round
+from weightsync.rendezvous.protocol import Keys, Member, ProofError, rank_proof, who
 from weightsync.transport.base import TransferError
 
 
@@ -33,3 +35,22 @@ class Links:
             return {r: str(e) if e.peer == who(INFERENCE, r) else f"could not connect to {endpoint}"
                     for r, endpoint in missing.items() if not self.sender.connected(r)}
         return {}
+
+    def servers(self) -> tuple[str, ...]:
+        """The URLs of the inference ranks' vLLM servers as of the last round, each once, in rank
+        order (a tensor-parallel server's workers name the same one): what each worker told the
+        controller when it joined (RankInfo.server), read back under its proof of the job token."""
+        urls: list[str] = []
+        for r, peer in sorted(self.peers.items()):
+            server = self._info(r, peer.attempt).server
+            if server is not None and server not in urls:
+                urls.append(server)
+        return tuple(urls)
+
+    def _info(self, rank: int, attempt: int) -> RankInfo:
+        endpoint, meta, info, proof = (self.member.get(Keys.published(what, INFERENCE, rank, attempt)).decode()
+                                       for what in ("endpoint", "meta", "info", "proof"))
+        nonce = self.member.get(Keys.nonce(INFERENCE, rank, attempt))
+        if not same(proof, rank_proof(self.member.token, nonce, INFERENCE, rank, endpoint, meta, info)):
+            raise ProofError(f"{who(INFERENCE, rank)}'s published info is not proven with this job's token")
+        return RankInfo.from_json(info)

@@ -170,6 +170,14 @@ class Sync:
         first version that needs them), plus the last version kept for delta versions."""
         return self.mover.buffer_bytes + self.mover.kept_bytes
 
+    def servers(self) -> tuple[str, ...]:
+        """The base URLs of the job's vLLM servers (spec.inference.engine vllm), each once, in
+        inference rank order, as of the last version published: where a script sends its own
+        requests (rollouts). Each is the address the server's worker gave when it joined, the one
+        the controller reaches it at. Empty for the built-in engine, which serves no HTTP."""
+        self._check_open()
+        return self.links.servers()
+
     def store(self, prefix: str = "user/"):
         """A torch.distributed Store on the job's own rendezvous (only the job's ranks, proving its
         token, reach it), its keys under `prefix`: for init_process_group(store=..., rank=...,
