@@ -15,8 +15,10 @@ def job(spec=None, name="demo", **top):
 def test_defaults_come_from_the_crd():
     spec = contract.load_job(job()).spec
     assert spec["model"]["dtype"] == "bfloat16"
-    assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800}
-    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "tensorParallel": 1, "engine": "builtin"}
+    assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800,
+                               "external": False}
+    assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "tensorParallel": 1, "engine": "builtin",
+                                 "external": False}
     assert "command" not in spec["trainer"]  # the built-in trainer
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
     assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,

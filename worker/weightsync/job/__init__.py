@@ -9,12 +9,14 @@ from it. No torch, no Kubernetes client.
 - pod: what a pod receives (pod_env(), ports, mounts, probes) and the WorkerContext read back;
 - schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks;
 - token: the job's secret, read and proven (one HMAC for every proof of it);
+- join: what a process the user started needs to join as an external rank (three variables);
 - reasons: every reason a job's status and Events give, with what it means.
 
 The names below are the contract's vocabulary, re-exported so that callers need not know which
 module defines each.
 """
 
+from weightsync.job.join import Join, JoinEnv, external_roles, join_env
 from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, READINESS, SHM_MOUNT, SPEC_KEY,
                                 SPEC_MOUNT, STORE_PORT, TMP_MOUNT, TOKEN_KEY, TOKEN_MOUNT, TORCHRUN_VARS, WORKER_UID,
                                 WRITABLE_ENV, Env, PodSite, Probe, Value, WorkerContext, master_addr, network_env,
@@ -32,7 +34,7 @@ __all__ = [
     "LABEL_ROLE", "LIVENESS", "MASTER_PORT", "PLURAL", "POD_INDEX_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
     "SPEC_KEY", "SPEC_MOUNT", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",
     "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Inference", "Job", "KubectlLoader",
-    "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer", "Training",
-    "Transfer", "Value", "ValueFrom", "Vllm", "WorkerContext", "load_job", "master_addr", "network_env", "pod_env",
-    "read_job_file", "schema", "torchrun_env",
+    "Join", "JoinEnv", "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",
+    "Training", "Transfer", "Value", "ValueFrom", "Vllm", "WorkerContext", "external_roles", "join_env", "load_job",
+    "master_addr", "network_env", "pod_env", "read_job_file", "schema", "torchrun_env",
 ]

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from weightsync.job.join import Join, JoinEnv
 from weightsync.job.spec import Job, Network, SpecError, ValueFrom, load_job
 from weightsync.job.token import read_token
 from weightsync.job.topology import CONTROLLER, TRAINER
@@ -51,7 +52,7 @@ class Env:
     NAMESPACE = "WEIGHTSYNC_NAMESPACE"
     ORDINAL = "WEIGHTSYNC_ORDINAL"  # downward API: the pod-index label
     POD_NAME = "WEIGHTSYNC_POD_NAME"
-    POD_IP = "WEIGHTSYNC_POD_IP"  # the address other ranks dial
+    POD_IP = JoinEnv.POD_IP  # the address other ranks dial
     CONTROLLER_HOST = "WEIGHTSYNC_CONTROLLER_HOST"
     STORE_PORT = "WEIGHTSYNC_STORE_PORT"
     DATA_PORT = "WEIGHTSYNC_DATA_PORT"
@@ -67,7 +68,7 @@ class Env:
     # spec.inference.engine vllm: the address of the pod's vLLM server that a rank tells the
     # controller (which drives its updates), and the Python that runs vLLM (`weightsync run`:
     # another environment than weightsync's own; in a vLLM image, the image's)
-    VLLM_SERVER = "WEIGHTSYNC_VLLM_SERVER"
+    VLLM_SERVER = JoinEnv.VLLM_SERVER
     VLLM_PYTHON = "WEIGHTSYNC_VLLM_PYTHON"
     VLLM_PORT = "WEIGHTSYNC_VLLM_PORT"  # `weightsync run`: a local pod's own port (in a cluster, spec.inference.vllm.port)
 
@@ -287,6 +288,18 @@ class WorkerContext:
             health_port=int(environ.get(Env.HEALTH_PORT, HEALTH_PORT)),
             colocated=environ.get(Env.COLOCATED) == "1",
         )
+
+    @classmethod
+    def from_join(cls, join: Join, job: Job, role: str, rank: int, *, network_mode: str,
+                  data_port: int = DATA_PORT) -> "WorkerContext":
+        """The context of an external rank (job/join.py): a process the user started, which read
+        `job` from the controller's store (rendezvous/join.py) instead of mounted files. Its
+        ordinal is the one of the pod that would hold `rank` had weightsync started it (the
+        controller counts ranks, not pods); it dials out from its address on the route to the
+        controller unless WEIGHTSYNC_POD_IP names another."""
+        return cls(job=job, ordinal=job.layout.ordinal_of_rank(role, rank), role=role, pod_ip=join.local_address(),
+                   controller_host=join.controller_host, store_port=join.store_port, data_port=data_port,
+                   network_mode=network_mode, token=join.token, report_to_kubernetes=False, health_port=0)
 
     @property
     def ranks(self) -> range:

@@ -178,6 +178,9 @@ class Pods:
     """Kubernetes nodeSelector of the role's pods."""
     tolerations: tuple[Mapping[str, Any], ...] = ()
     """Kubernetes tolerations of the role's pods."""
+    external: bool = False
+    """The role's ranks are processes the user starts (job/join.py: what they need to join);
+    weightsync starts none of its pods. The controller is never external."""
 
     @property
     def gpus(self) -> int:
@@ -188,7 +191,8 @@ class Pods:
     def common(section: Mapping) -> dict[str, Any]:
         """The fields every role's section has, read from it."""
         return {"image": section.get("image"), "resources": section.get("resources") or {},
-                "node_selector": section.get("nodeSelector") or {}, "tolerations": tuple(section.get("tolerations") or ())}
+                "node_selector": section.get("nodeSelector") or {}, "tolerations": tuple(section.get("tolerations") or ()),
+                "external": bool(section.get("external", False))}
 
 
 @dataclass(frozen=True)
@@ -493,6 +497,11 @@ class Job:
     @property
     def secret_name(self) -> str:
         return f"{self.name}-token"
+
+    @property
+    def join_secret_name(self) -> str:
+        """What an external rank needs to join (job/join.py's variables), for envFrom."""
+        return f"{self.name}-join"
 
     @property
     def configmap_name(self) -> str:

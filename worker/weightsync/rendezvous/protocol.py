@@ -69,13 +69,15 @@ def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
     return StoreServer(address, port, token, job, Limits(connections=CONNECTIONS_PER_RANK * ranks + 16), STORE_TIMEOUT)
 
 
-def connect_store(host: str, port: int, token: bytes, job: str, timeout: float):
+def connect_store(host: str, port: int, token: bytes, job: str, timeout: float, call_timeout: float | None = None):
     """A client of the controller's store; retries until `timeout` while the controller starts.
-    StoreRefused if this process's token (or job) is not the store's."""
+    Each of its calls may block `call_timeout` seconds (default: the lesser of `timeout` and
+    STORE_TIMEOUT). StoreRefused if this process's token (or job) is not the store's."""
     from weightsync.rendezvous.store.client import StoreClient  # torch
 
+    calls = min(STORE_TIMEOUT, timeout) if call_timeout is None else call_timeout
     try:
-        return StoreClient(host, port, token, job, timeout=min(STORE_TIMEOUT, timeout), connect_timeout=timeout)
+        return StoreClient(host, port, token, job, timeout=calls, connect_timeout=timeout)
     except StoreRefused:
         raise
     except StoreError as e:
@@ -135,6 +137,9 @@ class Keys:
     FAILURES = "failures"  # counter: failures reported (failed/<role>/<rank> says whose)
     VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
     PLAN, PLAN_MAC = "plan", "plan/mac"  # controller: the plan, HMAC'd with the token
+    # controller: the defaulted job (Job.to_object(), its resolved network mode as an annotation)
+    # that external ranks read instead of a spec file (rendezvous/join.py), HMAC'd with the token
+    JOB, JOB_MAC = "job", "job/mac"
     END = "end"  # controller: the job is over {"state", "reason", "message"}
     CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)
 
@@ -250,6 +255,12 @@ def rank_proof(token: bytes, nonce: bytes, role: str, rank: int, endpoint: str, 
 def plan_mac(token: bytes, text: str | bytes) -> str:
     """The controller's signature of the plan it published."""
     return mac(token, b"plan", text, lengths=LENGTHS).hex()
+
+
+def job_mac(token: bytes, identity: str, text: str | bytes) -> str:
+    """The controller's signature of the job it published for external ranks, bound to the job's
+    identity (namespace/name)."""
+    return mac(token, b"job", identity, text, lengths=LENGTHS).hex()
 
 
 def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:

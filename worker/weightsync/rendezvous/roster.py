@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
-from weightsync.job import INFERENCE, TRAINER, Layout, reasons
+from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Layout, reasons
 from weightsync.job.token import same
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
 from weightsync.rendezvous.protocol import (
@@ -32,6 +32,7 @@ from weightsync.rendezvous.protocol import (
     Keys,
     ProofError,
     host_store,
+    job_mac,
     peers_mac,
     plan_mac,
     rank_proof,
@@ -104,6 +105,15 @@ class Host(Channel):
             self.set(Keys.nonce(role, rank, 1), secrets.token_hex(16))
 
     # ------------------------------------------------------------ admission
+
+    def publish_job(self, job: Job, network_mode: str) -> None:
+        """The defaulted job and its resolved network mode, signed: what an external rank reads
+        instead of the spec file a pod mounts (rendezvous/join.py). Before any rank is admitted."""
+        obj = job.to_object()
+        obj["metadata"]["annotations"] = {ANNOTATION_NETWORK_MODE: network_mode}
+        text = json.dumps(obj, sort_keys=True)
+        self.set(Keys.JOB, text)
+        self.set(Keys.JOB_MAC, job_mac(self.token, job.identity, text))  # last: a reader waits for it
 
     def _proven(self, role: str, rank: int, attempt: int) -> Admission | None:
         """What the rank published for `attempt`, once it proved the token over it; None before."""

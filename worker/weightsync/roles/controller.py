@@ -69,6 +69,7 @@ def run(ctx: WorkerContext) -> int:
     reporter.started(starts)
     host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT), away_limit=AWAY_LIMIT,
                 say=lambda m: log(ME, m), address=ctx.pod_ip, job=ctx.job.identity)
+    host.publish_job(ctx.job, ctx.network_mode)  # what external ranks read instead of a spec file
     health.ready()
     if starts > 1:
         last = (status.get("transfer") or {}).get("version")
