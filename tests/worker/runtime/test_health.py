@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,17 +82,14 @@ def test_only_the_two_paths_are_served(pod):
     assert answer(port, other) == (False, "HTTP 404: no such endpoint; this serves /healthz and /readyz")
 
 
-def test_idle_connections_are_capped_and_dropped(pod):
-    """A client that connects and sends nothing holds no thread for long, and no more than
-    MAX_CONNECTIONS are held at once: the one beyond is closed at once."""
+def test_idle_connections_are_closed_at_their_deadline_and_the_oldest_make_room(pod):
+    """A client that connects and sends nothing holds nothing for long: each connection is closed
+    REQUEST_TIMEOUT after its accept, and one beyond MAX_PENDING closes the oldest at once."""
     _, port, _, _ = pod
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) for _ in range(health.MAX_CONNECTIONS)]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) for _ in range(health.MAX_PENDING + 1)]
     try:
-        time.sleep(0.2)  # let the server take them all
-        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as extra:
-            assert extra.recv(1) == b""  # closed without an answer
-        for s in idle:  # each is closed after REQUEST_TIMEOUT (a 408 answer, or nothing)
-            s.settimeout(DEADLINE)
+        assert idle[0].recv(1) == b""  # the oldest, closed to make room for the last
+        for s in idle[1:]:
             start = time.monotonic()
             while s.recv(4096):
                 pass
@@ -100,6 +98,37 @@ def test_idle_connections_are_capped_and_dropped(pod):
     finally:
         for s in idle:
             s.close()
+
+
+def test_probes_are_answered_while_clients_trickle_bytes_into_every_connection(pod):
+    """Slow clients that each send one byte now and then, as many as the server holds, cannot keep
+    the kubelet's probes from their answers: no connection outlives REQUEST_TIMEOUT, however it
+    trickles, and a probe is answered as soon as its request is in."""
+    _, port, _, _ = pod
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
+                    while not stop.is_set():
+                        s.sendall(b"G")
+                        time.sleep(0.2)
+            except OSError:
+                continue  # closed by the server: connect again at once, as an attacker would
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(health.MAX_PENDING)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2 * health.REQUEST_TIMEOUT)
+        for _ in range(10):  # the kubelet's probes, each given LIVENESS's timeout
+            assert answer(port) == (True, "HTTP 200: alive: trainer rank 0, trainer rank 1")
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(DEADLINE)
 
 
 # ---------------------------------------------------------------- a real worker pod process

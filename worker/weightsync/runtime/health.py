@@ -15,21 +15,22 @@ it runs on a verified version, a trainer once it joined the job, the controller 
 rendezvous is up) and the pod is alive.
 
 The endpoint tells nothing secret (which ranks are late, by name), writes no file (the slots live
-in shared memory that multiprocessing maps, under /dev/shm or the temporary directory), and holds
-at most MAX_CONNECTIONS connections at once, each for at most REQUEST_TIMEOUT seconds: idle
-connections cannot pile up threads.
+in shared memory that multiprocessing maps, under /dev/shm or the temporary directory), and answers
+from one thread whatever unauthenticated clients do: no connection holds a thread or a slot that
+the kubelet's probe needs (_Server says how).
 """
 
 from __future__ import annotations
 
+import collections
+import http
 import http.client
 import multiprocessing
+import selectors
 import socket
-import socketserver
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
 
 from weightsync.job import LIVENESS, READINESS, Probe
 
@@ -38,8 +39,14 @@ BEAT = 1.0  # seconds between a rank's stamps
 # thread can wait seconds for the interpreter's lock while the rank's main thread is in a long call
 # that holds it (importing torch on a loaded 2-core machine held it for up to 4.8 s), never ten.
 STALE_AFTER = 10.0
-MAX_CONNECTIONS = 8  # the kubelet sends one probe at a time, two with readiness
-REQUEST_TIMEOUT = 1.0  # seconds a connection may take to send its request: an answer is immediate
+# Connections whose request is incomplete, at most; one more closes the oldest. The kubelet sends
+# one probe at a time (two with readiness), each answered as soon as its request is in.
+MAX_PENDING = 64
+REQUEST_TIMEOUT = 1.0  # seconds from a connection's accept to its whole request: a prober sends it at once
+MAX_REQUEST = 4096  # bytes of a request; a longer one is no probe
+# Connections accepted at a time before the requests already in are read: fewer than MAX_PENDING,
+# so that a probe accepted amid a flood is read before the flood could make it the oldest.
+ACCEPT_BATCH = 16
 
 STARTING, READY, DONE = 0, 1, 2  # a rank's state, next to its stamp
 
@@ -135,55 +142,131 @@ class PodHealth:
             self.server.server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    timeout = REQUEST_TIMEOUT  # a socket timeout for the whole exchange
-    server: "_Server"
+@dataclass
+class _Request:
+    """A connection whose request is not complete yet."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        checks = {LIVENESS.path: self.server.health.liveness, READINESS.path: self.server.health.readiness}
-        check = checks.get(self.path.split("?", 1)[0])
+    sock: socket.socket
+    fd: int  # the key it is pending under (a closed socket's fileno() is -1)
+    deadline: float  # REQUEST_TIMEOUT after it was accepted, however slowly it trickles in
+    data: bytearray = field(default_factory=bytearray)
+    left: bool = False
+
+
+class _Server:
+    """Answers the probes from one thread, with a selector: a connection costs no thread, has
+    REQUEST_TIMEOUT seconds from its accept to send its whole request (a byte now and then does not
+    extend it), and at most MAX_PENDING are pending at once, one more closing the oldest. The
+    prober sends its request as soon as it connects and is answered at once, so it never is the
+    oldest for long; a client that holds connections open, idle or trickling, gains nothing."""
+
+    def __init__(self, address: tuple[str, int], health: PodHealth):
+        self.health = health
+        self.listener = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.listener.bind(address)
+            self.listener.listen(128)
+        except OSError:
+            self.listener.close()
+            raise
+        self.listener.setblocking(False)
+        self.server_address = self.listener.getsockname()
+        self.pending: collections.OrderedDict[int, _Request] = collections.OrderedDict()  # oldest first
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.stopped = threading.Event()
+        self.done = threading.Event()
+
+    def serve_forever(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                timeout = None
+                if self.pending:
+                    timeout = max(0.0, next(iter(self.pending.values())).deadline - time.monotonic())
+                for key, _ in self.selector.select(timeout):
+                    if key.fileobj is self.listener:
+                        self._accept()
+                    elif key.fileobj is not self.wake_r and not key.data.left:
+                        self._read(key.data)
+                now = time.monotonic()
+                while self.pending and next(iter(self.pending.values())).deadline <= now:
+                    self._close(next(iter(self.pending.values())))
+        finally:
+            for request in list(self.pending.values()):
+                self._close(request)
+            self.done.set()
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):  # then the requests and deadlines again, even under a flood
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError:  # out of descriptors: the oldest pending makes room at its deadline
+                return
+            while len(self.pending) >= MAX_PENDING:
+                self._close(next(iter(self.pending.values())))
+            sock.setblocking(False)
+            request = _Request(sock, sock.fileno(), time.monotonic() + REQUEST_TIMEOUT)
+            self.pending[request.fd] = request
+            self.selector.register(sock, selectors.EVENT_READ, request)
+
+    def _read(self, request: _Request) -> None:
+        try:
+            got = request.sock.recv(MAX_REQUEST - len(request.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(request)
+            return
+        request.data += got
+        if not got or len(request.data) >= MAX_REQUEST:
+            self._close(request)  # closed early, or not a probe
+        elif b"\r\n\r\n" in request.data or b"\n\n" in request.data:
+            self._answer(request)
+
+    def _answer(self, request: _Request) -> None:
+        line = bytes(request.data).split(b"\n", 1)[0].decode("latin-1").split()
+        checks = {LIVENESS.path: self.health.liveness, READINESS.path: self.health.readiness}
+        check = checks.get(line[1].split("?", 1)[0]) if len(line) >= 2 and line[0] in ("GET", "HEAD") else None
         if check is None:
             code, text = 404, f"no such endpoint; this serves {LIVENESS.path} and {READINESS.path}"
         else:
             ok, text = check()
             code = 200 if ok else 503
         body = (text + "\n").encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format, *args) -> None:  # noqa: A002
-        pass  # a probe every few seconds would fill the pod's log; the prober reports failures
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], health: PodHealth):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.health = health
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(address, _Handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer's own looks up the host's name (DNS): nothing here needs it.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
-
-    def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a prober that gave up and left is no error here
-            super().handle_error(request, client_address)
-
-    def verify_request(self, request, client_address) -> bool:
-        return self._slots.acquire(blocking=False)  # refused (closed) beyond MAX_CONNECTIONS
-
-    def process_request_thread(self, request, client_address) -> None:
+        head = (f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+            request.sock.send(head + body)  # a few hundred bytes: the socket's buffer takes them at once
+        except OSError:
+            pass
+        self._close(request)
+
+    def _close(self, request: _Request) -> None:
+        if request.left:
+            return
+        request.left = True
+        self.pending.pop(request.fd, None)
+        self.selector.unregister(request.fd)
+        request.sock.close()
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+        try:
+            self.wake_w.send(b"x")
+        except OSError:
+            pass
+        self.done.wait(10)
+
+    def server_close(self) -> None:
+        self.selector.close()
+        self.listener.close()
+        self.wake_r.close()
+        self.wake_w.close()
 
 
 def probe(host: str, port: int, spec: Probe) -> tuple[bool, str]:
