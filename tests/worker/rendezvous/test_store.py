@@ -21,7 +21,8 @@ from support.store import record_session, recv_all
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
-from weightsync.rendezvous.store.wire import CODES, HELLO, OK, PROOF, VERDICT, handshake_macs, pack, read_frame, seal
+from weightsync.rendezvous.store.wire import (CODES, ERROR as CODES_ERROR, HELLO, OK, PROOF, VERDICT, handshake_macs,
+                                              pack, read_frame, seal)
 from weightsync.transport.sockets import recv_exact
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
@@ -94,6 +95,18 @@ def test_waits_end_at_their_deadline_naming_the_keys(server):
     threading.Timer(0.2, later).start()
     assert c.get("soon") == b"here"  # get waits for a key that is set meanwhile
     c.wait(["soon"], datetime.timedelta(seconds=5))
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), float("-inf")])
+def test_a_wait_of_no_number_of_seconds_is_refused_at_once(server, seconds):
+    """A token holder's get or wait with a NaN or infinite timeout is an error, not a server thread
+    that spins for ever."""
+    sock, key = raw_session(server.port)
+    for seq, (name, args) in enumerate([("wait", ([b"never"], seconds)), ("get", (b"never", seconds))], start=1):
+        sock.sendall(seal(key, b"C", seq, request(name, *args)))
+        reply = read_frame(sock, key, b"S", seq, 1 << 20)
+        assert reply[0] == CODES_ERROR and b"is no number of seconds" in reply
+    sock.close()
 
 
 def test_prefix_store_and_clone_over_the_client(server):

@@ -6,6 +6,7 @@ and the errors every side of the store raises. The server's clients and the serv
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 from dataclasses import dataclass
 
@@ -104,7 +105,10 @@ class Table:
 
     def _await(self, keys: list[bytes], timeout, what: str) -> None:
         """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
-        limit = min(max(as_seconds(self.timeout if timeout is None else timeout), 0.0), MAX_WAIT)
+        seconds = as_seconds(self.timeout if timeout is None else timeout)
+        if not math.isfinite(seconds):  # NaN would make the wait below spin for ever
+            raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
+        limit = min(max(seconds, 0.0), MAX_WAIT)
         if not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys), limit):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
