@@ -14,6 +14,7 @@ import yaml
 import weightsync
 from weightsync import job as contract
 from weightsync.job import CONTROLLER, ROLES, Job, ValueFrom
+from weightsync.job.join import external_roles, join_env
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
@@ -43,16 +44,20 @@ def children(job: Job, mode: str, token: str, *, image: str | None = None, finis
     """Every object the job owns, in creation order (what the pods mount comes before the pods).
     `image`: the default image recorded for the job; `finished`: the controller reported
     completion, so the StatefulSets run no pods; `running`: the job runs, so no change of a pod
-    template may replace its pods."""
+    template may replace its pods. A role the user runs (spec.<role>.external) gets no
+    StatefulSet: its processes join with the Secret "<job>-join" instead."""
+    external = external_roles(job)
     return [
         service(job),
         *([vllm_service(job)] if job.inference.runs_vllm else []),
         secret(job, token),
+        *([join_secret(job, token)] if external else []),
         configmap(job),
         service_account(job),
         role(job),
         role_binding(job),
-        *(statefulset(job, r, mode, image=image, finished=finished, running=running) for r in ROLES),
+        *(statefulset(job, r, mode, image=image, finished=finished, running=running)
+          for r in ROLES if r not in external),
     ]
 
 
@@ -105,6 +110,21 @@ def secret(job: Job, token: str) -> dict:
         "metadata": _meta(job, job.secret_name),
         "type": "Opaque",
         "data": {contract.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def join_secret(job: Job, token: str) -> dict:
+    """What a process of an external role needs to join the job (job/join.py's three variables),
+    for `envFrom: [{secretRef: {name: <job>-join}}]`: the controller's store at the address the
+    job's own pods dial (its pod's name under the job's headless Service, which resolves for any
+    pod of the cluster), the job's identity and its token, the token Secret's own."""
+    values = join_env(job, job.controller_host, contract.STORE_PORT, token.encode())
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, job.join_secret_name),
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(values.items())},
     }
 
 

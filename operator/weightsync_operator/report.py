@@ -9,6 +9,7 @@ import kopf
 
 from weightsync import job as contract
 from weightsync.job import Layout
+from weightsync.job.join import external_roles
 from weightsync_operator import status
 from weightsync_operator.kube import ApiError, Kube
 
@@ -66,9 +67,10 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
         if job is None or job["metadata"].get("deletionTimestamp"):
             return None
         current = job.get("status") or {}
-        layout = contract.Job(name, namespace, job["spec"]).layout  # the spec as stored: defaulted
-        statefulsets, problems, restarts = indexes.observed(namespace, name, layout)
-        new = status.compute(current, layout, statefulsets, problems, set_conditions, pod_restarts=restarts)
+        loaded = contract.Job(name, namespace, job["spec"])  # the spec as stored: defaulted
+        statefulsets, problems, restarts = indexes.observed(namespace, name, loaded.layout)
+        new = status.compute(current, loaded.layout, statefulsets, problems, set_conditions, pod_restarts=restarts,
+                             external=external_roles(loaded))
         network = network_of(job)
         if network and current.get("network") != network:
             new["network"] = network

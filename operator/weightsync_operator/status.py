@@ -54,7 +54,8 @@ def restarts(pod_status: Mapping) -> int:
 
 def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping],
             problems: Iterable[tuple[str, str, str]], set_conditions: Iterable[Mapping] = (),
-            at: str | None = None, pod_restarts: Mapping[str, int] | None = None) -> dict:
+            at: str | None = None, pod_restarts: Mapping[str, int] | None = None,
+            external: Iterable[str] = ()) -> dict:
     """The operator-owned part of the status.
 
     current: the job's status now (the controller pod's `completion` and `rejoins` included);
@@ -63,7 +64,12 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     cannot create theirs ("StatefulSet y");
     set_conditions: conditions the caller decided (NetworkResolved, ChildrenCreated);
     pod_restarts: role -> the container restarts of the role's pods now. A finished job's pods
-    are gone: its status keeps the counts it had."""
+    are gone: its status keeps the counts it had;
+    external: the roles whose processes the user starts (spec.<role>.external). The operator
+    runs no pod of theirs, so it wants none ready: their replicas say "external" with the ranks
+    the job waits for (whether those joined, the controller's log says), and Ready is about the
+    operator's own pods."""
+    external = set(external)
     at = at or now()
     completion = current.get("completion") or {}
     finished = completion.get("state") in ("Succeeded", "Failed")
@@ -75,6 +81,10 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     before = current.get("replicas") or {}
     rejoins = current.get("rejoins") or {}
     for role in ROLES:
+        if role in external:
+            replicas[role] = {"ready": 0, "desired": 0, "summary": f"external ({layout.world_size(role)} ranks)",
+                              "restarts": 0, "rejoins": int(rejoins.get(role) or 0)}
+            continue
         desired = 0 if finished else layout.replicas(role)
         ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
         restarted = int((pod_restarts or {}).get(role) or 0)
@@ -89,7 +99,7 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
         conditions[READY] = condition(READY, False, reasons.FINISHED,
                                       "the job finished; its StatefulSets are scaled to zero")
     elif all_ready:
-        conditions[READY] = condition(READY, True, reasons.ALL_PODS_READY, _counts(replicas) + " are ready")
+        conditions[READY] = condition(READY, True, reasons.ALL_PODS_READY, _counts(replicas, layout, external))
     elif problems:
         what, reason, message = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -133,9 +143,16 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
 _ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, READY, COMPLETED, FAILED))}
 
 
-def _counts(replicas: Mapping) -> str:
+def _counts(replicas: Mapping, layout: Layout, external: set[str]) -> str:
+    """What Ready says when it is True: the pods that are ready, and the ranks the operator does
+    not run."""
     r = {role: replicas[role]["desired"] for role in ROLES}
-    return f"{r[CONTROLLER]} controller, {r[TRAINER]} trainer and {r[INFERENCE]} inference pods"
+    if not external:
+        return f"{r[CONTROLLER]} controller, {r[TRAINER]} trainer and {r[INFERENCE]} inference pods are ready"
+    ours = [role for role in ROLES if role not in external]
+    pods = " and ".join(f"{r[role]} {role}" for role in ours)
+    theirs = " and ".join(f"{layout.world_size(role)} {role} ranks" for role in ROLES if role in external)
+    return f"{pods} pods are ready; the {theirs} are external (your own processes: the controller's log says which joined)"
 
 
 def _completion_message(completion: Mapping) -> str:

@@ -114,8 +114,10 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         minted = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
                   "metadata": {"name": "x-token", "namespace": watched, "labels": {contract.LABEL_JOB: "x"},
                                "annotations": {"kubernetes.io/service-account.name": "default"}}}
-        assert refused(as_operator("create", "-f", "-", input=json.dumps(minted)), "ValidatingAdmissionPolicy",
-                       "only a job's own token Secret")
+        for secret_name in ("x-token", "x-join"):
+            minted["metadata"]["name"] = secret_name
+            assert refused(as_operator("create", "-f", "-", input=json.dumps(minted)), "ValidatingAdmissionPolicy",
+                           "only a job's own token and join Secrets")
 
         # With exactly these rights, as the chart's pod runs it, the operator runs a job and puts
         # back a deleted Secret with the job's token; a job outside its namespaces is not its business.

@@ -49,7 +49,8 @@ def test_configmap_holds_the_defaulted_job_that_the_workers_load():
     cm = render.configmap(j)
     doc = yaml.safe_load(cm["data"][contract.SPEC_KEY])
     assert doc["spec"]["training"]["steps"] == 100  # a CRD default, applied before rendering
-    assert doc["spec"]["trainer"] == {"replicas": 3, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800}
+    assert doc["spec"]["trainer"] == {"replicas": 3, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800,
+                                      "external": False}
     assert contract.load_job(doc) == j
 
 

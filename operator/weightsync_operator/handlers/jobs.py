@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 import kopf
 
 from weightsync import job as contract
-from weightsync.job import reasons
+from weightsync.job import join, reasons
 from weightsync_operator import render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches
@@ -142,11 +142,24 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
         conditions.append(condition(CHILDREN_CREATED, True, reasons.REPAIRED, message))
         kopf.event(obj, type="Warning", reason=reasons.REPAIRED, message=message)
     elif changed or not was_created:
-        pods = "scaled to zero" if desired_replicas(manifests) == 0 else f"{job.layout.pods} pods"
-        conditions.append(condition(CHILDREN_CREATED, True, reasons.CREATED,
-                                    f"Service, Secret, ConfigMap, ServiceAccount, Role, RoleBinding and "
-                                    f"3 StatefulSets ({pods}) match the job"))
+        conditions.append(condition(CHILDREN_CREATED, True, reasons.CREATED, created_message(job, manifests)))
     write(set_conditions=conditions, observed_generation=obj["metadata"].get("generation"))
+
+
+def created_message(job: contract.Job, manifests: list[dict]) -> str:
+    """What ChildrenCreated says once every child is there: the kinds, the StatefulSets with their
+    pods, and the roles whose processes the user starts (which have none)."""
+    sets = [m for m in manifests if m["kind"] == "StatefulSet"]
+    total = desired_replicas(manifests)
+    pods = "scaled to zero" if total == 0 else f"{total} pods"
+    secrets = "Secrets (token, join)" if any(m["metadata"]["name"] == job.join_secret_name for m in manifests) else "Secret"
+    message = (f"Service, {secrets}, ConfigMap, ServiceAccount, Role, RoleBinding and "
+               f"{len(sets)} StatefulSets ({pods}) match the job")
+    external = join.external_roles(job)
+    if external:
+        message += (f"; no pods for the {' and '.join(external)} ranks (external: your own processes join "
+                    f"with envFrom Secret {job.join_secret_name})")
+    return message
 
 
 def drifted(obj: Mapping, child: Mapping) -> bool:
@@ -156,6 +169,8 @@ def drifted(obj: Mapping, child: Mapping) -> bool:
         job = load(obj)
     except contract.SpecError:
         return False  # the job's own handler says why
+    if child["kind"] == "Secret" and child["metadata"]["name"] == job.join_secret_name:
+        return join_secret_drifted(job, child, done[contract.ANNOTATION_TOKEN_SHA256])
     if child["kind"] == "Secret":
         value = (child.get("data") or {}).get(contract.TOKEN_KEY) or ""
         return tokens.fingerprint(base64.b64decode(value).decode(errors="replace")) != done[contract.ANNOTATION_TOKEN_SHA256]
@@ -163,8 +178,8 @@ def drifted(obj: Mapping, child: Mapping) -> bool:
     if child["kind"] == "StatefulSet":
         # The one StatefulSet (they change often; the rest rarely): rendered alone.
         role = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
-        if role not in contract.ROLES:
-            return False
+        if role not in contract.ROLES or role in join.external_roles(job):
+            return False  # not a role's, or one the job runs no pods of (the job's handler renders none)
         wanted = [render.statefulset(job, role, mode, image=image, **standing(obj))]
         kopf.adopt(wanted, owner=obj)
         # Its update strategy changes when the job starts running: the job's handler does that.
@@ -175,6 +190,19 @@ def drifted(obj: Mapping, child: Mapping) -> bool:
         if (want["kind"], want["metadata"]["name"]) == (child["kind"], child["metadata"]["name"]):
             return not matches(want, child)
     return False
+
+
+def join_secret_drifted(job: contract.Job, child: Mapping, token_sha256: str) -> bool:
+    """Whether a stored join Secret differs from what the job wants: other keys, another
+    controller address or job id, or a token that is not the job's (known by its fingerprint:
+    the handler of a child's change holds no token)."""
+    if not join.external_roles(job):
+        return False  # left from a spec that had an external role: nothing to put back
+    stored = {k: base64.b64decode(v).decode(errors="replace") for k, v in (child.get("data") or {}).items()}
+    wanted = join.join_env(job, job.controller_host, contract.STORE_PORT, b"")
+    token = stored.pop(join.JoinEnv.TOKEN, "")
+    del wanted[join.JoinEnv.TOKEN]
+    return stored != wanted or tokens.fingerprint(token) != token_sha256 or child.get("type", "Opaque") != "Opaque"
 
 
 def desired_replicas(manifests: list[dict]) -> int:
