@@ -261,6 +261,32 @@ def test_a_missing_file_or_a_directory(tmp_path):
         contract.load_job(tmp_path)
 
 
+def test_a_job_file_whose_aliases_explode_is_refused_before_anything_expands_it(tmp_path):
+    """A "billion laughs" in metadata.labels: nine levels of ten aliases each, a few hundred bytes
+    that expand to 10^9 values. Refused on one line, at once (counting the aliases is linear)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    labels = "\n".join("    " + line for line in lines)
+    path = tmp_path / "job.yaml"
+    path.write_text(f"apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata:\n  name: bomb\n"
+                    f"  labels:\n{labels}\n    bomb: *a8\nspec: {{model: {{config: {{model_type: gpt2}}}}}}\n")
+    with pytest.raises(contract.SpecError, match="its aliases expand it past 100000 values; write the job without "
+                                                 "nested aliases") as err:
+        contract.load_job(path)
+    assert "\n" not in str(err.value)
+    # an anchor used a few times, as people write YAML, is fine
+    path.write_text("apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata: {name: fine}\n"
+                    "spec:\n  model: {config: &c {model_type: gpt2, n_layer: 1, n_embd: 32, n_head: 2}}\n")
+    assert contract.load_job(path).spec["model"]["config"]["n_layer"] == 1
+
+
+def test_a_job_file_larger_than_an_object_can_be_is_refused(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("# " + "x" * (1 << 20) + "\n")
+    with pytest.raises(contract.SpecError, match="characters; a job file is at most 1048576"):
+        contract.load_job(path)
+
+
 def test_choices_are_summarised():
     from weightsync.job.schema import choices
 

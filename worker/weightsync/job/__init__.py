@@ -8,6 +8,7 @@ from it. No torch, no Kubernetes client.
 - topology: the ordinal -> role/rank layout;
 - pod: what a pod receives (pod_env(), ports, mounts, probes) and the WorkerContext read back;
 - schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks;
+- yamlfile, errors: a job file read as kubectl reads it, within bounds, and SpecError;
 - token: the job's secret, read and proven (one HMAC for every proof of it);
 - join: what a process the user started needs to join as an external rank (three variables);
 - reasons: every reason a job's status and Events give, with what it means.
@@ -23,10 +24,11 @@ from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, R
                                 pod_env, torchrun_env)
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
                                  ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
-                                 PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job, KubectlLoader,
+                                 PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
                                  Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
                                  load_job, read_job_file, schema)
 from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
+from weightsync.job.yamlfile import KubectlLoader
 
 __all__ = [
     "ANNOTATION_NETWORK_MODE", "ANNOTATION_NETWORK_REASON", "ANNOTATION_TOKEN_SHA256", "ANNOTATION_WORKER_IMAGE",

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from weightsync.job.errors import SpecError
 from weightsync.job.schema import apply_defaults, cel_rules, openapi_schema, schema_problems, unknown_fields
 from weightsync.job.sizes import size_problems
 from weightsync.job.topology import CONTROLLER, INFERENCE, TRAINER, Layout
+from weightsync.job.yamlfile import read_document
 
 GROUP = "weightsync.io"
 VERSION = "v1alpha1"
@@ -37,15 +35,6 @@ ANNOTATION_NETWORK_MODE = f"{GROUP}/network-mode"  # rdma or tcp
 ANNOTATION_NETWORK_REASON = f"{GROUP}/network-reason"
 ANNOTATION_WORKER_IMAGE = f"{GROUP}/worker-image"  # the default image when the job was created
 ANNOTATION_TOKEN_SHA256 = f"{GROUP}/token-sha256"  # proves a restored Secret holds the same token
-
-
-class SpecError(ValueError):
-    """A job that the API server would refuse; the message says what to fix, on one line (it is
-    printed by the CLI and becomes a condition's message in a cluster)."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = [re.sub(r"\s*\n\s*", " ", p) for p in problems]
-        super().__init__("invalid WeightTransferJob: " + "; ".join(self.problems))
 
 
 def schema() -> dict:
@@ -81,50 +70,10 @@ def load_job(source: str | os.PathLike | Mapping, namespace: str = "default", *,
     return Job(name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace") or namespace, spec=obj["spec"])
 
 
-class KubectlLoader(yaml.SafeLoader):
-    """YAML as kubectl reads it: `1e-5` is a number there (Go's YAML, like YAML 1.2), while
-    PyYAML's YAML 1.1 makes it a string that the schema would then refuse."""
-
-
-KubectlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
-                                    list("-+0123456789."))
-
-
 def read_job_file(path: str | os.PathLike) -> Any:
-    """The one YAML document of a job file, or a SpecError that says what is wrong with the file:
-    it is missing or a directory, not YAML (with the line), or holds several documents."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise SpecError([f"{path}: no such file"]) from None
-    except IsADirectoryError:
-        raise SpecError([f"{path}: is a directory; give the path of one {KIND} YAML file"]) from None
-    except UnicodeDecodeError:
-        raise SpecError([f"{path}: not a text file (YAML is UTF-8 text)"]) from None
-    except OSError as e:
-        raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
-    try:
-        documents = [d for d in yaml.load_all(text, Loader=KubectlLoader) if d is not None]
-    except yaml.YAMLError as e:
-        raise SpecError([f"{path}: not valid YAML{_yaml_problem(e)}"]) from None
-    if len(documents) != 1:
-        raise SpecError([f"{path}: holds {len(documents)} YAML documents; put exactly one {KIND} in the file"
-                         + (" (weightsync runs one job at a time)" if documents else "")])
-    return documents[0]
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    problem = getattr(e, "problem", None) or str(e)
-    if "'\\t'" in problem:
-        return f"{where}: a tab; YAML indents with spaces only"
-    context = getattr(e, "context", None)
-    context_mark = getattr(e, "context_mark", None)
-    if context and context_mark:
-        context = f"{context} that starts at line {context_mark.line + 1}"
-    return f"{where}: {problem}" + (f" ({context})" if context else "")
+    """The one YAML document of a job file, read as kubectl reads it, or a SpecError that says
+    what is wrong with the file (yamlfile.py)."""
+    return read_document(path, KIND)
 
 
 def _model_problems(model: Mapping) -> list[str]:

@@ -1,0 +1,103 @@
+"""Reading a job file as kubectl reads it, within bounds: its size, and the size its aliases
+expand to (an object that walks the job, the schema's checks or a copy, would otherwise expand a
+few lines of nested aliases into gigabytes before any refusal).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from weightsync.job.errors import SpecError
+
+# A job file's bounds: the API server takes objects of about this size, and a job's YAML with
+# its aliases expanded is a few thousand values.
+MAX_FILE_BYTES = 1 << 20
+MAX_EXPANDED_NODES = 100_000
+
+
+class KubectlLoader(yaml.SafeLoader):
+    """YAML as kubectl reads it: `1e-5` is a number there (Go's YAML, like YAML 1.2), while
+    PyYAML's YAML 1.1 makes it a string that the schema would then refuse."""
+
+
+KubectlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
+                                    list("-+0123456789."))
+
+
+def read_document(path: str | os.PathLike, kind: str) -> Any:
+    """The one YAML document of a file holding a `kind`, or a SpecError that says what is wrong
+    with the file: it is missing, too large or a directory, not YAML (with the line), aliased past
+    MAX_EXPANDED_NODES, or holds several documents."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SpecError([f"{path}: no such file"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{path}: is a directory; give the path of one {kind} YAML file"]) from None
+    except UnicodeDecodeError:
+        raise SpecError([f"{path}: not a text file (YAML is UTF-8 text)"]) from None
+    except OSError as e:
+        raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
+    if len(text) > MAX_FILE_BYTES:
+        raise SpecError([f"{path}: {len(text)} characters; a job file is at most {MAX_FILE_BYTES} "
+                         "(as the API server takes an object)"])
+    loader = KubectlLoader(text)
+    try:
+        documents = []
+        while loader.check_node():
+            node = loader.get_node()
+            _check_expanded(node, path)
+            document = loader.construct_document(node)
+            if document is not None:
+                documents.append(document)
+    except yaml.YAMLError as e:
+        raise SpecError([f"{path}: not valid YAML{_yaml_problem(e)}"]) from None
+    finally:
+        loader.dispose()
+    if len(documents) != 1:
+        raise SpecError([f"{path}: holds {len(documents)} YAML documents; put exactly one {kind} in the file"
+                         + (" (weightsync runs one job at a time)" if documents else "")])
+    return documents[0]
+
+
+def _check_expanded(root: yaml.Node, path) -> None:
+    """Refuse a document whose aliases would expand it past MAX_EXPANDED_NODES (a "billion laughs":
+    a few lines of anchors, each aliasing the one before ten times). PyYAML builds an aliased node
+    once, but everything that walks the job afterwards (the schema, a copy, JSON) expands it."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a node that contains itself (a recursive alias) counts once
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(v) for v in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = total = min(total, MAX_EXPANDED_NODES + 1)
+        return total
+
+    if size(root) > MAX_EXPANDED_NODES:
+        raise SpecError([f"{path}: its aliases expand it past {MAX_EXPANDED_NODES} values; write the job "
+                         "without nested aliases"])
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e)
+    if "'\\t'" in problem:
+        return f"{where}: a tab; YAML indents with spaces only"
+    context = getattr(e, "context", None)
+    context_mark = getattr(e, "context_mark", None)
+    if context and context_mark:
+        context = f"{context} that starts at line {context_mark.line + 1}"
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
