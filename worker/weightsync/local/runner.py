@@ -60,7 +60,8 @@ class CannotRunHere(RuntimeError):
 class LocalJob:
     def __init__(self, job: Job, workdir: Path, extra_env: Mapping[str, str] | None = None,
                  progress: IO[str] = sys.stderr, share_gpus: bool = False):
-        self.job, self.workdir, self.progress = job, Path(workdir), progress
+        # absolute: every pod's environment names its files from here, and pods run elsewhere
+        self.job, self.workdir, self.progress = job, Path(workdir).resolve(), progress
         self.share_gpus = share_gpus
         self.extra_env = dict(extra_env or {})
         self.events: queue.Queue = queue.Queue()
@@ -75,11 +76,15 @@ class LocalJob:
         """The ConfigMap's and the Secret's content, where the pod's mounts would put them."""
         spec_file = self.workdir / "spec" / SPEC_KEY
         token_file = self.workdir / "token" / TOKEN_KEY
-        spec_file.parent.mkdir(parents=True, exist_ok=True)
-        token_file.parent.mkdir(parents=True, exist_ok=True)
+        for folder in (self.workdir, spec_file.parent, token_file.parent):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.chmod(0o700)  # private, also where it existed (mkdir's mode is masked, and not applied then)
         spec_file.write_text(yaml.safe_dump(self.job.to_object(), sort_keys=False))
-        token_file.write_text(secrets.token_hex(32))
-        token_file.chmod(0o600)
+        # created with its final permissions: no moment in which another user may open it
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # a file that existed keeps its mode through O_CREAT
+            f.write(secrets.token_hex(32))
         return spec_file, token_file
 
     def _pods(self) -> list[Pod]:
@@ -142,7 +147,7 @@ class LocalJob:
         return any(p.proc is not None for p in self.pods)
 
     def start(self) -> None:
-        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.workdir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.kubelet.start()
 
     def _read_lines(self, stream) -> None:
@@ -295,7 +300,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     if too_big:
         raise CannotRunHere(too_big)
     keep = logs is not None
-    workdir = Path(logs) if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
+    workdir = Path(logs).resolve() if keep else Path(tempfile.mkdtemp(prefix=f"weightsync-{job.name}-"))
     local = None
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
