@@ -1,4 +1,12 @@
 """The memory estimate `weightsync run` checks before it starts a job's processes."""
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
 from weightsync import job as contract
 from weightsync.local import memory
 from weightsync.model.flat import FlatLayout
@@ -53,9 +61,9 @@ def test_a_gpu_process_counts_only_its_runtime_on_the_host():
 def test_shortfall_names_the_numbers():
     j, lay = job(), layout("bfloat16")
     total = sum(n.total for n in memory.needs(j, lay))
-    assert memory.shortfall(j, lay, have=total) is None
-    assert memory.shortfall(j, lay, have=total - 1) is not None
-    message = memory.shortfall(j, lay, have=1536 * MiB)
+    assert memory.shortfall(j, lay, have=(total, "MemAvailable")) is None
+    assert memory.shortfall(j, lay, have=(total - 1, "MemAvailable")) is not None
+    message = memory.shortfall(j, lay, have=(1536 * MiB, "MemAvailable"))
     assert message.startswith(f"the job needs at least {total / 1024 / MiB:.2f} GiB of memory "
                               "and this machine has 1.50 GiB available")
     assert "(MemAvailable): 2 trainer processes x" in message and "3 inference processes x" in message
@@ -64,4 +72,33 @@ def test_shortfall_names_the_numbers():
 
 def test_available_reads_meminfo():
     have = memory.available()
-    assert have is not None and have > 0
+    assert have is not None and have[0] > 0 and have[1]
+
+
+def test_a_memory_cgroup_that_allows_less_than_the_machine_bounds_what_is_available():
+    """A process in a memory cgroup of 2.5 GiB (a container's limit, on a machine with more) can
+    have at most that: the preflight says so, naming the cgroup, instead of letting the job's
+    processes be OOM-killed one after the other."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    parent = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+    group = parent / f"weightsync-test-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup under {parent} here ({e.strerror}): needs root and a writable cgroupfs")
+    limit = 2560 * MiB
+    try:
+        (group / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        code = (f"import os; open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+                "from weightsync.local import memory\nhave, source = memory.available()\nprint(have)\nprint(source)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        have, source = proc.stdout.splitlines()
+        assert int(have) <= limit and str(group) in source and "2.50 GiB" in source, proc.stdout
+    finally:
+        for _ in range(50):  # the process has left; the kernel frees the group a moment later
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -73,30 +73,74 @@ def needs(job: Job, layout: FlatLayout) -> list[Need]:
     return out
 
 
-def available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes: what can be allocated without swapping; None where
-    there is no /proc/meminfo."""
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
+
+
+def available(proc: str = "/proc", cgroups: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """What this process can allocate, in bytes, and where that bound comes from: the machine's
+    MemAvailable, or less where a memory cgroup around this process (a container's, a systemd
+    slice's, one of its ancestors) allows less: its limit less what it already uses. None where
+    neither says (no /proc/meminfo)."""
+    bounds = []
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in Path(proc, "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                bounds.append((int(line.split()[1]) * 1024, "MemAvailable"))
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    bounds += cgroup_room(proc, cgroups)
+    return min(bounds) if bounds else None
 
 
-def shortfall(job: Job, layout: FlatLayout, have: int | None = None) -> str | None:
+def cgroup_room(proc: str = "/proc", cgroups: str = "/sys/fs/cgroup") -> list[tuple[int, str]]:
+    """(limit less usage, which) of every memory cgroup from this process's own up to the root
+    that has a limit: cgroup v2 (memory.max, memory.current) and v1 (memory.limit_in_bytes,
+    memory.usage_in_bytes). A cgroup namespace shows a container its own cgroup as the root."""
+    try:
+        lines = Path(proc, "self", "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:  # v2: one unified hierarchy
+            base, files = Path(cgroups), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = Path(cgroups, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        if not folder.is_dir():  # the process's path as the host names it, outside a cgroup namespace
+            folder = base
+        while True:
+            try:
+                limit_text = (folder / files[0]).read_text().strip()
+                used = int((folder / files[1]).read_text())
+                limit = NO_LIMIT if limit_text == "max" else int(limit_text)
+            except (OSError, ValueError):
+                limit = NO_LIMIT
+            if limit < NO_LIMIT:
+                out.append((max(limit - used, 0), f"the memory cgroup {folder}: {files[0]} {_size(limit)}, "
+                                                  f"{_size(used)} of it in use"))
+            if folder == base:
+                break
+            folder = folder.parent
+    return out
+
+
+def shortfall(job: Job, layout: FlatLayout, have: tuple[int, str] | None = None) -> str | None:
     """Why the job cannot fit in memory here, with the numbers; None when it fits (or when the
     machine does not say what it has)."""
     have = available() if have is None else have
     parts = needs(job, layout)
     total = sum(n.total for n in parts)
-    if have is None or total <= have:
+    if have is None or total <= have[0]:
         return None
     detail = "; ".join(f"{n.processes} {n.role} process{'es' if n.processes > 1 else ''} x {_size(n.each)} ({n.why})"
                        for n in parts if n.role != "controller")
-    return (f"the job needs at least {_size(total)} of memory and this machine has {_size(have)} available "
-            f"(MemAvailable): {detail}; make spec.model smaller or run fewer processes")
+    return (f"the job needs at least {_size(total)} of memory and this machine has {_size(have[0])} available "
+            f"({have[1]}): {detail}; make spec.model smaller or run fewer processes")
 
 
 def _count(n: int) -> str:
