@@ -186,6 +186,27 @@ def test_auto_without_rdma_nodes_takes_tcp_and_never_flips(cluster, operator, ns
     assert [e["message"] for e in ns.events("auto") if e["reason"] == "NetworkResolved"] == [event["message"]]
 
 
+def test_an_external_role_gets_the_join_secret_and_no_pods(ns):
+    ns.apply_job("ext", {"trainer": {"external": True, "replicas": 2}, "inference": {"replicas": 1}})
+    children = wait_for("the children of ext", lambda: c if "Secret/ext-join" in (c := ns.children("ext"))
+                        and "StatefulSet/ext-inference" in c else None)
+    job = ns.job("ext")
+    assert all(owned_by(o, job) for o in children.values())
+    assert sorted(k for k in children if k.startswith("StatefulSet/")) == ["StatefulSet/ext-controller",
+                                                                           "StatefulSet/ext-inference"]
+    join = {k: base64.b64decode(v).decode() for k, v in children["Secret/ext-join"]["data"].items()}
+    assert join == {"WEIGHTSYNC_CONTROLLER": f"ext-controller-0.ext.{ns.name}.svc:{contract.STORE_PORT}",
+                    "WEIGHTSYNC_JOB_ID": f"{ns.name}/ext",
+                    "WEIGHTSYNC_TOKEN": base64.b64decode(children["Secret/ext-token"]["data"][contract.TOKEN_KEY]).decode()}
+    status = ns.wait_phase("ext", "Running")  # the operator's own two pods: nothing waits for the trainers
+    assert {r: v["summary"] for r, v in status["replicas"].items()} == {
+        "controller": "1/1", "trainer": "external (2 ranks)", "inference": "1/1"}
+    ns.kubectl("delete", "secret", "ext-join")
+    wait_for("the join Secret put back", lambda: (s := ns.get("secret", "ext-join")) and s["data"] ==
+             children["Secret/ext-join"]["data"])
+    assert not ns.get("statefulsets", selector=f"{contract.LABEL_JOB}=ext,{contract.LABEL_ROLE}=trainer")["items"]
+
+
 def test_deleting_a_job_removes_every_child(ns):
     ns.apply_job("gone", SMALL)
     ns.wait_children("gone")
