@@ -238,22 +238,56 @@ def test_an_authenticated_client_is_bounded_with_errors_that_name_the_bound():
         s.close()
 
 
-def test_unauthenticated_connections_are_capped_and_timed_out():
+def test_unauthenticated_connections_are_capped_oldest_first_and_timed_out():
     s = StoreServer("127.0.0.1", 0, TOKEN, JOB, Limits(pending=2))
     try:
         idle = [socket.create_connection(("127.0.0.1", s.port), timeout=30) for _ in range(2)]
         for sock in idle:
             assert HELLO.unpack(recv_exact(sock, HELLO.size))[1] == 1
         with socket.create_connection(("127.0.0.1", s.port), timeout=30) as third:
-            assert recv_all(third) == HELLO.pack(b"WSKV", 0, bytes(32))  # busy, and closed
-        # a real client meanwhile retries, and gets in once the idle ones were timed out
-        c = client(s, connect_timeout=HANDSHAKE_SECONDS + 60)
+            assert HELLO.unpack(recv_exact(third, HELLO.size))[1] == 1  # let in: the oldest made room
+            assert recv_all(idle[0]) == b""
+            c = client(s, connect_timeout=10)  # a client with the token gets in at once, the same way
+            c.set("in", b"1")
+            # the rest are closed at their deadline
+            for sock in (idle[1], third):
+                assert recv_all(sock, timeout=HANDSHAKE_SECONDS + 60) == b""
         for sock in idle:
-            assert recv_all(sock, timeout=HANDSHAKE_SECONDS + 60) == b""
             sock.close()
-        c.set("in", b"1")
     finally:
         s.close()
+
+
+def test_a_flood_of_connections_without_the_token_takes_no_slot_from_the_job():
+    """Clients without the token that hold as many connections as they can and open a new one as
+    soon as one is closed (more than every budget of a 4-rank job) do not keep a rank out: it
+    connects within its usual deadline, and uses all the authenticated slots it needs."""
+    s = StoreServer("127.0.0.1", 0, TOKEN, JOB, Limits(connections=4, pending=8))
+    stop = threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+                    sock.recv(1 << 10)  # the HELLO, then hold it until the server closes it
+                    sock.recv(1 << 10)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(40)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        ranks = [client(s, connect_timeout=30) for _ in range(4)]
+        for i, c in enumerate(ranks):
+            c.set(f"rank{i}", b"here")
+        assert all(ranks[0].get(f"rank{i}") == b"here" for i in range(4))
+    finally:
+        stop.set()
+        s.close()
+        for t in threads:
+            t.join(30)
 
 
 def test_connections_are_capped():

@@ -1,12 +1,17 @@
 """The store's server: the table, served on one address (the pod's own) to clients that prove
 the job's token (wire.py defines the bytes), within the bounds of its Limits. The controller runs
 it; a connection that does not prove the token within HANDSHAKE_SECONDS is closed, and refused
-connections are logged at most once per LOG_EVERY.
+connections are logged at most once per LOG_EVERY. Connections that have not proven the token
+have a budget of their own (Limits.pending): one more closes the oldest of them, which a client
+that holds the token is not, since it answers within a round trip; so clients without the token,
+however many and however often they come back, never take a slot from the job's ranks
+(Limits.connections counts the authenticated ones).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import secrets
 import socket
@@ -65,7 +70,10 @@ class StoreServer(Table):
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._open: set[socket.socket] = set()
-        self._pending = self._answering = 0
+        # Unauthenticated connections, oldest first, and a count of authenticated ones: two budgets,
+        # so that connections that never prove the token cannot take what the job's ranks need.
+        self._handshaking: collections.OrderedDict[socket.socket, str] = collections.OrderedDict()
+        self._authenticated = self._answering = 0
         self._closed = False
         self._refused, self._last_log = 0, 0.0
         threading.Thread(target=self._accept, name="store-accept", daemon=True).start()
@@ -108,11 +116,21 @@ class StoreServer(Table):
                 log.warning("rendezvous store: accept failed: %s", e)
                 time.sleep(0.1)  # out of file descriptors: let connections close
                 continue
+            evicted = None
             with self._lock:
-                busy = len(self._open) >= self.limits.connections or self._pending >= self.limits.pending
+                busy = self._authenticated >= self.limits.connections
                 if not busy:
+                    if len(self._handshaking) >= self.limits.pending:
+                        evicted = self._handshaking.popitem(last=False)
+                    self._handshaking[sock] = f"{peer[0]}:{peer[1]}"
                     self._open.add(sock)
-                    self._pending += 1
+            if evicted is not None:  # its thread wakes to a shut socket, closes it and ends
+                try:
+                    evicted[0].shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._note_refused(f"closed {evicted[1]}, the oldest of {self.limits.pending} connections that had "
+                                   f"not proven the job token, to let {peer[0]}:{peer[1]} try")
             if busy:
                 try:
                     sock.settimeout(1.0)
@@ -121,25 +139,34 @@ class StoreServer(Table):
                     pass
                 hang_up(sock)
                 self._note_refused(f"turned away {peer[0]}:{peer[1]}: at the limit of {self.limits.connections} "
-                                   f"connections or {self.limits.pending} unauthenticated ones")
+                                   "authenticated connections")
                 continue
             threading.Thread(target=self._serve, args=(sock, peer), name="store-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer) -> None:
         who = f"{peer[0]}:{peer[1]}"
+        counted = False
         try:
             try:
                 key = self._handshake(sock, who)
             finally:
                 with self._lock:
-                    self._pending -= 1
+                    self._handshaking.pop(sock, None)
             if key is not None:
-                self._requests(sock, who, key)
+                with self._lock:  # another proved the token since this one was accepted: at most the limit
+                    counted = self._authenticated < self.limits.connections
+                    self._authenticated += counted
+                if counted:
+                    self._requests(sock, who, key)
+                else:
+                    self._note_refused(f"closed {who}: at the limit of {self.limits.connections} authenticated "
+                                       "connections")
         except OSError:
             pass  # the client went away
         finally:
             with self._lock:
                 self._open.discard(sock)
+                self._authenticated -= counted
             hang_up(sock)
 
     def _handshake(self, sock: socket.socket, who: str) -> bytes | None:

@@ -40,7 +40,7 @@ class Limits:
     total_bytes: int = 256 << 20  # keys and values together, KEY_OVERHEAD per key included
     keys: int = 100_000
     key_bytes: int = 4096
-    connections: int = 512  # open connections, authenticated or not
+    connections: int = 512  # connections that proved the token (the others count in pending)
     pending: int = 64  # connections that have not proven the token yet
 
     @property
