@@ -109,3 +109,8 @@ def test_a_full_job_refuses_new_servers_and_one_takes_over_a_replica_whose_serve
 def test_a_layout_that_cannot_be_read_is_refused(broken):
     answer = claims().decide(Claim("http://a:8000", 0, 1, broken), lambda rank: True)
     assert answer.rank is None and "serves another model" in answer.refused
+
+
+def test_before_a_trainer_joined_the_layout_is_read_but_not_compared():
+    side = Claims(Layout(1, 1, 1, 1), JOB, lambda: None, [].append)
+    assert side.decide(ask("http://a:8000", layout=OTHER), lambda rank: True).rank == 0

@@ -9,7 +9,9 @@ controller decides every claim alone, in order, so two servers starting at once 
 same rank. A server is bound to one model replica (its workers, the tensor-parallel ranks of that
 replica, in worker order); the controller refuses:
 
-- a server for another model: the names, shapes and dtype it loads (its layout) are not the job's;
+- a server for another model: the names, shapes and dtype it loads (its layout) are not those of
+  the trainers' model (once a trainer rank joined; before, the worker has checked its layout
+  against spec.model itself, and the plan checks every rank's layout against the trainers');
 - a server whose worker count is not the job's ranks per server (spec.inference.procsPerPod);
 - the same server (URL) claiming a worker that is already there (joined, serving or waiting to);
 - any server once every replica is held by a server that is there (the job is full).
@@ -102,10 +104,10 @@ def claim(channel: Channel, request: Claim, timeout: float, check: Callable[[], 
 
 class Claims:
     """The controller's side: answers every claim posted so far (serve), in the order they come.
-    `reference()` is the job's layout (what spec.model's names, shapes and dtype are); `there(rank)`
-    says whether the worker that holds an inference rank is there (not counted away)."""
+    `reference()` is the trainers' layout, None before one joined; `there(rank)` says whether the
+    worker that holds an inference rank is there (not counted away)."""
 
-    def __init__(self, layout: Layout, job: str, reference: Callable[[], FlatLayout],
+    def __init__(self, layout: Layout, job: str, reference: Callable[[], FlatLayout | None],
                  say: Callable[[str], None]):
         self.layout, self.job, self.reference, self.say = layout, job, reference, say
         self.replicas: dict[str, int] = {}  # server URL -> the replica (inference pod ordinal - first) it holds
@@ -133,7 +135,9 @@ class Claims:
     def decide(self, request: Claim, there: Callable[[int], bool]) -> Answer:
         url, procs = request.server, self.layout.procs_per_pod(INFERENCE)
         try:
-            self.reference().check_matches(FlatLayout.from_json(request.layout), what=f"the vLLM server at {url}")
+            served, reference = FlatLayout.from_json(request.layout), self.reference()
+            if reference is not None:
+                reference.check_matches(served, what=f"the vLLM server at {url}")
         except (LayoutMismatch, ValueError, KeyError, TypeError) as e:
             return Answer(refused=f"the vLLM server at {url} serves another model than job {self.job}: {e}; serve "
                                   "spec.model (its config or checkpoint) in spec.model.dtype (--dtype)")

@@ -7,11 +7,19 @@ module: vLLM imports it in its workers, where it is created. It checks the vLLM 
 a vLLM without the weight-transfer API, or one whose engine interface changed, is refused with
 what to do, not left to fail at the first update.
 
+A server the user started joins a job by itself (join.py): register() checks its join variables
+first, so that one that cannot join is refused with one line before vLLM loads the model.
+
 Importing this package imports nothing of vLLM or torch (control.py, the controller's client of
 the servers' control routes, is plain HTTP).
 """
 
 from __future__ import annotations
+
+import os
+
+from weightsync.job import SpecError
+from weightsync.job.join import Join, JoinEnv
 
 BACKEND = "weightsync"
 TESTED_VLLM = "0.32.0"  # the release the tests run against
@@ -43,9 +51,32 @@ def check_vllm() -> str:
     return version
 
 
+def joining(environ=os.environ) -> tuple[Join, str] | None:
+    """The join variables and the server's URL (job/join.py) where this server joins a job by
+    itself; None for a pod's server. SpecError, one line, where they are incomplete: vLLM's
+    configuration holds no address of its HTTP server, so only WEIGHTSYNC_VLLM_SERVER says it."""
+    join = Join.from_environ(environ)
+    if join is None:
+        return None
+    url = join.vllm_server
+    if not url:
+        raise SpecError([f"{JoinEnv.VLLM_SERVER} is not set: a vLLM server that joins job {join.job_id} needs its own "
+                         "URL as the controller reaches it, for example http://10.0.0.5:8000 (this machine's address "
+                         "and the server's --port)"])
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest.strip("/"):
+        raise SpecError([f"{JoinEnv.VLLM_SERVER}={url!r}: expected this server's URL as the controller reaches it, "
+                         "for example http://10.0.0.5:8000"])
+    return join, url.rstrip("/")
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point."""
     check_vllm()
+    try:
+        joining()
+    except SpecError as e:  # the server's start ends here, with the line alone
+        raise SystemExit(f"weightsync: {'; '.join(e.problems)}") from None
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM runs plugins once per process; be safe

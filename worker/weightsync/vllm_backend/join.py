@@ -1,0 +1,97 @@
+"""Where a vLLM worker's place in its job comes from: its context, its inference rank, its server.
+
+A worker of one of the job's own pods (spec.inference.engine vllm) reads the pod's contract: its
+rank is its pod's ordinal's, at vLLM's worker rank, and its server's URL is the one the pod's
+process gave it. A worker of a server the user started (spec.inference.external) has the join
+variables instead (job/join.py) and WEIGHTSYNC_VLLM_SERVER, the server's URL as the controller
+reaches it (vLLM's configuration holds no address of its HTTP server, so nothing can stand in for
+it). It joins when vLLM constructs the engine, once the model is loaded: it reads the job from the
+controller's store (rendezvous/join.py), checks the layout of the model it serves (Hugging Face
+names, shapes, dtype) against spec.model, claims its rank with that layout (rendezvous/claims.py:
+the controller refuses another model than the trainers', the same server twice, a full job), and
+is then admitted as a pod's worker is. Nobody calls the server's init route for it, and every
+refusal is one line in the server's log that ends its start. The server's data port is
+WEIGHTSYNC_DATA_PORT where set, else one the system picks.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from weightsync.job import INFERENCE, Env, SpecError, WorkerContext
+from weightsync.job.join import Join
+from weightsync.model.build import layout_of, meta_layout
+from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
+from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
+from weightsync.rendezvous.join import JoinError, fetch_job, joined_context
+from weightsync.rendezvous.protocol import Keys, ProofError
+from weightsync.vllm_backend import joining
+
+CLAIM_TIMEOUT = 300.0  # seconds for the controller to answer a claim (it answers between two of its steps)
+
+
+@dataclass(frozen=True)
+class Place:
+    ctx: WorkerContext
+    rank: int
+    server: str  # the server's URL, where the controller asks it to load a version
+    external: bool  # a server the user started (it says goodbye at the job's end itself)
+
+
+def place_of(parallel_config, model_config) -> Place:
+    """This worker's place; for a server the user started, joined as described above (JoinError
+    and the like, after one line in the server's log, where it cannot be)."""
+    worker = parallel_config.rank
+    found = joining()
+    if found is None:
+        ctx = WorkerContext.from_environ()
+        return Place(ctx, ctx.job.layout.ranks_of(ctx.ordinal)[worker], os.environ[Env.VLLM_SERVER], external=False)
+    join, url = found
+    try:
+        return _claimed(join, url, worker, parallel_config.world_size, served_layout(model_config))
+    except (JoinError, ClaimRefused, SpecError, ProofError, TimeoutError) as e:
+        problem = "; ".join(e.problems) if isinstance(e, SpecError) else str(e)
+        print(f"[vLLM server {url}] cannot join job {join.job_id}: {problem}", file=sys.stderr, flush=True)
+        raise JoinError(problem) from None
+
+
+def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout) -> Place:
+    job, channel = fetch_job(join)
+    try:
+        if not job.inference.external:
+            raise JoinError(f"job {job.identity}'s inference ranks are its own pods (spec.inference.external is "
+                            "false): set spec.inference.external: true to serve it from servers you start")
+        try:
+            meta_layout(job.model).check_matches(layout, what="this server")
+        except LayoutMismatch as e:
+            raise JoinError(f"this server serves another model than job {job.identity}: {e}; serve spec.model (its "
+                            "config or checkpoint) in spec.model.dtype (--dtype)") from None
+
+        def ended() -> None:
+            if channel.has(Keys.END):
+                raise JoinError(f"job {job.identity} ended before this server could join: "
+                                f"{channel.get_json(Keys.END)['message']}")
+
+        rank = claim(channel, Claim(url, worker, workers, layout.to_json()), CLAIM_TIMEOUT, ended)
+    finally:
+        channel.store.close()
+    ctx, channel = joined_context(join, INFERENCE, rank)
+    channel.store.close()
+    return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), rank, url, external=True)
+
+
+def served_layout(model_config) -> FlatLayout:
+    """The layout of the model this server serves, as the trainers send it: the Hugging Face names
+    and shapes of its config's causal LM (what vLLM's load_weights takes), in its --dtype."""
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    if dtype not in ITEMSIZE:
+        raise SpecError([f"this server runs the model in {dtype}; serve it in spec.model.dtype (--dtype)"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config.hf_config), dtype=torch.float32)
+    return layout_of(model, dtype)
