@@ -25,6 +25,8 @@ from typing import Callable, Iterable, Mapping
 
 from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Layout, reasons
 from weightsync.job.token import same
+from weightsync.model.flat import FlatLayout
+from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
 from weightsync.rendezvous.protocol import (
     HEARTBEAT,
@@ -98,6 +100,7 @@ class Host(Channel):
         self.round: Round | None = None  # the current round
         self.cut: set[int] = set()  # receivers of the current round counted away during it
         self.check_rejoin: Callable[[str, RankInfo], None] = lambda meta, info: None
+        self.claims: Claims | None = None  # external vLLM servers: their workers claim inference ranks (claims.py)
         self.failures_seen = 0
         self.beats: dict[tuple[str, int], Beat] = {}
         self.last_watch = 0.0
@@ -132,6 +135,8 @@ class Host(Channel):
         pause = 0.001
         while len(admitted) < len(self.ranks):
             self._check_failures()
+            if self.claims is not None:
+                self.claims.serve(self, self._there)
             for role, rank in self.ranks:
                 if (role, rank) not in admitted:
                     got = self._proven(role, rank, 1)
@@ -293,6 +298,8 @@ class Host(Channel):
         if now - self.last_watch < HEARTBEAT / 4:
             return
         self.last_watch = now
+        if self.claims is not None:
+            self.claims.serve(self, self._there)
         for role, rank in self.ranks:
             started = self.store.add(Keys.join(role, rank), 0)
             if started > self.attempts[(role, rank)]:
@@ -316,6 +323,18 @@ class Host(Channel):
                 if seat is None:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
                 self._away(rank, why)
+
+    def trainer_layout(self) -> FlatLayout | None:
+        """The layout trainer rank 0 joined with (proven), None before it joined: what an external
+        vLLM server's claim is checked against (claims.py)."""
+        got = self._proven(TRAINER, 0, 1)
+        return None if got is None else FlatLayout.from_json(got.meta)
+
+    def _there(self, rank: int) -> bool:
+        """Whether the worker holding inference rank `rank` is there: admitted (or, before the plan,
+        on its way) and not counted away."""
+        seat = self.seats.get(rank)
+        return seat is None or seat.state != AWAY
 
     def _silent_for(self, role: str, rank: int, now: float) -> float:
         key = Keys.beat(role, rank)

@@ -28,6 +28,7 @@ from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
 from weightsync.plan.sliced import needs_from_json
+from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
 from weightsync.rendezvous.roster import Host, RankFailed
@@ -42,6 +43,9 @@ from weightsync.vllm_backend.control import ControlError, Server
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
 BYE_TIMEOUT = 30.0
+# seconds for an external vLLM server that joined (its model loaded) to serve: vLLM profiles, sizes
+# its KV cache and compiles after the weight-transfer engine is built
+SERVE_TIMEOUT = 900.0
 REPORT_SLACK = 10.0  # seconds for a trainer to report a round after its own deadlines ran out
 
 ME = "controller"
@@ -70,6 +74,8 @@ def run(ctx: WorkerContext) -> int:
     host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT), away_limit=AWAY_LIMIT,
                 say=lambda m: log(ME, m), address=ctx.pod_ip, job=ctx.job.identity)
     host.publish_job(ctx.job, ctx.network_mode)  # what external ranks read instead of a spec file
+    if ctx.job.inference.external:  # the servers' workers claim their ranks (rendezvous/claims.py)
+        host.claims = Claims(layout, ctx.job.identity, host.trainer_layout, lambda m: log(ME, m))
     health.ready()
     if starts > 1:
         last = (status.get("transfer") or {}).get("version")
@@ -185,7 +191,10 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
 
     def load(rank: int) -> float:
         try:
-            return Server(seats[rank].info.server).update(rnd.version, proof, timeout)
+            server = Server(seats[rank].info.server)
+            if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
+                server.wait_up(SERVE_TIMEOUT)
+            return server.update(rnd.version, proof, timeout)
         except ControlError as e:
             raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
                             f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED) from None

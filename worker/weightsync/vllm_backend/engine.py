@@ -20,7 +20,6 @@ Online-quantized models are refused at init.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from weightsync.job import INFERENCE, Env, WorkerContext
+from weightsync.job import INFERENCE
 from weightsync.job.token import same
 from weightsync.model.flat import views
 from weightsync.runtime.inbound import receive_rounds
@@ -38,6 +37,7 @@ from weightsync.runtime.faults import dump, dumping
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
+from weightsync.vllm_backend.join import joining, place_of
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
 
@@ -58,14 +58,19 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     update_info_cls = WeightsyncUpdateInfo
     supports_draft_weight_update = False
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if joining() is not None:  # a server the user started joins as vLLM constructs it (join.py)
+            self.init_transfer_engine(WeightsyncInitInfo())
+
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         if getattr(self.model_config, "quantization", None):
             raise ValueError(f"the weightsync backend loads unquantized weights in place; this server quantizes "
                              f"them ({self.model_config.quantization}): serve the model unquantized")
-        ctx = WorkerContext.from_environ()
-        self.ctx = ctx
+        self.place = place_of(self.parallel_config, self.model_config)
+        ctx = self.ctx = self.place.ctx
         local_rank = self.parallel_config.rank
-        self.rank = ctx.job.layout.ranks_of(ctx.ordinal)[local_rank]
+        self.rank = self.place.rank
         self.me = who(INFERENCE, self.rank)
         self.layout = meta_layout(ctx.job.model)
         delta = ctx.job.transfer.delta.enabled
@@ -79,9 +84,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                         job=ctx.job.identity)
         member.arrive()
         name, why, receiver = transport_for(ctx, member, INFERENCE, self.rank, self.device)
-        endpoint = receiver.listen(ctx.pod_ip, ctx.data_port + local_rank)
+        endpoint = receiver.listen(ctx.pod_ip, ctx.data_port + local_rank if ctx.data_port else 0)
         member.join(endpoint, self.layout.to_json(), info(ctx, name, why, self.device, engine="vllm",
-                                                         server=os.environ[Env.VLLM_SERVER]), JOIN_TIMEOUT)
+                                                         server=self.place.server), JOIN_TIMEOUT)
         self.member, self.receiver = member, receiver
         log(self.me, f"vLLM worker on {self.device}, {name} transport ({why}); listening on {endpoint}")
         self.thread = threading.Thread(target=self._rounds, name="weightsync-receive", daemon=True)
@@ -96,7 +101,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             log(self.me, f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
             settle_heap()
             end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job.transfer, self)
-            log(self.me, f"the job ended: {end['message']}")  # the pod's server process says goodbye
+            log(self.me, f"the job ended: {end['message']}")
+            if self.place.external:  # a pod's server process says goodbye for it; here nobody else does
+                member.bye()
         except BaseException as e:  # noqa: BLE001 - the controller fails the job naming this rank
             with self.cond:
                 self.failed = e
