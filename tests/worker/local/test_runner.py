@@ -46,6 +46,9 @@ def test_two_to_three_bfloat16_with_several_processes_per_pod(tmp_path):
     summary, _ = run_to_end(tmp_path, job)
     assert summary["versions"] == 3 and summary["failed_verifications"] == 0
     assert check_every_version(tmp_path / "dump", job) == 9
+    # CPU ranks do not load triton (torch's CUDA wheels bring it): no "leaked" lines from it at exit
+    for log in (tmp_path / "run" / "logs").glob("*.log"):
+        assert "leaked" not in log.read_text(), log
 
 
 def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_applied(tmp_path):

@@ -17,6 +17,7 @@ from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server
 from weightsync.runtime.health import PodHealth, RankHealth
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
+from weightsync.runtime.rank import without_triton
 
 
 def main(environ: Mapping[str, str] = os.environ) -> int:
@@ -62,6 +63,8 @@ def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = 
     # The built-in trainer and inference ranks import torch (seconds) here, not with this module:
     # a pod's first process answers its ranks' probes from before anything heavy is imported, and
     # the controller's, a trainer command's and a vLLM server's pods never import torch.
+    if not ctx.job.pods(role).gpus_per_proc:
+        without_triton()
     if role == TRAINER:
         from weightsync.roles import trainer as program
     elif ctx.job.inference.runs_vllm:  # the rank is the pod's vLLM server's worker

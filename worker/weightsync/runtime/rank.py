@@ -20,6 +20,16 @@ FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the 
 REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
 
 
+def without_triton() -> None:
+    """For a rank process that computes on the CPU, before it imports torch's heavy parts: triton
+    (GPU kernels only, installed with torch's CUDA wheels) is hidden, so torch sees it as not
+    installed. Otherwise torch imports it as soon as anything loads torch._dynamo (AdamW's
+    constructor does), for nothing, and at exit its native objects print dozens of "leaked" lines
+    into the rank's log."""
+    if "triton" not in sys.modules:
+        sys.modules["triton"] = None  # `import triton` raises ImportError, as where it is not installed
+
+
 def log(who: str, message: str) -> None:
     print(f"[{who}] {message}", file=sys.stderr, flush=True)
 
