@@ -99,10 +99,17 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
      "spec.inference: set either tensorParallel (every model replica) or tensorParallelSizes (each model replica), not both"),
     ({"inference": {"replicas": 2, "tensorParallelSizes": [0, 2]}}, "demo",
      "spec.inference.tensorParallelSizes.0: 0 is less than the minimum of 1"),
-    ({"inference": {"replicas": 2, "tensorParallelSizes": [2], "engine": "vllm"}}, "demo",
-     "spec.inference: spec.inference.tensorParallelSizes above 1 runs the builtin engine's tensor parallelism"),
-    ({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}, "demo",
-     "spec.inference: spec.inference.tensorParallel above 1 runs the builtin engine's tensor parallelism"),
+    ({"inference": {"replicas": 2, "tensorParallelSizes": [2], "engine": "vllm", "gpusPerProc": 0}}, "demo",
+     "spec.inference: with spec.inference.engine vllm, tensorParallelSizes names each server's tensor-parallel size"),
+    ({"inference": {"tensorParallel": 2, "engine": "vllm", "gpusPerProc": 2}}, "demo",
+     "gpusPerProc is the GPUs of each of a server's tensor-parallel workers - 0 (CPU) or 1"),
+    ({"inference": {"replicas": 2, "tensorParallelSizes": [2, 1], "engine": "vllm"}}, "demo",
+     "with spec.inference.engine vllm on GPUs (gpusPerProc 1) every server has one tensor-parallel size"),
+    ({"model": {"config": {"model_type": "llama", "num_attention_heads": 6}}, "inference": {"tensorParallel": 4, "engine": "vllm"}},
+     "demo", "every tensor-parallel size must divide spec.model.config.num_attention_heads"),
+    ({"model": {"config": {"model_type": "llama", "num_attention_heads": 12, "num_key_value_heads": 4}},
+      "inference": {"replicas": 2, "tensorParallelSizes": [6, 1], "engine": "vllm", "gpusPerProc": 0}},
+     "demo", "must divide spec.model.config.num_key_value_heads or be a multiple of it"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])
@@ -319,3 +326,19 @@ def test_numbers_in_a_job_file_are_read_as_kubectl_reads_them(tmp_path):
     spec = contract.load_job(path).spec
     assert spec["training"]["learningRate"] == 1e-5 and spec["training"]["steps"] == 80
     assert spec["model"]["config"]["layer_norm_epsilon"] == 1e-5 and spec["model"]["config"]["name"] == "2e-3"
+
+
+def test_a_vllm_servers_tensor_parallel_workers_are_its_pods_ranks():
+    """engine vllm: every inference pod runs one server, one model replica, its workers the ranks."""
+    j = contract.load_job(job({"model": {"config": {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}},
+                               "trainer": {"replicas": 2},
+                               "inference": {"replicas": 3, "tensorParallelSizes": [2, 1, 4], "engine": "vllm",
+                                             "gpusPerProc": 0}}))
+    layout = j.layout
+    assert [list(layout.ranks_of(o)) for o in layout.ordinals("inference")] == [[0, 1], [2], [3, 4, 5, 6]]
+    assert layout.world_size("inference") == 7 and layout.sliced
+    assert [layout.ordinal_of_rank("inference", r) for r in range(7)] == [3, 3, 4, 5, 5, 5, 5]
+    assert [list(layout.tp_group(r)) for r in (1, 2, 6)] == [[0, 1], [2], [3, 4, 5, 6]]
+    assert layout.procs_per_pod("inference") == 4  # the most workers a pod's server runs: its data ports
+    gpus = contract.load_job(job({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}))
+    assert gpus.inference.gpus == 2 and gpus.layout.world_size("inference") == 4

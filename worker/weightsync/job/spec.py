@@ -221,12 +221,24 @@ class Inference(Pods):
 
     @property
     def world_size(self) -> int:
-        return self.replicas * self.procs_per_pod
+        """Inference ranks: processes, or with engine vllm every server's tensor-parallel workers."""
+        return sum(self.model_replicas) if self.runs_vllm else self.replicas * self.procs_per_pod
 
     @property
     def model_replicas(self) -> tuple[int, ...]:
-        """The tensor-parallel degree of each model replica, in inference rank order."""
+        """The tensor-parallel degree of each model replica, in inference rank order (with engine
+        vllm: of each server, one per pod)."""
+        if self.runs_vllm:
+            return self.tensor_parallel_sizes or (self.tensor_parallel,) * self.replicas
         return self.tensor_parallel_sizes or (self.tensor_parallel,) * (self.world_size // self.tensor_parallel)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a pod asks for: with engine vllm one per tensor-parallel worker of its server
+        (gpusPerProc is each worker's, 0 or 1), else procsPerPod x gpusPerProc."""
+        if self.runs_vllm:
+            return max(self.model_replicas) * self.gpus_per_proc
+        return self.procs_per_pod * self.gpus_per_proc
 
     @property
     def runs_vllm(self) -> bool:
@@ -410,8 +422,9 @@ class Job:
             "image": spec.get("image"),
             "image_pull_policy": spec["imagePullPolicy"],
             "image_pull_secrets": tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
-            "layout": Layout(trainer.replicas, trainer.procs_per_pod, inference.replicas, inference.procs_per_pod,
-                             inference.model_replicas),
+            "layout": Layout(trainer.replicas, trainer.procs_per_pod, inference.replicas,
+                             max(inference.model_replicas) if inference.runs_vllm else inference.procs_per_pod,
+                             inference.model_replicas, servers=inference.runs_vllm),
         }
         for name, value in sections.items():
             object.__setattr__(self, name, value)

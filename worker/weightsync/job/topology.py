@@ -18,13 +18,24 @@ class Layout:
     (o-1)*P .. (o-1)*P+P-1, and likewise for inference from ordinal T+1. Inference ranks form
     model replicas of consecutive ranks, `tensor_parallel[i]` of them for the i-th replica
     (spec.inference.tensorParallelSizes, or tensorParallel for every replica); empty: every
-    inference rank is a whole replica. The job's own is Job.layout, from its spec's sections."""
+    inference rank is a whole replica. The job's own is Job.layout, from its spec's sections.
+
+    With `servers` (spec.inference.engine vllm) every inference pod runs one server that is one
+    model replica, its tensor-parallel workers the pod's ranks: the i-th inference pod runs the
+    ranks of the i-th replica (tensor_parallel[i] of them, so pods may run different numbers of
+    ranks), and inference_procs is the most any pod runs (its data ports, its GPUs)."""
 
     trainers: int
     trainer_procs: int
     inferences: int
     inference_procs: int
     tensor_parallel: tuple[int, ...] = ()
+    servers: bool = False
+
+    def __post_init__(self):
+        if self.servers and len(self.tensor_parallel) != self.inferences:
+            raise ValueError(f"{self.inferences} inference servers need one tensor-parallel degree each, "
+                             f"not {len(self.tensor_parallel)}")
 
     def tp_group(self, inference_rank: int) -> range:
         """The inference ranks of the model replica `inference_rank` holds a tensor-parallel shard of."""
@@ -64,15 +75,29 @@ class Layout:
         raise ValueError(f"ordinal {ordinal} is outside this job (0..{self.pods - 1})")
 
     def ranks_of(self, ordinal: int) -> range:
-        """The role ranks of the processes a pod runs."""
+        """The role ranks of the processes a pod runs (a server's pod: those of its workers)."""
         role = self.role_of(ordinal)
+        if role == INFERENCE and self.servers:
+            index = ordinal - self.first_ordinal(role)
+            first = sum(self.tensor_parallel[:index])
+            return range(first, first + self.tensor_parallel[index])
         procs = self.procs_per_pod(role)
         first = (ordinal - self.first_ordinal(role)) * procs
         return range(first, first + procs)
 
     def world_size(self, role: str) -> int:
+        if role == INFERENCE and self.servers:
+            return sum(self.tensor_parallel)
         return self.replicas(role) * self.procs_per_pod(role)
 
     def ordinal_of_rank(self, role: str, rank: int) -> int:
+        if role == INFERENCE and self.servers:
+            if not 0 <= rank < self.world_size(role):
+                raise ValueError(f"inference rank {rank} is outside this job (0..{self.world_size(role) - 1})")
+            first = 0
+            for index, size in enumerate(self.tensor_parallel):
+                if rank < first + size:
+                    return self.first_ordinal(role) + index
+                first += size
         return self.first_ordinal(role) + rank // self.procs_per_pod(role)
 

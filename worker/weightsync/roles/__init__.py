@@ -29,7 +29,11 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
             raise
         raise SpecError([f"the pod's environment or files: {e}"]) from None
     ranks = [] if ctx.role == CONTROLLER else list(ctx.ranks)
-    health = PodHealth([who(ctx.role, r) for r in ranks] or [CONTROLLER])
+    # a vLLM pod is one process, its server, whose tensor-parallel workers are the pod's ranks
+    server = ctx.role != CONTROLLER and ctx.role != TRAINER and ctx.job.inference.runs_vllm
+    health = PodHealth([who(ctx.role, r) for r in ranks] if ranks and not server else
+                       [f"the vLLM server of {who(ctx.role, ranks[0])}" + (f"..{ranks[-1]}" if len(ranks) > 1 else "")]
+                       if server else [CONTROLLER])
     if ctx.health_port:  # 0: no probes (pods on the node's network; render.on_host_network)
         health.serve(ctx.pod_ip, ctx.health_port)
     exit_on_sigterm()
@@ -38,6 +42,9 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         return controller.run(ctx)
     if ctx.role == TRAINER and ctx.job.trainer.command:
         return command.run(ctx, health)
+    if server:
+        health.rank(0).start()
+        return vllm_server.run(ctx, ranks)
     if len(ranks) == 1:
         health.rank(0).start()
         return run_rank(ctx.role, ranks[0], 0)
@@ -67,8 +74,8 @@ def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = 
         without_triton()
     if role == TRAINER:
         from weightsync.roles import trainer as program
-    elif ctx.job.inference.runs_vllm:  # the rank is the pod's vLLM server's worker
-        program = vllm_server
+    elif ctx.job.inference.runs_vllm:  # the rank is a worker of the pod's vLLM server
+        return vllm_server.run(ctx, list(ctx.ranks))
     else:
         from weightsync.roles import inference as program
     return program.run(ctx, rank, local_rank)

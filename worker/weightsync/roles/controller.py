@@ -182,14 +182,30 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     return sent, len(applied)
 
 
-def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float) -> float:
+@dataclass(frozen=True)
+class ServerLoads:
+    """How a round's load into the vLLM servers went, as the controller saw it."""
+
+    staging: float  # seconds from the reference digest to every receiver staged (received and verified)
+    slowest: UpdateTimes  # each call's and the stall's longest over the servers
+
+
+def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float) -> ServerLoads:
     """Once every receiver of the round has it staged, every vLLM server loads it at once; returns
-    the longest time a server served nothing. A server that does not load it fails the job."""
+    how long the staging took and each server's calls. A server that does not load it fails the
+    job."""
+    began = time.monotonic()
     staged = host.collect_staged(rnd, timeout)
+    staging = time.monotonic() - began
     proof = update_proof(ctx.token, ctx.job.identity, rnd.version)
     seats = {r: host.seats[r] for r in staged}
+    # one update per server: a tensor-parallel server's workers are several ranks, and vLLM's update
+    # has every worker load its own staged version
+    servers: dict[str, int] = {}
+    for rank in sorted(seats):
+        servers.setdefault(seats[rank].info.server, rank)
 
-    def load(rank: int) -> float:
+    def load(rank: int) -> UpdateTimes:
         try:
             server = Server(seats[rank].info.server)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served

@@ -1,14 +1,18 @@
 """An inference pod of spec.inference.engine vllm: runs one vLLM OpenAI-compatible server, whose
-worker is the pod's inference rank (vllm_backend/engine.py), and stands by it.
+workers are the pod's inference ranks (vllm_backend/engine.py), and stands by it.
 
 This process starts `vllm serve` on the job's model with weightsync as its weight-transfer backend
 (for spec.model.config: the config written to a directory, dummy weights, and no tokenizer, so the
 server asks for token ids; for spec.model.path: the checkpoint), waits for it to come up, and has
-its worker join the job (the server's init route). The pod is ready once the server serves a
-version weightsync delivered. The controller drives every update itself (control.py). When the job
-ends this process stops the server. When the server dies first the pod exits: the controller, which
-no longer hears the worker's heartbeats, counts the rank away, and the pod's next start brings a
-new worker that rejoins the running job (a server that cannot come up at all fails the job).
+its workers join the job (the server's init route). A server of tensor-parallel size N (the
+pod's model replica, job.Layout) runs N workers, each an inference rank receiving only its own
+slices: vLLM is started with --tensor-parallel-size N, and on CPU with its multiprocessing
+executor and one set of the pod's cores per worker (VLLM_CPU_OMP_THREADS_BIND, unless the pod's
+environment sets it). The pod is ready once the server serves a version weightsync delivered.
+The controller drives every update itself (control.py). When the job ends this process stops the
+server. When the server dies first the pod exits: the controller, which no longer hears the
+workers' heartbeats, counts the ranks away, and the pod's next start brings new workers that
+rejoin the running job (a server that cannot come up at all fails the job).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Mapping, Sequence
 
 from weightsync.job import INFERENCE, Env, Model, WorkerContext
 from weightsync.model.config import config_of
@@ -28,18 +33,23 @@ from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.vllm_backend import BACKEND
 from weightsync.vllm_backend.control import ControlError, Server
 
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
 WATCH_EVERY = 1.0  # seconds between looks at the server's process and the job's end
 
 
-def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
-    me = who(INFERENCE, rank)
+def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
+    """The pod's server, whose workers are inference ranks `ranks` (its model replica)."""
+    rank, tp = ranks[0], len(ranks)
+    me = who(INFERENCE, rank) + (f"..{ranks[-1]} (tensor-parallel size {tp})" if tp > 1 else "")
     vllm = ctx.job.inference.vllm
     port = int(os.environ.get(Env.VLLM_PORT) or vllm.port)
     url = f"http://{ctx.pod_ip}:{port}"
     python = os.environ.get(Env.VLLM_PYTHON) or sys.executable  # a vLLM image's own by default
-    cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port)
-    env = {**os.environ, Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
+    cpu = ctx.job.inference.gpus_per_proc == 0
+    cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port, tensor_parallel=tp, cpu=cpu)
+    env = {**os.environ, **server_env(tp, cpu, os.environ),
+           Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
     server = Server(url)
@@ -47,29 +57,31 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     try:
         server.wait_up(JOIN_TIMEOUT, alive=lambda: proc.poll() is None)
         server.init_transfer(INIT_TIMEOUT)
-        log(me, f"the vLLM server is up at {url} and its worker joined the job")
+        log(me, f"the vLLM server is up at {url} and its {'workers' if tp > 1 else 'worker'} joined the job")
         channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
         state = _stand_by(proc, server, channel, me)
         if state is not None:
-            channel.set(Keys.bye(INFERENCE, rank), "1")  # this process, not the worker, is the pod's last word
+            for r in ranks:  # this process, not the workers, is the pod's last word
+                channel.set(Keys.bye(INFERENCE, r), "1")
             log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
         report_failure(ctx, INFERENCE, rank, str(e), channel)
         stop(proc, grace=VLLM_STOP_GRACE)
         return 1
-    if state is None:  # the server died while the job ran: its worker's heartbeats stopped with it
+    if state is None:  # the server died while the job ran: its workers' heartbeats stopped with it
         log(me, f"the vLLM server exited with code {proc.returncode}; ending the pod so that it starts again "
-                "and its new worker rejoins the job")
+                "and its new workers rejoin the job")
         return 1
     stop(proc, grace=VLLM_STOP_GRACE)
     linger(ctx, me)
     return 0 if state == "Succeeded" else 1
 
 
-def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int) -> list[str]:
-    """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM). Its
-    module, not the `vllm serve` command, which needs a distribution named vllm (vLLM's CPU build
-    is vllm-cpu)."""
+def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int, *,
+                   tensor_parallel: int = 1, cpu: bool = True) -> list[str]:
+    """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM), its
+    weights sharded over `tensor_parallel` workers. Its module, not the `vllm serve` command, which
+    needs a distribution named vllm (vLLM's CPU build is vllm-cpu)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
     if model.path is not None:
         cmd += ["--model", model.path]
@@ -79,8 +91,28 @@ def server_command(python: str, model: Model, name: str, args: tuple[str, ...], 
         cmd += ["--model", folder, "--load-format", "dummy", "--skip-tokenizer-init"]
     # --enable-scale-out serves /inference/v1/generate, whose choices name the weight version
     # of every token (the OpenAI routes do not)
+    if tensor_parallel > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel)]
+        if cpu:  # vLLM's CPU build runs tensor-parallel workers as processes of its own
+            cmd += ["--distributed-executor-backend", "mp"]
     return cmd + ["--dtype", model.dtype, "--host", host, "--port", str(port), "--served-model-name", name,
                   "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
+
+
+def server_env(tensor_parallel: int, cpu: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a server of `tensor_parallel` workers on CPU needs in its environment: vLLM's CPU build
+    binds every worker's OpenMP threads to cores of its own and, where the machine has one NUMA
+    node, refuses to guess them. The pod's cores (its affinity) are split into that many groups,
+    unless the pod's environment says VLLM_CPU_OMP_THREADS_BIND itself."""
+    if not cpu or tensor_parallel == 1 or OMP_BIND in environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= tensor_parallel:
+        step = len(cores) // tensor_parallel
+        groups = [cores[i * step:(i + 1) * step] for i in range(tensor_parallel)]
+    else:  # fewer cores than workers: they share them
+        groups = [[cores[i % len(cores)]] for i in range(tensor_parallel)]
+    return {OMP_BIND: "|".join(",".join(map(str, g)) for g in groups)}
 
 
 def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str) -> str | None:

@@ -1,4 +1,5 @@
-"""weightsync as a vLLM weight-transfer engine: each vLLM worker process is an inference rank.
+"""weightsync as a vLLM weight-transfer engine: each vLLM worker process is an inference rank
+(a tensor-parallel server's every worker, each receiving only its own slices: shards.py).
 
 vLLM creates the engine in every worker once the model is loaded (`--weight-transfer-config
 '{"backend": "weightsync"}'`). At init the worker joins the job's rendezvous like any inference
@@ -30,13 +31,15 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from weightsync.job import INFERENCE
 from weightsync.job.token import same
-from weightsync.model.flat import views
+from weightsync.model.flat import torch_dtype, views
+from weightsync.plan.sliced import LocalLayout, needs_everything, needs_to_json
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.model.build import meta_layout
 from weightsync.runtime.faults import dump, dumping
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
+from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, worker_needs, worker_parts
 from weightsync.vllm_backend.join import joining, place_of
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
@@ -73,10 +76,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.rank = self.place.rank
         self.me = who(INFERENCE, self.rank)
         self.layout = meta_layout(ctx.job.model)
-        delta = ctx.job.transfer.delta.enabled
-        # one staging buffer; with delta versions a second, holding the version loaded (the base)
-        self.buffers = [torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(2 if delta else 1)]
+        self.group = ctx.job.layout.tp_group(self.rank)
+        needs = self._needs()
+        self.local = None if needs is None else LocalLayout.of(self.layout, needs)
+        # one staging buffer; with delta versions a second, holding the version loaded (the base);
+        # a worker of a job whose receivers hold slices gets every version whole, into its local layout
+        delta = ctx.job.transfer.delta.enabled and self.local is None
+        staging = self.layout.total_bytes if self.local is None else self.local.total_bytes
+        self.buffers = [torch.zeros(staging, dtype=torch.uint8, device=self.device) for _ in range(2 if delta else 1)]
         self.staging_index, self.loaded, self.staged = 0, None, None
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
@@ -85,8 +92,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         member.arrive()
         name, why, receiver = transport_for(ctx, member, INFERENCE, self.rank, self.device)
         endpoint = receiver.listen(ctx.pod_ip, ctx.data_port + local_rank if ctx.data_port else 0)
+        extra = {} if needs is None else {"needs": needs_to_json(needs)}
         member.join(endpoint, self.layout.to_json(), info(ctx, name, why, self.device, engine="vllm",
-                                                         server=self.place.server), JOIN_TIMEOUT)
+                                                         server=self.place.server, **extra), JOIN_TIMEOUT)
         self.member, self.receiver = member, receiver
         log(self.me, f"vLLM worker on {self.device}, {name} transport ({why}); listening on {endpoint}")
         self.thread = threading.Thread(target=self._rounds, name="weightsync-receive", daemon=True)
@@ -98,7 +106,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         try:
             member.start_heartbeat()
             plan, _ = member.plan(JOIN_TIMEOUT)
-            log(self.me, f"{plan.version_bytes} bytes per version from {len(plan.expected())} trainer ranks")
+            self._check_plan(plan)
             settle_heap()
             end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job.transfer, self)
             log(self.me, f"the job ended: {end['message']}")
@@ -165,17 +173,68 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def finish_weight_update(self) -> None:
         pass  # the reload is finished in receive_weights
 
+    def _needs(self):
+        """What this worker needs of a version (plan.slices.RankSlices), or None where every
+        inference rank of the job gets whole versions; refuses a server whose parallelism is not
+        the job's."""
+        parallel = self.parallel_config
+        tp = parallel.tensor_parallel_size
+        if parallel.pipeline_parallel_size != 1 or parallel.data_parallel_size != 1:
+            raise ValueError(f"{self.me}: the weightsync backend takes vLLM's tensor parallelism only; this server "
+                             f"runs pipeline-parallel size {parallel.pipeline_parallel_size} and data-parallel size "
+                             f"{parallel.data_parallel_size}: start it without them")
+        if tp != len(self.group):
+            raise ValueError(f"{self.me}: this vLLM server runs {tp} tensor-parallel worker(s), and the job's model replica "
+                             f"of inference ranks {self.group.start}..{self.group.stop - 1} has {len(self.group)}: start it "
+                             f"with --tensor-parallel-size {len(self.group)} (spec.inference.tensorParallel)")
+        if not self.ctx.job.layout.sliced:
+            self.parts = None
+            return None
+        if tp == 1:
+            self.parts = None
+            return needs_everything(self.layout, self.rank)
+        try:
+            self.parts = worker_parts(self.model, self.layout)
+        except UnsupportedLayer as e:
+            raise ValueError(f"{self.me}: tensor-parallel size {tp}: {e}") from None
+        return worker_needs(self.parts, self.rank)
+
+    def _check_plan(self, plan) -> None:
+        """The controller planned what this worker declared; say what it receives of a version."""
+        if self.local is None:
+            if getattr(plan, "sliced", False):
+                raise ValueError("the controller planned slices for a job whose inference ranks need whole versions")
+            log(self.me, f"{plan.version_bytes} bytes per version from {len(plan.expected_for(self.rank))} trainer ranks")
+            return
+        if not getattr(plan, "sliced", False) or plan.bytes_for(self.rank) != self.local.total_bytes:
+            raise ValueError(f"the controller's plan gives this worker {plan.bytes_for(self.rank)} bytes per version; "
+                             f"the slices it declared take {self.local.total_bytes}")
+        share = self.local.total_bytes / plan.version_bytes
+        log(self.me, f"tensor-parallel rank {self.rank - self.group.start} of {len(self.group)} (inference ranks "
+                     f"{self.group.start}..{self.group.stop - 1}): receives {self.local.total_bytes} of "
+                     f"{plan.version_bytes} bytes per version ({share:.4f} of a whole version) from "
+                     f"{len(plan.expected_for(self.rank))} trainer ranks")
+
     def load(self, buffer) -> None:
         """The staged version into the model through vLLM's own reload machinery: each layer is
         loaded from the checkpoint-format tensors and processed again as vLLM processes weights
         after loading (fused, repacked for its kernels), then copied into the tensors the model
         runs on. Set up only once the update was checked, so a refused one leaves the model as it
-        was."""
+        was. A tensor-parallel worker hands vLLM's loaders the parts it received (shards.py)."""
         initialize_layerwise_reload(self.model)
-        try:
-            self.model.load_weights(zip(self.layout.names, views(buffer, self.layout)))
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
+        with presharded(self.model):
+            try:
+                self.model.load_weights(self._tensors(buffer))
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
+
+    def _tensors(self, buffer):
+        """(checkpoint name, tensor) of everything staged: the whole version, or this worker's parts."""
+        if self.local is None:
+            return zip(self.layout.names, views(buffer, self.layout))
+        dtype = torch_dtype(self.layout.dtype)
+        return ((slot.name, buffer[slot.offset:slot.offset + slot.nbytes].view(dtype).view(slot.shape))
+                for slot in self.local.slots)
 
     def shutdown(self) -> None:
         pass  # the receiving thread ends with the job

@@ -1,0 +1,242 @@
+"""What one vLLM worker of a tensor-parallel server holds of a version, read from vLLM itself, and
+how it loads only that.
+
+A version travels as the Hugging Face checkpoint's tensors (the trainers' names and shapes). A
+vLLM worker of tensor-parallel size N holds a part of most of them, and which part is vLLM's own
+business: its model maps checkpoint names onto its parameters (the model's hf_to_vllm_mapper:
+q_proj, k_proj and v_proj into qkv_proj as shards "q", "k", "v"; gate_proj and up_proj into
+gate_up_proj as shards 0 and 1), and each layer class narrows what it loads by the worker's tensor
+-parallel rank. This module asks the worker's model, not a table of our own, and turns the answer
+into the slice planner's needs (plan.slices.RankSlices: boxes of the global checkpoint tensors):
+
+- QKVParallelLinear: the rows of the worker's query heads of q_proj, and of its KV heads of k_proj
+  and v_proj, which vLLM replicates when N exceeds the KV heads (several workers then need the
+  same rows: the planner sends them to each);
+- MergedColumnParallelLinear (gate_up_proj): the worker's share of the rows of each of its parts;
+- ColumnParallelLinear: its rows (output_dim); RowParallelLinear: its columns (input_dim) of the
+  weight, and the whole bias (added after the reduction);
+- VocabParallelEmbedding and ParallelLMHead: the worker's vocabulary rows (vLLM pads the
+  vocabulary, and its own loader fills the padding with zeros);
+- every parameter these layers do not shard (norms, a layer with tensor parallelism disabled):
+  the whole tensor.
+
+Shapes and the output_dim/input_dim attributes come from the checkpoint-format parameters vLLM
+records for its layerwise reload (its CPU build repacks a linear layer's weight for its GEMM
+kernel and leaves the live parameter empty). Every parameter of the model must be fed by some
+checkpoint tensor and every part must fit the parameter it lands in, else the worker refuses at
+init, naming the parameter: a layer class this module does not know (a mixture of experts, say)
+is refused, never guessed.
+
+Loading: vLLM's loaders narrow a whole checkpoint tensor to the worker's part by tensor-parallel
+rank. `presharded` hands them the part itself: for the reload, every sharded linear layer and its
+parameters load as tensor-parallel rank 0 of the part (as vLLM's own MLA projection loads its
+replicated latents) and a vocabulary layer's shard starts at row 0 of the part; all of it is put
+back when the reload ends, so the layers serve as before. What vLLM processes after loading runs
+as for any reload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                                               QKVParallelLinear, RowParallelLinear)
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.slices import Box, RankSlices, Slice
+
+QKV_SHARDS = ("q", "k", "v")
+
+
+class UnsupportedLayer(ValueError):
+    """A parameter whose tensor-parallel part this module cannot read from vLLM."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """What the worker takes of checkpoint tensor `tensor`: `box` of it, loaded into vLLM's
+    parameter `param` (as `shard` of a fused one); box None: vLLM loads nothing from it."""
+
+    tensor: str
+    param: str | None
+    shard: str | int | None
+    box: Box | None
+
+
+def worker_parts(model: torch.nn.Module, layout: FlatLayout) -> list[Part]:
+    """The part of every tensor of the version that this worker's model holds (tensor order)."""
+    modules = dict(model.named_modules())
+    parts = []
+    for slot in layout.slots:
+        target = _target(model, slot.name)
+        if target is None:
+            parts.append(Part(slot.name, None, None, None))
+            continue
+        param, shard = target
+        module_name, _, attr = param.rpartition(".")
+        module = modules.get(module_name)
+        if module is None or attr not in module._parameters:
+            parts.append(Part(slot.name, None, None, None))  # vLLM has no such parameter and skips the tensor
+            continue
+        meta = _checkpoint_param(module, attr)
+        parts.append(Part(slot.name, param, shard, _box(module, attr, meta, shard, tuple(slot.shape), slot.name)))
+    _check(model, modules, parts)
+    return parts
+
+
+def worker_needs(parts: list[Part], rank: int) -> RankSlices:
+    """The slice planner's view of the parts: what inference rank `rank` needs."""
+    return RankSlices(rank, tuple(Slice(p.tensor, p.box) for p in parts if p.box is not None))
+
+
+def _target(model, name: str) -> tuple[str, str | int | None] | None:
+    """vLLM's parameter for checkpoint tensor `name`, and the shard of it, as the model maps them
+    (None: the model drops the tensor)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
+        mapped = mapper._map_name_with_shard(name)
+        if mapped is None:
+            return None
+        param, shard = mapped
+    else:  # a model without a mapper: its packed modules (qkv_proj: [q_proj, k_proj, v_proj])
+        param, shard = name, None
+        module, _, attr = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        for fused, members in (getattr(model, "packed_modules_mapping", None) or {}).items():
+            if leaf in members:
+                param = f"{parent}.{fused}.{attr}" if parent else f"{fused}.{attr}"
+                shard = members.index(leaf)
+                break
+    if shard is not None and not isinstance(shard, (str, int)):
+        raise UnsupportedLayer(f"vLLM loads {name} into {param} as shards {shard!r}; weightsync's tensor-parallel "
+                               "slicing takes one shard per checkpoint tensor: serve this model with tensorParallel 1")
+    return param, shard
+
+
+def _checkpoint_param(module: torch.nn.Module, attr: str) -> torch.Tensor:
+    """The parameter in checkpoint format, with its attributes: what vLLM recorded for its
+    layerwise reload (before its CPU build repacked it), else the live one (a bias, which vLLM
+    does not record and does not repack)."""
+    recorded, _ = get_layerwise_info(module).restore_metadata
+    return recorded.get(attr, module._parameters[attr])
+
+
+def _box(module, attr: str, meta: torch.Tensor, shard, shape: tuple, name: str) -> Box:
+    whole = Box((0,) * len(shape), shape)
+    if getattr(module, "tp_size", 1) == 1 or not shape:
+        return whole
+    if isinstance(module, VocabParallelEmbedding):
+        if getattr(meta, "output_dim", None) is None:
+            return whole
+        indices = module.shard_indices
+        return _on(shape, 0, indices.org_vocab_start_index, indices.org_vocab_end_index - indices.org_vocab_start_index)
+    if isinstance(module, RowParallelLinear):
+        dim = getattr(meta, "input_dim", None)
+        if dim is None:  # the bias: added after the reduction, whole on every worker
+            return whole
+        size = meta.shape[dim]
+        return _on(shape, dim, module.tp_rank * size, size)
+    if isinstance(module, ColumnParallelLinear):
+        dim = getattr(meta, "output_dim", None)
+        if dim is None:
+            return whole
+        if isinstance(module, QKVParallelLinear):
+            if shard not in QKV_SHARDS:
+                raise UnsupportedLayer(f"{name}: vLLM loads it into {type(module).__name__} as shard {shard!r}, "
+                                       f"not one of {', '.join(QKV_SHARDS)}")
+            if shard == "q":
+                size = module.num_heads * module.head_size
+                return _on(shape, dim, module.tp_rank * size, size)
+            size = module.num_kv_heads * (module.head_size if shard == "k" else module.v_head_size)
+            return _on(shape, dim, (module.tp_rank // module.num_kv_head_replicas) * size, size)
+        if isinstance(module, MergedColumnParallelLinear):
+            if not isinstance(shard, int) or not 0 <= shard < len(module.output_sizes):
+                raise UnsupportedLayer(f"{name}: vLLM loads it into {type(module).__name__} as shard {shard!r}")
+            size = module.output_sizes[shard] // module.tp_size
+            return _on(shape, dim, module.tp_rank * size, size)
+        size = meta.shape[dim]
+        return _on(shape, dim, module.tp_rank * size, size)
+    if isinstance(module, LinearBase):  # ReplicatedLinear: every worker holds it whole
+        return whole
+    if getattr(meta, "output_dim", None) is not None or getattr(meta, "input_dim", None) is not None:
+        raise UnsupportedLayer(f"{name}: vLLM shards it in a {type(module).__name__}, a layer weightsync's "
+                               "tensor-parallel slicing does not know; serve this model with tensorParallel 1")
+    return whole
+
+
+def _on(shape: tuple, dim: int, start: int, size: int) -> Box:
+    if dim >= len(shape) or start < 0 or size <= 0 or start + size > shape[dim]:
+        raise UnsupportedLayer(f"a part of {size} at {start} on dim {dim} is outside a checkpoint tensor of shape "
+                               f"{list(shape)}")
+    begin, end = [0] * len(shape), list(shape)
+    begin[dim], end[dim] = start, start + size
+    return Box(tuple(begin), tuple(end))
+
+
+def _check(model, modules: dict, parts: list[Part]) -> None:
+    """Every parameter of the model is fed, and what feeds it fits it."""
+    fed: dict[str, list[Part]] = {}
+    for p in parts:
+        if p.box is not None:
+            fed.setdefault(p.param, []).append(p)
+    unfed = [name for name, _ in model.named_parameters() if name not in fed]
+    if unfed:
+        raise UnsupportedLayer(f"no tensor of the version feeds vLLM's parameter(s) {', '.join(unfed[:4])}"
+                               f"{' and more' if len(unfed) > 4 else ''}: the model's names do not map onto this "
+                               "vLLM model's as weightsync reads them; serve it with tensorParallel 1")
+    for param, feeding in fed.items():
+        module_name, _, attr = param.rpartition(".")
+        meta = _checkpoint_param(modules[module_name], attr)
+        if isinstance(modules[module_name], VocabParallelEmbedding):
+            rows, rest = feeding[0].box.shape[0], feeding[0].box.shape[1:]
+            fits = len(feeding) == 1 and rows <= meta.shape[0] and tuple(rest) == tuple(meta.shape[1:])
+        elif len(feeding) == 1 and feeding[0].shard is None:
+            fits = tuple(feeding[0].box.shape) == tuple(meta.shape)
+        else:  # the parts of a fused parameter stack on its output dim
+            dim = getattr(meta, "output_dim", 0)
+            shapes = [p.box.shape for p in feeding]
+            fits = (sum(s[dim] for s in shapes) == meta.shape[dim]
+                    and all(s[:dim] + s[dim + 1:] == tuple(meta.shape[:dim]) + tuple(meta.shape[dim + 1:]) for s in shapes))
+        if not fits:
+            got = ", ".join(f"{p.tensor} {p.box}" for p in feeding)
+            raise UnsupportedLayer(f"vLLM's parameter {param} holds {list(meta.shape)} on this worker, and the parts "
+                                   f"read from vLLM's layers do not fill it ({got}); serve this model with tensorParallel 1")
+
+
+def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers whose loaders narrow by tensor-parallel rank."""
+    return [m for m in model.modules()
+            if isinstance(m, (LinearBase, VocabParallelEmbedding)) and getattr(m, "tp_size", 1) > 1]
+
+
+@contextlib.contextmanager
+def presharded(model: torch.nn.Module):
+    """For a reload set up by initialize_layerwise_reload: vLLM's loaders take the worker's part
+    as given (see the module's docstring). Everything changed is put back on the way out."""
+    undo = []
+    for module in sharded_modules(model):
+        if isinstance(module, VocabParallelEmbedding):
+            indices, size = module.shard_indices, module.org_vocab_size
+            rows = indices.org_vocab_end_index - indices.org_vocab_start_index
+            module.shard_indices = dataclasses.replace(indices, org_vocab_start_index=0, org_vocab_end_index=rows)
+            module.org_vocab_size = rows
+            undo.append(lambda m=module, i=indices, s=size: (setattr(m, "shard_indices", i), setattr(m, "org_vocab_size", s)))
+            continue
+        undo.append(lambda m=module, r=module.tp_rank: setattr(m, "tp_rank", r))
+        module.tp_rank = 0
+        # the parameters the reload materializes carry the recorded ones' attributes: v2 loaders
+        # narrow by the parameter's own tp_rank
+        for param in list(module._parameters.values()):
+            if param is not None and "tp_rank" in param.__dict__:
+                undo.append(lambda p=param, r=param.tp_rank: setattr(p, "tp_rank", r))
+                param.tp_rank = 0
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
