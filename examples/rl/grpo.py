@@ -25,7 +25,7 @@ mean reward, staleness, the rollouts' versions, the trainer's version) and redra
 
 Run it as a job's spec.trainer.command (examples/rl/job.yaml) or by hand with the job's join
 environment (examples/rl/external-job.yaml). The model is the job's spec.model.config, passed as
---config.
+--config (examples/rl/model/config.json: the same config, as the servers started by hand load it).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ SERVING_TIMEOUT = 300.0  # seconds for every server to serve the first version p
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="the job's spec.model.config as JSON (a Llama, random init)")
+    parser.add_argument("--config", required=True,
+                        help="the job's spec.model.config: JSON, or a config.json file (a Llama, random init)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=8, help="distinct prompts, all of them every step")
     parser.add_argument("--group", type=int, default=32, help="samples per prompt (GRPO's group)")
@@ -190,7 +191,8 @@ def main() -> None:
         raise SystemExit(f"this example trains on one trainer rank (spec.trainer: replicas 1, procsPerPod 1); "
                          f"WORLD_SIZE is {world}")
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(args.config))).train()
+    config = json.loads(Path(args.config).read_text() if args.config.endswith(".json") else args.config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     task = Task.make(args.prompts, model.config.vocab_size, args.seed)
     out = Path(args.out)

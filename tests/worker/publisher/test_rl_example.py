@@ -47,7 +47,7 @@ def short_job(out: Path):
     spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text())
     trainer = spec["spec"]["trainer"]
     args = list(trainer["args"])
-    for flag, value in (("--steps", str(STEPS)), ("--out", str(out))):
+    for flag, value in (("--steps", str(STEPS)), ("--out", str(out)), ("--config", str(EXAMPLE / "model" / "config.json"))):
         args[args.index(flag) + 1] = value
     trainer.update(command=[sys.executable, str(EXAMPLE / "grpo.py")], args=args)
     spec["spec"]["inference"]["replicas"] = 1
