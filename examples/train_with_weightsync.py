@@ -2,10 +2,19 @@
 
 A plain PyTorch loop over a transformers causal LM, data-parallel with DDP (the default) or
 sharded with FSDP2 (--fsdp: torch.distributed.fsdp.fully_shard; each rank then sends only its
-own shard, nothing is gathered for the transfer). It is started by torchrun (or plain python when
-a pod runs one rank) as a WeightTransferJob's spec.trainer.command (user-trainer-job.yaml): the
-pod's environment holds torchrun's variables and the job's contract, so the script needs no
-weightsync arguments. weightsync adds four lines: import, attach, publish, close (the `with`).
+own shard, nothing is gathered for the transfer). weightsync adds four lines: import, attach,
+publish, close (the `with`), and the script takes no weightsync arguments: attach() finds the job
+in its environment, either way it is started:
+
+- as the job's external trainers (spec.trainer.external: true), by your own torchrun, with the
+  job's three join variables in the environment (`weightsync run job.yaml --join-env join.env`
+  writes them; in a cluster, envFrom the Secret <job>-join):
+
+    set -a; . join.env; set +a
+    torchrun --standalone --nproc-per-node 2 train_with_weightsync.py --config '{"model_type": "qwen2", ...}' --fsdp
+
+- or as a WeightTransferJob's spec.trainer.command (user-trainer-job.yaml), in the trainer pods
+  weightsync starts, whose environment holds torchrun's variables and the job's contract:
 
     torchrun train_with_weightsync.py --config '{"model_type": "qwen2", ...}' --steps 40 --publish-every 10 [--fsdp]
 

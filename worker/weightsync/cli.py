@@ -1,6 +1,8 @@
 """The `weightsync` command.
 
   weightsync run JOB      run a WeightTransferJob as local processes, one per pod; prints a JSON summary
+  weightsync run JOB --join-env FILE
+                          the same, but for an external role's pods: FILE says how your processes join
   weightsync worker       what every pod runs: the role comes from the pod's ordinal (environment)
   weightsync plan JOB     the transfer plan of a job: bytes per trainer rank, buckets, balance
   weightsync plan --simulate MODEL [--trainers 256 --fsdp 256 --inference 8xTP16 --nic 400gbit]
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
                                            "weightsync installed; default: this one)")
     run.add_argument("--share-gpus", action="store_true",
                      help="every pod that asks for GPUs gets the same ones (training and inference on one GPU)")
+    run.add_argument("--join-env", metavar="FILE",
+                     help="a job with an external role (spec.trainer.external, spec.inference.external): start every "
+                          "pod but that role's, and write to FILE the variables your processes join the job with "
+                          "(KEY=value lines, for `set -a; . FILE; set +a`) once they can")
     sub.add_parser("worker", help="run this pod's role (configured by the environment the operator sets)")
     plan = sub.add_parser("plan", help="print the transfer plan of a job, or simulate one at scale")
     plan.add_argument("job", nargs="?", help="a WeightTransferJob YAML file")
@@ -75,7 +81,8 @@ def _run(args) -> int:
     from weightsync.local.runner import CannotRunHere, RunFailed, run
 
     try:
-        summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python, share_gpus=args.share_gpus)
+        summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python, share_gpus=args.share_gpus,
+                      join_env=args.join_env)
     except CannotRunHere as e:
         print(f"weightsync run: {e}", file=sys.stderr)
         return EXIT_SPEC

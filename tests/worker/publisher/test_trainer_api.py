@@ -15,19 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from weightsync import job as contract
 from weightsync.runtime.faults import DUMP_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
 
-from support.jobs import as_bytes, assert_nothing_left
+from support.jobs import assert_nothing_left
+from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
 
-ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE = str(ROOT / "examples" / "train_with_weightsync.py")
-# Qwen2 with GQA and tied embeddings, in sizes 2 and 4 ranks do not divide (vocab 101, intermediate 70)
-CONFIG = {"model_type": "qwen2", "vocab_size": 101, "hidden_size": 48, "intermediate_size": 70, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
 RUN_TIMEOUT = 300
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
@@ -60,22 +55,6 @@ def run(tmp_path: Path, job) -> tuple[LocalJob, dict | RunFailed]:
 
 def status(local: LocalJob) -> dict:
     return json.loads((local.workdir / "status.json").read_text())
-
-
-def example_args(tmp_path: Path, *more: str) -> list[str]:
-    return ["--config", json.dumps(CONFIG), "--steps", "6", "--publish-every", "3", "--save", str(tmp_path / "final.pt"), *more]
-
-
-def check_final_version(tmp_path: Path, job, versions: int) -> None:
-    saved = torch.load(tmp_path / "final.pt")
-    dtype = getattr(torch, job.model.dtype)
-    for rank in range(job.layout.world_size("inference")):
-        for v in range(versions):
-            assert (tmp_path / "dump" / f"inference-{rank}-v{v}.pt").exists(), f"inference rank {rank} missed version {v}"
-        got = torch.load(tmp_path / "dump" / f"inference-{rank}-v{versions - 1}.pt")["tensors"]
-        assert "lm_head.weight" not in got  # tied: sent once, as the embedding
-        for name, tensor in got.items():
-            assert torch.equal(as_bytes(tensor), as_bytes(saved[name].to(dtype))), f"inference rank {rank}: {name}"
 
 
 def test_a_users_ddp_script_publishes_every_version_through_the_api(tmp_path):

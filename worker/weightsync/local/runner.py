@@ -32,7 +32,8 @@ from typing import IO, Mapping
 import yaml
 
 from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job,
-                            PodSite, ValueFrom, load_job, pod_env)
+                            PodSite, ValueFrom, external_roles, load_job, pod_env)
+from weightsync.local.external import JoinOffer
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
@@ -58,8 +59,12 @@ class CannotRunHere(RuntimeError):
 
 
 class LocalJob:
+    """The processes of one job's pods on this machine. With `join_env` (a path), the pods of the
+    job's external roles are not started: their ranks are processes the user starts with the
+    variables this writes there once the controller's store is up (local/external.py)."""
+
     def __init__(self, job: Job, workdir: Path, extra_env: Mapping[str, str] | None = None,
-                 progress: IO[str] = sys.stderr, share_gpus: bool = False):
+                 progress: IO[str] = sys.stderr, share_gpus: bool = False, join_env: Path | None = None):
         # absolute: every pod's environment names its files from here, and pods run elsewhere
         self.job, self.workdir, self.progress = job, Path(workdir).resolve(), progress
         self.share_gpus = share_gpus
@@ -67,8 +72,11 @@ class LocalJob:
         self.events: queue.Queue = queue.Queue()
         self.transfers: list[dict] = []
         self.completion: dict | None = None
+        check_join_env(job, join_env)
         self.pods = self._pods()
         self.kubelet = Kubelet(self.pods, self.workdir, self.say)
+        self.offer = None if join_env is None else JoinOffer(job, Path(join_env), self.store_port, self.token_file,
+                                                             self.pods[0].log, self.say)
 
     # ------------------------------------------------------------ what each pod gets
 
@@ -104,8 +112,12 @@ class LocalJob:
         check_command_env(self.job)
         first_inference = layout.first_ordinal(INFERENCE)
         pods = []
+        self.store_port, self.token_file = store_port, token_file
+        external = external_roles(self.job)
         for ordinal in range(layout.pods):
             role = layout.role_of(ordinal)
+            if role in external:  # the user starts these ranks
+                continue
             site = PodSite(
                 namespace=self.job.namespace,
                 ordinal=str(ordinal),
@@ -149,6 +161,8 @@ class LocalJob:
     def start(self) -> None:
         (self.workdir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.kubelet.start()
+        if self.offer is not None:
+            self.offer.start()
 
     def _read_lines(self, stream) -> None:
         """The controller's stdout: its records (JSON lines), and anything else it prints."""
@@ -204,6 +218,8 @@ class LocalJob:
         A failed job's processes are not waited for, but for the controller's (it reports the
         failure, to the status file too, before it exits)."""
         completion = self.follow(timeout)
+        if self.offer is not None:
+            self.offer.stop()
         exit_by = time.monotonic() + EXIT_TIMEOUT
         failed = completion["state"] != "Succeeded"
         for pod in self.pods:
@@ -241,7 +257,21 @@ class LocalJob:
 
     def stop(self) -> None:
         """Stop every process this run started (whole process groups), then reap them."""
+        if self.offer is not None:
+            self.offer.stop()
         self.kubelet.stop()
+
+
+def check_join_env(job: Job, join_env: Path | None) -> None:
+    """A job with an external role is run with a join file to write, and only such a job."""
+    external = external_roles(job)
+    if external and join_env is None:
+        raise CannotRunHere(f"job {job.name}'s {' and '.join(external)} ranks are external "
+                            f"({', '.join(f'spec.{r}.external' for r in external)}): pass --join-env FILE, and weightsync "
+                            "run writes there the variables your processes join the job with")
+    if join_env is not None and not external:
+        raise CannotRunHere(f"--join-env: job {job.name} has no external role (spec.trainer.external, "
+                            "spec.inference.external), so no process of yours joins it; drop --join-env")
 
 
 def check_command_env(job: Job) -> None:
@@ -258,7 +288,9 @@ def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
     for them (procsPerPod x gpusPerProc), none for the others; with `share`, the same first
     GPUs for every pod that asks (colocated ranks on one GPU)."""
     layout = job.layout
-    need = {o: 0 if layout.role_of(o) == CONTROLLER else job.pods(layout.role_of(o)).gpus for o in range(layout.pods)}
+    # the controller asks for none, nor the pods of a role whose ranks the user starts
+    need = {o: 0 if layout.role_of(o) == CONTROLLER or job.pods(layout.role_of(o)).external
+            else job.pods(layout.role_of(o)).gpus for o in range(layout.pods)}
     total = max(need.values()) if share else sum(need.values())
     visible: list[str] = []
     if total:
@@ -281,17 +313,22 @@ def gpus_per_pod(job: Job, share: bool = False) -> dict[int, str]:
 
 def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = None, extra_env: Mapping[str, str] | None = None,
         progress: IO[str] = sys.stderr, timeout: float | None = None, vllm_python: str | None = None,
-        share_gpus: bool = False) -> dict:
+        share_gpus: bool = False, join_env: str | os.PathLike | None = None) -> dict:
     """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
     the job started), or before starting anything contract.SpecError or CannotRunHere. The
     inference pods of a vLLM job run vLLM with `vllm_python` (this Python by default). With
     `share_gpus` every pod that asks for GPUs gets the same ones (colocated training and
-    inference on one GPU)."""
+    inference on one GPU). A job with an external role needs `join_env`, the file the variables
+    of its external ranks go to (and no other job takes one)."""
     job = source if isinstance(source, Job) else load_job(source)
-    if job.inference.runs_vllm:
+    join_env = None if join_env is None else Path(join_env)
+    check_join_env(job, join_env)
+    if job.inference.runs_vllm and not job.inference.external:
         extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
     layout = meta_layout(job.model)  # a model transformers cannot build is refused before anything starts
-    if job.trainer.command:
+    if job.trainer.external:
+        pass  # the user's own trainers: what they hold is their script's
+    elif job.trainer.command:
         check_command_env(job)  # refused here if it needs a cluster (spec.training is the built-in trainer's)
     else:
         check_fits(job.model, job.training.seq_len)
@@ -304,11 +341,12 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     local = None
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        local = LocalJob(job, workdir, extra_env, progress, share_gpus)
+        local = LocalJob(job, workdir, extra_env, progress, share_gpus, join_env)
         layout = job.layout
+        yours = " and ".join(external_roles(job))
         local.say(f"job {job.name}: 1 controller, {layout.trainers} trainer pod(s) x {layout.trainer_procs} and "
-                  f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}; "
-                  f"logs in {workdir / 'logs'}")
+                  f"{layout.inferences} inference pod(s) x {layout.inference_procs} processes on {LOOPBACK}"
+                  + (f" (the {yours} ranks yours to start)" if yours else "") + f"; logs in {workdir / 'logs'}")
         local.start()
         summary = local.wait(timeout)
     except (RunFailed, Interrupted) as e:

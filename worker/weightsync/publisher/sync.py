@@ -28,17 +28,19 @@ top of the script, is reported to the controller, which fails the job naming thi
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from weightsync.runtime import health
-from weightsync.job import TRAINER, SpecError, WorkerContext
+from weightsync.job import TRAINER, Env, Job, Join, JoinEnv, SpecError, WorkerContext
 from weightsync.plan.job import delta_in_effect
 from weightsync.runtime.faults import pause_point, tamper_hook
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
 from weightsync.publisher.peers import Links
+from weightsync.rendezvous.join import JoinError, joined_context
 from weightsync.rendezvous.messages import Round, SentReport
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
 from weightsync.publisher.sources import Sources, local_tensors, sources_of
@@ -255,6 +257,12 @@ class Sync:
         if self.member.has(Keys.END):  # a pod started again after its job ended: nothing to do
             end = self.member.get_json(Keys.END)
             raise JobEnded(end["state"], f"{self.me} started again after the job ended: {end['message']}")
+        if self.ctx.job.trainer.external:  # refused at once: the job goes on with the process that holds the rank
+            world = self.ctx.job.layout.world_size(TRAINER)
+            raise Restarted(f"{self.me} of job {self.ctx.job.identity} is taken (this is its start {self.member.attempt}): "
+                            f"another process joined with RANK={self.rank}, or this rank's process started again; "
+                            f"each trainer process needs its own RANK (0..{world - 1}), and trainers do not rejoin a "
+                            "running job") from None
         log(self.me, f"{error}; waiting for the controller to end the job")
         wait_for_the_end(self.member, self.me)
         self.member.bye()
@@ -263,7 +271,19 @@ class Sync:
 
 def attach(model, *, rank: int | None = None, context: WorkerContext | None = None) -> Sync:
     """Join this process's trainer rank to the job, with `model`'s weights as the versions it
-    publishes. `rank` and `context` default to what the pod's environment says."""
+    publishes. `rank` and `context` default to what the environment says: a trainer pod's
+    contract (WEIGHTSYNC_SPEC_FILE, as weightsync's pods have it), or else the join variables of
+    an external trainer (job/join.py) with torch.distributed's RANK and WORLD_SIZE."""
+    if context is None and not os.environ.get(Env.SPEC_FILE):
+        join = Join.from_environ(os.environ)
+        if join is None:
+            raise JoinError(f"weightsync.attach() finds no job in this process's environment: set "
+                            f"{', '.join(JoinEnv.REQUIRED)} (an external trainer: the Secret <job>-join in a cluster, "
+                            "the file `weightsync run --join-env FILE` writes on one machine), or run the script as "
+                            "spec.trainer.command in the job's own trainer pods")
+        context, channel = joined_context(join, TRAINER, lambda job: external_rank(job, os.environ, rank))
+        channel.store.close()
+        rank = external_rank(context.job, os.environ, rank)
     ctx = context or WorkerContext.from_environ()
     if ctx.role != TRAINER:
         raise SpecError([f"weightsync.attach() runs in trainer pods; this is the {ctx.role} pod {ctx.job.pod_name(ctx.ordinal)}"])
@@ -272,11 +292,33 @@ def attach(model, *, rank: int | None = None, context: WorkerContext | None = No
     return sync
 
 
+def external_rank(job: Job, environ: Mapping[str, str], rank: int | None = None) -> int:
+    """An external trainer's rank: `rank`, or torch.distributed's RANK; WORLD_SIZE must be the
+    job's trainer world size (replicas x procsPerPod), so that every rank is some process's."""
+    world = job.layout.world_size(TRAINER)
+    size = environ.get("WORLD_SIZE")
+    if size is None and world > 1:
+        raise SpecError([f"WORLD_SIZE is not set, but job {job.identity} has {world} trainer ranks: start {world} "
+                         "processes with torchrun (it sets RANK and WORLD_SIZE)"])
+    if size is not None and size != str(world):
+        raise SpecError([f"WORLD_SIZE={size}, but job {job.identity} has {world} trainer ranks (spec.trainer: "
+                         f"replicas {job.trainer.replicas} x procsPerPod {job.trainer.procs_per_pod}): start exactly "
+                         f"{world} trainer processes"])
+    if rank is not None:
+        return rank
+    value = environ.get("RANK")
+    if value is None and world == 1:
+        return 0
+    if value is None or not value.isdigit():
+        said = "RANK is not set" if value is None else f"RANK={value}"
+        raise SpecError([f"{said}: an external trainer of job {job.identity} needs its rank, 0..{world - 1}, in RANK "
+                         "(torchrun sets it)"])
+    return int(value)
+
+
 def rank_of(ctx: WorkerContext, environ: Mapping[str, str] | None = None) -> int:
     """This process's trainer rank: the pod's only one, or LOCAL_RANK's of the pod's ranks (one
     process per rank, as torchrun starts them); checked against torchrun's RANK and WORLD_SIZE."""
-    import os
-
     environ = os.environ if environ is None else environ
     ranks, world = ctx.ranks, ctx.job.layout.world_size(TRAINER)
     local = environ.get("LOCAL_RANK")

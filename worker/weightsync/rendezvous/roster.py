@@ -44,6 +44,7 @@ from weightsync.rendezvous.protocol import (
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
+PROGRESS_EVERY = 15.0  # seconds between two lines about the external ranks still missing
 
 SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
@@ -78,6 +79,41 @@ class Seat:
     info: RankInfo | None = None  # what its latest attempt told about itself (pod, transport, vLLM server)
 
 
+@dataclass(frozen=True)
+class Deadline:
+    """How long the ranks of an external role have to join, and what to tell the user."""
+
+    seconds: float
+    setting: str  # the spec's field that sets it
+    how: str  # how such a rank is started (what it needs besides the three variables)
+
+
+def _named(role: str, ranks: list[int]) -> str:
+    """"trainer rank 3", or "trainer ranks 0-3, 6"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][-1] == r - 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"{role} rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _progress(ranks: list[tuple[str, int]], admitted: Mapping, external: Mapping[str, Deadline], waited: float) -> str:
+    """One line: which external ranks joined, which are still missing, and for how long more."""
+    parts = []
+    for role, limit in external.items():
+        joined = [k for r, k in ranks if r == role and (r, k) in admitted]
+        missing = [k for r, k in ranks if r == role and (r, k) not in admitted]
+        if missing:
+            parts.append(f"{_named(role, joined) if joined else f'no {role} rank'} joined, {_named(role, missing)} "
+                         f"missing ({max(limit.seconds - waited, 0):.0f}s left, {limit.setting})")
+        else:
+            parts.append(f"every {role} rank joined")
+    return f"waiting for external ranks: {'; '.join(parts)}"
+
+
 @dataclass
 class Beat:
     count: int
@@ -100,6 +136,7 @@ class Host(Channel):
         self.round: Round | None = None  # the current round
         self.cut: set[int] = set()  # receivers of the current round counted away during it
         self.check_rejoin: Callable[[str, RankInfo], None] = lambda meta, info: None
+        self.external: set[str] = set()  # the roles whose ranks the user starts (spec.<role>.external)
         self.claims: Claims | None = None  # external vLLM servers: their workers claim inference ranks (claims.py)
         self.failures_seen = 0
         self.beats: dict[tuple[str, int], Beat] = {}
@@ -128,10 +165,16 @@ class Host(Channel):
             raise ProofError(f"{who(role, rank)} failed the job token proof (its token file differs from the job's Secret)")
         return Admission(endpoint, meta, RankInfo.from_json(info))
 
-    def admit(self, timeout: float) -> dict[tuple[str, int], Admission]:
-        """Wait for every rank's first proof; return {(role, rank): what it published}."""
+    def admit(self, timeout: float, external: Mapping[str, Deadline] | None = None,
+              every: float = PROGRESS_EVERY) -> dict[tuple[str, int], Admission]:
+        """Wait for every rank's first proof; return {(role, rank): what it published}. The ranks
+        of an `external` role (processes the user starts) each have their role's Deadline, from
+        now: the job fails naming those that did not join by then; meanwhile a line every `every`
+        seconds says which joined and which are still missing."""
+        external = dict(external or {})
         admitted: dict[tuple[str, int], Admission] = {}
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, said = start + timeout, start
         pause = 0.001
         while len(admitted) < len(self.ranks):
             self._check_failures()
@@ -142,7 +185,19 @@ class Host(Channel):
                     got = self._proven(role, rank, 1)
                     if got is not None:
                         admitted[(role, rank)] = got
-            if time.monotonic() > deadline:
+                        if role in external:
+                            self.say(f"{who(role, rank)} joined (external, at {got.endpoint})")
+            now = time.monotonic()
+            for role, limit in external.items():
+                missing = [k for r, k in self.ranks if r == role and (r, k) not in admitted]
+                if missing and now - start > limit.seconds:
+                    raise RankFailed(f"{_named(role, missing)} did not join within {limit.seconds:.0f}s "
+                                     f"({limit.setting}): start {'them' if len(missing) > 1 else 'it'} with the join "
+                                     f"variables ({limit.how})", reasons.TIMED_OUT)
+            if external and now - said >= every:
+                said = now
+                self.say(_progress(self.ranks, admitted, external, now - start))
+            if now > deadline:
                 missing = [who(r, k) for r, k in self.ranks if (r, k) not in admitted]
                 raise TimeoutError(f"{len(missing)} ranks did not join within {timeout:.0f}s: {', '.join(missing[:6])}")
             time.sleep(pause)
@@ -304,6 +359,11 @@ class Host(Channel):
             started = self.store.add(Keys.join(role, rank), 0)
             if started > self.attempts[(role, rank)]:
                 self.attempts[(role, rank)] = started
+                if role == TRAINER and role in self.external and self._silent_for(role, rank, now) <= self.silent_limit:
+                    # the rank's process still beats: a second process claimed its RANK, and was refused
+                    self.say(f"a second process claimed {who(role, rank)} (start {started}) while the one that joined "
+                             "as it is alive; it was refused, and the job goes on")
+                    continue
                 if role == TRAINER:
                     raise RankFailed(f"{who(role, rank)} restarted (its process started again, start {started}); trainers "
                                      "do not rejoin a running job", reasons.TRAINER_RESTARTED)

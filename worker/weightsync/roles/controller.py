@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext, reasons
+from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, Job, WorkerContext, external_roles, reasons
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
@@ -31,7 +31,7 @@ from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
-from weightsync.rendezvous.roster import Host, RankFailed
+from weightsync.rendezvous.roster import Deadline, Host, RankFailed
 from weightsync.roles.records import Reporter
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
@@ -85,10 +85,15 @@ def run(ctx: WorkerContext) -> int:
             "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
             reasons.CONTROLLER_RESTARTED), 0, None)
     log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
+    external = _external(ctx.job)
+    host.external = set(external)
+    for role, limit in external.items():
+        log(ME, f"the {role} ranks are external: start them with the job's join variables ({limit.how}) within "
+                f"{limit.seconds:.0f}s ({limit.setting})")
     reached: set[int] = set()  # the versions verified on at least one inference rank
     loss = None
     try:
-        admitted = host.admit(JOIN_TIMEOUT)
+        admitted = host.admit(JOIN_TIMEOUT, external)
         plan, transport = _plan(ctx, admitted)
         host.check_rejoin = lambda meta, info: _check_rejoin(plan.layout, transport, meta, info)
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)].endpoint for rank in range(inferences)},
@@ -133,6 +138,15 @@ def run(ctx: WorkerContext) -> int:
     reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=_rounded(loss))
     linger(ctx, ME)
     return 0
+
+
+def _external(job: Job) -> dict[str, Deadline]:
+    """The roles whose ranks the user starts, each with how long its ranks have to join."""
+    seconds, setting = float(job.trainer.attach_timeout_seconds), "spec.trainer.attachTimeoutSeconds"
+    world = job.layout.world_size(TRAINER)
+    how = {TRAINER: f"RANK 0..{world - 1}, WORLD_SIZE={world}" if world > 1 else "RANK=0, WORLD_SIZE=1",
+           INFERENCE: "and WEIGHTSYNC_VLLM_SERVER: every vLLM server's worker claims an inference rank"}
+    return {role: Deadline(seconds, setting, how[role]) for role in external_roles(job)}
 
 
 def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round, transport: str,

@@ -1,7 +1,8 @@
 """An external rank's way in (rendezvous/join.py) against a real controller's store in this
 process: it reads the job the controller published, signed, and builds its context from it; a
 wrong token, a wrong job id, a controller that is not there, a forged job, a role the job's own
-pods hold and a rank outside the job are each refused with one line that says what to fix."""
+pods hold and a rank outside the job are each refused with one line that says what to fix; a
+second process claiming an external trainer's rank is refused while the job goes on."""
 
 import socket
 
@@ -10,8 +11,8 @@ import pytest
 from weightsync import job as contract
 from weightsync.job import Join, join_env
 from weightsync.rendezvous.join import JoinError, fetch_job, joined_context
-from weightsync.rendezvous.protocol import Keys
-from weightsync.rendezvous.roster import Host
+from weightsync.rendezvous.protocol import Keys, Member, Restarted
+from weightsync.rendezvous.roster import Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
 
@@ -85,7 +86,7 @@ def test_a_rank_the_jobs_own_pods_hold_or_outside_the_job_is_refused():
         with pytest.raises(JoinError) as err:
             joined_context(join_of(host), "trainer", 0, timeout=10)
         assert str(err.value) == ("job team/joined's trainers are not external (spec.trainer.external is false): its own "
-                                  "pods hold trainer rank 0; set spec.trainer.external: true to start them yourself")
+                                  "pods hold every trainer rank; set spec.trainer.external: true to start them yourself")
     finally:
         host.store.close()
     host = serve(make_job())
@@ -94,3 +95,29 @@ def test_a_rank_the_jobs_own_pods_hold_or_outside_the_job_is_refused():
             joined_context(join_of(host), "trainer", 2, timeout=10)
     finally:
         host.store.close()
+
+
+def test_a_second_process_claiming_a_live_external_trainers_rank_is_refused_and_the_job_goes_on():
+    for external in (True, False):
+        job = make_job(external=external)
+        host = serve(job)
+        host.external = {"trainer"} if external else set()
+        said = []
+        host.say = said.append
+        try:
+            first = Member("127.0.0.1", host.store.port, TOKEN, "trainer", 0, timeout=10, job=job.identity)
+            assert first.arrive() == 1
+            first.start_heartbeat()
+            second = Member("127.0.0.1", host.store.port, TOKEN, "trainer", 0, timeout=10, job=job.identity)
+            with pytest.raises(Restarted, match="trainer rank 0 restarted after it had joined the job"):
+                second.arrive()
+            if external:
+                host.check_ranks()
+                assert said == ["a second process claimed trainer rank 0 (start 2) while the one that joined as it is "
+                                "alive; it was refused, and the job goes on"]
+            else:  # the job's own trainer pod started again: its rank is gone
+                with pytest.raises(RankFailed, match="trainer rank 0 restarted"):
+                    host.check_ranks()
+            first.stop_heartbeat()
+        finally:
+            host.store.close()

@@ -1,0 +1,154 @@
+"""External trainers on one machine: `weightsync run --join-env FILE` starts every pod but the
+trainers', writes FILE once the controller can be joined, and the user's own FSDP2 script, run
+by the user's torchrun with FILE sourced, is the job's trainers: every version reaches the
+inference rank, verified, the last one bit for bit the weights the script saved. A trainer with
+the wrong token or a world size the job does not have is refused in one line, and a job whose
+trainers never come fails naming them; nothing is applied then. `weightsync run` refuses a job
+with an external role without --join-env, and --join-env for a job without one."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.jobs import assert_nothing_left
+from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
+from support.waits import until
+from weightsync import cli
+from weightsync import job as contract
+from weightsync.job import JoinEnv
+from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.runtime.faults import DUMP_DIR_ENV
+
+RUN_TIMEOUT = 300
+
+
+def external_job(name, attach_timeout=300, inferences=1, dtype="float16"):
+    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+            "spec": {"model": {"config": CONFIG, "dtype": dtype},
+                     "trainer": {"external": True, "replicas": 1, "procsPerPod": 2, "gpusPerProc": 0,
+                                 "attachTimeoutSeconds": attach_timeout},
+                     "inference": {"replicas": inferences, "procsPerPod": 1, "gpusPerProc": 0},
+                     "transfer": {"bucketMB": 1, "transport": "tcp", "timeoutSeconds": 60},
+                     "network": {"mode": "tcp"}}}
+
+
+def start(tmp_path: Path, obj) -> tuple[LocalJob, Path, io.StringIO]:
+    (tmp_path / "dump").mkdir()
+    progress = io.StringIO()
+    join_file = tmp_path / "join.env"
+    local = LocalJob(contract.load_job(obj), tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=progress,
+                     join_env=join_file)
+    local.start()
+    until("join file", local.offer.written.is_set, 120)
+    return local, join_file, progress
+
+
+def user_env() -> dict[str, str]:
+    """The user's shell: nothing of weightsync's, nor of torchrun's, in it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")
+            and k not in contract.TORCHRUN_VARS}
+
+
+def finish(local: LocalJob):
+    try:
+        outcome = local.wait(timeout=RUN_TIMEOUT)
+    except RunFailed as e:
+        outcome = e
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+    return outcome
+
+
+def status(local: LocalJob) -> dict:
+    return json.loads((local.workdir / "status.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_users_fsdp2_torchrun_joins_as_the_jobs_trainers(tmp_path):
+    local, join_file, progress = start(tmp_path, external_job("ext-fsdp"))
+    assert stat.S_IMODE(join_file.stat().st_mode) == 0o600  # it holds the job's token
+    assert [p.role for p in local.pods] == ["controller", "inference"]  # the trainers are the user's
+    told = progress.getvalue()
+    assert f"`set -a; . {join_file}; set +a; torchrun --standalone --nproc-per-node 2 YOUR_SCRIPT.py`" in told, told
+    # as the README says: the file sourced by the user's shell, then the user's own torchrun
+    script = shlex.join([EXAMPLE, *example_args(tmp_path, "--fsdp")])
+    command = (f"set -a; . {shlex.quote(str(join_file))}; set +a; exec {shlex.quote(sys.executable)} -m "
+               f"torch.distributed.run --standalone --nproc-per-node 2 {script}")
+    trainers = subprocess.Popen(["bash", "-c", command], env=user_env(), cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    summary = finish(local)
+    out, _ = trainers.communicate(timeout=120)
+    assert trainers.returncode == 0, out
+    assert not isinstance(summary, RunFailed), f"{summary}\n{out}"
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0 and summary["restarts"] == {}
+    assert [t["step"] for t in local.transfers] == [0, 3, 6]
+    check_final_version(tmp_path, local.job, 3)
+    assert out.count("from its shards") == 2, out  # each rank sent its own FSDP2 shard
+    told = progress.getvalue()
+    assert "trainer rank 0 joined (external, at 127.0.0.1)" in told and "trainer rank 1 joined" in told, told
+
+
+REFUSED = """
+import torch, weightsync
+weightsync.attach(torch.nn.Linear(2, 2))
+"""
+
+
+def refused(join_file: Path, tmp_path: Path, **change) -> str:
+    """The last line a trainer process prints when it is refused (it must be refused)."""
+    env = {**user_env(), **{k: shlex.split(v)[0] for k, v in
+                            (line.split("=", 1) for line in join_file.read_text().splitlines())}, **change}
+    done = subprocess.run([sys.executable, "-c", REFUSED], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_path):
+    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=25))
+    job_id = "default/ext-refused"
+    controller = (join_file.read_text().split(f"{JoinEnv.CONTROLLER}=")[1]).split()[0]
+    assert refused(join_file, tmp_path, **{JoinEnv.TOKEN: "f" * 64}, RANK="0", WORLD_SIZE="2") == (
+        f"weightsync.rendezvous.join.JoinError: the controller at {controller} refused this process: the job token in "
+        f"WEIGHTSYNC_TOKEN is not job {job_id}'s (or that controller runs another job than WEIGHTSYNC_JOB_ID names)")
+    assert refused(join_file, tmp_path, RANK="0", WORLD_SIZE="3") == (
+        f"weightsync.rendezvous.join.JoinError: WORLD_SIZE=3, but job {job_id} has 2 trainer ranks (spec.trainer: "
+        "replicas 1 x procsPerPod 2): start exactly 2 trainer processes")
+    failure = finish(local)
+    assert isinstance(failure, RunFailed)
+    completion = status(local)["completion"]
+    assert completion["state"] == "Failed" and completion["reason"] == "TimedOut", completion
+    assert completion["message"] == ("trainer ranks 0-1 did not join within 25s (spec.trainer.attachTimeoutSeconds): "
+                                     "start them with the join variables (RANK 0..1, WORLD_SIZE=2)"), completion
+    assert completion["versions"] == 0
+    assert list((tmp_path / "dump").iterdir()) == []  # nothing was sent, nothing applied
+    told = progress.getvalue()
+    assert "waiting for external ranks: no trainer rank joined, trainer ranks 0-1 missing" in told, told
+
+
+def test_weightsync_run_asks_for_join_env_exactly_when_a_role_is_external(tmp_path, capsys):
+    external, plain = tmp_path / "external.yaml", tmp_path / "plain.yaml"
+    external.write_text(json.dumps(external_job("ext")))
+    obj = external_job("plain")
+    obj["spec"]["trainer"]["external"] = False
+    plain.write_text(json.dumps(obj))
+    assert cli.main(["run", str(external)]) == cli.EXIT_SPEC
+    assert capsys.readouterr().err == ("weightsync run: job ext's trainer ranks are external (spec.trainer.external): "
+                                       "pass --join-env FILE, and weightsync run writes there the variables your "
+                                       "processes join the job with\n")
+    assert cli.main(["run", str(plain), "--join-env", str(tmp_path / "join.env")]) == cli.EXIT_SPEC
+    assert capsys.readouterr().err == ("weightsync run: --join-env: job plain has no external role "
+                                       "(spec.trainer.external, spec.inference.external), so no process of yours joins "
+                                       "it; drop --join-env\n")
+    assert not (tmp_path / "join.env").exists()
