@@ -4,9 +4,10 @@ Two ways to get a version from trainer ranks into running vLLM servers, measured
 the same model and the same number of servers:
   weightsync  a job with spec.inference.engine vllm (`weightsync run`'s local processes) whose
               trainer ranks run this module as their command: they only change the weights and
-              publish, as the disk baseline does (no training competes for the cores). Each
-              version goes M to N into every server's staging buffer and is verified there, then
-              the controller has every server load it between two steps. From the controller's go
+              publish, as the disk baseline does, and make the next version once every server
+              serves this one (no training competes with the load for the cores). Each version
+              goes M to N into every server's staging buffer and is verified there, then the
+              controller has every server load it between two steps. From the controller's go
               to the last server serving the version (the round's time).
   disk        what slime's and vLLM's disk path do: the trainer saves the version as a safetensors
               checkpoint, then every server pauses, reloads its weights from that checkpoint
@@ -14,6 +15,12 @@ the same model and the same number of servers:
               serving it.
 The stall is how long a server serves nothing: from its pause to its resume (the longest of the
 servers). vLLM's own nccl backend needs GPUs; this machine has none, so it is not run here.
+
+Where the seconds go, per phase (the median over the versions of the slowest server's), comes from
+what the parts recorded, not from estimates: for weightsync the controller's round record (its
+line on stdout: the transfer, the reference digest, the staging, each control call as control.py
+timed it, the stall, and the load as every worker timed it in its applied record); for the disk
+the calls this module makes itself.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import weightsync
 from weightsync.job import API_VERSION, Env, KIND, Model, WorkerContext, load_job
 from weightsync.local.runner import LocalJob, check_vllm_python, free_ports
 from weightsync.model.build import build, parameters
+from weightsync.rendezvous.protocol import Keys
 from weightsync.roles.vllm_server import server_command
 from weightsync.runtime.procs import VLLM_STOP_GRACE, stop
 from weightsync.vllm_backend.control import Server
@@ -43,6 +51,14 @@ MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "
 SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4"]
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 UP_TIMEOUT = 900.0
+# The phases of a version, in the order they happen; each the slowest server's, where per server
+PHASES = {"transfer": "go -> every trainer sent", "save": "the checkpoint written",
+          "verify": "reference digest published", "staging": "-> every server staged",
+          "pause": "pause call", "start": "start_weight_update call", "update": "update_weights call",
+          "reload": "reload_weights call", "finish": "finish_weight_update call",
+          "version": "update_weight_version call", "resume": "resume call",
+          "load": "the worker's load", "applied": "last call -> every applied",
+          "stall": "pause -> resume answered", "total": "start -> every server serving"}
 RUN_TIMEOUT = 1800.0
 
 
@@ -68,7 +84,14 @@ def weightsync_times(python: str, trainers: int, servers: int, versions: int) ->
             local.wait(RUN_TIMEOUT)
         finally:
             local.stop()
-    return [{"seconds": t["seconds"], "stall": t["stall_seconds"], "bytes": t["bytes"]} for t in local.transfers[1:]]
+    return [version_row(t) for t in local.transfers[1:]]
+
+
+def version_row(record: dict) -> dict:
+    """A version's row from the controller's round record (its line on stdout): the round's
+    seconds, the stall and where the seconds went (phases, as the controller measured them)."""
+    return {"seconds": record["seconds"], "stall": record["stall_seconds"], "bytes": record["bytes"],
+            "phases": {**record["phases"], "total": record["seconds"]}}
 
 
 def disk_times(python: str, servers: int, versions: int) -> list[dict]:
@@ -105,10 +128,14 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
                 start = time.monotonic()
                 where = Path(folder) / f"v{v}"
                 _save(model, where, save_file)
+                saved = time.monotonic() - start
                 with ThreadPoolExecutor(len(urls)) as pool:
-                    stalls = list(pool.map(lambda s: _reload(s, where, v), urls))
-                out.append({"seconds": time.monotonic() - start, "stall": max(stalls),
-                            "bytes": sum(p.numel() * 2 for _, p in parameters(model)) * servers})
+                    calls = list(pool.map(lambda s: _reload(s, where, v), urls))
+                seconds = time.monotonic() - start
+                slowest = {k: max(c[k] for c in calls) for k in calls[0]}
+                out.append({"seconds": seconds, "stall": slowest["stall"],
+                            "bytes": sum(p.numel() * 2 for _, p in parameters(model)) * servers,
+                            "phases": {"save": saved, **slowest, "load": slowest["reload"], "total": seconds}})
             return out
         finally:
             for proc, log in zip(procs, logs):
@@ -138,6 +165,10 @@ def publish_versions(count: int) -> int:
             if v:
                 new_version(model, generator)
             sync.publish(step=v)
+            # the next version is made once every server serves this one, as the disk baseline
+            # makes it after the reload: the trainers' arithmetic must not take the cores the
+            # servers load on (on a cluster they have their own)
+            sync.member.wait_for(Keys.done(v), f"every server to serve version {v}", RUN_TIMEOUT)
     return 0
 
 
@@ -149,15 +180,24 @@ def _save(model, where: Path, save_file) -> None:
     save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in parameters(model)}, str(where / "model.safetensors"))
 
 
-def _reload(server, where: Path, version: int) -> float:
-    server.call("/pause?mode=wait&clear_cache=true", None, 300)
+def _reload(server, where: Path, version: int) -> dict[str, float]:
+    """One server's reload of the checkpoint: the seconds each call took, and the stall."""
+    times = {}
+
+    def timed(name: str, route: str, body: dict | None, timeout: float) -> None:
+        began = time.monotonic()
+        server.call(route, body, timeout)
+        times[name] = time.monotonic() - began
+
+    timed("pause", "/pause?mode=wait&clear_cache=true", None, 300)
     paused = time.monotonic()
     try:
-        server.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(where)}}, 600)
-        server.call("/update_weight_version", {"new_version": str(version)}, 60)
+        timed("reload", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(where)}}, 600)
+        timed("version", "/update_weight_version", {"new_version": str(version)}, 60)
     finally:
-        server.call("/resume", None, 60)
-    return time.monotonic() - paused
+        timed("resume", "/resume", None, 60)
+    times["stall"] = time.monotonic() - paused
+    return times
 
 
 def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> dict:
@@ -171,11 +211,17 @@ def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> 
             "seconds_per_version": statistics.median(r["seconds"] for r in rows),
             "stall_seconds": statistics.median(r["stall"] for r in rows),
             "bytes_per_version": rows[0]["bytes"], "seconds": [round(r["seconds"], 4) for r in rows],
-            "stalls": [round(r["stall"], 4) for r in rows]}
+            "stalls": [round(r["stall"], 4) for r in rows], "phases": medians([r["phases"] for r in rows])}
     base = report["methods"]["disk"]["seconds_per_version"]
     for m in report["methods"].values():
         m["speedup_over_disk"] = base / m["seconds_per_version"]
     return report
+
+
+def medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the versions that have it."""
+    names = [k for k in PHASES if any(k in r for r in rows)] + sorted({k for r in rows for k in r} - set(PHASES))
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in names}
 
 
 def table(report: dict) -> str:
@@ -184,6 +230,19 @@ def table(report: dict) -> str:
     for name, m in report["methods"].items():
         lines.append(f"{name:<12}{m['seconds_per_version']:>10.3f}{m['stall_seconds']:>10.3f}"
                      f"{m['bytes_per_version'] / 1e6:>12.1f}{m['speedup_over_disk']:>8.2f}x")
+    return "\n".join(lines) + "\n\n" + breakdown(report["methods"])
+
+
+def breakdown(methods: dict[str, dict]) -> str:
+    """Where a version's seconds go, per method: each phase's median over the versions (slowest
+    server), "-" where a method has no such phase."""
+    names = list(methods)
+    phases = [k for k in PHASES if any(k in m["phases"] for m in methods.values())]
+    phases += sorted({k for m in methods.values() for k in m["phases"]} - set(PHASES))
+    lines = [f"{'seconds (median)':<44}" + "".join(f"{n:>12}" for n in names)]
+    for k in phases:
+        cells = "".join(f"{methods[n]['phases'][k]:>12.3f}" if k in methods[n]["phases"] else f"{'-':>12}" for n in names)
+        lines.append(f"{k + ': ' + PHASES.get(k, ''):<44}"[:44] + cells)
     return "\n".join(lines)
 
 

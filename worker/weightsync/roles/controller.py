@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, Job, WorkerContext, external_roles, reasons
@@ -38,7 +39,7 @@ from weightsync.runtime.faults import pause_point
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
-from weightsync.vllm_backend.control import ControlError, Server
+from weightsync.vllm_backend.control import ControlError, Server, UpdateTimes
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
@@ -158,6 +159,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     # A trainer may spend its timeout dialling a receiver and its timeout again on a send that
     # makes no progress before it reports the receiver lost: wait for that report, not past it.
     sent = host.collect_sent(rnd, 2 * timeout + REPORT_SLACK)
+    sent_at = time.monotonic()
     pause_point(CONTROLLER, 0, "verifying", rnd.version)
     reference = reference_digests(plan, sent, rnd.receivers)
     if rnd.again == 0:
@@ -169,7 +171,9 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
             if was is not None and was != now:
                 raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not the "
                                 f"{was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
-    stall = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.inference.runs_vllm else None
+    verified_at = time.monotonic()
+    loads = _load_on_servers(ctx, host, rnd, timeout) if ctx.job.inference.runs_vllm else None
+    loaded_at = time.monotonic()
     applied = host.collect_applied(rnd, timeout)
     seconds = time.monotonic() - start
     for r, got in sorted(applied.items()):
@@ -187,8 +191,9 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     loss, step = sent[0].loss, sent[0].step
     changed, compared = sum(s.changed for s in sent), sum(s.compared for s in sent)
     extra = {"changed": round(changed / compared, 6)} if compared else {}
-    if stall is not None:
-        extra["stall_seconds"] = round(stall, 4)
+    if loads is not None:
+        extra["stall_seconds"] = round(loads.slowest.stall, 4)
+    extra["phases"] = _phases(sent_at - start, verified_at - sent_at, loads, applied, start + seconds - loaded_at)
     record = reporter.transfer(rnd.version, step, sum(plan.bytes_for(r) for r in applied), seconds, transport, loss,
                                wire_bytes=sum(s.wire_bytes for s in sent), delta_ranks=len(rnd.bases),
                                version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
@@ -229,8 +234,24 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
             raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
                             f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED) from None
 
-    with ThreadPoolExecutor(max_workers=max(1, len(seats))) as pool:
-        return max(pool.map(load, sorted(seats)), default=0.0)
+    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+        return ServerLoads(staging, UpdateTimes.slowest(list(pool.map(load, sorted(servers.values())))))
+
+
+def _phases(transfer: float, verify: float, loads: ServerLoads | None, applied: dict[int, dict],
+            after: float) -> dict[str, float]:
+    """Where a round's seconds went (the round record's phases): the transfer (go to every
+    trainer's report), the reference digest, with vLLM servers the staging, each control call,
+    the workers' own load (the slowest) and the stall; then the wait for every rank's applied."""
+    phases = {"transfer": transfer, "verify": verify}
+    if loads is not None:
+        phases["staging"] = loads.staging
+        phases.update(loads.slowest.to_json())
+        engine = [got["load_seconds"] for got in applied.values() if got.get("load_seconds") is not None]
+        if engine:
+            phases["load"] = max(engine)
+    phases["applied"] = after
+    return {k: round(v, 6) for k, v in phases.items()}
 
 
 def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):

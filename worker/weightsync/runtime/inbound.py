@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Protocol
 
 from weightsync.job import INFERENCE, Transfer
@@ -37,14 +38,15 @@ class StartAgain(Expected):
 
 class Handover(Protocol):
     """Where an engine takes versions: the buffer to receive into, the version it can take a delta
-    against, and the hand-over of a verified version (returns once the model runs on it, or
-    raises why it cannot)."""
+    against, and the hand-over of a verified version (returns once the model runs on it, with the
+    seconds its load took where the engine loads it, None where the model runs on staging itself;
+    or raises why it cannot)."""
 
     def staging(self): ...
 
     def base(self, version: int | None): ...
 
-    def offer(self, version: int, got: ReceivedVersion) -> None: ...
+    def offer(self, version: int, got: ReceivedVersion) -> float | None: ...
 
 
 class GenerationHandover:
@@ -62,7 +64,8 @@ class GenerationHandover:
 
     # the receiving thread
     def offer(self, version: int, got: ReceivedVersion | None = None) -> None:
-        """Hand over the version in staging and wait until the model runs on it."""
+        """Hand over the version in staging and wait until the model runs on it (nothing is loaded:
+        the model's parameters point at the buffer)."""
         with self.cond:
             self.staged = version
             self.cond.notify_all()
@@ -114,6 +117,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
             log(me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
                     "the trainers sent those buckets whole")
         pause_point(INFERENCE, rank, "verifying", version)
+        received = time.monotonic()
         if transfer.verify_digest:
             member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout)
             reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
@@ -122,8 +126,12 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
                 sent = (reference or "nothing for this rank")[:16]
                 raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
                                         f"the trainers sent {sent}; the model stays on the version it runs")
-        engine.offer(version, got)
+        verified = time.monotonic() - received
+        loaded = engine.offer(version, got)
+        # seconds: receiving; verify_seconds: waiting for the reference digest and comparing;
+        # load_seconds: the engine's load (the controller's round record shows the three)
         member.set(Keys.applied(version, rank, member.attempt),
                    {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),
-                    "why_refused": got.refused[0] if got.refused else None})
+                    "why_refused": got.refused[0] if got.refused else None, "verify_seconds": round(verified, 6),
+                    "load_seconds": None if loaded is None else round(loaded, 6)})
     raise AssertionError("unreachable")

@@ -17,7 +17,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
 
@@ -71,10 +71,10 @@ class Server:
     def weight_version(self, timeout: float = 10.0) -> str | None:
         return self.call("/weight_info", None, timeout, method="GET").get("weight_version")
 
-    def update(self, version: int, proof: str, timeout: float) -> float:
+    def update(self, version: int, proof: str, timeout: float) -> UpdateTimes:
         """Load `version` (already received and verified by the backend) between two steps; returns
-        the seconds the server served nothing (pause to resume). The server is resumed also when
-        a step in between fails."""
+        how long each call took and how long the server served nothing (pause to resume). The
+        server is resumed also when a step in between fails."""
         deadline = time.monotonic() + timeout
 
         def left() -> float:
@@ -83,14 +83,44 @@ class Server:
                 raise ControlError(f"{self.url} did not finish the update to version {version} within {timeout:.0f}s")
             return remaining
 
+        def timed(route: str, body: dict | None, limit: float) -> float:
+            began = time.monotonic()
+            self.call(route, body, limit)
+            return time.monotonic() - began
+
+        # The update session opens before the pause: weightsync's start_weight_update changes
+        # nothing (the reload is set up in update_weights, once the update was checked), so the
+        # server serves on while it answers, and the stall holds only what must be in it.
+        start = timed("/start_weight_update", None, left())
         # clear_cache: a prompt cached before the load would otherwise reuse the old version's KV
         # blocks after it, under the new version's label
-        self.call("/pause?mode=wait&clear_cache=true", None, left())
+        pause = timed("/pause?mode=wait&clear_cache=true", None, left())
         paused = time.monotonic()
         try:
-            self.call("/start_weight_update", None, left())
-            self.call("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
-            self.call("/finish_weight_update", {"weight_version": str(version)}, left())
+            update = timed("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
+            finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
         finally:
-            self.call("/resume", None, max(left() if time.monotonic() < deadline else 0.0, 10.0))
-        return time.monotonic() - paused
+            resume = timed("/resume", None, max(left() if time.monotonic() < deadline else 0.0, 10.0))
+        return UpdateTimes(pause=pause, start=start, update=update, finish=finish, resume=resume,
+                           stall=time.monotonic() - paused)
+
+
+@dataclass(frozen=True)
+class UpdateTimes:
+    """One server's update as the controller saw it: seconds each control call took to answer,
+    and the stall, from the pause's answer to the resume's (the server served nothing)."""
+
+    pause: float
+    start: float
+    update: float
+    finish: float
+    resume: float
+    stall: float
+
+    @staticmethod
+    def slowest(times: list[UpdateTimes]) -> UpdateTimes:
+        """Each call's longest time, and the longest stall, over the servers (zeros for none)."""
+        return UpdateTimes(**{f.name: max((getattr(t, f.name) for t in times), default=0.0) for f in fields(UpdateTimes)})
+
+    def to_json(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -85,6 +85,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         staging = self.layout.total_bytes if self.local is None else self.local.total_bytes
         self.buffers = [torch.zeros(staging, dtype=torch.uint8, device=self.device) for _ in range(2 if delta else 1)]
         self.staging_index, self.loaded, self.staged = 0, None, None
+        self.load_seconds = 0.0  # how long the last load took (the controller's round record shows it)
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
         member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
@@ -132,15 +133,16 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 return None
             return version, self.buffers[1 - self.staging_index]
 
-    def offer(self, version: int, got: ReceivedVersion) -> None:
-        """A verified version is in staging: say so, and wait until the controller had it loaded."""
+    def offer(self, version: int, got: ReceivedVersion) -> float:
+        """A verified version is in staging: say so, and wait until the controller had it loaded;
+        returns the seconds the load took."""
         with self.cond:
             self.staged = version
         self.member.set(Keys.staged(version, self.rank, self.member.attempt), {"digest": got.digest})
         while True:
             with self.cond:
                 if self.cond.wait_for(lambda: self.loaded == version, STAGED_CHECK):
-                    return
+                    return self.load_seconds
             self.member.check_end()  # the job may end (failed elsewhere) before the load
 
     # vLLM's side: the engine core, between two scheduler steps
@@ -161,11 +163,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.load(buffer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        log(self.me, f"loaded version {version} into vLLM in {time.monotonic() - start:.3f}s")
+        seconds = time.monotonic() - start
+        log(self.me, f"loaded version {version} into vLLM in {seconds:.3f}s")
         if dumping():
             dump(INFERENCE, self.rank, version, served_parameters(self.model), None)
         with self.cond:
-            self.loaded, self.staged = version, None
+            self.loaded, self.staged, self.load_seconds = version, None, seconds
             if len(self.buffers) == 2:  # the loaded version stays as the next one's base
                 self.staging_index = 1 - self.staging_index
             self.cond.notify_all()

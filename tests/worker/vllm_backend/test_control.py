@@ -1,0 +1,89 @@
+"""The controller's client of a vLLM server's control routes (control.py), against an HTTP server
+in the test that answers as vLLM's routes do and writes down what it was asked: the calls of one
+update in their order, the per-call timings it returns, a server resumed when the load fails, and
+the slowest server's timings over several. No vLLM here: the tests in test_vllm_engine.py drive
+real servers."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from weightsync.vllm_backend.control import ControlError, Server, UpdateTimes
+
+
+class Routes:
+    """An HTTP server on a free port: every request's path and body, in order; `failing` answers 500."""
+
+    def __init__(self, failing: str | None = None):
+        self.calls: list[tuple[str, dict | None]] = []
+        routes = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                routes.calls.append((self.path, body))
+                code = 500 if failing and self.path.startswith(failing) else 200
+                payload = b'{"error": "the load failed"}' if code == 500 else b"{}"
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def routes():
+    made = []
+
+    def make(failing: str | None = None) -> Routes:
+        made.append(Routes(failing))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_an_update_opens_the_session_then_pauses_loads_labels_and_resumes(routes):
+    server = routes()
+    times = Server(server.url).update(7, "proof", 30)
+    assert [path for path, _ in server.calls] == ["/start_weight_update", "/pause?mode=wait&clear_cache=true",
+                                                  "/update_weights", "/finish_weight_update", "/resume"]
+    assert server.calls[2][1] == {"update_info": {"version": 7, "proof": "proof"}}
+    assert server.calls[3][1] == {"weight_version": "7"}
+    assert isinstance(times, UpdateTimes)
+    calls = times.to_json()
+    assert set(calls) == {"pause", "start", "update", "finish", "resume", "stall"}
+    assert all(v >= 0 for v in calls.values())
+    assert times.stall >= times.update + times.finish + times.resume  # the pause's answer to the resume's
+
+
+def test_a_failed_load_still_resumes_the_server_and_names_the_route(routes):
+    server = routes(failing="/update_weights")
+    with pytest.raises(ControlError, match="/update_weights answered 500"):
+        Server(server.url).update(3, "proof", 30)
+    assert [path for path, _ in server.calls][-2:] == ["/update_weights", "/resume"]
+    assert "/finish_weight_update" not in [path for path, _ in server.calls]
+
+
+def test_the_slowest_takes_each_calls_longest_over_the_servers():
+    a = UpdateTimes(pause=0.1, start=0.01, update=0.5, finish=0.02, resume=0.001, stall=0.6)
+    b = UpdateTimes(pause=0.3, start=0.02, update=0.2, finish=0.01, resume=0.004, stall=0.3)
+    assert UpdateTimes.slowest([a, b]) == UpdateTimes(pause=0.3, start=0.02, update=0.5, finish=0.02, resume=0.004,
+                                                      stall=0.6)
+    assert UpdateTimes.slowest([]) == UpdateTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
