@@ -49,7 +49,12 @@ MODEL = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "
          "num_key_value_heads": 4, "num_hidden_layers": 6, "vocab_size": 8192, "max_position_embeddings": 512,
          "bos_token_id": 0, "eos_token_id": 0}
 SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4"]
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# Every server's worker unbound, on one thread. vLLM's CPU build binds a worker to the cores it
+# believes its own (here all of them but the one it leaves to its frontend: core 0), so every
+# server's worker would share that one core; and a worker spins on its message queue for a second
+# after every call, so the first to finish a load takes most of the core from the one still
+# loading (loads of 1.0-1.5 s instead of 0.1 s). On a cluster each server has its own.
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 UP_TIMEOUT = 900.0
 # The phases of a version, in the order they happen; each the slowest server's, where per server
 PHASES = {"transfer": "go -> every trainer sent", "save": "the checkpoint written",
@@ -211,7 +216,8 @@ def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> 
             "seconds_per_version": statistics.median(r["seconds"] for r in rows),
             "stall_seconds": statistics.median(r["stall"] for r in rows),
             "bytes_per_version": rows[0]["bytes"], "seconds": [round(r["seconds"], 4) for r in rows],
-            "stalls": [round(r["stall"], 4) for r in rows], "phases": medians([r["phases"] for r in rows])}
+            "stalls": [round(r["stall"], 4) for r in rows], "phases": medians([r["phases"] for r in rows]),
+            "versions": [{k: round(v, 4) for k, v in r["phases"].items()} for r in rows]}
     base = report["methods"]["disk"]["seconds_per_version"]
     for m in report["methods"].values():
         m["speedup_over_disk"] = base / m["seconds_per_version"]
