@@ -19,8 +19,11 @@ MODEL = FlatLayout.from_shapes([("embed.weight", (8, 4)), ("head.weight", (4, 8)
 OTHER = FlatLayout.from_shapes([("embed.weight", (8, 6)), ("head.weight", (6, 8))], "bfloat16")
 
 
-def claims(servers=2, workers=1, said=None):
-    return Claims(Layout(1, 1, servers, workers), JOB, lambda: MODEL, (said if said is not None else []).append)
+def claims(servers=2, workers=1, said=None, sizes=None):
+    """The claims of a job with `servers` vLLM servers of `workers` workers each (or of `sizes`)."""
+    sizes = tuple(sizes or (workers,) * servers)
+    return Claims(Layout(1, 1, len(sizes), 1, sizes, servers=True), JOB, lambda: MODEL,
+                  (said if said is not None else []).append)
 
 
 def ask(server, worker=0, workers=1, layout=MODEL):
@@ -78,8 +81,19 @@ def test_the_workers_of_a_server_hold_one_replica_and_another_worker_count_is_re
     assert side.decide(ask("http://a:8000", 0, 2), lambda rank: True).rank == 0
     assert side.decide(ask("http://b:8000", 1, 2), lambda rank: True).rank == 3
     refused = claims(servers=1, workers=2).decide(ask("http://c:8000", 0, 1), lambda rank: True).refused
-    assert refused == (f"the vLLM server at http://c:8000 runs 1 workers, but each inference server of job {JOB} "
-                       "holds 2 ranks (spec.inference.procsPerPod): start it with 2 workers (--tensor-parallel-size)")
+    assert refused == (f"the vLLM server at http://c:8000 runs 1 workers, but job {JOB}'s servers run 2 "
+                       "(spec.inference.tensorParallel, tensorParallelSizes): start it with --tensor-parallel-size 2")
+
+
+def test_servers_of_different_sizes_get_a_replica_of_their_own_size():
+    side = claims(sizes=(1, 2))  # inference rank 0 is one server, ranks 1 and 2 the other
+    assert side.decide(ask("http://big:1", 1, 2), lambda rank: True).rank == 2
+    assert side.decide(ask("http://small:1", 0, 1), lambda rank: True).rank == 0
+    assert side.decide(ask("http://big:1", 0, 2), lambda rank: True).rank == 1
+    assert side.decide(ask("http://other:1", 0, 2), lambda rank: True).refused.startswith(
+        f"job {JOB} is full: its 1 inference servers of 2 workers (spec.inference.replicas) have joined (http://big:1)")
+    assert "servers run 1 or 2" in side.decide(ask("http://odd:1", 0, 3), lambda rank: True).refused
+    assert "servers run 2 " in side.decide(ask("http://big:1", 0, 1), lambda rank: True).refused
 
 
 def test_the_same_server_twice_is_refused_while_it_is_there_and_gets_its_rank_back_once_away(monkeypatch):
@@ -112,5 +126,5 @@ def test_a_layout_that_cannot_be_read_is_refused(broken):
 
 
 def test_before_a_trainer_joined_the_layout_is_read_but_not_compared():
-    side = Claims(Layout(1, 1, 1, 1), JOB, lambda: None, [].append)
+    side = Claims(Layout(1, 1, 1, 1, (1,), servers=True), JOB, lambda: None, [].append)
     assert side.decide(ask("http://a:8000", layout=OTHER), lambda rank: True).rank == 0

@@ -23,7 +23,7 @@ STORE_WAIT = 300.0  # seconds for the controller's store to accept connections
 POLL = 0.2  # seconds between two looks at the store, and at the controller's log
 # the controller's lines about external ranks (roles/controller.py, rendezvous/roster.py)
 ADMISSION_MARKS = ("ranks are external", "(external, at ", "waiting for external ranks", "did not join within",
-                   "a second process claimed")
+                   "a second process claimed", "claimed inference rank", "refused the vLLM server", "takes over replica")
 
 
 def write_join_file(path: Path, values: dict[str, str]) -> None:

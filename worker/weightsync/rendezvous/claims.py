@@ -6,13 +6,14 @@ URL (WEIGHTSYNC_VLLM_SERVER) and, for each of its workers, the worker's rank wit
 each worker posts a Claim (numbered by a counter in the store: claims never overwrite each other)
 and waits for the controller's Answer: an inference rank, or one line saying why not. The
 controller decides every claim alone, in order, so two servers starting at once cannot take the
-same rank. A server is bound to one model replica (its workers, the tensor-parallel ranks of that
-replica, in worker order); the controller refuses:
+same rank. A server is bound to one model replica of its size (its workers, the tensor-parallel
+ranks of that replica, in worker order); the controller refuses:
 
 - a server for another model: the names, shapes and dtype it loads (its layout) are not those of
   the trainers' model (once a trainer rank joined; before, the worker has checked its layout
   against spec.model itself, and the plan checks every rank's layout against the trainers');
-- a server whose worker count is not the job's ranks per server (spec.inference.procsPerPod);
+- a server whose worker count is no free replica's tensor-parallel degree (spec.inference.
+  tensorParallel, or tensorParallelSizes);
 - the same server (URL) claiming a worker that is already there (joined, serving or waiting to);
 - any server once every replica is held by a server that is there (the job is full).
 
@@ -133,7 +134,7 @@ class Claims:
                 self.say(f"{request.name} claimed {who(INFERENCE, answer.rank)}")
 
     def decide(self, request: Claim, there: Callable[[int], bool]) -> Answer:
-        url, procs = request.server, self.layout.procs_per_pod(INFERENCE)
+        url = request.server
         try:
             served, reference = FlatLayout.from_json(request.layout), self.reference()
             if reference is not None:
@@ -141,23 +142,28 @@ class Claims:
         except (LayoutMismatch, ValueError, KeyError, TypeError) as e:
             return Answer(refused=f"the vLLM server at {url} serves another model than job {self.job}: {e}; serve "
                                   "spec.model (its config or checkpoint) in spec.model.dtype (--dtype)")
-        if request.workers != procs:
-            return Answer(refused=f"the vLLM server at {url} runs {request.workers} workers, but each inference server "
-                                  f"of job {self.job} holds {procs} ranks (spec.inference.procsPerPod): start it with "
-                                  f"{procs} workers (--tensor-parallel-size)")
         replica = self.replicas.get(url)
+        sizes = [len(self._ranks(r)) for r in range(self.layout.replicas(INFERENCE))]
+        fits = {r for r, size in enumerate(sizes) if size == request.workers and (replica is None or r == replica)}
+        if not fits:
+            want = sizes[replica] if replica is not None else " or ".join(str(n) for n in sorted(set(sizes)))
+            return Answer(refused=f"the vLLM server at {url} runs {request.workers} workers, but job {self.job}'s "
+                                  f"servers run {want} (spec.inference.tensorParallel, tensorParallelSizes): start "
+                                  f"it with --tensor-parallel-size {want}")
         if replica is not None:
-            rank = self._rank(replica, request.worker)
+            rank = self._ranks(replica)[request.worker]
             if self.holders.get(rank) == url and self._there(rank, there):
                 return Answer(refused=f"the vLLM server at {url} already joined job {self.job} as {who(INFERENCE, rank)}"
                                       " and is still there: a server joins a job once (is WEIGHTSYNC_VLLM_SERVER this "
                                       "server's own URL?)")
             return self._give(url, replica, request.worker)
         taken = set(self.replicas.values())
-        free = [r for r in range(self.layout.replicas(INFERENCE)) if r not in taken]
+        free = [r for r in sorted(fits) if r not in taken]
         if free:
             return self._give(url, free[0], request.worker)
         for old, replica in sorted(self.replicas.items(), key=lambda kv: kv[1]):
+            if replica not in fits:
+                continue
             held = [rank for rank, holder in self.holders.items() if holder == old]
             if held and not any(self._there(rank, there) for rank in held):
                 self.say(f"the vLLM server at {url} takes over replica {replica} from {old}, which is away")
@@ -165,19 +171,20 @@ class Claims:
                 for rank in held:
                     del self.holders[rank]
                 return self._give(url, replica, request.worker)
-        servers = ", ".join(sorted(self.replicas))
-        return Answer(refused=f"job {self.job} is full: its {len(self.replicas)} inference servers "
+        servers = ", ".join(sorted(u for u, r in self.replicas.items() if r in fits))
+        of = "" if len(set(sizes)) == 1 else f" of {request.workers} workers"
+        return Answer(refused=f"job {self.job} is full: its {len(fits)} inference servers{of} "
                               f"(spec.inference.replicas) have joined ({servers}) and are there; a server joins "
                               "only in place of one that stopped")
 
     def _there(self, rank: int, there: Callable[[int], bool]) -> bool:
         return there(rank) or time.monotonic() - self.granted.get(rank, -ARRIVAL) < ARRIVAL
 
-    def _rank(self, replica: int, worker: int) -> int:
-        return self.layout.ranks_of(self.layout.first_ordinal(INFERENCE) + replica)[worker]
+    def _ranks(self, replica: int) -> range:
+        return self.layout.ranks_of(self.layout.first_ordinal(INFERENCE) + replica)
 
     def _give(self, url: str, replica: int, worker: int) -> Answer:
-        rank = self._rank(replica, worker)
+        rank = self._ranks(replica)[worker]
         self.replicas[url] = replica
         self.holders[rank] = url
         self.granted[rank] = time.monotonic()
