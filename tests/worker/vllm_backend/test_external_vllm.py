@@ -1,0 +1,183 @@
+"""vLLM servers the user starts as a job's inference ranks (spec.inference.external), for real:
+`weightsync run --join-env FILE` runs the controller and the built-in trainer, and the test starts
+vLLM's OpenAI-compatible server (its CPU build) itself with the variables of FILE, its own URL and
+weightsync as its weight-transfer backend; nobody calls the server afterwards but the controller.
+
+What is checked: the server's worker joins by itself as vLLM builds it, and every version it serves
+is the trainer's, bit for bit; after the job it goes on serving the last one. Killed while the job
+runs and started again under its URL, it rejoins and receives the next version in full. With both roles
+external (the user's torchrun of examples/train_with_weightsync.py as the trainers, `weightsync run`
+runs the controller alone) the last version the server serves is the script's final weights. While
+the job runs,
+servers that cannot join exit, each with its one line in its log, and none of them receives or
+loads anything: the same server (URL) again, one more server than the job has ranks for, a server
+of another model, one with a wrong token, and one without WEIGHTSYNC_VLLM_SERVER (refused before
+vLLM loads the model).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from weightsync import job as contract
+from weightsync.local.runner import LocalJob
+from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
+
+import torch
+
+from support.external_vllm import EXAMPLE, LLAMA, SERVER_ARGS, UP_TIMEOUT, ExternalServer, assert_served_bit_for_bit, fused, \
+    read_join_file, vllm_python
+from support.jobs import as_bytes
+from support.waits import until
+
+pytestmark = pytest.mark.slow  # whole jobs and vLLM servers as processes: not in `make unit`
+
+OTHER = {**LLAMA, "intermediate_size": 384}  # another model: its MLP's shapes differ
+RUN_TIMEOUT = 900.0
+
+
+def external_job(name: str, steps: int = 4, trainers_external: bool = False):
+    return contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+        "spec": {"model": {"config": LLAMA, "dtype": "bfloat16"},
+                 "trainer": {"replicas": 1, "gpusPerProc": 0, "external": trainers_external},
+                 "inference": {"replicas": 1, "gpusPerProc": 0, "engine": "vllm", "external": True,
+                               "vllm": {"args": list(SERVER_ARGS)}},
+                 "training": {"steps": steps, "batchSize": 4, "seqLen": 32, "learningRate": 1e-2},
+                 "transfer": {"everySteps": 2, "bucketMB": 1, "transport": "tcp", "timeoutSeconds": 120},
+                 "network": {"mode": "tcp"}}})
+
+
+def reach(pause: Path, point: str, local: LocalJob) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (pause / f"{point}.reached").exists():
+        assert local.completion is None, f"the job ended before {point}: {local.completion}"
+        assert time.monotonic() < deadline, f"{point} was not reached within {RUN_TIMEOUT:.0f}s"
+        time.sleep(0.1)
+
+
+def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_saying_why(tmp_path):
+    python = vllm_python()
+    job = external_job("ext-vllm", steps=10)  # versions 0..5
+    dump, pause = tmp_path / "dump", tmp_path / "pause"
+    dump.mkdir()
+    pause.mkdir()
+    # the trainer holds (at most faults.PAUSE_LIMIT each) before version 1 while the refused servers
+    # try, and before version 3 while the server is killed and started again
+    for version in (1, 3):
+        (pause / f"trainer-0-before-go-v{version}.arm").touch()
+    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)},
+                     progress=io.StringIO(), join_env=tmp_path / "join.env")
+    servers: list[ExternalServer] = []
+    try:
+        local.start()
+        join = read_join_file(tmp_path / "join.env")
+        server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
+        servers.append(server)
+        reach(pause, "trainer-0-before-go-v1", local)
+        server.serving(0)
+
+        refused = {
+            "again": ExternalServer(python, job.model, job.name, join, tmp_path / "again.log", url=server.url),
+            "full": ExternalServer(python, job.model, job.name, join, tmp_path / "full.log"),
+            "other": ExternalServer(python, contract.Model(config=OTHER, dtype="bfloat16"), job.name, join,
+                                    tmp_path / "other.log"),
+            "token": ExternalServer(python, job.model, job.name, {**join, "WEIGHTSYNC_TOKEN": "x" * 32},
+                                    tmp_path / "token.log"),
+            "no-url": ExternalServer(python, job.model, job.name, join, tmp_path / "no-url.log", url=None),
+        }
+        servers += refused.values()
+        lines = {
+            "again": f"cannot join job default/ext-vllm: the vLLM server at {server.url} already joined job "
+                     "default/ext-vllm as inference rank 0 and is still there: a server joins a job once",
+            "full": "cannot join job default/ext-vllm: job default/ext-vllm is full: its 1 inference servers "
+                    f"(spec.inference.replicas) have joined ({server.url}) and are there",
+            "other": "cannot join job default/ext-vllm: this server serves another model than job default/ext-vllm: "
+                     "tensor #",
+            "token": "cannot join job default/ext-vllm: the controller at 127.0.0.1:",
+            "no-url": "weightsync: WEIGHTSYNC_VLLM_SERVER is not set: a vLLM server that joins job default/ext-vllm "
+                      "needs its own URL as the controller reaches it",
+        }
+        for what, other in refused.items():
+            assert other.exited() != 0, what
+            assert lines[what] in other.text(), f"{what}:\n{other.text()[-3000:]}"
+        assert "the job token in WEIGHTSYNC_TOKEN is not job default/ext-vllm's" in refused["token"].text()
+        assert "intermediate_size" not in lines["other"] and "384" in refused["other"].text().split(lines["other"])[1]
+        assert "Loading weights took" not in refused["no-url"].text(), "refused only after vLLM loaded the model"
+        controller = local.pods[0].log.read_text(errors="replace")
+        assert f"the vLLM server at {server.url} claimed inference rank 0" in controller
+        assert f"refused the vLLM server at {server.url}: the vLLM server at {server.url} already joined" in controller
+        assert f"refused the vLLM server at {refused['full'].url}: job default/ext-vllm is full" in controller
+
+        (pause / "trainer-0-before-go-v1.release").touch()
+        reach(pause, "trainer-0-before-go-v3", local)  # version 3 is announced to the server, then it is killed
+        server.kill()
+        controller_log = local.pods[0].log
+        until("the controller counting the killed server away",
+              lambda: "inference rank 0 is away" in controller_log.read_text(errors="replace"), 60)
+        back = ExternalServer(python, job.model, job.name, join, tmp_path / "back.log", url=server.url,
+                              port=server.port, env={DUMP_DIR_ENV: str(dump)})
+        servers.append(back)
+        until("the restarted server rejoining",
+              lambda: "inference rank 0 rejoined (start 2" in controller_log.read_text(errors="replace"), UP_TIMEOUT)
+        (pause / "trainer-0-before-go-v3.release").touch()
+        summary = local.wait(RUN_TIMEOUT)
+        # version 3 went to the killed server, so to no one; the restarted one has the next in full
+        assert summary["versions"] == 5 and summary["failed_verifications"] == 0, summary
+        assert [t["inference_ranks"] for t in local.transfers] == [1, 1, 1, 0, 1, 1], local.transfers
+        assert back.weight_version() == "5", "the server stopped serving the last version at the job's end"
+        assert back.proc.poll() is None
+    finally:
+        for s in servers:
+            s.stop()
+        local.stop()
+    assert_served_bit_for_bit(dump, versions=(0, 1, 2, 4, 5))
+    assert sorted(p.name for p in dump.glob("inference-*")) == [f"inference-0-v{v}.pt" for v in (0, 1, 2, 4, 5)]
+    assert "taken back at version 4" in back.text()
+
+
+def test_both_roles_external_the_users_torchrun_into_the_users_vllm_server(tmp_path):
+    python = vllm_python()
+    job = external_job("ext-both", trainers_external=True)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump)}, progress=io.StringIO(),
+                     join_env=tmp_path / "join.env")
+    assert [p.role for p in local.pods] == ["controller"]
+    server = trainers = None
+    try:
+        local.start()
+        join = read_join_file(tmp_path / "join.env")
+        server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
+        script = [EXAMPLE, "--config", json.dumps(LLAMA), "--steps", "4", "--publish-every", "2",
+                  "--save", str(tmp_path / "final.pt")]
+        shell = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_") and k not in contract.TORCHRUN_VARS}
+        command = (f"set -a; . {shlex.quote(str(tmp_path / 'join.env'))}; set +a; exec {shlex.quote(sys.executable)} "
+                   f"-m torch.distributed.run --standalone --nproc-per-node 1 {shlex.join(script)}")
+        trainers = subprocess.Popen(["bash", "-c", command], env=shell, cwd=tmp_path, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+        summary = local.wait(RUN_TIMEOUT)
+        out, _ = trainers.communicate(timeout=120)
+        assert trainers.returncode == 0, out
+        assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
+        assert server.weight_version() == "2"
+    finally:
+        if trainers is not None and trainers.poll() is None:
+            trainers.kill()
+        if server is not None:
+            server.stop()
+        local.stop()
+    saved = fused({name: t.to(torch.bfloat16) for name, t in torch.load(tmp_path / "final.pt").items()})
+    got = torch.load(dump / "inference-0-v2.pt")["tensors"]
+    assert sorted(got) == sorted(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), f"the server holds other bytes in {name}"
