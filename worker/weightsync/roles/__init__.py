@@ -12,7 +12,7 @@ import sys
 from multiprocessing.connection import wait
 from typing import Mapping
 
-from weightsync.job import CONTROLLER, TRAINER, SpecError, WorkerContext
+from weightsync.job import CONTROLLER, INFERENCE, TRAINER, SpecError, WorkerContext
 from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server
 from weightsync.runtime.health import PodHealth, RankHealth
@@ -30,10 +30,9 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         raise SpecError([f"the pod's environment or files: {e}"]) from None
     ranks = [] if ctx.role == CONTROLLER else list(ctx.ranks)
     # a vLLM pod is one process, its server, whose tensor-parallel workers are the pod's ranks
-    server = ctx.role != CONTROLLER and ctx.role != TRAINER and ctx.job.inference.runs_vllm
-    health = PodHealth([who(ctx.role, r) for r in ranks] if ranks and not server else
-                       [f"the vLLM server of {who(ctx.role, ranks[0])}" + (f"..{ranks[-1]}" if len(ranks) > 1 else "")]
-                       if server else [CONTROLLER])
+    server = ctx.role == INFERENCE and ctx.job.inference.runs_vllm
+    names = [who(ctx.role, r) for r in ranks] or [CONTROLLER]
+    health = PodHealth([names[0] + (f"..{ranks[-1]}" if len(ranks) > 1 else "")] if server else names)
     if ctx.health_port:  # 0: no probes (pods on the node's network; render.on_host_network)
         health.serve(ctx.pod_ip, ctx.health_port)
     exit_on_sigterm()

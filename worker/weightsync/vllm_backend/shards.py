@@ -49,6 +49,7 @@ from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from weightsync.model.flat import FlatLayout
 from weightsync.plan.slices import Box, RankSlices, Slice
+from weightsync.vllm_backend import TESTED_VLLM
 
 QKV_SHARDS = ("q", "k", "v")
 
@@ -84,7 +85,13 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout) -> list[Part]:
             parts.append(Part(slot.name, None, None, None))  # vLLM has no such parameter and skips the tensor
             continue
         meta = _checkpoint_param(module, attr)
-        parts.append(Part(slot.name, param, shard, _box(module, attr, meta, shard, tuple(slot.shape), slot.name)))
+        try:
+            box = _box(module, attr, meta, shard, tuple(slot.shape), slot.name)
+        except AttributeError as e:  # a vLLM release whose layers keep their tensor-parallel state elsewhere
+            raise UnsupportedLayer(f"{slot.name}: this vLLM's {type(module).__name__} does not say what a worker "
+                                   f"holds as vLLM {TESTED_VLLM}'s does ({e}); serve the model with tensorParallel 1 "
+                                   f"or use vLLM {TESTED_VLLM}") from None
+        parts.append(Part(slot.name, param, shard, box))
     _check(model, modules, parts)
     return parts
 
