@@ -2,15 +2,17 @@
 trainers', writes FILE once the controller can be joined, and the user's own FSDP2 script, run
 by the user's torchrun with FILE sourced, is the job's trainers: every version reaches the
 inference rank, verified, the last one bit for bit the weights the script saved. A trainer with
-the wrong token or a world size the job does not have is refused in one line, and a job whose
-trainers never come fails naming them; nothing is applied then. `weightsync run` refuses a job
-with an external role without --join-env, and --join-env for a job without one."""
+the wrong token, a world size the job does not have or a rank another process holds is refused in
+one line, and a job whose trainers never all come fails naming the missing; nothing is applied
+then. `weightsync run` refuses a job with an external role without --join-env, and --join-env for a
+job without one."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -104,19 +106,23 @@ weightsync.attach(torch.nn.Linear(2, 2))
 """
 
 
+def joining(join_file: Path, **change) -> dict[str, str]:
+    """A user's environment with the join file's variables (and `change`)."""
+    return {**user_env(), **{k: shlex.split(v)[0] for k, v in
+                             (line.split("=", 1) for line in join_file.read_text().splitlines())}, **change}
+
+
 def refused(join_file: Path, tmp_path: Path, **change) -> str:
     """The last line a trainer process prints when it is refused (it must be refused)."""
-    env = {**user_env(), **{k: shlex.split(v)[0] for k, v in
-                            (line.split("=", 1) for line in join_file.read_text().splitlines())}, **change}
-    done = subprocess.run([sys.executable, "-c", REFUSED], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", REFUSED], env=joining(join_file, **change), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode != 0, done.stderr
     return done.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
 def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_path):
-    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=25))
+    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=45))
     job_id = "default/ext-refused"
     controller = (join_file.read_text().split(f"{JoinEnv.CONTROLLER}=")[1]).split()[0]
     assert refused(join_file, tmp_path, **{JoinEnv.TOKEN: "f" * 64}, RANK="0", WORLD_SIZE="2") == (
@@ -125,16 +131,27 @@ def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_pa
     assert refused(join_file, tmp_path, RANK="0", WORLD_SIZE="3") == (
         f"weightsync.rendezvous.join.JoinError: WORLD_SIZE=3, but job {job_id} has 2 trainer ranks (spec.trainer: "
         "replicas 1 x procsPerPod 2): start exactly 2 trainer processes")
+    # trainer rank 0 joins; a second process claiming rank 0 while it is there is refused
+    first = subprocess.Popen([sys.executable, "-c", REFUSED], env=joining(join_file, RANK="0", WORLD_SIZE="2"),
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    until("trainer rank 0 to join", lambda: "trainer rank 0 joined (external" in progress.getvalue(), 60)
+    assert refused(join_file, tmp_path, RANK="0", WORLD_SIZE="2") == (
+        f"weightsync.rendezvous.protocol.Restarted: trainer rank 0 of job {job_id} is taken (this is its start 2): "
+        "another process joined with RANK=0, or this rank's process started again; each trainer process needs its "
+        "own RANK (0..1), and trainers do not rejoin a running job")
     failure = finish(local)
     assert isinstance(failure, RunFailed)
     completion = status(local)["completion"]
     assert completion["state"] == "Failed" and completion["reason"] == "TimedOut", completion
-    assert completion["message"] == ("trainer ranks 0-1 did not join within 25s (spec.trainer.attachTimeoutSeconds): "
-                                     "start them with the join variables (RANK 0..1, WORLD_SIZE=2)"), completion
-    assert completion["versions"] == 0
+    missing = ("trainer rank 1 did not join within 45s (spec.trainer.attachTimeoutSeconds): start it with the join "
+               "variables (RANK 0..1, WORLD_SIZE=2)")
+    assert completion["message"] == missing and completion["versions"] == 0, completion
     assert list((tmp_path / "dump").iterdir()) == []  # nothing was sent, nothing applied
+    _, err = first.communicate(timeout=60)
+    assert first.returncode != 0 and err.strip().splitlines()[-1].endswith(f"the job ended (Failed): {missing}"), err
     told = progress.getvalue()
-    assert "waiting for external ranks: no trainer rank joined, trainer ranks 0-1 missing" in told, told
+    assert re.search(r"waiting for external ranks: (no trainer rank|trainer rank 0) joined, trainer ranks? [0-]*1 "
+                     r"missing \(\d+s left, spec.trainer.attachTimeoutSeconds\)", told), told
 
 
 def test_weightsync_run_asks_for_join_env_exactly_when_a_role_is_external(tmp_path, capsys):
