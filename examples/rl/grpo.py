@@ -56,9 +56,9 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True,
                         help="the job's spec.model.config: JSON, or a config.json file (a Llama, random init)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--prompts", type=int, default=8, help="distinct prompts, all of them every step")
-    parser.add_argument("--group", type=int, default=32, help="samples per prompt (GRPO's group)")
+    parser.add_argument("--group", type=int, default=64, help="samples per prompt (GRPO's group)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--clip", type=float, default=0.2, help="the importance ratio's clip range (PPO's epsilon)")
     parser.add_argument("--seed", type=int, default=0)
@@ -223,6 +223,7 @@ def main() -> None:
             published = sync.publish(step=step + 1, loss=loss.item())
             row = {"step": step, "mean_reward": round(rewards.mean().item(), 4),
                    "staleness": round(sum(stale) / len(stale), 4), "max_staleness": max(stale),
+                   "prompt_rewards": [round(g.mean().item(), 3) for g in rewards.view(args.prompts, args.group)],
                    "rollout_versions": {str(v): versions.count(v) for v in sorted(set(versions))},
                    "trainer_version": trainer_version, "published_version": published.version,
                    "clipped": round(((ratio - 1).abs() > args.clip).float().mean().item(), 4),

@@ -43,7 +43,8 @@ def vllm_python() -> str:
 
 
 def short_job(out: Path):
-    """examples/rl/job.yaml with one server, fewer steps, this Python and absolute paths."""
+    """examples/rl/job.yaml with one server, fewer steps, this Python and absolute paths; and its
+    group size (samples per prompt)."""
     spec = yaml.safe_load((EXAMPLE / "job.yaml").read_text())
     trainer = spec["spec"]["trainer"]
     args = list(trainer["args"])
@@ -51,12 +52,12 @@ def short_job(out: Path):
         args[args.index(flag) + 1] = value
     trainer.update(command=[sys.executable, str(EXAMPLE / "grpo.py")], args=args)
     spec["spec"]["inference"]["replicas"] = 1
-    return contract.load_job(spec)
+    return contract.load_job(spec), int(args[args.index("--group") + 1])
 
 
 def test_the_rl_example_learns_from_rollouts_of_delivered_versions(tmp_path, vllm_python):
     out = tmp_path / "out"
-    job = short_job(out)
+    job, group = short_job(out)
     local = LocalJob(job, tmp_path / "run", {contract.Env.VLLM_PYTHON: vllm_python, "VLLM_CPU_KVCACHE_SPACE": "1"},
                      progress=io.StringIO())
     local.start()
@@ -73,7 +74,7 @@ def test_the_rl_example_learns_from_rollouts_of_delivered_versions(tmp_path, vll
     assert [r["step"] for r in rows] == list(range(STEPS))
     for row in rows:
         versions = {int(v): n for v, n in row["rollout_versions"].items()}
-        assert sum(versions.values()) == 8 * 32, row  # every prompt's group
+        assert sum(versions.values()) == len(row["prompt_rewards"]) * group, row  # every prompt's group
         assert set(versions) <= delivered, f"step {row['step']}: rollouts from versions weightsync never delivered: {row}"
         assert max(versions) <= row["trainer_version"], f"a rollout from a version not published yet: {row}"
         assert row["max_staleness"] == row["trainer_version"] - min(versions)
