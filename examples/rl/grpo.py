@@ -159,14 +159,18 @@ def advantages_of(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return ((grouped - mean) / (std + 1e-6)).view(-1)
 
 
-def plot(rows: list[dict], path: Path) -> bool:
+def can_plot() -> bool:
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
         return False
+    matplotlib.use("Agg")  # files only, no display
+    return True
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in rows]
     figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
     top.plot(steps, [r["mean_reward"] for r in rows], marker=".")
@@ -181,7 +185,6 @@ def plot(rows: list[dict], path: Path) -> bool:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
-    return True
 
 
 def main() -> None:
@@ -200,6 +203,10 @@ def main() -> None:
     metrics = out / "metrics.jsonl"
     metrics.write_text("")
     rows: list[dict] = []
+    plots = can_plot()
+    if not plots:
+        print(f"matplotlib is not installed (pip install 'weightsync[examples]'): no plot, only {metrics}",
+              file=sys.stderr, flush=True)
 
     with weightsync.attach(model) as sync, ThreadPoolExecutor(max_workers=args.prompts) as pool:
         sync.publish(step=0)  # version 0: the initial weights
@@ -234,13 +241,9 @@ def main() -> None:
             print(f"step {step}: mean reward {row['mean_reward']:.3f}, staleness {row['staleness']:.2f} "
                   f"(rollouts on versions {row['rollout_versions']}, trainer at {trainer_version}), "
                   f"{row['seconds']:.2f}s", flush=True)
-            if step % 10 == 9 or step == args.steps - 1:
-                drew = plot(rows, out / "reward.png")
-    if drew:
-        print(f"metrics in {metrics}, plot in {out / 'reward.png'}", flush=True)
-    else:
-        print(f"matplotlib is not installed (pip install 'weightsync[examples]'): no plot; metrics in {metrics}",
-              file=sys.stderr, flush=True)
+            if plots and (step % 10 == 9 or step == args.steps - 1):
+                plot(rows, out / "reward.png")
+    print(f"metrics in {metrics}" + (f", plot in {out / 'reward.png'}" if plots else ""), flush=True)
     print(json.dumps({"task": asdict(task), "first_reward": rows[0]["mean_reward"], "last_reward": rows[-1]["mean_reward"]}),
           flush=True)
 
