@@ -24,6 +24,8 @@ import shlex
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,8 +77,9 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     # try, and before version 3 while the server is killed and started again
     for version in (1, 3):
         (pause / f"trainer-0-before-go-v{version}.arm").touch()
+    progress = io.StringIO()
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)},
-                     progress=io.StringIO(), join_env=tmp_path / "join.env")
+                     progress=progress, join_env=tmp_path / "join.env")
     servers: list[ExternalServer] = []
     try:
         local.start()
@@ -85,6 +88,11 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         servers.append(server)
         reach(pause, "trainer-0-before-go-v1", local)
         server.serving(0)
+        request = urllib.request.Request(server.url + "/init_weight_transfer_engine", b'{"init_info": {}}',
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError):  # there is nothing to call: it joined as vLLM built it
+            urllib.request.urlopen(request, timeout=60)
+        assert "joined job default/ext-vllm when its server started: there is nothing to initialize" in server.text()
 
         refused = {
             "again": ExternalServer(python, job.model, job.name, join, tmp_path / "again.log", url=server.url),
@@ -117,6 +125,8 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         assert f"the vLLM server at {server.url} claimed inference rank 0" in controller
         assert f"refused the vLLM server at {server.url}: the vLLM server at {server.url} already joined" in controller
         assert f"refused the vLLM server at {refused['full'].url}: job default/ext-vllm is full" in controller
+        until("weightsync run showing the claims", lambda: "refused the vLLM server" in progress.getvalue(), 10)
+        assert f"the vLLM server at {server.url} claimed inference rank 0" in progress.getvalue()
 
         (pause / "trainer-0-before-go-v1.release").touch()
         reach(pause, "trainer-0-before-go-v3", local)  # version 3 is announced to the server, then it is killed

@@ -70,6 +70,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if getattr(self.model_config, "quantization", None):
             raise ValueError(f"the weightsync backend loads unquantized weights in place; this server quantizes "
                              f"them ({self.model_config.quantization}): serve the model unquantized")
+        if getattr(self, "place", None) is not None and self.place.external:  # joined as vLLM built it
+            raise RuntimeError(f"{self.me} joined job {self.ctx.job.identity} when its server started: there is "
+                               "nothing to initialize")
         self.place = place_of(self.parallel_config, self.model_config)
         ctx = self.ctx = self.place.ctx
         local_rank = self.parallel_config.rank
