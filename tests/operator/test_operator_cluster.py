@@ -46,6 +46,11 @@ INVALID = [
     ({"imagePullSecrets": [{}]}, "demo", "spec.imagePullSecrets[0].name: Required value"),
     ({"inference": {"replicas": 3, "tensorParallelSizes": [2, 2]}}, "demo",
      "tensorParallelSizes must add up to inference replicas x procsPerPod"),
+    ({"model": {"config": {"model_type": "llama", "num_attention_heads": 6}},
+      "inference": {"tensorParallel": 4, "engine": "vllm"}}, "demo",
+     "every tensor-parallel size must divide spec.model.config.num_attention_heads"),
+    ({"inference": {"replicas": 2, "tensorParallelSizes": [2, 1], "engine": "vllm"}}, "demo",
+     "with spec.inference.engine vllm on GPUs (gpusPerProc 1) every server has one tensor-parallel size"),
 ]
 
 

@@ -1,0 +1,285 @@
+"""vLLM jobs for the tests: a job whose inference pods run vLLM's OpenAI-compatible server (its CPU
+build, in the environment `make vllm-env` makes) with weightsync as the weight-transfer backend,
+run as local processes (`weightsync run`'s LocalJob) with pause points and parameter dumps; the
+servers' HTTP routes; a Llama checkpoint's tensors as vLLM holds them, whole or as one
+tensor-parallel worker's shards (the tests' own statement of vLLM's layout, checked against what
+vLLM's workers hold); a plain vLLM server (no weightsync) on a checkpoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync import job as contract
+from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
+
+from support.jobs import assert_nothing_left
+
+DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
+LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
+         "bos_token_id": 0, "eos_token_id": 0}
+# vLLM's CPU backend: head size 64 (above), a small share of memory, a small KV cache (the env below)
+SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4"]
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+REACH_TIMEOUT = 600.0  # seconds: two vLLM servers start in about 1-2 minutes each on 2 busy cores
+RUN_TIMEOUT = 900.0
+VOCAB_PADDING = 64  # vLLM pads an embedding's vocabulary to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)
+
+
+def vllm_python() -> str:
+    """The Python that runs vLLM, or the test skips (fails under CI) saying why."""
+    python = os.environ.get("WEIGHTSYNC_TEST_VLLM_PYTHON") or str(DEFAULT_VLLM_PYTHON)
+    try:
+        return check_vllm_python(python)
+    except CannotRunHere as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM cannot run here: {e}")
+        pytest.skip(f"vLLM cannot run here ({e}); `make vllm-env` makes its environment")
+
+
+def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA, **inference):
+    return contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+        "spec": {"model": {"config": config, "dtype": "bfloat16"},
+                 "trainer": {"replicas": trainers, "gpusPerProc": 0},
+                 "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm", "vllm": {"args": SERVER_ARGS},
+                               **inference},
+                 "training": {"steps": steps, "batchSize": 4, "seqLen": 32, "learningRate": 1e-2},
+                 "transfer": {"everySteps": every, "bucketMB": 1, "transport": "tcp", "timeoutSeconds": 120},
+                 "network": {"mode": "tcp"}}})
+
+
+class VllmRun:
+    """A vLLM job running as local processes, followed in a thread, with pause points armed."""
+
+    def __init__(self, tmp_path: Path, job, python: str, pauses=(), corrupt: int | None = None):
+        self.dump, self.pause = tmp_path / "dump", tmp_path / "pause"
+        self.dump.mkdir()
+        self.pause.mkdir()
+        for point in pauses:
+            (self.pause / f"{point}.arm").touch()
+        env = {DUMP_DIR_ENV: str(self.dump), PAUSE_DIR_ENV: str(self.pause), contract.Env.VLLM_PYTHON: python,
+               **SERVER_ENV}
+        if corrupt is not None:
+            env[CORRUPT_ENV] = str(corrupt)
+        self.job = job
+        self.local = LocalJob(job, tmp_path / "run", env, progress=io.StringIO())
+        self.servers = [f"http://127.0.0.1:{p.env[contract.Env.VLLM_PORT]}" for p in self.local.pods if p.role == "inference"]
+        self.end: dict | None = None
+        self.local.start()
+        self.follower = threading.Thread(target=self._follow, daemon=True)
+        self.follower.start()
+
+    def _follow(self) -> None:
+        try:
+            self.end = self.local.follow(RUN_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.end = {"state": "RunFailed", "message": str(e)}
+
+    def reach(self, point: str) -> None:
+        deadline = time.monotonic() + REACH_TIMEOUT
+        while not (self.pause / f"{point}.reached").exists():
+            assert self.end is None, f"the job ended before {point}: {self.end}"
+            assert time.monotonic() < deadline, f"{point} was not reached within {REACH_TIMEOUT:.0f}s"
+            time.sleep(0.05)
+
+    def release(self, point: str) -> None:
+        (self.pause / f"{point}.release").touch()
+
+    def serving(self, server: str, version: int) -> None:
+        """Wait until the server says it serves `version` (its loads follow the trainers' sends)."""
+        deadline = time.monotonic() + REACH_TIMEOUT
+        while weight_version(server) != str(version):
+            assert time.monotonic() < deadline, f"{server} serves {weight_version(server)}, not {version}"
+            time.sleep(0.05)
+
+    def finish(self) -> dict:
+        self.follower.join(RUN_TIMEOUT)
+        try:
+            self.local.wait(60.0) if self.end and self.end.get("state") == "Succeeded" else None
+        except Exception:  # noqa: BLE001 - the end is what the test checks
+            pass
+        finally:
+            self.local.stop()
+        assert_nothing_left(self.local)
+        return self.end
+
+    def log(self, ordinal: int) -> str:
+        return self.local.pods[ordinal].log.read_text(errors="replace")
+
+
+def post(server: str, route: str, body: dict, timeout: float = 120.0) -> dict:
+    request = urllib.request.Request(server + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def weight_version(server: str) -> str | None:
+    try:
+        with urllib.request.urlopen(server + "/weight_info", timeout=10) as response:
+            return json.loads(response.read())["weight_version"]
+    except OSError:
+        return None
+
+
+def completion(server: str, job_name: str, prompt: list[int] = PROMPT) -> list[int]:
+    """A greedy completion through the OpenAI API (token ids in and out: the job's model has no tokenizer)."""
+    got = post(server, "/v1/completions", {"model": job_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                           "return_token_ids": True})
+    return got["choices"][0]["token_ids"]
+
+
+def generate(server: str, job_name: str, tokens: int = 8) -> dict:
+    """vLLM's generate route: its choices name the weight version of every token."""
+    got = post(server, "/inference/v1/generate", {"model": job_name, "token_ids": PROMPT,
+                                                  "sampling_params": {"max_tokens": tokens, "temperature": 0,
+                                                                      "ignore_eos": True}})
+    return got["choices"][0]
+
+
+def checker(server: str, action: str, baseline: dict | None = None) -> dict:
+    """vLLM's weight checker (VLLM_SERVER_DEV_MODE): checksum, reset or compare every worker's parameters."""
+    return post(server, "/weight_checker", {"action": action, **({"baseline": baseline} if baseline else {})})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Llama checkpoint's tensors as vLLM's Llama holds them: q, k, v in one qkv_proj, gate and up
+    in one gate_up_proj (each concatenated on the output dim)."""
+    return shards(tensors, LLAMA, 1, 0)
+
+
+def shards(tensors: dict[str, torch.Tensor], config: dict, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """A Llama checkpoint's tensors as vLLM's Llama holds them on tensor-parallel rank `rank` of
+    `tp`: its query heads' rows of q_proj and its KV heads' rows of k_proj and v_proj (replicated
+    when tp exceeds the KV heads) in one qkv_proj; its rows of gate_proj and of up_proj in one
+    gate_up_proj; its columns of o_proj and down_proj; its rows of the vocabulary (padded to a
+    multiple of 64, then cut in equal parts, the padding zero) of embed_tokens and lm_head; the
+    rest whole."""
+    out = {}
+    for name, box in boxes({n: tuple(t.shape) for n, t in tensors.items()}, config, tp, rank).items():
+        t = tensors[name]
+        if box is None:
+            continue
+        dim, start, stop = box
+        part = t.narrow(dim, start, stop - start)
+        if ".self_attn.q_proj." in name:
+            k, v = (tensors[name.replace("q_proj", p)] for p in ("k_proj", "v_proj"))
+            (_, ks, ke), (_, vs, ve) = (boxes({n: tuple(k.shape)}, config, tp, rank)[n]
+                                        for n in (name.replace("q_proj", "k_proj"), name.replace("q_proj", "v_proj")))
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat([part, k[ks:ke], v[vs:ve]])
+        elif ".mlp.gate_proj." in name:
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([part, up[start:stop]])
+        elif any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+            continue
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = _vocab_rows(t.shape[0], tp)
+            padded = torch.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+            padded[:part.shape[0]] = part
+            out[name] = padded
+        else:
+            out[name] = part
+    return out
+
+
+def boxes(shapes: dict[str, tuple], config: dict, tp: int, rank: int) -> dict[str, tuple[int, int, int] | None]:
+    """(dim, start, stop) of every checkpoint tensor that tensor-parallel rank `rank` of `tp` holds."""
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head = config["hidden_size"] // heads
+    out = {}
+    for name, shape in shapes.items():
+        if tp == 1 or len(shape) == 0 or "norm" in name:
+            out[name] = (0, 0, shape[0]) if shape else None
+        elif ".q_proj." in name:
+            size = heads // tp * head
+            out[name] = (0, rank * size, (rank + 1) * size)
+        elif ".k_proj." in name or ".v_proj." in name:
+            per = max(1, kv // tp)  # KV heads per rank; replicated by tp // kv ranks when tp > kv
+            first = (rank // max(1, tp // kv)) * per
+            out[name] = (0, first * head, (first + per) * head)
+        elif ".gate_proj." in name or ".up_proj." in name:
+            size = shape[0] // tp
+            out[name] = (0, rank * size, (rank + 1) * size)
+        elif ".o_proj." in name or ".down_proj." in name:
+            size = shape[1] // tp
+            out[name] = (1, rank * size, (rank + 1) * size)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = _vocab_rows(shape[0], tp)
+            out[name] = (0, min(shape[0], rank * rows), min(shape[0], (rank + 1) * rows))
+        else:
+            raise AssertionError(f"the tests' Llama layout does not know {name}")
+    return out
+
+
+def _vocab_rows(vocab: int, tp: int) -> int:
+    return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
+
+
+def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path) -> Path:
+    """A Hugging Face checkpoint directory: config.json and model.safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(config)
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(folder)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+class PlainServer:
+    """vLLM's server on a checkpoint, without weightsync: what a server that loaded the weights
+    from disk holds."""
+
+    def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path):
+        from weightsync.roles.vllm_server import server_command, server_env
+        from weightsync.job import Model
+
+        cmd = server_command(python, Model(path=str(checkpoint), dtype="bfloat16"), "plain", tuple(SERVER_ARGS),
+                             "127.0.0.1", port, tensor_parallel=tp, cpu=True)
+        cmd = [a for a in cmd if a != "--weight-transfer-config" and not a.startswith('{"backend"')]
+        env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1"}
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.proc = subprocess.Popen(cmd + ["--skip-tokenizer-init"], env=env, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_up(self, timeout: float = REACH_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return
+            except OSError:
+                pass
+            assert self.proc.poll() is None, f"the plain vLLM server exited: {self.log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the plain vLLM server did not come up within {timeout:.0f}s"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        from weightsync.runtime.procs import VLLM_STOP_GRACE, stop
+
+        stop(self.proc, grace=VLLM_STOP_GRACE)

@@ -1,0 +1,159 @@
+"""vLLM's own tensor parallelism, for real: one job (two trainer ranks, a vLLM server of
+tensor-parallel size 2 and one of size 1 beside it, on vLLM's CPU build) run once for the module.
+
+What is checked: each of the TP-2 server's workers is an inference rank that receives only its own
+slices (the model has one KV head, which vLLM replicates on both workers), planned from what vLLM's
+model says the worker holds, and reports how many bytes that is (half of a version, and the whole
+for the TP-1 server); after every version every worker's parameters equal the trainers' bytes as
+vLLM shards them (tests/support/vllm.py states that layout independently of the backend), read
+back through the CPU build's repacked GEMM kernels, which every load fills again; both servers
+answer the same greedy tokens; vLLM's own weight checker (/weight_checker) sees the weights a reset
+zeroed restored by the next version, equal to those of plain vLLM servers of both sizes that
+loaded that version from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from weightsync.model.build import meta_layout
+from weightsync.plan.sliced import LocalLayout
+from weightsync.plan.slices import Box, RankSlices, Slice
+
+from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, boxes, checker, completion, free_port, save_checkpoint,
+                          shards, vllm_job, vllm_python)
+
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
+# one KV head: vLLM gives both workers of the TP-2 server a copy of it (KV heads replicated)
+MQA = {**LLAMA, "num_key_value_heads": 1}
+SIZES = (2, 1)  # the servers' tensor-parallel sizes: inference ranks 0, 1 (TP 2) and 2 (TP 1)
+WORKERS = [(2, 0), (2, 1), (1, 0)]  # (tp size, tp rank) of inference ranks 0, 1, 2
+EMPTY = hashlib.sha256(b"").hexdigest()  # vLLM's checksum of an empty parameter
+VERSIONS = 4  # 0..3: steps 6, every 2
+
+
+@dataclass
+class TpRun:
+    run: VllmRun
+    end: dict
+    tokens: dict[int, list[list[int]]] = field(default_factory=dict)  # version -> each server's greedy tokens
+    held: dict[str, dict] = field(default_factory=dict)  # version 1's checksums per server
+    reset: dict[str, dict] = field(default_factory=dict)  # right after the reset
+    loaded: dict[str, dict] = field(default_factory=dict)  # once version 2 was loaded after the reset
+    plain: dict[int, dict] = field(default_factory=dict)  # plain servers on version 2: tp size -> checksums
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> TpRun:
+    python = vllm_python()
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES))
+    run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
+    out = TpRun(run, {})
+    plains = []
+    try:
+        run.reach("trainer-0-before-go-v2")  # version 1 is served; the trainers hold version 2 back
+        out.tokens[1] = [completion(s, job.name) for s in served(run, 1)]
+        out.held = {s: checker(s, "checksum")["checksums"] for s in run.servers}
+        for s in run.servers:
+            assert checker(s, "reset") == {"status": "reset"}
+        out.reset = {s: checker(s, "checksum")["checksums"] for s in run.servers}
+        run.release("trainer-0-before-go-v2")
+        run.reach("trainer-0-before-go-v3")  # version 2 is served
+        out.tokens[2] = [completion(s, job.name) for s in served(run, 2)]
+        out.loaded = {s: checker(s, "checksum")["checksums"] for s in run.servers}
+        run.release("trainer-0-before-go-v3")
+        out.end = run.finish()
+        # plain vLLM servers of both sizes on version 2, saved as a checkpoint
+        tensors = torch.load(run.dump / "trainer-0-v2.pt")["tensors"]
+        checkpoint = save_checkpoint(tensors, MQA, tmp / "checkpoint-v2")
+        plains = [PlainServer(python, checkpoint, free_port(), tp, tmp / f"plain-tp{tp}.log") for tp in SIZES]
+        for tp, plain in zip(SIZES, plains):
+            plain.wait_up()
+            out.plain[tp] = checker(plain.url, "checksum")["checksums"]
+            assert checker(plain.url, "compare", out.loaded[run.servers[SIZES.index(tp)]]) == \
+                {"match": True, "mismatches": []}, "vLLM's own compare of the loaded weights with the plain server's"
+    finally:
+        run.local.stop()
+        for plain in plains:
+            plain.stop()
+    return out
+
+
+def served(run: VllmRun, version: int) -> list[str]:
+    for s in run.servers:
+        run.serving(s, version)
+    return run.servers
+
+
+def test_every_worker_holds_the_trainers_bytes_as_vllm_shards_them(tp_run):
+    end, dump = tp_run.end, tp_run.run.dump
+    assert end["state"] == "Succeeded", end
+    assert end["versions"] == VERSIONS and end["failed_verifications"] == 0, end
+    for version in range(VERSIONS):
+        trainer = torch.load(dump / f"trainer-0-v{version}.pt")["tensors"]
+        assert all(torch.equal(as_bytes(t), as_bytes(torch.load(dump / f"trainer-1-v{version}.pt")["tensors"][n]))
+                   for n, t in trainer.items()), "the DDP trainers disagree"
+        for rank, (tp, tp_rank) in enumerate(WORKERS):
+            want = shards(trainer, MQA, tp, tp_rank)
+            got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
+            assert sorted(got) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
+            for name, tensor in want.items():
+                assert got[name].dtype == torch.bfloat16 and got[name].shape == tensor.shape, \
+                    (name, got[name].shape, tensor.shape)
+                assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
+                    f"version {version}: inference rank {rank} (TP rank {tp_rank} of {tp}) differs in {name}"
+
+
+def test_a_tp_worker_receives_only_its_share_as_planned(tp_run):
+    """Each worker's reported bytes are its local layout of exactly the slices vLLM's layout gives
+    it: for this model 0.5243 of a version per TP-2 worker (half, plus the norms and the one KV
+    head, which both take whole)."""
+    layout = meta_layout(tp_run.run.job.model)
+    shapes = {s.name: tuple(s.shape) for s in layout.slots}
+    logs = tp_run.run.log(3) + tp_run.run.log(4)  # the servers' pods: ordinals 3 (TP 2) and 4 (TP 1)
+    for rank, (tp, tp_rank) in enumerate(WORKERS):
+        needs = []
+        for name, box in boxes(shapes, MQA, tp, tp_rank).items():
+            start, stop = [0] * len(shapes[name]), list(shapes[name])
+            start[box[0]], stop[box[0]] = box[1], box[2]
+            needs.append(Slice(name, Box(tuple(start), tuple(stop))))
+        share = LocalLayout.of(layout, RankSlices(rank, tuple(needs))).total_bytes
+        said = re.search(rf"\[inference rank {rank}\] tensor-parallel rank {tp_rank} of {tp} .*?: receives (\d+) of "
+                         rf"(\d+) bytes per version \(([\d.]+) of a whole version\)", logs)
+        assert said, f"inference rank {rank} did not say what it receives"
+        assert int(said[1]) == share and int(said[2]) == layout.total_bytes, (said[0], share)
+        assert float(said[3]) == pytest.approx(share / layout.total_bytes, abs=1e-4)
+        if tp == 2:
+            assert 0.52 < share / layout.total_bytes < 0.53, said[0]
+
+
+def test_the_tp2_and_tp1_servers_answer_the_same_greedy_tokens(tp_run):
+    for version, answers in tp_run.tokens.items():
+        assert answers[0] == answers[1], f"version {version}: TP 2 answered {answers[0]}, TP 1 {answers[1]}"
+    assert tp_run.tokens[1] != tp_run.tokens[2], "the greedy completion did not change with the version"
+
+
+def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):
+    servers = tp_run.run.servers
+    for server, tp in zip(servers, SIZES):
+        held, reset, loaded, plain = tp_run.held[server], tp_run.reset[server], tp_run.loaded[server], tp_run.plain[tp]
+        assert sorted(held) == sorted(plain), f"TP {tp}: other parameters than a plain server's"
+        assert all(k.startswith(tuple(f"dp0:pp0:pcp0:tp{i}:" for i in range(tp))) for k in held)
+        zeroed = [k for k in held if reset[k] != held[k]]
+        assert any(k.endswith("embed_tokens.weight") for k in zeroed) and any("norm" in k for k in zeroed), \
+            f"TP {tp}: the reset changed only {zeroed}"
+        assert loaded == plain, f"TP {tp}: after the reset, version 2 differs from a plain server's in " \
+                                f"{sorted(k for k in plain if loaded.get(k) != plain[k])}"
+        assert loaded != held, "version 2 checksums as version 1"
+        # vLLM's CPU build repacked the linear layers' weights for its GEMM kernels (wherever its build
+        # has oneDNN, whatever the CPU), leaving the parameters empty: every load went through the
+        # processing that repacks them again (the dumps above read the repacked kernels back)
+        repacked = [k for k in held if held[k] == EMPTY and k.endswith("_proj.weight")]
+        assert len(repacked) == 4 * MQA["num_hidden_layers"] * tp, f"TP {tp}: repacked only {repacked}"
