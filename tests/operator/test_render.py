@@ -184,6 +184,16 @@ def test_vllm_pods_serve_the_openai_api_through_a_service_of_their_own():
     assert "demo-vllm" not in by_kind(render.children(job(), "tcp", "t" * 64))["Service"]
 
 
+def test_a_tensor_parallel_vllm_pod_asks_for_a_gpu_and_a_data_port_per_worker():
+    """One server per pod, spec.inference.tensorParallel workers: each worker is an inference rank
+    on a GPU of its own, listening on a data port of its own."""
+    j = job({"inference": {"replicas": 2, "engine": "vllm", "tensorParallel": 4, "gpusPerProc": 1}})
+    c = container(j, INFERENCE, "tcp")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4" and c["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert [p["name"] for p in c["ports"] if p["name"].startswith("data-")] == ["data-0", "data-1", "data-2", "data-3"]
+    assert j.layout.world_size(INFERENCE) == 8 and list(j.layout.ranks_of(j.layout.first_ordinal(INFERENCE) + 1)) == [4, 5, 6, 7]
+
+
 def test_only_the_controller_holds_an_api_identity():
     j = job()
     ctl = pod(j, CONTROLLER, "tcp")["spec"]
