@@ -131,7 +131,16 @@ def job_plan(job, fsdp: int | None = None):
     model = build(job.model, dtype="float32", device="meta", load_weights=False)
     layout = layout_of(model, job.model.dtype)
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
-    needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r))
+    try:
+        needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r))
+    except ValueError as e:
+        if not job.inference.runs_vllm:
+            raise
+        # a vLLM worker reads its slices from vLLM's model when it starts (vllm_backend/shards.py);
+        # this preview has only transformers' TP plan, which vLLM's sharding can go beyond
+        raise ValueError(f"{e} (as transformers' TP plan shards the model: the job's vLLM workers take their slices "
+                         "from vLLM itself when they start, which replicates KV heads where the tensor-parallel size "
+                         "exceeds them, so the job may run where this preview cannot plan it)") from None
     transport, _ = resolve_transport(job.transfer.transport, job.network.mode)
     can = capabilities_of(transport)
     return make_job_plan(layout, holdings, job.layout.world_size(INFERENCE), job.transfer.bucket_bytes,
