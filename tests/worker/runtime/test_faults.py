@@ -154,6 +154,38 @@ def test_an_inference_rank_that_dies_or_freezes_rejoins_and_the_job_succeeds(tmp
     assert_nothing_left(faulty.local)
 
 
+def test_an_inference_rank_frozen_briefly_while_versions_go_on_notices_it_fell_behind_and_rejoins(tmp_path):
+    """SIGSTOP for less than the liveness probe's deadline (no restart by the kubelet), long enough
+    to be counted away while the trainers publish several more versions, whose keys the controller
+    then forgets; on SIGCONT the rank must not wait for a round that will never be announced again:
+    it notices it fell behind, starts again, rejoins and gets the final version."""
+    job = make_job("frozen-behind", config=ODD, dtype="float32", trainers=(2, 1), inferences=(2, 1), steps=8, every=1)
+    faulty = Faulty(tmp_path, job, "trainer-0-before-go-v1")
+    victim = faulty.pod("inference", 1)
+    controller = faulty.local.pods[0]
+    try:
+        struck = faulty.strike(victim, signal.SIGSTOP)
+        wait_for_line(controller.log, "inference rank 1 is away", 60)
+        deadline = struck + 20.0  # within LIVENESS.deadline (25 s) of the stop: its pod is not restarted
+        while time.monotonic() < deadline and not (faulty.local.workdir / "status.json").exists():
+            time.sleep(0.1)
+        while time.monotonic() < deadline and (faulty.status().get("transfer") or {}).get("version", 0) < 4:
+            time.sleep(0.1)
+        assert (faulty.status().get("transfer") or {}).get("version", 0) >= 4, "the versions did not go on without it"
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        back = wait_for_line(controller.log, "inference rank 1 rejoined", 120)
+        summary = faulty.end()
+    finally:
+        faulty.local.stop()
+    print(f"frozen for {resumed - struck:.1f}s: rejoined {back - resumed:.1f}s after it woke")
+    assert "went on to version" in faulty.log(victim) and "without this rank" in faulty.log(victim)
+    assert summary["failed_verifications"] == 0 and faulty.status()["completion"]["state"] == "Succeeded"
+    applied = check_applied_versions(faulty.dump, job)
+    assert applied[0] == list(range(9)) and applied[1][-1] == 8
+    assert_nothing_left(faulty.local)
+
+
 TRAINER_FAULTS = [
     ("trainer-0-mid-send-v1", signal.SIGKILL),
     ("trainer-1-before-go-v1", signal.SIGKILL),

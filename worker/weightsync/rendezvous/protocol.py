@@ -43,6 +43,11 @@ class JobEnded(RuntimeError):
         super().__init__(f"the job ended ({state}): {message}")
 
 
+class FellBehind(RuntimeError):
+    """An inference rank waits for the go of a version the controller sent without it (it was
+    frozen or cut off meanwhile, and counted away): it must start again and rejoin."""
+
+
 class Restarted(RuntimeError):
     """A trainer rank's process started again after it had joined: the job cannot go on."""
 
@@ -142,6 +147,7 @@ class Keys:
     JOB, JOB_MAC = "job", "job/mac"
     END = "end"  # controller: the job is over {"state", "reason", "message"}
     CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)
+    LATEST = "latest"  # controller: the last version it said go for (its first sending)
 
     @staticmethod
     def join(role: str, rank: int) -> str:
@@ -379,10 +385,28 @@ class Member(Channel):
         return peers_from_json(text)
 
     def round(self, version: int, again: int = 0, timeout: float | None = None) -> Round:
-        """Wait for the controller's go for that round (TimeoutError past `timeout` seconds)."""
+        """Wait for the controller's go for that round (TimeoutError past `timeout` seconds). An
+        inference rank that waits for a version whose go the controller has already said, and
+        deleted (it forgets a round's keys two versions on), was left behind: FellBehind, instead
+        of a wait for a key that will never come back."""
         key = Keys.go(version, again)
-        self.wait_for(key, f"the controller's go for version {version}", timeout)
+        self.wait([key], f"the controller's go for version {version}", timeout,
+                  self.behind(version, key) if not again else self.check_end)
         return Round.from_json(self.get(key))
+
+    def behind(self, version: int, key: str) -> Callable[[], None]:
+        """A check for an inference rank's wait for `key` of round `version`: the job's end, and
+        FellBehind once the controller has gone on to a later version and the key is gone (its
+        round's keys are deleted two versions on), so that a rank that was frozen or cut off
+        meanwhile does not wait for a key that will never come back."""
+        def check() -> None:
+            self.check_end()
+            if self.role == INFERENCE and self.has(Keys.LATEST):
+                latest = int(self.get(Keys.LATEST))
+                if latest > version and not self.has(key):
+                    raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
+                                     f"version {latest} without this rank: it was frozen or cut off")
+        return check
 
     def welcome(self) -> Round:
         """A rejoined inference rank: the round it receives first (the controller says it at the

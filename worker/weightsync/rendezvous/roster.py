@@ -237,6 +237,8 @@ class Host(Channel):
                 self.set(Keys.welcome(r, seat.attempt), rnd.to_json())
                 seat.state, seat.since = SERVING, time.monotonic()
         self.set(Keys.go(version, again), rnd.to_json())
+        if not again:
+            self.set(Keys.LATEST, str(version))
         return rnd
 
     def next_version(self, version: int) -> bool:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from weightsync.job import INFERENCE, Transfer
 from weightsync.rendezvous.messages import Round
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, who
+from weightsync.rendezvous.protocol import FellBehind, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
@@ -109,6 +109,8 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
             rnd = member.round(version, again)
         except JobEnded as e:
             return {"state": e.state, "message": str(e)}
+        except FellBehind as e:
+            raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
         if rank not in rnd.receivers:
             raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
                              "off); ending this process so that it starts again and rejoins")
@@ -119,7 +121,11 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
         pause_point(INFERENCE, rank, "verifying", version)
         received = time.monotonic()
         if transfer.verify_digest:
-            member.wait_for(Keys.ref(version), f"the reference digest of version {version}", timeout)
+            try:
+                member.wait([Keys.ref(version)], f"the reference digest of version {version}", timeout,
+                            member.behind(version, Keys.ref(version)))
+            except FellBehind as e:
+                raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
             reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
