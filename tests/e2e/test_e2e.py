@@ -7,6 +7,7 @@ need GPUs and RDMA land on KWOK's fake nodes, which run nothing."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -18,6 +19,7 @@ from e2e_harness import LogFollower, example, install, new_namespace, pods, rest
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
+import weightsync
 from weightsync import job as contract
 
 pytestmark = pytest.mark.cluster
@@ -283,6 +285,80 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, rea
         assert f"switched to version {versions - 1} (digest verified)" in text, text[-3000:]
     first = logs.text(f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}")
     assert "TP rank 0 of 2" in first, first[-3000:]
+
+
+def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(cluster, real_node, helm, namespace, chart,
+                                                                            operator_from_chart, tmp_path):
+    """examples/external-trainers-job.yaml and -batchjob.yaml applied together, as a user applies
+    them: the operator runs the controller and the inference pods and makes the Secret
+    "<job>-join"; the user's batch/v1 Job runs torchrun with the example script (2 ranks in one
+    pod, the Secret as its environment), whose ranks join the job and deliver every version. The
+    WeightTransferJob's deletion takes what the operator made, never the user's Job."""
+    job, trainers = example("external-trainers-job.yaml"), example("external-trainers-batchjob.yaml")
+    name, steps, every = job["metadata"]["name"], 6, 3
+    (container,) = trainers["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": f"{name}-join"}}]
+    assert container["image"] == f"ghcr.io/weightsync/worker:{weightsync.__version__}"  # what the chart defaults to
+    args = container["args"]
+    args[args.index("--steps") + 1], args[args.index("--publish-every") + 1] = str(steps), str(every)
+    container["resources"]["requests"]["cpu"] = job["spec"]["inference"]["resources"]["requests"]["cpu"] = "200m"
+    versions, user_job = 1 + steps // every, trainers["metadata"]["name"]
+    logs = LogFollower(cluster, namespace, tmp_path / "logs")
+    restricted(cluster, namespace)  # the user's Job as written passes it too
+
+    def users_pods():
+        return pods(cluster, namespace, f"batch.kubernetes.io/job-name={user_job}")
+
+    with operator_from_chart(chart[1], chart[0]) as operator:
+        apply(cluster, namespace, job)
+        apply(cluster, namespace, trainers)  # its pod waits for the Secret if it comes first
+        job_progress = following(cluster, namespace, name, operator, logs)
+
+        def progress():
+            job_progress()
+            for pod in users_pods():
+                logs.follow(pod)
+                if pod["status"].get("phase") == "Failed":
+                    out = cluster.kubectl("logs", "-n", namespace, pod["metadata"]["name"], check=False)
+                    raise AssertionError(f"the user's trainer pod failed:\n{out.stdout[-4000:]}{out.stderr}")
+            assert not cluster.kubectl("get", "statefulset", f"{name}-{contract.TRAINER}", "-n", namespace,
+                                       "--ignore-not-found", "-o", "name").stdout.strip()
+
+        try:
+            done = finished(cluster, namespace, name, progress)
+            wait_for(f"the user's Job {user_job} complete", lambda: json.loads(cluster.kubectl(
+                "get", "job", user_job, "-n", namespace, "-o", "json").stdout)["status"].get("succeeded"), 120,
+                failed=progress)
+        finally:
+            show_logs(logs)
+    status = done["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    assert status["completion"]["versions"] == versions and status["transfer"]["transport"] == "tcp"
+    assert status["replicas"][contract.TRAINER]["summary"] == "external (2 ranks)"
+    assert printed_columns(cluster, namespace, name)["TRAINERS"] == "external (2 ranks)"
+    (user_pod,) = users_pods()
+    attached = logs.text(user_pod["metadata"]["name"])
+    for rank in range(2):
+        assert f"[trainer rank {rank}] attached on cpu" in attached, attached[-3000:]
+    assert f"step {steps}: version {versions - 1}, sent" in attached, attached[-3000:]
+    loaded = contract.load_job(job, namespace)
+    for ordinal in loaded.layout.ordinals(contract.INFERENCE):
+        text = logs.text(f"{name}-{contract.INFERENCE}-{ordinal}")
+        assert f"switched to version {versions - 1} (digest verified)" in text, text[-3000:]
+
+    # What the user's processes joined with: the controller where the job's pods dial it, the
+    # job, and the token Secret's own token.
+    def secret(which: str) -> dict[str, str]:
+        data = json.loads(cluster.kubectl("get", "secret", which, "-n", namespace, "-o", "json").stdout)["data"]
+        return {k: base64.b64decode(v).decode() for k, v in data.items()}
+
+    assert secret(f"{name}-join") == {"WEIGHTSYNC_CONTROLLER": f"{loaded.controller_host}:{contract.STORE_PORT}",
+                                      "WEIGHTSYNC_JOB_ID": f"{namespace}/{name}",
+                                      "WEIGHTSYNC_TOKEN": secret(f"{name}-token")[contract.TOKEN_KEY]}
+
+    cluster.kubectl("delete", "wtj", name, "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for(f"everything of {name} gone", lambda: not owned_leftovers(cluster, namespace, name), 60)
+    assert cluster.kubectl("get", "job", user_job, "-n", namespace, "-o", "name").stdout.strip() == f"job.batch/{user_job}"
 
 
 def following(cluster, namespace: str, name: str, operator, logs: LogFollower):
