@@ -1,12 +1,16 @@
 """Driving a vLLM server's weight update over its HTTP control routes, with a deadline on every call.
 
 vLLM loads weights only between two scheduler steps, through its engine's control routes (served
-when VLLM_SERVER_DEV_MODE=1). One update, for weightsync, is: pause with mode=wait (no new request
-starts, those in flight finish on the weights they started on) and the KV and prefix caches
-cleared (cached blocks were computed with the old weights), start, update (the backend loads
-the version it already received and verified), finish with weightsync's version number as vLLM's
+when VLLM_SERVER_DEV_MODE=1). One update, for weightsync, is: start (opens vLLM's update session;
+weightsync's engine changes nothing there, so the server serves on), pause with mode=wait (no new
+request starts, those in flight finish on the weights they started on) and the KV and prefix
+caches cleared (cached blocks were computed with the old weights), update (the backend loads the
+version it already received and verified), finish with weightsync's version number as vLLM's
 weight version (vLLM reports it with every generation), resume. A request therefore runs on exactly
-one version, and the server serves nothing only between the pause and the resume.
+one version, and the server serves nothing only between the pause and the resume: the load and
+two short calls. Not mode=keep: it freezes the requests in flight and resumes them on the new
+weights, so a request would run on two versions; and vLLM has no route that loads and labels a
+version in one call (update_weights needs an open session, which only finish closes and labels).
 
 Standard library only: the controller, which has no vLLM, drives the servers with it.
 """
