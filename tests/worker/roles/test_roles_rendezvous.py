@@ -265,6 +265,31 @@ def test_a_versions_keys_are_forgotten_but_not_its_record():
     assert [host.has(k) for k in keys] == [False] * 7 + [True] * 3
 
 
+def test_an_endless_job_keeps_a_bounded_number_of_keys():
+    """Rounds go on for ever (training.steps 0): the store holds the same number of keys at the
+    four-hundredth version as at the hundredth, the records of old rounds included."""
+    from weightsync.rendezvous.roster import RECORDS_KEPT
+
+    host, _ = started()
+    counts = {}
+    for version in range(400):
+        rnd = host.start_round(version)
+        for t in range(2):
+            host.set(Keys.ready(version, t), "1")
+            host.set(Keys.sent(version, 0, t), "{}")
+        host.set(Keys.ref(version), "{}")
+        for r in rnd.receivers:
+            host.set(Keys.applied(version, r, 1), "{}")
+        host.set(Keys.done(version), "{}")
+        if version >= 2:
+            host.forget(version - 2)
+        counts[version] = host.store.num_keys()
+    assert counts[399] == counts[100] and counts[100] < 100
+    assert host.has(Keys.done(399)) and host.has(Keys.done(397 - RECORDS_KEPT + 1))
+    assert not host.has(Keys.done(397 - RECORDS_KEPT))
+    host.store.close()
+
+
 def test_a_receiver_silent_during_a_round_is_cut_and_the_sending_trainers_hear_of_it():
     host, members = started(silent_limit=1.0)
     for m in members.values():

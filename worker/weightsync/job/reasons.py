@@ -55,6 +55,8 @@ RANKS_DISAGREE = _reason("RanksDisagree", "the ranks do not make one job: differ
 TOKEN_PROOF_FAILED = _reason("TokenProofFailed", "a rank, or the controller, could not prove it holds the job's "
                              "token (a token file that differs from the job's Secret, or a store of another job)")
 NO_VERSIONS = _reason("NoVersions", "every trainer rank closed without publishing a version")
+STORE_FULL = _reason("StoreFull", "the controller's rendezvous store reached one of its bounds (keys or bytes): a "
+                     "rank of the job wrote more than a job needs")
 WORKERS_FAILED = _reason("WorkersFailed", "the job's controller reported a failure without a reason")
 
 # ---------------------------------------------------------------- the operator's conditions

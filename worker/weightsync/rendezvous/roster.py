@@ -44,6 +44,7 @@ from weightsync.rendezvous.protocol import (
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
+RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
 PROGRESS_EVERY = 15.0  # seconds between two lines about the external ranks still missing
 
 SERVING = "serving"  # receives every round
@@ -331,14 +332,17 @@ class Host(Channel):
         return sum(s.rejoins for s in self.seats.values())
 
     def forget(self, version: int) -> None:
-        """Delete the keys of `version`'s first sending but its record (done): the store bounds
-        what it holds, and an endless job must not fill it. Only for a version no rank still reads
-        (two versions back: every inference rank that is there has applied a later one)."""
+        """Delete the keys of `version`'s first sending but its record (done), and the record of
+        the version RECORDS_KEPT before it: the store bounds what it holds, and an endless job must
+        not fill it. Only for a version no rank still reads (two versions back: every inference
+        rank that is there has applied a later one)."""
         trainers = self.layout.world_size(TRAINER)
         keys = [Keys.go(version), Keys.ref(version), Keys.cut(version)]
         keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
         keys += [key(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)
                  for key in (Keys.staged, Keys.applied)]
+        if version >= RECORDS_KEPT:  # a record is read by the trainers the version after it, by a bench later
+            keys.append(Keys.done(version - RECORDS_KEPT))
         for key in keys:
             self.store.delete_key(key)
 

@@ -33,6 +33,7 @@ from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
 from weightsync.rendezvous.roster import Deadline, Host, RankFailed
+from weightsync.rendezvous.store.table import StoreError, StoreFull
 from weightsync.roles.records import Reporter
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
@@ -124,7 +125,7 @@ def run(ctx: WorkerContext) -> int:
             rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
             if _round(ctx, host, reporter, plan, rnd, transport, timeout)[1]:
                 reached.add(final)
-    except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError) as e:
+    except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError, StoreError) as e:
         return _fail(ctx, host, reporter, e, len(reached), loss)
     delivered = len(reached)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
@@ -300,11 +301,15 @@ def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: RankInfo)
 
 def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss) -> int:
     message = str(error)
-    reason = getattr(error, "reason", None) or (reasons.TIMED_OUT if isinstance(error, TimeoutError) else
+    reason = getattr(error, "reason", None) or (reasons.STORE_FULL if isinstance(error, StoreFull) else
+                                                reasons.TIMED_OUT if isinstance(error, TimeoutError) else
                                                 reasons.TOKEN_PROOF_FAILED if isinstance(error, ProofError) else
                                                 reasons.RANKS_DISAGREE)
     log(ME, f"the job failed: {message}")
-    host.end("Failed", message, reason)
+    try:
+        host.end("Failed", message, reason)
+    except StoreError as e:  # a full store takes no more keys: the completion below still says why
+        log(ME, f"could not tell the ranks that the job ended: {e}")
     host.wait_byes(5.0)  # as for success: the ranks see the end before the pods go
     reporter.completion("Failed", message, delivered, reason=reason,
                         failed_verifications=host.store.add(Keys.VERIFY_FAILURES, 0), final_loss=_rounded(loss))
