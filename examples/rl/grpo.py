@@ -125,12 +125,19 @@ def sample(server: str, task: Task, i: int, group: int) -> list[Rollout]:
 
 
 def wait_until_serving(servers: tuple[str, ...], version: int) -> None:
-    """Until every server serves `version` or a later one (vLLM starts on dummy weights)."""
+    """Until every server serves `version` or a later one: vLLM starts on dummy weights, and a
+    server started by hand joins the job while it loads the model, before its HTTP server is up."""
     deadline = time.monotonic() + SERVING_TIMEOUT
     for server in servers:
         while True:
-            with urllib.request.urlopen(server + "/weight_info", timeout=REQUEST_TIMEOUT) as response:
-                served = json.loads(response.read())["weight_version"]
+            try:
+                with urllib.request.urlopen(server + "/weight_info", timeout=REQUEST_TIMEOUT) as response:
+                    served = json.loads(response.read())["weight_version"]
+            except urllib.error.HTTPError as e:
+                raise RuntimeError(f"{server}/weight_info answered {e.code}: the server serves its weight version "
+                                   "with VLLM_SERVER_DEV_MODE=1 in its environment") from None
+            except urllib.error.URLError as e:  # not listening yet
+                served = f"nothing yet: {e.reason}"
             if served is not None and str(served).isdigit() and int(served) >= version:
                 break
             if time.monotonic() > deadline:
