@@ -298,6 +298,7 @@ def test_topology_is_immutable(ns):
         ('{"spec":{"inference":{"tensorParallelSizes":[1]}}}', topology),
         ('{"spec":{"model":{"dtype":"float32"}}}', "spec.model is immutable"),
         ('{"spec":{"network":{"mode":"tcp"}}}', "spec.network.mode is immutable"),
+        ('{"spec":{"trainer":{"external":true}}}', "spec.trainer.external and spec.inference.external are immutable"),
     ]
     for patch, message in refusals:
         proc = ns.kubectl("patch", contract.PLURAL, "fixed", "--type=merge", "-p", patch, check=False)
