@@ -152,15 +152,9 @@ class StoreServer(Table):
             finally:
                 with self._lock:
                     self._handshaking.pop(sock, None)
-            if key is not None:
-                with self._lock:  # another proved the token since this one was accepted: at most the limit
-                    counted = self._authenticated < self.limits.connections
-                    self._authenticated += counted
-                if counted:
-                    self._requests(sock, who, key)
-                else:
-                    self._note_refused(f"closed {who}: at the limit of {self.limits.connections} authenticated "
-                                       "connections")
+            counted = key is not None  # _handshake counted it among the authenticated connections
+            if counted:
+                self._requests(sock, who, key)
         except OSError:
             pass  # the client went away
         finally:
@@ -189,7 +183,18 @@ class StoreServer(Table):
             except OSError:
                 pass
             return None
-        send_all(sock, [VERDICT.pack(1, answer)], deadline)
+        with self._lock:  # counted before the verdict: a client that was let in holds its slot
+            full = self._authenticated >= self.limits.connections
+            self._authenticated += not full
+        if full:  # others proved the token since this one was accepted: closed, and the client tries again
+            self._note_refused(f"closed {who}: at the limit of {self.limits.connections} authenticated connections")
+            return None
+        try:
+            send_all(sock, [VERDICT.pack(1, answer)], deadline)
+        except OSError:
+            with self._lock:
+                self._authenticated -= 1
+            raise
         return key
 
     def _requests(self, sock: socket.socket, who: str, key: bytes) -> None:
