@@ -2,6 +2,9 @@
 and read back, each missing or malformed one refused with a line naming it; the spec's external
 roles and the CEL rules that go with them, as the local runner applies them."""
 
+import os
+import socket
+
 import pytest
 
 from weightsync import job as contract
@@ -75,6 +78,8 @@ def test_a_joined_context_is_built_without_files():
     ctx = contract.WorkerContext.from_join(join, j, "trainer", 3, network_mode="tcp")
     assert (ctx.role, ctx.ordinal, list(ctx.ranks), ctx.pod_ip) == ("trainer", 2, [2, 3], "127.0.0.1")
     assert (ctx.controller_host, ctx.store_port, ctx.token, ctx.report_to_kubernetes) == ("127.0.0.1", 4000, TOKEN, False)
+    # the controller names it by where it runs (the user's pod, in a cluster), not a pod weightsync would have made
+    assert ctx.pod_name == f"{socket.gethostname()} (pid {os.getpid()})"
 
 
 @pytest.mark.parametrize("spec, expected", [

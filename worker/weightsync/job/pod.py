@@ -8,6 +8,7 @@ local runner gives it to its processes, each with what differs where the pod run
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -263,6 +264,13 @@ class WorkerContext:
     report_to_kubernetes: bool
     health_port: int = HEALTH_PORT
     colocated: bool = False  # every rank of the job on the same GPUs of this machine (transport auto may pick ipc)
+    where: str | None = None  # an external rank: its host (in a cluster, the user's pod) and process, as logs name it
+
+    @property
+    def pod_name(self) -> str:
+        """Where this rank runs, as the controller's lines and the job's status name it: its pod,
+        or for an external rank the host and process the user started it in."""
+        return self.where or self.job.pod_name(self.ordinal)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "WorkerContext":
@@ -299,7 +307,8 @@ class WorkerContext:
         controller unless WEIGHTSYNC_POD_IP names another."""
         return cls(job=job, ordinal=job.layout.ordinal_of_rank(role, rank), role=role, pod_ip=join.local_address(),
                    controller_host=join.controller_host, store_port=join.store_port, data_port=data_port,
-                   network_mode=network_mode, token=join.token, report_to_kubernetes=False, health_port=0)
+                   network_mode=network_mode, token=join.token, report_to_kubernetes=False, health_port=0,
+                   where=f"{socket.gethostname()} (pid {os.getpid()})")
 
     @property
     def ranks(self) -> range:

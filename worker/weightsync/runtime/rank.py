@@ -100,5 +100,5 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
 def info(ctx: WorkerContext, transport: str, why: str, device, **more) -> RankInfo:
     """What a rank tells the controller about itself besides endpoint and layout (`more`: the
     other fields of RankInfo)."""
-    return RankInfo(transport, why, str(device), ctx.job.pod_name(ctx.ordinal), **more)
+    return RankInfo(transport, why, str(device), ctx.pod_name, **more)
 
