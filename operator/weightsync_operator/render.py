@@ -9,7 +9,6 @@ import copy
 import hashlib
 import os
 
-import yaml
 
 import weightsync
 from weightsync import job as contract
@@ -67,7 +66,7 @@ def _meta(job: Job, name: str, role: str | None = None) -> dict:
 
 def spec_document(job: Job) -> str:
     """The ConfigMap content: the defaulted job, as the workers load it."""
-    return yaml.safe_dump(job.to_object(), sort_keys=True)
+    return contract.dump_document(job.to_object())
 
 
 def service(job: Job) -> dict:

@@ -295,6 +295,21 @@ def test_a_job_file_larger_than_an_object_can_be_is_refused(tmp_path):
         contract.load_job(path)
 
 
+def test_the_spec_a_pod_reads_keeps_strings_that_look_like_numbers(tmp_path):
+    """The defaulted job as a pod reads it (the ConfigMap, the local runner's file), written and
+    read back as kubectl reads YAML: a command's arguments such as `3e-3` stay strings, where
+    PyYAML's YAML 1.1 would write them plain and kubectl's reading make them numbers."""
+    j = contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "strings"},
+                           "spec": {"model": {"config": {"model_type": "gpt2"}},
+                                    "trainer": {"command": ["python", "train.py"],
+                                                "args": ["--lr", "3e-3", "1e5", ".5", "-2", "007", "1.0"]}}})
+    path = tmp_path / "job.yaml"
+    path.write_text(contract.dump_document(j.to_object()))
+    again = contract.load_job(path)
+    assert again.trainer.args == ("--lr", "3e-3", "1e5", ".5", "-2", "007", "1.0")
+    assert again.spec == j.spec
+
+
 def test_choices_are_summarised():
     from weightsync.job.schema import choices
 

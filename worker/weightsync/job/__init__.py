@@ -28,7 +28,7 @@ from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REA
                                  Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
                                  load_job, read_job_file, schema)
 from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
-from weightsync.job.yamlfile import KubectlLoader
+from weightsync.job.yamlfile import KubectlLoader, dump_document
 
 __all__ = [
     "ANNOTATION_NETWORK_MODE", "ANNOTATION_NETWORK_REASON", "ANNOTATION_TOKEN_SHA256", "ANNOTATION_WORKER_IMAGE",
@@ -38,5 +38,5 @@ __all__ = [
     "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Inference", "Job", "KubectlLoader",
     "Join", "JoinEnv", "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",
     "Training", "Transfer", "Value", "ValueFrom", "Vllm", "WorkerContext", "external_roles", "join_env", "load_job",
-    "master_addr", "network_env", "pod_env", "read_job_file", "schema", "torchrun_env",
+    "dump_document", "master_addr", "network_env", "pod_env", "read_job_file", "schema", "torchrun_env",
 ]

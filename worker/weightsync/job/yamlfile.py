@@ -25,9 +25,22 @@ class KubectlLoader(yaml.SafeLoader):
     PyYAML's YAML 1.1 makes it a string that the schema would then refuse."""
 
 
-KubectlLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
-                                    list("-+0123456789."))
+KUBECTL_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+KubectlLoader.add_implicit_resolver("tag:yaml.org,2002:float", KUBECTL_FLOAT, list("-+0123456789."))
+
+
+class KubectlDumper(yaml.SafeDumper):
+    """YAML that KubectlLoader (and kubectl) reads back as it was written: a string that reads as
+    a number there (`3e-3`, an argument of a trainer's command) is quoted, where PyYAML's YAML 1.1
+    would leave it plain."""
+
+
+KubectlDumper.add_implicit_resolver("tag:yaml.org,2002:float", KUBECTL_FLOAT, list("-+0123456789."))
+
+
+def dump_document(obj: Any) -> str:
+    """`obj` as one YAML document that read_document (and kubectl) reads back equal."""
+    return yaml.dump(obj, Dumper=KubectlDumper, sort_keys=True)
 
 
 def read_document(path: str | os.PathLike, kind: str) -> Any:

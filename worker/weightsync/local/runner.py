@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import IO, Mapping
 
-import yaml
 
 from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job,
+                            dump_document,
                             PodSite, ValueFrom, external_roles, load_job, pod_env)
 from weightsync.local.external import JoinOffer
 from weightsync.local.kubelet import Kubelet, Pod, tail
@@ -87,7 +87,7 @@ class LocalJob:
         for folder in (self.workdir, spec_file.parent, token_file.parent):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             folder.chmod(0o700)  # private, also where it existed (mkdir's mode is masked, and not applied then)
-        spec_file.write_text(yaml.safe_dump(self.job.to_object(), sort_keys=False))
+        spec_file.write_text(dump_document(self.job.to_object()))
         # created with its final permissions: no moment in which another user may open it
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
