@@ -163,8 +163,10 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     sent_at = time.monotonic()
     pause_point(CONTROLLER, 0, "verifying", rnd.version)
     reference = reference_digests(plan, sent, rnd.receivers)
-    if rnd.again == 0:
-        host.set(Keys.ref(rnd.version), reference)
+    carried = any(s.checksums or s.receiver_checksums for s in sent)  # nothing: the round reached no one
+    if not host.has(Keys.ref(rnd.version)):
+        if carried:  # the first sending that reached a rank: what its receivers, and every repeat, check
+            host.set(Keys.ref(rnd.version), reference)
     else:
         first = host.get(Keys.ref(rnd.version)).decode()
         for r in rnd.receivers:
