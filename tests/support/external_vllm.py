@@ -13,31 +13,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 
 from weightsync.job import Model
-from weightsync.local.runner import CannotRunHere, check_vllm_python
 from weightsync.roles.vllm_server import server_command
 
+from support.vllm import LLAMA, vllm_python  # noqa: F401 - the tests take both from here
+
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_with_weightsync.py")
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
-LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
-         "bos_token_id": 0, "eos_token_id": 0}
-# vLLM's CPU backend: head size 64 (above), a small share of memory, a small KV cache (the env below)
+# vLLM's CPU backend: head size 64 (LLAMA), a small share of memory, a small KV cache (the env below)
 SERVER_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4")
 UP_TIMEOUT = 600.0  # seconds: a vLLM server starts in about 1-2 minutes on 2 busy cores
-
-
-def vllm_python() -> str:
-    """The Python that runs vLLM, or the test is skipped (failed in CI) saying why."""
-    python = os.environ.get("WEIGHTSYNC_TEST_VLLM_PYTHON") or str(DEFAULT_VLLM_PYTHON)
-    try:
-        return check_vllm_python(python)
-    except CannotRunHere as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM cannot run here: {e}")
-        pytest.skip(f"vLLM cannot run here ({e}); `make vllm-env` makes its environment")
 
 
 def read_join_file(path: Path, timeout: float = 300.0) -> dict[str, str]:

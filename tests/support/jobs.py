@@ -9,7 +9,7 @@ import torch
 from weightsync import job as contract
 from weightsync.rendezvous.protocol import connect_store, versions
 from weightsync.runtime.faults import DUMP_DIR_ENV
-from weightsync.local.runner import LocalJob
+from weightsync.local.runner import LocalJob, RunFailed
 
 
 TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,
@@ -52,6 +52,19 @@ def run_to_end(tmp_path: Path, job, share_gpus: bool = False) -> tuple[dict, lis
     assert_nothing_left(local)
     assert summary["restarts"] == {}, "a pod restarted, or failed its liveness probe, in a job that went well"
     return summary, local.transfers
+
+
+def outcome_of(local: LocalJob, timeout: float) -> dict | RunFailed:
+    """A started job's end: its summary, or the RunFailed that says why it failed; then every
+    process stopped and none left behind."""
+    try:
+        outcome = local.wait(timeout=timeout)
+    except RunFailed as e:
+        outcome = e
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+    return outcome
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

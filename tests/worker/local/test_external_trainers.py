@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from support.jobs import assert_nothing_left
+from support.jobs import outcome_of
 from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
 from support.waits import until
 from weightsync import cli
@@ -61,14 +61,7 @@ def user_env() -> dict[str, str]:
 
 
 def finish(local: LocalJob):
-    try:
-        outcome = local.wait(timeout=RUN_TIMEOUT)
-    except RunFailed as e:
-        outcome = e
-    finally:
-        local.stop()
-    assert_nothing_left(local)
-    return outcome
+    return outcome_of(local, RUN_TIMEOUT)
 
 
 def status(local: LocalJob) -> dict:

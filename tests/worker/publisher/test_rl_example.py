@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,9 @@ import pytest
 import yaml
 
 from weightsync import job as contract
-from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync.local.runner import LocalJob
+
+from support.vllm import vllm_python as find_vllm_python
 
 from support.jobs import assert_nothing_left
 
@@ -26,20 +27,13 @@ pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make un
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "rl"
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
 STEPS = 16
 RUN_TIMEOUT = 600.0
 
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    python = os.environ.get("WEIGHTSYNC_TEST_VLLM_PYTHON") or str(DEFAULT_VLLM_PYTHON)
-    try:
-        return check_vllm_python(python)
-    except CannotRunHere as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM cannot run here: {e}")
-        pytest.skip(f"vLLM cannot run here ({e}); `make vllm-env` makes its environment")
+    return find_vllm_python()
 
 
 def short_job(out: Path):

@@ -20,7 +20,7 @@ from weightsync import job as contract
 from weightsync.runtime.faults import DUMP_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
 
-from support.jobs import assert_nothing_left
+from support.jobs import outcome_of
 from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
 
 RUN_TIMEOUT = 300
@@ -43,14 +43,7 @@ def run(tmp_path: Path, job) -> tuple[LocalJob, dict | RunFailed]:
     (tmp_path / "dump").mkdir()
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=io.StringIO())
     local.start()
-    try:
-        outcome = local.wait(timeout=RUN_TIMEOUT)
-    except RunFailed as e:
-        outcome = e
-    finally:
-        local.stop()
-    assert_nothing_left(local)
-    return local, outcome
+    return local, outcome_of(local, RUN_TIMEOUT)
 
 
 def status(local: LocalJob) -> dict:
