@@ -18,6 +18,12 @@ def test_plan_prints_the_table_with_its_balance():
     assert lines[-1] == "balance (largest trainer share / mean): 1.000"
 
 
+def test_version_is_the_packages_one():
+    out = weightsync("--version")
+    want = re.search(r'^version = "([^"]+)"', (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(), re.M)
+    assert out.returncode == 0 and out.stdout.strip() == f"weightsync {want.group(1)}", out
+
+
 def test_bench_is_delegated():
     out = weightsync("bench", "--help")
     assert out.returncode == 0 and "weightsync bench" in out.stdout and "--json" in out.stdout

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from weightsync import __version__
 from weightsync.job import SpecError, load_job
 
 EXIT_SPEC = 2  # a spec, a file or an environment that must be fixed, or a machine too small for the job
@@ -28,6 +29,7 @@ EXIT_FAILED = 1
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
+    parser.add_argument("--version", action="version", version=f"weightsync {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run a job as local processes, one per pod")
     run.add_argument("job", help="a WeightTransferJob YAML file")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import sys
 
 from support.jobs import make_job
 from weightsync.job import Env
@@ -37,3 +38,12 @@ def test_the_token_file_is_created_private_whatever_the_umask(tmp_path):
         os.umask(old)
     token = local.pods[0].env[Env.TOKEN_FILE]
     assert stat.S_IMODE(os.stat(token).st_mode) == 0o600
+
+
+def test_the_pods_find_this_environments_executables_first(tmp_path, monkeypatch):
+    """A command such as [torchrun, ...] runs this environment's torchrun, whether or not the
+    user's shell activated it (in a cluster, the image's is on its PATH)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    local = LocalJob(make_job("path"), tmp_path / "run", progress=io.StringIO())
+    for pod in local.pods:
+        assert pod.env["PATH"].split(os.pathsep)[:3] == [os.path.dirname(sys.executable), "/usr/bin", "/bin"]

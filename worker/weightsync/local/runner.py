@@ -106,6 +106,10 @@ class LocalJob:
         server_ports = ports[layout.pods + layout.inferences:]
         base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES) and k not in TORCHRUN_VARS}
         base["PYTHONUNBUFFERED"] = "1"
+        # a command such as [torchrun, ...] is this environment's, as in the image it is the image's:
+        # its executables first, whether or not the user's shell activated it
+        here = os.path.dirname(sys.executable)
+        base["PATH"] = os.pathsep.join([here] + [p for p in base.get("PATH", "").split(os.pathsep) if p and p != here])
         # the pods share this machine's cores
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
         gpus = gpus_per_pod(self.job, self.share_gpus)
