@@ -24,6 +24,20 @@ def test_version_is_the_packages_one():
     assert out.returncode == 0 and out.stdout.strip() == f"weightsync {want.group(1)}", out
 
 
+@pytest.mark.parametrize("nic", ["400G", "400Gb", "400Gbps", "400Gb/s", "400gbit"])
+def test_the_nic_rate_is_read_as_data_sheets_and_tc_write_it(nic):
+    from weightsync.cli import nic_bits
+
+    assert nic_bits(nic) == 400e9
+
+
+def test_a_nic_rate_it_cannot_read_says_which_forms_it_takes():
+    from weightsync.cli import nic_bits
+
+    with pytest.raises(ValueError, match=r"--nic: link rate '3\.2T' is not .* \(or as a NIC's data sheet writes it: 400G"):
+        nic_bits("3.2T")
+
+
 def test_bench_is_delegated():
     out = weightsync("bench", "--help")
     assert out.returncode == 0 and "weightsync bench" in out.stdout and "--json" in out.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from weightsync import __version__
@@ -151,7 +152,6 @@ def job_plan(job, fsdp: int | None = None):
 
 def _simulate(args) -> int:
     from weightsync.model.flat import ITEMSIZE
-    from weightsync.bench.netns import rate_bits
 
     try:
         if args.job is not None:
@@ -163,10 +163,7 @@ def _simulate(args) -> int:
         from weightsync.plan.simulate import Topology, parse_inference, report, run
 
         replicas, tp = parse_inference(args.inference)
-        try:
-            bits = rate_bits(args.nic)
-        except ValueError as e:
-            raise ValueError(f"--nic: {e}") from None
+        bits = nic_bits(args.nic)
         topo = Topology(args.trainers, args.fsdp or args.trainers, replicas, tp, bits, args.dtype,
                         args.bucket_mb << 20, args.fsdp_dim)
         result = run(args.simulate, topo)
@@ -180,3 +177,19 @@ def _simulate(args) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# A NIC's rate as data sheets write it: 400G, 400Gb, 400Gbps, 400Gb/s (bits, decimal), or as tc does (400gbit)
+NIC_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg])(?:b|bps|b/s)?$", re.IGNORECASE)
+
+
+def nic_bits(text: str) -> float:
+    """Bits per second of --nic; ValueError saying which forms it takes."""
+    from weightsync.bench.netns import rate_bits
+
+    m = NIC_RATE.match(text.strip())
+    try:
+        return rate_bits(f"{m.group(1)}{m.group(2)}bit" if m else text)
+    except ValueError as e:
+        raise ValueError(f"--nic: {e} (or as a NIC's data sheet writes it: 400G, 400Gbps, 400Gb/s)") from None
+
