@@ -175,10 +175,6 @@ def _simulate(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # A NIC's rate as data sheets write it: 400G, 400Gb, 400Gbps, 400Gb/s (bits, decimal), or as tc does (400gbit)
 NIC_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmg])(?:b|bps|b/s)?$", re.IGNORECASE)
 
@@ -193,3 +189,6 @@ def nic_bits(text: str) -> float:
     except ValueError as e:
         raise ValueError(f"--nic: {e} (or as a NIC's data sheet writes it: 400G, 400Gbps, 400Gb/s)") from None
 
+
+if __name__ == "__main__":
+    sys.exit(main())

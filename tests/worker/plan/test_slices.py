@@ -333,7 +333,7 @@ def test_simulate_prints_balance_busiest_nic_projection_and_speed_of_light(tmp_p
     (["--simulate", "gpt-9"], "not a built-in model (kimi-k2, deepseek-v3, llama-3-70b)"),
     (["--simulate", "llama-3-70b", "--inference", "8 by 16"], "write replicas x TP degree, for example 8xTP16"),
     (["--simulate", "llama-3-70b", "--trainers", "10", "--fsdp", "4"], "--fsdp 4 must divide --trainers 10"),
-    (["--simulate", "llama-3-70b", "--nic", "400G"], "--nic: link rate '400G' is not a number with bit"),
+    (["--simulate", "llama-3-70b", "--nic", "400X"], "--nic: link rate '400X' is not a number with bit"),
     ([], "give a job file, or --simulate MODEL"),
 ])
 def test_simulate_refuses_bad_input_with_what_to_fix(args, message):
