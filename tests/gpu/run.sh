@@ -33,6 +33,9 @@ if [ ! -d .gpu/site ]; then
   rm -rf .gpu/site/setuptools .gpu/site/pkg_resources .gpu/site/_distutils_hack .gpu/site/wheel
 fi
 $V -c 'import weightsync, transformers, xxhash, pytest, torch; print("weightsync from", weightsync.__file__)'
+# the host cast's C extension, built for this Python where it has a compiler and headers
+$V setup.py -q build_ext --inplace 2>&1 | tail -3
+$V -c 'from weightsync.model.flat import cast_name; print("host float32 -> bfloat16 cast:", cast_name())'
 
 step "uccl: what loads"
 timeout 120 $V - <<'PY' 2>&1 | tee "$OUT/uccl.txt"
@@ -53,7 +56,7 @@ step "GPU tests"
 # GPU_TESTS: some of the files, where one call may not last long enough for all of them
 GPU_TESTS=${GPU_TESTS:-tests/worker/transport/test_checksum.py tests/worker/model/test_flat.py \
   tests/worker/transport/test_transport_p2p.py tests/worker/transport/test_transports_gpu.py tests/worker/local/test_runner_gpu.py}
-$V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" --junitxml "$OUT/gpu-tests.xml" \
+$V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" --junitxml "$OUT/gpu-tests.xml" \
   $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 fi
@@ -67,8 +70,10 @@ fi
 
 if [ "$WHAT" != tests ]; then
 step "GPU benchmark"
-$V -m weightsync.cli bench --gpu --mb 1024 --shape 2x2 --reps 5 2>&1 | tee "$OUT/bench-gpu-2x2.txt"
-$V -m weightsync.cli bench --gpu --mb 1024 --shape 1x1 --reps 5 2>&1 | tee "$OUT/bench-gpu-1x1.txt"
+for shape in 2x2 1x1; do
+  timeout "${BENCH_TIMEOUT:-240}" $V -m weightsync.cli bench --gpu --mb 1024 --shape $shape --reps 5 2>&1 \
+    | tee "$OUT/bench-gpu-$shape.txt"
+done
 fi
 
 step "done: GPU tests exited $tests; logs in $OUT"
