@@ -28,10 +28,14 @@ step "environment"
 V=$PY
 export PYTHONPATH="$PWD/worker:$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
 if [ ! -d .gpu/site ]; then
-  $V -m pip install -q --no-index --no-deps --target .gpu/site .gpu/wheels/*.whl \
+  $V -m pip install -q --no-index --no-deps --target .gpu/site $(ls .gpu/wheels/*.whl | grep -v nvidia_cuda_runtime) \
     || { echo "installing .gpu/wheels failed: run make gpu-wheels where there is network"; exit 2; }
+  # CUDA 12's runtime apart from the Python path, where torch (built for CUDA 13) never looks for it
+  $V -c 'import glob, zipfile; zipfile.ZipFile(glob.glob(".gpu/wheels/nvidia_cuda_runtime_cu12-*.whl")[0]).extractall(".gpu/cuda12")'
   rm -rf .gpu/site/setuptools .gpu/site/pkg_resources .gpu/site/_distutils_hack .gpu/site/wheel
 fi
+# uccl 0.1.1's engine links CUDA 12's runtime, which a CUDA 13 image lacks: the carried one
+export LD_LIBRARY_PATH="$PWD/.gpu/cuda12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 $V -c 'import weightsync, transformers, xxhash, pytest, torch; print("weightsync from", weightsync.__file__)'
 # the host cast's C extension, built for this Python where it has a compiler and headers
 $V setup.py -q build_ext --inplace 2>&1 | tail -3

@@ -4,6 +4,7 @@ they rendezvous through: the fixtures and helpers of the transfer, delta and tra
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,12 +52,25 @@ class Ranks:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{key} did not finish within {timeout}s")
+                pytest.fail(f"{key} did not finish within {timeout}s\n{self.report()}")
             codes[key] = p.returncode
         return codes
 
     def stderr(self):
         return {k: p.stderr.read() for k, p in self.procs.items() if p.stderr and p.poll() is not None}
+
+    def report(self) -> str:
+        """For a test that gives up on these ranks: every live one's Python stacks (each peer dumps
+        them on SIGUSR1), then every rank's exit code and stderr; all of them stopped."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(2 if live else 0)
+        for p in live:
+            p.kill()
+            p.wait()
+        return "\n".join(f"--- {role} rank {rank} (exit {p.returncode}{', stopped by the test' if p in live else ''}):\n"
+                         f"{p.stderr.read() if p.stderr else ''}" for (role, rank), p in self.procs.items())
 
     def close(self):
         for p in self.procs.values():

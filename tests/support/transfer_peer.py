@@ -16,7 +16,9 @@ inference ranks keep two buffers: the version they hold, and the staging buffer.
 
 import argparse
 import datetime
+import faulthandler
 import json
+import signal
 import sys
 from dataclasses import replace
 
@@ -90,6 +92,7 @@ def main():
     p.add_argument("--host", default="127.0.0.1", help="the address of this rank (inference: where it listens)")
     p.add_argument("--store-host", default="127.0.0.1")
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds this rank stuck asks where
 
     store = dist.TCPStore(args.store_host, args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
     shapes = parse_shapes(args.shapes)

@@ -28,8 +28,10 @@ class Backend:
         if self.name != "nccl":
             return {}
         # NCCL refuses two ranks on one GPU unless each process names a host of its own; its
-        # socket transport then carries the bytes
-        return {"NCCL_HOSTID": f"weightsync-{role}-{rank}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+        # socket transport then carries the bytes. Its warnings go to the rank's stderr, which a
+        # failing test prints.
+        return {"NCCL_HOSTID": f"weightsync-{role}-{rank}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1",
+                "NCCL_DEBUG": "WARN"}
 
 
 @pytest.fixture(params=["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
@@ -40,12 +42,13 @@ def p2p(request):
     return Backend(request.param)
 
 
-def wait_for_key(keys, key: str, timeout: float = 60) -> float:
-    """Poll the store `keys` until `key` is there; returns when it appeared."""
+def wait_for_key(keys, key: str, timeout: float = 60, ranks=None) -> float:
+    """Poll the store `keys` until `key` is there; returns when it appeared. A key that never
+    comes fails the test with what `ranks` (a Ranks) were doing."""
     deadline = time.monotonic() + timeout
     while not keys.check([key]):
         if time.monotonic() > deadline:
-            pytest.fail(f"{key} never appeared in the store")
+            pytest.fail(f"{key} never appeared in the store" + (f"\n{ranks.report()}" if ranks else ""))
         time.sleep(0.02)
     return time.monotonic()
 
@@ -67,10 +70,10 @@ def test_a_killed_trainer_is_named_within_seconds(p2p, ranks, store):
     r.start("inference", 0, *p2p.flags, "--timeout", "20")
     r.start("trainer", 0, *p2p.flags, "--timeout", "20")
     victim = r.start("trainer", 1, *p2p.flags, "--timeout", "20", "--pause-after-first-bucket")
-    wait_for_key(store, "paused/trainer/1")
+    wait_for_key(store, "paused/trainer/1", ranks=r)
     victim.kill()
     killed = time.monotonic()
-    failed = wait_for_key(store, "result/1/0")
+    failed = wait_for_key(store, "result/1/0", ranks=r)
     res = json.loads(store.get("result/1/0"))
     assert res["peer"] == "trainer rank 1", res
     assert "of version 1" in res["error"], res
@@ -83,8 +86,8 @@ def test_a_stalled_trainer_fails_the_version_at_its_deadline(p2p, ranks, store):
     r = ranks(1, 1, "256x256,77", "float32", 4096, 1, env=p2p.env)
     r.start("inference", 0, *p2p.flags, "--timeout", "4")
     r.start("trainer", 0, *p2p.flags, "--timeout", "4", "--pause-after-first-bucket")
-    started = wait_for_key(store, "paused/trainer/0")
-    failed = wait_for_key(store, "result/1/0")
+    started = wait_for_key(store, "paused/trainer/0", ranks=r)
+    failed = wait_for_key(store, "result/1/0", ranks=r)
     res = json.loads(store.get("result/1/0"))
     assert res["peer"] == "trainer rank 0", res
     assert "of version 1" in res["error"], res
@@ -96,7 +99,7 @@ def test_a_byte_changed_on_the_way_fails_the_checksum(p2p, ranks, store, monkeyp
     r = ranks(1, 1, "64x64", "bfloat16", 4096, 1, env=p2p.env)
     r.start("inference", 0, *p2p.flags)
     r.start("trainer", 0, *p2p.flags)
-    wait_for_key(store, "result/1/0")
+    wait_for_key(store, "result/1/0", ranks=r)
     res = json.loads(store.get("result/1/0"))
     assert res["peer"] == "trainer rank 0", res
     assert "checksum mismatch for bytes [0, 4096) of version 1" in res["error"], res
@@ -106,7 +109,7 @@ def test_a_trainer_without_the_job_token_is_refused_and_nothing_is_applied(p2p, 
     r = ranks(1, 1, "64x64", "float32", 4096, 1, env=p2p.env)
     r.start("inference", 0, *p2p.flags)
     r.start("trainer", 0, *p2p.flags, "--token", "not-the-job-token-987654321")
-    wait_for_key(store, "result/1/0")
+    wait_for_key(store, "result/1/0", ranks=r)
     res = json.loads(store.get("result/1/0"))
     assert res["peer"] == "trainer rank 0", res
     assert "does not prove the job token" in res["error"], res
@@ -118,12 +121,12 @@ def test_a_rank_that_never_joins_is_named(p2p, ranks, store):
     r.start("inference", 0, *p2p.flags, "--timeout", "3")
     r.start("trainer", 0, *p2p.flags, "--timeout", "3")
     if p2p.name == "gloo":  # gloo connects every pair while the group forms
-        wait_for_key(store, "error/inference/0")
+        wait_for_key(store, "error/inference/0", ranks=r)
         error = store.get("error/inference/0").decode()
         assert "did not form within 3s" in error and "not joined: trainer rank 1" in error, error
         assert r.procs[("inference", 0)].wait(30) == 3
         return
-    wait_for_key(store, "result/1/0")
+    wait_for_key(store, "result/1/0", ranks=r)
     res = json.loads(store.get("result/1/0"))
     assert res["peer"] == "trainer rank 1" and "did not announce itself" in res["error"], res
 

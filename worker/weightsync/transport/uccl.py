@@ -78,7 +78,10 @@ def unavailable_reason() -> str | None:
     try:
         import uccl.p2p  # noqa: F401 - the package's __init__ hides this import's own error
     except ImportError as e:
-        return f"uccl {installed}'s P2P engine does not load here: {e}"
+        hint = (" (its engine is built for CUDA 12: put CUDA 12's runtime on the library path, as CUDA 12 images "
+                "have it, or pip install nvidia-cuda-runtime-cu12 and add its lib folder to LD_LIBRARY_PATH)"
+                if "libcudart.so.12" in str(e) else "")
+        return f"uccl {installed}'s P2P engine does not load here: {e}{hint}"
     return cuda_unavailable_reason()
 
 
