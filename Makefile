@@ -96,7 +96,7 @@ bench-fsdp: setup ## Trainer ranks holding FSDP2 shards vs. DDP replicas, publis
 gpu-wheels: ## Wheels for tests/gpu/run.sh on a GPU machine without network (CPython 3.12): only what its image lacks, so that they fit what a device run carries (64 MiB): .gpu/wheels
 	rm -rf .gpu/wheels && mkdir -p .gpu/wheels
 	$(PY) -m pip download -q -d .gpu/wheels --python-version 3.12 --only-binary=:all: --no-deps \
-		'uccl==0.1.1' intervaltree zstandard jsonschema jsonschema-specifications referencing rpds-py \
+		'uccl==0.1.1' intervaltree zstandard prometheus-client jsonschema jsonschema-specifications referencing rpds-py \
 		cel-python google-re2 jmespath lark pendulum tzdata \
 		kubernetes durationpy websocket-client oauthlib requests-oauthlib nvidia-cuda-runtime-cu12
 	du -sh .gpu/wheels

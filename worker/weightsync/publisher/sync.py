@@ -38,6 +38,7 @@ from weightsync.runtime import health
 from weightsync.job import TRAINER, Env, Job, Join, JoinEnv, SpecError, WorkerContext
 from weightsync.plan.job import delta_in_effect
 from weightsync.runtime.faults import pause_point, tamper_hook
+from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
 from weightsync.publisher.peers import Links
 from weightsync.rendezvous.join import JoinError, joined_context
@@ -207,6 +208,7 @@ class Sync:
             log(self.me, f"lost inference rank {r} while sending {rnd.name}: {why}")
         report = SentReport(sent.bytes, sent.seconds, sent.checksums, sent.receiver_checksums, step=step, loss=loss,
                             lost=lost, wire_bytes=sent.wire_bytes, changed=sent.changed, compared=sent.compared)
+        rank_counters(self.rank).sent(sent.wire_bytes)  # its pod's /metrics
         self.member.set(Keys.sent(rnd.version, rnd.again, self.rank), report.to_json())
         return sent
 

@@ -16,6 +16,7 @@ from weightsync.job import CONTROLLER, INFERENCE, TRAINER, SpecError, WorkerCont
 from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server
 from weightsync.runtime.health import PodHealth, RankHealth
+from weightsync.runtime.metrics import ControllerMetrics, RankBoard
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
 from weightsync.runtime.rank import without_triton
 
@@ -33,12 +34,15 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
     server = ctx.role == INFERENCE and ctx.job.inference.runs_vllm
     names = [who(ctx.role, r) for r in ranks] or [CONTROLLER]
     health = PodHealth([names[0] + (f"..{ranks[-1]}" if len(ranks) > 1 else "")] if server else names)
+    # the pod's metrics, served with its probes: the controller's own, or its ranks' board, which
+    # every rank process started from here on finds (runtime/metrics.py)
+    metrics = ControllerMetrics() if ctx.role == CONTROLLER else RankBoard(ctx.role, ranks)
     if ctx.health_port:  # 0: no probes (pods on the node's network; render.on_host_network)
-        health.serve(ctx.pod_ip, ctx.health_port)
+        health.serve(ctx.pod_ip, ctx.health_port, metrics.registry)
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
         health.rank(0).start()
-        return controller.run(ctx)
+        return controller.run(ctx, metrics)
     if ctx.role == TRAINER and ctx.job.trainer.command:
         return command.run(ctx, health)
     if server:

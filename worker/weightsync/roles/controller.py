@@ -32,11 +32,13 @@ from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
-from weightsync.rendezvous.roster import Deadline, Host, RankFailed
+from weightsync.rendezvous.roster import AWAY, JOINING, WAITING, Deadline, Host, RankFailed
 from weightsync.rendezvous.store.table import StoreError, StoreFull
 from weightsync.roles.records import Reporter
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
+from weightsync.runtime.metrics import BEHIND, CURRENT, REJOINING, ControllerMetrics
+from weightsync.runtime.metrics import AWAY as AWAY_STATE
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
@@ -61,11 +63,13 @@ class JobFailed(RuntimeError):
         super().__init__(message)
 
 
-def run(ctx: WorkerContext) -> int:
+def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
+    """The job, to its end; `metrics`: where its figures go for the pod's /metrics."""
     layout = ctx.job.layout
     trainers, inferences = layout.world_size(TRAINER), layout.world_size(INFERENCE)
     timeout = ctx.job.transfer.timeout
-    reporter = Reporter(ctx.job, ctx.report_to_kubernetes)
+    metrics = metrics or ControllerMetrics()
+    reporter = Reporter(ctx.job, ctx.report_to_kubernetes, metrics=metrics)
     status = reporter.status()
     if (status.get("completion") or {}).get("state"):
         log(ME, f"started again after the job ended ({status['completion']['state']}); nothing to do")
@@ -107,12 +111,14 @@ def run(ctx: WorkerContext) -> int:
         delta = Delta(delta_on, ctx.job.transfer.delta.full_every)
         version = 0
         while host.next_version(version):  # until every trainer rank closed
+            published = time.monotonic()  # every trainer rank is ready with it
             rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
             sent, applied = _round(ctx, host, reporter, plan, rnd, transport, timeout)
             if sent[0].loss is not None:
                 loss = sent[0].loss
             if applied:  # a round whose receivers were all away delivered nothing
-                reached.add(version)
+                metrics.publish_to_serving.observe(time.monotonic() - published)
+                _reached(reached, version, metrics)
             if version >= 2:
                 host.forget(version - 2)
             version += 1
@@ -124,7 +130,8 @@ def run(ctx: WorkerContext) -> int:
             again += 1
             rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
             if _round(ctx, host, reporter, plan, rnd, transport, timeout)[1]:
-                reached.add(final)
+                _reached(reached, final, metrics)
+        pause_point(CONTROLLER, 0, "delivered", final)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError, StoreError) as e:
         return _fail(ctx, host, reporter, e, len(reached), loss)
     delivered = len(reached)
@@ -189,6 +196,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
             log(ME, f"{who(INFERENCE, r)} could not apply {got['refused']} patch(es) of {rnd.name} ({got['why_refused']}); "
                     "the trainers sent those buckets whole")
     host.holding(rnd.version, applied)
+    reporter.metrics.states(_receiver_states(host, rnd.version))
     if rnd.again or host.rejoins():
         reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
     loss, step = sent[0].loss, sent[0].step
@@ -202,6 +210,23 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
                                version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again, **extra)
     host.set(Keys.done(rnd.version, rnd.again), record)
     return sent, len(applied)
+
+
+def _reached(reached: set[int], version: int, metrics: ControllerMetrics) -> None:
+    """`version` was verified on an inference rank: a version delivered, the first time."""
+    if version not in reached:
+        reached.add(version)
+        metrics.delivered(version)
+
+
+def _receiver_states(host: Host, version: int) -> dict[str, int]:
+    """How many inference ranks are in each state of metrics.RECEIVER_STATES, after a round of `version`."""
+    counts = dict.fromkeys((CURRENT, BEHIND, AWAY_STATE, REJOINING), 0)
+    for seat in host.seats.values():
+        state = AWAY_STATE if seat.state == AWAY else REJOINING if seat.state in (JOINING, WAITING) else \
+            CURRENT if seat.holds == version else BEHIND
+        counts[state] += 1
+    return counts
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ A transfer's bytes are the bytes delivered: the version's size times the number 
 ranks; seconds run from the controller's "go" to the last inference rank running on the new
 version; GB/s is one over the other (as `weightsync bench` counts them). wireBytes are the bytes
 the trainers put on the wire for it: the same as bytes for a whole version, less when deltaRanks
-inference ranks got it as a delta (more when some refused a patch and got those buckets again)."""
+inference ranks got it as a delta (more when some refused a patch and got those buckets again).
+
+Every record also counts in the controller's metrics (runtime/metrics.py), at the same point, so
+that the pod's /metrics and the records never tell two stories."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import sys
 import time
 from typing import IO
 
-from weightsync.job import GROUP, PLURAL, VERSION, Env, Job
+from weightsync.job import GROUP, INFERENCE, PLURAL, VERSION, Env, Job
+from weightsync.runtime.metrics import ControllerMetrics
 
 PATCH_ATTEMPTS = 4
 
@@ -31,8 +35,11 @@ def now() -> str:
 
 
 class Reporter:
-    def __init__(self, job: Job, to_kubernetes: bool, out: IO[str] = sys.stdout, status_file: str | None = None):
+    def __init__(self, job: Job, to_kubernetes: bool, out: IO[str] = sys.stdout, status_file: str | None = None,
+                 metrics: ControllerMetrics | None = None):
         self.job, self.out = job, out
+        self.metrics = metrics or ControllerMetrics()
+        self.rejoined = 0  # the inference ranks' rejoins counted in the metrics so far
         self.api = _custom_objects_api() if to_kubernetes else None
         self.status_file = None if to_kubernetes else (status_file or os.environ.get(Env.STATUS_FILE) or None)
 
@@ -60,6 +67,8 @@ class Reporter:
         """{role: how many times its ranks rejoined the running job}."""
         self._line({"event": "rejoins", **rejoins})
         self._patch({"rejoins": rejoins})
+        self.metrics.rejoins.inc(max(0, rejoins.get(INFERENCE, 0) - self.rejoined))
+        self.rejoined = max(self.rejoined, rejoins.get(INFERENCE, 0))
 
     def transfer(self, version: int, step: int | None, delivered: int, seconds: float, transport: str,
                  loss: float | None, wire_bytes: int | None = None, delta_ranks: int = 0, **extra) -> dict:
@@ -75,6 +84,7 @@ class Reporter:
             del record["step"]
         self._line({"event": "transfer", **record, **extra})
         self._patch({"transfer": record})
+        self.metrics.round(delivered, record["wireBytes"], seconds, extra.get("stall_seconds"))
         return record
 
     def completion(self, state: str, message: str, versions: int, reason: str = "", **extra) -> dict:
@@ -83,6 +93,8 @@ class Reporter:
             record["reason"] = reason  # why it failed (job/reasons.py), the Failed condition's reason
         self._line({"event": "completion", **record, **extra})
         self._patch({"completion": record})
+        if reason:
+            self.metrics.failures.labels(reason).inc()
         return record
 
     def _line(self, obj: dict) -> None:

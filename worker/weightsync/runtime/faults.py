@@ -37,7 +37,8 @@ DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
 # "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
 # inference rank is then in the middle of receiving); inference "verifying" (received, before the
 # check against the reference); controller "verifying" (the trainers are done, the inference
-# ranks' digests not yet checked).
+# ranks' digests not yet checked) and "delivered" (the last version delivered, the job not ended
+# yet: its metrics are complete).
 PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
 PAUSE_LIMIT = 120.0
 # "<version>" - trainer ranks flip one byte of the first chunk they send of that version after

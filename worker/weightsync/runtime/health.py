@@ -12,7 +12,8 @@ deadlines.
 
 /readyz answers 200 once every rank of the pod said it is ready (ready(): an inference rank once
 it runs on a verified version, a trainer once it joined the job, the controller once its
-rendezvous is up) and the pod is alive.
+rendezvous is up) and the pod is alive. /metrics answers the pod's metrics for Prometheus
+(metrics.py), from the same thread: a scrape is one more short request.
 
 The endpoint tells nothing secret (which ranks are late, by name), writes no file (the slots live
 in shared memory that multiprocessing maps, under /dev/shm or the temporary directory), and answers
@@ -23,6 +24,7 @@ the kubelet's probe needs (_Server says how).
 from __future__ import annotations
 
 import collections
+import errno
 import http
 import http.client
 import multiprocessing
@@ -32,7 +34,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
+
 from weightsync.job import LIVENESS, READINESS, Probe
+from weightsync.runtime.metrics import exposition
 
 BEAT = 1.0  # seconds between a rank's stamps
 # A rank whose stamp is older has stopped, or its thread has not run for that long. Ten beats: a
@@ -44,6 +49,7 @@ STALE_AFTER = 10.0
 MAX_PENDING = 64
 REQUEST_TIMEOUT = 1.0  # seconds from a connection's accept to its whole request: a prober sends it at once
 MAX_REQUEST = 4096  # bytes of a request; a longer one is no probe
+METRICS_PATH = "/metrics"  # where Prometheus scrapes the pod
 # Connections accepted at a time before the requests already in are read: fewer than MAX_PENDING,
 # so that a probe accepted amid a flood is read before the flood could make it the oldest.
 ACCEPT_BATCH = 16
@@ -128,12 +134,14 @@ class PodHealth:
             return False, "not ready yet: " + ", ".join(waiting)
         return True, "ready: " + ", ".join(self.names)
 
-    def serve(self, host: str, port: int) -> None:
-        """Answer /healthz and /readyz on host:port from a thread of this process."""
+    def serve(self, host: str, port: int, registry: CollectorRegistry | None = None) -> None:
+        """Answer /healthz and /readyz on host:port from a thread of this process, and /metrics
+        from `registry` (metrics.py) where given."""
         try:
-            self.server = _Server((host, port), self)
+            self.server = _Server((host, port), self, registry)
         except OSError as e:
-            raise OSError(e.errno, f"the health endpoint cannot listen on {host}:{port}: {e.strerror}") from None
+            raise OSError(e.errno, f"the health and metrics endpoint cannot listen on {host}:{port}: {e.strerror}"
+                                   + (" (another process holds the port)" if e.errno == errno.EADDRINUSE else "")) from None
         threading.Thread(target=self.server.serve_forever, name="health-server", daemon=True).start()
 
     def close(self) -> None:
@@ -151,6 +159,7 @@ class _Request:
     deadline: float  # REQUEST_TIMEOUT after it was accepted, however slowly it trickles in
     data: bytearray = field(default_factory=bytearray)
     left: bool = False
+    out: bytes = b""  # the answer's bytes that the socket's buffer did not take at once
 
 
 class _Server:
@@ -160,8 +169,8 @@ class _Server:
     prober sends its request as soon as it connects and is answered at once, so it never is the
     oldest for long; a client that holds connections open, idle or trickling, gains nothing."""
 
-    def __init__(self, address: tuple[str, int], health: PodHealth):
-        self.health = health
+    def __init__(self, address: tuple[str, int], health: PodHealth, registry: CollectorRegistry | None = None):
+        self.health, self.registry = health, registry
         self.listener = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -190,7 +199,7 @@ class _Server:
                     if key.fileobj is self.listener:
                         self._accept()
                     elif key.fileobj is not self.wake_r and not key.data.left:
-                        self._read(key.data)
+                        self._write(key.data) if key.data.out else self._read(key.data)
                 now = time.monotonic()
                 while self.pending and next(iter(self.pending.values())).deadline <= now:
                     self._close(next(iter(self.pending.values())))
@@ -231,20 +240,36 @@ class _Server:
     def _answer(self, request: _Request) -> None:
         line = bytes(request.data).split(b"\n", 1)[0].decode("latin-1").split()
         checks = {LIVENESS.path: self.health.liveness, READINESS.path: self.health.readiness}
-        check = checks.get(line[1].split("?", 1)[0]) if len(line) >= 2 and line[0] in ("GET", "HEAD") else None
-        if check is None:
-            code, text = 404, f"no such endpoint; this serves {LIVENESS.path} and {READINESS.path}"
+        path = line[1].split("?", 1)[0] if len(line) >= 2 and line[0] in ("GET", "HEAD") else None
+        check = checks.get(path) if path is not None else None
+        kind = "text/plain; charset=utf-8"
+        if path == METRICS_PATH and self.registry is not None:
+            code, (body, kind) = 200, exposition(self.registry)
+        elif check is None:
+            served = f"{LIVENESS.path}, {READINESS.path} and {METRICS_PATH}" if self.registry is not None else \
+                f"{LIVENESS.path} and {READINESS.path}"
+            code, body = 404, f"no such endpoint; this serves {served}\n".encode()
         else:
             ok, text = check()
-            code = 200 if ok else 503
-        body = (text + "\n").encode()
-        head = (f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            code, body = 200 if ok else 503, (text + "\n").encode()
+        head = (f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        request.out = head + (b"" if line and line[0] == "HEAD" else body)
+        self.selector.modify(request.fd, selectors.EVENT_WRITE, request)
+        self._write(request)
+
+    def _write(self, request: _Request) -> None:
+        """Send what is left of the answer; a probe's fits the socket's buffer at once, a scrape's
+        (a few kilobytes) almost always; the rest goes as the client reads, before the request's
+        deadline, which still holds."""
         try:
-            request.sock.send(head + body)  # a few hundred bytes: the socket's buffer takes them at once
+            request.out = request.out[request.sock.send(request.out):]
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
-            pass
-        self._close(request)
+            request.out = b""
+        if not request.out:
+            self._close(request)
 
     def _close(self, request: _Request) -> None:
         if request.left:

@@ -23,6 +23,7 @@ from weightsync.job import INFERENCE, Transfer
 from weightsync.rendezvous.messages import Round
 from weightsync.rendezvous.protocol import FellBehind, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
+from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
 
@@ -100,6 +101,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
     ({"state", "message"}). Raises VerificationError, StartAgain, or what the transfer raised."""
     rank, me = receiver.rank, who(INFERENCE, receiver.rank)
     timeout = transfer.timeout
+    counters = rank_counters(rank)  # its pod's /metrics
     first = member.welcome() if member.attempt > 1 else Round(0)
     if member.attempt > 1:
         log(me, f"taken back at {first.name}")
@@ -115,6 +117,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
             raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
                              "off); ending this process so that it starts again and rejoins")
         got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
+        counters.received(got.bytes)
         if got.refused:
             log(me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
                     "the trainers sent those buckets whole")
@@ -129,11 +132,13 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
             reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
+                counters.checksum_failed()
                 sent = (reference or "nothing for this rank")[:16]
                 raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
                                         f"the trainers sent {sent}; the model stays on the version it runs")
         verified = time.monotonic() - received
         loaded = engine.offer(version, got)
+        counters.serving(version)
         # seconds: receiving; verify_seconds: waiting for the reference digest and comparing;
         # load_seconds: the engine's load (the controller's round record shows the three)
         member.set(Keys.applied(version, rank, member.attempt),
