@@ -37,6 +37,7 @@ from weightsync.local.external import JoinOffer
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
+from weightsync.runtime.health import METRICS_PATH
 from weightsync.runtime.procs import exit_status
 
 LOOPBACK = "127.0.0.1"
@@ -162,9 +163,16 @@ class LocalJob:
     def started(self) -> bool:
         return any(p.proc is not None for p in self.pods)
 
+    @property
+    def metrics_url(self) -> str:
+        """Where the controller serves the job's metrics (runtime/metrics.py) while it runs."""
+        controller = next(p for p in self.pods if p.role == CONTROLLER)
+        return f"http://{LOOPBACK}:{controller.env[Env.HEALTH_PORT]}{METRICS_PATH}"
+
     def start(self) -> None:
         (self.workdir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.kubelet.start()
+        self.say(f"the controller's metrics for Prometheus: {self.metrics_url}")
         if self.offer is not None:
             self.offer.start()
 
