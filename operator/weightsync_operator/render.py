@@ -20,6 +20,7 @@ MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 SPEC_HASH_ANNOTATION = f"{contract.GROUP}/spec-hash"
 CONTAINER = "worker"
 HEALTH_PORT_NAME = "health"
+METRICS_PATH = "/metrics"  # served beside the probes (weightsync.runtime.health): the pod's Prometheus metrics
 VLLM_PORT_NAME = "vllm"
 WORKER_COMMAND = ["weightsync", "worker"]
 MODES = ("rdma", "tcp")
@@ -262,6 +263,9 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     annotations = {SPEC_HASH_ANNOTATION: hashlib.sha256(spec_document(job).encode()).hexdigest()[:16]}
     if rdma and job.network.rdma.networks:
         annotations[MULTUS_ANNOTATION] = job.network.rdma.networks
+    if not host_network:  # where the pod serves its metrics, for a Prometheus that discovers pods by annotation
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.HEALTH_PORT),
+                            "prometheus.io/path": METRICS_PATH})
     return {"metadata": {"labels": job.labels(role), "annotations": annotations}, "spec": pod}
 
 

@@ -544,3 +544,15 @@ def test_pods_not_created_are_problems_only_while_their_statefulset_lacks_pods()
     assert problem == ("StatefulSet my-job-trainer", "FailedCreate", event["message"])
     complete = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 2, "created": 2}]}, {}, failed, {})
     assert complete.observed("ns", "my-job", LAYOUT)[1] == []
+
+
+def test_pods_with_a_health_port_say_where_prometheus_scrapes_them():
+    expected = {"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.HEALTH_PORT),
+                "prometheus.io/path": "/metrics"}
+    j = job()
+    for role in (CONTROLLER, TRAINER, INFERENCE):
+        annotations = pod(j, role, "tcp")["metadata"]["annotations"]
+        assert {k: annotations[k] for k in expected} == expected
+    # pods on the node's network serve no endpoint (render.on_host_network): nothing to scrape
+    rdma = job({"network": {"mode": "rdma", "rdma": {"hostNetwork": True}}})
+    assert not any(k.startswith("prometheus.io/") for k in pod(rdma, TRAINER, "rdma")["metadata"]["annotations"])
