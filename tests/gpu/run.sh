@@ -42,17 +42,18 @@ $V setup.py -q build_ext --inplace 2>&1 | tail -3
 $V -c 'from weightsync.model.flat import cast_name; print("host float32 -> bfloat16 cast:", cast_name())'
 
 step "uccl: what loads"
-timeout 120 $V - <<'PY' 2>&1 | tee "$OUT/uccl.txt"
+for mode in rdma tcp; do
+UCCL_P2P_TRANSPORT=${mode/rdma/} timeout 60 $V - <<'PY' 2>&1 | tee -a "$OUT/uccl.txt"
+import os
 from weightsync.transport import uccl
-print("unavailable_reason:", uccl.unavailable_reason())
-try:
+reason = uccl.unavailable_reason()
+print(os.environ.get("UCCL_P2P_TRANSPORT") or "rdma", "mode, unavailable_reason:", reason)
+if reason is None:
     from uccl import p2p
     ep = p2p.Endpoint(0)
-    meta = bytes(ep.get_metadata())
-    print("endpoint metadata:", p2p.Endpoint.parse_metadata(meta))
-except Exception as e:  # report what does not load, and go on
-    print("uccl P2P engine:", type(e).__name__, e)
+    print("endpoint metadata:", p2p.Endpoint.parse_metadata(bytes(ep.get_metadata())))
 PY
+done
 
 tests=0
 if [ "$WHAT" != bench ]; then
@@ -63,13 +64,12 @@ GPU_TESTS=${GPU_TESTS:-tests/worker/transport/test_checksum.py tests/worker/mode
 $V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" --junitxml "$OUT/gpu-tests.xml" \
   $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
-fi
 
-if [ "$WHAT" = all ]; then
-step "the same tests' CPU cases, on this machine"
-$V -m pytest -ra -m 'not gpu' -p no:cacheprovider tests/worker/transport/test_checksum.py \
-  tests/worker/transport/test_transport_p2p.py \
-  2>&1 | tee "$OUT/cpu-tests.log"
+step "uccl in its TCP mode (over NCCL, which it loads itself)"
+export UCCL_NCCL_SO=$($V -c 'import glob, site; print((glob.glob(site.getsitepackages()[0] + "/nvidia/nccl/lib/libnccl.so*") or [""])[0])')
+echo "UCCL_NCCL_SO=$UCCL_NCCL_SO"
+UCCL_P2P_TRANSPORT=tcp $V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" \
+  tests/worker/transport/test_transports_gpu.py -k uccl 2>&1 | tee "$OUT/uccl-tcp.log"
 fi
 
 if [ "$WHAT" != tests ]; then

@@ -5,6 +5,7 @@ only the backend differs. Every failure ends the version within the transfer tim
 peer, never a hang and never a process killed by a library's watchdog."""
 
 import json
+import threading
 import time
 
 import pytest
@@ -138,3 +139,61 @@ def test_a_group_that_failed_carries_no_more_versions():
     transport.abort("trainer rank 0: bytes at 0 of version 3 failed: Connection closed by peer")
     with pytest.raises(nccl.TransferError, match="aborted after an earlier failure .*version 3.*carries no more"):
         transport.check("trainer rank 0")
+
+
+class BackendWork:
+    """A backend operation as torch.distributed's Work shows it, in the states NCCL left the
+    receiver of a killed trainer in: never completing, or completed with the communicator's error;
+    either way its wait() never returns, as NCCL's did there."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return self.error is not None
+
+    def exception(self):
+        return self.error
+
+    def wait(self, timeout=None):
+        threading.Event().wait()
+
+
+@pytest.mark.parametrize("error", [None, RuntimeError("NCCL error: remote process exited or there was a network error\n"
+                                                      "ncclRemoteError: ...")])
+def test_an_nccl_operation_is_polled_to_its_deadline_and_never_waited_on_when_it_failed(error):
+    """A polled wait ends at its deadline, or at the operation's error naming the peer, without
+    entering the backend's wait."""
+    outcome = {}
+
+    def run():
+        try:
+            nccl._wait(BackendWork(error), time.monotonic() + 0.5, "trainer rank 1", "a header of version 3", poll=True)
+        except nccl.TransferError as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the wait entered the backend's wait and never returned"
+    assert outcome["error"].peer == "trainer rank 1"
+    expected = "did not complete in time" if error is None else "failed: NCCL error: remote process exited"
+    assert expected in str(outcome["error"]), outcome
+
+
+def test_an_abort_that_hangs_still_leaves_the_failure_reported(monkeypatch):
+    """NCCL's abort may not return (a communicator its watchdog is aborting too): the transport
+    gives it ABORT_SECONDS, then goes on with the failure recorded."""
+    monkeypatch.setattr(nccl, "ABORT_SECONDS", 0.2)
+
+    class Group:
+        def abort(self):
+            threading.Event().wait()
+
+    transport = nccl.NcclTransport(b"test-job-token-0123456789", 5, nccl.NcclOptions(1, 1, group=Group(), backend="gloo"))
+    done = threading.Thread(target=transport.abort, args=("trainer rank 1: a header of version 1 failed",), daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "abort hung"
+    with pytest.raises(nccl.TransferError, match="aborted after an earlier failure .*version 1"):
+        transport.check("trainer rank 1")

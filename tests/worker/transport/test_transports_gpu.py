@@ -32,6 +32,22 @@ def test_a_transport_that_cannot_run_here_says_why(name, module):
     print(f"{name} is unavailable here: {reason}")
 
 
+def test_uccl_is_refused_where_its_engine_would_end_the_process(tmp_path, monkeypatch):
+    """uccl 0.1.1's engine asserts (and the process ends) on a machine without RDMA devices unless
+    its TCP mode is chosen: the transport says so instead of starting it."""
+    monkeypatch.setattr(uccl, "SYSFS_RDMA", str(tmp_path / "infiniband"))
+    monkeypatch.delenv("UCCL_P2P_TRANSPORT", raising=False)
+    assert "no RDMA device here" in uccl.rdma_unavailable_reason()
+    assert "UCCL_P2P_TRANSPORT=tcp selects its TCP mode" in uccl.rdma_unavailable_reason()
+    (tmp_path / "infiniband").mkdir()
+    assert "lists none" in uccl.rdma_unavailable_reason()
+    (tmp_path / "infiniband" / "mlx5_0").mkdir()
+    assert uccl.rdma_unavailable_reason() is None
+    (tmp_path / "infiniband" / "mlx5_0").rmdir()
+    monkeypatch.setenv("UCCL_P2P_TRANSPORT", "tcp")
+    assert uccl.rdma_unavailable_reason() is None
+
+
 def test_auto_names_its_choice_and_the_reason():
     name, why = resolve_transport("auto", "tcp")
     assert name in ("tcp", "nccl") and why.startswith("auto: ")

@@ -15,14 +15,20 @@ the job token: an HMAC over a fresh nonce that the receiver published when it st
 so that a proof from an earlier run (or an earlier life of the receiver) does not pass.
 
 Waiting, failing, and why the process survives it:
-- Every send and receive is waited on with work.wait(time left): a deadline per operation on
-  the sender, per version on the receiver. A timeout, a dead peer, or an error of the backend
-  becomes a TransferError naming the peer.
+- Every send and receive is polled until the time left: a deadline per operation on the
+  sender, per version on the receiver. A timeout, a dead peer, or an error of the backend
+  becomes a TransferError naming the peer. Polling (work.is_completed(), which also picks up the
+  communicator's asynchronous error, such as a peer that exited) rather than work.wait(timeout):
+  NCCL's wait on an operation whose peer died aborts the communicator from inside the wait and
+  can stay there (seen with NCCL 2.28 and torch 2.11 on an H100: the receiver of a killed
+  trainer never returned). Only an operation that completed without error is waited on, which
+  orders the current stream after it and returns at once.
 - NCCL's own watchdog would end the process on a timeout or error. The group's timeout is set
   well past the transfer timeout (WATCHDOG_FACTOR), and its error handling to abort the
   communicators without killing the process; a failed version aborts the group itself, so that
   no pending operation is left for the watchdog. An aborted group carries no more versions:
-  every later call says so (the job fails, naming the first failure).
+  every later call says so (the job fails, naming the first failure). The abort is bounded
+  (ABORT_SECONDS): where NCCL's own abort hangs, the failure is still reported.
 - NCCL creates a communicator for each pair of ranks at their first operation, which blocks
   both until the other arrives and cannot be interrupted; several threads doing it at once on
   one group can hang. So each end meets its peers first on one thread, in one global order
@@ -66,6 +72,11 @@ WATCHDOG_FACTOR = 4
 # TORCH_NCCL_ASYNC_ERROR_HANDLING for the transport's group: on an error, abort the
 # communicators and let the waiting call raise, without tearing the process down.
 CLEAN_UP_ONLY = "2"
+# How often a wait looks at its operation: at first often (a header arrives in microseconds),
+# then less (a bucket takes milliseconds).
+POLL_FIRST, POLL_MOST = 50e-6, 2e-3
+# How long aborting the group may take before the failure is reported without it
+ABORT_SECONDS = 10.0
 
 
 def unavailable_reason(backend: str = "nccl") -> str | None:
@@ -115,9 +126,12 @@ def _first_line(error: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", text.splitlines()[0])[:300]
 
 
-def _wait(work, deadline: float, peer: str, what: str) -> None:
+def _wait(work, deadline: float, peer: str, what: str, poll: bool) -> None:
     """Wait for a point-to-point operation until `deadline`; any failure becomes a
-    TransferError naming `peer`."""
+    TransferError naming `peer`. NCCL's operations are polled (see the module's docstring);
+    gloo's complete only inside their wait, which keeps its deadline and raises for a dead peer."""
+    if poll:
+        _poll(work, deadline, peer, what)
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransferError(peer, f"{what} did not complete in time")
@@ -129,7 +143,26 @@ def _wait(work, deadline: float, peer: str, what: str) -> None:
         raise TransferError(peer, f"{what} did not complete in time")
 
 
-def _first_frame(operation: Callable[[], Any], deadline: float, peer: str) -> None:
+def _poll(work, deadline: float, peer: str, what: str) -> None:
+    """Until `work` completed without error, by `deadline`; then its wait returns at once."""
+    pause = POLL_FIRST
+    while True:
+        try:
+            if work.is_completed():
+                break
+        except Exception as e:  # noqa: BLE001 - the backend's error (peer gone, group aborted), named below
+            raise TransferError(peer, f"{what} failed: {_first_line(e)}") from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(peer, f"{what} did not complete in time")
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, POLL_MOST)
+    error = work.exception()
+    if error is not None:
+        raise TransferError(peer, f"{what} failed: {_first_line(error)}")
+
+
+def _first_frame(operation: Callable[[], Any], deadline: float, peer: str, poll: bool) -> None:
     """The first send or receive between two ranks, which creates their communicator: the call
     itself blocks until the peer gets there too, so it runs on a helper thread, and both the
     call and its completion are bounded by `deadline`."""
@@ -137,7 +170,7 @@ def _first_frame(operation: Callable[[], Any], deadline: float, peer: str) -> No
         work = bounded(operation, deadline - time.monotonic(), f"the first frame with {peer}")
     except TimeoutError:
         raise TransferError(peer, "did not meet this rank in time (their communicator never formed)") from None
-    _wait(work, deadline, peer, "the first frame")
+    _wait(work, deadline, peer, "the first frame", poll)
 
 
 @dataclass(frozen=True)
@@ -186,6 +219,11 @@ class NcclTransport(Transport):
         """Whether this transport moves host tensors (gloo) rather than GPU tensors (NCCL)."""
         return self.backend == "gloo"
 
+    @property
+    def polls(self) -> bool:
+        """Whether its operations are polled rather than waited on (NCCL's: see the docstring)."""
+        return not self.host
+
     def _group(self, global_rank: int):
         import torch.distributed as dist
 
@@ -229,9 +267,9 @@ class NcclTransport(Transport):
             group = self.group
         if group is not None and hasattr(group, "abort"):
             try:
-                group.abort()
-            except Exception as e:  # noqa: BLE001 - an abort that fails leaves nothing more to do
-                log.warning("aborting the %s group failed: %s", self.backend, e)
+                bounded(group.abort, ABORT_SECONDS, f"aborting the {self.backend} group")
+            except Exception as e:  # noqa: BLE001 - an abort that fails or hangs leaves nothing more to do
+                log.warning("aborting the %s group failed: %s; the failure stands (%s)", self.backend, e, why)
 
     def check(self, peer: str) -> None:
         """Raise if the group was aborted: the ranks' streams of frames are out of step."""
@@ -286,7 +324,7 @@ class NcclSender(Sender):
             head = torch.tensor([HELLO, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
             try:
                 _first_frame(lambda: self.group.send([head], self.t.trainers + peer, 0),
-                             time.monotonic() + self.t.timeout, name)
+                             time.monotonic() + self.t.timeout, name, self.t.polls)
             except TransferError as e:
                 self.t.abort(str(e))
                 raise
@@ -306,9 +344,11 @@ class NcclSender(Sender):
             deadline = time.monotonic() + self.t.timeout
             head = torch.tensor(fields, dtype=torch.int64, device=self.device)
             try:
-                _wait(self.group.send([head], dst, 0), deadline, name, f"the header of version {version}")
+                _wait(self.group.send([head], dst, 0), deadline, name, f"the header of version {version}",
+                      self.t.polls)
                 if data is not None:
-                    _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}")
+                    _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}",
+                          self.t.polls)
             except TransferError as e:
                 self.t.abort(str(e))
                 raise
@@ -381,7 +421,7 @@ class NcclReceiver(Receiver):
             peer = f"trainer rank {trainer}"
             self._prove(trainer, deadline)
             head = torch.empty(5, dtype=torch.int64, device=device)
-            _first_frame(lambda: self.group.recv([head], trainer, 0), deadline, peer)
+            _first_frame(lambda: self.group.recv([head], trainer, 0), deadline, peer, self.t.polls)
             if int(head[0]) != HELLO:
                 raise TransferError(peer, f"sent a frame of kind {int(head[0])} before its first frame")
             self.met.add(trainer)
@@ -437,7 +477,8 @@ class NcclReceiver(Receiver):
         head = torch.empty(5, dtype=torch.int64, device=flat.device)
         while True:
             self.t.check(peer)
-            _wait(self.group.recv([head], trainer, 0), deadline, peer, f"a header of version {version}")
+            head.zero_()  # a receive that failed unnoticed reads as a frame of kind 0, never as the last header
+            _wait(self.group.recv([head], trainer, 0), deadline, peer, f"a header of version {version}", self.t.polls)
             kind, v, offset, length, digest = (int(x) for x in head.cpu())
             book.check_version(v)
             if kind == END:
@@ -447,7 +488,8 @@ class NcclReceiver(Receiver):
                 raise TransferError(peer, f"sent a frame of kind {kind} for bytes at {offset} of version {version}")
             book.take("DATA", offset, length)
             target = flat[offset:offset + length]
-            _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}")
+            _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}",
+                  self.t.polls)
             got = bucket_checksum(target)  # on the current stream, which the wait ordered after the receive
             book.checksum(offset, length, _unsigned(digest), got)
             sums[offset] = got

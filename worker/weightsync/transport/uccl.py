@@ -6,7 +6,10 @@ p2p`): `p2p.Endpoint(local_gpu_idx)`, `get_metadata()` / `Endpoint.parse_metadat
 the 64-byte descriptor of a remote-writable region, `write_async(conn_id, mr_id, ptr, size,
 descriptor)` and `poll_async(transfer_id)`. uccl reads its settings from UCCL_P2P_RDMA_DEV,
 UCCL_P2P_RDMA_GID_INDEX, UCCL_P2P_RDMA_TC, UCCL_P2P_RDMA_SL and UCCL_SOCKET_IFNAME (the job
-contract sets them); it runs over RDMA devices, or over TCP where it has none.
+contract sets them). It runs over RDMA devices; without one, its engine ends the process (an
+assertion in its NIC setup, seen on a GPU machine without RDMA NICs), unless
+UCCL_P2P_TRANSPORT=tcp selects its TCP mode. So a machine without RDMA devices is refused here,
+with that reason, before any engine starts.
 
 Control travels over the TCP transport's authenticated connection and frames (wire.py): the
 HMAC handshake first, then, before the verdict, the receiver's endpoint metadata, the RDMA
@@ -31,6 +34,7 @@ success whatever happens and accept never times out, so:
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import threading
@@ -63,6 +67,7 @@ ACCEPT_SECONDS = 30.0
 UNCLAIMED_KEPT = 64
 POLL_PAUSE = 20e-6  # between polls of a write's completion: the other connections' threads need the GIL
 METADATA_MAX = 1024  # bytes of an endpoint's metadata (an address, a port, a GPU index)
+SYSFS_RDMA = "/sys/class/infiniband"  # where the kernel lists RDMA devices (InfiniBand, RoCE, EFA)
 
 
 def unavailable_reason() -> str | None:
@@ -82,7 +87,21 @@ def unavailable_reason() -> str | None:
                 "have it, or pip install nvidia-cuda-runtime-cu12 and add its lib folder to LD_LIBRARY_PATH)"
                 if "libcudart.so.12" in str(e) else "")
         return f"uccl {installed}'s P2P engine does not load here: {e}{hint}"
-    return cuda_unavailable_reason()
+    return rdma_unavailable_reason() or cuda_unavailable_reason()
+
+
+def rdma_unavailable_reason() -> str | None:
+    """Why uccl's engine would end this process (no RDMA device, and not its TCP mode), or None."""
+    if os.environ.get("UCCL_P2P_TRANSPORT", "").lower() == "tcp":
+        return None
+    try:
+        devices = os.listdir(SYSFS_RDMA)
+    except OSError:
+        devices = []
+    if devices:
+        return None
+    return (f"no RDMA device here ({SYSFS_RDMA} lists none), and uccl {UCCL_VERSION}'s engine ends the process "
+            "without one; UCCL_P2P_TRANSPORT=tcp selects its TCP mode")
 
 
 @dataclass(frozen=True)
