@@ -13,6 +13,7 @@ import yaml
 from controlplane import die_with_parent, free_ports, probe, stop_group, wait_for
 
 from weightsync import job as contract
+from weightsync_operator.metrics import METRICS_PORT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "weightsync.io_weighttransferjobs.yaml"
@@ -26,12 +27,12 @@ class Operator:
         self.kubeconfig, self.log_path = kubeconfig, log
         self.args, self.env = args, dict(env or {})
         self.proc: subprocess.Popen | None = None
-        self.port = 0
+        self.port = self.metrics_port = 0
         self.starts = 0
 
     def start(self, timeout: float = 60, wait: bool = True) -> "Operator":
         """Start it; with wait, return once its liveness endpoint answers."""
-        (self.port,) = free_ports(1)
+        self.port, self.metrics_port = free_ports(2)
         self.starts += 1
         with open(self.log_path, "a") as log:
             log.write(f"===== operator start {self.starts}\n")
@@ -39,7 +40,8 @@ class Operator:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kopf", "run", "--standalone", *self.args,
                  f"--liveness=http://127.0.0.1:{self.port}/healthz", "-m", "weightsync_operator"],
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}, stdout=log,
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), METRICS_PORT_ENV: str(self.metrics_port), **self.env},
+                stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         if wait:
             wait_for("operator liveness endpoint", self.healthy, timeout)

@@ -17,6 +17,7 @@ from weightsync.job import join, reasons
 from weightsync_operator import render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches
+from weightsync_operator.metrics import METRICS
 from weightsync_operator.report import Indexes, report
 from weightsync_operator.status import CHILDREN_CREATED, condition
 
@@ -30,6 +31,12 @@ JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLUR
 @kopf.on.field(**JOBS, field="status.phase", new="Running", id="running")  # pod templates stop rolling
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger, **kwargs):
     reconcile_job(memo, body, logger, Indexes.of(kwargs))
+
+
+@kopf.on.event(**JOBS)
+def job_seen(type, body: kopf.Body, **_):  # noqa: A002 - kopf's name
+    """Every job as the API server shows it, for the operator's jobs-by-phase metric."""
+    METRICS.job_seen(body.metadata.uid, (body.get("status") or {}).get("phase"), gone=type == "DELETED")
 
 
 @kopf.on.field(**JOBS, field="status.network", id="network")
@@ -50,9 +57,11 @@ def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repai
     changed by someone else (what is patched then is a repair too)."""
     kube: Kube = memo.kube
     write = functools.partial(report, kube, obj["metadata"]["namespace"], obj["metadata"]["name"], indexes)
+    METRICS.reconciles.inc()
     try:
         ensure_children(kube, memo.token_key, obj, write, logger, repairing)
     except (kopf.TemporaryError, kopf.PermanentError):
+        METRICS.reconcile_errors.inc()
         raise
     except ApiError as e:
         if e.namespace_terminating:
@@ -60,11 +69,13 @@ def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repai
             # condition, no Event (it could not be posted), no retry.
             logger.info(f"namespace {obj['metadata']['namespace']} is being deleted: the job's children are left as they are")
             return
+        METRICS.reconcile_errors.inc()
         raise kopf.TemporaryError(str(e), delay=10) from None
     except Exception as e:
         # Not a refusal the operator knows: still a condition and an Event for the user (once,
         # not at every retry), and a retry later.
         message = f"{type(e).__name__}: {e}"
+        METRICS.reconcile_errors.inc()
         write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.OPERATOR_ERROR, message)])
         raise kopf.TemporaryError(message, delay=30) from e
 
@@ -134,6 +145,7 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     # operator patch. A spec change, completion or the start of running patch children too.
     restored = [w for w, o in changed.items() if o == "created" or repairing] if was_created else []
     conditions = []
+    METRICS.children_repaired.inc(len(restored))
     if restored:
         message = "put back " + ", ".join(
             f"{w} (it had been {'deleted' if changed[w] == 'created' else 'changed'})" for w in restored)

@@ -1,5 +1,5 @@
-"""Operator-wide settings, the shared API connection and the job tokens' key; serving only once
-the CRD is served, and a liveness probe that fails while it is not."""
+"""Operator-wide settings, the shared API connection and the job tokens' key; its metrics served
+(metrics.py); serving only once the CRD is served, and a liveness probe that fails while it is not."""
 
 import asyncio
 import logging
@@ -9,6 +9,7 @@ import kopf
 from weightsync import job as contract
 from weightsync_operator import tokens
 from weightsync_operator.kube import ApiError, Kube, load_client
+from weightsync_operator.metrics import METRICS, metrics_port
 
 CRD_POLL_SECONDS = 2
 
@@ -29,6 +30,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     memo.token_key = await asyncio.to_thread(tokens.load_key, memo.kube)
     memo.compared_statefulsets = {}  # uid -> what was compared last (handlers/children.py)
     memo.pod_restarts = {}  # pod uid -> the container restarts last reported (handlers/children.py)
+    try:  # a port that is taken or wrong stops the operator, saying so, rather than run it unmeasured
+        memo.metrics_server = METRICS.serve("0.0.0.0", metrics_port())
+    except (OSError, ValueError) as e:
+        raise kopf.PermanentError(str(e)) from None
     # kopf finds the resources it serves when it starts, before any handler runs: an operator
     # started before its CRD would serve nothing (a CRD that appears later is found only when
     # discovery has caught up by the time kopf looks). So it starts serving once the CRD is
