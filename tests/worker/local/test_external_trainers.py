@@ -143,7 +143,7 @@ def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_pa
     _, err = first.communicate(timeout=60)
     assert first.returncode != 0 and err.strip().splitlines()[-1].endswith(f"the job ended (Failed): {missing}"), err
     told = progress.getvalue()
-    assert re.search(r"waiting for external ranks: (no trainer rank|trainer rank 0) joined, trainer ranks? [0-]*1 "
+    assert re.search(r"waiting for the ranks to join: (no trainer rank|trainer rank 0) joined, trainer ranks? [0-]*1 "
                      r"missing \(\d+s left, spec.trainer.attachTimeoutSeconds\)", told), told
 
 

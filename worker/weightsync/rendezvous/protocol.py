@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ STORE_TIMEOUT = 60.0  # seconds a single store call may block
 CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
 CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
+SAY_EVERY = 5.0  # seconds between two lines of a joining rank that still waits for the controller
 
 
 class JobEnded(RuntimeError):
@@ -115,12 +117,14 @@ class Channel:
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
-             check: Callable[[], None] | None = None) -> None:
+             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None) -> None:
         """Wait until every key is set: the store answers as soon as they are (nothing polls).
-        `check` runs every CHECK_EVERY seconds and may raise; past `timeout` seconds a
-        TimeoutError names `what`."""
+        `check` runs every CHECK_EVERY seconds and may raise; `say`, where given, is told every
+        SAY_EVERY seconds that this still waits for `what`; past `timeout` seconds a TimeoutError
+        names `what`."""
         keys = list(keys)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        began = told = time.monotonic()
+        deadline = None if timeout is None else began + timeout
         while True:
             step = CHECK_EVERY if deadline is None else min(CHECK_EVERY, max(deadline - time.monotonic(), 0.0))
             try:
@@ -130,6 +134,10 @@ class Channel:
                 pass
             if check:
                 check()
+            if say is not None and time.monotonic() - told >= SAY_EVERY:
+                told = time.monotonic()
+                say(f"still waiting for {what} ({told - began:.0f}s" +
+                    (f", {max(deadline - told, 0.0):.0f}s left)" if deadline is not None else ")"))
             if deadline is not None and time.monotonic() >= deadline:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise TimeoutError(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
@@ -334,8 +342,13 @@ class Member(Channel):
             end = self.get_json(Keys.END)
             raise JobEnded(end["state"], end["message"])
 
-    def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None) -> None:
-        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end)
+    def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, say: bool = False) -> None:
+        """Wait for `keys` until the job's end; `say`: a line every SAY_EVERY seconds says what
+        this rank still waits for (while it joins: a rank that waits silently looks hung)."""
+        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None)
+
+    def say(self, message: str) -> None:
+        print(f"[{self.name}] {message}", file=sys.stderr, flush=True)
 
     def wait_for_end(self) -> dict:
         """Wait for the controller's end of the job: {"state", "message"}."""
@@ -357,7 +370,8 @@ class Member(Channel):
         the controller's nonce for this attempt; returns the attempt."""
         attempt = self.attempt or self.arrive()
         info = about.to_json()
-        self.wait_for(Keys.nonce(self.role, self.rank, attempt), "the controller's challenge", timeout)
+        self.wait_for(Keys.nonce(self.role, self.rank, attempt), f"the controller's challenge for start {attempt} "
+                      "(it issues one as soon as it sees this start)", timeout, say=True)
         nonce = self.get(Keys.nonce(self.role, self.rank, attempt))
         for what, value in (("endpoint", endpoint), ("meta", meta), ("info", info)):
             self.set(Keys.published(what, self.role, self.rank, attempt), value)
@@ -368,7 +382,8 @@ class Member(Channel):
     def plan(self, timeout: float):
         """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
         holder of the token."""
-        self.wait_for(Keys.PLAN_MAC, "the transfer plan", timeout)
+        self.wait_for(Keys.PLAN_MAC, "the transfer plan (the controller publishes it once every rank joined)", timeout,
+                      say=True)
         text = self.get(Keys.PLAN)
         if not same(self.get(Keys.PLAN_MAC).decode(), plan_mac(self.token, text)):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, "
@@ -378,7 +393,7 @@ class Member(Channel):
     def peers(self, epoch: int, timeout: float) -> dict[int, Peer]:
         """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""
         key = Keys.peers(epoch)
-        self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout)
+        self.wait_for(key + "/mac", f"the inference ranks' endpoints (epoch {epoch})", timeout, say=True)
         text = self.get(key)
         if not same(self.get(key + "/mac").decode(), peers_mac(self.token, epoch, text)):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")

@@ -6,8 +6,11 @@ started again under the same name and ordinal. So an inference rank that vanishe
 the job: it is "away" and the versions go on to the others; when its process starts again it
 joins anew (a fresh challenge for its new attempt, a new endpoint), waits, and is taken back at
 the next round, which it receives in full and verifies before it serves. A rank away for longer
-than `away_limit` fails the job. Trainers do not come back: a trainer that restarts, or goes
-silent, fails the job (the built-in trainer keeps no checkpoint to resume from; see the README).
+than `away_limit` fails the job. The same holds while the ranks join: the controller admits each
+rank's latest start, so an inference pod killed while it loads its model joins with its next
+start, and the first round takes it back. Trainers do not come back: a trainer that restarts, or
+goes silent, fails the job, while the ranks join as later (the built-in trainer keeps no
+checkpoint to resume from; see the README).
 
 A failure is blamed on the rank that failed first. When a rank reports a failure, the controller
 first looks, for a few heartbeats, for a rank that stopped (its process started again, or its
@@ -45,7 +48,7 @@ from weightsync.rendezvous.protocol import (
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
-PROGRESS_EVERY = 15.0  # seconds between two lines about the external ranks still missing
+PROGRESS_EVERY = 5.0  # seconds between two lines, while the ranks join, about the ones still missing
 
 SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
@@ -101,18 +104,22 @@ def _named(role: str, ranks: list[int]) -> str:
     return f"{role} rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def _progress(ranks: list[tuple[str, int]], admitted: Mapping, external: Mapping[str, Deadline], waited: float) -> str:
-    """One line: which external ranks joined, which are still missing, and for how long more."""
+def _progress(ranks: list[tuple[str, int]], admitted: Mapping, limits: Mapping[str, Deadline], waited: float,
+              notes: Mapping[tuple[str, int], str]) -> str:
+    """One line: which ranks of each role joined, which are still missing and for how long more
+    (and the spec's field that says so, for an external role), and what is known of a missing one."""
     parts = []
-    for role, limit in external.items():
+    for role, limit in limits.items():
         joined = [k for r, k in ranks if r == role and (r, k) in admitted]
         missing = [k for r, k in ranks if r == role and (r, k) not in admitted]
         if missing:
+            setting = f", {limit.setting}" if limit.setting else ""
             parts.append(f"{_named(role, joined) if joined else f'no {role} rank'} joined, {_named(role, missing)} "
-                         f"missing ({max(limit.seconds - waited, 0):.0f}s left, {limit.setting})")
+                         f"missing ({max(limit.seconds - waited, 0):.0f}s left{setting})")
         else:
             parts.append(f"every {role} rank joined")
-    return f"waiting for external ranks: {'; '.join(parts)}"
+    parts += [f"{who(*r)} {note}" for r, note in sorted(notes.items()) if r not in admitted]
+    return f"waiting for the ranks to join: {'; '.join(parts)}"
 
 
 @dataclass
@@ -168,12 +175,16 @@ class Host(Channel):
 
     def admit(self, timeout: float, external: Mapping[str, Deadline] | None = None,
               every: float = PROGRESS_EVERY) -> dict[tuple[str, int], Admission]:
-        """Wait for every rank's first proof; return {(role, rank): what it published}. The ranks
-        of an `external` role (processes the user starts) each have their role's Deadline, from
-        now: the job fails naming those that did not join by then; meanwhile a line every `every`
-        seconds says which joined and which are still missing."""
+        """Wait for every rank's proof; return {(role, rank): what it published}. A rank's latest
+        start is the one admitted: an inference rank whose process started again while the ranks
+        joined joins with its new start (_joining). The ranks of an `external` role (processes the
+        user starts) each have their role's Deadline, from now: the job fails naming those that
+        did not join by then; the others have `timeout`. Meanwhile a line every `every` seconds
+        says which ranks joined and which are still missing."""
         external = dict(external or {})
+        limits = {role: external.get(role, Deadline(timeout, "", "")) for role in dict.fromkeys(r for r, _ in self.ranks)}
         admitted: dict[tuple[str, int], Admission] = {}
+        notes: dict[tuple[str, int], str] = {}  # what is known of a rank that has not joined
         start = time.monotonic()
         deadline, said = start + timeout, start
         pause = 0.001
@@ -181,13 +192,19 @@ class Host(Channel):
             self._check_failures()
             if self.claims is not None:
                 self.claims.serve(self, self._there)
+            now = time.monotonic()
+            if now - self.last_watch >= HEARTBEAT / 4:
+                self.last_watch = now
+                self._joining(admitted, notes, now)
             for role, rank in self.ranks:
                 if (role, rank) not in admitted:
-                    got = self._proven(role, rank, 1)
+                    got = self._proven(role, rank, self.attempts[(role, rank)])
                     if got is not None:
                         admitted[(role, rank)] = got
-                        if role in external:
-                            self.say(f"{who(role, rank)} joined (external, at {got.endpoint})")
+                        if role in external or (role, rank) in notes:
+                            attempt = self.attempts[(role, rank)]
+                            self.say(f"{who(role, rank)} joined ({'external, ' if role in external else ''}"
+                                     f"{f'start {attempt}, ' if attempt > 1 else ''}at {got.endpoint})")
             now = time.monotonic()
             for role, limit in external.items():
                 missing = [k for r, k in self.ranks if r == role and (r, k) not in admitted]
@@ -195,9 +212,9 @@ class Host(Channel):
                     raise RankFailed(f"{_named(role, missing)} did not join within {limit.seconds:.0f}s "
                                      f"({limit.setting}): start {'them' if len(missing) > 1 else 'it'} with the join "
                                      f"variables ({limit.how})", reasons.TIMED_OUT)
-            if external and now - said >= every:
+            if now - said >= every:
                 said = now
-                self.say(_progress(self.ranks, admitted, external, now - start))
+                self.say(_progress(self.ranks, admitted, limits, now - start, notes))
             if now > deadline:
                 missing = [who(r, k) for r, k in self.ranks if (r, k) not in admitted]
                 raise TimeoutError(f"{len(missing)} ranks did not join within {timeout:.0f}s: {', '.join(missing[:6])}")
@@ -205,12 +222,49 @@ class Host(Channel):
             pause = min(pause * 1.5, 0.1)
         return admitted
 
+    def _joining(self, admitted: dict[tuple[str, int], Admission], notes: dict[tuple[str, int], str], now: float) -> None:
+        """While the ranks join: follow each rank's starts (its process started again: an inference
+        rank joins with its new start, over a fresh challenge, and what an earlier start published
+        is dropped; a trainer fails the job as check_ranks has it) and its heartbeat (a trainer
+        that went silent fails the job; an inference rank has away_limit to start again)."""
+        for role, rank in self.ranks:
+            started = self.store.add(Keys.join(role, rank), 0)
+            if started > self.attempts[(role, rank)]:
+                self.attempts[(role, rank)] = started
+                if role == TRAINER:
+                    self._trainer_started(rank, started, now)
+                    continue
+                self.set(Keys.nonce(role, rank, started), secrets.token_hex(16))
+                admitted.pop((role, rank), None)
+                self.beats.pop((role, rank), None)
+                notes[(role, rank)] = f"started again (start {started}) while the ranks joined: it joins with that start"
+                self.say(f"{who(role, rank)} {notes[(role, rank)]}")
+            if (role, rank) in admitted:
+                continue
+            silent = self._silent_for(role, rank, now)
+            if silent > self.silent_limit:
+                why = f"no heartbeat for {silent:.0f}s while joining (its process died, froze, or lost the network)"
+                if role == TRAINER:
+                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
+                if silent > self.away_limit:
+                    raise RankFailed(f"{who(role, rank)} did not start again within {self.away_limit:.0f}s after it "
+                                     f"went silent while joining", reasons.RANK_LOST)
+                notes[(role, rank)] = f"is silent: {why}; waiting for it to start again (within {self.away_limit:.0f}s)"
+            elif notes.get((role, rank), "").startswith("is silent"):
+                del notes[(role, rank)]  # it beats again
+
     def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, RankInfo] | None = None) -> None:
         text = json.dumps({"plan": plan_json})
         self.set(Keys.PLAN, text)
         self.set(Keys.PLAN_MAC, plan_mac(self.token, text))
         now = time.monotonic()
-        self.seats = {r: Seat(endpoint=e, since=now, info=(infos or {}).get(r)) for r, e in endpoints.items()}
+        # a rank admitted with a later start (its process started again while the ranks joined) is
+        # a rejoined one: it waits for its welcome, which the first round says
+        self.seats = {r: Seat(attempt=self.attempts[(INFERENCE, r)], endpoint=e, since=now, info=(infos or {}).get(r))
+                      for r, e in endpoints.items()}
+        for seat in self.seats.values():
+            if seat.attempt > 1:
+                seat.state, seat.rejoins = WAITING, 1
         self._publish_peers()
 
     def _publish_peers(self) -> None:
@@ -365,15 +419,10 @@ class Host(Channel):
             started = self.store.add(Keys.join(role, rank), 0)
             if started > self.attempts[(role, rank)]:
                 self.attempts[(role, rank)] = started
-                if role == TRAINER and role in self.external and self._silent_for(role, rank, now) <= self.silent_limit:
-                    # the rank's process still beats: a second process claimed its RANK, and was refused
-                    self.say(f"a second process claimed {who(role, rank)} (start {started}) while the one that joined "
-                             "as it is alive; it was refused, and the job goes on")
-                    continue
                 if role == TRAINER:
-                    raise RankFailed(f"{who(role, rank)} restarted (its process started again, start {started}); trainers "
-                                     "do not rejoin a running job", reasons.TRAINER_RESTARTED)
-                self._restarted(rank, started)
+                    self._trainer_started(rank, started, now)
+                else:
+                    self._restarted(rank, started)
         for role, rank in self.ranks:
             seat = self.seats.get(rank) if role == INFERENCE else None
             if seat is not None and seat.state in (AWAY, JOINING):
@@ -389,6 +438,17 @@ class Host(Channel):
                 if seat is None:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
                 self._away(rank, why)
+
+    def _trainer_started(self, rank: int, started: int, now: float) -> None:
+        """A trainer rank's process started again (start `started`): RankFailed, trainers do not
+        rejoin; but an external rank whose process still beats was claimed by a second process,
+        which was refused, and the job goes on."""
+        if TRAINER in self.external and self._silent_for(TRAINER, rank, now) <= self.silent_limit:
+            self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that joined "
+                     "as it is alive; it was refused, and the job goes on")
+            return
+        raise RankFailed(f"{who(TRAINER, rank)} restarted (its process started again, start {started}); trainers "
+                         "do not rejoin a running job", reasons.TRAINER_RESTARTED)
 
     def trainer_layout(self) -> FlatLayout | None:
         """The layout trainer rank 0 joined with (proven), None before it joined: what an external

@@ -20,7 +20,7 @@ from weightsync.rendezvous.protocol import Member, who
 from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, run_rank, serving_model
 from weightsync.roles.sharded import ShardedInference
 from weightsync.runtime import health
-from weightsync.runtime.faults import dump, dumping, generating
+from weightsync.runtime.faults import dump, dumping, generating, pause_point
 from weightsync.runtime.inbound import GenerationHandover
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, transport_for
 from weightsync.transfer.receive import VersionReceiver, settle_heap
@@ -80,6 +80,7 @@ class Inference:
         gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
         name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
         endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
+        pause_point(INFERENCE, self.rank, "joining", 0)  # its start counted, its model built, not joined yet
         attempt = member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
         plan, _ = member.plan(JOIN_TIMEOUT)
         again = f" (start {attempt}: rejoining the running job)" if attempt > 1 else ""

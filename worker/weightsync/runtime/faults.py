@@ -6,6 +6,7 @@ sets it in its own processes or through LocalJob's extra environment.
 
   PAUSE_DIR_ENV  pause_point(): a rank holds at a named point of a version while the test kills
                  or stops whatever process it wants (tests/worker/runtime/test_faults.py,
+                 tests/worker/local/test_join_faults.py,
                  tests/worker/rendezvous/test_rendezvous_attacks.py,
                  tests/worker/vllm_backend/test_vllm_engine.py).
   DUMP_DIR_ENV   dumping(), dump(): trainer and inference ranks save every version's tensors and
@@ -36,9 +37,10 @@ DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
 # wants, at a known point of a version. Points: trainer "before-go" (ready, before the go) and
 # "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
 # inference rank is then in the middle of receiving); inference "verifying" (received, before the
-# check against the reference); controller "verifying" (the trainers are done, the inference
-# ranks' digests not yet checked) and "delivered" (the last version delivered, the job not ended
-# yet: its metrics are complete).
+# check against the reference) and "joining" (v0: its start counted and its model built, before it
+# joins); controller "verifying" (the trainers are done, the inference ranks' digests not yet
+# checked) and "delivered" (the last version delivered, the job not ended yet: its metrics are
+# complete).
 PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
 PAUSE_LIMIT = 120.0
 # "<version>" - trainer ranks flip one byte of the first chunk they send of that version after

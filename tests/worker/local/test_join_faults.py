@@ -1,0 +1,85 @@
+"""A rank killed while the ranks join, in real jobs under `weightsync run` (a pod OOM-killed while
+it loads its model, or preempted at start): its pod is started again, and the job does not wait
+for the start that died. An inference rank joins with its new start and receives every version;
+a trainer (trainers do not rejoin) fails the job naming it, at once. (The controller's side in one
+process: tests/worker/rendezvous/test_join_restarts.py.)"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+
+import pytest
+from support import waits
+from support.jobs import assert_nothing_left, check_every_version, make_job, outcome_of, store_of
+
+from weightsync.job import reasons
+from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.rendezvous.protocol import Keys
+from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
+
+pytestmark = pytest.mark.slow  # whole jobs as processes: not in `make unit`
+
+REACH = 240.0  # seconds for the pods to come up on a loaded machine
+RUN = 240.0  # seconds for the whole job (a hang fails the test here, naming what it waited for)
+
+
+def joining_job(name: str):
+    return make_job(name, trainers=(2, 1), inferences=(2, 1), steps=2, every=1)  # versions 0, 1, 2
+
+
+def pod_of(local: LocalJob, role: str, rank: int):
+    return next(p for p in local.pods if p.role == role and rank in p.ranks)
+
+
+def test_an_inference_rank_killed_while_the_ranks_join_joins_again_and_receives_every_version(tmp_path):
+    job = joining_job("killed-joining")
+    dump, pause = tmp_path / "dump", tmp_path / "pause"
+    dump.mkdir()
+    pause.mkdir()
+    (pause / "inference-1-joining-v0.arm").touch()
+    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)}, progress=io.StringIO())
+    local.start()
+    pod = pod_of(local, "inference", 1)
+    try:
+        waits.until("inference rank 1 to reach its join", (pause / "inference-1-joining-v0.reached").exists, REACH)
+        os.killpg(pod.proc.pid, signal.SIGKILL)  # its start counted, its model built, not joined
+        (pause / "inference-1-joining-v0.release").touch()
+        summary = local.wait(timeout=RUN)
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
+    assert summary["restarts"] == {pod.name: 1}, summary
+    assert check_every_version(dump, job) == 3 * 2  # every version on both inference ranks, bit for bit
+    controller = pod_of(local, "controller", 0).log.read_text(errors="replace")
+    assert "inference rank 1 started again (start 2) while the ranks joined: it joins with that start" in controller
+    assert "taken back at version 0" in pod.log.read_text(errors="replace")
+
+
+def test_a_trainer_killed_while_the_ranks_join_fails_the_job_naming_it(tmp_path):
+    job = joining_job("trainer-killed-joining")
+    local = LocalJob(job, tmp_path / "run", {}, progress=io.StringIO())
+    local.start()
+    pod = pod_of(local, "trainer", 1)
+    store = waits.until("the controller's store", lambda: _store(local), REACH)
+    try:
+        key = Keys.join("trainer", 1)
+        waits.until("trainer rank 1's start", lambda: store.check([key]) and store.add(key, 0) >= 1, REACH, every=0.001)
+        os.killpg(pod.proc.pid, signal.SIGKILL)
+    finally:
+        store.close()
+    failed = outcome_of(local, RUN)
+    assert isinstance(failed, RunFailed), failed
+    completion = json.loads((local.workdir / "status.json").read_text())["completion"]
+    assert completion["state"] == "Failed" and completion["reason"] == reasons.TRAINER_RESTARTED, completion
+    assert completion["message"].startswith("trainer rank 1 restarted (its process started again, start 2)"), completion
+    assert completion["versions"] == 0, completion
+
+
+def _store(local: LocalJob):
+    try:
+        return store_of(local)
+    except (OSError, ConnectionError, KeyError):
+        return None
