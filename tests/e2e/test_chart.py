@@ -14,6 +14,7 @@ import yaml
 from e2e_harness import CHART, ROOT, new_namespace
 from e2e_harness import leftovers
 
+from weightsync.job import LABEL_JOB
 from weightsync_operator.render import DEFAULT_WORKER_IMAGE_ENV, FALLBACK_WORKER_IMAGE
 
 pytestmark = pytest.mark.cluster
@@ -22,7 +23,8 @@ def server_version(cluster) -> str:
     return json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
 
 
-@pytest.mark.parametrize("values", [[], ["watchNamespaces={a,b}", "logLevel=debug"]], ids=["default", "two-namespaces"])
+@pytest.mark.parametrize("values", [[], ["watchNamespaces={a,b}", "logLevel=debug"], ["metrics.podMonitor.enabled=true"]],
+                         ids=["default", "two-namespaces", "pod-monitors"])
 def test_helm_lint_is_clean(helm, values):
     proc = helm("lint", "--strict", str(CHART), *[a for v in values for a in ("--set", v)])
     assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout, proc.stdout
@@ -103,3 +105,25 @@ def test_make_deploy_tcp_then_undeploy(cluster):
     finally:
         subprocess.run([*make, "undeploy"], cwd=ROOT, env=env, capture_output=True, timeout=300)
         cluster.delete_namespaces(ns)
+
+
+def test_pod_monitors_scrape_the_operator_and_the_jobs_worker_pods(helm, cluster):
+    """Off by default; on, one PodMonitor for the operator's metrics port and one for the worker
+    pods of the watched namespaces on their health port, both at /metrics."""
+    args = ["template", "ws", str(CHART), "--kube-version", server_version(cluster), "--set", "watchNamespaces={a,b}"]
+    assert not [o for o in yaml.safe_load_all(helm(*args).stdout) if o and o["kind"] == "PodMonitor"]
+    objects = [o for o in yaml.safe_load_all(helm(*args, "--set", "metrics.podMonitor.enabled=true").stdout) if o]
+    monitors = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "PodMonitor"}
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert monitors["ws-weightsync-operator"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert monitors["ws-weightsync-operator"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert {"name": "metrics", "containerPort": 8081, "protocol": "TCP"} in pod["spec"]["containers"][0]["ports"]
+    assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8081",
+                                              "prometheus.io/path": "/metrics"}
+    jobs = monitors["ws-weightsync-jobs"]
+    assert jobs["namespaceSelector"] == {"matchNames": ["a", "b"]}
+    assert jobs["podMetricsEndpoints"][0]["port"] == "health" and jobs["podMetricsEndpoints"][0]["path"] == "/metrics"
+    # the labels every worker pod carries (job.labels), the operator's pod none of them
+    assert jobs["selector"] == {"matchLabels": {"app.kubernetes.io/name": "weightsync"},
+                                "matchExpressions": [{"key": LABEL_JOB, "operator": "Exists"}]}
