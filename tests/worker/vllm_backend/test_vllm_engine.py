@@ -21,8 +21,10 @@ import urllib.request
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from weightsync import job as contract
+from support.waits import until
 
 from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, checker, completion, free_port, fused, generate,
                           save_checkpoint, vllm_job)
@@ -53,6 +55,8 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                 assert choice["token_ids"] == tokens, "the generate route and the OpenAI route disagree"
                 assert choice["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
                 seen.setdefault(version, []).append(tokens)
+            if version == 1:
+                check_metrics(run, serving=1)
             if version == 1:  # server 0 caches the long prompt's blocks on version 1
                 completion(run.servers[0], job.name, LONG_PROMPT)
             else:  # a load clears them: server 0 answers on version 2 as server 1, which never saw the prompt
@@ -87,6 +91,24 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                     f"version {version}: vLLM server {rank} holds other bytes than the trainer in {name}"
     assert seen[1][0] == seen[1][1] and seen[2][0] == seen[2][1], "two servers of one version answered differently"
     assert seen[1][0] != seen[2][0], "the greedy completion did not change with the version"
+
+
+def metrics_of(url: str) -> dict[tuple[str, str], float]:
+    """{(sample name, its rank label or ""): value} of one scrape of a pod's /metrics."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {(s.name, s.labels.get("rank", "")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def check_metrics(run: VllmRun, serving: int) -> None:
+    """The vLLM servers' workers count into their pod's /metrics (the version each rank serves),
+    and the controller times each version's stall in the servers."""
+    for pod in (p for p in run.local.pods if p.role == "inference"):
+        url = f"http://127.0.0.1:{pod.env[contract.Env.HEALTH_PORT]}/metrics"
+        until(f"{pod.name} serving version {serving} in its metrics", lambda url=url, pod=pod: all(
+            metrics_of(url).get(("weightsync_serving_version", str(r))) == serving for r in pod.ranks), 60)
+    until(f"the controller's stalls of versions 0..{serving}", lambda: metrics_of(run.local.metrics_url).get(
+        ("weightsync_vllm_stall_seconds_count", "")) == serving + 1, 60)
 
 
 def test_delta_versions_are_loaded_into_vllm_bit_for_bit(tmp_path, vllm_python):
