@@ -24,6 +24,8 @@ METRICS_PATH = "/metrics"  # served beside the probes (weightsync.runtime.health
 VLLM_PORT_NAME = "vllm"
 WORKER_COMMAND = ["weightsync", "worker"]
 MODES = ("rdma", "tcp")
+# A role's fields that only place, size or pull its pods (spec_hash)
+POD_ONLY_FIELDS = ("resources", "nodeSelector", "tolerations", "image")
 # The image of jobs that name none: the chart sets it (value workerImage) in the operator's pod.
 DEFAULT_WORKER_IMAGE_ENV = "WEIGHTSYNC_DEFAULT_WORKER_IMAGE"
 FALLBACK_WORKER_IMAGE = f"ghcr.io/weightsync/worker:{weightsync.__version__}"
@@ -259,14 +261,27 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if job.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": name} for name in job.image_pull_secrets]
 
-    # Pods of every role must read the same spec: a changed spec rolls all of them.
-    annotations = {SPEC_HASH_ANNOTATION: hashlib.sha256(spec_document(job).encode()).hexdigest()[:16]}
+    annotations = {SPEC_HASH_ANNOTATION: spec_hash(job)}
     if rdma and job.network.rdma.networks:
         annotations[MULTUS_ANNOTATION] = job.network.rdma.networks
     if not host_network:  # where the pod serves its metrics, for a Prometheus that discovers pods by annotation
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.HEALTH_PORT),
                             "prometheus.io/path": METRICS_PATH})
     return {"metadata": {"labels": job.labels(role), "annotations": annotations}, "spec": pod}
+
+
+def spec_hash(job: Job) -> str:
+    """What every role's pods read of the spec, hashed into their template: pods of every role
+    must read the same spec, so a change rolls all of them. Except the fields that only place,
+    size or pull a role's pods (POD_ONLY_FIELDS): its own template carries them, so an edit of
+    one replaces that role's pods alone. Fixing the resources of a Pending job's trainers thus
+    leaves the controller, and the rendezvous it hosts, alone."""
+    spec = copy.deepcopy(dict(job.spec))
+    spec.pop("imagePullSecrets", None)
+    for role in ROLES:
+        for name in POD_ONLY_FIELDS:
+            (spec.get(role) or {}).pop(name, None)
+    return hashlib.sha256(contract.dump_document(spec).encode()).hexdigest()[:16]
 
 
 def pod_security(rdma: bool) -> dict:

@@ -131,6 +131,26 @@ def test_a_job_that_is_not_running_yet_takes_edits(ns):
     ns.wait_phase("fixme", "Running", timeout=90)
 
 
+def test_fixing_a_pending_jobs_trainer_resources_leaves_its_other_pods_alone(ns):
+    """The trainers ask for more CPU than any node has; once they ask for less, they start, and
+    the controller (whose rendezvous the other ranks joined) and the inference pods are the same
+    pods as before."""
+    ns.apply_job("roomy", {**TCP, "trainer": {"replicas": 2, "resources": {"requests": {"cpu": "100000"}}}})
+    ns.wait_children("roomy")
+    wait_for("Unschedulable", lambda: ns.condition("roomy", "Ready").get("reason") == "Unschedulable")
+
+    def others_running():
+        running = {p["metadata"]["name"]: p["metadata"]["uid"] for p in ns.pods("roomy")
+                   if p["metadata"]["labels"].get(contract.LABEL_ROLE) != contract.TRAINER
+                   and p["status"].get("phase") == "Running"}
+        return running if len(running) == 2 else None
+    others = wait_for("the controller and inference pods Running", others_running)
+    ns.kubectl("patch", contract.PLURAL, "roomy", "--type=merge", "-p",
+               '{"spec":{"trainer":{"resources":{"requests":{"cpu":"100m"}}}}}')
+    ns.wait_phase("roomy", "Running", timeout=90)
+    assert {n: u for n, u in pod_uids(ns, "roomy").items() if n in others} == others
+
+
 def test_deleted_children_come_back_with_the_same_token(operator, ns):
     ns.apply_job("keep", TCP)
     ns.wait_children("keep")

@@ -322,6 +322,20 @@ def test_a_spec_change_rolls_every_role():
                 != pod(after, role, "tcp")["metadata"]["annotations"][render.SPEC_HASH_ANNOTATION])
 
 
+@pytest.mark.parametrize("edit", [{"resources": {"requests": {"cpu": "2"}}}, {"nodeSelector": {"pool": "big"}},
+                                  {"tolerations": [{"key": "gpu", "operator": "Exists"}]},
+                                  {"image": "registry.local/worker:fixed"}])
+def test_an_edit_that_only_places_or_sizes_a_roles_pods_replaces_that_roles_pods_alone(edit):
+    """As when a Pending job's trainers are given resources a node has: the controller (and the
+    rendezvous it hosts) and the inference pods keep their templates."""
+    before, after = job({"trainer": {"replicas": 2}}), job({"trainer": {"replicas": 2, **edit}})
+    assert pod(before, TRAINER, "tcp") != pod(after, TRAINER, "tcp")
+    for role in (CONTROLLER, INFERENCE):
+        assert pod(before, role, "tcp") == pod(after, role, "tcp"), role
+    pulled = job({"trainer": {"replicas": 2}, "imagePullSecrets": [{"name": "registry"}]})
+    assert (pod(pulled, CONTROLLER, "tcp")["metadata"] == pod(before, CONTROLLER, "tcp")["metadata"])
+
+
 # ------------------------------------------------------------------ network resolution
 
 def node(name, allocatable, unschedulable=False):
