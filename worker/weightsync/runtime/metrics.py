@@ -27,6 +27,8 @@ import tempfile
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from weightsync.job import TRAINER
+
 BOARD_ENV = "WEIGHTSYNC_METRICS_BOARD"  # "<path>:<rank>,<rank>,...": the pod's board and its ranks' slots in order
 # A round's seconds: from tens of milliseconds (a small model on one host) to minutes (a large one over TCP).
 ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
@@ -129,7 +131,7 @@ class RankBoard:
             SERVING: GaugeMetricFamily("weightsync_serving_version", "The version this inference rank serves (absent "
                                        "until it serves one)", labels=labels),
         }
-        fields = (SENT,) if self.role == "trainer" else (RECEIVED, CHECKSUM_FAILURES, SERVING)
+        fields = (SENT,) if self.role == TRAINER else (RECEIVED, CHECKSUM_FAILURES, SERVING)
         for index, rank in enumerate(self.ranks):
             for field in fields:
                 value = _get(self.memory, index, field)
