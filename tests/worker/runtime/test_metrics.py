@@ -13,6 +13,8 @@ import sys
 import urllib.request
 
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightsync.job import reasons
@@ -155,3 +157,29 @@ def test_a_taken_port_is_refused_in_one_line():
         taken.close()
     assert str(raised.value) == (f"[Errno 98] the health and metrics endpoint cannot listen on 127.0.0.1:{port}: "
                                  "Address already in use (another process holds the port)")
+
+
+class Large:
+    """A collector whose exposition is far larger than a socket's buffer."""
+
+    def collect(self):
+        family = GaugeMetricFamily("weightsync_test_large", "many samples", labels=["rank"])
+        for rank in range(100_000):
+            family.add_metric([str(rank)], rank)
+        yield family
+
+
+def test_an_answer_larger_than_the_sockets_buffer_arrives_whole_and_probes_still_answer():
+    registry = CollectorRegistry()
+    registry.register(Large())
+    body, _ = metrics.exposition(registry)
+    assert len(body) > 4 * 1024 * 1024
+    pod = health.PodHealth(["controller"])
+    pod.serve("127.0.0.1", 0, registry)
+    try:
+        port = pod.server.server_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{health.METRICS_PATH}", timeout=30) as response:
+            assert response.read() == body
+        assert health.probe("127.0.0.1", port, health.LIVENESS)[0]
+    finally:
+        pod.close()
