@@ -1,7 +1,8 @@
 """The operator's ServiceAccount as the chart installs it, against the real API server: what RBAC
 allows it (kubectl auth can-i --as), what it cannot do when it tries with its own token (read
-another namespace's Secrets, grant rights, run a pod as another account), that it still runs a
-job with nothing more, and that helm uninstall leaves nothing behind."""
+another namespace's Secrets, grant rights, run a pod as another account or of another shape,
+write what no job owns), that it still runs a job with nothing more, and that helm uninstall
+leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -118,6 +119,22 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
             minted["metadata"]["name"] = secret_name
             assert refused(as_operator("create", "-f", "-", input=json.dumps(minted)), "ValidatingAdmissionPolicy",
                            "only a job's own token and join Secrets")
+
+        # Pods of another shape than the operator renders, and anything not owned by the job its
+        # label names, are refused too.
+        privileged = json.loads(statefulset("x-trainer", watched, None))
+        privileged["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+        host = json.loads(statefulset("x-trainer", watched, None))
+        host["spec"]["template"]["spec"].update(hostPID=True)
+        mounted = json.loads(statefulset("x-trainer", watched, None))
+        mounted["spec"]["template"]["spec"]["volumes"] = [{"name": "root", "hostPath": {"path": "/"}}]
+        for shape in (privileged, host, mounted):
+            assert refused(as_operator("create", "-f", "-", input=json.dumps(shape)), "ValidatingAdmissionPolicy",
+                           "are not privileged"), shape
+        orphan = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": "x-spec", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}}}
+        assert refused(as_operator("create", "-f", "-", input=json.dumps(orphan)), "ValidatingAdmissionPolicy",
+                       "owned by the WeightTransferJob its weightsync.io/job label names")
 
         # With exactly these rights, as the chart's pod runs it, the operator runs a job and puts
         # back a deleted Secret with the job's token; a job outside its namespaces is not its business.
