@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightsync.job import reasons
+from support.health import worker_env
+from weightsync.job import Env, reasons
 from weightsync.runtime import health, metrics
 
 # Every metric a pod serves, and its type (the names as Prometheus stores them, without _total).
@@ -183,3 +184,16 @@ def test_an_answer_larger_than_the_sockets_buffer_arrives_whole_and_probes_still
         assert health.probe("127.0.0.1", port, health.LIVENESS)[0]
     finally:
         pod.close()
+
+
+def test_a_worker_pod_whose_health_port_is_taken_fails_in_one_line(tmp_path):
+    env = worker_env(tmp_path, 0)  # the controller's pod
+    port = int(env[Env.HEALTH_PORT])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        done = subprocess.run([sys.executable, "-m", "weightsync.cli", "worker"], env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr == (f"weightsync worker: the health and metrics endpoint cannot listen on 127.0.0.1:{port}: "
+                           "Address already in use (another process holds the port)\n")

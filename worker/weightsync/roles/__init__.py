@@ -38,7 +38,11 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
     # every rank process started from here on finds (runtime/metrics.py)
     metrics = ControllerMetrics() if ctx.role == CONTROLLER else RankBoard(ctx.role, ranks)
     if ctx.health_port:  # 0: no probes (pods on the node's network; render.on_host_network)
-        health.serve(ctx.pod_ip, ctx.health_port, metrics.registry)
+        try:
+            health.serve(ctx.pod_ip, ctx.health_port, metrics.registry)
+        except OSError as e:  # a taken port: one line, and the pod fails (it restarts, saying so again)
+            print(f"weightsync worker: {e.strerror}", file=sys.stderr, flush=True)
+            return 1
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
         health.rank(0).start()
