@@ -135,6 +135,12 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
                   "metadata": {"name": "x-spec", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}}}
         assert refused(as_operator("create", "-f", "-", input=json.dumps(orphan)), "ValidatingAdmissionPolicy",
                        "owned by the WeightTransferJob its weightsync.io/job label names")
+        # An object of no job cannot be taken over by labelling it as one's child.
+        cluster.kubectl("create", "configmap", "unrelated", "-n", watched, "--from-literal=a=b")
+        takeover = as_operator("label", "configmap", "unrelated", "-n", watched, f"{contract.LABEL_JOB}=x")
+        assert refused(takeover, "ValidatingAdmissionPolicy", "changes only objects it created for that same job")
+        assert refused(as_operator("patch", "configmap", "unrelated", "-n", watched, "--type=merge", "-p",
+                                   '{"data":{"a":"c"}}'), "ValidatingAdmissionPolicy", "children of a WeightTransferJob")
 
         # With exactly these rights, as the chart's pod runs it, the operator runs a job and puts
         # back a deleted Secret with the job's token; a job outside its namespaces is not its business.
