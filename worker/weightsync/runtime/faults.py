@@ -6,7 +6,7 @@ sets it in its own processes or through LocalJob's extra environment.
 
   PAUSE_DIR_ENV  pause_point(): a rank holds at a named point of a version while the test kills
                  or stops whatever process it wants (tests/worker/runtime/test_faults.py,
-                 tests/worker/local/test_join_faults.py,
+                 tests/worker/local/test_join_faults.py, tests/worker/local/test_runner_metrics.py,
                  tests/worker/rendezvous/test_rendezvous_attacks.py,
                  tests/worker/vllm_backend/test_vllm_engine.py).
   DUMP_DIR_ENV   dumping(), dump(): trainer and inference ranks save every version's tensors and
