@@ -283,7 +283,7 @@ def attach(model, *, rank: int | None = None, context: WorkerContext | None = No
                             f"{', '.join(JoinEnv.REQUIRED)} (an external trainer: the Secret <job>-join in a cluster, "
                             "the file `weightsync run --join-env FILE` writes on one machine), or run the script as "
                             "spec.trainer.command in the job's own trainer pods")
-        context, channel = joined_context(join, TRAINER, lambda job: external_rank(job, os.environ, rank))
+        context, channel = joined_context(join, TRAINER, lambda job, _: external_rank(job, os.environ, rank))
         channel.store.close()
         rank = external_rank(context.job, os.environ, rank)
     ctx = context or WorkerContext.from_environ()

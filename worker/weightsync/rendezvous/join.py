@@ -82,26 +82,31 @@ def fetch_job(join: Join, timeout: float = CONTROLLER_WAIT, say: Callable[[str],
     return job, channel
 
 
-def joined_context(join: Join, role: str, rank: int | Callable[[Job], int], timeout: float = CONTROLLER_WAIT,
+def joined_context(join: Join, role: str, rank: int | Callable[[Job, Channel], int], timeout: float = CONTROLLER_WAIT,
                    say: Callable[[str], None] = _say) -> tuple[WorkerContext, Channel]:
-    """The WorkerContext of external `role` rank `rank` of the job `join` names (`rank` may be a
-    function of the job, which may refuse it with a SpecError), and the store client that read the
-    job. JoinError where the role is not external in the job or the rank is not one of its."""
+    """The WorkerContext of external `role` rank `rank` of the job `join` names, and the store
+    client that read the job. `rank` may be a function of the job and that client (which may
+    claim a rank through the store, or refuse with a SpecError or a JoinError). JoinError where the
+    role is not external in the job or the rank is not one of its; the client is closed then."""
     channel = connect(join, timeout, say)
-    job, mode = _read(channel, join, timeout)
-    world = job.layout.world_size(role)
-    if not job.pods(role).external:
-        raise JoinError(f"job {job.identity}'s {role}s are not external (spec.{role}.external is false): its own "
-                        f"pods hold every {role} rank; set spec.{role}.external: true to start them yourself")
-    if callable(rank):
+    try:
+        job, mode = _read(channel, join, timeout)
+        world = job.layout.world_size(role)
+        if not job.pods(role).external:
+            raise JoinError(f"job {job.identity}'s {role}s are not external (spec.{role}.external is false): its own "
+                            f"pods hold every {role} rank; set spec.{role}.external: true to start them yourself")
+        if callable(rank):
+            try:
+                rank = rank(job, channel)
+            except SpecError as e:
+                raise JoinError("; ".join(e.problems)) from None
+        if not 0 <= rank < world:
+            raise JoinError(f"{role} rank {rank} is not one of job {job.identity}'s {world} {role} ranks "
+                            f"(spec.{role}: replicas x procsPerPod)")
         try:
-            rank = rank(job)
+            return WorkerContext.from_join(join, job, role, rank, network_mode=mode), channel
         except SpecError as e:
             raise JoinError("; ".join(e.problems)) from None
-    if not 0 <= rank < world:
-        raise JoinError(f"{role} rank {rank} is not one of job {job.identity}'s {world} {role} ranks "
-                        f"(spec.{role}: replicas x procsPerPod)")
-    try:
-        return WorkerContext.from_join(join, job, role, rank, network_mode=mode), channel
-    except SpecError as e:
-        raise JoinError("; ".join(e.problems)) from None
+    except BaseException:
+        channel.store.close()
+        raise

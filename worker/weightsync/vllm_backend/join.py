@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AutoModelForCausalLM
 
-from weightsync.job import INFERENCE, Env, SpecError, WorkerContext
+from weightsync.job import INFERENCE, Env, Job, SpecError, WorkerContext
 from weightsync.job.join import Join
 from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
-from weightsync.rendezvous.join import JoinError, fetch_job, joined_context
-from weightsync.rendezvous.protocol import Keys, ProofError
+from weightsync.rendezvous.join import JoinError, joined_context
+from weightsync.rendezvous.protocol import Channel, Keys, ProofError
 from weightsync.vllm_backend import joining
 
 CLAIM_TIMEOUT = 300.0  # seconds for the controller to answer a claim (it answers between two of its steps)
@@ -62,11 +62,11 @@ def place_of(parallel_config, model_config) -> Place:
 
 
 def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout) -> Place:
-    job, channel = fetch_job(join)
-    try:
-        if not job.inference.external:
-            raise JoinError(f"job {job.identity}'s inference ranks are its own pods (spec.inference.external is "
-                            "false): set spec.inference.external: true to serve it from servers you start")
+    claimed: list[int] = []
+
+    def rank_of(job: Job, channel: Channel) -> int:
+        """The inference rank the controller gives this worker, once this server is seen to serve
+        the job's model."""
         try:
             meta_layout(job.model).check_matches(layout, what="this server")
         except LayoutMismatch as e:
@@ -78,12 +78,12 @@ def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout
                 raise JoinError(f"job {job.identity} ended before this server could join: "
                                 f"{channel.get_json(Keys.END)['message']}")
 
-        rank = claim(channel, Claim(url, worker, workers, layout.to_json()), CLAIM_TIMEOUT, ended)
-    finally:
-        channel.store.close()
-    ctx, channel = joined_context(join, INFERENCE, rank)
+        claimed.append(claim(channel, Claim(url, worker, workers, layout.to_json()), CLAIM_TIMEOUT, ended))
+        return claimed[0]
+
+    ctx, channel = joined_context(join, INFERENCE, rank_of)
     channel.store.close()
-    return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), rank, url, external=True)
+    return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], url, external=True)
 
 
 def served_layout(model_config) -> FlatLayout:
