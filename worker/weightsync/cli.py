@@ -21,7 +21,7 @@ import re
 import sys
 
 from weightsync import __version__
-from weightsync.job import SpecError, load_job
+from weightsync.job import SpecError, load_job, logline
 
 EXIT_SPEC = 2  # a spec, a file or an environment that must be fixed, or a machine too small for the job
 EXIT_FAILED = 1
@@ -101,6 +101,7 @@ def _run(args) -> int:
 def _worker(args) -> int:
     from weightsync.roles import main as worker
 
+    logline.configure()  # the libraries' warnings too carry the time and their source
     return worker()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -195,5 +196,6 @@ def test_a_worker_pod_whose_health_port_is_taken_fails_in_one_line(tmp_path):
         done = subprocess.run([sys.executable, "-m", "weightsync.cli", "worker"], env=env, capture_output=True,
                               text=True, timeout=120)
     assert done.returncode == 1
-    assert done.stderr == (f"weightsync worker: the health and metrics endpoint cannot listen on 127.0.0.1:{port}: "
-                           "Address already in use (another process holds the port)\n")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \[weightsync worker\] " + re.escape(
+        f"the health and metrics endpoint cannot listen on 127.0.0.1:{port}: "
+        "Address already in use (another process holds the port)\n"), done.stderr), done.stderr

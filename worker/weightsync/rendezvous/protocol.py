@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from weightsync.job import INFERENCE, TRAINER, Job, Layout
+from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline
 from weightsync.job.token import mac, same
 from weightsync.plan.sliced import plan_from_json
 from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
@@ -348,7 +347,7 @@ class Member(Channel):
         self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None)
 
     def say(self, message: str) -> None:
-        print(f"[{self.name}] {message}", file=sys.stderr, flush=True)
+        logline.say(self.name, message)
 
     def wait_for_end(self) -> dict:
         """Wait for the controller's end of the job: {"state", "message"}."""

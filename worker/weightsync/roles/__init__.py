@@ -13,6 +13,7 @@ from multiprocessing.connection import wait
 from typing import Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, SpecError, WorkerContext
+from weightsync.job.logline import say
 from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server
 from weightsync.runtime.health import PodHealth, RankHealth
@@ -41,7 +42,7 @@ def main(environ: Mapping[str, str] = os.environ) -> int:
         try:
             health.serve(ctx.pod_ip, ctx.health_port, metrics.registry)
         except OSError as e:  # a taken port: one line, and the pod fails (it restarts, saying so again)
-            print(f"weightsync worker: {e.strerror}", file=sys.stderr, flush=True)
+            say("weightsync worker", e.strerror)
             return 1
     exit_on_sigterm()
     if ctx.role == CONTROLLER:
@@ -119,8 +120,7 @@ def supervise(role: str, ranks: list[int], health: PodHealth) -> int:
             if p.exitcode == 0:
                 health.finished(procs.index(p))
             else:
-                print(f"weightsync worker: {p.name} {exit_status(p.exitcode)}; stopping the pod's other ranks",
-                      file=sys.stderr, flush=True)
+                say("weightsync worker", f"{p.name} {exit_status(p.exitcode)}; stopping the pod's other ranks")
                 stop(*running, grace=STOP_GRACE)
                 return 1
     return 0

@@ -100,6 +100,7 @@ class Inference:
     def _generate(self, model, gens: Generations, device) -> None:
         """Generate from the fixed prompt with whatever version is active; switch between generations."""
         ids = prompt(model, device)
+        said = None  # the version whose generation the log showed: once per version, not every GENERATE_EVERY
         while True:
             gens.next_event(GENERATE_EVERY if gens.version is not None else None)
             if gens.error is not None:
@@ -115,4 +116,7 @@ class Inference:
             if gens.end is not None:
                 return
             if gens.version is not None and generating():
-                log(self.me, f"version {gens.version} generates {greedy(model, ids, NEW_TOKENS)} from {ids[0].tolist()}")
+                tokens = greedy(model, ids, NEW_TOKENS)
+                if gens.version != said:
+                    log(self.me, f"version {gens.version} generates {tokens} from {ids[0].tolist()}")
+                    said = gens.version

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
+from weightsync.job.logline import say
 from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
@@ -31,7 +32,8 @@ def without_triton() -> None:
 
 
 def log(who: str, message: str) -> None:
-    print(f"[{who}] {message}", file=sys.stderr, flush=True)
+    """A line of this rank's log (job/logline.py: its UTC time and `who`)."""
+    say(who, message)
 
 
 class Expected(RuntimeError):
