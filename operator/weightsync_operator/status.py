@@ -184,5 +184,44 @@ def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
     if phase in ("Running", "Succeeded", "Failed") and phase != current.get("phase"):
         by_type = {c["type"]: c for c in new.get("conditions", [])}
         source = by_type.get({"Running": READY, "Succeeded": COMPLETED, "Failed": FAILED}[phase]) or {}
-        out.append(("Warning" if phase == "Failed" else "Normal", phase, source.get("message", "")))
+        message = source.get("message", "")
+        if phase == "Failed" and source.get("reason"):
+            message = f"{source['reason']}: {message}"
+        out.append(("Warning" if phase == "Failed" else "Normal", phase, message))
+    return out
+
+
+# Events of the inference ranks (status.receivers, from the job's controller pod).
+JOINED, RANK_AWAY, RANK_REJOINED = "AllRanksJoined", "RankAway", "RankRejoined"
+THERE = ("current", "behind")
+
+
+def receiver_events(old: Mapping | None, new: Mapping | None) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events that a change of status.receivers deserves: every
+    inference rank joined (the first report), a rank away, a rank back, never one per version.
+    A job too large to list its ranks gets them from the counts."""
+    old, new = old or {}, new or {}
+    if not new:
+        return []
+    if not old:
+        return [("Normal", JOINED, f"all {new.get('total', 0)} inference ranks joined the job")]
+    before = {r["rank"]: r for r in old.get("ranks") or []}
+    out = []
+    if new.get("ranks") is not None:
+        for r in new["ranks"]:
+            was = (before.get(r["rank"]) or {}).get("state")
+            pod = f" (pod {r['pod']})" if r.get("pod") else ""
+            if r["state"] == "away" and was != "away":
+                out.append(("Warning", RANK_AWAY, f"inference rank {r['rank']}{pod} is away; the job goes on "
+                            "without it and takes it back when it returns"))
+            elif r["state"] in THERE and was in ("away", "rejoining"):
+                out.append(("Normal", RANK_REJOINED, f"inference rank {r['rank']}{pod} rejoined the job"))
+        return out
+    away, was_away = int(new.get("away") or 0), int(old.get("away") or 0)
+    if away > was_away:
+        out.append(("Warning", RANK_AWAY, f"{away - was_away} more inference ranks are away ({away} of "
+                    f"{new.get('total')}); the job goes on without them and takes them back when they return"))
+    back = sum(int(old.get(s) or 0) for s in ("away", "rejoining")) - sum(int(new.get(s) or 0) for s in ("away", "rejoining"))
+    if back > 0:
+        out.append(("Normal", RANK_REJOINED, f"{back} inference ranks rejoined the job"))
     return out

@@ -171,6 +171,12 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
 
             reported = as_controller({"transfer": {"version": 1, "bytes": 10, "gbps": 0.5}})
             assert reported.returncode == 0, reported.stderr
+            receivers = {"total": 1, "ready": "1/1", "version": 1, "current": 1, "behind": 0, "away": 0, "rejoining": 0,
+                         "ranks": [{"rank": 0, "pod": "ok-inference-0", "version": 1, "state": "current",
+                                    "since": "2026-11-26T15:04:05Z"}]}
+            reported = as_controller({"receivers": receivers})
+            assert reported.returncode == 0, reported.stderr
+            assert jobs.job("ok")["status"]["receivers"] == receivers  # the CRD's schema keeps every field
             for status in ({"network": {"mode": "rdma", "reason": "x"}}, {"phase": "Succeeded"},
                            {"conditions": [{"type": "Ready", "status": "True"}]}):
                 assert refused(as_controller(status), "ValidatingAdmissionPolicy", "writes only status.transfer"), status

@@ -426,7 +426,8 @@ def test_the_failed_condition_takes_the_controllers_reason():
                             LAYOUT, READY, [], [CREATED])
     condition = {c["type"]: c for c in failed["conditions"]}[status.FAILED]
     assert (failed["phase"], condition["reason"]) == ("Failed", "ControllerRestarted")
-    assert status.events({}, failed)[-1] == ("Warning", "Failed", condition["message"])
+    # its Event says why, as kubectl describe and get events show it
+    assert status.events({}, failed)[-1] == ("Warning", "Failed", f"ControllerRestarted: {condition['message']}")
     plain = status.compute({"completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [], [CREATED])
     assert {c["type"]: c for c in plain["conditions"]}[status.FAILED]["reason"] == "WorkersFailed"
 

@@ -19,7 +19,7 @@ from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_
 from weightsync_operator.kube import ApiError, Kube, matches
 from weightsync_operator.metrics import METRICS
 from weightsync_operator.report import Indexes, report
-from weightsync_operator.status import CHILDREN_CREATED, condition
+from weightsync_operator.status import CHILDREN_CREATED, condition, receiver_events
 
 JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLURAL)
 
@@ -50,6 +50,17 @@ def network_written(body: kopf.Body, memo: kopf.Memo, **kwargs):
 def rejoins_reported(body: kopf.Body, memo: kopf.Memo, **kwargs):
     """The job's controller pod counted ranks that rejoined: the counts go to status.replicas."""
     report(memo.kube, body.metadata.namespace, body.metadata.name, Indexes.of(kwargs))
+
+
+@kopf.on.field(**JOBS, field="status.receivers", id="receivers")
+def receivers_reported(body: kopf.Body, memo: kopf.Memo, old, new, **_):
+    """The job's controller pod reported its inference ranks' states: Events for the moments that
+    matter (every rank joined, a rank away, a rank back), posted here so that no pod of a job
+    needs the right to post Events."""
+    events = receiver_events(old, new)
+    if events and not memo.kube.namespace_terminating(body.metadata.namespace):
+        for kind, reason, message in events:
+            kopf.event(body, type=kind, reason=reason, message=message)
 
 
 def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repairing: bool = False):

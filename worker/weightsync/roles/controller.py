@@ -32,13 +32,13 @@ from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
-from weightsync.rendezvous.roster import AWAY, JOINING, WAITING, Deadline, Host, RankFailed
+from weightsync.rendezvous.roster import Deadline, Host, RankFailed
 from weightsync.rendezvous.store.table import StoreError, StoreFull
+from weightsync.roles.receivers import Receivers, counts, states
 from weightsync.roles.records import Reporter
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
-from weightsync.runtime.metrics import BEHIND, CURRENT, REJOINING, ControllerMetrics
-from weightsync.runtime.metrics import AWAY as AWAY_STATE
+from weightsync.runtime.metrics import ControllerMetrics
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
@@ -82,6 +82,7 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
     host.publish_job(ctx.job, ctx.network_mode)  # what external ranks read instead of a spec file
     if ctx.job.inference.external:  # the servers' workers claim their ranks (rendezvous/claims.py)
         host.claims = Claims(layout, ctx.job.identity, host.trainer_layout, lambda m: log(ME, m))
+    watch = Receivers(host, reporter.receivers)  # status.receivers, once the ranks joined
     health.ready()
     if starts > 1:
         last = (status.get("transfer") or {}).get("version")
@@ -89,7 +90,7 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
         return _fail(ctx, host, reporter, JobFailed(
             f"the controller started again (start {starts}) {where}: the rendezvous it hosted, and with it the "
             "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
-            reasons.CONTROLLER_RESTARTED), 0, None)
+            reasons.CONTROLLER_RESTARTED), 0, None, watch)
     log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
     external = _external(ctx.job)
     host.external = set(external)
@@ -105,6 +106,8 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
         host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)].endpoint for rank in range(inferences)},
                           {rank: admitted[(INFERENCE, rank)].info for rank in range(inferences)})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
+        watch.update(force=True)
+        watch.start()
         delta_on, why = delta_in_effect(ctx.job.transfer.delta, transport, capabilities_of(transport).patches,
                                         plan.sliced)
         log(ME, why)
@@ -133,7 +136,8 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
                 _reached(reached, final, metrics)
         pause_point(CONTROLLER, 0, "delivered", final)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError, StoreError) as e:
-        return _fail(ctx, host, reporter, e, len(reached), loss)
+        return _fail(ctx, host, reporter, e, len(reached), loss, watch)
+    watch.stop()  # every inference rank's last state, before the ranks leave
     delivered = len(reached)
     message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
     if host.rejoins():
@@ -196,7 +200,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
             log(ME, f"{who(INFERENCE, r)} could not apply {got['refused']} patch(es) of {rnd.name} ({got['why_refused']}); "
                     "the trainers sent those buckets whole")
     host.holding(rnd.version, applied)
-    reporter.metrics.states(_receiver_states(host, rnd.version))
+    reporter.metrics.states(counts(states(host.seats, rnd.version)))
     if rnd.again or host.rejoins():
         reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
     loss, step = sent[0].loss, sent[0].step
@@ -217,16 +221,6 @@ def _reached(reached: set[int], version: int, metrics: ControllerMetrics) -> Non
     if version not in reached:
         reached.add(version)
         metrics.delivered(version)
-
-
-def _receiver_states(host: Host, version: int) -> dict[str, int]:
-    """How many inference ranks are in each state of metrics.RECEIVER_STATES, after a round of `version`."""
-    counts = dict.fromkeys((CURRENT, BEHIND, AWAY_STATE, REJOINING), 0)
-    for seat in host.seats.values():
-        state = AWAY_STATE if seat.state == AWAY else REJOINING if seat.state in (JOINING, WAITING) else \
-            CURRENT if seat.holds == version else BEHIND
-        counts[state] += 1
-    return counts
 
 
 @dataclass(frozen=True)
@@ -326,13 +320,15 @@ def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: RankInfo)
                         f"the job runs on {transport}", reasons.RANKS_DISAGREE)
 
 
-def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss) -> int:
+def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss,
+          watch: Receivers) -> int:
     message = str(error)
     reason = getattr(error, "reason", None) or (reasons.STORE_FULL if isinstance(error, StoreFull) else
                                                 reasons.TIMED_OUT if isinstance(error, TimeoutError) else
                                                 reasons.TOKEN_PROOF_FAILED if isinstance(error, ProofError) else
                                                 reasons.RANKS_DISAGREE)
     log(ME, f"the job failed: {message}")
+    watch.stop()
     try:
         host.end("Failed", message, reason)
     except StoreError as e:  # a full store takes no more keys: the completion below still says why

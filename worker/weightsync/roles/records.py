@@ -1,6 +1,7 @@
 """What the controller reports: one JSON line per delivered version and one at the job's end on
 stdout, always; and the same as the job's status.transfer and status.completion, with its own
-starts (status.controller) and the inference ranks' rejoins (status.rejoins): in a cluster
+starts (status.controller), the inference ranks' rejoins (status.rejoins) and their states
+(status.receivers, written by receivers.py when one changes): in a cluster
 (Env.REPORT_TO_KUBERNETES is "1") through the Kubernetes API (a merge patch of the status
 subresource, with the controller pod's ServiceAccount), else into Env.STATUS_FILE when set (the
 local runner's stand-in for the status). The controller reads its starts back from there: one that
@@ -21,10 +22,12 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from typing import IO
 
-from weightsync.job import GROUP, INFERENCE, PLURAL, VERSION, Env, Job
+from weightsync.job import CONTROLLER, GROUP, INFERENCE, PLURAL, VERSION, Env, Job
+from weightsync.job.logline import say
 from weightsync.runtime.metrics import ControllerMetrics
 
 PATCH_ATTEMPTS = 4
@@ -42,6 +45,7 @@ class Reporter:
         self.rejoined = 0  # the inference ranks' rejoins counted in the metrics so far
         self.api = _custom_objects_api() if to_kubernetes else None
         self.status_file = None if to_kubernetes else (status_file or os.environ.get(Env.STATUS_FILE) or None)
+        self.lock = threading.Lock()  # the receivers' thread writes too: one write at a time
 
     def status(self) -> dict:
         """The job's status as last reported ({} when there is nowhere to read it from)."""
@@ -69,6 +73,10 @@ class Reporter:
         self._patch({"rejoins": rejoins})
         self.metrics.rejoins.inc(max(0, rejoins.get(INFERENCE, 0) - self.rejoined))
         self.rejoined = max(self.rejoined, rejoins.get(INFERENCE, 0))
+
+    def receivers(self, record: dict) -> None:
+        """status.receivers (receivers.py says what it holds), replaced whole."""
+        self._patch({"receivers": record})
 
     def transfer(self, version: int, step: int | None, delivered: int, seconds: float, transport: str,
                  loss: float | None, wire_bytes: int | None = None, delta_ranks: int = 0, **extra) -> dict:
@@ -102,6 +110,10 @@ class Reporter:
         self.out.flush()
 
     def _patch(self, status: dict) -> None:
+        with self.lock:
+            self._write(status)
+
+    def _write(self, status: dict) -> None:
         if self.api is None:
             if self.status_file:
                 current = self.status()
@@ -124,12 +136,12 @@ class Reporter:
             except ApiException as e:
                 # 4xx other than throttling will not get better by retrying: say so and go on
                 if e.status and e.status < 500 and e.status != 429 or attempt == PATCH_ATTEMPTS - 1:
-                    print(f"weightsync: could not write status to WeightTransferJob {self.job.namespace}/{self.job.name}: "
-                          f"{e.status} {e.reason}: {_api_message(e)}", file=sys.stderr, flush=True)
+                    say(CONTROLLER, f"could not write status to WeightTransferJob {self.job.namespace}/{self.job.name}: "
+                                    f"{e.status} {e.reason}: {_api_message(e)}")
                     return
             except (OSError, HTTPError) as e:  # the API server is unreachable
                 if attempt == PATCH_ATTEMPTS - 1:
-                    print(f"weightsync: could not reach the Kubernetes API to write status: {e}", file=sys.stderr, flush=True)
+                    say(CONTROLLER, f"could not reach the Kubernetes API to write status: {e}")
                     return
             time.sleep(0.5 * 2 ** attempt)
 
