@@ -201,6 +201,11 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if mode not in MODES:
         raise ValueError(f"network mode must be resolved to one of {MODES} before rendering, not {mode!r}")
     pods = job.pods(role)
+    template = pods.pod_template
+    problems = contract.pod_template_problems(job.spec[role].get("podTemplate"), job.spec[role],
+                                              job.trainer.env if role == contract.TRAINER else {})
+    if problems:
+        raise contract.SpecError([f"spec.{role}.{p}" for p in problems])
     worker = role != CONTROLLER
     rdma = worker and mode == "rdma"
     host_network = on_host_network(job, role, mode)
@@ -222,13 +227,15 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if rdma or (worker and procs > 1) or (role == contract.INFERENCE and job.inference.runs_vllm):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": contract.SHM_MOUNT})
+    volumes += [copy.deepcopy(dict(v)) for v in template.volumes]
+    mounts += [copy.deepcopy(dict(m)) for m in template.volume_mounts]
 
     container = {
         "name": CONTAINER,
         "image": pods.image or worker_image(job, image),
         "imagePullPolicy": job.image_pull_policy,
         "command": list(WORKER_COMMAND),
-        "env": env(job, role, mode),
+        "env": with_template_env(env(job, role, mode), template),
         "ports": ports(job, role, health=not host_network),
         "volumeMounts": mounts,
         "securityContext": container_security(rdma),
@@ -236,6 +243,8 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if not host_network:
         container["livenessProbe"] = probe(contract.LIVENESS)
         container["readinessProbe"] = probe(contract.READINESS)
+    if template.env_from:
+        container["envFrom"] = copy.deepcopy(list(template.env_from))
     res = resources(job, role, mode)
     if res:
         container["resources"] = res
@@ -254,33 +263,56 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
-    if pods.node_selector:
-        pod["nodeSelector"] = dict(pods.node_selector)
-    if pods.tolerations:
-        pod["tolerations"] = copy.deepcopy(list(pods.tolerations))
-    if job.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": name} for name in job.image_pull_secrets]
+    placed = copy.deepcopy(dict(template.scheduling))
+    if pods.node_selector or "nodeSelector" in placed:
+        pod["nodeSelector"] = {**pods.node_selector, **placed.pop("nodeSelector", {})}
+    if pods.tolerations or "tolerations" in placed:
+        pod["tolerations"] = [*copy.deepcopy(list(pods.tolerations)), *placed.pop("tolerations", [])]
+    pulls = [*job.image_pull_secrets, *(s["name"] for s in placed.pop("imagePullSecrets", []))]
+    if pulls:
+        pod["imagePullSecrets"] = [{"name": name} for name in dict.fromkeys(pulls)]
+    pod.update(placed)  # affinity, topologySpreadConstraints, priorityClassName, schedulerName, runtimeClassName
 
-    annotations = {SPEC_HASH_ANNOTATION: spec_hash(job)}
+    annotations = {**template.annotations, SPEC_HASH_ANNOTATION: spec_hash(job)}
     if rdma and job.network.rdma.networks:
         annotations[MULTUS_ANNOTATION] = job.network.rdma.networks
     if not host_network:  # where the pod serves its metrics, for a Prometheus that discovers pods by annotation
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.HEALTH_PORT),
                             "prometheus.io/path": METRICS_PATH})
-    return {"metadata": {"labels": job.labels(role), "annotations": annotations}, "spec": pod}
+    return {"metadata": {"labels": {**template.labels, **job.labels(role)}, "annotations": annotations}, "spec": pod}
+
+
+def with_template_env(base: list[dict], template: contract.PodTemplate) -> list[dict]:
+    """The job's variables, then the podTemplate's: one that names a default of the job's
+    (contract.WRITABLE_ENV: HOME, HF_HOME, the caches) takes its place; the others, which the CRD
+    keeps clear of the job's names, follow in the template's order."""
+    env = {var["name"]: var for var in base}
+    for var in template.env:
+        env[var.name] = var.manifest()  # in place of a default; a new name goes last
+    return list(env.values())
 
 
 def spec_hash(job: Job) -> str:
     """What every role's pods read of the spec, hashed into their template: pods of every role
     must read the same spec, so a change rolls all of them. Except the fields that only place,
     size or pull a role's pods (POD_ONLY_FIELDS): its own template carries them, so an edit of
-    one replaces that role's pods alone. Fixing the resources of a Pending job's trainers thus
-    leaves the controller, and the rendezvous it hosts, alone."""
+    one replaces that role's pods alone; so do a podTemplate's metadata, scheduling fields and
+    container resources, while its volumes and env, which the processes read, are hashed. Fixing
+    the resources of a Pending job's trainers thus leaves the controller, and the rendezvous it
+    hosts, alone."""
     spec = copy.deepcopy(dict(job.spec))
     spec.pop("imagePullSecrets", None)
     for role in ROLES:
+        section = spec.get(role) or {}
         for name in POD_ONLY_FIELDS:
-            (spec.get(role) or {}).pop(name, None)
+            section.pop(name, None)
+        # What the processes read of a podTemplate stays: its volumes, env, envFrom and mounts.
+        template = (section.pop("podTemplate", None) or {}).get("spec") or {}
+        read = {"volumes": template.get("volumes"),
+                "containers": [{k: c[k] for k in ("name", "env", "envFrom", "volumeMounts") if c.get(k)}
+                               for c in template.get("containers") or () if set(c) & {"env", "envFrom", "volumeMounts"}]}
+        if any(read.values()):
+            section["podTemplate"] = {"spec": {k: v for k, v in read.items() if v}}
     return hashlib.sha256(contract.dump_document(spec).encode()).hexdigest()[:16]
 
 
@@ -359,7 +391,7 @@ def resources(job: Job, role: str, mode: str) -> dict:
     RDMA device: each only where the spec does not name that resource itself. The controller
     asks for neither."""
     pods = job.pods(role)
-    given = pods.resources
+    given = pods.resources or pods.pod_template.resources  # the CRD refuses both
     out = {k: dict(given[k]) for k in ("limits", "requests") if given.get(k)}
     if role == CONTROLLER:
         return out

@@ -22,6 +22,7 @@ from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, R
                                 SPEC_MOUNT, STORE_PORT, TMP_MOUNT, TOKEN_KEY, TOKEN_MOUNT, TORCHRUN_VARS, WORKER_UID,
                                 WRITABLE_ENV, Env, PodSite, Probe, Value, WorkerContext, master_addr, network_env,
                                 pod_env, torchrun_env)
+from weightsync.job.podtemplate import SCHEDULING_FIELDS, EnvVar, PodTemplate, pod_template_problems
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
                                  ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
                                  PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
@@ -39,4 +40,5 @@ __all__ = [
     "Join", "JoinEnv", "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",
     "Training", "Transfer", "Value", "ValueFrom", "Vllm", "WorkerContext", "external_roles", "join_env", "load_job",
     "dump_document", "master_addr", "network_env", "pod_env", "read_job_file", "schema", "torchrun_env",
+    "SCHEDULING_FIELDS", "EnvVar", "PodTemplate", "pod_template_problems",
 ]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from weightsync.job.errors import SpecError
+from weightsync.job.podtemplate import PodTemplate
 from weightsync.job.schema import apply_defaults, cel_rules, openapi_schema, schema_problems, unknown_fields
 from weightsync.job.sizes import size_problems
 from weightsync.job.topology import CONTROLLER, INFERENCE, TRAINER, Layout
@@ -130,6 +131,8 @@ class Pods:
     external: bool = False
     """The role's ranks are processes the user starts (job/join.py: what they need to join);
     weightsync starts none of its pods. The controller is never external."""
+    pod_template: PodTemplate = PodTemplate()
+    """spec.<role>.podTemplate: what the user adds to the role's pods (podtemplate.py)."""
 
     @property
     def gpus(self) -> int:
@@ -141,7 +144,8 @@ class Pods:
         """The fields every role's section has, read from it."""
         return {"image": section.get("image"), "resources": section.get("resources") or {},
                 "node_selector": section.get("nodeSelector") or {}, "tolerations": tuple(section.get("tolerations") or ()),
-                "external": bool(section.get("external", False))}
+                "external": bool(section.get("external", False)),
+                "pod_template": PodTemplate.read(section.get("podTemplate"))}
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Mapping
 
 
-from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job,
+from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, ROLES, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job,
                             dump_document,
                             PodSite, ValueFrom, external_roles, load_job, pod_env)
 from weightsync.local.external import JoinOffer
@@ -75,6 +75,7 @@ class LocalJob:
         self.completion: dict | None = None
         check_join_env(job, join_env)
         self.pods = self._pods()
+        note_pod_templates(job, self.say)
         self.kubelet = Kubelet(self.pods, self.workdir, self.say)
         self.offer = None if join_env is None else JoinOffer(job, Path(join_env), self.store_port, self.token_file,
                                                              self.pods[0].log, self.say)
@@ -141,6 +142,8 @@ class LocalJob:
             )
             # CUDA_VISIBLE_DEVICES: what the device plugin gives the pod
             env = {**base, "CUDA_VISIBLE_DEVICES": gpus[ordinal], **pod_env(self.job, role, "tcp", site)}
+            # spec.<role>.podTemplate's env, after the job's as in the pod (valueFrom: note_pod_templates)
+            env.update({v.name: v.value or "" for v in self.job.pods(role).pod_template.env if v.value_from is None})
             if role == INFERENCE and servers:
                 env[Env.VLLM_PORT] = str(server_ports[ordinal - first_inference])
             if self.share_gpus:
@@ -284,6 +287,20 @@ def check_join_env(job: Job, join_env: Path | None) -> None:
     if join_env is not None and not external:
         raise CannotRunHere(f"--join-env: job {job.name} has no external role (spec.trainer.external, "
                             "spec.inference.external), so no process of yours joins it; drop --join-env")
+
+
+def note_pod_templates(job: Job, say) -> None:
+    """What of each role's podTemplate a run on this machine leaves out, one line each: the env
+    the cluster resolves (valueFrom, envFrom) and the fields only pods in a cluster have
+    (volumes, scheduling, labels, resources). Its plain env values reach the processes."""
+    for role in ROLES:
+        if role in external_roles(job):
+            continue
+        template = job.pods(role).pod_template
+        for line in template.unresolved_env():
+            say(f"spec.{role}.podTemplate {line}; the local {role} processes run without it")
+        for path in template.cluster_only():
+            say(f"spec.{role}.podTemplate.{path}: not applicable locally (it applies to the job's pods in a cluster)")
 
 
 def check_command_env(job: Job) -> None:
