@@ -33,3 +33,7 @@ def test_the_api_server_takes_a_template_and_refuses_what_the_job_owns(cluster, 
     assert clash.returncode != 0, clash.stderr
     assert "spec.trainer.podTemplate.spec.containers[0].env[0]" in clash.stderr
     assert "podTemplate env may not set WEIGHTSYNC_* variables" in clash.stderr
+
+    host = dry_run(cluster, {"podTemplate": {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}})
+    assert host.returncode != 0 and "spec.trainer.podTemplate.spec.volumes[0]" in host.stderr, host.stderr
+    assert "may not be hostPath, secret or projected volumes" in host.stderr

@@ -103,6 +103,7 @@ REFUSED = [
     ({"metadata": {"annotations": {"weightsync.io/spec-hash": "x"}}}, "weightsync.io/spec-hash is the job's own annotation"),
     ({"metadata": {"annotations": {"prometheus.io/port": "1"}}}, "prometheus.io/port is the job's own annotation"),
     (template({"volumes": [{"name": "tmp", "emptyDir": {}}]}), "tmp is the job's own volume"),
+    (template({"volumes": [{"name": "creds", "projected": {"sources": []}}]}), "creds is a projected volume"),
     (template({"nodeSelector": {"pool": "b"}}), "pool is set in the role's nodeSelector too"),
     (template(env=[{"name": "WEIGHTSYNC_ORDINAL", "value": "0"}]), "WEIGHTSYNC_ORDINAL is set by the job itself"),
     (template(env=[{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]), "NCCL_SOCKET_IFNAME is set by the job itself"),

@@ -78,6 +78,8 @@ CEL = [
     ({"metadata": {"annotations": {"k8s.v1.cni.cncf.io/networks": "n"}}}, {}, "set spec.network.rdma.networks"),
     ({"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, {}, "podTemplate volume names spec, token, tmp and dshm"),
     ({"spec": {"containers": [{"name": "sidecar"}]}}, {}, "podTemplate.spec.containers takes only the job's container"),
+    ({"spec": {"volumes": [{"name": "host", "hostPath": {"path": "/"}}]}}, {}, "may not be hostPath, secret or projected"),
+    ({"spec": {"volumes": [{"name": "creds", "secret": {"secretName": "s"}}]}}, {}, "take a Secret's keys through"),
     ({"spec": {"containers": [{"name": "worker"}, {"name": "worker"}]}}, {}, "podTemplate.spec.containers: "),
     (worker(env=[{"name": "WEIGHTSYNC_JOB", "value": "x"}]), {}, "may not set WEIGHTSYNC_* variables"),
     (worker(env=[{"name": "NCCL_IB_HCA", "value": "mlx5_0"}]), {}, "set them in spec.network.rdma or spec.network.tcp"),

@@ -27,6 +27,9 @@ RESERVED_ANNOTATION_PREFIXES = ("weightsync.io/", "prometheus.io/")
 # The job's own volumes and where its container mounts them (pod.py's SPEC_MOUNT, TOKEN_MOUNT,
 # TMP_MOUNT, SHM_MOUNT).
 RESERVED_VOLUMES = ("spec", "token", "tmp", "dshm")
+# Volume sources the chart's admission policy refuses in the operator's pods: no host path, no
+# Secret but the job's token (a Secret's keys reach the container through env instead).
+REFUSED_VOLUME_SOURCES = ("hostPath", "secret", "projected")
 RESERVED_MOUNT_PATHS = ("/tmp", "/tmp/", "/etc/weightsync/spec", "/etc/weightsync/token", "/dev/shm")
 # Variables the job sets from its spec: the pod's contract, the network's settings (pod.network_env,
 # from spec.network) and where a trainer command's ranks meet (pod.TORCHRUN_VARS). The writable
@@ -121,6 +124,8 @@ def pod_template_problems(template: Mapping | None, section: Mapping, command_en
     volumes = [v.get("name") for v in spec.get("volumes") or ()]
     problems += [f"podTemplate.spec.volumes: {name} is the job's own volume; give yours another name"
                  for name in volumes if name in RESERVED_VOLUMES]
+    problems += [f"podTemplate.spec.volumes: {v.get('name')} is a {kind} volume, which the job's pods may not mount"
+                 for v in spec.get("volumes") or () for kind in REFUSED_VOLUME_SOURCES if kind in v]
     clashing = sorted(set(spec.get("nodeSelector") or {}) & set(section.get("nodeSelector") or {}))
     problems += [f"podTemplate.spec.nodeSelector: {k} is set in the role's nodeSelector too" for k in clashing]
     for container in spec.get("containers") or ():
