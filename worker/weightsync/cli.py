@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_gpu(argv[1:])
     if argv[:1] == ["bench"]:
+        from weightsync.runtime.rank import without_triton
+
+        without_triton()  # every mode but --gpu computes on the CPU: no triton, nor its "leaked" lines at exit
         from weightsync.bench.transfer import main as bench
 
         return bench(argv[1:])

@@ -22,6 +22,7 @@ from weightsync.bench.netns import enter
 from weightsync.bench.trained import TrainedVersions
 from weightsync.model.flat import FlatLayout, fill_range, views
 from weightsync.plan.segments import make_plan
+from weightsync.runtime.rank import without_triton
 from weightsync.transfer.receive import VersionReceiver, settle_heap, version_digest
 from weightsync.transfer.send import VersionSender
 from weightsync.transport import make_transport
@@ -85,6 +86,7 @@ def where(case: dict, role: str, rank: int) -> tuple[int, str, str]:
 def run(role: str, rank: int, case: dict, store_port: int) -> None:
     """The process's target: with links, first into its network namespace (before any socket
     or thread); a failure is left in the store for the parent to report."""
+    without_triton()  # a CPU rank, as the job's are
     index, _, store_host = where(case, role, rank)
     if case.get("links"):
         enter(case["links"]["namespaces"][index])

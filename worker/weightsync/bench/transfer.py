@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from weightsync.bench.chart import chart
 from weightsync.bench.netns import Links, rate_bits, unavailable
 from weightsync.bench.rank import build_model, run
 from weightsync.bench.shards import main as shards_bench
@@ -260,12 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-batch", type=int, default=2, help="sequences per training step")
     parser.add_argument("--train-seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--chart", metavar="FILE.png", help="also draw the report: GB/s per method and shape against "
+                                                           "the speed of light or the ceiling (needs matplotlib)")
     parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
                                                          "against reloading a checkpoint from disk (PYTHON runs vLLM)")
     parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
                                                             "replicas, publishing through the trainer API (seconds per "
                                                             "version, trainer memory); --shapes one TRAINERSxINFERENCE")
     args = parser.parse_args(argv)
+    if args.chart:
+        problem = chart_problem(args.chart, args.vllm or args.fsdp)
+        if problem:
+            parser.error(f"--chart: {problem}")
     if args.vllm:
         return vllm_bench(args.vllm, args.json)
     dtypes = args.dtypes.split(",")
@@ -325,7 +332,25 @@ def main(argv: list[str] | None = None) -> int:
     report["cases"] = cases
     report["targets"] = targets(cases, bool(args.links))
     print(json.dumps(report, indent=2) if args.json else render(report))
+    if args.chart:
+        print(f"bench: chart in {chart(report, args.chart)}", file=sys.stderr, flush=True)
     return 0
+
+
+def chart_problem(path: str, other_mode: bool) -> str | None:
+    """Why --chart cannot be honoured, found before anything runs, or None."""
+    if other_mode:
+        return "draws the transfer benchmark (loopback or --links), not --vllm or --fsdp"
+    if not path.endswith(".png"):
+        return f"{path!r} does not end in .png"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"the folder {parent} does not exist"
+    try:
+        import matplotlib  # noqa: F401 - drawn at the end; missing, the run would be lost
+    except ImportError:
+        return "needs matplotlib: pip install 'weightsync[examples]'"
+    return None
 
 
 def run_cases(args, shapes, dtypes, versions, meta, trained, bits) -> list[dict]:
