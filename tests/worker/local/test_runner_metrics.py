@@ -6,6 +6,8 @@ records are compared with what was scraped, the controller's and every rank's.""
 from __future__ import annotations
 
 import io
+import json
+import re
 import time
 import urllib.request
 
@@ -14,11 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.jobs import make_job, outcome_of
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
-from weightsync.local.runner import LocalJob
+from weightsync.local.runner import STATUS_FILE, LocalJob
 from weightsync.runtime.faults import PAUSE_DIR_ENV
+from weightsync.runtime.metrics import RECEIVER_STATES
 
 pytestmark = pytest.mark.slow  # a whole job as processes: not in `make unit`
 
+LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \[[^\]]+\] ")
+SINCE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 REACH_TIMEOUT = 240.0  # seconds for the job to deliver its last version on a loaded machine
 
 
@@ -77,3 +82,22 @@ def test_a_jobs_scraped_metrics_agree_with_its_records(tmp_path):
             sum(t["version_bytes"] for t in transfers)
         assert inference[("weightsync_checksum_failures_total", (("rank", rank),))] == 0
         assert inference[("weightsync_serving_version", (("rank", rank),))] == final
+
+    # the status tells the same story: every inference rank current on the final version
+    receivers = json.loads((local.workdir / STATUS_FILE).read_text())["receivers"]
+    assert (receivers["total"], receivers["ready"], receivers["version"]) == (2, "2/2", final)
+    assert {s: receivers[s] for s in RECEIVER_STATES} == \
+        {s: controller[("weightsync_receivers", (("state", s),))] for s in RECEIVER_STATES}
+    assert [(r["rank"], r["state"], r["version"]) for r in receivers["ranks"]] == [(0, "current", final),
+                                                                                   (1, "current", final)]
+    (pod,) = [p.name for p in local.pods if p.role == INFERENCE]
+    assert all(r["pod"] == pod and SINCE.match(r["since"]) for r in receivers["ranks"]), receivers["ranks"]
+
+    # every pod's log line says when and who (the controller's records on stdout are JSON objects,
+    # each with its time); an inference rank says what a version generates once
+    for pod in local.pods:
+        lines = [x for x in pod.log.read_text().splitlines() if x and not x.startswith("{")]
+        assert lines and all(LINE.match(x) for x in lines), [x for x in lines if not LINE.match(x)]
+        if pod.role == INFERENCE:
+            said = [x.split(" generates")[0].split(" ", 1)[1] for x in lines if " generates " in x]  # [who] version v
+            assert said and len(said) == len(set(said)), said

@@ -13,6 +13,7 @@ from multiprocessing.connection import wait
 from typing import Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, SpecError, WorkerContext
+from weightsync.job import logline
 from weightsync.job.logline import say
 from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server
@@ -80,12 +81,19 @@ def run_rank(role: str, rank: int, local_rank: int, ctx: WorkerContext | None = 
     # the controller's, a trainer command's and a vLLM server's pods never import torch.
     if not ctx.job.pods(role).gpus_per_proc:
         without_triton()
+    logline.configure()  # a spawned rank process starts without the pod process's logging
     if role == TRAINER:
         from weightsync.roles import trainer as program
     elif ctx.job.inference.runs_vllm:  # the rank is a worker of the pod's vLLM server
         return vllm_server.run(ctx, list(ctx.ranks))
     else:
         from weightsync.roles import inference as program
+    # transformers writes its warnings through a handler of its own, in a format of its own: they go
+    # to the lines of the rank's log (job/logline.py) instead
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
     return program.run(ctx, rank, local_rank)
 
 
