@@ -114,6 +114,12 @@ def test_the_role_rules_hold_in_every_role(role):
         contract.load_job(job(role, {"spec": {"nodeSelector": {"pool": "b"}}}, nodeSelector={"pool": "a"}))
 
 
+@pytest.mark.parametrize("role,more", [("trainer", {}), ("inference", {"engine": "vllm"})])
+def test_an_external_role_has_no_pods_to_template(role, more):
+    with pytest.raises(contract.SpecError, match=f"spec.{role}: spec.<role>.podTemplate applies to the pods weightsync"):
+        contract.load_job(job(role, worker(env=[{"name": "A", "value": "1"}]), external=True, **more))
+
+
 def test_the_reserved_names_are_every_name_the_job_sets():
     j = contract.load_job(job("trainer", {}, command=["python"]) | {"spec": {
         "model": {"config": {"model_type": "gpt2"}}, "trainer": {"command": ["python"]},
