@@ -11,6 +11,9 @@
   weightsync bench        transfer benchmark: planned M-to-N over TCP vs. broadcast vs. raw sockets
   weightsync bench --gpu  the GPU data plane: nccl M-to-N vs. broadcast, ipc vs. a device copy,
                           the GPU cast and checksum vs. a device copy
+  weightsync bench --chart FILE.png
+                          the transfer benchmark, drawn as well
+  weightsync report LOG   a job's versions as one PNG timeline, from its controller's log
 """
 
 from __future__ import annotations
@@ -62,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--dtype", default="bfloat16", help="transfer dtype (default bfloat16)")
     plan.add_argument("--bucket-mb", type=int, default=64, help="largest piece in MiB (default 64)")
     sub.add_parser("bench", help="transfer benchmark (weightsync bench --help for its options)", add_help=False)
+    sub.add_parser("report", help="a job's versions as one PNG timeline, from its controller's log "
+                                  "(weightsync report --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        from weightsync.bench.timeline import main as report
+
+        return report(argv[1:])
     if argv[:1] == ["bench"] and "--gpu" in argv:
         from weightsync.bench.gpu import main as bench_gpu
 

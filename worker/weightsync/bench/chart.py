@@ -31,14 +31,21 @@ def ratio(case: dict, method: str) -> float:
     return figures["ratio_to_light"] if "speed_of_light" in case else figures["ratio_to_ceiling"]
 
 
-def chart(report: dict, path: str | Path) -> Path:
-    """Draw `report` (what `weightsync bench --json` prints) into the PNG at `path`."""
+def pyplot(command: str):
+    """matplotlib's pyplot, drawing into files without a display; `command` says who needs it."""
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("weightsync bench --chart needs matplotlib: pip install 'weightsync[examples]'") from None
+        raise SystemExit(f"{command} needs matplotlib: pip install 'weightsync[examples]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def chart(report: dict, path: str | Path) -> Path:
+    """Draw `report` (what `weightsync bench --json` prints) into the PNG at `path`."""
+    plt = pyplot("weightsync bench --chart")
 
     dtypes = list(dict.fromkeys(c["dtype"] for c in report["cases"]))
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.8), squeeze=False)

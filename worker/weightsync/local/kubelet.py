@@ -106,7 +106,11 @@ class Kubelet:
                     self.failure = e
 
     def _start(self, pod: Pod, why: str | None = None) -> None:
-        with open(pod.log, "ab" if why else "wb") as log:  # the process keeps its own copy
+        if not why:
+            pod.log.write_bytes(b"")
+        # appending (O_APPEND): the process keeps its own copy, and the run adds the controller's
+        # records, whole lines each, between its lines (runner.py)
+        with open(pod.log, "ab") as log:
             if why:
                 log.write(f"{_line_break(pod.log)}weightsync run: restart {pod.restarts} of {pod.name}: {why}\n".encode())
             proc = subprocess.Popen(

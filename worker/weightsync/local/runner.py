@@ -180,9 +180,17 @@ class LocalJob:
             self.offer.start()
 
     def _read_lines(self, stream) -> None:
-        """The controller's stdout: its records (JSON lines), and anything else it prints."""
-        for raw in stream:
-            line = raw.decode(errors="replace").strip()
+        """The controller's stdout: its records (JSON lines), and anything else it prints. Both go
+        into its log as well, as `kubectl logs` shows a pod's (what `weightsync report` reads)."""
+        with open(self.pods[0].log, "ab") as log:
+            for raw in stream:
+                log.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                log.flush()
+                self._take(raw)
+
+    def _take(self, raw: bytes) -> None:
+        line = raw.decode(errors="replace").strip()
+        if line:
             try:
                 event = json.loads(line)
             except ValueError:
@@ -191,7 +199,7 @@ class LocalJob:
                 if event["event"] == "completion":
                     self.kubelet.end()  # the job's end: from now on no pod is restarted
                 self.events.put(event)
-            elif line:
+            else:
                 self.say(f"controller: {line}")
 
     def say(self, text: str) -> None:
