@@ -109,11 +109,25 @@ bench-links: setup ## Transfer benchmark over shaped links (root): every rank in
 CONTAINER_ENGINE ?= $(shell command -v docker || command -v podman)
 REGISTRY ?= ghcr.io/weightsync
 VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DIST ?= dist
 HELM ?= helm
 KUBECTL ?= kubectl
 RELEASE ?= weightsync
 NAMESPACE ?= weightsync-system
 HELM_ARGS ?=
+
+.PHONY: dist
+dist: setup ## The release's packages, each with the package's version: wheel and sdist, and the chart package, in $(DIST) (HELM=)
+	rm -rf $(DIST) && mkdir -p $(DIST)
+	$(PY) -m build --no-isolation --wheel --sdist --outdir $(DIST) . >/dev/null
+	$(HELM) package charts/weightsync --destination $(DIST) --version $(VERSION) --app-version $(VERSION) >/dev/null
+	@ls -1 $(DIST)
+
+.PHONY: dist-images
+dist-images: images ## The two images, tagged with the package's version, saved as archives in $(DIST) (a container engine)
+	mkdir -p $(DIST)
+	$(CONTAINER_ENGINE) save -o $(DIST)/weightsync-operator-$(VERSION).tar $(REGISTRY)/operator:$(VERSION)
+	$(CONTAINER_ENGINE) save -o $(DIST)/weightsync-worker-$(VERSION).tar $(REGISTRY)/worker:$(VERSION)
 
 .PHONY: images
 images: ## Build the operator and worker images with docker or podman (REGISTRY=, VERSION=, CONTAINER_ENGINE=)

@@ -112,7 +112,9 @@ def test_the_chart_ships_the_crd_unchanged():
 def test_chart_and_package_versions_agree():
     chart = yaml.safe_load((ROOT / "charts/weightsync/Chart.yaml").read_text())
     version = pyproject()["project"]["version"]
-    assert chart["appVersion"] == version
+    # one version number: the package's, `weightsync --version`'s, the chart's and its appVersion
+    import weightsync
+    assert chart["version"] == chart["appVersion"] == weightsync.__version__ == version
     # `make images` tags both images with the package version; the operator's default worker
     # image and the chart's operator image (its appVersion) are those tags.
     from weightsync_operator.render import FALLBACK_WORKER_IMAGE

@@ -50,12 +50,13 @@ def restarts(pod: dict) -> int:
     return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses") or [])
 
 
-def install(helm: Helm, release: str, namespace: str, *values: str) -> None:
-    """The chart installed as `make deploy-*` installs it: the CRD applied first (helm installs a
-    chart's CRD only once and never upgrades it), then the release."""
+def install(helm: Helm, release: str, namespace: str, *values: str, chart: Path = CHART) -> None:
+    """The chart (its folder, or a package `make dist` built) installed as `make deploy-*` installs
+    it: the CRD applied first (helm installs a chart's CRD only once and never upgrades it), then
+    the release."""
     helm.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
     helm.cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
-    helm("install", release, str(CHART), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "3m",
+    helm("install", release, str(chart), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "3m",
          *[a for v in values for a in ("--set", v)])
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import tomllib
 import uuid
+import zipfile
 
 import pytest
 import yaml
-from e2e_harness import CHART, ROOT, new_namespace
+from e2e_harness import CHART, ROOT, install, new_namespace
 from e2e_harness import leftovers
 
 from weightsync.job import LABEL_JOB
@@ -127,3 +130,44 @@ def test_pod_monitors_scrape_the_operator_and_the_jobs_worker_pods(helm, cluster
     # the labels every worker pod carries (job.labels), the operator's pod none of them
     assert jobs["selector"] == {"matchLabels": {"app.kubernetes.io/name": "weightsync"},
                                 "matchExpressions": [{"key": LABEL_JOB, "operator": "Exists"}]}
+
+
+def test_make_dist_builds_a_release_whose_packages_install_and_run(helm, cluster, tmp_path):
+    """`make dist`: the wheel, the sdist and the chart package, each with the one version number;
+    the wheel installed into a folder of its own runs `weightsync --version` and `weightsync plan`
+    from there, and the chart package installs into the cluster."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    dist = tmp_path / "dist"
+    proc = subprocess.run(["make", "--no-print-directory", "dist", f"DIST={dist}", f"HELM={cluster.binaries / 'helm'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = dist.glob(f"weightsync-{version}-*.whl")
+    assert (dist / f"weightsync-{version}.tar.gz").is_file() and (dist / f"weightsync-{version}.tgz").is_file()
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import weightsync; print(weightsync.__file__)"], env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(site)), where  # the installed wheel, not this checkout
+    command = site / "bin" / "weightsync"
+    out = subprocess.run([str(command), "--version"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == f"weightsync {version}", out.stdout + out.stderr
+    plan = subprocess.run([str(command), "plan", str(ROOT / "examples" / "tcp-job.yaml")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert plan.returncode == 0 and "balance" in plan.stdout, plan.stdout + plan.stderr
+    assert b"Apache License" in zipfile.ZipFile(wheel).read(f"weightsync-{version}.dist-info/licenses/LICENSE")
+
+    release, ns, watched = f"ws-{uuid.uuid4().hex[:6]}", new_namespace(cluster, "dist"), new_namespace(cluster, "jobs")
+    try:
+        install(helm, release, ns, f"watchNamespaces={{{watched}}}", chart=dist / f"weightsync-{version}.tgz")
+        status = json.loads(helm("status", release, "-n", ns, "-o", "json").stdout)
+        (listed,) = json.loads(helm("list", "-n", ns, "-o", "json").stdout)
+        assert status["info"]["status"] == "deployed"
+        assert (listed["chart"], listed["app_version"]) == (f"weightsync-{version}", version)
+        assert f"kubectl apply -n {watched} -f examples/tcp-job.yaml" in status["info"]["notes"]
+        assert f"runs ghcr.io/weightsync/worker:{version}" in status["info"]["notes"]
+    finally:
+        helm("uninstall", release, "--namespace", ns, "--ignore-not-found", check=False)
+        cluster.delete_namespaces(ns, watched)
