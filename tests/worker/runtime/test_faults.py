@@ -148,6 +148,10 @@ def test_an_inference_rank_that_dies_or_freezes_rejoins_and_the_job_succeeds(tmp
     assert summary["failed_verifications"] == 0
     assert faulty.status()["rejoins"]["inference"] >= 1
     assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 3
+    # every inference rank current on the final version; the victim since it came back, later than the survivor
+    ranks = faulty.status()["receivers"]["ranks"]
+    assert [(r["state"], r["version"]) for r in ranks] == [("current", 2), ("current", 2)]
+    assert ranks[1]["since"] > ranks[0]["since"], ranks
     applied = check_applied_versions(faulty.dump, job)
     assert applied[0] == [0, 1, 2]  # the survivor missed nothing
     assert "taken back at" in faulty.log(victim)
