@@ -100,7 +100,8 @@ class Inference:
     def _generate(self, model, gens: Generations, device) -> None:
         """Generate from the fixed prompt with whatever version is active; switch between generations."""
         ids = prompt(model, device)
-        said = None  # the version whose generation the log showed: once per version, not every GENERATE_EVERY
+        # one line per version: the switch, with what the version generates (not again at every
+        # generation, GENERATE_EVERY)
         while True:
             gens.next_event(GENERATE_EVERY if gens.version is not None else None)
             if gens.error is not None:
@@ -108,15 +109,16 @@ class Inference:
             switched = gens.switch()
             if switched is not None:
                 verified = " (digest verified)" if self.transfer.verify_digest else ""
-                log(self.me, f"switched to version {switched}{verified}")
                 health.ready()  # serving a verified version: the pod is ready
             if switched is not None and dumping():
                 tensors = {n: p.detach().cpu().clone() for n, p in parameters(model)}
                 dump(INFERENCE, self.rank, switched, tensors, logits(model, ids).cpu())
+            if switched is not None and (gens.end is not None or not generating()):
+                log(self.me, f"switched to version {switched}{verified}")
             if gens.end is not None:
                 return
             if gens.version is not None and generating():
                 tokens = greedy(model, ids, NEW_TOKENS)
-                if gens.version != said:
-                    log(self.me, f"version {gens.version} generates {tokens} from {ids[0].tolist()}")
-                    said = gens.version
+                if switched is not None:
+                    log(self.me, f"switched to version {switched}{verified}; version {switched} generates {tokens} "
+                                 f"from {ids[0].tolist()}")
