@@ -187,7 +187,7 @@ def test_a_pod_that_keeps_dying_ends_the_run_naming_it(tmp_path):
     message = str(failure.value)
     assert message.startswith(f"{controller.describe()} exited with code 1, after {kubelet.CRASH_LOOP_LIMIT} restarts "
                               "in a row; it is not started again"), message
-    assert f"the health endpoint cannot listen on 127.0.0.1:{controller.env[Env.HEALTH_PORT]}" in message
+    assert f"the health and metrics endpoint cannot listen on 127.0.0.1:{controller.env[Env.HEALTH_PORT]}" in message
     assert message.endswith(f"restarted pods: {controller.name} {kubelet.CRASH_LOOP_LIMIT} times (last: it exited with code 1)")
     # The back-off doubled up to its cap.
     said = [line for line in progress.text().splitlines() if "restarting it in" in line]
