@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import time
 from pathlib import Path
+import pytest
 import torch
 from weightsync import job as contract
 from weightsync.rendezvous.protocol import connect_store, versions
@@ -52,6 +53,19 @@ def run_to_end(tmp_path: Path, job, share_gpus: bool = False) -> tuple[dict, lis
     assert_nothing_left(local)
     assert summary["restarts"] == {}, "a pod restarted, or failed its liveness probe, in a job that went well"
     return summary, local.transfers
+
+
+def summary_of(local: LocalJob, timeout: float) -> dict:
+    """A started local job's summary once it ended; a job that failed fails the test with its
+    reason and the end of every pod's log. Then every process stopped and none left behind."""
+    try:
+        summary = local.wait(timeout=timeout)
+    except RunFailed as e:
+        pytest.fail(f"{e}\n" + "\n".join(p.log.read_text()[-3000:] for p in local.pods))
+    finally:
+        local.stop()
+    assert_nothing_left(local)
+    return summary
 
 
 def outcome_of(local: LocalJob, timeout: float) -> dict | RunFailed:

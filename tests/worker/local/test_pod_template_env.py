@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from support.jobs import assert_nothing_left
+from support.jobs import summary_of
 from support.user_script import CONFIG, EXAMPLE, example_args
 from weightsync import job as contract
-from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.local.runner import LocalJob
 
 pytestmark = pytest.mark.slow  # a whole job as processes: not in `make unit`
 
@@ -52,12 +52,6 @@ def test_a_templates_env_reaches_the_processes_and_the_rest_is_named(tmp_path):
             assert (f"weightsync: spec.{role}.podTemplate.{path}: not applicable locally (it applies to the job's "
                     "pods in a cluster)") in lines
     local.start()
-    try:
-        summary = local.wait(timeout=300)
-    except RunFailed as e:
-        pytest.fail(f"{e}\n" + "\n".join(p.log.read_text()[-3000:] for p in local.pods))
-    finally:
-        local.stop()
-    assert_nothing_left(local)
+    summary = summary_of(local, 300)
     assert summary["failed_verifications"] == 0
     assert (tmp_path / "seen-1").read_text() == f"WARN {hf}"  # the trainer pod's command, ordinal 1

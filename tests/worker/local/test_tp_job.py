@@ -28,10 +28,10 @@ from weightsync import job as contract
 from weightsync.job import Model
 from weightsync.model.build import build, layout_of, logits, prompt
 from weightsync.runtime.faults import DUMP_DIR_ENV
-from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.local.runner import LocalJob
 from weightsync.roles.tp import needs_of
 
-from support.jobs import as_bytes, assert_nothing_left
+from support.jobs import as_bytes, summary_of
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -69,13 +69,7 @@ def test_fsdp2_trainers_to_tp2_and_tp1_replicas(tmp_path, config, dtype, inferen
     job = tp_job("tp-" + config["model_type"], config, dtype, tmp_path, inference)
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=io.StringIO())
     local.start()
-    try:
-        summary = local.wait(timeout=500)
-    except RunFailed as e:
-        pytest.fail(f"{e}\n" + "\n".join(p.log.read_text()[-3000:] for p in local.pods))
-    finally:
-        local.stop()
-    assert_nothing_left(local)
+    summary = summary_of(local, 500)
     assert summary["versions"] == VERSIONS and summary["failed_verifications"] == 0
 
     torch_dtype = getattr(torch, dtype)

@@ -73,7 +73,12 @@ def chart(report: dict, path: str | Path) -> Path:
         ax.set_title(f"{dtype}: each bar's ratio to the black line above it", fontsize=10)
         ax.legend(fontsize=8, loc="upper center", ncol=len(methods) + 1)
     links = f"links of {report['links']} each way" if report.get("links") else "loopback"
-    fig.suptitle(f"weightsync bench, {links}: {report['model']}", fontsize=10)
+    return save(plt, fig, f"weightsync bench, {links}: {report['model']}", path)
+
+
+def save(plt, fig, title: str, path: str | Path) -> Path:
+    """`fig`, titled, into the PNG at `path` (the same size of type and resolution in every picture)."""
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightsync.bench.chart import pyplot
+from weightsync.bench.chart import pyplot, save
 
 MARK = '{"event": '
 
@@ -93,12 +93,7 @@ def draw(versions: list[Delivered], title: str, path: str | Path) -> Path:
     ranks_ax.set_xticks(x, [str(v.version) for v in versions])
     ranks_ax.set_xlabel("version (in the order delivered)")
     transports = ", ".join(sorted({v.transport for v in versions}))
-    fig.suptitle(f"{title}: {len(versions)} versions over {transports}", fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(plt, fig, f"{title}: {len(versions)} versions over {transports}", path)
 
 
 def main(argv: list[str]) -> int:

@@ -228,9 +228,8 @@ class Host(Channel):
         is dropped; a trainer fails the job as check_ranks has it) and its heartbeat (a trainer
         that went silent fails the job; an inference rank has away_limit to start again)."""
         for role, rank in self.ranks:
-            started = self.store.add(Keys.join(role, rank), 0)
-            if started > self.attempts[(role, rank)]:
-                self.attempts[(role, rank)] = started
+            started = self._started_again(role, rank)
+            if started is not None:
                 if role == TRAINER:
                     self._trainer_started(rank, started, now)
                     continue
@@ -252,6 +251,15 @@ class Host(Channel):
                 notes[(role, rank)] = f"is silent: {why}; waiting for it to start again (within {self.away_limit:.0f}s)"
             elif notes.get((role, rank), "").startswith("is silent"):
                 del notes[(role, rank)]  # it beats again
+
+    def _started_again(self, role: str, rank: int) -> int | None:
+        """The rank's start count where its process started again since the last look (recorded
+        as its attempt), else None."""
+        started = self.store.add(Keys.join(role, rank), 0)
+        if started <= self.attempts[(role, rank)]:
+            return None
+        self.attempts[(role, rank)] = started
+        return started
 
     def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, RankInfo] | None = None) -> None:
         text = json.dumps({"plan": plan_json})
@@ -416,13 +424,11 @@ class Host(Channel):
         if self.claims is not None:
             self.claims.serve(self, self._there)
         for role, rank in self.ranks:
-            started = self.store.add(Keys.join(role, rank), 0)
-            if started > self.attempts[(role, rank)]:
-                self.attempts[(role, rank)] = started
-                if role == TRAINER:
-                    self._trainer_started(rank, started, now)
-                else:
-                    self._restarted(rank, started)
+            started = self._started_again(role, rank)
+            if started is not None and role == TRAINER:
+                self._trainer_started(rank, started, now)
+            elif started is not None:
+                self._restarted(rank, started)
         for role, rank in self.ranks:
             seat = self.seats.get(rank) if role == INFERENCE else None
             if seat is not None and seat.state in (AWAY, JOINING):
