@@ -12,13 +12,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from weightsync.vllm_backend.control import ControlError, Server, UpdateTimes
+from weightsync.vllm_backend.control import ControlError, Server, Unreachable, UpdateTimes
 
 
 class Routes:
-    """An HTTP server on a free port: every request's path and body, in order; `failing` answers 500."""
+    """An HTTP server on a free port: every request's path and body, in order; `failing` answers
+    500; `dropping` closes the connection without an answer, as a server killed mid-call does."""
 
-    def __init__(self, failing: str | None = None):
+    def __init__(self, failing: str | None = None, dropping: str | None = None):
         self.calls: list[tuple[str, dict | None]] = []
         routes = self
 
@@ -27,6 +28,9 @@ class Routes:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 routes.calls.append((self.path, body))
+                if dropping and self.path.startswith(dropping):
+                    self.close_connection = True
+                    return
                 code = 500 if failing and self.path.startswith(failing) else 200
                 payload = b'{"error": "the load failed"}' if code == 500 else b"{}"
                 self.send_response(code)
@@ -50,8 +54,8 @@ class Routes:
 def routes():
     made = []
 
-    def make(failing: str | None = None) -> Routes:
-        made.append(Routes(failing))
+    def make(failing: str | None = None, dropping: str | None = None) -> Routes:
+        made.append(Routes(failing, dropping))
         return made[-1]
 
     yield make
@@ -79,6 +83,21 @@ def test_a_failed_load_still_resumes_the_server_and_names_the_route(routes):
         Server(server.url).update(3, "proof", 30)
     assert [path for path, _ in server.calls][-2:] == ["/update_weights", "/resume"]
     assert "/finish_weight_update" not in [path for path, _ in server.calls]
+
+
+def test_a_server_that_answers_an_error_is_not_unreachable_one_that_gives_no_answer_is(routes):
+    """The controller lets a round go on without a server only when it gave no answer (and its
+    ranks went away): an error it answered is never taken for that."""
+    with pytest.raises(ControlError, match="answered 500") as answered:
+        Server(routes(failing="/update_weights").url).update(3, "proof", 30)
+    assert not isinstance(answered.value, Unreachable)
+    dropped = routes(dropping="/update_weights")
+    with pytest.raises(Unreachable, match="/update_weights could not be reached"):
+        Server(dropped.url).update(3, "proof", 30)
+    gone = routes()
+    gone.close()
+    with pytest.raises(Unreachable, match="/start_weight_update could not be reached: .*[Rr]efused"):
+        Server(gone.url).update(3, "proof", 30)
 
 
 def test_the_slowest_takes_each_calls_longest_over_the_servers():

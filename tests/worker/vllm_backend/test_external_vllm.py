@@ -4,8 +4,9 @@ vLLM's OpenAI-compatible server (its CPU build) itself with the variables of FIL
 weightsync as its weight-transfer backend; nobody calls the server afterwards but the controller.
 
 What is checked: the server's worker joins by itself as vLLM builds it, and every version it serves
-is the trainer's, bit for bit; after the job it goes on serving the last one. Killed while the job
-runs and started again under its URL, it rejoins and receives the next version in full. With both roles
+is the trainer's, bit for bit; after the job it goes on serving the last one. Killed in the middle
+of loading a version (its server paused), the version goes on without it; started again under its
+URL, it rejoins and receives the next version in full. With both roles
 external (the user's torchrun of examples/train_with_weightsync.py as the trainers, `weightsync run`
 runs the controller alone) the last version the server serves is the script's final weights. While
 the job runs,
@@ -74,9 +75,10 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     dump.mkdir()
     pause.mkdir()
     # the trainer holds (at most faults.PAUSE_LIMIT each) before version 1 while the refused servers
-    # try, and before version 3 while the server is killed and started again
-    for version in (1, 3):
-        (pause / f"trainer-0-before-go-v{version}.arm").touch()
+    # try, and in version 4 (announced to no one: the server is away) while the server, killed in the
+    # middle of loading version 3 (paused, its update call in), starts again
+    for point in ("trainer-0-before-go-v1", "inference-0-loading-v3", "trainer-0-before-go-v4"):
+        (pause / f"{point}.arm").touch()
     progress = io.StringIO()
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)},
                      progress=progress, join_env=tmp_path / "join.env")
@@ -84,7 +86,8 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     try:
         local.start()
         join = read_join_file(tmp_path / "join.env")
-        server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
+        server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log",
+                                env={DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)})
         servers.append(server)
         reach(pause, "trainer-0-before-go-v1", local)
         server.serving(0)
@@ -129,30 +132,33 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         assert f"the vLLM server at {server.url} claimed inference rank 0" in progress.getvalue()
 
         (pause / "trainer-0-before-go-v1.release").touch()
-        reach(pause, "trainer-0-before-go-v3", local)  # version 3 is announced to the server, then it is killed
+        reach(pause, "inference-0-loading-v3", local)  # the server paused for version 3's load
         server.kill()
         controller_log = local.pods[0].log
         until("the controller counting the killed server away",
               lambda: "inference rank 0 is away" in controller_log.read_text(errors="replace"), 60)
+        until("version 3 going on without the killed server", lambda: "version 3 goes on without them"
+              in controller_log.read_text(errors="replace"), 60)
         back = ExternalServer(python, job.model, job.name, join, tmp_path / "back.log", url=server.url,
                               port=server.port, env={DUMP_DIR_ENV: str(dump)})
         servers.append(back)
         until("the restarted server rejoining",
               lambda: "inference rank 0 rejoined (start 2" in controller_log.read_text(errors="replace"), UP_TIMEOUT)
-        (pause / "trainer-0-before-go-v3.release").touch()
+        (pause / "trainer-0-before-go-v4.release").touch()
         summary = local.wait(RUN_TIMEOUT)
-        # version 3 went to the killed server, so to no one; the restarted one has the next in full
-        assert summary["versions"] == 5 and summary["failed_verifications"] == 0, summary
-        assert [t["inference_ranks"] for t in local.transfers] == [1, 1, 1, 0, 1, 1], local.transfers
+        # version 3 was loading in the killed server and version 4 went while it was away, so they
+        # reached no one; the restarted one has the next in full
+        assert summary["versions"] == 4 and summary["failed_verifications"] == 0, summary
+        assert [t["inference_ranks"] for t in local.transfers] == [1, 1, 1, 0, 0, 1], local.transfers
         assert back.weight_version() == "5", "the server stopped serving the last version at the job's end"
         assert back.proc.poll() is None
     finally:
         for s in servers:
             s.stop()
         local.stop()
-    assert_served_bit_for_bit(dump, versions=(0, 1, 2, 4, 5))
-    assert sorted(p.name for p in dump.glob("inference-*")) == [f"inference-0-v{v}.pt" for v in (0, 1, 2, 4, 5)]
-    assert "taken back at version 4" in back.text()
+    assert_served_bit_for_bit(dump, versions=(0, 1, 2, 5))
+    assert sorted(p.name for p in dump.glob("inference-*")) == [f"inference-0-v{v}.pt" for v in (0, 1, 2, 5)]
+    assert "taken back at version 5" in back.text()
 
 
 def test_both_roles_external_the_users_torchrun_into_the_users_vllm_server(tmp_path):

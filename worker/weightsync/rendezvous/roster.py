@@ -375,6 +375,19 @@ class Host(Channel):
             time.sleep(pause)
             pause = min(pause * 1.5, 0.002)
 
+    def gone(self, ranks: Iterable[int], within: float) -> bool:
+        """Whether every inference rank of `ranks` left the round on its way (counted away, or
+        started again) within `within` seconds: a vLLM server that stopped answering may have died
+        with its workers, which their heartbeats tell (check_ranks keeps the roster meanwhile)."""
+        deadline = time.monotonic() + within
+        while True:
+            if all(self.seats[r].state != SERVING or self.seats[r].attempt != self.in_round.get(r) for r in ranks):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            self.check_ranks()
+            time.sleep(BACK_POLL)
+
     def holding(self, version: int, applied: Iterable[int]) -> None:
         for r in applied:
             self.seats[r].holds = version

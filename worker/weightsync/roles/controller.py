@@ -31,7 +31,7 @@ from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_jo
 from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
-from weightsync.rendezvous.protocol import Keys, ProofError, update_proof, who
+from weightsync.rendezvous.protocol import HEARTBEAT, Keys, ProofError, update_proof, who
 from weightsync.rendezvous.roster import Deadline, Host, RankFailed
 from weightsync.rendezvous.store.table import StoreError, StoreFull
 from weightsync.roles.receivers import Receivers, counts, states
@@ -42,7 +42,7 @@ from weightsync.runtime.metrics import ControllerMetrics
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
-from weightsync.vllm_backend.control import ControlError, Server, UpdateTimes
+from weightsync.vllm_backend.control import ControlError, Server, Unreachable, UpdateTimes
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
@@ -233,8 +233,9 @@ class ServerLoads:
 
 def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float) -> ServerLoads:
     """Once every receiver of the round has it staged, every vLLM server loads it at once; returns
-    how long the staging took and each server's calls. A server that does not load it fails the
-    job."""
+    how long the staging took and each server's calls. A server that answers that it did not load
+    it fails the job; one that stopped answering goes out of the round if its ranks went away with
+    it (killed, preempted: they rejoin and get the next round in full), else it fails the job."""
     began = time.monotonic()
     staged = host.collect_staged(rnd, timeout)
     staging = time.monotonic() - began
@@ -246,18 +247,32 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
     for rank in sorted(seats):
         servers.setdefault(seats[rank].info.server, rank)
 
-    def load(rank: int) -> UpdateTimes:
+    def failed(rank: int, e: ControlError) -> JobFailed:
+        return JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
+                         f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED)
+
+    def load(rank: int) -> UpdateTimes | Unreachable:
         try:
             server = Server(seats[rank].info.server)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
             return server.update(rnd.version, proof, timeout)
+        except Unreachable as e:
+            return e  # judged on this thread, which keeps the roster: its ranks may be gone with it
         except ControlError as e:
-            raise JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
-                            f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED) from None
+            raise failed(rank, e) from None
 
     with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
-        return ServerLoads(staging, UpdateTimes.slowest(list(pool.map(load, sorted(servers.values())))))
+        loads = dict(zip(servers.values(), pool.map(load, servers.values())))
+    for rank, got in loads.items():
+        if isinstance(got, Unreachable):
+            ranks = [r for r in seats if seats[r].info.server == seats[rank].info.server]
+            if not host.gone(ranks, host.silent_limit + 2 * HEARTBEAT):
+                raise failed(rank, ControlError(f"{got}; its workers beat on, so the server is alive")) from None
+            log(ME, f"the vLLM server of {who(INFERENCE, rank)} stopped answering while it loaded {rnd.name} "
+                    f"({got}) and its ranks went away: {rnd.name} goes on without them")
+    times = [t for t in loads.values() if isinstance(t, UpdateTimes)]
+    return ServerLoads(staging, UpdateTimes.slowest(times))
 
 
 def _phases(transfer: float, verify: float, loads: ServerLoads | None, applied: dict[int, dict],

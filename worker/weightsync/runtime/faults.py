@@ -34,11 +34,13 @@ DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
 # A directory of armed pause points. A rank that reaches point P of version V, when the file
 # <role>-<rank>-<P>-v<V>.arm is there, removes it, creates ....reached and waits (at most
 # PAUSE_LIMIT seconds) for ....release: meanwhile the test kills or stops whatever process it
-# wants, at a known point of a version. Points: trainer "before-go" (ready, before the go) and
+# wants, at a known point of a version. Points: trainer "before-ready" (its weights taken, not
+# ready yet: the controller cannot announce the version), "before-go" (ready, before the go) and
 # "mid-send" (its first bucket of the version handed to the transport, the others not yet: every
 # inference rank is then in the middle of receiving); inference "verifying" (received, before the
-# check against the reference) and "joining" (v0: its start counted and its model built, before it
-# joins); controller "verifying" (the trainers are done, the inference ranks' digests not yet
+# check against the reference), "joining" (v0: its start counted and its model built, before it
+# joins) and, in a vLLM server, "loading" (its server paused, the update call in, before the load);
+# controller "verifying" (the trainers are done, the inference ranks' digests not yet
 # checked) and "delivered" (the last version delivered, the job not ended yet: its metrics are
 # complete).
 PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"

@@ -17,6 +17,7 @@ Standard library only: the controller, which has no vLLM, drives the servers wit
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -24,10 +25,17 @@ import urllib.request
 from dataclasses import dataclass, fields
 
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
+RESUME_TIMEOUT = 10.0  # seconds a resume may take at least, even past the update's deadline
 
 
 class ControlError(RuntimeError):
     """A control call failed or ran out of time; the message names the server and the route."""
+
+
+class Unreachable(ControlError):
+    """The server gave no answer: it could not be reached, dropped the connection, or ran out of
+    time. Its process may be gone (killed, preempted) or frozen, which its ranks' heartbeats tell;
+    a server that answered an error is a ControlError, never this."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,11 @@ class Server:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
             raise ControlError(f"{self.url}{route} answered {e.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
-            raise ControlError(f"{self.url}{route} did not answer within {timeout:.0f}s: {getattr(e, 'reason', e)}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # TimeoutError is an OSError
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError):
+                raise Unreachable(f"{self.url}{route} did not answer within {timeout:.0f}s: {reason}") from None
+            raise Unreachable(f"{self.url}{route} could not be reached: {reason or type(e).__name__}") from None
         try:
             return json.loads(text) if text else {}
         except ValueError:
@@ -59,14 +70,14 @@ class Server:
             return False
 
     def wait_up(self, timeout: float, alive=lambda: True) -> None:
-        """Wait until the server answers /health; ControlError past `timeout`, or at once when
+        """Wait until the server answers /health; Unreachable past `timeout`, or at once when
         alive() says its process is gone."""
         deadline = time.monotonic() + timeout
         while not self.up():
             if not alive():
-                raise ControlError(f"the vLLM server for {self.url} exited before it served")
+                raise Unreachable(f"the vLLM server for {self.url} exited before it served")
             if time.monotonic() > deadline:
-                raise ControlError(f"the vLLM server at {self.url} did not come up within {timeout:.0f}s")
+                raise Unreachable(f"the vLLM server at {self.url} did not come up within {timeout:.0f}s")
             time.sleep(UP_POLL)
 
     def init_transfer(self, timeout: float) -> None:
@@ -103,8 +114,13 @@ class Server:
         try:
             update = timed("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
             finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
-        finally:
-            resume = timed("/resume", None, max(left() if time.monotonic() < deadline else 0.0, 10.0))
+        except ControlError as e:  # resumed all the same; what failed first is what the error says
+            try:
+                timed("/resume", None, RESUME_TIMEOUT)
+            except ControlError as also:
+                raise type(e)(f"{e}; then {also}") from None
+            raise
+        resume = timed("/resume", None, max(deadline - time.monotonic(), RESUME_TIMEOUT))
         return UpdateTimes(pause=pause, start=start, update=update, finish=finish, resume=resume,
                            stall=time.monotonic() - paused)
 

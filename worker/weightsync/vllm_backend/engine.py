@@ -35,7 +35,7 @@ from weightsync.model.flat import torch_dtype, views
 from weightsync.plan.sliced import LocalLayout, needs_everything, needs_to_json
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.model.build import meta_layout
-from weightsync.runtime.faults import dump, dumping
+from weightsync.runtime.faults import dump, dumping, pause_point
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
@@ -162,6 +162,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             if self.staged != version:
                 raise ValueError(f"{self.me} has version {self.staged} staged, not {version}: nothing was loaded")
             buffer = self.buffers[self.staging_index]
+        pause_point(INFERENCE, self.rank, "loading", version)
         start = time.monotonic()
         self.load(buffer)
         if self.device.type == "cuda":
