@@ -113,6 +113,7 @@ class Sync:
         self._check_open()
         version = self.version + 1
         try:
+            pause_point(TRAINER, self.rank, "before-ready", version)
             self.member.set(Keys.ready(version, self.rank), "1")
             pause_point(TRAINER, self.rank, "before-go", version)
             if version:  # the go comes once the previous version is done (its deadline is the controller's)

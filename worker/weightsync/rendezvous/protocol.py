@@ -26,7 +26,7 @@ from weightsync.job.token import mac, same
 from weightsync.plan.sliced import plan_from_json
 from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
 from weightsync.rendezvous.store.server import StoreServer
-from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused
+from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused, StoreTimeout
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
@@ -34,6 +34,7 @@ CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbe
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
 CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
 SAY_EVERY = 5.0  # seconds between two lines of a joining rank that still waits for the controller
+GONE_WAIT = 1.0  # seconds to read a key a wait just saw set, before taking it for deleted meanwhile
 
 
 class JobEnded(RuntimeError):
@@ -406,7 +407,17 @@ class Member(Channel):
         key = Keys.go(version, again)
         self.wait([key], f"the controller's go for version {version}", timeout,
                   self.behind(version, key) if not again else self.check_end)
-        return Round.from_json(self.get(key))
+        return Round.from_json(self.seen(key, version))
+
+    def seen(self, key: str, version: int) -> bytes:
+        """The value of `key` of round `version`, which a wait just saw set. Where it is gone
+        meanwhile (an inference rank frozen between the two, the controller forgot the round),
+        FellBehind at once, not a wait for a key that will never come back."""
+        try:
+            return self.store.get(key, wait=GONE_WAIT)
+        except StoreTimeout:
+            self.behind(version, key)()
+            raise
 
     def behind(self, version: int, key: str) -> Callable[[], None]:
         """A check for an inference rank's wait for `key` of round `version`: the job's end, and
@@ -421,6 +432,15 @@ class Member(Channel):
                     raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
                                      f"version {latest} without this rank: it was frozen or cut off")
         return check
+
+    def counted_away(self, rnd: Round) -> bool:
+        """Whether the controller went on without this inference rank in round `rnd`: it cut it off
+        (the trainers stopped sending to it), or it is at a later version already, which it only
+        is once every receiver of the round applied it or was counted away."""
+        cut = Keys.cut(rnd.version, rnd.again)
+        if self.has(cut) and self.rank in self.get_json(cut):
+            return True
+        return self.has(Keys.LATEST) and int(self.get(Keys.LATEST)) > rnd.version
 
     def welcome(self) -> Round:
         """A rejoined inference rank: the round it receives first (the controller says it at the

@@ -26,6 +26,7 @@ from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
+from weightsync.transport.base import TransferError
 
 
 class VerificationError(Expected):
@@ -116,7 +117,13 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
         if rank not in rnd.receivers:
             raise StartAgain(f"the controller counted this rank away at {rnd.name} (it was silent or cut "
                              "off); ending this process so that it starts again and rejoins")
-        got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
+        try:
+            got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
+        except TransferError as e:  # frozen or cut off mid-version, the trainers hung up on it meanwhile
+            if member.counted_away(rnd):
+                raise StartAgain(f"{rnd.name} failed here ({e}): the controller counted this rank away meanwhile; "
+                                 "ending this process so that it starts again and rejoins") from None
+            raise
         counters.received(got.bytes)
         if got.refused:
             log(me, f"could not apply {len(got.refused)} patch(es) of {rnd.name}, first {got.refused[0]}; "
@@ -127,9 +134,9 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
             try:
                 member.wait([Keys.ref(version)], f"the reference digest of version {version}", timeout,
                             member.behind(version, Keys.ref(version)))
+                reference = reference_for(member.seen(Keys.ref(version), version).decode(), rank)
             except FellBehind as e:
                 raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
-            reference = reference_for(member.get(Keys.ref(version)).decode(), rank)
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
                 counters.checksum_failed()

@@ -186,8 +186,9 @@ class StoreClient(dist.Store):
     def set(self, key, value) -> None:
         self._call("set", as_bytes(key), as_bytes(value))
 
-    def get(self, key) -> bytes:
-        return self._call("get", as_bytes(key))
+    def get(self, key, wait=None) -> bytes:
+        """The key's value, once it is set (at most `wait` seconds, the timeout by default)."""
+        return self._call("get", as_bytes(key), wait=wait)
 
     def add(self, key, value: int) -> int:
         return self._call("add", as_bytes(key), int(value))
