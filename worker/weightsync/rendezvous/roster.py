@@ -6,9 +6,9 @@ started again under the same name and ordinal. So an inference rank that vanishe
 the job: it is "away" and the versions go on to the others; when its process starts again it
 joins anew (a fresh challenge for its new attempt, a new endpoint), waits, and is taken back at
 the next round, which it receives in full and verifies before it serves. A rank away for longer
-than `away_limit` fails the job. The same holds while the ranks join: the controller admits each
-rank's latest start, so an inference pod killed while it loads its model joins with its next
-start, and the first round takes it back. Trainers do not come back: a trainer that restarts, or
+than `away_limit` fails the job. The same holds while the ranks join (joining.py): the
+controller admits each rank's latest start, so an inference pod killed while it loads its model
+joins with its next start, and the first round takes it back. Trainers do not come back: a trainer that restarts, or
 goes silent, fails the job, while the ranks join as later (the built-in trainer keeps no
 checkpoint to resume from; see the README).
 
@@ -30,6 +30,7 @@ from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Lay
 from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
+from weightsync.rendezvous.joining import PROGRESS_EVERY, Deadline, Joining, RankFailed
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
 from weightsync.rendezvous.protocol import (
     HEARTBEAT,
@@ -48,20 +49,11 @@ from weightsync.rendezvous.protocol import (
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
-PROGRESS_EVERY = 5.0  # seconds between two lines, while the ranks join, about the ones still missing
 
 SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
 JOINING = "joining"  # its process started again; its proof is awaited
 WAITING = "waiting"  # admitted again; receives the next round
-
-
-class RankFailed(RuntimeError):
-    """A rank failed or went silent; the message names it, `reason` says how (job/reasons.py)."""
-
-    def __init__(self, message: str, reason: str = reasons.RANK_FAILED):
-        self.reason = reason
-        super().__init__(message)
 
 
 class _AllClosed(Exception):
@@ -81,45 +73,6 @@ class Seat:
     holds: int | None = None
     rejoins: int = 0
     info: RankInfo | None = None  # what its latest attempt told about itself (pod, transport, vLLM server)
-
-
-@dataclass(frozen=True)
-class Deadline:
-    """How long the ranks of an external role have to join, and what to tell the user."""
-
-    seconds: float
-    setting: str  # the spec's field that sets it
-    how: str  # how such a rank is started (what it needs besides the three variables)
-
-
-def _named(role: str, ranks: list[int]) -> str:
-    """"trainer rank 3", or "trainer ranks 0-3, 6"."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][-1] == r - 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
-    return f"{role} rank{'s' if len(ranks) > 1 else ''} {text}"
-
-
-def _progress(ranks: list[tuple[str, int]], admitted: Mapping, limits: Mapping[str, Deadline], waited: float,
-              notes: Mapping[tuple[str, int], str]) -> str:
-    """One line: which ranks of each role joined, which are still missing and for how long more
-    (and the spec's field that says so, for an external role), and what is known of a missing one."""
-    parts = []
-    for role, limit in limits.items():
-        joined = [k for r, k in ranks if r == role and (r, k) in admitted]
-        missing = [k for r, k in ranks if r == role and (r, k) not in admitted]
-        if missing:
-            setting = f", {limit.setting}" if limit.setting else ""
-            parts.append(f"{_named(role, joined) if joined else f'no {role} rank'} joined, {_named(role, missing)} "
-                         f"missing ({max(limit.seconds - waited, 0):.0f}s left{setting})")
-        else:
-            parts.append(f"every {role} rank joined")
-    parts += [f"{who(*r)} {note}" for r, note in sorted(notes.items()) if r not in admitted]
-    return f"waiting for the ranks to join: {'; '.join(parts)}"
 
 
 @dataclass
@@ -163,7 +116,7 @@ class Host(Channel):
         self.set(Keys.JOB, text)
         self.set(Keys.JOB_MAC, job_mac(self.token, job.identity, text))  # last: a reader waits for it
 
-    def _proven(self, role: str, rank: int, attempt: int) -> Admission | None:
+    def proven(self, role: str, rank: int, attempt: int) -> Admission | None:
         """What the rank published for `attempt`, once it proved the token over it; None before."""
         if not self.has(Keys.published("proof", role, rank, attempt)):
             return None
@@ -175,84 +128,10 @@ class Host(Channel):
 
     def admit(self, timeout: float, external: Mapping[str, Deadline] | None = None,
               every: float = PROGRESS_EVERY) -> dict[tuple[str, int], Admission]:
-        """Wait for every rank's proof; return {(role, rank): what it published}. A rank's latest
-        start is the one admitted: an inference rank whose process started again while the ranks
-        joined joins with its new start (_joining). The ranks of an `external` role (processes the
-        user starts) each have their role's Deadline, from now: the job fails naming those that
-        did not join by then; the others have `timeout`. Meanwhile a line every `every` seconds
-        says which ranks joined and which are still missing."""
-        external = dict(external or {})
-        limits = {role: external.get(role, Deadline(timeout, "", "")) for role in dict.fromkeys(r for r, _ in self.ranks)}
-        admitted: dict[tuple[str, int], Admission] = {}
-        notes: dict[tuple[str, int], str] = {}  # what is known of a rank that has not joined
-        start = time.monotonic()
-        deadline, said = start + timeout, start
-        pause = 0.001
-        while len(admitted) < len(self.ranks):
-            self._check_failures()
-            if self.claims is not None:
-                self.claims.serve(self, self._there)
-            now = time.monotonic()
-            if now - self.last_watch >= HEARTBEAT / 4:
-                self.last_watch = now
-                self._joining(admitted, notes, now)
-            for role, rank in self.ranks:
-                if (role, rank) not in admitted:
-                    got = self._proven(role, rank, self.attempts[(role, rank)])
-                    if got is not None:
-                        admitted[(role, rank)] = got
-                        if role in external or (role, rank) in notes:
-                            attempt = self.attempts[(role, rank)]
-                            self.say(f"{who(role, rank)} joined ({'external, ' if role in external else ''}"
-                                     f"{f'start {attempt}, ' if attempt > 1 else ''}at {got.endpoint})")
-            now = time.monotonic()
-            for role, limit in external.items():
-                missing = [k for r, k in self.ranks if r == role and (r, k) not in admitted]
-                if missing and now - start > limit.seconds:
-                    raise RankFailed(f"{_named(role, missing)} did not join within {limit.seconds:.0f}s "
-                                     f"({limit.setting}): start {'them' if len(missing) > 1 else 'it'} with the join "
-                                     f"variables ({limit.how})", reasons.TIMED_OUT)
-            if now - said >= every:
-                said = now
-                self.say(_progress(self.ranks, admitted, limits, now - start, notes))
-            if now > deadline:
-                missing = [who(r, k) for r, k in self.ranks if (r, k) not in admitted]
-                raise TimeoutError(f"{len(missing)} ranks did not join within {timeout:.0f}s: {', '.join(missing[:6])}")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.1)
-        return admitted
+        """Wait for every rank's proof; return {(role, rank): what it published} (joining.py)."""
+        return Joining(self, timeout, external or {}, every).run()
 
-    def _joining(self, admitted: dict[tuple[str, int], Admission], notes: dict[tuple[str, int], str], now: float) -> None:
-        """While the ranks join: follow each rank's starts (its process started again: an inference
-        rank joins with its new start, over a fresh challenge, and what an earlier start published
-        is dropped; a trainer fails the job as check_ranks has it) and its heartbeat (a trainer
-        that went silent fails the job; an inference rank has away_limit to start again)."""
-        for role, rank in self.ranks:
-            started = self._started_again(role, rank)
-            if started is not None:
-                if role == TRAINER:
-                    self._trainer_started(rank, started, now)
-                    continue
-                self.set(Keys.nonce(role, rank, started), secrets.token_hex(16))
-                admitted.pop((role, rank), None)
-                self.beats.pop((role, rank), None)
-                notes[(role, rank)] = f"started again (start {started}) while the ranks joined: it joins with that start"
-                self.say(f"{who(role, rank)} {notes[(role, rank)]}")
-            if (role, rank) in admitted:
-                continue
-            silent = self._silent_for(role, rank, now)
-            if silent > self.silent_limit:
-                why = f"no heartbeat for {silent:.0f}s while joining (its process died, froze, or lost the network)"
-                if role == TRAINER:
-                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
-                if silent > self.away_limit:
-                    raise RankFailed(f"{who(role, rank)} did not start again within {self.away_limit:.0f}s after it "
-                                     f"went silent while joining", reasons.RANK_LOST)
-                notes[(role, rank)] = f"is silent: {why}; waiting for it to start again (within {self.away_limit:.0f}s)"
-            elif notes.get((role, rank), "").startswith("is silent"):
-                del notes[(role, rank)]  # it beats again
-
-    def _started_again(self, role: str, rank: int) -> int | None:
+    def started_again(self, role: str, rank: int) -> int | None:
         """The rank's start count where its process started again since the last look (recorded
         as its attempt), else None."""
         started = self.store.add(Keys.join(role, rank), 0)
@@ -429,17 +308,17 @@ class Host(Channel):
     def check_ranks(self) -> None:
         """Raise RankFailed for a rank that reported a failure, a trainer that restarted or went
         silent, or an inference rank away for too long; keep the roster of inference ranks."""
-        self._check_failures()
+        self.check_failures()
         now = time.monotonic()
         if now - self.last_watch < HEARTBEAT / 4:
             return
         self.last_watch = now
         if self.claims is not None:
-            self.claims.serve(self, self._there)
+            self.claims.serve(self, self.there)
         for role, rank in self.ranks:
-            started = self._started_again(role, rank)
+            started = self.started_again(role, rank)
             if started is not None and role == TRAINER:
-                self._trainer_started(rank, started, now)
+                self.trainer_started(rank, started, now)
             elif started is not None:
                 self._restarted(rank, started)
         for role, rank in self.ranks:
@@ -451,18 +330,18 @@ class Host(Channel):
                     raise RankFailed(f"{who(role, rank)} did not come back within {self.away_limit:.0f}s after it "
                                      f"went away", reasons.RANK_LOST)
                 continue
-            silent = self._silent_for(role, rank, now)
+            silent = self.silent_for(role, rank, now)
             if silent > self.silent_limit:
                 why = f"no heartbeat for {silent:.0f}s (its process died, froze, or lost the network)"
                 if seat is None:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
                 self._away(rank, why)
 
-    def _trainer_started(self, rank: int, started: int, now: float) -> None:
+    def trainer_started(self, rank: int, started: int, now: float) -> None:
         """A trainer rank's process started again (start `started`): RankFailed, trainers do not
         rejoin; but an external rank whose process still beats was claimed by a second process,
         which was refused, and the job goes on."""
-        if TRAINER in self.external and self._silent_for(TRAINER, rank, now) <= self.silent_limit:
+        if TRAINER in self.external and self.silent_for(TRAINER, rank, now) <= self.silent_limit:
             self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that joined "
                      "as it is alive; it was refused, and the job goes on")
             return
@@ -472,16 +351,16 @@ class Host(Channel):
     def trainer_layout(self) -> FlatLayout | None:
         """The layout trainer rank 0 joined with (proven), None before it joined: what an external
         vLLM server's claim is checked against (claims.py)."""
-        got = self._proven(TRAINER, 0, 1)
+        got = self.proven(TRAINER, 0, 1)
         return None if got is None else FlatLayout.from_json(got.meta)
 
-    def _there(self, rank: int) -> bool:
+    def there(self, rank: int) -> bool:
         """Whether the worker holding inference rank `rank` is there: admitted (or, before the plan,
         on its way) and not counted away."""
         seat = self.seats.get(rank)
         return seat is None or seat.state != AWAY
 
-    def _silent_for(self, role: str, rank: int, now: float) -> float:
+    def silent_for(self, role: str, rank: int, now: float) -> float:
         key = Keys.beat(role, rank)
         if not self.has(key):
             return 0.0
@@ -492,7 +371,7 @@ class Host(Channel):
             return 0.0
         return now - seen.seen
 
-    def _check_failures(self) -> None:
+    def check_failures(self) -> None:
         failures = self.store.add(Keys.FAILURES, 0)
         if failures > self.failures_seen:
             self.failures_seen = failures
@@ -559,7 +438,7 @@ class Host(Channel):
 
     def _readmit(self, rank: int) -> None:
         seat = self.seats[rank]
-        got = self._proven(INFERENCE, rank, seat.attempt)
+        got = self.proven(INFERENCE, rank, seat.attempt)
         if got is None:
             return
         self.check_rejoin(got.meta, got.info)
@@ -593,4 +472,4 @@ class Host(Channel):
         seat = self.seats.get(rank) if role == INFERENCE else None
         if seat is not None and seat.state in (AWAY, JOINING):
             return False
-        return self._silent_for(role, rank, now) <= self.silent_limit
+        return self.silent_for(role, rank, now) <= self.silent_limit
