@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local cluster's binaries once and caches them outside the repository: etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler, and the real node's kubelet and kube-proxy
-# (tools/go.mod), kwok, helm, and CoreDNS (the cluster DNS the real node's pods use).
+# (tools/go.mod), kwok, helm, CoreDNS (the cluster DNS the real node's pods use), and Prometheus (the
+# end-to-end tests scrape a job's pods with it, with the chart's scrape configuration).
 # Prints the directory that holds them. KUBEBUILDER_ASSETS, when set, is used as it is.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -9,6 +10,7 @@ K8S_VERSION=v1.34.4
 KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.2
 COREDNS_VERSION=v1.13.1
+PROMETHEUS_VERSION=v0.316.0  # the version of its Go module, github.com/prometheus/prometheus
 cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 out=$cache/bin/k8s-$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION
 mkdir -p "$out"
@@ -36,4 +38,5 @@ install kwok sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION "-X sigs.k8s.io/kwok/pkg/co
 install helm helm.sh/helm/v3/cmd/helm@$HELM_VERSION "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 # Static, because it runs in an image that holds nothing else.
 CGO_ENABLED=0 install coredns github.com/coredns/coredns@$COREDNS_VERSION ""
+install prometheus github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION ""
 echo "$out"

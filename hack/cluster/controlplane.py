@@ -30,7 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm",
-            "kubelet", "kube-proxy", "coredns")  # the last three for a real node (hack/node)
+            "kubelet", "kube-proxy", "coredns",  # these three for a real node (hack/node)
+            "prometheus")  # for the end-to-end tests that scrape a job's pods
 # Started in this order, stopped in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -1,16 +1,18 @@
 """The end-to-end tests' tools: the real helm CLI against the session's local cluster, the chart
-installed with it, the operator as the chart runs it (its Deployment's pod on the real node), and
-reading pods, logs and examples back."""
+installed with it, the operator as the chart runs it (its Deployment's pod on the real node), a
+real Prometheus scraping with the chart's configuration, and reading pods, logs and examples back."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 
 import yaml
-from controlplane import probe, wait_for
+from controlplane import free_ports, probe, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightsync"
@@ -175,3 +177,61 @@ def leftovers(cluster, release: str, namespaces: list[str]) -> list[str]:
         # helm's own record of the release
         found += cluster.kubectl("get", "secrets", "-n", ns, "-l", f"owner=helm,name={release}", "-o", "name").stdout.split()
     return found
+
+
+class Prometheus:
+    """A real Prometheus on this machine, scraping with the chart's scrape configuration (the
+    ConfigMap that metrics.scrapeConfig.enabled installs) as a user's Prometheus that mounts it
+    would. Only the connection is this machine's: it runs outside the cluster, so each of the
+    chart's Kubernetes service discoveries reaches the API server through the test cluster's
+    kubeconfig, where a Prometheus in the cluster uses its ServiceAccount."""
+
+    def __init__(self, cluster, chart_namespace: str, release: str, directory: Path):
+        self.cluster, self.dir = cluster, directory
+        configmap = json.loads(cluster.kubectl("get", "configmap", f"{release}-scrape-config", "-n", chart_namespace,
+                                               "-o", "json").stdout)
+        scrape = yaml.safe_load(configmap["data"]["weightsync.yaml"])
+        for job in scrape["scrape_configs"]:
+            for discovery in job["kubernetes_sd_configs"]:
+                discovery["kubeconfig_file"] = str(cluster.kubeconfig)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "weightsync.yaml").write_text(yaml.safe_dump(scrape))
+        (directory / "prometheus.yml").write_text(yaml.safe_dump({"scrape_config_files": ["weightsync.yaml"]}))
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Prometheus":
+        log = open(self.dir / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [str(self.cluster.binaries / "prometheus"), f"--config.file={self.dir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={self.dir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        wait_for("Prometheus ready", lambda: self.proc.poll() is not None or probe(f"{self.url}/-/ready"), 60)
+        assert self.proc.poll() is None, f"Prometheus exited:\n{self.log()[-3000:]}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log(self) -> str:
+        return (self.dir / "prometheus.log").read_text(errors="replace")
+
+    def query(self, promql: str) -> dict[tuple, float]:
+        """An instant query over the HTTP API: {the series' labels, sorted: its value}."""
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            answer = json.loads(response.read())
+        assert answer["status"] == "success", answer
+        return {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in answer["data"]["result"]}
+
+    def targets(self) -> list[dict]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=30) as response:
+            return json.loads(response.read())["data"]["activeTargets"]

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import yaml
-from e2e_harness import LogFollower, example, install, new_namespace, pods, restarts, running
+from e2e_harness import LogFollower, Prometheus, example, install, new_namespace, pods, restarts, running
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
@@ -86,7 +86,8 @@ def chart(cluster, helm, namespace):
     images the tests built (the chart's defaults, as `make images` tags them)."""
     release, ns = "weightsync", new_namespace(cluster, "weightsync-system")
     restricted(cluster, ns)
-    install(helm, release, ns, f"watchNamespaces={{{namespace}}}")
+    install(helm, release, ns, f"watchNamespaces={{{namespace}}}", "metrics.scrapeConfig.enabled=true",
+            "metrics.scrapeConfig.interval=1s")
     yield release, ns
     helm("uninstall", release, "--namespace", ns, "--ignore-not-found", "--wait", check=False)
     cluster.delete_namespaces(ns)
@@ -116,7 +117,8 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)  # a tcp job's pods need nothing more
 
-    with operator_from_chart(chart[1], chart[0]) as operator:
+    with operator_from_chart(chart[1], chart[0]) as operator, \
+            Prometheus(cluster, chart[1], chart[0], tmp_path / "prometheus") as prometheus:
         # The operator image runs as the non-root user the chart names, on a read-only root.
         assert operator.exec("id", "-u").stdout.strip() == "65532"
         assert operator.exec("touch", "/probe").returncode != 0
@@ -149,6 +151,7 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
             assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
             # The operator ended the job: its pods stop (the kubelet stops their containers).
             wait_for(f"pods of {name} gone", lambda: not job_pods(cluster, namespace, name), 120)
+            scraped = scraped_figures(prometheus, namespace, name, operator)
         finally:
             logs.stop()
             for pod_name in sorted(logs.procs):
@@ -166,6 +169,16 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     (controller_log,) = role_logs[contract.CONTROLLER]
     reported = [json.loads(line) for line in controller_log.splitlines() if line.startswith("{")]
     last = [r for r in reported if r.get("event") == "transfer"][-1]
+
+    # What a real Prometheus scraped from the job's pods, with the chart's scrape configuration,
+    # agrees with the job's status and the controller's reports: every pod's final figures were read
+    # before it stopped.
+    inference = layout.world_size(contract.INFERENCE)
+    assert scraped["versions"] == status["completion"]["versions"] == versions, scraped
+    assert scraped["delivered"] == sum(r["bytes"] for r in reported if r.get("event") == "transfer"), scraped
+    assert scraped["wire"] == sum(r["wireBytes"] for r in reported if r.get("event") == "transfer"), scraped
+    assert scraped["current"] == inference and scraped["version"] == versions - 1, scraped
+    assert scraped["serving"] == {str(r): versions - 1 for r in range(inference)}, scraped
 
     # The controller's reports arrived through the API (the kubernetes Service, from inside its
     # pod) with the job's own ServiceAccount...
@@ -374,6 +387,29 @@ def finished(cluster, namespace: str, name: str, progress) -> dict:
     """The job once it ended, Succeeded or Failed."""
     return wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
                     600, interval=1, failed=progress)
+
+
+def scraped_figures(prometheus: Prometheus, namespace: str, name: str, operator) -> dict:
+    """A finished job's figures as PromQL over Prometheus' HTTP API reads them back, once the
+    operator's metrics show the job Succeeded: the controller's counters and gauges (their last
+    samples, from before its pod went), and the version each inference rank served last."""
+    job = f'namespace="{namespace}",wtj="{name}"'
+
+    def one(promql: str) -> float:
+        values = list(prometheus.query(promql).values())
+        assert len(values) == 1, f"{promql}: {values}\ntargets: {prometheus.targets()}"
+        return values[0]
+
+    wait_for("the operator's metrics to show the job Succeeded",
+             lambda: prometheus.query('weightsync_operator_jobs{phase="Succeeded"}') and
+             one('weightsync_operator_jobs{phase="Succeeded"}') == 1, 60, failed=operator.check)
+    serving = prometheus.query(f'last_over_time(weightsync_serving_version{{{job},role="inference"}}[30m])')
+    return {"versions": one(f"max_over_time(weightsync_versions_delivered_total{{{job}}}[30m])"),
+            "delivered": one(f"max_over_time(weightsync_delivered_bytes_total{{{job}}}[30m])"),
+            "wire": one(f"max_over_time(weightsync_wire_bytes_total{{{job}}}[30m])"),
+            "version": one(f"last_over_time(weightsync_version{{{job}}}[30m])"),
+            "current": one(f'last_over_time(weightsync_receivers{{{job},state="current"}}[30m])'),
+            "serving": {dict(labels)["rank"]: value for labels, value in serving.items()}}
 
 
 def show_logs(logs: LogFollower, tail: int = 2500) -> None:

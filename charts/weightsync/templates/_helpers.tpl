@@ -32,3 +32,24 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "weightsync.tokenKeySecret" -}}
 {{- printf "%s-token-key" (include "weightsync.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/* A scrape job's relabelling of a pod that asks to be scraped: its address, path and names. */}}
+{{- define "weightsync.scrapeRelabel" -}}
+- source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_scrape]
+  regex: "true"
+  action: keep
+- source_labels: [__meta_kubernetes_pod_phase]
+  regex: Pending|Succeeded|Failed
+  action: drop
+- source_labels: [__meta_kubernetes_pod_ip, __meta_kubernetes_pod_annotation_prometheus_io_port]
+  regex: (.+);(\d+)
+  replacement: $1:$2
+  target_label: __address__
+- source_labels: [__meta_kubernetes_pod_annotation_prometheus_io_path]
+  regex: (.+)
+  target_label: __metrics_path__
+- source_labels: [__meta_kubernetes_namespace]
+  target_label: namespace
+- source_labels: [__meta_kubernetes_pod_name]
+  target_label: pod
+{{- end -}}

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -199,3 +200,20 @@ def test_a_worker_pod_whose_health_port_is_taken_fails_in_one_line(tmp_path):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z \[weightsync worker\] " + re.escape(
         f"the health and metrics endpoint cannot listen on 127.0.0.1:{port}: "
         "Address already in use (another process holds the port)\n"), done.stderr), done.stderr
+
+
+def test_a_scrape_is_noted_so_that_a_stopping_pod_can_wait_for_one_of_its_final_figures():
+    """rank.linger waits, as a scraped pod stops after its job's end, for one more read of /metrics."""
+    before = time.monotonic()
+    assert not health.SCRAPES.since(before, 0)
+    probes = health.PodHealth(["controller"])
+    probes.serve("127.0.0.1", 0, metrics.ControllerMetrics().registry)
+    try:
+        port = probes.server.server_address[1]
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=30).close()
+        assert not health.SCRAPES.since(before, 0.1), "a probe is no scrape"
+        counted = health.SCRAPES.count
+        urllib.request.urlopen(f"http://127.0.0.1:{port}{health.METRICS_PATH}", timeout=30).close()
+        assert health.SCRAPES.since(before, 5) and health.SCRAPES.count == counted + 1
+    finally:
+        probes.close()

@@ -57,6 +57,29 @@ ACCEPT_BATCH = 16
 STARTING, READY, DONE = 0, 1, 2  # a rank's state, next to its stamp
 
 
+class Scrapes:
+    """When this process last answered /metrics. A pod that a Prometheus scrapes waits, as it stops
+    after its job's end, until its final figures were read once (rank.linger): otherwise the last
+    version's counts would go with the pod whenever it stopped between two scrapes."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.count, self.last = 0, 0.0
+
+    def read(self) -> None:
+        with self.cond:
+            self.count, self.last = self.count + 1, time.monotonic()
+            self.cond.notify_all()
+
+    def since(self, moment: float, timeout: float) -> bool:
+        """Whether /metrics was answered after `moment` (time.monotonic()), waiting `timeout` at most."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.last > moment, timeout)
+
+
+SCRAPES = Scrapes()
+
+
 class RankHealth:
     """One rank's slot in its pod's health. It is handed to the rank's process (it pickles into a
     spawned process with the shared memory it points at)."""
@@ -245,6 +268,7 @@ class _Server:
         kind = "text/plain; charset=utf-8"
         if path == METRICS_PATH and self.registry is not None:
             code, (body, kind) = 200, exposition(self.registry)
+            SCRAPES.read()
         elif check is None:
             served = f"{LIVENESS.path}, {READINESS.path} and {METRICS_PATH}" if self.registry is not None else \
                 f"{LIVENESS.path} and {READINESS.path}"

@@ -9,16 +9,19 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.job.logline import say
 from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
+from weightsync.runtime import health
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
 REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
+FINAL_SCRAPE = 20.0  # seconds a stopping pod waits for a scrape of its final metrics (its grace is 30 s)
 
 
 def without_triton() -> None:
@@ -75,9 +78,11 @@ def in_cluster(ctx: WorkerContext) -> bool:
 
 
 def linger(ctx: WorkerContext, who: str) -> None:
-    """After the job's end: in a cluster, wait for the operator to scale the pod down."""
+    """After the job's end: in a cluster, wait for the operator to scale the pod down; a pod that a
+    Prometheus scrapes then waits (FINAL_SCRAPE at most) until its final figures were read once."""
     if not in_cluster(ctx):
         return
+    ended = time.monotonic()
     log(who, "the job has ended; waiting for the operator to remove this pod")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -85,6 +90,10 @@ def linger(ctx: WorkerContext, who: str) -> None:
     # SIGTERM the kernel hands to another thread (health, store) would not wake an untimed wait.
     while not stop.wait(1.0):
         pass
+    if health.SCRAPES.count and not health.SCRAPES.since(ended, 0):
+        log(who, f"waiting (at most {FINAL_SCRAPE:.0f}s) for a scrape of this pod's final metrics")
+        if not health.SCRAPES.since(ended, FINAL_SCRAPE):
+            log(who, f"stopping: no scrape read this pod's final metrics within {FINAL_SCRAPE:.0f}s")
 
 
 def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, device):
