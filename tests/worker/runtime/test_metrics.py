@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+import json
 import urllib.request
 
 import pytest
@@ -22,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.health import worker_env
 from weightsync.job import Env, reasons
 from weightsync.runtime import health, metrics
+from weightsync_operator.metrics import OperatorMetrics
 
 # Every metric a pod serves, and its type (the names as Prometheus stores them, without _total).
 CONTROLLER = {
@@ -217,3 +220,23 @@ def test_a_scrape_is_noted_so_that_a_stopping_pod_can_wait_for_one_of_its_final_
         assert health.SCRAPES.since(before, 5) and health.SCRAPES.count == counted + 1
     finally:
         probes.close()
+
+
+def test_the_charts_dashboard_asks_only_for_metrics_that_exist_with_the_labels_they_have():
+    """Every expression of charts/weightsync/dashboards/weightsync.json names a series a pod or the
+    operator serves (as Prometheus stores it: a counter's _total, a histogram's _bucket, _sum and
+    _count), and groups only by labels that series has or that the chart's scrape jobs add."""
+    operator = {f.name: f.type for f in OperatorMetrics().registry.collect()}
+    served = {**CONTROLLER, **TRAINER_RANKS, **INFERENCE_RANKS, **operator}
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    series = {name + s for name, kind in served.items() for s in suffixes[kind]}
+    labels = {"namespace", "wtj", "role", "pod", "job", "instance", "le", "rank", "state", "reason", "phase"}
+    dashboard = json.loads((Path(__file__).resolve().parents[3] / "charts/weightsync/dashboards/weightsync.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    asked = {name for e in exprs for name in re.findall(r"\bweightsync_[a-z_]+", e)}
+    assert asked and asked <= series, sorted(asked - series)
+    grouped = {label.strip() for e in exprs for group in re.findall(r"by \(([^)]*)\)", e) for label in group.split(",")}
+    assert grouped and grouped <= labels, sorted(grouped - labels)
+    assert {name.removesuffix("_total") for name in asked} >= {"weightsync_versions_delivered", "weightsync_receivers",
+                                                              "weightsync_wire_bytes", "weightsync_delivered_bytes"}
