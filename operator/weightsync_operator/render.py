@@ -41,11 +41,11 @@ def worker_image(job: Job, recorded: str | None = None) -> str:
     return job.image or recorded or default_worker_image()
 
 
-def children(job: Job, mode: str, token: str, *, image: str | None = None, finished: bool = False,
+def children(job: Job, mode: str, token: str, *, image: str | None = None, stopped: bool = False,
              running: bool = False) -> list[dict]:
     """Every object the job owns, in creation order (what the pods mount comes before the pods).
-    `image`: the default image recorded for the job; `finished`: the controller reported
-    completion, so the StatefulSets run no pods; `running`: the job runs, so no change of a pod
+    `image`: the default image recorded for the job; `stopped`: the controller reported
+    completion, or the job is suspended, so the StatefulSets run no pods; `running`: the job runs, so no change of a pod
     template may replace its pods. A role the user runs (spec.<role>.external) gets no
     StatefulSet: its processes join with the Secret "<job>-join" instead."""
     external = external_roles(job)
@@ -58,7 +58,7 @@ def children(job: Job, mode: str, token: str, *, image: str | None = None, finis
         service_account(job),
         role(job),
         role_binding(job),
-        *(statefulset(job, r, mode, image=image, finished=finished, running=running)
+        *(statefulset(job, r, mode, image=image, stopped=stopped, running=running)
           for r in ROLES if r not in external),
     ]
 
@@ -173,7 +173,7 @@ def role_binding(job: Job) -> dict:
     }
 
 
-def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, finished: bool = False,
+def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, stopped: bool = False,
                 running: bool = False) -> dict:
     layout = job.layout
     # Until the job runs, a changed spec replaces its pods (they have not started the job yet: a
@@ -186,7 +186,7 @@ def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, fin
         "kind": "StatefulSet",
         "metadata": _meta(job, job.child_name(role), role),
         "spec": {
-            "replicas": 0 if finished else layout.replicas(role),
+            "replicas": 0 if stopped else layout.replicas(role),
             "ordinals": {"start": layout.first_ordinal(role)},
             "serviceName": job.service_name,
             "podManagementPolicy": "Parallel",
@@ -302,6 +302,7 @@ def spec_hash(job: Job) -> str:
     hosts, alone."""
     spec = copy.deepcopy(dict(job.spec))
     spec.pop("imagePullSecrets", None)
+    spec.pop("suspend", None)  # a suspended job runs no pods, and a resumed one new pods anyway
     for role in ROLES:
         section = spec.get(role) or {}
         for name in POD_ONLY_FIELDS:

@@ -70,7 +70,11 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
         loaded = contract.Job(name, namespace, job["spec"])  # the spec as stored: defaulted
         statefulsets, problems, restarts = indexes.observed(namespace, name, loaded.layout)
         new = status.compute(current, loaded.layout, statefulsets, problems, set_conditions, pod_restarts=restarts,
-                             external=external_roles(loaded))
+                             external=external_roles(loaded), suspended=loaded.suspended)
+        if loaded.suspended and current.get("controller"):
+            # its controller pod is gone with the others: the one a resume starts begins the job
+            # anew, not as a controller started again in the middle of it
+            new["controller"] = None
         network = network_of(job)
         if network and current.get("network") != network:
             new["network"] = network

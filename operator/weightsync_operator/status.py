@@ -15,9 +15,10 @@ CHILDREN_CREATED = "ChildrenCreated"
 READY = "Ready"
 COMPLETED = "Completed"
 FAILED = "Failed"
+SUSPENDED = "Suspended"
 
 # Ready reasons that deserve no Event: the usual way to and from running.
-QUIET = (reasons.PODS_NOT_READY, reasons.FINISHED)
+QUIET = (reasons.PODS_NOT_READY, reasons.FINISHED, reasons.SUSPENDED)
 # Container waiting reasons (Kubernetes' own) that mean a pod will not run without someone's help.
 WAITING_PROBLEMS = {
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -55,7 +56,7 @@ def restarts(pod_status: Mapping) -> int:
 def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping],
             problems: Iterable[tuple[str, str, str]], set_conditions: Iterable[Mapping] = (),
             at: str | None = None, pod_restarts: Mapping[str, int] | None = None,
-            external: Iterable[str] = ()) -> dict:
+            external: Iterable[str] = (), suspended: bool = False) -> dict:
     """The operator-owned part of the status.
 
     current: the job's status now (the controller pod's `completion` and `rejoins` included);
@@ -68,7 +69,9 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     external: the roles whose processes the user starts (spec.<role>.external). The operator
     runs no pod of theirs, so it wants none ready: their replicas say "external" with the ranks
     the job waits for (whether those joined, the controller's log says), and Ready is about the
-    operator's own pods."""
+    operator's own pods;
+    suspended: spec.suspend, so the job wants no pods: its phase is Suspended (what it delivered
+    stays in the status), and the Suspended condition says whether it is."""
     external = set(external)
     at = at or now()
     completion = current.get("completion") or {}
@@ -85,19 +88,28 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
             replicas[role] = {"ready": 0, "desired": 0, "summary": f"external ({layout.world_size(role)} ranks)",
                               "restarts": 0, "rejoins": int(rejoins.get(role) or 0)}
             continue
-        desired = 0 if finished else layout.replicas(role)
+        desired = 0 if finished or suspended else layout.replicas(role)
         ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
         restarted = int((pod_restarts or {}).get(role) or 0)
-        if finished:  # its pods are going or gone
+        if finished or suspended:  # its pods are going or gone
             restarted = max(restarted, int((before.get(role) or {}).get("restarts") or 0))
         replicas[role] = {"ready": ready, "desired": desired, "summary": f"{ready}/{desired}",
                           "restarts": restarted, "rejoins": int(rejoins.get(role) or 0)}
-    all_ready = not finished and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
+    all_ready = not finished and not suspended and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
 
     problems = sorted(problems)
+    if suspended and not finished:
+        conditions[SUSPENDED] = condition(SUSPENDED, True, reasons.SUSPENDED,
+                                          "spec.suspend is true: the job runs no pods until it is false")
+    elif SUSPENDED in conditions and conditions[SUSPENDED]["status"] == "True":
+        conditions[SUSPENDED] = condition(SUSPENDED, False, reasons.RESUMED,
+                                          "spec.suspend is false: the job starts again from its beginning")
     if finished:
         conditions[READY] = condition(READY, False, reasons.FINISHED,
                                       "the job finished; its StatefulSets are scaled to zero")
+    elif suspended:
+        conditions[READY] = condition(READY, False, reasons.SUSPENDED, "the job is suspended; its StatefulSets are "
+                                                                       "scaled to zero")
     elif all_ready:
         conditions[READY] = condition(READY, True, reasons.ALL_PODS_READY, _counts(replicas, layout, external))
     elif problems:
@@ -121,6 +133,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
 
     if finished:
         phase = completion["state"]
+    elif suspended:
+        phase = "Suspended"
     elif FAILED in conditions:
         phase = "Failed"
     elif all_ready or (current.get("phase") == "Running" and created and created["status"] == "True"):
@@ -140,7 +154,7 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     return {"phase": phase, "conditions": merged, "replicas": replicas}
 
 
-_ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, READY, COMPLETED, FAILED))}
+_ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, SUSPENDED, READY, COMPLETED, FAILED))}
 
 
 def _counts(replicas: Mapping, layout: Layout, external: set[str]) -> str:
@@ -181,9 +195,10 @@ def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
         elif c["status"] == "False" and c["type"] in (CHILDREN_CREATED, READY) and c.get("reason") not in QUIET:
             out.append(("Warning", c["reason"], c.get("message", "")))
     phase = new.get("phase")
-    if phase in ("Running", "Succeeded", "Failed") and phase != current.get("phase"):
+    if phase in ("Running", "Succeeded", "Failed", "Suspended") and phase != current.get("phase"):
         by_type = {c["type"]: c for c in new.get("conditions", [])}
-        source = by_type.get({"Running": READY, "Succeeded": COMPLETED, "Failed": FAILED}[phase]) or {}
+        source = by_type.get({"Running": READY, "Succeeded": COMPLETED, "Failed": FAILED,
+                              "Suspended": SUSPENDED}[phase]) or {}
         message = source.get("message", "")
         if phase == "Failed" and source.get("reason"):
             message = f"{source['reason']}: {message}"

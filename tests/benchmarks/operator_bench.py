@@ -122,7 +122,7 @@ def direct_docs(namespace: str, name: str) -> list[dict]:
     """The baseline: the same nine objects the operator would create, applied by kubectl (its
     StatefulSets at zero replicas: the baseline starts no pods, so the nodes hold the measured jobs)."""
     job = contract.load_job(job_doc(name), namespace=namespace)
-    return render.children(job, "rdma", secrets.token_urlsafe(32), finished=True)
+    return render.children(job, "rdma", secrets.token_urlsafe(32), stopped=True)
 
 
 def apply(cp: ControlPlane, namespace: str, docs: list[dict]) -> float:

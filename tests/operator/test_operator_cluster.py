@@ -10,6 +10,7 @@ import yaml
 from controlplane import wait_for
 
 from weightsync import job as contract
+from weightsync.job import reasons
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -342,3 +343,46 @@ def test_a_child_the_api_server_refuses_fails_the_job_not_the_operator(operator,
     assert operator.healthy()
     ns.apply_job("fine", {})
     ns.wait_children("fine")
+
+
+def test_a_suspended_job_runs_no_pods_until_resumed_and_suspending_a_running_one_removes_them(ns):
+    """spec.suspend as batch/v1 Job has it: created suspended, the job has its children but no
+    pods; resumed, its pods start; suspended while it runs (the one spec change a running job
+    takes), its pods go, its status keeps what it delivered, and the controller started next begins
+    the job anew. A finished job cannot be suspended."""
+    ns.apply_job("held", {**SMALL, "suspend": True})
+    children = ns.wait_children("held")
+    assert all(children[f"StatefulSet/held-{r}"]["spec"]["replicas"] == 0 for r in contract.ROLES)
+    status = ns.wait_phase("held", "Suspended")
+    assert ns.condition("held", "Suspended")["reason"] == reasons.SUSPENDED
+    assert {r: v["summary"] for r, v in status["replicas"].items()} == {r: "0/0" for r in contract.ROLES}
+    assert ns.wait_event("held", "Suspended")["type"] == "Normal"
+    assert not ns.pods("held")
+
+    ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    ns.wait_phase("held", "Running")
+    wait_running_pods(ns, "held", 4)
+    assert ns.condition("held", "Suspended")["status"] == "False"
+    assert ns.condition("held", "Suspended")["reason"] == reasons.RESUMED
+    # what the job's controller pod reports as it runs
+    ns.kubectl("patch", contract.PLURAL, "held", "--subresource=status", "--type=merge", "-p", json.dumps(
+        {"status": {"controller": {"starts": 1, "started": "2026-01-01T00:00:00Z"},
+                    "transfer": {"version": 3, "bytes": 1000, "gbps": 1.0}}}))
+    refused = ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"image":"other"}}',
+                         check=False)
+    assert refused.returncode != 0 and "suspend it first" in refused.stderr
+
+    ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    status = ns.wait_phase("held", "Suspended")
+    wait_for("pods of a suspended job gone", lambda: not ns.pods("held"), 60)
+    assert "controller" not in ns.status("held"), "the controller a resume starts would count itself restarted"
+    assert status["transfer"]["version"] == 3  # what it delivered stays
+
+    completion = {"state": "Succeeded", "message": "done", "versions": 4, "time": "2026-01-01T00:00:00Z"}
+    ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    ns.kubectl("patch", contract.PLURAL, "held", "--subresource=status", "--type=merge", "-p",
+               json.dumps({"status": {"completion": completion}}))
+    ns.wait_phase("held", "Succeeded")
+    refused = ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}',
+                         check=False)
+    assert refused.returncode != 0 and "has finished" in refused.stderr

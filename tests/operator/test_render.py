@@ -82,7 +82,7 @@ def test_statefulsets_share_one_ordinal_space_and_the_headless_service():
 
 def test_finished_jobs_run_no_pods():
     j = job({"trainer": {"replicas": 2}})
-    assert all(s["spec"]["replicas"] == 0 for s in render.children(j, "tcp", "t" * 32, finished=True)
+    assert all(s["spec"]["replicas"] == 0 for s in render.children(j, "tcp", "t" * 32, stopped=True)
                if s["kind"] == "StatefulSet")
 
 
@@ -396,6 +396,23 @@ def test_phase_follows_readiness_and_completion():
     failed = status.compute({**running, "completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [])
     assert failed["phase"] == "Failed"
     assert {c["type"]: c for c in failed["conditions"]}[status.FAILED]["message"] == "rank 3 timed out"
+
+
+def test_a_suspended_job_wants_no_pods_and_says_so_until_it_resumes():
+    running = status.compute({}, LAYOUT, READY, [], [CREATED], at="t0")
+    held = status.compute({**running, "transfer": {"version": 3}}, LAYOUT, READY, [], suspended=True, at="t1")
+    assert held["phase"] == "Suspended"
+    assert all(r["desired"] == 0 and r["ready"] == 0 for r in held["replicas"].values())
+    conditions = {c["type"]: c for c in held["conditions"]}
+    assert (conditions[status.SUSPENDED]["status"], conditions[status.SUSPENDED]["reason"]) == ("True", "Suspended")
+    assert conditions[status.READY]["reason"] == "Suspended"
+    assert status.events(running, held) == [("Normal", "Suspended", conditions[status.SUSPENDED]["message"])]
+    resumed = status.compute(held, LAYOUT, {}, [], at="t2")
+    assert resumed["phase"] == "Pending"
+    conditions = {c["type"]: c for c in resumed["conditions"]}
+    assert (conditions[status.SUSPENDED]["status"], conditions[status.SUSPENDED]["reason"]) == ("False", "Resumed")
+    assert conditions[status.SUSPENDED]["lastTransitionTime"] == "t2"
+    assert render.spec_hash(job()) == render.spec_hash(job({"suspend": True})), "suspending rolls no pod template"
 
 
 def test_restarts_and_rejoins_per_role():

@@ -79,6 +79,14 @@ def test_run_refuses_an_invalid_job_before_starting_anything(tmp_path):
     assert missing.returncode == 2 and "absent.yaml: no such file" in missing.stderr
 
 
+def test_run_refuses_a_suspended_job_saying_how_to_run_it(tmp_path):
+    held = tmp_path / "held.yaml"
+    held.write_text(yaml.safe_dump(example(**{"suspend": True})))
+    out = weightsync("run", str(held))
+    assert out.returncode == 2 and "has spec.suspend: true, so the job runs nothing; set it to false" in out.stderr
+    assert "logs in" not in out.stderr
+
+
 def test_run_refuses_a_model_transformers_cannot_build(tmp_path):
     bad = tmp_path / "bad-model.yaml"
     config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 65, "n_head": 2}  # 65 does not split into 2 heads

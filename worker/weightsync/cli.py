@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     job = load_job(args.job)  # before importing torch: a bad file is refused at once
+    if job.suspended:
+        print(f"weightsync run: {args.job} has spec.suspend: true, so the job runs nothing; set it to false (or "
+              "leave it out) to run it", file=sys.stderr)
+        return EXIT_SPEC
     from weightsync.local.runner import CannotRunHere, RunFailed, run
 
     try:

@@ -99,11 +99,12 @@ def load(obj: Mapping) -> contract.Job:
 
 
 def standing(obj: Mapping) -> dict[str, bool]:
-    """Where the job stands, as rendering needs it: finished (its controller reported completion)
-    and running."""
+    """Where the job stands, as rendering needs it: stopped (its controller reported completion,
+    or it is suspended) and running."""
     job_status = obj.get("status") or {}
     finished = (job_status.get("completion") or {}).get("state") in ("Succeeded", "Failed")
-    return {"finished": finished, "running": job_status.get("phase") == "Running" and not finished}
+    stopped = finished or bool((obj.get("spec") or {}).get("suspend"))
+    return {"stopped": stopped, "running": job_status.get("phase") == "Running" and not stopped}
 
 
 def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:

@@ -88,5 +88,10 @@ PODS_NOT_READY = _reason("PodsNotReady", "some pods are not ready yet, and none 
                          "must fix")
 FINISHED = _reason("Finished", "the job finished; its StatefulSets are scaled to zero")
 
+# Suspended
+SUSPENDED = _reason("Suspended", "spec.suspend is true: the job runs no pods (a queue such as Kueue has not admitted it, "
+                    "or someone suspended it); its status keeps what it delivered")
+RESUMED = _reason("Resumed", "spec.suspend turned false: the job starts again from its beginning, in new pods")
+
 # Completed
 SUCCEEDED = _reason("Succeeded", "every version was delivered to and verified on the inference ranks")

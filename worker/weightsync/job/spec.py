@@ -438,6 +438,11 @@ class Job:
         return {CONTROLLER: self.controller, TRAINER: self.trainer, INFERENCE: self.inference}[role]
 
     @property
+    def suspended(self) -> bool:
+        """spec.suspend: the job runs no pods until it is false."""
+        return bool(self.spec.get("suspend"))
+
+    @property
     def identity(self) -> str:
         """namespace/name: every rendezvous connection is bound to it (with the token)."""
         return f"{self.namespace}/{self.name}"
