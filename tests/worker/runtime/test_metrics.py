@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 import json
@@ -218,6 +219,19 @@ def test_a_scrape_is_noted_so_that_a_stopping_pod_can_wait_for_one_of_its_final_
         counted = health.SCRAPES.count
         urllib.request.urlopen(f"http://127.0.0.1:{port}{health.METRICS_PATH}", timeout=30).close()
         assert health.SCRAPES.since(before, 5) and health.SCRAPES.count == counted + 1
+
+        # stopping after the job's end, the pod waits for the next scrape, and only as long
+        said: list[str] = []
+        ended = time.monotonic()
+        later = threading.Timer(0.5, lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{port}{health.METRICS_PATH}", timeout=30).close())
+        later.start()
+        health.final_scrape(ended, said.append)
+        waited = time.monotonic() - ended
+        assert said == [f"waiting (at most {health.FINAL_SCRAPE:.0f}s) for a scrape of this pod's final metrics"]
+        assert 0.4 < waited < health.FINAL_SCRAPE, waited
+        health.final_scrape(ended, said.append)  # scraped since: it goes at once
+        assert len(said) == 1
     finally:
         probes.close()
 

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import wait
 from typing import Mapping
 
@@ -17,7 +18,7 @@ from weightsync.job import logline
 from weightsync.job.logline import say
 from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server
-from weightsync.runtime.health import PodHealth, RankHealth
+from weightsync.runtime.health import PodHealth, RankHealth, final_scrape
 from weightsync.runtime.metrics import ControllerMetrics, RankBoard
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
 from weightsync.runtime.rank import without_triton
@@ -114,8 +115,12 @@ def supervise(role: str, ranks: list[int], health: PodHealth) -> int:
         p.start()
 
     def end(signum, _frame):  # the pod is being deleted: its ranks end (cleanly, once the job is over)
+        stopping = time.monotonic()
         stop(*procs, grace=STOP_GRACE)
-        sys.exit(0 if all(p.exitcode == 0 for p in procs) else 128 + signum)
+        clean = all(p.exitcode == 0 for p in procs)
+        if clean:  # the ranks' final figures are on the pod's board: a scrape reads them once
+            final_scrape(stopping, lambda line: say("weightsync worker", line))
+        sys.exit(0 if clean else 128 + signum)
 
     signal.signal(signal.SIGTERM, end)
     running = list(procs)

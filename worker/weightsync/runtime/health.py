@@ -78,6 +78,18 @@ class Scrapes:
 
 
 SCRAPES = Scrapes()
+FINAL_SCRAPE = 20.0  # seconds a stopping pod waits for a scrape of its final metrics (its grace is 30 s)
+
+
+def final_scrape(since: float, say) -> None:
+    """A pod that a Prometheus scrapes, stopping after its job's end: wait (FINAL_SCRAPE at most)
+    until a scrape after `since` (time.monotonic()) read its final figures; `say` tells of the
+    wait. A pod nobody scrapes, or one scraped since, goes at once."""
+    if not SCRAPES.count or SCRAPES.since(since, 0):
+        return
+    say(f"waiting (at most {FINAL_SCRAPE:.0f}s) for a scrape of this pod's final metrics")
+    if not SCRAPES.since(since, FINAL_SCRAPE):
+        say(f"stopping: no scrape read this pod's final metrics within {FINAL_SCRAPE:.0f}s")
 
 
 class RankHealth:

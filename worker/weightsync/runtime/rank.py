@@ -21,7 +21,6 @@ from weightsync.transport import RankContext, make_transport, options_for, resol
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
 REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
-FINAL_SCRAPE = 20.0  # seconds a stopping pod waits for a scrape of its final metrics (its grace is 30 s)
 
 
 def without_triton() -> None:
@@ -79,7 +78,7 @@ def in_cluster(ctx: WorkerContext) -> bool:
 
 def linger(ctx: WorkerContext, who: str) -> None:
     """After the job's end: in a cluster, wait for the operator to scale the pod down; a pod that a
-    Prometheus scrapes then waits (FINAL_SCRAPE at most) until its final figures were read once."""
+    Prometheus scrapes then waits (health.FINAL_SCRAPE at most) until its final figures were read once."""
     if not in_cluster(ctx):
         return
     ended = time.monotonic()
@@ -90,10 +89,7 @@ def linger(ctx: WorkerContext, who: str) -> None:
     # SIGTERM the kernel hands to another thread (health, store) would not wake an untimed wait.
     while not stop.wait(1.0):
         pass
-    if health.SCRAPES.count and not health.SCRAPES.since(ended, 0):
-        log(who, f"waiting (at most {FINAL_SCRAPE:.0f}s) for a scrape of this pod's final metrics")
-        if not health.SCRAPES.since(ended, FINAL_SCRAPE):
-            log(who, f"stopping: no scrape read this pod's final metrics within {FINAL_SCRAPE:.0f}s")
+    health.final_scrape(ended, lambda line: log(who, line))
 
 
 def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, device):
