@@ -76,6 +76,92 @@ def chart(report: dict, path: str | Path) -> Path:
     return save(plt, fig, f"weightsync bench, {links}: {report['model']}", path)
 
 
+# a version's phases that overlap the ones they contain (the worker's load is inside the update
+# call, the stall spans pause to resume, the total all of them): drawn apart, never stacked
+OVERLAPPING = ("load", "stall", "total")
+# DDP replicas and FSDP2 shards, each with a light shade for the send
+WRAP_COLOURS = {"ddp": ("#ff7f0e", "#ffbb78"), "fsdp": ("#1f77b4", "#aec7e8")}
+
+
+def vllm_chart(report: dict, order: list[str], path: str | Path) -> Path:
+    """`weightsync bench --vllm --chart`: per method, where a version's seconds go (each phase's
+    median, on the slower server, stacked in `order`, and a black line at the version's total), and
+    beside it the seconds per version and the stall, each bar labelled with its ratio to the disk
+    reload's."""
+    plt = pyplot("weightsync bench --vllm --chart")
+    methods = list(report["methods"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    colours = plt.get_cmap("tab20").colors
+    for y, name in enumerate(methods):
+        phases = report["methods"][name]["phases"]
+        start = 0.0
+        for k, phase in enumerate(p for p in order if p in phases and p not in OVERLAPPING):
+            left.barh(y, phases[phase], left=start, color=colours[order.index(phase) % len(colours)], label=phase)
+            start += phases[phase]
+        if "total" in phases:  # the version, start to every server serving: what the calls leave out shows
+            left.vlines(phases["total"], y - 0.45, y + 0.45, colors="black", linewidth=2,
+                        label="total: start -> every server serving")
+    handles = {label: h for h, label in zip(*left.get_legend_handles_labels())}
+    left.legend(handles.values(), handles.keys(), fontsize=7, ncol=4, loc="upper right")
+    left.set_yticks(range(len(methods)), methods)
+    left.set_ylim(-0.5, len(methods) + 0.6)  # room for the legend above the bars
+    left.set_xlabel("seconds (median of the versions)")
+    left.set_title("where a version's seconds go", fontsize=10)
+    disk = report["methods"]["disk"]
+    width = 0.8 / len(methods)
+    for k, name in enumerate(methods):
+        m = report["methods"][name]
+        for x, (value, base) in enumerate(((m["seconds_per_version"], disk["seconds_per_version"]),
+                                           (m["stall_seconds"], disk["stall_seconds"]))):
+            at = x - 0.4 + width * (k + 0.5)
+            right.bar(at, value, width, color=METHOD_COLOURS.get(name, colours[k]), label=name if x == 0 else None)
+            right.annotate(f"{value / base:.2f}x disk", (at, value), ha="center", va="bottom", fontsize=8)
+    right.set_xticks([0, 1], ["seconds per version", "stall (served nothing)"])
+    right.set_ylabel("seconds (median)")
+    right.legend(fontsize=8)
+    right.set_title("each bar against the disk reload's", fontsize=10)
+    return save(plt, fig, f"weightsync bench --vllm: {report['model']}, {report['trainers']} trainer ranks -> "
+                          f"{report['servers']} vLLM servers", path)
+
+
+def fsdp_chart(report: dict, path: str | Path) -> Path:
+    """`weightsync bench --fsdp --chart`: per dtype, the seconds per version and the slowest
+    trainer's send for DDP replicas and FSDP2 shards, and each trainer rank's peak memory beyond its
+    start against what it must hold (its shard and the send buffers)."""
+    plt = pyplot("weightsync bench --fsdp --chart")
+    cases = report["cases"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    wraps = list(cases[0]["methods"])
+    width = 0.8 / (2 * len(wraps))
+    for x, case in enumerate(cases):
+        for k, wrap in enumerate(wraps):
+            m = case["methods"][wrap]
+            for j, (key, what) in enumerate((("seconds_per_version", "version"), ("send_seconds_per_version", "send"))):
+                at = x - 0.4 + width * (2 * k + j + 0.5)
+                left.bar(at, m[key], width, color=WRAP_COLOURS[wrap][j], label=f"{wrap}: {what}" if x == 0 else None)
+            for r in m["memory"]:
+                peak, bound = r["peak_beyond_start"] / 2**20, r["bound"] / 2**20
+                at = x * (len(m["memory"]) + 1) + r["rank"]
+                right.bar(at + (k - 0.5) * 0.4, peak, 0.4, color=WRAP_COLOURS[wrap][0],
+                          label=wrap if x == 0 and r["rank"] == 0 else None)
+                if wrap == "fsdp":
+                    right.hlines(bound, at - 0.45, at + 0.45, colors="black", linewidth=2,
+                                 label="fsdp: shard + send buffers" if x == 0 and r["rank"] == 0 else None)
+    labels = [f"{c['dtype']} {c['trainers']} -> {c['inferences']}" for c in cases]
+    left.set_xticks(range(len(cases)), labels)
+    left.set_ylabel("seconds (median)")
+    left.legend(fontsize=8)
+    left.set_title("seconds per version, and the slowest trainer's send", fontsize=10)
+    ranks = len(cases[0]["methods"][wraps[0]]["memory"])
+    right.set_xticks([x * (ranks + 1) + r for x in range(len(cases)) for r in range(ranks)],
+                     [f"{c['dtype']}\nrank {r}" for c in cases for r in range(ranks)], fontsize=8)
+    right.set_ylim(0, right.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    right.set_ylabel("MiB beyond the rank's start (peak)")
+    right.legend(fontsize=8)
+    right.set_title("each trainer rank's memory", fontsize=10)
+    return save(plt, fig, f"weightsync bench --fsdp: {report['model']}", path)
+
+
 def save(plt, fig, title: str, path: str | Path) -> Path:
     """`fig`, titled, into the PNG at `path` (the same size of type and resolution in every picture)."""
     fig.suptitle(title, fontsize=10)

@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 import weightsync
+from weightsync.bench.chart import fsdp_chart
 from weightsync.bench.rank import proc_status, reset_peak_rss
 from weightsync.job import API_VERSION, KIND, WorkerContext, load_job
 from weightsync.local.runner import LocalJob
@@ -151,9 +152,12 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(dtypes: list[str], trainers: int, inferences: int, versions: int, bucket_mb: int, as_json: bool) -> int:
+def main(dtypes: list[str], trainers: int, inferences: int, versions: int, bucket_mb: int, as_json: bool,
+         chart: str | None = None) -> int:
     report = run(dtypes, trainers, inferences, versions, bucket_mb)
     print(json.dumps(report, indent=2) if as_json else table(report), flush=True)
+    if chart:
+        print(f"bench: chart in {fsdp_chart(report, chart)}", file=sys.stderr, flush=True)
     return 0
 
 

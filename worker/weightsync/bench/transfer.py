@@ -262,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--chart", metavar="FILE.png", help="also draw the report: GB/s per method and shape against "
-                                                           "the speed of light or the ceiling (needs matplotlib)")
+                                                           "the speed of light or the ceiling; with --vllm where a "
+                                                           "version's seconds go against the disk reload, with --fsdp "
+                                                           "seconds and memory per trainer rank (needs matplotlib)")
     parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
                                                          "against reloading a checkpoint from disk (PYTHON runs vLLM)")
     parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
@@ -270,11 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                                                             "version, trainer memory); --shapes one TRAINERSxINFERENCE")
     args = parser.parse_args(argv)
     if args.chart:
-        problem = chart_problem(args.chart, args.vllm or args.fsdp)
+        problem = chart_problem(args.chart)
         if problem:
             parser.error(f"--chart: {problem}")
     if args.vllm:
-        return vllm_bench(args.vllm, args.json)
+        return vllm_bench(args.vllm, args.json, args.chart)
     dtypes = args.dtypes.split(",")
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         m, _, n = (args.shapes or "2x2").partition("x")
         if not (m.isdigit() and n.isdigit() and int(m) > 1 and int(n) > 0):
             parser.error(f"--fsdp --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE with at least 2 trainer ranks")
-        return shards_bench(dtypes, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
+        return shards_bench(dtypes, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json, args.chart)
     signal.signal(signal.SIGTERM, _exit)  # so that what the run made (files, namespaces) is removed
 
     shapes = []
@@ -337,10 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def chart_problem(path: str, other_mode: bool) -> str | None:
+def chart_problem(path: str) -> str | None:
     """Why --chart cannot be honoured, found before anything runs, or None."""
-    if other_mode:
-        return "draws the transfer benchmark (loopback or --links), not --vllm or --fsdp"
     if not path.endswith(".png"):
         return f"{path!r} does not end in .png"
     parent = os.path.dirname(os.path.abspath(path))

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import weightsync
+from weightsync.bench.chart import vllm_chart
 from weightsync.job import API_VERSION, Env, KIND, Model, WorkerContext, load_job
 from weightsync.local.runner import LocalJob, check_vllm_python, free_ports
 from weightsync.model.build import build, parameters
@@ -252,9 +253,11 @@ def breakdown(methods: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(python: str, as_json: bool) -> int:
+def main(python: str, as_json: bool, chart: str | None = None) -> int:
     report = run(python)
     print(json.dumps(report, indent=2) if as_json else table(report), flush=True)
+    if chart:
+        print(f"bench: chart in {vllm_chart(report, list(PHASES), chart)}", file=sys.stderr, flush=True)
     return 0
 
 
