@@ -207,7 +207,7 @@ def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
 
 
 # Events of the inference ranks (status.receivers, from the job's controller pod).
-JOINED, RANK_AWAY, RANK_REJOINED = "AllRanksJoined", "RankAway", "RankRejoined"
+JOINED, RANK_AWAY, RANK_REJOINED, RANK_DROPPED = "AllRanksJoined", "RankAway", "RankRejoined", "RankDropped"
 THERE = ("current", "behind")
 
 
@@ -229,14 +229,23 @@ def receiver_events(old: Mapping | None, new: Mapping | None) -> list[tuple[str,
             if r["state"] == "away" and was != "away":
                 out.append(("Warning", RANK_AWAY, f"inference rank {r['rank']}{pod} is away; the job goes on "
                             "without it and takes it back when it returns"))
-            elif r["state"] in THERE and was in ("away", "rejoining"):
+            elif r["state"] == "dropped" and was != "dropped":
+                out.append(("Warning", RANK_DROPPED, f"inference rank {r['rank']}{pod} was away past "
+                            "spec.inference.awayGraceSeconds and is dropped: the job goes on without waiting for "
+                            "it (spec.inference.minAvailable) and takes it back if it starts again"))
+            elif r["state"] in THERE and was in ("away", "rejoining", "dropped"):
                 out.append(("Normal", RANK_REJOINED, f"inference rank {r['rank']}{pod} rejoined the job"))
         return out
     away, was_away = int(new.get("away") or 0), int(old.get("away") or 0)
     if away > was_away:
         out.append(("Warning", RANK_AWAY, f"{away - was_away} more inference ranks are away ({away} of "
                     f"{new.get('total')}); the job goes on without them and takes them back when they return"))
-    back = sum(int(old.get(s) or 0) for s in ("away", "rejoining")) - sum(int(new.get(s) or 0) for s in ("away", "rejoining"))
+    dropped, was_dropped = int(new.get("dropped") or 0), int(old.get("dropped") or 0)
+    if dropped > was_dropped:
+        out.append(("Warning", RANK_DROPPED, f"{dropped - was_dropped} more inference ranks are dropped ({dropped} of "
+                    f"{new.get('total')}): away past spec.inference.awayGraceSeconds, no longer waited for"))
+    gone = ("away", "rejoining", "dropped")
+    back = sum(int(old.get(s) or 0) for s in gone) - sum(int(new.get(s) or 0) for s in gone)
     if back > 0:
         out.append(("Normal", RANK_REJOINED, f"{back} inference ranks rejoined the job"))
     return out

@@ -36,7 +36,7 @@ def test_get_shows_transport_receivers_version_and_why_it_failed():
 def ranks(*states: str, version: int = 3) -> dict:
     listed = [{"rank": r, "state": s, "pod": f"j-inference-{r}", "since": "2026-11-26T15:04:05Z", "version": version}
               for r, s in enumerate(states)]
-    counts = {s: list(states).count(s) for s in ("current", "behind", "away", "rejoining")}
+    counts = {s: list(states).count(s) for s in ("current", "behind", "away", "rejoining", "dropped")}
     return {"total": len(states), "ready": f"{counts['current']}/{len(states)}", "version": version, **counts,
             "ranks": listed}
 
@@ -54,16 +54,24 @@ def test_events_of_the_ranks_at_the_moments_that_matter():
     assert [(k, r) for k, r, _ in back] == [("Normal", status.RANK_REJOINED)]
     # away and back between two reports: still the rejoin
     assert status.receiver_events(ranks("current", "away"), ranks("current", "behind"))[0][1] == status.RANK_REJOINED
+    # away past its grace: dropped, once; back from there: rejoined
+    dropped = status.receiver_events(ranks("current", "away"), ranks("current", "dropped"))
+    assert [(k, r) for k, r, _ in dropped] == [("Warning", status.RANK_DROPPED)]
+    assert "spec.inference.minAvailable" in dropped[0][2]
+    assert status.receiver_events(ranks("current", "dropped"), ranks("current", "dropped")) == []
+    assert status.receiver_events(ranks("current", "dropped"), ranks("current", "current"))[0][1] == status.RANK_REJOINED
 
 
 def test_a_job_too_large_to_list_gets_events_from_the_counts():
-    def counted(away: int, rejoining: int = 0) -> dict:
-        return {"total": 100, "current": 100 - away - rejoining, "behind": 0, "away": away, "rejoining": rejoining,
-                "ready": f"{100 - away - rejoining}/100", "note": "counts by state only"}
+    def counted(away: int, rejoining: int = 0, dropped: int = 0) -> dict:
+        current = 100 - away - rejoining - dropped
+        return {"total": 100, "current": current, "behind": 0, "away": away, "rejoining": rejoining,
+                "dropped": dropped, "ready": f"{current}/100", "note": "counts by state only"}
 
     assert [r for _, r, _ in status.receiver_events(counted(0), counted(2))] == [status.RANK_AWAY]
     assert status.receiver_events(counted(2), counted(0, 2)) == []
     assert [r for _, r, _ in status.receiver_events(counted(0, 2), counted(0))] == [status.RANK_REJOINED]
+    assert [r for _, r, _ in status.receiver_events(counted(2), counted(1, dropped=1))] == [status.RANK_DROPPED]
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from weightsync.job import VERSION
 from weightsync.job.schema import openapi_schema, schema_problems, unknown_fields
 from weightsync.rendezvous.messages import RankInfo
-from weightsync.rendezvous.roster import AWAY, JOINING, SERVING, WAITING, Seat
+from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Seat
 from weightsync.roles.receivers import LIST_LIMIT, Receivers, counts, states
 
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
@@ -27,15 +27,16 @@ def seats(n: int) -> dict[int, Seat]:
 
 
 def test_states_name_every_roster_state():
-    roster = seats(5)
+    roster = seats(6)
     roster[0].holds = 3
     roster[1].holds = 2
     roster[2].state = AWAY
     roster[3].state = JOINING
     roster[4].state = WAITING
+    roster[5].state = DROPPED
     by_rank = states(roster, 3)
-    assert by_rank == {0: "current", 1: "behind", 2: "away", 3: "rejoining", 4: "rejoining"}
-    assert counts(by_rank) == {"current": 1, "behind": 1, "away": 1, "rejoining": 2}
+    assert by_rank == {0: "current", 1: "behind", 2: "away", 3: "rejoining", 4: "rejoining", 5: "dropped"}
+    assert counts(by_rank) == {"current": 1, "behind": 1, "away": 1, "rejoining": 2, "dropped": 1}
 
 
 def test_written_only_when_a_state_changes():

@@ -11,7 +11,7 @@ from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
 from weightsync.rendezvous import protocol as rendezvous
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
-from weightsync.rendezvous.roster import AWAY, JOINING, SERVING, WAITING, Host, RankFailed
+from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Host, RankFailed
 
 TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/rendezvous"
@@ -19,9 +19,9 @@ LAYOUT = Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1)
 TWO = Layout(trainers=2, trainer_procs=1, inferences=2, inference_procs=1)
 
 
-def make_host(layout=LAYOUT, silent_limit=1.5, away_limit=60.0):
-    return Host(0, TOKEN, layout, silent_limit=silent_limit, away_limit=away_limit, say=lambda m: None,
-                address="127.0.0.1", job=JOB)
+def make_host(layout=LAYOUT, silent_limit=1.5, away_limit=60.0, min_available=None, say=lambda m: None):
+    return Host(0, TOKEN, layout, silent_limit=silent_limit, away_limit=away_limit, say=say,
+                address="127.0.0.1", job=JOB, min_available=min_available)
 
 
 @pytest.fixture()
@@ -186,6 +186,48 @@ def test_an_inference_rank_away_for_too_long_fails_the_job():
     with pytest.raises(RankFailed, match="inference rank 1 did not come back within 0s") as failed:
         host.wait_ranks(["never"], "nothing", timeout=10)
     assert failed.value.reason == reasons.RANK_LOST
+
+
+def test_an_inference_rank_away_past_its_grace_is_dropped_while_enough_remain_and_taken_back_if_it_returns():
+    said = []
+    host, _ = started(away_limit=0.3, min_available=1, say=said.append)
+    host.start_round(0)
+    host.holding(0, [0, 1])
+    host._away(1, "gone")
+    deadline = time.monotonic() + 10
+    while host.seats[1].state != DROPPED and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.05)
+    assert host.seats[1].state == DROPPED
+    assert any("inference rank 1 dropped: away for more than 0s; the job goes on with 1 inference ranks (it needs 1, "
+               "spec.inference.minAvailable)" in line for line in said), said
+    assert host.start_round(1).receivers == (0,)
+    host.holding(1, [0])
+    assert host.behind(1) == []  # the end does not wait for it
+    host.wait_back(1)  # returns at once: nothing is waited for
+    host._away(0, "gone too")  # the last one: past its grace the job needs it
+    with pytest.raises(RankFailed, match="the job needs 1 inference ranks .* with 0 left") as failed:
+        while time.monotonic() < deadline:
+            host.check_ranks()
+            time.sleep(0.05)
+    assert failed.value.reason == reasons.RANK_LOST
+
+    # a dropped rank whose process starts again rejoins (a new grace to join in)
+    host, _ = started(away_limit=0.3, min_available=1)
+    host._away(1, "gone")
+    while host.seats[1].state != DROPPED and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.05)
+    time.sleep(0.4)  # longer than the grace since it was dropped
+    again = member(host, "inference", 1)
+    joined = threading.Thread(target=again.join, args=("127.0.0.1:7777", '{"layout": 1}', RankInfo("tcp", pod="p1")),
+                              kwargs={"timeout": 10})
+    joined.start()
+    while host.seats[1].state != WAITING and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.02)
+    joined.join(5)
+    assert host.seats[1].state == WAITING and host.start_round(1).receivers == (0, 1)
 
 
 def test_a_silent_inference_rank_is_away_a_silent_trainer_fails_the_job():

@@ -26,6 +26,8 @@ import pytest
 import torch
 from support.jobs import ODD, as_bytes, assert_nothing_left, make_job
 
+from weightsync import job as contract
+
 from weightsync.rendezvous.protocol import versions
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
 from weightsync.local.runner import LocalJob, RunFailed
@@ -206,6 +208,36 @@ def test_an_inference_rank_frozen_briefly_while_versions_go_on_notices_it_fell_b
     applied = check_applied_versions(faulty.dump, job)
     assert applied[0] == list(range(9)) and applied[1][-1] == 8
     assert_nothing_left(faulty.local)
+
+
+def test_an_inference_rank_away_past_its_grace_is_dropped_and_taken_back_when_its_pod_starts_again(tmp_path):
+    """spec.inference.minAvailable 1 of 2, awayGraceSeconds 3: inference rank 1, frozen (SIGSTOP),
+    is counted away, then dropped, and the versions go on without waiting for it; the liveness
+    probe kills the frozen pod and starts it again, and the rank is taken back. The trainers hold
+    version 6 back until then, so that the versions after it reach the rank again."""
+    obj = make_job("dropped", config=ODD, dtype="float32", trainers=(2, 1), inferences=(2, 1), steps=8,
+                   every=1).to_object()
+    obj["spec"]["inference"].update(minAvailable=1, awayGraceSeconds=3)
+    job = contract.load_job(obj)
+    faulty = Faulty(tmp_path, job, "trainer-0-before-ready-v1")
+    (faulty.pause / "trainer-0-before-ready-v6.arm").touch()
+    victim = faulty.pod("inference", 1)
+    controller = faulty.local.pods[0]
+    try:
+        struck = faulty.strike(victim, signal.SIGSTOP)
+        dropped = wait_for_line(controller.log, "inference rank 1 dropped: away for more than 3s", 60, faulty)
+        back = wait_for_line(controller.log, "inference rank 1 rejoined", 120, faulty)
+        (faulty.pause / "trainer-0-before-ready-v6.release").touch()
+        summary = faulty.end()
+    finally:
+        faulty.local.stop()
+    print(f"dropped {dropped - struck:.1f}s after it froze, taken back {back - struck:.1f}s after")
+    assert summary["failed_verifications"] == 0 and faulty.status()["completion"]["state"] == "Succeeded"
+    versions = [r["version"] for r in faulty.local.transfers]
+    assert all(r["inference_ranks"] == 1 for r in faulty.local.transfers if 1 < r["version"] < 6), versions
+    applied = check_applied_versions(faulty.dump, job)
+    assert applied[0] == list(range(9)) and set(applied[1]) >= {6, 7, 8}
+    assert [r["state"] for r in faulty.status()["receivers"]["ranks"]] == ["current", "current"]
 
 
 TRAINER_FAULTS = [

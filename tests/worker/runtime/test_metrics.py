@@ -94,7 +94,7 @@ def test_the_controller_serves_every_metric_with_its_type_and_counts_what_it_is_
     assert sample(families, "weightsync_vllm_stall_seconds", "_count") == 2
     assert sample(families, "weightsync_publish_to_serving_seconds", "_count") == 1
     assert {s.labels["state"]: s.value for s in families["weightsync_receivers"].samples} == \
-        {"current": 3, "behind": 0, "away": 1, "rejoining": 0}
+        {"current": 3, "behind": 0, "away": 1, "rejoining": 0, "dropped": 0}
     assert sample(families, "weightsync_rejoins", "_total") == 1
     assert sample(families, "weightsync_failures", "_total", reason=reasons.RANK_LOST) == 1
 

@@ -222,6 +222,15 @@ class Inference(Pods):
     """builtin (weightsync's own transformers model) or vllm (a vLLM server per pod)."""
     vllm: Vllm = Vllm()
     """The vLLM servers' settings (engine vllm)."""
+    min_available: int | None = None
+    """Inference ranks the job needs; None: all of them (needed)."""
+    away_grace_seconds: int = 900
+    """Seconds an inference rank may be away before it is dropped or the job fails."""
+
+    @property
+    def needed(self) -> int:
+        """How many inference ranks the job cannot go on without: minAvailable, or all of them."""
+        return self.min_available if self.min_available is not None else self.world_size
 
     @property
     def world_size(self) -> int:
@@ -255,7 +264,9 @@ class Inference(Pods):
                    gpus_per_proc=inference["gpusPerProc"], tensor_parallel=inference["tensorParallel"],
                    tensor_parallel_sizes=tuple(inference.get("tensorParallelSizes") or ()),
                    engine=inference.get("engine", BUILTIN),
-                   vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ()))), **Pods.common(inference))
+                   vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ()))),
+                   min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
+                   **Pods.common(inference))
 
 
 @dataclass(frozen=True)

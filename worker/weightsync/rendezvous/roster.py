@@ -54,6 +54,7 @@ SERVING = "serving"  # receives every round
 AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
 JOINING = "joining"  # its process started again; its proof is awaited
 WAITING = "waiting"  # admitted again; receives the next round
+DROPPED = "dropped"  # away past away_limit while enough others remain (min_available): no longer waited for
 
 
 class _AllClosed(Exception):
@@ -85,10 +86,13 @@ class Host(Channel):
     """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
 
     def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
-                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str):
+                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str,
+                 min_available: int | None = None):
         super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
         self.token, self.layout, self.say = token, layout, say
         self.silent_limit, self.away_limit = silent_limit, away_limit
+        # inference ranks the job cannot go on without (spec.inference.minAvailable): all by default
+        self.min_available = layout.world_size(INFERENCE) if min_available is None else min_available
         self.ranks = ranks_of(layout)
         self.attempts = {r: 1 for r in self.ranks}
         self.seats: dict[int, Seat] = {}
@@ -272,13 +276,14 @@ class Host(Channel):
             self.seats[r].holds = version
 
     def behind(self, version: int) -> list[int]:
-        """The inference ranks that do not hold `version`."""
-        return [r for r, s in sorted(self.seats.items()) if s.holds != version]
+        """The inference ranks the job waits for that do not hold `version` (not the dropped)."""
+        return [r for r, s in sorted(self.seats.items()) if s.holds != version and s.state != DROPPED]
 
-    def wait_back(self) -> None:
-        """Wait until an inference rank that is away or joining is admitted again (the roster's
-        away_limit bounds the wait: past it, check_ranks fails the job)."""
-        while not any(s.state == WAITING for s in self.seats.values()):
+    def wait_back(self, version: int) -> None:
+        """Wait until an inference rank that is away or joining is admitted again, or none that
+        lacks `version` is waited for any more (the roster's away_limit bounds the wait: past it,
+        check_ranks drops the rank or fails the job)."""
+        while not any(s.state == WAITING for s in self.seats.values()) and self.behind(version):
             self.check_ranks()
             time.sleep(BACK_POLL)
 
@@ -327,8 +332,9 @@ class Host(Channel):
                 if seat.state == JOINING:
                     self._readmit(rank)
                 if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
-                    raise RankFailed(f"{who(role, rank)} did not come back within {self.away_limit:.0f}s after it "
-                                     f"went away", reasons.RANK_LOST)
+                    self._drop(rank)
+                continue
+            if seat is not None and seat.state == DROPPED:
                 continue
             silent = self.silent_for(role, rank, now)
             if silent > self.silent_limit:
@@ -358,7 +364,7 @@ class Host(Channel):
         """Whether the worker holding inference rank `rank` is there: admitted (or, before the plan,
         on its way) and not counted away."""
         seat = self.seats.get(rank)
-        return seat is None or seat.state != AWAY
+        return seat is None or seat.state not in (AWAY, DROPPED)
 
     def silent_for(self, role: str, rank: int, now: float) -> float:
         key = Keys.beat(role, rank)
@@ -417,6 +423,20 @@ class Host(Channel):
             if self.in_round.get(rank) == seat.attempt:
                 self._cut(rank)
 
+    def _drop(self, rank: int) -> None:
+        """An inference rank away past away_limit: dropped from the versions while at least
+        min_available others remain (taken back if its process starts again), else RankFailed."""
+        remaining = sum(1 for r, s in self.seats.items() if r != rank and s.state != DROPPED)
+        if remaining < self.min_available:
+            raise RankFailed(f"{who(INFERENCE, rank)} did not come back within {self.away_limit:.0f}s after it went "
+                             f"away, and the job needs {self.min_available} inference ranks "
+                             f"(spec.inference.minAvailable) with {remaining} left", reasons.RANK_LOST)
+        seat = self.seats[rank]
+        seat.state, seat.since = DROPPED, time.monotonic()
+        self.say(f"{who(INFERENCE, rank)} dropped: away for more than {self.away_limit:.0f}s; the job goes on with "
+                 f"{remaining} inference ranks (it needs {self.min_available}, spec.inference.minAvailable) and takes it "
+                 "back if its process starts again")
+
     def _lost(self, rank: int, why: str) -> None:
         if self.in_round.get(rank) == self.seats[rank].attempt:
             self._away(rank, why)
@@ -433,6 +453,8 @@ class Host(Channel):
         if seat is None:  # before the plan: the first admission takes the latest attempt
             raise RankFailed(f"{who(INFERENCE, rank)} restarted before the job started; it cannot be admitted twice")
         self._away(rank, f"its process started again (start {attempt})")
+        if seat.state == DROPPED:  # back after it was dropped: a new away_limit to join in
+            seat.since = time.monotonic()
         seat.attempt, seat.state, seat.holds = attempt, JOINING, None
         self.set(Keys.nonce(INFERENCE, rank, attempt), secrets.token_hex(16))
 
@@ -470,6 +492,6 @@ class Host(Channel):
 
     def _answering(self, role: str, rank: int, now: float) -> bool:
         seat = self.seats.get(rank) if role == INFERENCE else None
-        if seat is not None and seat.state in (AWAY, JOINING):
+        if seat is not None and seat.state in (AWAY, JOINING, DROPPED):
             return False
         return self.silent_for(role, rank, now) <= self.silent_limit

@@ -45,7 +45,6 @@ from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server, Unreachable, UpdateTimes
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
-AWAY_LIMIT = 900.0  # seconds an inference rank may be away (its pod restarting) before the job fails
 BYE_TIMEOUT = 30.0
 # seconds for an external vLLM server that joined (its model loaded) to serve: vLLM profiles, sizes
 # its KV cache and compiles after the weight-transfer engine is built
@@ -77,7 +76,8 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
         return 0
     starts = (status.get("controller") or {}).get("starts", 0) + 1
     reporter.started(starts)
-    host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT), away_limit=AWAY_LIMIT,
+    host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT),
+                away_limit=ctx.job.inference.away_grace_seconds, min_available=ctx.job.inference.needed,
                 say=lambda m: log(ME, m), address=ctx.pod_ip, job=ctx.job.identity)
     host.publish_job(ctx.job, ctx.network_mode)  # what external ranks read instead of a spec file
     if ctx.job.inference.external:  # the servers' workers claim their ranks (rendezvous/claims.py)
@@ -129,7 +129,9 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
             raise JobFailed("every trainer rank closed without publishing a version", reasons.NO_VERSIONS)
         final, again = version - 1, 0
         while host.behind(final):  # ranks that came back after the final version
-            host.wait_back()
+            host.wait_back(final)
+            if not host.behind(final):  # the last of them was dropped meanwhile
+                break
             again += 1
             rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
             if _round(ctx, host, reporter, plan, rnd, transport, timeout)[1]:

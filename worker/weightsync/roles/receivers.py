@@ -1,5 +1,5 @@
 """What an operator of the job sees of its inference ranks: status.receivers, each rank's state
-(current, behind, away, rejoining: runtime/metrics.py's, the same states the controller counts in
+(current, behind, away, rejoining, dropped: runtime/metrics.py's, the same states the controller counts in
 its metrics), the version it holds, its pod and since when it is in that state.
 
 The roster (rendezvous/roster.py) changes a rank's state inside the controller's waits (a rank goes
@@ -17,9 +17,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from weightsync.rendezvous.roster import AWAY, JOINING, WAITING, Host, Seat
+from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, WAITING, Host, Seat
 from weightsync.runtime.metrics import AWAY as AWAY_STATE
 from weightsync.runtime.metrics import BEHIND, CURRENT, RECEIVER_STATES, REJOINING
+from weightsync.runtime.metrics import DROPPED as DROPPED_STATE
 
 LIST_LIMIT = 64  # ranks listed one by one; a larger job's status gives counts by state only
 POLL_SECONDS = 1.0
@@ -31,6 +32,8 @@ def state_of(seat: Seat, latest: int | None) -> str:
     inference rank holds."""
     if seat.state == AWAY:
         return AWAY_STATE
+    if seat.state == DROPPED:
+        return DROPPED_STATE
     if seat.state in (JOINING, WAITING):
         return REJOINING
     return CURRENT if seat.holds == latest else BEHIND

@@ -35,8 +35,8 @@ ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 6
 # A vLLM server's stall: its engine paused between two steps while it loads a version.
 STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # The states of the controller's receivers (rendezvous/roster.py's, as a user reads them).
-CURRENT, BEHIND, AWAY, REJOINING = "current", "behind", "away", "rejoining"
-RECEIVER_STATES = (CURRENT, BEHIND, AWAY, REJOINING)
+CURRENT, BEHIND, AWAY, REJOINING, DROPPED = "current", "behind", "away", "rejoining", "dropped"
+RECEIVER_STATES = (CURRENT, BEHIND, AWAY, REJOINING, DROPPED)
 # A rank's slot on the board: float64s, in this order.
 SENT, RECEIVED, CHECKSUM_FAILURES, SERVING = range(4)
 SLOT = 4
