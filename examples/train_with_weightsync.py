@@ -109,6 +109,9 @@ def main() -> None:
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(weights, args.save)
+    # every rank done with the group before any tears it down: a rank that destroys its gloo group
+    # while a peer still uses it can abort at exit ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
