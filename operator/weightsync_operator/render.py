@@ -45,8 +45,8 @@ def children(job: Job, mode: str, token: str, *, image: str | None = None, stopp
              running: bool = False) -> list[dict]:
     """Every object the job owns, in creation order (what the pods mount comes before the pods).
     `image`: the default image recorded for the job; `stopped`: the controller reported
-    completion, or the job is suspended, so the StatefulSets run no pods; `running`: the job runs, so no change of a pod
-    template may replace its pods. A role the user runs (spec.<role>.external) gets no
+    completion, or the job is suspended, so the StatefulSets run no pods; `running`: the job runs,
+    so no change of a pod template may replace its pods. A role the user runs (spec.<role>.external) gets no
     StatefulSet: its processes join with the Secret "<job>-join" instead."""
     external = external_roles(job)
     return [

@@ -14,6 +14,8 @@ from pathlib import Path
 import yaml
 from controlplane import free_ports, probe, wait_for
 
+from weightsync.runtime.procs import stop
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightsync"
 
@@ -213,13 +215,8 @@ class Prometheus:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop(self.proc, grace=30)
 
     def log(self) -> str:
         return (self.dir / "prometheus.log").read_text(errors="replace")

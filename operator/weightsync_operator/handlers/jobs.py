@@ -98,18 +98,18 @@ def load(obj: Mapping) -> contract.Job:
                               "spec": copy.deepcopy(dict(obj["spec"]))})
 
 
-def standing(obj: Mapping) -> dict[str, bool]:
+def standing(job: contract.Job, obj: Mapping) -> dict[str, bool]:
     """Where the job stands, as rendering needs it: stopped (its controller reported completion,
     or it is suspended) and running."""
     job_status = obj.get("status") or {}
     finished = (job_status.get("completion") or {}).get("state") in ("Succeeded", "Failed")
-    stopped = finished or bool((obj.get("spec") or {}).get("suspend"))
+    stopped = finished or job.suspended
     return {"stopped": stopped, "running": job_status.get("phase") == "Running" and not stopped}
 
 
 def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:
     """Every child as the job wants it now, owned by the job."""
-    manifests = render.children(job, mode, token, image=image, **standing(obj))
+    manifests = render.children(job, mode, token, image=image, **standing(job, obj))
     kopf.adopt(manifests, owner=obj)
     return manifests
 
@@ -204,7 +204,7 @@ def drifted(obj: Mapping, child: Mapping) -> bool:
         role = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
         if role not in contract.ROLES or role in join.external_roles(job):
             return False  # not a role's, or one the job runs no pods of (the job's handler renders none)
-        wanted = [render.statefulset(job, role, mode, image=image, **standing(obj))]
+        wanted = [render.statefulset(job, role, mode, image=image, **standing(job, obj))]
         kopf.adopt(wanted, owner=obj)
         # Its update strategy changes when the job starts running: the job's handler does that.
         del wanted[0]["spec"]["updateStrategy"]

@@ -426,12 +426,16 @@ class Member(Channel):
         meanwhile does not wait for a key that will never come back."""
         def check() -> None:
             self.check_end()
-            if self.role == INFERENCE and self.has(Keys.LATEST):
-                latest = int(self.get(Keys.LATEST))
-                if latest > version and not self.has(key):
+            if self.role == INFERENCE:
+                latest = self.latest()
+                if latest is not None and latest > version and not self.has(key):
                     raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
                                      f"version {latest} without this rank: it was frozen or cut off")
         return check
+
+    def latest(self) -> int | None:
+        """The latest version the controller announced, None before the first."""
+        return int(self.get(Keys.LATEST)) if self.has(Keys.LATEST) else None
 
     def counted_away(self, rnd: Round) -> bool:
         """Whether the controller went on without this inference rank in round `rnd`: it cut it off
@@ -440,7 +444,8 @@ class Member(Channel):
         cut = Keys.cut(rnd.version, rnd.again)
         if self.has(cut) and self.rank in self.get_json(cut):
             return True
-        return self.has(Keys.LATEST) and int(self.get(Keys.LATEST)) > rnd.version
+        latest = self.latest()
+        return latest is not None and latest > rnd.version
 
     def welcome(self) -> Round:
         """A rejoined inference rank: the round it receives first (the controller says it at the

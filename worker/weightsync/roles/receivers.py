@@ -1,6 +1,6 @@
 """What an operator of the job sees of its inference ranks: status.receivers, each rank's state
-(current, behind, away, rejoining, dropped: runtime/metrics.py's, the same states the controller counts in
-its metrics), the version it holds, its pod and since when it is in that state.
+(current, behind, away, rejoining, dropped: runtime/metrics.py's, the same states the controller
+counts in its metrics), the version it holds, its pod and since when it is in that state.
 
 The roster (rendezvous/roster.py) changes a rank's state inside the controller's waits (a rank goes
 away while a round waits for it, comes back while the controller waits for the trainers), so a
