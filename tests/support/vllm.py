@@ -50,12 +50,14 @@ def vllm_python() -> str:
         pytest.skip(f"vLLM cannot run here ({e}); `make vllm-env` makes its environment")
 
 
-def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA, **inference):
+def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
+             ahead: bool = False, **inference):
     return contract.load_job({
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
         "spec": {"model": {"config": config, "dtype": "bfloat16"},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0},
-                 "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm", "vllm": {"args": SERVER_ARGS},
+                 "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
+                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead},
                                **inference},
                  "training": {"steps": steps, "batchSize": 4, "seqLen": 32, "learningRate": 1e-2},
                  "transfer": {"everySteps": every, "bucketMB": 1, "transport": "tcp", "timeoutSeconds": 120},

@@ -2,12 +2,14 @@
 server (its CPU build, in the environment `make vllm-env` makes) with weightsync as the weight
 transfer backend, as local processes (`weightsync run`'s LocalJob).
 
-What is checked: after every version the parameters vLLM computes with, read in its worker (fused
-qkv_proj and gate_up_proj included, read back through the CPU build's repacked GEMM kernels where
-it leaves the parameter empty), equal the trainer's weights bit for bit; a greedy completion through
-the OpenAI API changes with the version, and vLLM's generate route names the version of every
-token; a request in flight while a version is loaded completes on one version, and no request
-after a load uses KV blocks cached before it; delta versions arrive bit for bit, and
+What is checked (the first job loading every version ahead, into a second copy while the
+servers serve; the others in the pause): after every version the parameters vLLM computes with,
+read in its worker (fused qkv_proj and gate_up_proj included, read back through the CPU build's
+repacked GEMM kernels where it leaves the parameter empty), equal the trainer's weights bit for
+bit; a greedy completion through the OpenAI API changes with the version, and vLLM's generate
+route names the version of every token; a version loaded ahead is not served before its pause; a
+request in flight while a version is loaded completes on one version, and no request after a
+load uses KV blocks cached before it; delta versions arrive bit for bit, and
 vLLM's own weight checker sees a reset restored by the next delta version; a version whose
 bytes were corrupted on the way is never loaded, the server goes on serving the one before, and
 the job fails naming the rank.
@@ -42,8 +44,10 @@ def vllm_python() -> str:
 
 
 def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
-    job = vllm_job("vllm-job", trainers=2, servers=2, steps=6)  # versions 0..3
-    run = VllmRun(tmp_path, job, vllm_python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
+    # loaded ahead: every worker loads a verified version into a second copy while it serves
+    job = vllm_job("vllm-job", trainers=2, servers=2, steps=6, ahead=True)  # versions 0..3
+    run = VllmRun(tmp_path, job, vllm_python,
+                  pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3", "controller-0-staged-v2"])
     seen: dict[int, list[list[int]]] = {}
     try:
         for version in (1, 2):  # the trainers hold the next version back while the test asks
@@ -71,6 +75,11 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                     assert time.monotonic() < deadline, "the long request did not start"
                     time.sleep(0.01)
             run.release(f"trainer-0-before-go-v{version + 1}")
+            if version == 1:  # version 2 verified and loaded ahead on every worker, no server paused yet
+                run.reach("controller-0-staged-v2")
+                for server, tokens in zip(run.servers, seen[1]):
+                    assert completion(server, job.name) == tokens, "a version loaded ahead was served before its pause"
+                run.release("controller-0-staged-v2")
         flight.join(REACH_TIMEOUT)
         assert len(long["token_ids"]) == 200
         assert long["weight_versions"] == [{"version": "1", "start": 0, "end": 200}], \
@@ -80,6 +89,7 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
         run.local.stop()
     assert end["state"] == "Succeeded", end
     assert end["versions"] == 4 and end["failed_verifications"] == 0, end
+    assert all("prepare" in t["phases"] for t in run.local.transfers), "a version was not loaded ahead"
     for version in range(4):
         want = fused(torch.load(run.dump / f"trainer-0-v{version}.pt")["tensors"])
         for rank in range(2):

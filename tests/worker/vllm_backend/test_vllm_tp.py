@@ -53,7 +53,8 @@ class TpRun:
 def tp_run(tmp_path_factory) -> TpRun:
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES))
+    # loaded ahead: each worker's parts go through vLLM's loaders into a second copy while it serves
+    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES), ahead=True)
     run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
     out = TpRun(run, {})
     plains = []

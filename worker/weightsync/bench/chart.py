@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 # the order and colours of the methods, the same in every chart
-METHOD_COLOURS = {"weightsync": "#1f77b4", "delta": "#2ca02c", "broadcast": "#ff7f0e", "ceiling": "#7f7f7f"}
+METHOD_COLOURS = {"weightsync": "#1f77b4", "delta": "#2ca02c", "broadcast": "#ff7f0e", "ceiling": "#7f7f7f",
+                  "ahead": "#9467bd", "disk": "#8c564b"}
 
 
 def limit_gbps(case: dict) -> tuple[float, str]:
@@ -76,9 +77,10 @@ def chart(report: dict, path: str | Path) -> Path:
     return save(plt, fig, f"weightsync bench, {links}: {report['model']}", path)
 
 
-# a version's phases that overlap the ones they contain (the worker's load is inside the update
-# call, the stall spans pause to resume, the total all of them): drawn apart, never stacked
-OVERLAPPING = ("load", "stall", "total")
+# a version's phases that overlap the ones they contain (a load ahead is inside the staging, the
+# worker's load inside the update call, the stall spans pause to resume, the total all of them):
+# drawn apart, never stacked
+OVERLAPPING = ("prepare", "load", "stall", "total")
 # DDP replicas and FSDP2 shards, each with a light shade for the send
 WRAP_COLOURS = {"ddp": ("#ff7f0e", "#ffbb78"), "fsdp": ("#1f77b4", "#aec7e8")}
 

@@ -8,7 +8,10 @@ the same model and the same number of servers:
               serves this one (no training competes with the load for the cores). Each version
               goes M to N into every server's staging buffer and is verified there, then the
               controller has every server load it between two steps. From the controller's go
-              to the last server serving the version (the round's time).
+              to the last server serving the version (the round's time). Twice: loading in
+              the pause (`weightsync`), and with spec.inference.vllm.loadAhead (`ahead`: each
+              server loads the verified version into a second copy of its weights while it
+              serves, and the pause holds only the copy into the weights it runs on).
   disk        what slime's and vLLM's disk path do: the trainer saves the version as a safetensors
               checkpoint, then every server pauses, reloads its weights from that checkpoint
               (vLLM's reload_weights) and resumes. From the start of the save to the last server
@@ -59,7 +62,8 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobin
 UP_TIMEOUT = 900.0
 # The phases of a version, in the order they happen; each the slowest server's, where per server
 PHASES = {"transfer": "go -> every trainer sent", "save": "the checkpoint written",
-          "verify": "reference digest published", "staging": "-> every server staged",
+          "verify": "reference digest published", "prepare": "loaded ahead, serving on",
+          "staging": "-> every server staged",
           "pause": "pause call", "start": "start_weight_update call", "update": "update_weights call",
           "reload": "reload_weights call", "finish": "finish_weight_update call",
           "version": "update_weight_version call", "resume": "resume call",
@@ -68,21 +72,22 @@ PHASES = {"transfer": "go -> every trainer sent", "save": "the checkpoint writte
 RUN_TIMEOUT = 1800.0
 
 
-def bench_job(name: str, trainers: int, servers: int, versions: int):
+def bench_job(name: str, trainers: int, servers: int, versions: int, ahead: bool = False):
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": MODEL, "dtype": "bfloat16"},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0,
                              "command": [sys.executable, "-m", "weightsync.bench.vllm", str(versions)]},
-                 "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm", "vllm": {"args": SERVER_ARGS}},
+                 "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
+                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead}},
                  "transfer": {"transport": "tcp", "timeoutSeconds": 300},
                  "network": {"mode": "tcp"}}})
 
 
-def weightsync_times(python: str, trainers: int, servers: int, versions: int) -> list[dict]:
+def weightsync_times(python: str, trainers: int, servers: int, versions: int, ahead: bool = False) -> list[dict]:
     """The records of a vLLM job's versions after the first: seconds from go to every server
-    serving it, and the stall."""
-    job = bench_job("bench-vllm", trainers, servers, versions)
+    serving it, and the stall; `ahead`: with spec.inference.vllm.loadAhead."""
+    job = bench_job("bench-vllm", trainers, servers, versions, ahead)
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as folder:
         local = LocalJob(job, Path(folder), {Env.VLLM_PYTHON: python, **SERVER_ENV}, progress=io.StringIO())
         try:
@@ -209,6 +214,7 @@ def _reload(server, where: Path, version: int) -> dict[str, float]:
 def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> dict:
     check_vllm_python(python)
     results = {"weightsync": weightsync_times(python, trainers, servers, versions),
+               "ahead": weightsync_times(python, trainers, servers, versions, ahead=True),
                "disk": disk_times(python, servers, versions)}
     report = {"model": f"Llama, {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, bfloat16",
               "trainers": trainers, "servers": servers, "methods": {}}

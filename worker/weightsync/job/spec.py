@@ -207,6 +207,9 @@ class Vllm:
     """The port every server serves the OpenAI API on (and the job's Service "<name>-vllm")."""
     args: tuple[str, ...] = ()
     """The user's arguments for `vllm serve`, after weightsync's own."""
+    load_ahead: bool = False
+    """Load each verified version into a second copy of the weights while the server serves, so that
+    the pause holds only a copy into the weights it runs on (one more copy of them in memory)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,7 +267,8 @@ class Inference(Pods):
                    gpus_per_proc=inference["gpusPerProc"], tensor_parallel=inference["tensorParallel"],
                    tensor_parallel_sizes=tuple(inference.get("tensorParallelSizes") or ()),
                    engine=inference.get("engine", BUILTIN),
-                   vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ()))),
+                   vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())),
+                             bool(vllm.get("loadAhead", False))),
                    min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
                    **Pods.common(inference))
 

@@ -230,6 +230,7 @@ class ServerLoads:
     """How a round's load into the vLLM servers went, as the controller saw it."""
 
     staging: float  # seconds from the reference digest to every receiver staged (received and verified)
+    prepare: float | None  # with loadAhead, the slowest worker's load into its second copy, before the pause
     slowest: UpdateTimes  # each call's and the stall's longest over the servers
 
 
@@ -241,6 +242,7 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
     began = time.monotonic()
     staged = host.collect_staged(rnd, timeout)
     staging = time.monotonic() - began
+    pause_point(CONTROLLER, 0, "staged", rnd.version)
     proof = update_proof(ctx.token, ctx.job.identity, rnd.version)
     seats = {r: host.seats[r] for r in staged}
     # one update per server: a tensor-parallel server's workers are several ranks, and vLLM's update
@@ -274,7 +276,8 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
             log(ME, f"the vLLM server of {who(INFERENCE, rank)} stopped answering while it loaded {rnd.name} "
                     f"({got}) and its ranks went away: {rnd.name} goes on without them")
     times = [t for t in loads.values() if isinstance(t, UpdateTimes)]
-    return ServerLoads(staging, UpdateTimes.slowest(times))
+    ahead = [got["prepare_seconds"] for got in staged.values() if got.get("prepare_seconds") is not None]
+    return ServerLoads(staging, max(ahead) if ahead else None, UpdateTimes.slowest(times))
 
 
 def _phases(transfer: float, verify: float, loads: ServerLoads | None, applied: dict[int, dict],
@@ -285,6 +288,8 @@ def _phases(transfer: float, verify: float, loads: ServerLoads | None, applied: 
     phases = {"transfer": transfer, "verify": verify}
     if loads is not None:
         phases["staging"] = loads.staging
+        if loads.prepare is not None:
+            phases["prepare"] = loads.prepare
         phases.update(loads.slowest.to_json())
         engine = [got["load_seconds"] for got in applied.values() if got.get("load_seconds") is not None]
         if engine:

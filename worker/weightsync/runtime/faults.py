@@ -40,9 +40,10 @@ DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
 # inference rank is then in the middle of receiving); inference "verifying" (received, before the
 # check against the reference), "joining" (v0: its start counted and its model built, before it
 # joins) and, in a vLLM server, "loading" (its server paused, the update call in, before the load);
-# controller "verifying" (the trainers are done, the inference ranks' digests not yet
-# checked) and "delivered" (the last version delivered, the job not ended yet: its metrics are
-# complete).
+# controller "verifying" (the trainers are done, the inference ranks' digests not yet checked),
+# "staged" (every vLLM server's workers hold the version verified, and with loadAhead loaded into
+# their second copy; no server paused yet) and "delivered" (the last version delivered, the job
+# not ended yet: its metrics are complete).
 PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
 PAUSE_LIMIT = 120.0
 # "<version>" - trainer ranks flip one byte of the first chunk they send of that version after

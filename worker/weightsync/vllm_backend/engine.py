@@ -12,7 +12,9 @@ drives the update on every server (control.py): between two scheduler steps, rec
 the staged version through vLLM's own reload machinery (its layerwise reload: each layer's
 checkpoint-format tensors loaded, then processed again as vLLM processes weights after loading,
 fused into qkv_proj and gate_up_proj and repacked for its kernels, and copied into the tensors the
-model runs on). A version that failed verification is never staged, so it cannot be loaded; an
+model runs on). With spec.inference.vllm.loadAhead the same reload runs once the version is verified,
+into a shadow of the model while vLLM serves on, and the update only copies it in (ahead.py). A
+version that failed verification is never staged, so it cannot be loaded; an
 update call that names a version other than the staged one, or that does not prove the job token,
 changes nothing: every check is done before the reload starts. A load that fails part-way (which
 a verified version of the declared layout does not) fails the job naming the server.
@@ -39,6 +41,7 @@ from weightsync.runtime.faults import dump, dumping, pause_point
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
+from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, worker_needs, worker_parts
 from weightsync.vllm_backend.join import joining, place_of
 
@@ -88,6 +91,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         staging = self.layout.total_bytes if self.local is None else self.local.total_bytes
         self.buffers = [torch.zeros(staging, dtype=torch.uint8, device=self.device) for _ in range(2 if delta else 1)]
         self.staging_index, self.loaded, self.staged = 0, None, None
+        self.ahead = ctx.job.inference.vllm.load_ahead
+        self.prepared: Prepared | None = None  # with loadAhead: the staged version, loaded into a shadow
         self.load_seconds = 0.0  # how long the last load took (the controller's round record shows it)
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
@@ -138,10 +143,17 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def offer(self, version: int, got: ReceivedVersion) -> float:
         """A verified version is in staging: say so, and wait until the controller had it loaded;
-        returns the seconds the load took."""
+        returns the seconds the load took. With loadAhead the version is loaded into a shadow of
+        the model first, while vLLM serves on (the staged record says how long that took)."""
+        staged = {"digest": got.digest}
+        prepared = None
+        if self.ahead:
+            began = time.monotonic()
+            prepared = prepare(self.model, self.model_config, version, self._tensors(self.staging()), presharded)
+            staged["prepare_seconds"] = round(time.monotonic() - began, 6)
         with self.cond:
-            self.staged = version
-        self.member.set(Keys.staged(version, self.rank, self.member.attempt), {"digest": got.digest})
+            self.staged, self.prepared = version, prepared
+        self.member.set(Keys.staged(version, self.rank, self.member.attempt), staged)
         while True:
             with self.cond:
                 if self.cond.wait_for(lambda: self.loaded == version, STAGED_CHECK):
@@ -161,10 +173,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 raise RuntimeError(f"{self.me} failed and loads nothing: {self.failed}")
             if self.staged != version:
                 raise ValueError(f"{self.me} has version {self.staged} staged, not {version}: nothing was loaded")
-            buffer = self.buffers[self.staging_index]
+            buffer, prepared = self.buffers[self.staging_index], self.prepared
         pause_point(INFERENCE, self.rank, "loading", version)
         start = time.monotonic()
-        self.load(buffer)
+        if prepared is not None:
+            commit(prepared, self.model_config)
+        else:
+            self.load(buffer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - start
@@ -172,7 +187,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if dumping():
             dump(INFERENCE, self.rank, version, served_parameters(self.model), None)
         with self.cond:
-            self.loaded, self.staged, self.load_seconds = version, None, seconds
+            self.loaded, self.staged, self.prepared, self.load_seconds = version, None, None, seconds
             if len(self.buffers) == 2:  # the loaded version stays as the next one's base
                 self.staging_index = 1 - self.staging_index
             self.cond.notify_all()

@@ -1,0 +1,71 @@
+"""Run by the vLLM environment's Python (tests/worker/vllm_backend/test_load_ahead.py): vLLM's
+engine in this process (its CPU build, no engine-core process), a small Llama with the config in
+argv[1] (JSON), and a few versions loaded ahead (vllm_backend/ahead.py), each prepared on a thread
+of its own while vLLM generates, then committed. Prints one JSON line per version: whether the
+served parameters were still the previous version's after the prepare, and the greedy tokens
+before, during and after; saves the version (checkpoint names) and what vLLM serves after the
+commit in the folder argv[2], for the test to compare."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process, where the probe reaches it
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from weightsync.vllm_backend.ahead import commit, prepare  # noqa: E402
+from weightsync.vllm_backend.engine import served_parameters  # noqa: E402
+
+VERSIONS = 4
+
+
+def main(config: dict, out: str) -> int:
+    with tempfile.TemporaryDirectory(prefix="weightsync-ahead-") as folder:
+        (Path(folder) / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+        llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
+                  max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.05)
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        model, model_config = worker.model_runner.model, worker.model_runner.model_config
+        with torch.device("meta"):  # the checkpoint's names and shapes (a tied tensor once)
+            reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        shapes = {n: p.shape for n, p in reference.named_parameters()}
+        sampling = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+
+        def tokens() -> list[int]:
+            out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sampling, use_tqdm=False)
+            return list(out[0].outputs[0].token_ids)
+
+        for version in range(VERSIONS):
+            generator = torch.Generator().manual_seed(version)
+            weights = {n: (torch.randn(s, generator=generator) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
+            before, served_before = tokens(), served_parameters(model)
+            box: dict = {}
+            thread = threading.Thread(target=lambda: box.update(prepared=prepare(
+                model, model_config, version, list(weights.items()), lambda root: contextlib.nullcontext())))
+            thread.start()
+            while thread.is_alive():  # vLLM serves on while the version is prepared
+                during = tokens()
+            thread.join()
+            after_prepare = tokens()
+            unchanged = all(torch.equal(t, served_before[n]) for n, t in served_parameters(model).items())
+            commit(box["prepared"], model_config)
+            torch.save(weights, Path(out) / f"v{version}-version.pt")
+            torch.save({n: t.contiguous() for n, t in served_parameters(model).items()}, Path(out) / f"v{version}-served.pt")
+            print(json.dumps({"version": version, "unchanged_after_prepare": unchanged, "before": before,
+                              "during": during, "after_prepare": after_prepare, "after": tokens()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1]), sys.argv[2]))

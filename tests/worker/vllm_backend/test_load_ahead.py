@@ -1,0 +1,45 @@
+"""Loading a version ahead (spec.inference.vllm.loadAhead, vllm_backend/ahead.py), in vLLM's own
+engine: a version prepared while vLLM generates leaves what it serves untouched, and its commit
+makes every tensor vLLM serves (the CPU build's repacked linear weights read back through their
+kernels) the version's, version after version; with untied and with tied embeddings (one tensor
+two layers share). The probe runs in the vLLM environment (tests/support/ahead_probe.py); the
+jobs that load ahead end to end are in test_vllm_engine.py and test_vllm_tp.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.vllm import LLAMA, as_bytes, shards
+from support.vllm import vllm_python as find_vllm_python
+
+pytestmark = pytest.mark.slow  # vLLM's engine in a process of its own
+
+PROBE = Path(__file__).resolve().parents[2] / "support" / "ahead_probe.py"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_a_version_loaded_ahead_is_served_only_once_committed_version_after_version(tied, tmp_path):
+    config = {**LLAMA, "tie_word_embeddings": tied}
+    # -P: not the probe's folder first on the path, where support/vllm.py would shadow vllm
+    done = subprocess.run([find_vllm_python(), "-P", str(PROBE), json.dumps(config), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3], done.stdout
+    for row in rows:
+        v = row["version"]
+        assert row["unchanged_after_prepare"], f"version {v}: preparing it changed what vLLM serves"
+        assert row["during"] == row["before"] and row["after_prepare"] == row["before"], \
+            f"version {v}: vLLM answered otherwise while it was prepared: {row}"
+        want = shards(torch.load(tmp_path / f"v{v}-version.pt"), config, 1, 0)
+        got = torch.load(tmp_path / f"v{v}-served.pt")
+        assert sorted(got) == sorted(want), f"vLLM serves other tensors: {sorted(set(got) ^ set(want))}"
+        other = [n for n in want if not torch.equal(as_bytes(got[n]), as_bytes(want[n]))]
+        assert other == [], f"version {v} committed, and vLLM serves other bytes in {other}"
+    answers = [r["after"] for r in rows]
+    assert len({tuple(a) for a in answers}) == len(answers), f"the greedy tokens did not change with the version: {answers}"

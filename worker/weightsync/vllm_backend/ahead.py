@@ -1,0 +1,176 @@
+"""Loading a version ahead of the pause (spec.inference.vllm.loadAhead): vLLM's layerwise reload
+run into a shadow of the model while the server serves, so that the pause holds only a copy.
+
+vLLM's reload (engine.py's load) does all its work on the live model between two scheduler steps:
+each layer's checkpoint-format tensors are loaded into fresh tensors, processed as vLLM processes
+weights after loading (fused, repacked for the CPU's GEMM kernels, and on GPUs whatever the
+kernels need), and copied into the tensors the model runs on. The server serves nothing for all of
+it. Here the same machinery runs on a shadow: every module of the model copied shallowly, with
+parameter, buffer and child tables of its own, so that what the reload puts on a shadow module
+never reaches the live one. The shadow's kernel tensors are clones of the live ones (what vLLM
+copies processed values into), and what processing sets on a layer besides tensors (the CPU
+build's packed-GEMM closure) lands in the shadow's own attributes. `commit`, in the pause, copies
+every shadow tensor into the live tensor of the same name (in place, so that CUDA graphs and
+compiled code keep their references) and sets the attributes processing changed, then runs the
+attention layers' own processing on the live model as vLLM's reload finishes with it (an
+attention layer's processing may reach state its shadow shares with the live layer, so it never
+runs on the shadow).
+
+The price is memory: one more copy of the worker's weights from the prepare to the commit (on a
+GPU, outside what --gpu-memory-utilization leaves to vLLM). Nothing unverified is prepared: the
+engine prepares a version only once it was verified in staging, and the live model is untouched
+until the update call, checked as for any load, commits it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
+from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload, get_layerwise_info,
+                                                               initialize_layerwise_reload)
+from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+
+# what a module keeps in tables of its own; the rest of its attributes are shared with the shadow
+# until processing replaces them
+TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+class CommitError(RuntimeError):
+    """A prepared version does not fit the live model (a tensor's shape or type changed)."""
+
+
+@dataclass
+class Prepared:
+    """A version loaded and processed into a shadow of the model, waiting for the pause."""
+
+    version: int
+    pairs: list[tuple[torch.nn.Module, torch.nn.Module]]  # (live, shadow) for every module
+    attention: list[torch.nn.Module]  # the live attention layers, processed at the commit
+
+
+def shadow_of(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
+    """A copy of the module tree that shares every tensor and attribute with `model` until one is
+    replaced on it; returns its root and the (live, shadow) pairs."""
+    made: dict[int, torch.nn.Module] = {}
+    pairs = []
+
+    def shadow(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in made:  # a module reached twice (tied) stays one module
+            return made[id(module)]
+        twin = copy.copy(module)
+        for table in TABLES:
+            twin.__dict__[table] = copy.copy(module.__dict__[table])
+        made[id(module)] = twin
+        pairs.append((module, twin))
+        for name, child in module._modules.items():
+            twin._modules[name] = None if child is None else shadow(child)
+        return twin
+
+    root = shadow(model)
+    for live, twin in pairs:  # what vLLM recorded at start-up, to restore the checkpoint format from
+        recorded, mine = get_layerwise_info(live), get_layerwise_info(twin)
+        params, buffers = recorded.restore_metadata
+        mine.restore_metadata = ({n: _meta_copy(t) for n, t in params.items()},
+                                 {n: _meta_copy(t) for n, t in buffers.items()})
+        mine.restore_device = recorded.restore_device
+    return root, pairs
+
+
+def _meta_copy(meta: torch.Tensor) -> torch.Tensor:
+    """A recorded meta tensor of the shadow's own. The reload binds the recorded tensor's loader
+    to the layer it restores, and wraps it to buffer the layer's loads: done on the live model's
+    record, the next shadow's loads would go to the last one."""
+    twin = to_meta_tensor(meta)
+    loader = twin.__dict__.get("weight_loader")
+    while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    if loader is not None:
+        twin.__dict__["weight_loader"] = loader
+    return twin
+
+
+@torch.no_grad()
+def prepare(model: torch.nn.Module, model_config, version: int, tensors, sharded) -> Prepared:
+    """Load `tensors` ((checkpoint name, tensor), the verified version) through vLLM's layerwise
+    reload into a shadow of `model`; `sharded(root)` is the context the loaders run in (a
+    tensor-parallel worker's parts: shards.presharded)."""
+    root, pairs = shadow_of(model)
+    attention = []
+    clones: dict[int, torch.Tensor] = {}  # a tensor two modules share (tied embeddings) gets one clone
+    for live, twin in pairs:
+        for table in ("_parameters", "_buffers"):  # the kernel tensors vLLM copies the processed values into
+            for name, tensor in twin.__dict__[table].items():
+                if tensor is not None:
+                    if id(tensor) not in clones:
+                        clones[id(tensor)] = _clone(tensor)
+                    twin.__dict__[table][name] = clones[id(tensor)]
+    initialize_layerwise_reload(root)
+    for live, twin in pairs:
+        if is_deferred_attention_layer(twin):  # processed on the live layer at the commit, never here
+            get_layerwise_info(twin).reset()
+            get_layerwise_info(twin).load_numel_total = None
+            attention.append(live)
+    with sharded(root):
+        try:
+            root.load_weights(tensors)
+        finally:
+            finalize_layerwise_reload(root, model_config)
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+    return Prepared(version, pairs, attention)
+
+
+def _clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a kernel tensor that keeps its class and attributes (vLLM's parameters carry their
+    loaders and sharding as attributes)."""
+    twin = tensor.detach().clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        twin = torch.nn.Parameter(twin, requires_grad=False)
+    twin.__class__ = tensor.__class__
+    twin.__dict__.update(tensor.__dict__)
+    return twin
+
+
+@torch.no_grad()
+def commit(prepared: Prepared, model_config) -> None:
+    """In the pause: the prepared version into the live model. Every check runs before the first
+    copy, so a version that does not fit changes nothing."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    settings = []
+    attention = {id(layer) for layer in prepared.attention}
+    for live, twin in prepared.pairs:
+        if id(live) in attention:
+            continue
+        for table in ("_parameters", "_buffers"):
+            ours, theirs = live.__dict__[table], twin.__dict__[table]
+            for name, tensor in ours.items():
+                new = theirs.get(name)
+                if tensor is None or new is None or new is tensor:
+                    continue
+                if new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
+                    raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to {tuple(new.shape)} "
+                                      f"{new.dtype} on {new.device}, and the model runs on {tuple(tensor.shape)} "
+                                      f"{tensor.dtype} on {tensor.device}: nothing was loaded")
+                if copies.setdefault(id(tensor), (tensor, new))[1] is not new:
+                    raise CommitError(f"{type(live).__name__}.{name}: a tensor the model shares between layers was "
+                                      "processed into two different ones: nothing was loaded")
+        for key in live.__dict__.keys() | twin.__dict__.keys():
+            if key in TABLES or key.startswith("_do_torchao") or key.startswith("_original_do_torchao"):
+                continue
+            if live.__dict__.get(key, _GONE) is not twin.__dict__.get(key, _GONE):
+                settings.append((live, key, twin.__dict__.get(key, _GONE)))
+    for tensor, new in copies.values():
+        tensor.data.copy_(new)
+    for live, key, value in settings:
+        if value is _GONE:
+            del live.__dict__[key]
+        else:
+            live.__dict__[key] = value
+    for layer in prepared.attention:  # as vLLM's reload ends with every attention layer
+        layer.process_weights_after_loading(model_config.dtype)
+
+
+_GONE = object()
