@@ -46,13 +46,14 @@ def main(config: dict, out: str) -> int:
             out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], sampling, use_tqdm=False)
             return list(out[0].outputs[0].token_ids)
 
+        spares = None
         for version in range(VERSIONS):
             generator = torch.Generator().manual_seed(version)
             weights = {n: (torch.randn(s, generator=generator) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
             before, served_before = tokens(), served_parameters(model)
             box: dict = {}
             thread = threading.Thread(target=lambda: box.update(prepared=prepare(
-                model, model_config, version, list(weights.items()), lambda root: contextlib.nullcontext())))
+                model, model_config, version, list(weights.items()), lambda root: contextlib.nullcontext(), spares)))
             thread.start()
             while thread.is_alive():  # vLLM serves on while the version is prepared
                 during = tokens()
@@ -60,6 +61,7 @@ def main(config: dict, out: str) -> int:
             after_prepare = tokens()
             unchanged = all(torch.equal(t, served_before[n]) for n, t in served_parameters(model).items())
             commit(box["prepared"], model_config)
+            spares = box["prepared"].clones  # the next version refills them, as the engine has it
             torch.save(weights, Path(out) / f"v{version}-version.pt")
             torch.save({n: t.contiguous() for n, t in served_parameters(model).items()}, Path(out) / f"v{version}-served.pt")
             print(json.dumps({"version": version, "unchanged_after_prepare": unchanged, "before": before,

@@ -60,10 +60,10 @@ class Faulty:
     def pod(self, role: str, rank: int):
         return next(p for p in self.local.pods if p.role == role and rank in p.ranks)
 
-    def strike(self, target, sig: int) -> float:
+    def strike(self, target, sig: int, *more) -> float:
         """Start the job (followed by `weightsync run`'s loop on a thread, which restarts and
-        probes pods), wait for the pause point, send `sig` to the target pod's processes, let the
-        paused rank go on; returns when it struck."""
+        probes pods), wait for the pause point, send `sig` to the target pod's processes (and to
+        `more` pods', at once), let the paused rank go on; returns when it struck."""
         self.local.start()
         self.follower.start()
         deadline = time.monotonic() + REACH_TIMEOUT
@@ -71,7 +71,8 @@ class Faulty:
             assert time.monotonic() < deadline, f"the job did not reach {self.point} within {REACH_TIMEOUT:.0f}s"
             assert self.follower.is_alive(), f"the job ended before {self.point}: {self.outcome}"
             time.sleep(0.02)
-        os.killpg(target.proc.pid, sig)
+        for pod in (target, *more):
+            os.killpg(pod.proc.pid, sig)
         struck = time.monotonic()
         (self.pause / f"{self.point}.release").touch()
         return struck
@@ -159,6 +160,28 @@ def test_an_inference_rank_that_dies_or_freezes_rejoins_and_the_job_succeeds(tmp
     applied = check_applied_versions(faulty.dump, job)
     assert applied[0] == [0, 1, 2]  # the survivor missed nothing
     assert "taken back at" in faulty.log(victim)
+    assert_nothing_left(faulty.local)
+
+
+def test_every_inference_rank_killed_at_once_mid_version_rejoins_and_the_job_succeeds(tmp_path):
+    job = fault_job("inference-faults")
+    faulty = Faulty(tmp_path, job, "trainer-0-mid-send-v1")
+    victims = [faulty.pod("inference", 0), faulty.pod("inference", 1)]
+    controller = faulty.local.pods[0]
+    try:
+        struck = faulty.strike(victims[0], signal.SIGKILL, victims[1])
+        away = max(wait_for_line(controller.log, f"inference rank {r} is away", 120, faulty) for r in (0, 1))
+        back = max(wait_for_line(controller.log, f"inference rank {r} rejoined", 180, faulty) for r in (0, 1))
+        summary = faulty.end()
+    finally:
+        faulty.local.stop()
+    print(f"both inference ranks killed mid-version: both away after {away - struck:.1f}s, both back after "
+          f"{back - struck:.1f}s")
+    assert summary["failed_verifications"] == 0
+    assert faulty.status()["rejoins"]["inference"] >= 2
+    assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 3
+    assert [(r["state"], r["version"]) for r in faulty.status()["receivers"]["ranks"]] == [("current", 2), ("current", 2)]
+    check_applied_versions(faulty.dump, job)
     assert_nothing_left(faulty.local)
 
 

@@ -22,6 +22,7 @@ nothing is staged whole.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import statistics
@@ -60,9 +61,10 @@ def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: i
                  "network": {"mode": "tcp"}}})
 
 
-def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int) -> dict:
+def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: int, bucket_mb: int,
+             around=contextlib.nullcontext) -> dict:
     """One job: the controller's seconds for every version after the first, and each trainer
-    rank's memory figures."""
+    rank's memory figures; `around(local)` is a context the job runs in once started (a scraper)."""
     with tempfile.TemporaryDirectory(prefix=f"weightsync-bench-{wrap}-") as folder:
         out = Path(folder) / "ranks"
         out.mkdir()
@@ -70,7 +72,8 @@ def run_wrap(wrap: str, dtype: str, trainers: int, inferences: int, versions: in
         local = LocalJob(job, Path(folder) / "run", {IDLE_ENV: "1"}, progress=io.StringIO())
         try:
             local.start()
-            summary = local.wait(RUN_TIMEOUT)
+            with around(local):
+                summary = local.wait(RUN_TIMEOUT)
         finally:
             local.stop()
         ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(trainers)]

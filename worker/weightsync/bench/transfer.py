@@ -36,6 +36,7 @@ import time
 from weightsync.bench.chart import chart
 from weightsync.bench.netns import Links, rate_bits, unavailable
 from weightsync.bench.rank import build_model, run
+from weightsync.bench.scrape import main as scrape_bench
 from weightsync.bench.shards import main as shards_bench
 from weightsync.bench.trained import train
 from weightsync.bench.vllm import main as vllm_bench
@@ -270,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
                                                             "replicas, publishing through the trainer API (seconds per "
                                                             "version, trainer memory); --shapes one TRAINERSxINFERENCE")
+    parser.add_argument("--scrape", metavar="SECONDS", type=float, help="instead: a DDP job timed quiet and with "
+                                                                        "every pod's /metrics read every SECONDS "
+                                                                        "(--shapes one TRAINERSxINFERENCE)")
     args = parser.parse_args(argv)
+    if args.chart and args.scrape:
+        parser.error("--chart: --scrape prints a table only")
     if args.chart:
         problem = chart_problem(args.chart)
         if problem:
@@ -281,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
             parser.error(f"--dtypes: {d!r} is not one of float32, bfloat16, float16")
+    if args.scrape is not None:
+        if args.scrape <= 0:
+            parser.error(f"--scrape: {args.scrape} is not a positive number of seconds")
+        m, _, n = (args.shapes or "2x2").partition("x")
+        if not (m.isdigit() and n.isdigit() and int(m) > 0 and int(n) > 0):
+            parser.error(f"--scrape --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE")
+        return scrape_bench(args.scrape, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
     if args.fsdp:
         m, _, n = (args.shapes or "2x2").partition("x")
         if not (m.isdigit() and n.isdigit() and int(m) > 1 and int(n) > 0):

@@ -8,7 +8,8 @@ its workers join the job (the server's init route). A server of tensor-parallel 
 pod's model replica, job.Layout) runs N workers, each an inference rank receiving only its own
 slices: vLLM is started with --tensor-parallel-size N, and on CPU with its multiprocessing
 executor and one set of the pod's cores per worker (VLLM_CPU_OMP_THREADS_BIND, unless the pod's
-environment sets it). The pod is ready once the server serves a version weightsync delivered.
+environment sets it), and its log lines in the job's shape (vllm_backend/logs.py). The pod is ready
+once the server serves a version weightsync delivered.
 The controller drives every update itself (control.py). When the job ends this process stops the
 server. When the server dies first the pod exits: the controller, which no longer hears the
 workers' heartbeats, counts the ranks away, and the pod's next start brings new workers that
@@ -32,6 +33,7 @@ from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.vllm_backend import BACKEND
 from weightsync.vllm_backend.control import ControlError, Server
+from weightsync.vllm_backend.logs import logging_env
 
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
@@ -48,7 +50,7 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
     python = os.environ.get(Env.VLLM_PYTHON) or sys.executable  # a vLLM image's own by default
     cpu = ctx.job.inference.gpus_per_proc == 0
     cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port, tensor_parallel=tp, cpu=cpu)
-    env = {**os.environ, **server_env(tp, cpu, os.environ),
+    env = {**os.environ, **server_env(tp, cpu, os.environ), **logging_env(os.environ),
            Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))

@@ -16,8 +16,9 @@ attention layers' own processing on the live model as vLLM's reload finishes wit
 attention layer's processing may reach state its shadow shares with the live layer, so it never
 runs on the shadow).
 
-The price is memory: one more copy of the worker's weights from the prepare to the commit (on a
-GPU, outside what --gpu-memory-utilization leaves to vLLM). Nothing unverified is prepared: the
+The price is memory: one more copy of the worker's weights (on a GPU, outside what
+--gpu-memory-utilization leaves to vLLM), kept from one version to the next: the clones are
+refilled, not allocated again, since fresh memory costs a page fault per page. Nothing unverified is prepared: the
 engine prepares a version only once it was verified in staging, and the live model is untouched
 until the update call, checked as for any load, commits it.
 """
@@ -49,6 +50,7 @@ class Prepared:
     version: int
     pairs: list[tuple[torch.nn.Module, torch.nn.Module]]  # (live, shadow) for every module
     attention: list[torch.nn.Module]  # the live attention layers, processed at the commit
+    clones: dict[int, torch.Tensor]  # id(live kernel tensor): the shadow's, spares for the next prepare
 
 
 def shadow_of(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
@@ -93,19 +95,23 @@ def _meta_copy(meta: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prepare(model: torch.nn.Module, model_config, version: int, tensors, sharded) -> Prepared:
+def prepare(model: torch.nn.Module, model_config, version: int, tensors, sharded,
+            spares: dict[int, torch.Tensor] | None = None) -> Prepared:
     """Load `tensors` ((checkpoint name, tensor), the verified version) through vLLM's layerwise
     reload into a shadow of `model`; `sharded(root)` is the context the loaders run in (a
-    tensor-parallel worker's parts: shards.presharded)."""
+    tensor-parallel worker's parts: shards.presharded). `spares` are the clones of the version
+    committed before (its `clones`): refilled, not allocated again (fresh memory costs a page
+    fault per page, most of a prepare's time on a busy machine)."""
     root, pairs = shadow_of(model)
     attention = []
+    spare = spares or {}
     clones: dict[int, torch.Tensor] = {}  # a tensor two modules share (tied embeddings) gets one clone
     for live, twin in pairs:
         for table in ("_parameters", "_buffers"):  # the kernel tensors vLLM copies the processed values into
             for name, tensor in twin.__dict__[table].items():
                 if tensor is not None:
                     if id(tensor) not in clones:
-                        clones[id(tensor)] = _clone(tensor)
+                        clones[id(tensor)] = _clone(tensor, spare.get(id(tensor)))
                     twin.__dict__[table][name] = clones[id(tensor)]
     initialize_layerwise_reload(root)
     for live, twin in pairs:
@@ -120,12 +126,15 @@ def prepare(model: torch.nn.Module, model_config, version: int, tensors, sharded
             finalize_layerwise_reload(root, model_config)
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
-    return Prepared(version, pairs, attention)
+    return Prepared(version, pairs, attention, clones)
 
 
-def _clone(tensor: torch.Tensor) -> torch.Tensor:
+def _clone(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     """A copy of a kernel tensor that keeps its class and attributes (vLLM's parameters carry their
-    loaders and sharding as attributes)."""
+    loaders and sharding as attributes), into `spare` where it fits."""
+    if spare is not None and spare.shape == tensor.shape and spare.dtype == tensor.dtype and spare.device == tensor.device:
+        spare.data.copy_(tensor.detach())
+        return spare
     twin = tensor.detach().clone()
     if isinstance(tensor, torch.nn.Parameter):
         twin = torch.nn.Parameter(twin, requires_grad=False)

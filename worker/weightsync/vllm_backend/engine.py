@@ -93,6 +93,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.staging_index, self.loaded, self.staged = 0, None, None
         self.ahead = ctx.job.inference.vllm.load_ahead
         self.prepared: Prepared | None = None  # with loadAhead: the staged version, loaded into a shadow
+        self.spares: dict = {}  # the last prepared version's kernel tensors, refilled by the next prepare
         self.load_seconds = 0.0  # how long the last load took (the controller's round record shows it)
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
@@ -149,7 +150,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         prepared = None
         if self.ahead:
             began = time.monotonic()
-            prepared = prepare(self.model, self.model_config, version, self._tensors(self.staging()), presharded)
+            prepared = prepare(self.model, self.model_config, version, self._tensors(self.staging()), presharded,
+                               self.spares)
             staged["prepare_seconds"] = round(time.monotonic() - began, 6)
         with self.cond:
             self.staged, self.prepared = version, prepared
@@ -187,7 +189,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if dumping():
             dump(INFERENCE, self.rank, version, served_parameters(self.model), None)
         with self.cond:
-            self.loaded, self.staged, self.prepared, self.load_seconds = version, None, None, seconds
+            self.loaded, self.staged, self.load_seconds = version, None, seconds
+            if self.prepared is not None:
+                self.spares, self.prepared = self.prepared.clones, None
             if len(self.buffers) == 2:  # the loaded version stays as the next one's base
                 self.staging_index = 1 - self.staging_index
             self.cond.notify_all()
