@@ -11,7 +11,10 @@ import base64
 import copy
 import json
 import re
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import yaml
@@ -254,6 +257,68 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
     assert "rejoined" in logs.text(controller), logs.text(controller)[-3000:]
     assert f"switched to version {versions - 1} (digest verified)" in logs.text(victim)
+
+
+def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_node, helm, namespace, chart,
+                                                              operator_from_chart, tmp_path):
+    """spec.model.path inside a volume the pod templates mount, as a cluster holds its checkpoints:
+    a PersistentVolumeClaim bound to a hostPath PersistentVolume on the real node, holding a
+    checkpoint of the tcp example's model whose weights only it has (all zero). The trainers start
+    from it: version 0, verified on every inference rank, generates only token 0, as zero weights
+    do (random ones would not)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.model.config import config_of
+
+    job = fast(example("tcp-job.yaml"))
+    job["metadata"]["name"] = name = "from-pvc"
+    model = contract.load_job(job, namespace).model
+    folder = Path(tempfile.mkdtemp(prefix="weightsync-pv-"))  # outside pytest's 0700 folders: the pods read it
+    try:
+        checkpoint = AutoModelForCausalLM.from_config(config_of(model))
+        with torch.no_grad():
+            for param in checkpoint.parameters():
+                param.zero_()
+        checkpoint.save_pretrained(folder / "gpt2")
+        for path in (folder, *folder.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        pv = f"{namespace}-models"
+        for obj in (
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                      "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder), "type": "Directory"},
+                      "claimRef": {"namespace": namespace, "name": "models"}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": namespace},
+             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
+                      "resources": {"requests": {"storage": "1Gi"}}}},
+        ):
+            apply(cluster, namespace, obj)
+        job["spec"]["model"] = {"path": "/models/gpt2", "dtype": "bfloat16"}
+        template = {"spec": {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}],
+                             "containers": [{"name": "worker", "volumeMounts": [
+                                 {"name": "models", "mountPath": "/models", "readOnly": True}]}]}}
+        for role in ("trainer", "inference"):
+            job["spec"][role]["podTemplate"] = copy.deepcopy(template)
+        logs = LogFollower(cluster, namespace, tmp_path / "logs")
+        with operator_from_chart(chart[1], chart[0]) as operator:
+            apply(cluster, namespace, job)
+            try:
+                done = finished(cluster, namespace, name, following(cluster, namespace, name, operator, logs))
+            finally:
+                show_logs(logs)
+        assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+        inference = [n for n in logs.procs if f"-{contract.INFERENCE}-" in n]
+        assert inference
+        for pod in inference:
+            assert re.search(r"switched to version 0 \(digest verified\); version 0 generates \[0(, 0)*\]",
+                             logs.text(pod)), logs.text(pod)[-2000:]
+    finally:
+        cluster.kubectl("delete", "wtj", name, "-n", namespace, "--ignore-not-found", "--wait=true", "--timeout=60s",
+                        check=False)
+        cluster.kubectl("delete", "pvc", "models", "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
+        cluster.kubectl("delete", "pv", f"{namespace}-models", "--ignore-not-found", "--wait=false", check=False)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, real_node, helm, namespace, chart,

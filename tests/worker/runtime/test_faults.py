@@ -179,9 +179,11 @@ def test_every_inference_rank_killed_at_once_mid_version_rejoins_and_the_job_suc
           f"{back - struck:.1f}s")
     assert summary["failed_verifications"] == 0
     assert faulty.status()["rejoins"]["inference"] >= 2
-    assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 3
+    # version 1 reached no one (every receiver died in it): the job delivers versions 0 and 2
+    assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 2
     assert [(r["state"], r["version"]) for r in faulty.status()["receivers"]["ranks"]] == [("current", 2), ("current", 2)]
-    check_applied_versions(faulty.dump, job)
+    applied = check_applied_versions(faulty.dump, job)
+    assert all(1 not in seen for seen in applied.values()), applied
     assert_nothing_left(faulty.local)
 
 
