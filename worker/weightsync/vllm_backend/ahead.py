@@ -51,6 +51,7 @@ class Prepared:
     pairs: list[tuple[torch.nn.Module, torch.nn.Module]]  # (live, shadow) for every module
     attention: list[torch.nn.Module]  # the live attention layers, processed at the commit
     clones: dict[int, torch.Tensor]  # id(live kernel tensor): the shadow's, spares for the next prepare
+    seconds: float = 0.0  # how long the prepare took, as its caller timed it
 
 
 def shadow_of(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:

@@ -152,7 +152,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             began = time.monotonic()
             prepared = prepare(self.model, self.model_config, version, self._tensors(self.staging()), presharded,
                                self.spares)
-            staged["prepare_seconds"] = round(time.monotonic() - began, 6)
+            prepared.seconds = time.monotonic() - began
+            staged["prepare_seconds"] = round(prepared.seconds, 6)
         with self.cond:
             self.staged, self.prepared = version, prepared
         self.member.set(Keys.staged(version, self.rank, self.member.attempt), staged)
@@ -185,7 +186,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - start
-        log(self.me, f"loaded version {version} into vLLM in {seconds:.3f}s")
+        if prepared is not None:
+            log(self.me, f"committed version {version} into vLLM in {seconds:.3f}s (loaded ahead, while it served, "
+                         f"in {prepared.seconds:.3f}s)")
+        else:
+            log(self.me, f"loaded version {version} into vLLM in {seconds:.3f}s")
         if dumping():
             dump(INFERENCE, self.rank, version, served_parameters(self.model), None)
         with self.cond:
