@@ -1,5 +1,6 @@
 """vLLM's own tensor parallelism, for real: one job (two trainer ranks, a vLLM server of
-tensor-parallel size 2 and one of size 1 beside it, on vLLM's CPU build) run once for the module.
+tensor-parallel size 2 and one of size 1 beside it, on vLLM's CPU build) run twice for the module:
+loading each version in the pause, and loading it ahead (spec.inference.vllm.loadAhead).
 
 What is checked: each of the TP-2 server's workers is an inference rank that receives only its own
 slices (the model has one KV head, which vLLM replicates on both workers), planned from what vLLM's
@@ -49,12 +50,13 @@ class TpRun:
     plain: dict[int, dict] = field(default_factory=dict)  # plain servers on version 2: tp size -> checksums
 
 
-@pytest.fixture(scope="module")
-def tp_run(tmp_path_factory) -> TpRun:
+# each worker's parts go through vLLM's loaders in the pause, or ahead (into a second copy while it serves)
+@pytest.fixture(scope="module", params=[False, True], ids=["in-the-pause", "ahead"])
+def tp_run(tmp_path_factory, request) -> TpRun:
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    # loaded ahead: each worker's parts go through vLLM's loaders into a second copy while it serves
-    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES), ahead=True)
+    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES),
+                   ahead=request.param)
     run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
     out = TpRun(run, {})
     plains = []
