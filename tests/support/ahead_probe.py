@@ -53,7 +53,7 @@ def main(config: dict, out: str) -> int:
             before, served_before = tokens(), served_parameters(model)
             box: dict = {}
             thread = threading.Thread(target=lambda: box.update(prepared=prepare(
-                model, model_config, version, list(weights.items()), lambda root: contextlib.nullcontext(), spares)))
+                model, model_config, list(weights.items()), lambda root: contextlib.nullcontext(), spares)))
             thread.start()
             while thread.is_alive():  # vLLM serves on while the version is prepared
                 during = tokens()

@@ -242,6 +242,14 @@ def targets(cases: list[dict], links: bool) -> list[dict]:
     return out
 
 
+def shape_of(text: str, least_trainers: int = 1) -> tuple[int, int] | None:
+    """TRAINERSxINFERENCE as its two rank counts, or None where it is not one."""
+    m, _, n = text.partition("x")
+    if m.isdigit() and n.isdigit() and int(m) >= least_trainers and int(n) > 0:
+        return int(m), int(n)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `weightsync bench` (argv without the subcommand). Prints the table, or
     with --json one JSON object; returns the exit status (0 when every case ran)."""
@@ -271,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
                                                             "replicas, publishing through the trainer API (seconds per "
                                                             "version, trainer memory); --shapes one TRAINERSxINFERENCE")
-    parser.add_argument("--scrape", metavar="SECONDS", type=float, help="instead: a DDP job timed quiet and with "
-                                                                        "every pod's /metrics read every SECONDS "
-                                                                        "(--shapes one TRAINERSxINFERENCE)")
+    parser.add_argument("--scrape", metavar="SECONDS", type=float, help="instead: a DDP job (bfloat16) timed quiet "
+                                                                        "and with every pod's /metrics read every "
+                                                                        "SECONDS (--shapes one TRAINERSxINFERENCE)")
     args = parser.parse_args(argv)
     if args.chart and args.scrape:
         parser.error("--chart: --scrape prints a table only")
@@ -290,23 +298,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.scrape is not None:
         if args.scrape <= 0:
             parser.error(f"--scrape: {args.scrape} is not a positive number of seconds")
-        m, _, n = (args.shapes or "2x2").partition("x")
-        if not (m.isdigit() and n.isdigit() and int(m) > 0 and int(n) > 0):
+        shape = shape_of(args.shapes or "2x2")
+        if shape is None:
             parser.error(f"--scrape --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE")
-        return scrape_bench(args.scrape, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json)
+        return scrape_bench(args.scrape, *shape, (args.versions or 7) + 1, args.bucket_mb, args.json)
     if args.fsdp:
-        m, _, n = (args.shapes or "2x2").partition("x")
-        if not (m.isdigit() and n.isdigit() and int(m) > 1 and int(n) > 0):
+        shape = shape_of(args.shapes or "2x2", least_trainers=2)
+        if shape is None:
             parser.error(f"--fsdp --shapes: {args.shapes!r} is not one TRAINERSxINFERENCE with at least 2 trainer ranks")
-        return shards_bench(dtypes, int(m), int(n), (args.versions or 7) + 1, args.bucket_mb, args.json, args.chart)
+        return shards_bench(dtypes, *shape, (args.versions or 7) + 1, args.bucket_mb, args.json, args.chart)
     signal.signal(signal.SIGTERM, _exit)  # so that what the run made (files, namespaces) is removed
 
     shapes = []
     for s in (args.shapes or (LINK_SHAPES if args.links else "2x2,1x1")).split(","):
-        m, _, n = s.partition("x")
-        if not (m.isdigit() and n.isdigit() and int(m) > 0 and int(n) > 0):
+        shape = shape_of(s)
+        if shape is None:
             parser.error(f"--shapes: {s!r} is not TRAINERSxINFERENCE, for example 2x2")
-        shapes.append((int(m), int(n)))
+        shapes.append(shape)
     versions = args.versions or (5 if args.links else 7)
     if versions < 1:
         parser.error("--versions: at least 1")

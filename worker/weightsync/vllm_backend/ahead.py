@@ -47,7 +47,6 @@ class CommitError(RuntimeError):
 class Prepared:
     """A version loaded and processed into a shadow of the model, waiting for the pause."""
 
-    version: int
     pairs: list[tuple[torch.nn.Module, torch.nn.Module]]  # (live, shadow) for every module
     attention: list[torch.nn.Module]  # the live attention layers, processed at the commit
     clones: dict[int, torch.Tensor]  # id(live kernel tensor): the shadow's, spares for the next prepare
@@ -96,7 +95,7 @@ def _meta_copy(meta: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prepare(model: torch.nn.Module, model_config, version: int, tensors, sharded,
+def prepare(model: torch.nn.Module, model_config, tensors, sharded,
             spares: dict[int, torch.Tensor] | None = None) -> Prepared:
     """Load `tensors` ((checkpoint name, tensor), the verified version) through vLLM's layerwise
     reload into a shadow of `model`; `sharded(root)` is the context the loaders run in (a
@@ -127,7 +126,7 @@ def prepare(model: torch.nn.Module, model_config, version: int, tensors, sharded
             finalize_layerwise_reload(root, model_config)
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
-    return Prepared(version, pairs, attention, clones)
+    return Prepared(pairs, attention, clones)
 
 
 def _clone(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:

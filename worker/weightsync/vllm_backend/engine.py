@@ -150,8 +150,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         prepared = None
         if self.ahead:
             began = time.monotonic()
-            prepared = prepare(self.model, self.model_config, version, self._tensors(self.staging()), presharded,
-                               self.spares)
+            prepared = prepare(self.model, self.model_config, self._tensors(self.staging()), presharded, self.spares)
             prepared.seconds = time.monotonic() - began
             staged["prepare_seconds"] = round(prepared.seconds, 6)
         with self.cond:
