@@ -2,7 +2,8 @@
 # Builds the local cluster's binaries once and caches them outside the repository: etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler, and the real node's kubelet and kube-proxy
 # (tools/go.mod), kwok, helm, CoreDNS (the cluster DNS the real node's pods use), and Prometheus (the
-# end-to-end tests scrape a job's pods with it, with the chart's scrape configuration).
+# end-to-end tests scrape a job's pods with it, with the chart's scrape configuration), and Kueue's
+# controller with its CRDs (the tests of jobs that Kueue admits run it against the local cluster).
 # Prints the directory that holds them. KUBEBUILDER_ASSETS, when set, is used as it is.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -11,6 +12,7 @@ KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.2
 COREDNS_VERSION=v1.13.1
 PROMETHEUS_VERSION=v0.316.0  # the version of its Go module, github.com/prometheus/prometheus
+KUEUE_VERSION=v0.17.0  # sigs.k8s.io/kueue
 cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 out=$cache/bin/k8s-$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION
 mkdir -p "$out"
@@ -39,4 +41,9 @@ install helm helm.sh/helm/v3/cmd/helm@$HELM_VERSION "-X helm.sh/helm/v3/internal
 # Static, because it runs in an image that holds nothing else.
 CGO_ENABLED=0 install coredns github.com/coredns/coredns@$COREDNS_VERSION ""
 install prometheus github.com/prometheus/prometheus/cmd/prometheus@$PROMETHEUS_VERSION ""
+install kueue sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+if [ ! -d "$out/kueue-crds" ]; then  # the CRDs of the same release, from the module the build downloaded
+  crds=$(GOFLAGS= go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE_VERSION/config/components/crd/bases
+  mkdir -p "$out/kueue-crds.tmp" && cp "$crds"/*.yaml "$out/kueue-crds.tmp/" && mv "$out/kueue-crds.tmp" "$out/kueue-crds"
+fi
 echo "$out"

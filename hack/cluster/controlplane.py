@@ -31,7 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm",
             "kubelet", "kube-proxy", "coredns",  # these three for a real node (hack/node)
-            "prometheus")  # for the end-to-end tests that scrape a job's pods
+            "prometheus",  # for the end-to-end tests that scrape a job's pods
+            "kueue")  # for the tests of jobs that Kueue admits (its CRDs beside it, in kueue-crds)
 # Started in this order, stopped in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -219,6 +220,12 @@ class ControlPlane:
         if check and proc.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
+
+    def wait_served(self, *resources: str, timeout: float = 60) -> None:
+        """Until the API server serves every resource ("plural.group") a CRD just applied defines:
+        `kubectl wait --for=condition=Established` right after the apply can find no conditions yet."""
+        wait_for(f"{', '.join(resources)} served", lambda: self.kubectl(
+            "get", ",".join(resources), "-A", "--request-timeout=5s", check=False).returncode == 0, timeout)
 
     def api(self):
         """A kubernetes.client.ApiClient for the admin."""

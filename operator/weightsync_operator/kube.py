@@ -17,7 +17,10 @@ FIELD_MANAGER = "weightsync-operator"
 PLURALS = {
     "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
     "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-    "StatefulSet": "statefulsets", "Node": "nodes", "Namespace": "namespaces", contract.KIND: contract.PLURAL,
+    "StatefulSet": "statefulsets", "Node": "nodes", "Namespace": "namespaces", "Pod": "pods",
+    contract.KIND: contract.PLURAL,
+    # Kueue's (kueue.x-k8s.io), for the jobs it admits
+    "Workload": "workloads", "ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
 }
 
 
@@ -92,8 +95,9 @@ class Kube:
                 return None
             raise
 
-    def list(self, api_version: str, kind: str, namespace: str | None = None) -> list[dict]:
-        return self.request("GET", path(api_version, kind, namespace))["items"]
+    def list(self, api_version: str, kind: str, namespace: str | None = None, selector: str | None = None) -> list[dict]:
+        return self.request("GET", path(api_version, kind, namespace),
+                            query={"labelSelector": selector} if selector else None)["items"]
 
     def apply(self, obj: Mapping) -> dict:
         """Server-side apply: creates the object or sets exactly the fields the operator owns."""
@@ -111,6 +115,21 @@ class Kube:
             return "unchanged"
         self.apply(obj)
         return "created" if stored is None else "patched"
+
+    def patch_status(self, obj: Mapping, status: Mapping) -> dict:
+        """A merge patch of another object's status, refused (409) when it changed since `obj` was read."""
+        meta = obj["metadata"]
+        body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": dict(status)}
+        return self.request("PATCH", path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]) + "/status",
+                            body, content_type="application/merge-patch+json")
+
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
+        """Deletes the object if it is there (a 404 is not an error)."""
+        try:
+            self.request("DELETE", path(api_version, kind, namespace, name), query={"propagationPolicy": "Background"})
+        except ApiError as e:
+            if e.status != 404:
+                raise
 
     def namespace_terminating(self, namespace: str) -> bool:
         """Whether the namespace is being deleted (or gone): nothing can be created in it."""

@@ -8,12 +8,13 @@ import base64
 import copy
 import hashlib
 import os
-
+from typing import Mapping
 
 import weightsync
 from weightsync import job as contract
 from weightsync.job import CONTROLLER, ROLES, Job, ValueFrom
 from weightsync.job.join import external_roles, join_env
+from weightsync_operator.queueing import Placement
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
@@ -42,11 +43,12 @@ def worker_image(job: Job, recorded: str | None = None) -> str:
 
 
 def children(job: Job, mode: str, token: str, *, image: str | None = None, stopped: bool = False,
-             running: bool = False) -> list[dict]:
+             running: bool = False, placements: Mapping[str, Placement] | None = None) -> list[dict]:
     """Every object the job owns, in creation order (what the pods mount comes before the pods).
     `image`: the default image recorded for the job; `stopped`: the controller reported
     completion, or the job is suspended, so the StatefulSets run no pods; `running`: the job runs,
-    so no change of a pod template may replace its pods. A role the user runs (spec.<role>.external) gets no
+    so no change of a pod template may replace its pods; `placements`: role -> where the job's
+    Kueue admission puts its pods (queueing.py). A role the user runs (spec.<role>.external) gets no
     StatefulSet: its processes join with the Secret "<job>-join" instead."""
     external = external_roles(job)
     return [
@@ -58,7 +60,8 @@ def children(job: Job, mode: str, token: str, *, image: str | None = None, stopp
         service_account(job),
         role(job),
         role_binding(job),
-        *(statefulset(job, r, mode, image=image, stopped=stopped, running=running)
+        *(statefulset(job, r, mode, image=image, stopped=stopped, running=running,
+                      placement=(placements or {}).get(r))
           for r in ROLES if r not in external),
     ]
 
@@ -174,13 +177,21 @@ def role_binding(job: Job) -> dict:
 
 
 def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, stopped: bool = False,
-                running: bool = False) -> dict:
+                running: bool = False, placement: Placement | None = None) -> dict:
     layout = job.layout
     # Until the job runs, a changed spec replaces its pods (they have not started the job yet: a
     # pod that cannot be scheduled takes the fixed template). Once it runs, the CRD refuses spec
     # changes, and a template that changes anyway (a new operator version renders differently)
     # reaches only pods created later: the running ones are never replaced.
     strategy = {"type": "OnDelete"} if running else {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
+    template = pod_template(job, role, mode, image)
+    if placement is not None:  # Kueue's admission: its flavors' node labels win, their tolerations add
+        pod = template["spec"]
+        if placement.node_selector:
+            pod["nodeSelector"] = {**pod.get("nodeSelector", {}), **placement.node_selector}
+        if placement.tolerations:
+            pod["tolerations"] = [*pod.get("tolerations", []),
+                                  *(dict(t) for t in placement.tolerations if t not in pod.get("tolerations", []))]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -192,7 +203,7 @@ def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, sto
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": job.labels(role)},
             "updateStrategy": strategy,
-            "template": pod_template(job, role, mode, image),
+            "template": template,
         },
     }
 

@@ -10,7 +10,7 @@ import kopf
 from weightsync import job as contract
 from weightsync.job import Layout
 from weightsync.job.join import external_roles
-from weightsync_operator import status
+from weightsync_operator import queueing, status
 from weightsync_operator.kube import ApiError, Kube
 
 # Attempts when the job changes between reading and writing its status (the controller pod
@@ -69,11 +69,12 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
         current = job.get("status") or {}
         loaded = contract.Job(name, namespace, job["spec"])  # the spec as stored: defaulted
         statefulsets, problems, restarts = indexes.observed(namespace, name, loaded.layout)
+        queued = queueing.read(kube, loaded, job)
         new = status.compute(current, loaded.layout, statefulsets, problems, set_conditions, pod_restarts=restarts,
-                             external=external_roles(loaded), suspended=loaded.suspended)
-        if loaded.suspended and current.get("controller"):
-            # its controller pod is gone with the others: the one a resume starts begins the job
-            # anew, not as a controller started again in the middle of it
+                             external=external_roles(loaded), suspended=loaded.suspended, queued=queued)
+        if (loaded.suspended or (queued and queued.held)) and current.get("controller"):
+            # its controller pod is gone with the others: the one a resume (or an admission)
+            # starts begins the job anew, not as a controller started again in the middle of it
             new["controller"] = None
         network = network_of(job)
         if network and current.get("network") != network:

@@ -8,6 +8,7 @@ import datetime
 from typing import Iterable, Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout, reasons
+from weightsync_operator.queueing import Admission
 
 # Condition types (their reasons: weightsync/job/reasons.py).
 NETWORK_RESOLVED = "NetworkResolved"
@@ -16,9 +17,10 @@ READY = "Ready"
 COMPLETED = "Completed"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
+ADMITTED = "Admitted"
 
 # Ready reasons that deserve no Event: the usual way to and from running.
-QUIET = (reasons.PODS_NOT_READY, reasons.FINISHED, reasons.SUSPENDED)
+QUIET = (reasons.PODS_NOT_READY, reasons.FINISHED, reasons.SUSPENDED, reasons.QUEUED)
 # Container waiting reasons (Kubernetes' own) that mean a pod will not run without someone's help.
 WAITING_PROBLEMS = {
     "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -56,7 +58,7 @@ def restarts(pod_status: Mapping) -> int:
 def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping],
             problems: Iterable[tuple[str, str, str]], set_conditions: Iterable[Mapping] = (),
             at: str | None = None, pod_restarts: Mapping[str, int] | None = None,
-            external: Iterable[str] = (), suspended: bool = False) -> dict:
+            external: Iterable[str] = (), suspended: bool = False, queued: Admission | None = None) -> dict:
     """The operator-owned part of the status.
 
     current: the job's status now (the controller pod's `completion` and `rejoins` included);
@@ -71,8 +73,12 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     the job waits for (whether those joined, the controller's log says), and Ready is about the
     operator's own pods;
     suspended: spec.suspend, so the job wants no pods: its phase is Suspended (what it delivered
-    stays in the status), and the Suspended condition says whether it is."""
+    stays in the status), and the Suspended condition says whether it is;
+    queued: where a job that names a Kueue queue stands (None: it names none). Until Kueue admits
+    it, and after Kueue evicts it, it wants no pods either: its phase is Queued, and the Admitted
+    condition says why, in Kueue's words."""
     external = set(external)
+    held = queued is not None and queued.held and not suspended
     at = at or now()
     completion = current.get("completion") or {}
     finished = completion.get("state") in ("Succeeded", "Failed")
@@ -88,14 +94,14 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
             replicas[role] = {"ready": 0, "desired": 0, "summary": f"external ({layout.world_size(role)} ranks)",
                               "restarts": 0, "rejoins": int(rejoins.get(role) or 0)}
             continue
-        desired = 0 if finished or suspended else layout.replicas(role)
+        desired = 0 if finished or suspended or held else layout.replicas(role)
         ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
         restarted = int((pod_restarts or {}).get(role) or 0)
-        if finished or suspended:  # its pods are going or gone
+        if finished or suspended or held:  # its pods are going or gone
             restarted = max(restarted, int((before.get(role) or {}).get("restarts") or 0))
         replicas[role] = {"ready": ready, "desired": desired, "summary": f"{ready}/{desired}",
                           "restarts": restarted, "rejoins": int(rejoins.get(role) or 0)}
-    all_ready = not finished and not suspended and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
+    all_ready = not finished and not suspended and not held and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
 
     problems = sorted(problems)
     if suspended and not finished:
@@ -104,12 +110,21 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     elif SUSPENDED in conditions and conditions[SUSPENDED]["status"] == "True":
         conditions[SUSPENDED] = condition(SUSPENDED, False, reasons.RESUMED,
                                           "spec.suspend is false: the job starts again from its beginning")
+    if queued is not None and not finished:
+        if queued.admitted:
+            conditions[ADMITTED] = condition(ADMITTED, True, reasons.ADMITTED, queued.message)
+        elif not suspended:
+            conditions[ADMITTED] = condition(ADMITTED, False, reasons.EVICTED if queued.evicted else reasons.QUEUED,
+                                             queued.message)
     if finished:
         conditions[READY] = condition(READY, False, reasons.FINISHED,
                                       "the job finished; its StatefulSets are scaled to zero")
     elif suspended:
         conditions[READY] = condition(READY, False, reasons.SUSPENDED, "the job is suspended; its StatefulSets are "
                                                                        "scaled to zero")
+    elif held:
+        conditions[READY] = condition(READY, False, reasons.QUEUED, "the job is not admitted by its Kueue queue; "
+                                                                    "its StatefulSets are scaled to zero")
     elif all_ready:
         conditions[READY] = condition(READY, True, reasons.ALL_PODS_READY, _counts(replicas, layout, external))
     elif problems:
@@ -135,6 +150,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
         phase = completion["state"]
     elif suspended:
         phase = "Suspended"
+    elif held:
+        phase = "Queued"
     elif FAILED in conditions:
         phase = "Failed"
     elif all_ready or (current.get("phase") == "Running" and created and created["status"] == "True"):
@@ -154,7 +171,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     return {"phase": phase, "conditions": merged, "replicas": replicas}
 
 
-_ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, SUSPENDED, READY, COMPLETED, FAILED))}
+_ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, SUSPENDED, ADMITTED, READY, COMPLETED,
+                                       FAILED))}
 
 
 def _counts(replicas: Mapping, layout: Layout, external: set[str]) -> str:
@@ -194,6 +212,8 @@ def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
             out.append(("Normal", NETWORK_RESOLVED, c.get("message", "")))
         elif c["status"] == "False" and c["type"] in (CHILDREN_CREATED, READY) and c.get("reason") not in QUIET:
             out.append(("Warning", c["reason"], c.get("message", "")))
+        elif c["type"] == ADMITTED:  # admitted, and each time it waits again or is evicted
+            out.append(("Warning" if c.get("reason") == reasons.EVICTED else "Normal", c["reason"], c.get("message", "")))
     phase = new.get("phase")
     if phase in ("Running", "Succeeded", "Failed", "Suspended") and phase != current.get("phase"):
         by_type = {c["type"]: c for c in new.get("conditions", [])}

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         op = watches = None
         try:
             cp.kubectl("apply", "-f", str(CRD))
-            cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
+            cp.wait_served("weighttransferjobs.weightsync.io")
             # 71 jobs' RDMA pods need more room than the default two RDMA nodes' 110 pods each.
             for i in range(2, 4):
                 cp.add_node(f"gpu-rdma-{i}", gpus=8, rdma=1000)

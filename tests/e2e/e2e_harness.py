@@ -59,7 +59,7 @@ def install(helm: Helm, release: str, namespace: str, *values: str, chart: Path 
     it: the CRD applied first (helm installs a chart's CRD only once and never upgrades it), then
     the release."""
     helm.cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
-    helm.cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
+    helm.cluster.wait_served("weighttransferjobs.weightsync.io")
     helm("install", release, str(chart), "--namespace", namespace, "--create-namespace", "--wait", "--timeout", "3m",
          *[a for v in values for a in ("--set", v)])
 

@@ -11,7 +11,7 @@ from support.operator_harness import CRD, Namespace, Operator
 @pytest.fixture(scope="session")
 def crd_applied(cluster):
     out = cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
+    cluster.wait_served("weighttransferjobs.weightsync.io")
     return out
 
 

@@ -92,7 +92,7 @@ def test_the_join_secret_holds_the_three_variables_a_joiner_parses():
 
 def test_every_child_of_an_external_job_is_owned_by_it():
     j = job(EXTERNAL_TRAINERS)
-    owned = jobs.desired(j, body(j), "tcp", TOKEN, "worker:1")
+    owned = jobs.desired(j, body(j), "tcp", TOKEN, "worker:1", None)
     join_secret = next(m for m in owned if m["metadata"]["name"] == "demo-join")
     assert join_secret["metadata"]["ownerReferences"] == [{
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo", "uid": "0b5e2c3a-uid",
@@ -104,15 +104,15 @@ def test_a_changed_or_foreign_join_secret_is_put_back_and_the_right_one_is_left_
     j = job(EXTERNAL_TRAINERS)
     stored = body(j)
     right = render.join_secret(j, TOKEN)
-    assert not jobs.drifted(stored, right)
+    assert not jobs.drifted(None, stored, right)
     for key, value in ((JoinEnv.TOKEN, "x" * 43), (JoinEnv.JOB_ID, "team-a/other"),
                        (JoinEnv.CONTROLLER, "elsewhere:29500")):
         changed = {**right, "data": {**right["data"], key: base64.b64encode(value.encode()).decode()}}
-        assert jobs.drifted(stored, changed), key
+        assert jobs.drifted(None, stored, changed), key
     extra = {**right, "data": {**right["data"], "MORE": base64.b64encode(b"1").decode()}}
-    assert jobs.drifted(stored, extra)
+    assert jobs.drifted(None, stored, extra)
     # The token Secret is still told apart by its own key.
-    assert not jobs.drifted(stored, render.secret(j, TOKEN))
+    assert not jobs.drifted(None, stored, render.secret(j, TOKEN))
 
 
 def test_status_of_an_external_role_says_external_and_ready_waits_only_on_the_operators_pods():

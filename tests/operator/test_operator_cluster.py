@@ -81,15 +81,6 @@ def env(sts):
     return {e["name"]: e.get("value") for e in container(sts)["env"]}
 
 
-def wait_running_pods(ns, name, count, timeout=90):
-    def running():
-        pods = ns.pods(name)
-        ok = [p for p in pods if p["status"].get("phase") == "Running"
-              and all(c.get("ready") for c in p["status"].get("containerStatuses", []))]
-        return pods if len(pods) == count and len(ok) == count else None
-    return wait_for(f"{count} Running pods of {name}", running, timeout)
-
-
 def test_tcp_job_children(ns):
     ns.apply_job("tcp", {**SMALL, "network": {"mode": "tcp", "tcp": {"socketIfname": "eth0"}}})
     children = ns.wait_children("tcp")
@@ -124,7 +115,7 @@ def test_tcp_job_children(ns):
     status = ns.wait_phase("tcp", "Running")
     assert status["network"] == {"mode": "tcp", "reason": "spec.network.mode is tcp"}
     assert {r: v["summary"] for r, v in status["replicas"].items()} == {"controller": "1/1", "trainer": "2/2", "inference": "1/1"}
-    pods = wait_running_pods(ns, "tcp", 4)
+    pods = ns.wait_running_pods("tcp", 4)
     assert sorted(p["metadata"]["name"] for p in pods) == ["tcp-controller-0", "tcp-inference-3",
                                                            "tcp-trainer-1", "tcp-trainer-2"]
     gpu_nodes = {"gpu-0", "gpu-1"} | RDMA_NODES
@@ -152,7 +143,7 @@ def test_rdma_job_lands_on_rdma_nodes(ns):
     ctl = children["StatefulSet/rdma-controller"]
     assert not container(ctl).get("resources") and not ctl["spec"]["template"]["spec"].get("hostNetwork")
 
-    pods = wait_running_pods(ns, "rdma", 4)
+    pods = ns.wait_running_pods("rdma", 4)
     for p in pods:
         if p["metadata"]["labels"][contract.LABEL_ROLE] != contract.CONTROLLER:
             assert p["spec"]["nodeName"] in RDMA_NODES, f"{p['metadata']['name']} on {p['spec']['nodeName']}"
@@ -180,7 +171,7 @@ def test_auto_without_rdma_nodes_takes_tcp_and_never_flips(cluster, operator, ns
         assert network["reason"] == f"auto: no schedulable node offers 1 {RDMA} in its allocatable resources"
         event = ns.wait_event("auto", "NetworkResolved")
         assert event["type"] == "Normal" and "network mode tcp" in event["message"]
-        wait_running_pods(ns, "auto", 4)  # on the GPU nodes without RDMA
+        ns.wait_running_pods("auto", 4)  # on the GPU nodes without RDMA
     finally:
         cluster.reset_nodes()
     # RDMA nodes are back; an operator restart leaves the choice alone.
@@ -216,7 +207,7 @@ def test_an_external_role_gets_the_join_secret_and_no_pods(ns):
 def test_deleting_a_job_removes_every_child(ns):
     ns.apply_job("gone", SMALL)
     ns.wait_children("gone")
-    wait_running_pods(ns, "gone", 4)
+    ns.wait_running_pods("gone", 4)
     ns.kubectl("delete", contract.PLURAL, "gone", "--wait=true", "--timeout=60s")
     wait_for("children garbage-collected", lambda: not ns.children("gone") and not ns.pods("gone"), 90)
 
@@ -225,7 +216,7 @@ def test_restarting_the_operator_writes_nothing_that_is_right(operator, ns):
     ns.apply_job("steady", SMALL)
     ns.wait_children("steady")
     ns.wait_phase("steady", "Running")
-    wait_running_pods(ns, "steady", 4)
+    ns.wait_running_pods("steady", 4)
 
     def versions():
         objs = {**ns.children("steady"), "job": ns.job("steady")}
@@ -361,7 +352,7 @@ def test_a_suspended_job_runs_no_pods_until_resumed_and_suspending_a_running_one
 
     ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
     ns.wait_phase("held", "Running")
-    wait_running_pods(ns, "held", 4)
+    ns.wait_running_pods("held", 4)
     assert ns.condition("held", "Suspended")["status"] == "False"
     assert ns.condition("held", "Suspended")["reason"] == reasons.RESUMED
     # what the job's controller pod reports as it runs

@@ -16,7 +16,7 @@ CRD_NAME = f"{contract.PLURAL}.{contract.GROUP}"
 
 def apply_crd(cluster):
     cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    cluster.wait_served(CRD_NAME)
 
 
 def delete_crd(cluster):

@@ -85,8 +85,8 @@ class Namespace:
             raise AssertionError(proc.stderr)
         return json.loads(proc.stdout)
 
-    def apply_job(self, name: str, spec: dict, check=True):
-        obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    def apply_job(self, name: str, spec: dict, check=True, labels: dict | None = None):
+        obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name, "labels": labels or {}},
                "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
                                              "vocab_size": 1024}}, **spec}}
         return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=check)
@@ -116,6 +116,14 @@ class Namespace:
     def wait_children(self, name: str, timeout: float = 60) -> dict[str, dict]:
         return wait_for(f"all 9 children of {name}", lambda: c if len(c := self.children(name)) == 9 else None,
                         timeout)
+
+    def wait_running_pods(self, name: str, count: int, timeout: float = 90) -> list[dict]:
+        def running():
+            pods = self.pods(name)
+            ok = [p for p in pods if p["status"].get("phase") == "Running"
+                  and all(c.get("ready") for c in p["status"].get("containerStatuses", []))]
+            return pods if len(pods) == count and len(ok) == count else None
+        return wait_for(f"{count} Running pods of {name}", running, timeout)
 
     def wait_phase(self, name: str, phase: str, timeout: float = 60) -> dict:
         return wait_for(f"{name} phase {phase}",

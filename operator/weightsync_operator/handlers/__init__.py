@@ -1,3 +1,4 @@
-"""kopf handlers: settings at start-up, the job's own lifecycle, and the children it watches."""
+"""kopf handlers: settings at start-up, the job's own lifecycle, the children it watches, and the
+Kueue Workloads of queued jobs."""
 
-from weightsync_operator.handlers import children, jobs, startup  # noqa: F401
+from weightsync_operator.handlers import children, jobs, queued, startup  # noqa: F401

@@ -18,24 +18,24 @@ OTHER_CHILDREN = [("", "v1", "services"), ("", "v1", "secrets"), ("", "v1", "con
                   ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings")]
 
 
-def _ours(labels, **_) -> bool:
+def of_a_role(labels, **_) -> bool:
     return labels.get(LABEL_ROLE) in ROLES
 
 
-def _owned(body, labels, **_) -> bool:
+def owned_by_job(body, labels, **_) -> bool:
     """Controlled by the job its label names (not merely labelled like one)."""
     return any(ref.get("kind") == "WeightTransferJob" and ref.get("controller") and ref.get("name") == labels.get(LABEL_JOB)
                for ref in body.get("metadata", {}).get("ownerReferences") or [])
 
 
-@kopf.index("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
+@kopf.index("apps", "v1", "statefulsets", labels=OWNED, when=of_a_role)
 def statefulsets_by_job(namespace, labels, status, **_):
     """Each StatefulSet's ready and existing pods: the desired counts come from the job's own layout."""
     return {(namespace, labels[LABEL_JOB]): {"role": labels[LABEL_ROLE], "ready": status.get("readyReplicas", 0),
                                              "created": status.get("replicas", 0)}}
 
 
-@kopf.index("", "v1", "pods", labels=OWNED, when=_ours)
+@kopf.index("", "v1", "pods", labels=OWNED, when=of_a_role)
 def pods_by_job(namespace, name, labels, status, **_):
     """Only the job's pods that are stuck for a reason someone must fix ({} drops a pod that
     recovered; None would keep its old entry)."""
@@ -43,7 +43,7 @@ def pods_by_job(namespace, name, labels, status, **_):
     return {(namespace, labels[LABEL_JOB]): (f"pod {name}", *problem)} if problem else {}
 
 
-@kopf.index("", "v1", "pods", labels=OWNED, when=_ours)
+@kopf.index("", "v1", "pods", labels=OWNED, when=of_a_role)
 def restarts_by_job(namespace, labels, status, **_):
     """The container restarts of the job's pods that restarted, with their role ({} drops a pod
     that has none, a new one with the same name included)."""
@@ -81,7 +81,7 @@ def pods_not_created(namespace, body, memo: kopf.Memo, **kwargs):
     report(memo.kube, namespace, job, Indexes.of(kwargs))
 
 
-@kopf.on.event("apps", "v1", "statefulsets", labels=OWNED, when=_ours)
+@kopf.on.event("apps", "v1", "statefulsets", labels=OWNED, when=of_a_role)
 def statefulset_changed(type, body, namespace, labels, uid, memo: kopf.Memo, logger, **kwargs):  # noqa: A002 - kopf's name
     indexes = Indexes.of(kwargs)
     report(memo.kube, namespace, labels[LABEL_JOB], indexes)
@@ -125,13 +125,13 @@ def child_changed(type, body, labels, memo: kopf.Memo, logger, **kwargs):  # noq
 
 
 for _group, _version, _plural in OTHER_CHILDREN:
-    kopf.on.event(_group, _version, _plural, labels={LABEL_JOB: kopf.PRESENT}, when=_owned)(child_changed)
+    kopf.on.event(_group, _version, _plural, labels={LABEL_JOB: kopf.PRESENT}, when=owned_by_job)(child_changed)
 
 
 def put_back(memo: kopf.Memo, event, body, labels, logger, indexes: Indexes):
     """A child was deleted, or changed so that it is not what its job wants: reconcile the job
     (which creates or patches it, and says so in a condition and an Event)."""
-    if event not in ("MODIFIED", "DELETED") or not _owned(body, labels):
+    if event not in ("MODIFIED", "DELETED") or not owned_by_job(body, labels):
         return  # listed at start-up (resuming each job compares every child), or just created
     namespace = body["metadata"]["namespace"]
     job = memo.kube.get_job(namespace, labels[LABEL_JOB])
@@ -140,7 +140,7 @@ def put_back(memo: kopf.Memo, event, body, labels, logger, indexes: Indexes):
     what = f"{body['kind']} {body['metadata']['name']}"
     if event == "DELETED":
         cause = f"{what} was deleted"
-    elif drifted(job, dict(body)):
+    elif drifted(memo.kube, job, dict(body)):
         cause = f"{what} was changed"
     else:
         return

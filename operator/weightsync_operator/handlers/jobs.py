@@ -14,12 +14,12 @@ import kopf
 
 from weightsync import job as contract
 from weightsync.job import join, reasons
-from weightsync_operator import render, tokens
+from weightsync_operator import queueing, render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches
 from weightsync_operator.metrics import METRICS
 from weightsync_operator.report import Indexes, report
-from weightsync_operator.status import CHILDREN_CREATED, condition, receiver_events
+from weightsync_operator.status import ADMITTED, CHILDREN_CREATED, condition, now, receiver_events
 
 JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLURAL)
 
@@ -98,18 +98,21 @@ def load(obj: Mapping) -> contract.Job:
                               "spec": copy.deepcopy(dict(obj["spec"]))})
 
 
-def standing(job: contract.Job, obj: Mapping) -> dict[str, bool]:
+def standing(job: contract.Job, obj: Mapping, queued: queueing.Admission | None) -> dict:
     """Where the job stands, as rendering needs it: stopped (its controller reported completion,
-    or it is suspended) and running."""
+    it is suspended, or its Kueue queue has not admitted it), running, and where an admission
+    puts each role's pods."""
     job_status = obj.get("status") or {}
     finished = (job_status.get("completion") or {}).get("state") in ("Succeeded", "Failed")
-    stopped = finished or job.suspended
-    return {"stopped": stopped, "running": job_status.get("phase") == "Running" and not stopped}
+    stopped = finished or job.suspended or (queued is not None and queued.held)
+    return {"stopped": stopped, "running": job_status.get("phase") == "Running" and not stopped,
+            "placements": queued.placements if queued else {}}
 
 
-def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str) -> list[dict]:
+def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str,
+            queued: queueing.Admission | None) -> list[dict]:
     """Every child as the job wants it now, owned by the job."""
-    manifests = render.children(job, mode, token, image=image, **standing(job, obj))
+    manifests = render.children(job, mode, token, image=image, **standing(job, obj, queued))
     kopf.adopt(manifests, owner=obj)
     return manifests
 
@@ -128,8 +131,9 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
         write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.TOKEN_LOST, str(e))])
         raise kopf.PermanentError(str(e)) from None
     missing = missing_pull_secrets(kube, job)
+    queued = admit(kube, job, obj, decisions, write)
 
-    manifests = desired(job, obj, decisions.mode, decisions.token, decisions.image)
+    manifests = desired(job, obj, decisions.mode, decisions.token, decisions.image, queued)
     if missing:
         # Pods that cannot pull would only crash-loop: everything but the pods is created now,
         # the StatefulSets once the secrets exist.
@@ -170,6 +174,24 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     write(set_conditions=conditions, observed_generation=obj["metadata"].get("generation"))
 
 
+def admit(kube: Kube, job: contract.Job, obj: Mapping, decisions, write) -> queueing.Admission | None:
+    """A job that names a Kueue queue: its Workload written, and where it stands (queueing.py).
+    A cluster without Kueue leaves the job waiting, its Admitted condition saying so."""
+    if not queueing.queue_name(obj):
+        return None
+    templates = {r: render.pod_template(job, r, decisions.mode, decisions.image)
+                 for r in contract.ROLES if r not in join.external_roles(job)}
+    try:
+        return queueing.gate(kube, job, obj, templates, lambda m: kopf.adopt(m, owner=obj), now())
+    except ApiError as e:
+        if e.status != 404:
+            raise
+        message = (f"the job names the Kueue queue {queueing.queue_name(obj)} (label {queueing.QUEUE_LABEL}), but "
+                   f"the API server serves no {queueing.API_VERSION} Workloads: install Kueue, or remove the label")
+        write(set_conditions=[condition(ADMITTED, False, reasons.QUEUED, message)])
+        raise kopf.TemporaryError(message, delay=30) from None
+
+
 def created_message(job: contract.Job, manifests: list[dict]) -> str:
     """What ChildrenCreated says once every child is there: the kinds, the StatefulSets with their
     pods, and the roles whose processes the user starts (which have none)."""
@@ -186,7 +208,7 @@ def created_message(job: contract.Job, manifests: list[dict]) -> str:
     return message
 
 
-def drifted(obj: Mapping, child: Mapping) -> bool:
+def drifted(kube: Kube, obj: Mapping, child: Mapping) -> bool:
     """Whether a stored child differs from what its job wants (the job's decisions recorded)."""
     done = recorded(obj)
     try:
@@ -204,16 +226,22 @@ def drifted(obj: Mapping, child: Mapping) -> bool:
         role = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
         if role not in contract.ROLES or role in join.external_roles(job):
             return False  # not a role's, or one the job runs no pods of (the job's handler renders none)
-        wanted = [render.statefulset(job, role, mode, image=image, **standing(job, obj))]
+        queued = queueing.read(kube, job, obj)
+        wanted = [render.statefulset(job, role, mode, image=image, **placed(standing(job, obj, queued), role))]
         kopf.adopt(wanted, owner=obj)
         # Its update strategy changes when the job starts running: the job's handler does that.
         del wanted[0]["spec"]["updateStrategy"]
     else:
-        wanted = desired(job, obj, mode, "", image)
+        wanted = desired(job, obj, mode, "", image, None)  # the StatefulSets, the one kind Kueue places, are above
     for want in wanted:
         if (want["kind"], want["metadata"]["name"]) == (child["kind"], child["metadata"]["name"]):
             return not matches(want, child)
     return False
+
+
+def placed(where: Mapping, role: str) -> dict:
+    """`standing` as one role's StatefulSet takes it."""
+    return {"stopped": where["stopped"], "running": where["running"], "placement": where["placements"].get(role)}
 
 
 def join_secret_drifted(job: contract.Job, child: Mapping, token_sha256: str) -> bool:

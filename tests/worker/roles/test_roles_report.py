@@ -46,7 +46,7 @@ def test_reporting_to_kubernetes_needs_a_cluster(monkeypatch):
 @pytest.mark.cluster
 def test_status_is_written_through_the_api_server(cluster, monkeypatch, capsys):
     cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "weightsync.io_weighttransferjobs.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/weighttransferjobs.weightsync.io")
+    cluster.wait_served("weighttransferjobs.weightsync.io")
     namespace = f"report-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     try:

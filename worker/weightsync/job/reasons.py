@@ -89,9 +89,15 @@ PODS_NOT_READY = _reason("PodsNotReady", "some pods are not ready yet, and none 
 FINISHED = _reason("Finished", "the job finished; its StatefulSets are scaled to zero")
 
 # Suspended
-SUSPENDED = _reason("Suspended", "spec.suspend is true: the job runs no pods (a queue such as Kueue has not admitted it, "
-                    "or someone suspended it); its status keeps what it delivered")
+SUSPENDED = _reason("Suspended", "spec.suspend is true: the job runs no pods; its status keeps what it delivered")
 RESUMED = _reason("Resumed", "spec.suspend turned false: the job starts again from its beginning, in new pods")
+
+# Admitted (a job labelled kueue.x-k8s.io/queue-name)
+QUEUED = _reason("Queued", "the job waits in its Kueue queue and runs no pods: the message says why, in Kueue's "
+                 "words (quota short, a LocalQueue that does not exist)")
+ADMITTED = _reason("Admitted", "Kueue admitted the job: every role's pods start at once, on the flavors it assigned")
+EVICTED = _reason("Evicted", "Kueue took the job's admission back (preempted, deactivated): its pods go, its quota is "
+                  "given back, and it starts again from its beginning when admitted again")
 
 # Completed
 SUCCEEDED = _reason("Succeeded", "every version was delivered to and verified on the inference ranks")
