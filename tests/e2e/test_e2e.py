@@ -17,8 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
-from e2e_harness import LogFollower, Prometheus, example, install, new_namespace, pods, restarts, running
+from e2e_harness import (LogFollower, Prometheus, apply, example, fast, finished, following, get_job, install, job_pods,
+                         new_namespace, phase_in, pods, restarts, running, show_logs)
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
@@ -31,16 +31,7 @@ RDMA = "rdma/rdma_shared_device_a"
 GPU = "nvidia.com/gpu"
 
 
-def apply(cluster, namespace: str, job: dict) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
 
-
-def get_job(cluster, namespace: str, name: str) -> dict:
-    return json.loads(cluster.kubectl("get", "wtj", name, "-n", namespace, "-o", "json").stdout)
-
-
-def job_pods(cluster, namespace: str, name: str) -> dict[str, dict]:
-    return {p["metadata"]["name"]: p for p in pods(cluster, namespace, f"{contract.LABEL_JOB}={name}")}
 
 
 def env_of(pod: dict) -> dict[str, str]:
@@ -58,10 +49,6 @@ def all_running(cluster, namespace: str, name: str, count: int) -> dict[str, dic
     found = job_pods(cluster, namespace, name)
     return found if len(found) == count and all(running(p) for p in found.values()) else None
 
-
-def phase_in(cluster, namespace: str, name: str, phases: tuple[str, ...]) -> dict | None:
-    job = get_job(cluster, namespace, name)
-    return job if job.get("status", {}).get("phase") in phases else None
 
 
 def printed_columns(cluster, namespace: str, name: str) -> dict[str, str]:
@@ -98,16 +85,6 @@ def chart(cluster, helm, namespace):
 
 # ---------------------------------------------------------------------------------- tcp, for real
 
-
-def fast(job: dict) -> dict:
-    """The tcp example, kept as it is except where a 2-core node needs less: fewer steps, and CPU
-    requests that let all five pods (and the operator) fit on it."""
-    job = copy.deepcopy(job)
-    job["spec"].setdefault("training", {}).update(steps=6)
-    job["spec"].setdefault("transfer", {}).update(everySteps=3)
-    for role in ("trainer", "inference"):
-        job["spec"][role].setdefault("resources", {}).setdefault("requests", {})["cpu"] = "200m"
-    return job
 
 
 def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, namespace, chart, operator_from_chart,
@@ -439,19 +416,6 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
     assert cluster.kubectl("get", "job", user_job, "-n", namespace, "-o", "name").stdout.strip() == f"job.batch/{user_job}"
 
 
-def following(cluster, namespace: str, name: str, operator, logs: LogFollower):
-    """The `failed` hook of a wait on a job: the operator still healthy, every pod's log followed."""
-    def progress():
-        operator.check()
-        for pod in job_pods(cluster, namespace, name).values():
-            logs.follow(pod)
-    return progress
-
-
-def finished(cluster, namespace: str, name: str, progress) -> dict:
-    """The job once it ended, Succeeded or Failed."""
-    return wait_for(f"{name} finished", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
-                    600, interval=1, failed=progress)
 
 
 def scraped_figures(prometheus: Prometheus, namespace: str, name: str, operator) -> dict:
@@ -476,11 +440,6 @@ def scraped_figures(prometheus: Prometheus, namespace: str, name: str, operator)
             "current": one(f'last_over_time(weightsync_receivers{{{job},state="current"}}[30m])'),
             "serving": {dict(labels)["rank"]: value for labels, value in serving.items()}}
 
-
-def show_logs(logs: LogFollower, tail: int = 2500) -> None:
-    logs.stop()
-    for pod_name in sorted(logs.procs):
-        print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-tail:]}")
 
 
 def chart_leftovers(cluster, release: str, namespace: str) -> list[str]:

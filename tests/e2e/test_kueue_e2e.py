@@ -1,0 +1,97 @@
+"""Kueue in real pods: the chart's operator (in its pod, with the chart's RBAC) and the real Kueue
+controller admit two tcp example jobs whose CPU exceeds the ClusterQueue's quota one after the
+other, each whole and never half-started, and both train, transfer and end Succeeded on the real
+node."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from controlplane import wait_for
+from e2e_harness import LogFollower, apply, example, fast, finished, following, get_job, job_pods, show_logs
+from support.kueue_harness import Kueue, unavailable
+
+pytestmark = pytest.mark.cluster
+
+QUEUE = "kueue.x-k8s.io/queue-name"
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster, tmp_path_factory):
+    """Started before the chart's operator, so that it watches Kueue's Workloads from its start."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    k = Kueue(cluster, tmp_path_factory.mktemp("kueue"))
+    k.install_crds()
+    k.start()
+    try:
+        yield k
+    finally:
+        k.stop()
+        print(f"kueue log: {k.dir / 'kueue.log'}")
+
+
+def quota_for_one_job(cluster, namespace: str) -> str:
+    """A ClusterQueue whose CPU holds one fast tcp example (2 x 200m trainers, 2 x 200m inference
+    ranks) but not two, and the LocalQueue `lq` in the job's namespace."""
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    for obj in (
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name}, "spec": {}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": name},
+         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                  "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
+                      {"name": name, "resources": [{"name": "cpu", "nominalQuota": "1"},
+                                                   {"name": "memory", "nominalQuota": "16Gi"}]}]}]}},
+        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "lq", "namespace": namespace},
+         "spec": {"clusterQueue": name}},
+    ):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    return name
+
+
+def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster, real_node, kueue, helm, namespace,
+                                                                      chart, operator_from_chart, tmp_path):
+    queue = quota_for_one_job(cluster, namespace)
+    jobs = []
+    for name in ("first", "second"):
+        job = fast(example("tcp-job.yaml"))
+        job["metadata"]["name"] = name
+        job["metadata"]["labels"] = {QUEUE: "lq"}
+        jobs.append(job)
+    logs = LogFollower(cluster, namespace, tmp_path / "logs")
+    try:
+        with operator_from_chart(chart[1], chart[0]) as operator:
+            progress = following(cluster, namespace, "first", operator, logs)
+            apply(cluster, namespace, jobs[0])
+            wait_for("the first job's pods", lambda: len(job_pods(cluster, namespace, "first")) == 5, 120,
+                     failed=progress)
+            apply(cluster, namespace, jobs[1])
+
+            held = []  # the second job's Admitted conditions while it waited
+
+            def first_ended_with_the_second_held():
+                """While the first runs, the second has no pod; once it ended, its Workload's quota is free."""
+                assert not job_pods(cluster, namespace, "second"), "the second job started beside the first"
+                progress()
+                second = get_job(cluster, namespace, "second").get("status", {})
+                if second.get("phase") == "Queued":
+                    held.extend(c for c in second.get("conditions", []) if c["type"] == "Admitted")
+                return get_job(cluster, namespace, "first").get("status", {}).get("phase") in ("Succeeded", "Failed")
+
+            wait_for("the first job ended, the second held", first_ended_with_the_second_held, 600, interval=1)
+            assert held and held[-1]["reason"] == "Queued" and "quota" in held[-1]["message"], held[-1:]
+            done = finished(cluster, namespace, "second", following(cluster, namespace, "second", operator, logs))
+            first = get_job(cluster, namespace, "first")
+    finally:
+        show_logs(logs)
+        cluster.kubectl("delete", "wtj", "first", "second", "-n", namespace, "--ignore-not-found", "--wait=true",
+                        "--timeout=60s", check=False)
+        cluster.kubectl("delete", "clusterqueue,resourceflavor", queue, "--ignore-not-found", "--wait=false", check=False)
+    assert first["status"]["phase"] == "Succeeded", json.dumps(first["status"], indent=1)
+    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    for status in (first["status"], done["status"]):
+        admitted = {c["type"]: c for c in status["conditions"]}
+        assert "Admitted" not in admitted or admitted["Admitted"]["status"] == "True", status["conditions"]
