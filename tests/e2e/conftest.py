@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_harness import Helm, Operator, new_namespace
+from e2e_harness import Helm, Operator, install, new_namespace, restricted
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack" / "node"))
 from node import RealNode, unavailable  # noqa: E402
@@ -59,3 +59,16 @@ def operator_from_chart(cluster, real_node):
         return Operator(cluster, helm_namespace, release, real_node.name)
 
     return start
+
+
+@pytest.fixture
+def chart(cluster, helm, namespace):
+    """The chart installed as `make deploy-*` installs it, watching the test's namespace, with the
+    images the tests built (the chart's defaults, as `make images` tags them)."""
+    release, ns = "weightsync", new_namespace(cluster, "weightsync-system")
+    restricted(cluster, ns)
+    install(helm, release, ns, f"watchNamespaces={{{namespace}}}", "metrics.scrapeConfig.enabled=true",
+            "metrics.scrapeConfig.interval=1s")
+    yield release, ns
+    helm("uninstall", release, "--namespace", ns, "--ignore-not-found", "--wait", check=False)
+    cluster.delete_namespaces(ns)

@@ -239,6 +239,12 @@ class Prometheus:
 # ---------------------------------------------------------------- running a job for real
 
 
+def restricted(cluster, namespace: str) -> None:
+    """Pod Security `restricted` enforced in the namespace: the API server admits no pod that runs
+    as root, keeps a capability, may escalate privileges or lacks a seccomp profile."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+
+
 def apply(cluster, namespace: str, job: dict) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from e2e_harness import (LogFollower, Prometheus, apply, example, fast, finished, following, get_job, install, job_pods,
-                         new_namespace, phase_in, pods, restarts, running, show_logs)
+                         new_namespace, restricted, phase_in, pods, restarts, running, show_logs)
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
@@ -64,23 +64,6 @@ def owned_leftovers(cluster, namespace: str, name: str) -> list[str]:
     return cluster.kubectl("get", kinds, "-n", namespace, "-l", f"{contract.LABEL_JOB}={name}", "-o", "name").stdout.split()
 
 
-def restricted(cluster, namespace: str) -> None:
-    """Pod Security `restricted` enforced in the namespace: the API server admits no pod that runs
-    as root, keeps a capability, may escalate privileges or lacks a seccomp profile."""
-    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
-
-
-@pytest.fixture
-def chart(cluster, helm, namespace):
-    """The chart installed as `make deploy-*` installs it, watching the test's namespace, with the
-    images the tests built (the chart's defaults, as `make images` tags them)."""
-    release, ns = "weightsync", new_namespace(cluster, "weightsync-system")
-    restricted(cluster, ns)
-    install(helm, release, ns, f"watchNamespaces={{{namespace}}}", "metrics.scrapeConfig.enabled=true",
-            "metrics.scrapeConfig.interval=1s")
-    yield release, ns
-    helm("uninstall", release, "--namespace", ns, "--ignore-not-found", "--wait", check=False)
-    cluster.delete_namespaces(ns)
 
 
 # ---------------------------------------------------------------------------------- tcp, for real
