@@ -2,6 +2,7 @@
 probe fails while it cannot serve. Runs its own operator, and leaves the CRD applied."""
 
 import uuid
+from pathlib import Path
 
 import pytest
 from controlplane import probe, wait_for
@@ -48,3 +49,25 @@ def test_an_operator_started_before_its_crd_serves_once_it_is_applied(cluster, c
         op.stop()
         apply_crd(cluster)
         cluster.delete_namespaces(name)
+
+
+def test_an_operator_started_before_kueue_asks_to_be_restarted_once_kueue_is_served(cluster, crd_applied, tmp_path):
+    """kopf resolves what it watches when it starts: an operator started before Kueue's CRDs would
+    never see the Workloads of queued jobs, so its liveness probe fails once they are served (a
+    kubelet restarts it, and the new one watches them). Leaves Kueue's Workload CRD applied."""
+    workloads = Path(cluster.binaries, "kueue").resolve().parent / "kueue-crds" / "kueue.x-k8s.io_workloads.yaml"
+    cluster.kubectl("delete", "crd", "workloads.kueue.x-k8s.io", "--ignore-not-found", "--wait=true", "--timeout=120s")
+    op = Operator(cluster.kubeconfig, tmp_path / "operator.log")
+    try:
+        op.start()
+        assert "Unresolved resources cannot be served" in op.log() and "workloads" in op.log()
+        cluster.kubectl("apply", "--server-side", "-f", str(workloads))
+        cluster.wait_served("workloads.kueue.x-k8s.io")
+        wait_for("liveness failing once Kueue is served", lambda: not probe(f"http://127.0.0.1:{op.port}/healthz"), 60)
+        assert op.proc.poll() is None
+        op.restart()  # as a kubelet would: the new operator watches the Workloads, and is alive
+        assert op.healthy()
+        assert "Unresolved resources" not in op.log_since_start()
+    finally:
+        op.stop()
+        cluster.kubectl("apply", "--server-side", "-f", str(workloads))

@@ -1,5 +1,6 @@
 """Operator-wide settings, the shared API connection and the job tokens' key; its metrics served
-(metrics.py); serving only once the CRD is served, and a liveness probe that fails while it is not."""
+(metrics.py); serving only once the CRD is served, and a liveness probe that fails while it is not,
+or once Kueue's Workloads are served when they were not at start (a restart then watches them)."""
 
 import asyncio
 import logging
@@ -7,7 +8,7 @@ import logging
 import kopf
 
 from weightsync import job as contract
-from weightsync_operator import tokens
+from weightsync_operator import queueing, tokens
 from weightsync_operator.kube import ApiError, Kube, load_client
 from weightsync_operator.metrics import METRICS, metrics_port
 
@@ -38,6 +39,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     # started before its CRD would serve nothing (a CRD that appears later is found only when
     # discovery has caught up by the time kopf looks). So it starts serving once the CRD is
     # served; until then its liveness endpoint does not answer.
+    # kopf resolves the resources it watches when it starts: Kueue's Workloads only if Kueue's CRDs
+    # are served by then (its log says once where they are not).
+    memo.kueue_at_start = await asyncio.to_thread(served, memo.kube, queueing.API_VERSION, queueing.PLURAL)
     if not await asyncio.to_thread(served, memo.kube):
         logger.warning(f"waiting for the CustomResourceDefinition {contract.PLURAL}.{contract.GROUP}: "
                        f"nothing is served until the API server serves {contract.API_VERSION} {contract.KIND}")
@@ -49,22 +53,28 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
 @kopf.on.probe(id="served")
 def crd_served(memo: kopf.Memo, **_):
     """Liveness: fails (HTTP 500) when the API server does not answer or no longer serves the
-    jobs (their CRD was deleted), so that a restart waits for the CRD again."""
+    jobs (their CRD was deleted), so that a restart waits for the CRD again; and when Kueue was
+    installed after the operator started, so that a restart watches the Workloads of queued jobs."""
     try:
         ok = served(memo.kube)
+        kueue_now = not memo.kueue_at_start and served(memo.kube, queueing.API_VERSION, queueing.PLURAL)
     except Exception as e:  # noqa: BLE001 - refused, or no connection: any failure fails the probe
         raise kopf.PermanentError(f"the API server does not answer: {e}") from None
     if not ok:
         raise kopf.PermanentError(f"the API server does not serve {contract.API_VERSION} {contract.KIND}")
+    if kueue_now:
+        raise kopf.PermanentError(f"the API server serves Kueue's {queueing.API_VERSION} Workloads, which it did not "
+                                  "when the operator started: a restart watches them")
     return True
 
 
-def served(kube: Kube) -> bool:
-    """Whether API discovery lists the jobs' resource (it does once their CRD is Established)."""
+def served(kube: Kube, api_version: str = contract.API_VERSION, plural: str = contract.PLURAL) -> bool:
+    """Whether API discovery lists the resource (the jobs' by default): it does once its CRD is
+    Established."""
     try:
-        listed = kube.request("GET", f"/apis/{contract.API_VERSION}")
+        listed = kube.request("GET", f"/apis/{api_version}")
     except ApiError as e:
         if e.status == 404:
             return False
         raise
-    return any(r.get("name") == contract.PLURAL for r in (listed or {}).get("resources") or [])
+    return any(r.get("name") == plural for r in (listed or {}).get("resources") or [])
