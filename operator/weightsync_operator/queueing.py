@@ -20,10 +20,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from weightsync.job import LABEL_JOB, ROLES, Job
+from weightsync.job import LABEL_JOB, QUEUE_LABEL, ROLES, Job
 from weightsync_operator.kube import ApiError, Kube, path
 
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass, as Kueue's integrations read it
 API_VERSION = "kueue.x-k8s.io/v1beta2"
 GROUP, VERSION, PLURAL = "kueue.x-k8s.io", "v1beta2", "workloads"

@@ -87,6 +87,17 @@ def test_run_refuses_a_suspended_job_saying_how_to_run_it(tmp_path):
     assert "logs in" not in out.stderr
 
 
+def test_run_says_a_kueue_queue_is_not_applicable_locally(tmp_path):
+    # a model it then refuses, so that the run ends at once: the note comes first
+    queued = example(**{"model.config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 65, "n_head": 2}})
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "lq"}
+    (tmp_path / "queued.yaml").write_text(yaml.safe_dump(queued))
+    out = weightsync("run", str(tmp_path / "queued.yaml"))
+    assert ("metadata.labels[kueue.x-k8s.io/queue-name] (lq): not applicable locally (Kueue admits the job in a "
+            "cluster); it runs now") in out.stderr
+    assert out.returncode == 2 and "spec.model" in out.stderr
+
+
 def test_run_refuses_a_model_transformers_cannot_build(tmp_path):
     bad = tmp_path / "bad-model.yaml"
     config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 65, "n_head": 2}  # 65 does not split into 2 heads

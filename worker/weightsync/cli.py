@@ -24,7 +24,7 @@ import re
 import sys
 
 from weightsync import __version__
-from weightsync.job import SpecError, load_job, logline
+from weightsync.job import QUEUE_LABEL, SpecError, load_job, logline, read_job_file
 
 EXIT_SPEC = 2  # a spec, a file or an environment that must be fixed, or a machine too small for the job
 EXIT_FAILED = 1
@@ -97,6 +97,10 @@ def _run(args) -> int:
         print(f"weightsync run: {args.job} has spec.suspend: true, so the job runs nothing; set it to false (or "
               "leave it out) to run it", file=sys.stderr)
         return EXIT_SPEC
+    queue = ((read_job_file(args.job).get("metadata") or {}).get("labels") or {}).get(QUEUE_LABEL)
+    if queue:
+        print(f"weightsync run: metadata.labels[{QUEUE_LABEL}] ({queue}): not applicable locally (Kueue admits the "
+              "job in a cluster); it runs now", file=sys.stderr)
     from weightsync.local.runner import CannotRunHere, RunFailed, run
 
     try:

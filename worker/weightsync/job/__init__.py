@@ -25,7 +25,7 @@ from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, R
 from weightsync.job.podtemplate import SCHEDULING_FIELDS, EnvVar, PodTemplate, pod_template_problems
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
                                  ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
-                                 PLURAL, POD_INDEX_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
+                                 PLURAL, POD_INDEX_LABEL, QUEUE_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
                                  Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
                                  load_job, read_job_file, schema)
 from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
@@ -34,7 +34,7 @@ from weightsync.job.yamlfile import KubectlLoader, dump_document
 __all__ = [
     "ANNOTATION_NETWORK_MODE", "ANNOTATION_NETWORK_REASON", "ANNOTATION_TOKEN_SHA256", "ANNOTATION_WORKER_IMAGE",
     "API_VERSION", "BUILTIN", "CONTROLLER", "DATA_PORT", "GROUP", "HEALTH_PORT", "INFERENCE", "KIND", "LABEL_JOB",
-    "LABEL_ROLE", "LIVENESS", "MASTER_PORT", "PLURAL", "POD_INDEX_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
+    "LABEL_ROLE", "LIVENESS", "MASTER_PORT", "PLURAL", "POD_INDEX_LABEL", "QUEUE_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
     "SPEC_KEY", "SPEC_MOUNT", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",
     "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Inference", "Job", "KubectlLoader",
     "Join", "JoinEnv", "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",

@@ -27,6 +27,8 @@ PLURAL = "weighttransferjobs"
 
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ROLE = f"{GROUP}/role"
+# A job labelled with it waits for Kueue's admission in a cluster (the operator's queueing.py)
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # Set by the StatefulSet controller on every pod; the downward API hands it to the worker.
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
