@@ -66,7 +66,8 @@ def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster):
         (cluster_wide,) = [o for o in objects
                            if o["kind"] == "ClusterRole" and o["metadata"]["name"] == binding["roleRef"]["name"]]
         assert ({r for rule in cluster_wide["rules"] for r in rule["resources"]}
-                == {"nodes", "customresourcedefinitions", "namespaces"})
+                == {"nodes", "customresourcedefinitions", "namespaces",
+                    "resourceflavors", "workloadpriorityclasses"})  # Kueue's: where a queued job runs, and its priority
         assert {v for rule in cluster_wide["rules"] for v in rule["verbs"]} <= {"get", "list", "watch"}
         proc = cluster.kubectl("apply", "--dry-run=server", "-f", "-", "-o", "name", input=rendered)
         assert len(proc.stdout.split()) == len(objects), proc.stdout
