@@ -11,7 +11,7 @@ import uuid
 import pytest
 from controlplane import wait_for
 from e2e_harness import LogFollower, apply, example, fast, finished, following, get_job, job_pods, show_logs
-from support.kueue_harness import Kueue, unavailable
+from support.kueue_harness import running
 
 pytestmark = pytest.mark.cluster
 
@@ -21,17 +21,8 @@ QUEUE = "kueue.x-k8s.io/queue-name"
 @pytest.fixture(scope="module")
 def kueue(cluster, tmp_path_factory):
     """Started before the chart's operator, so that it watches Kueue's Workloads from its start."""
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    k = Kueue(cluster, tmp_path_factory.mktemp("kueue"))
-    k.install_crds()
-    k.start()
-    try:
+    with running(cluster, tmp_path_factory.mktemp("kueue")) as k:
         yield k
-    finally:
-        k.stop()
-        print(f"kueue log: {k.dir / 'kueue.log'}")
 
 
 def quota_for_one_job(cluster, namespace: str) -> str:

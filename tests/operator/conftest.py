@@ -2,10 +2,9 @@
 namespace per test."""
 
 import uuid
-from pathlib import Path
 
 import pytest
-from support.operator_harness import CRD, Namespace, Operator
+from support.operator_harness import CRD, Namespace, running_operator
 
 
 @pytest.fixture(scope="session")
@@ -17,13 +16,7 @@ def crd_applied(cluster):
 
 @pytest.fixture(scope="module")
 def operator(cluster, crd_applied, tmp_path_factory):
-    op = Operator(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator") / "operator.log").start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        # Shown with the test output when something failed.
-        print(f"operator log: {op.log_path}")
+    yield from running_operator(cluster, tmp_path_factory)
 
 
 @pytest.fixture

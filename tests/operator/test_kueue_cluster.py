@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 from controlplane import wait_for
-from support.kueue_harness import Kueue, unavailable
-from support.operator_harness import Operator
+from support.kueue_harness import running
+from support.operator_harness import running_operator
 
 from weightsync import job as contract
 from weightsync.job import reasons
@@ -27,28 +27,14 @@ GPU_LABEL = "nvidia.com/gpu.present"
 
 @pytest.fixture(scope="module")
 def kueue(cluster, crd_applied, tmp_path_factory):
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    k = Kueue(cluster, tmp_path_factory.mktemp("kueue"))
-    k.install_crds()
-    k.start()
-    try:
+    with running(cluster, tmp_path_factory.mktemp("kueue")) as k:
         yield k
-    finally:
-        k.stop()
-        print(f"kueue log: {k.dir / 'kueue.log'}")
 
 
 @pytest.fixture(scope="module")
 def operator(cluster, crd_applied, kueue, tmp_path_factory):
     """Started after Kueue's CRDs are served, so that it watches the Workloads."""
-    op = Operator(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log").start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        print(f"operator log: {op.log_path}")
+    yield from running_operator(cluster, tmp_path_factory)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ machine's /etc."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -91,3 +92,22 @@ class Kueue:
     def stop(self) -> None:
         if self.proc is not None:
             stop_group(self.proc, 20)
+
+
+@contextlib.contextmanager
+def running(cluster, directory: Path):
+    """Kueue's CRDs installed and its controller running for a test module (skipped, saying why,
+    where it cannot run); stopped at the end."""
+    import pytest
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    kueue = Kueue(cluster, directory)
+    kueue.install_crds()
+    kueue.start()
+    try:
+        yield kueue
+    finally:
+        kueue.stop()
+        print(f"kueue log: {kueue.dir / 'kueue.log'}")

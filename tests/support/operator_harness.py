@@ -132,3 +132,14 @@ class Namespace:
     def wait_event(self, name: str, reason: str, timeout: float = 30) -> dict:
         return wait_for(f"Event {reason} for {name}",
                         lambda: next((e for e in self.events(name) if e["reason"] == reason), None), timeout)
+
+
+def running_operator(cluster, tmp_path_factory):
+    """The operator of a test module, stopped at its end, its log's path shown with the output."""
+    op = Operator(Path(cluster.kubeconfig), tmp_path_factory.mktemp("operator") / "operator.log").start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        # Shown with the test output when something failed.
+        print(f"operator log: {op.log_path}")
