@@ -202,7 +202,11 @@ def read(kube: Kube, job: Job, obj: Mapping) -> Admission | None:
     the assigned flavors only when admitted. Writes nothing."""
     if not queue_name(obj):
         return None
-    stored = kube.get(API_VERSION, WORKLOAD, job.namespace, workload_name(job))
+    return admission_of(kube, kube.get(API_VERSION, WORKLOAD, job.namespace, workload_name(job)))
+
+
+def admission_of(kube: Kube, stored: Mapping | None) -> Admission:
+    """Where the job of a Workload as stored stands, with the flavors its admission names."""
     flavors = {}
     if stored is not None and is_true(stored, ADMITTED):
         for name in flavor_names(stored):
@@ -243,7 +247,7 @@ def gate(kube: Kube, job: Job, obj: Mapping, templates: Mapping[str, Mapping], a
     if stored is not None and completion.get("state") in ("Succeeded", "Failed") and not is_true(stored, FINISHED):
         kube.patch_status(stored, finished(stored, completion["state"] == "Succeeded", completion.get("message", ""), at))
         return Admission(False, "the job finished; its Kueue Workload is finished")
-    now = read(kube, job, obj)
+    now = admission_of(kube, stored)
     if now.evicted and now.quota_held and not kube.list("v1", "Pod", job.namespace, f"{LABEL_JOB}={job.name}"):
         kube.patch_status(stored, quota_returned(stored, at))
     return now
