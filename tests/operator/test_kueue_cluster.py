@@ -98,9 +98,10 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_each_whole(ns, quota)
 
     ns.apply_job("second", SMALL, labels={QUEUE: "lq"})
     status = ns.wait_phase("second", "Queued")
-    waiting = ns.condition("second", "Admitted")
+    # Queued from the start; Kueue's reason once it has looked at the Workload
+    waiting = wait_for("the Admitted condition naming the quota", lambda: c if "quota" in (
+        c := ns.condition("second", "Admitted")).get("message", "") else None, 30)
     assert waiting["status"] == "False" and waiting["reason"] == reasons.QUEUED, waiting
-    assert "quota" in waiting["message"], waiting["message"]
     assert {r: v["summary"] for r, v in status["replicas"].items()} == {r: "0/0" for r in contract.ROLES}
     # never half-started: nothing of the second runs while the first holds the quota
     for _ in range(5):
