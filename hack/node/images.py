@@ -206,10 +206,21 @@ def load(docker: Docker, ids: dict[str, str], containerd, stamp: Path, log=None)
         if loaded.get(full) == image_id and full in present:
             continue
         print(f"images: loading {tag} into the node's containerd", file=log, flush=True)
-        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE, env=docker.env)
-        containerd.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=save.stdout)
-        if save.wait() != 0:
-            raise RuntimeError(f"docker save {tag} failed")
+        # `ctr images import` points the name at the new image before it unpacks the layers, which
+        # leaves the old image's snapshots unreferenced: containerd's garbage collector may remove
+        # a layer the unpacker has just found present and is about to build on ("parent snapshot
+        # does not exist"). A second name holds the old image until the new one is unpacked.
+        held = f"{full}-replaced"
+        if full in present:
+            containerd.ctr("images", "tag", "--force", full, held)
+        try:
+            save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE, env=docker.env)
+            containerd.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=save.stdout)
+            if save.wait() != 0:
+                raise RuntimeError(f"docker save {tag} failed")
+        finally:
+            if full in present:
+                containerd.ctr("images", "rm", held)
         loaded[full] = image_id
         stamp.write_text(json.dumps(loaded, indent=1))
 
