@@ -181,8 +181,9 @@ def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, sto
     layout = job.layout
     # Until the job runs, a changed spec replaces its pods (they have not started the job yet: a
     # pod that cannot be scheduled takes the fixed template). Once it runs, the CRD refuses spec
-    # changes, and a template that changes anyway (a new operator version renders differently)
-    # reaches only pods created later: the running ones are never replaced.
+    # changes but the inference pods' count (up to spec.inference.maxReplicas, which the layout
+    # holds ranks for), and a template that changes anyway (a new operator version renders
+    # differently) reaches only pods created later: the running ones are never replaced.
     strategy = {"type": "OnDelete"} if running else {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}
     template = pod_template(job, role, mode, image)
     if placement is not None:  # Kueue's admission: its flavors' node labels win, their tolerations add
@@ -197,7 +198,7 @@ def statefulset(job: Job, role: str, mode: str, *, image: str | None = None, sto
         "kind": "StatefulSet",
         "metadata": _meta(job, job.child_name(role), role),
         "spec": {
-            "replicas": 0 if stopped else layout.replicas(role),
+            "replicas": 0 if stopped else job.running_pods(role),
             "ordinals": {"start": layout.first_ordinal(role)},
             "serviceName": job.service_name,
             "podManagementPolicy": "Parallel",
@@ -310,10 +311,13 @@ def spec_hash(job: Job) -> str:
     one replaces that role's pods alone; so do a podTemplate's metadata, scheduling fields and
     container resources, while its volumes and env, which the processes read, are hashed. Fixing
     the resources of a Pending job's trainers thus leaves the controller, and the rendezvous it
-    hosts, alone."""
+    hosts, alone. So does scaling the inference pods under spec.inference.maxReplicas: their
+    layout is maxReplicas', whatever their count."""
     spec = copy.deepcopy(dict(job.spec))
     spec.pop("imagePullSecrets", None)
     spec.pop("suspend", None)  # a suspended job runs no pods, and a resumed one new pods anyway
+    if job.inference.max_replicas is not None:  # the layout is maxReplicas' whatever the pods' count
+        spec["inference"].pop("replicas", None)
     for role in ROLES:
         section = spec.get(role) or {}
         for name in POD_ONLY_FIELDS:

@@ -8,7 +8,6 @@ from typing import Iterable, Mapping
 import kopf
 
 from weightsync import job as contract
-from weightsync.job import Layout
 from weightsync.job.join import external_roles
 from weightsync_operator import queueing, status
 from weightsync_operator.kube import ApiError, Kube
@@ -32,7 +31,7 @@ class Indexes:
         return cls(handler_kwargs["statefulsets_by_job"], handler_kwargs["pods_by_job"],
                    handler_kwargs["failed_creates_by_job"], handler_kwargs["restarts_by_job"])
 
-    def observed(self, namespace: str, name: str, layout: Layout):
+    def observed(self, namespace: str, name: str, running: Mapping[str, int]):
         """What the indexes know about one job: its StatefulSets by role; its problems: stuck
         pods, and StatefulSets that lack pods because creating them failed (admission refused
         them, a quota is full); and its pods' container restarts by role."""
@@ -41,7 +40,7 @@ class Indexes:
         problems = [tuple(p) for p in self.pods.get(key, [])]
         for sts, role, message in self.failed_creates.get(key, []):
             created = statefulsets.get(role, {}).get("created")
-            if created is not None and created < layout.replicas(role):
+            if created is not None and created < running[role]:
                 problems.append((f"StatefulSet {sts}", "FailedCreate", message))
         restarts: dict[str, int] = {}
         for role, count in self.restarts.get(key, []):
@@ -68,10 +67,12 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
             return None
         current = job.get("status") or {}
         loaded = contract.Job(name, namespace, job["spec"])  # the spec as stored: defaulted
-        statefulsets, problems, restarts = indexes.observed(namespace, name, loaded.layout)
+        running = {role: loaded.running_pods(role) for role in contract.ROLES}
+        statefulsets, problems, restarts = indexes.observed(namespace, name, running)
         queued = queueing.read(kube, loaded, job)
         new = status.compute(current, loaded.layout, statefulsets, problems, set_conditions, pod_restarts=restarts,
-                             external=external_roles(loaded), suspended=loaded.suspended, queued=queued)
+                             external=external_roles(loaded), suspended=loaded.suspended, queued=queued,
+                             running=running)
         if (loaded.suspended or (queued and queued.held)) and current.get("controller"):
             # its controller pod is gone with the others: the one a resume (or an admission)
             # starts begins the job anew, not as a controller started again in the middle of it

@@ -58,7 +58,8 @@ def restarts(pod_status: Mapping) -> int:
 def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping],
             problems: Iterable[tuple[str, str, str]], set_conditions: Iterable[Mapping] = (),
             at: str | None = None, pod_restarts: Mapping[str, int] | None = None,
-            external: Iterable[str] = (), suspended: bool = False, queued: Admission | None = None) -> dict:
+            external: Iterable[str] = (), suspended: bool = False, queued: Admission | None = None,
+            running: Mapping[str, int] | None = None) -> dict:
     """The operator-owned part of the status.
 
     current: the job's status now (the controller pod's `completion` and `rejoins` included);
@@ -76,7 +77,9 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     stays in the status), and the Suspended condition says whether it is;
     queued: where a job that names a Kueue queue stands (None: it names none). Until Kueue admits
     it, and after Kueue evicts it, it wants no pods either: its phase is Queued, and the Admitted
-    condition says why, in Kueue's words."""
+    condition says why, in Kueue's words;
+    running: the pods a role runs now where fewer than the layout holds ranks for (Job.running_pods:
+    spec.inference.replicas below maxReplicas)."""
     external = set(external)
     held = queued is not None and queued.held and not suspended
     at = at or now()
@@ -94,7 +97,7 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
             replicas[role] = {"ready": 0, "desired": 0, "summary": f"external ({layout.world_size(role)} ranks)",
                               "restarts": 0, "rejoins": int(rejoins.get(role) or 0)}
             continue
-        desired = 0 if finished or suspended or held else layout.replicas(role)
+        desired = 0 if finished or suspended or held else (running or {}).get(role, layout.replicas(role))
         ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
         restarted = int((pod_restarts or {}).get(role) or 0)
         if finished or suspended or held:  # its pods are going or gone

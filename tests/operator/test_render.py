@@ -366,6 +366,7 @@ def test_explicit_modes_need_no_nodes():
 
 LAYOUT = contract.Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
 READY = {"controller": {"ready": 1}, "trainer": {"ready": 2}, "inference": {"ready": 1}}
+PODS = {role: LAYOUT.replicas(role) for role in contract.ROLES}  # the pods each role runs
 CREATED = status.condition(status.CHILDREN_CREATED, True, "Created", "ok")
 
 
@@ -420,7 +421,7 @@ def test_restarts_and_rejoins_per_role():
     assert status.restarts({"containerStatuses": [{"name": "worker", "restartCount": 3}]}) == 3
     assert status.restarts({"phase": "Pending"}) == 0
     indexes = Indexes({}, {}, {}, {("ns", "demo"): [(TRAINER, 2), (INFERENCE, 1), (TRAINER, 3)], ("ns", "other"): [(TRAINER, 9)]})
-    restarts = indexes.observed("ns", "demo", LAYOUT)[2]
+    restarts = indexes.observed("ns", "demo", PODS)[2]
     assert restarts == {TRAINER: 5, INFERENCE: 1}
 
     reported = {"phase": "Running", "rejoins": {INFERENCE: 1}}  # the controller pod counts rejoins
@@ -572,10 +573,10 @@ def test_pods_not_created_are_problems_only_while_their_statefulset_lacks_pods()
     assert children.statefulset_of_a_job({**event, "involvedObject": {"kind": "StatefulSet", "name": "other"}}) is None
     failed = {("ns", "my-job"): [("my-job-trainer", TRAINER, event["message"])]}
     lacking = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 0, "created": 1}]}, {}, failed, {})
-    (problem,) = lacking.observed("ns", "my-job", LAYOUT)[1]
+    (problem,) = lacking.observed("ns", "my-job", PODS)[1]
     assert problem == ("StatefulSet my-job-trainer", "FailedCreate", event["message"])
     complete = Indexes({("ns", "my-job"): [{"role": TRAINER, "ready": 2, "created": 2}]}, {}, failed, {})
-    assert complete.observed("ns", "my-job", LAYOUT)[1] == []
+    assert complete.observed("ns", "my-job", PODS)[1] == []
 
 
 def test_pods_with_a_health_port_say_where_prometheus_scrapes_them():

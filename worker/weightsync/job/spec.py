@@ -231,24 +231,39 @@ class Inference(Pods):
     """Inference ranks the job needs; None: all of them (needed)."""
     away_grace_seconds: int = 900
     """Seconds an inference rank may be away before it is dropped or the job fails."""
+    max_replicas: int | None = None
+    """The most inference pods the job may scale to while it runs (spec.inference.maxReplicas):
+    the rendezvous holds a rank for each of them, and `replicas` may change up to it. None:
+    `replicas`, which then cannot change."""
 
     @property
-    def needed(self) -> int:
-        """How many inference ranks the job cannot go on without: minAvailable, or all of them."""
-        return self.min_available if self.min_available is not None else self.world_size
+    def capacity(self) -> int:
+        """Inference pods the job's layout holds ranks for: maxReplicas, or replicas."""
+        return self.max_replicas if self.max_replicas is not None else self.replicas
+
+    def ranks_of_pods(self, pods: int) -> int:
+        """The inference ranks of the first `pods` inference pods."""
+        return sum(self.model_replicas[:pods]) if self.runs_vllm else pods * self.procs_per_pod
 
     @property
     def world_size(self) -> int:
-        """Inference ranks: processes, or with engine vllm every server's tensor-parallel workers."""
-        return sum(self.model_replicas) if self.runs_vllm else self.replicas * self.procs_per_pod
+        """Inference ranks the layout holds (of `capacity` pods): processes, or with engine vllm
+        every server's tensor-parallel workers."""
+        return self.ranks_of_pods(self.capacity)
+
+    @property
+    def running_ranks(self) -> int:
+        """Inference ranks of the pods the job runs now (spec.inference.replicas)."""
+        return self.ranks_of_pods(self.replicas)
 
     @property
     def model_replicas(self) -> tuple[int, ...]:
         """The tensor-parallel degree of each model replica, in inference rank order (with engine
-        vllm: of each server, one per pod)."""
+        vllm: of each server, one per pod), for `capacity` pods."""
         if self.runs_vllm:
-            return self.tensor_parallel_sizes or (self.tensor_parallel,) * self.replicas
-        return self.tensor_parallel_sizes or (self.tensor_parallel,) * (self.world_size // self.tensor_parallel)
+            return self.tensor_parallel_sizes or (self.tensor_parallel,) * self.capacity
+        return self.tensor_parallel_sizes or \
+            (self.tensor_parallel,) * (self.capacity * self.procs_per_pod // self.tensor_parallel)
 
     @property
     def gpus(self) -> int:
@@ -272,6 +287,7 @@ class Inference(Pods):
                    vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())),
                              bool(vllm.get("loadAhead", False))),
                    min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
+                   max_replicas=inference.get("maxReplicas"),
                    **Pods.common(inference))
 
 
@@ -443,7 +459,7 @@ class Job:
             "image": spec.get("image"),
             "image_pull_policy": spec["imagePullPolicy"],
             "image_pull_secrets": tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
-            "layout": Layout(trainer.replicas, trainer.procs_per_pod, inference.replicas,
+            "layout": Layout(trainer.replicas, trainer.procs_per_pod, inference.capacity,
                              max(inference.model_replicas) if inference.runs_vllm else inference.procs_per_pod,
                              inference.model_replicas, servers=inference.runs_vllm),
         }
@@ -453,6 +469,11 @@ class Job:
     def pods(self, role: str) -> Pods:
         """The section of a role (controller, trainer or inference)."""
         return {CONTROLLER: self.controller, TRAINER: self.trainer, INFERENCE: self.inference}[role]
+
+    def running_pods(self, role: str) -> int:
+        """The pods a role runs now: the layout's, but for inference spec.inference.replicas,
+        which may be fewer than the layout holds ranks for (spec.inference.maxReplicas)."""
+        return self.inference.replicas if role == INFERENCE else self.layout.replicas(role)
 
     @property
     def suspended(self) -> bool:

@@ -7,7 +7,8 @@ leave the job waiting for the dead one's proof. So while the ranks join the cont
 each rank's starts and heartbeat as it does once the job runs (roster.py): an inference rank
 joins with its new start over a fresh challenge, a trainer that restarts or goes silent fails the
 job. The ranks of an external role (processes the user starts) have their role's deadline, and the
-job fails naming the ones that never came.
+job fails naming the ones that never came. The parked inference ranks (beyond
+spec.inference.replicas, roster.py) are not waited for: they join once the job runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
-from weightsync.job import TRAINER, reasons
+from weightsync.job import INFERENCE, TRAINER, reasons
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
@@ -76,6 +77,7 @@ class Host(Protocol):
     """What the join phase needs of the controller's Host (roster.py)."""
 
     ranks: list[tuple[str, int]]
+    parked: set[int]  # inference ranks not waited for (their pods beyond spec.inference.replicas)
     attempts: dict[tuple[str, int], int]  # each rank's latest start
     beats: dict
     claims: Claims | None
@@ -90,6 +92,7 @@ class Host(Protocol):
     def proven(self, role: str, rank: int, attempt: int) -> Admission | None: ...
     def started_again(self, role: str, rank: int) -> int | None: ...
     def trainer_started(self, rank: int, started: int, now: float) -> None: ...
+    def follow_scale(self) -> None: ...
     def silent_for(self, role: str, rank: int, now: float) -> float: ...
 
 
@@ -113,15 +116,16 @@ class Joining:
         start = time.monotonic()
         deadline, said = start + self.timeout, start
         pause = 0.001
-        while len(admitted) < len(host.ranks):
+        while not all(r in admitted for r in self.expected()):
             host.check_failures()
             if host.claims is not None:
                 host.claims.serve(host, host.there)
             now = time.monotonic()
             if now - host.last_watch >= HEARTBEAT / 4:
                 host.last_watch = now
+                host.follow_scale()
                 self._follow(now)
-            for role, rank in host.ranks:
+            for role, rank in self.expected():
                 if (role, rank) not in admitted:
                     got = host.proven(role, rank, host.attempts[(role, rank)])
                     if got is not None:
@@ -132,20 +136,24 @@ class Joining:
                                      f"{f'start {attempt}, ' if attempt > 1 else ''}at {got.endpoint})")
             now = time.monotonic()
             for role, limit in external.items():
-                missing = [k for r, k in host.ranks if r == role and (r, k) not in admitted]
+                missing = [k for r, k in self.expected() if r == role and (r, k) not in admitted]
                 if missing and now - start > limit.seconds:
                     raise RankFailed(f"{named(role, missing)} did not join within {limit.seconds:.0f}s "
                                      f"({limit.setting}): start {'them' if len(missing) > 1 else 'it'} with the join "
                                      f"variables ({limit.how})", reasons.TIMED_OUT)
             if now - said >= self.every:
                 said = now
-                host.say(progress(host.ranks, admitted, self.limits, now - start, notes))
+                host.say(progress(self.expected(), admitted, self.limits, now - start, notes))
             if now > deadline:
-                missing = [who(r, k) for r, k in host.ranks if (r, k) not in admitted]
+                missing = [who(r, k) for r, k in self.expected() if (r, k) not in admitted]
                 raise TimeoutError(f"{len(missing)} ranks did not join within {self.timeout:.0f}s: {', '.join(missing[:6])}")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
-        return admitted
+        return {r: got for r, got in admitted.items() if r in self.expected()}
+
+    def expected(self) -> list[tuple[str, int]]:
+        """The ranks the job waits for: all but the parked inference ranks."""
+        return [(role, rank) for role, rank in self.host.ranks if not (role == INFERENCE and rank in self.host.parked)]
 
     def _follow(self, now: float) -> None:
         """While the ranks join: follow each rank's starts (its process started again: an inference
@@ -153,7 +161,7 @@ class Joining:
         is dropped; a trainer fails the job as check_ranks has it) and its heartbeat (a trainer
         that went silent fails the job; an inference rank has away_limit to start again)."""
         host, admitted, notes = self.host, self.admitted, self.notes
-        for role, rank in host.ranks:
+        for role, rank in self.expected():
             started = host.started_again(role, rank)
             if started is not None:
                 if role == TRAINER:
@@ -162,8 +170,9 @@ class Joining:
                 host.set(Keys.nonce(role, rank, started), secrets.token_hex(16))
                 admitted.pop((role, rank), None)
                 host.beats.pop((role, rank), None)
-                notes[(role, rank)] = f"started again (start {started}) while the ranks joined: it joins with that start"
-                host.say(f"{who(role, rank)} {notes[(role, rank)]}")
+                if started > 1:  # else a rank parked at first, its pod scaled up to: its first start
+                    notes[(role, rank)] = f"started again (start {started}) while the ranks joined: it joins with that start"
+                    host.say(f"{who(role, rank)} {notes[(role, rank)]}")
             if (role, rank) in admitted:
                 continue
             silent = host.silent_for(role, rank, now)

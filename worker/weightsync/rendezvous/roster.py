@@ -15,6 +15,15 @@ checkpoint to resume from; see the README).
 A failure is blamed on the rank that failed first. When a rank reports a failure, the controller
 first looks, for a few heartbeats, for a rank that stopped (its process started again, or its
 heartbeat stopped): a survivor that saw its peer vanish reports first, but its peer is the cause.
+
+The inference pods may be scaled while the job runs, up to spec.inference.maxReplicas, for which
+the layout holds ranks: the ranks beyond spec.inference.replicas are parked. A parked rank is not
+waited for, neither while the ranks join nor in the versions; when its process starts (its pod
+was scaled up to) it joins as a rank that comes back does, and receives the next round in full
+before it serves. Scaling down parks the ranks of the pods removed: a round on its way goes on
+without them, and they fail nothing. The controller learns the pods' count from the job
+(`wanted`, which a thread of the controller keeps); an inference rank whose process starts is
+taken in whatever the count it last read, as the StatefulSet started it.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
 JOINING = "joining"  # its process started again; its proof is awaited
 WAITING = "waiting"  # admitted again; receives the next round
 DROPPED = "dropped"  # away past away_limit while enough others remain (min_available): no longer waited for
+PARKED = "parked"  # its pod is beyond spec.inference.replicas: not part of the job until its process starts
 
 
 class _AllClosed(Exception):
@@ -87,27 +97,39 @@ class Host(Channel):
 
     def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
                  say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str,
-                 min_available: int | None = None):
+                 min_available: int | None = None, running: int | None = None):
         super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
         self.token, self.layout, self.say = token, layout, say
         self.silent_limit, self.away_limit = silent_limit, away_limit
-        # inference ranks the job cannot go on without (spec.inference.minAvailable): all by default
-        self.min_available = layout.world_size(INFERENCE) if min_available is None else min_available
+        # inference ranks the job cannot go on without (spec.inference.minAvailable): None, all
+        # the ranks of the pods it runs
+        self.min_available = min_available
         self.ranks = ranks_of(layout)
-        self.attempts = {r: 1 for r in self.ranks}
+        # the inference ranks of the pods it runs (spec.inference.replicas'); the rest are parked
+        self.running = layout.world_size(INFERENCE) if running is None else running
+        self.wanted: int | None = None  # the running ranks as last read from the job, where it can be scaled
+        self.parked = set(range(self.running, layout.world_size(INFERENCE)))
+        # a parked rank has not started: its first start is one more than none
+        self.attempts = {(role, rank): 0 if role == INFERENCE and rank in self.parked else 1 for role, rank in self.ranks}
         self.seats: dict[int, Seat] = {}
         self.epoch = 0
         self.in_round: dict[int, int] = {}  # receivers of the current round: {rank: attempt}
         self.round: Round | None = None  # the current round
         self.cut: set[int] = set()  # receivers of the current round counted away during it
-        self.check_rejoin: Callable[[str, RankInfo], None] = lambda meta, info: None
+        self.check_rejoin: Callable[[int, str, RankInfo], None] = lambda rank, meta, info: None
         self.external: set[str] = set()  # the roles whose ranks the user starts (spec.<role>.external)
         self.claims: Claims | None = None  # external vLLM servers: their workers claim inference ranks (claims.py)
         self.failures_seen = 0
         self.beats: dict[tuple[str, int], Beat] = {}
         self.last_watch = 0.0
         for role, rank in self.ranks:
-            self.set(Keys.nonce(role, rank, 1), secrets.token_hex(16))
+            if self.attempts[(role, rank)]:  # a parked rank's challenge is made when it starts
+                self.set(Keys.nonce(role, rank, 1), secrets.token_hex(16))
+
+    @property
+    def needed(self) -> int:
+        """Inference ranks the job cannot go on without: minAvailable, or every running one."""
+        return self.running if self.min_available is None else self.min_available
 
     # ------------------------------------------------------------ admission
 
@@ -151,15 +173,18 @@ class Host(Channel):
         now = time.monotonic()
         # a rank admitted with a later start (its process started again while the ranks joined) is
         # a rejoined one: it waits for its welcome, which the first round says
-        self.seats = {r: Seat(attempt=self.attempts[(INFERENCE, r)], endpoint=e, since=now, info=(infos or {}).get(r))
-                      for r, e in endpoints.items()}
-        for seat in self.seats.values():
-            if seat.attempt > 1:
+        self.seats = {r: Seat(attempt=self.attempts[(INFERENCE, r)], endpoint=endpoints.get(r, ""), since=now,
+                              info=(infos or {}).get(r))
+                      for r in range(self.layout.world_size(INFERENCE))}
+        for r, seat in self.seats.items():
+            if r in self.parked or r not in endpoints:
+                seat.state = PARKED
+            elif seat.attempt > 1:
                 seat.state, seat.rejoins = WAITING, 1
         self._publish_peers()
 
     def _publish_peers(self) -> None:
-        text = peers_to_json({r: Peer(s.endpoint, s.attempt) for r, s in self.seats.items()})
+        text = peers_to_json({r: Peer(s.endpoint, s.attempt) for r, s in self.seats.items() if s.state != PARKED})
         self.set(Keys.peers(self.epoch), text)
         self.set(Keys.peers(self.epoch) + "/mac", peers_mac(self.token, self.epoch, text))
 
@@ -276,8 +301,9 @@ class Host(Channel):
             self.seats[r].holds = version
 
     def behind(self, version: int) -> list[int]:
-        """The inference ranks the job waits for that do not hold `version` (not the dropped)."""
-        return [r for r, s in sorted(self.seats.items()) if s.holds != version and s.state != DROPPED]
+        """The inference ranks the job waits for that do not hold `version` (not the dropped, nor
+        the parked)."""
+        return [r for r, s in sorted(self.seats.items()) if s.holds != version and s.state not in (DROPPED, PARKED)]
 
     def wait_back(self, version: int) -> None:
         """Wait until an inference rank that is away or joining is admitted again, or none that
@@ -314,6 +340,7 @@ class Host(Channel):
         """Raise RankFailed for a rank that reported a failure, a trainer that restarted or went
         silent, or an inference rank away for too long; keep the roster of inference ranks."""
         self.check_failures()
+        self.follow_scale()
         now = time.monotonic()
         if now - self.last_watch < HEARTBEAT / 4:
             return
@@ -334,7 +361,7 @@ class Host(Channel):
                 if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
                     self._drop(rank)
                 continue
-            if seat is not None and seat.state == DROPPED:
+            if seat is not None and seat.state in (DROPPED, PARKED):
                 continue
             silent = self.silent_for(role, rank, now)
             if silent > self.silent_limit:
@@ -364,7 +391,7 @@ class Host(Channel):
         """Whether the worker holding inference rank `rank` is there: admitted (or, before the plan,
         on its way) and not counted away."""
         seat = self.seats.get(rank)
-        return seat is None or seat.state not in (AWAY, DROPPED)
+        return seat is None or seat.state not in (AWAY, DROPPED, PARKED)
 
     def silent_for(self, role: str, rank: int, now: float) -> float:
         key = Keys.beat(role, rank)
@@ -426,15 +453,15 @@ class Host(Channel):
     def _drop(self, rank: int) -> None:
         """An inference rank away past away_limit: dropped from the versions while at least
         min_available others remain (taken back if its process starts again), else RankFailed."""
-        remaining = sum(1 for r, s in self.seats.items() if r != rank and s.state != DROPPED)
-        if remaining < self.min_available:
+        remaining = sum(1 for r, s in self.seats.items() if r != rank and s.state not in (DROPPED, PARKED))
+        if remaining < self.needed:
             raise RankFailed(f"{who(INFERENCE, rank)} did not come back within {self.away_limit:.0f}s after it went "
-                             f"away, and the job needs {self.min_available} inference ranks "
+                             f"away, and the job needs {self.needed} inference ranks "
                              f"(spec.inference.minAvailable) with {remaining} left", reasons.RANK_LOST)
         seat = self.seats[rank]
         seat.state, seat.since = DROPPED, time.monotonic()
         self.say(f"{who(INFERENCE, rank)} dropped: away for more than {self.away_limit:.0f}s; the job goes on with "
-                 f"{remaining} inference ranks (it needs {self.min_available}, spec.inference.minAvailable) and takes it "
+                 f"{remaining} inference ranks (it needs {self.needed}, spec.inference.minAvailable) and takes it "
                  "back if its process starts again")
 
     def _lost(self, rank: int, why: str) -> None:
@@ -453,7 +480,7 @@ class Host(Channel):
         if seat is None:  # before the plan: the first admission takes the latest attempt
             raise RankFailed(f"{who(INFERENCE, rank)} restarted before the job started; it cannot be admitted twice")
         self._away(rank, f"its process started again (start {attempt})")
-        if seat.state == DROPPED:  # back after it was dropped: a new away_limit to join in
+        if seat.state in (DROPPED, PARKED):  # back after it was dropped, or its pod scaled up to: away_limit to join in
             seat.since = time.monotonic()
         seat.attempt, seat.state, seat.holds = attempt, JOINING, None
         self.set(Keys.nonce(INFERENCE, rank, attempt), secrets.token_hex(16))
@@ -463,13 +490,61 @@ class Host(Channel):
         got = self.proven(INFERENCE, rank, seat.attempt)
         if got is None:
             return
-        self.check_rejoin(got.meta, got.info)
+        self.check_rejoin(rank, got.meta, got.info)
         seat.endpoint, seat.state, seat.since, seat.info = got.endpoint, WAITING, time.monotonic(), got.info
-        seat.rejoins += 1
+        first = seat.attempt == 1  # a pod scaled up to, starting for the first time
+        seat.rejoins += 0 if first else 1
         self.epoch += 1
         self._publish_peers()
-        self.say(f"{who(INFERENCE, rank)} rejoined (start {seat.attempt}, pod {got.info.pod}, at {got.endpoint}); "
-                 "it receives the next round in full and serves once it has verified it")
+        self.say(f"{who(INFERENCE, rank)} {'joined the running job' if first else 'rejoined'} (start {seat.attempt}, "
+                 f"pod {got.info.pod}, at {got.endpoint}); it receives the next round in full and serves once it has "
+                 "verified it")
+
+    # ------------------------------------------------------------ scaling
+
+    def follow_scale(self) -> None:
+        """Park the ranks of the pods scaled away since the last look (`wanted`, the running
+        ranks as last read from the job); take back the parked ranks of pods scaled up to whose
+        process still runs (scaled down, then up again before the pod went). A rank whose pod is
+        new joins when its process starts (check_ranks)."""
+        wanted = self.wanted
+        if wanted is None or wanted == self.running:
+            return
+        before, self.running = self.running, wanted
+        self.say(f"the job runs {wanted} inference ranks now (spec.inference.replicas changed; it ran {before})")
+        if not self.seats:  # the ranks are joining: the join phase waits for the running ones
+            self.parked = set(range(wanted, self.layout.world_size(INFERENCE)))
+            return
+        self.parked = set()
+        for rank in range(wanted, before):
+            self._park(rank)
+        for rank in range(before, wanted):
+            self._unpark(rank)
+
+    def _park(self, rank: int) -> None:
+        seat = self.seats[rank]
+        if seat.state == PARKED:
+            return
+        cut = self.in_round.get(rank) == seat.attempt and seat.state == SERVING
+        seat.state, seat.since, seat.holds = PARKED, time.monotonic(), None
+        if cut:
+            self._cut(rank)
+        self.epoch += 1
+        self._publish_peers()
+        self.say(f"{who(INFERENCE, rank)} leaves the job: its pod was scaled away (spec.inference.replicas); "
+                 "nothing waits for it, and it is taken back if its pod is scaled up to again")
+
+    def _unpark(self, rank: int) -> None:
+        seat = self.seats[rank]
+        if seat.state != PARKED or not seat.endpoint:
+            return
+        if self.silent_for(INFERENCE, rank, time.monotonic()) > self.silent_limit:
+            return  # gone with its pod: it joins when its process starts
+        seat.state, seat.since = WAITING, time.monotonic()
+        self.epoch += 1
+        self._publish_peers()
+        self.say(f"{who(INFERENCE, rank)} is back in the job (its pod was scaled up to again before it went); it "
+                 "receives the next round in full and serves once it has verified it")
 
     # ------------------------------------------------------------ the end
 
@@ -484,7 +559,8 @@ class Host(Channel):
             now = time.monotonic()
             waiting = [Keys.bye(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k)) and self._answering(r, k, now)]
             if not waiting or now >= deadline:
-                return [who(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k))]
+                return [who(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k))
+                        and not (r == INFERENCE and k in self.seats and self.seats[k].state == PARKED)]
             try:
                 self.wait(waiting, "every rank to see the end", min(HEARTBEAT, deadline - now))
             except TimeoutError:
@@ -492,6 +568,6 @@ class Host(Channel):
 
     def _answering(self, role: str, rank: int, now: float) -> bool:
         seat = self.seats.get(rank) if role == INFERENCE else None
-        if seat is not None and seat.state in (AWAY, JOINING, DROPPED):
+        if seat is not None and seat.state in (AWAY, JOINING, DROPPED, PARKED):
             return False
         return self.silent_for(role, rank, now) <= self.silent_limit

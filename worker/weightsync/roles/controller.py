@@ -36,6 +36,7 @@ from weightsync.rendezvous.roster import Deadline, Host, RankFailed
 from weightsync.rendezvous.store.table import StoreError, StoreFull
 from weightsync.roles.receivers import Receivers, counts, states
 from weightsync.roles.records import Reporter
+from weightsync.roles.scaling import ScaleWatch
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import ControllerMetrics
@@ -77,12 +78,17 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
     starts = (status.get("controller") or {}).get("starts", 0) + 1
     reporter.started(starts)
     host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT),
-                away_limit=ctx.job.inference.away_grace_seconds, min_available=ctx.job.inference.needed,
-                say=lambda m: log(ME, m), address=ctx.pod_ip, job=ctx.job.identity)
+                away_limit=ctx.job.inference.away_grace_seconds, min_available=ctx.job.inference.min_available,
+                running=ctx.job.inference.running_ranks, say=lambda m: log(ME, m), address=ctx.pod_ip,
+                job=ctx.job.identity)
     host.publish_job(ctx.job, ctx.network_mode)  # what external ranks read instead of a spec file
     if ctx.job.inference.external:  # the servers' workers claim their ranks (rendezvous/claims.py)
         host.claims = Claims(layout, ctx.job.identity, host.trainer_layout, lambda m: log(ME, m))
     watch = Receivers(host, reporter.receivers)  # status.receivers, once the ranks joined
+    scale = None  # the inference pods' count, where it may change while the job runs
+    if ctx.job.inference.max_replicas is not None and reporter.api is not None:
+        scale = ScaleWatch(host, reporter.inference_replicas, ctx.job.inference.ranks_of_pods, lambda m: log(ME, m))
+        scale.start()
     health.ready()
     if starts > 1:
         last = (status.get("transfer") or {}).get("version")
@@ -91,7 +97,9 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
             f"the controller started again (start {starts}) {where}: the rendezvous it hosted, and with it the "
             "plan and every rank's progress, is gone, so the job cannot resume; create the job again to rerun it",
             reasons.CONTROLLER_RESTARTED), 0, None, watch)
-    log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {inferences} inference ranks")
+    scalable = f" (of {inferences} it may scale to)" if host.running < inferences else ""
+    log(ME, f"rendezvous on {ctx.pod_ip}:{ctx.store_port}: waiting for {trainers} trainer and {host.running} inference "
+            f"ranks{scalable}")
     external = _external(ctx.job)
     host.external = set(external)
     for role, limit in external.items():
@@ -102,9 +110,11 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
     try:
         admitted = host.admit(JOIN_TIMEOUT, external)
         plan, transport = _plan(ctx, admitted)
-        host.check_rejoin = lambda meta, info: _check_rejoin(plan.layout, transport, meta, info)
-        host.publish_plan(plan.to_json(), {rank: admitted[(INFERENCE, rank)].endpoint for rank in range(inferences)},
-                          {rank: admitted[(INFERENCE, rank)].info for rank in range(inferences)})
+        host.check_rejoin = partial(_check_rejoin, plan.layout, transport,
+                                    partial(_needs, layout, admitted) if layout.sliced else lambda rank: None)
+        joined = {rank: got for (role, rank), got in admitted.items() if role == INFERENCE}
+        host.publish_plan(plan.to_json(), {rank: got.endpoint for rank, got in joined.items()},
+                          {rank: got.info for rank, got in joined.items()})
         log(ME, f"transport {transport}; plan:\n{plan.table()}")
         watch.update(force=True)
         watch.start()
@@ -139,9 +149,12 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
         pause_point(CONTROLLER, 0, "delivered", final)
     except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError, StoreError) as e:
         return _fail(ctx, host, reporter, e, len(reached), loss, watch)
+    finally:
+        if scale is not None:
+            scale.stop()
     watch.stop()  # every inference rank's last state, before the ranks leave
     delivered = len(reached)
-    message = f"{delivered} versions delivered to and verified on {inferences} inference ranks"
+    message = f"{delivered} versions delivered to and verified on {host.running} inference ranks"
     if host.rejoins():
         message += f" ({host.rejoins()} rejoins)"
     host.end("Succeeded", message)
@@ -316,7 +329,7 @@ def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):
     transport = transports.pop()
 
     def slices_of(rank: int):
-        needs = admitted[(INFERENCE, rank)].info.needs
+        needs = _needs(ctx.job.layout, admitted, rank)
         if needs is None:
             raise KeyError(f"{who(INFERENCE, rank)} did not say which slices it needs")
         return needs_from_json(rank, needs)
@@ -334,12 +347,33 @@ def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):
     return plan, transport
 
 
-def _check_rejoin(layout: FlatLayout, transport: str, meta: str, info: RankInfo) -> None:
-    """A rank that rejoins must hold the same model and use the same transport as before."""
+def _needs(layout, admitted: dict[tuple[str, int], Admission], rank: int):
+    """What an inference rank of a tensor-parallel replica said it needs (its slices, as JSON). A
+    rank that has not joined (its pod beyond spec.inference.replicas: the job may scale to it)
+    needs what the rank at its place in a replica that joined needs: the replicas are alike
+    (maxReplicas takes one tensorParallel), and it is checked when it joins."""
+    got = admitted.get((INFERENCE, rank))
+    if got is not None:
+        return got.info.needs
+    group = layout.tp_group(rank)
+    for (role, other), got in sorted(admitted.items()):
+        mate = layout.tp_group(other)
+        if role == INFERENCE and len(mate) == len(group) and other - mate.start == rank - group.start:
+            return got.info.needs
+    return None
+
+
+def _check_rejoin(layout: FlatLayout, transport: str, needs, rank: int, meta: str, info: RankInfo) -> None:
+    """A rank that joins the running job must hold the same model, use the same transport and
+    need the slices planned for it (`needs(rank)`)."""
     layout.check_matches(FlatLayout.from_json(meta), what=f"the rejoining pod {info.pod}")
     if info.transport != transport:
         raise JobFailed(f"the rejoining pod {info.pod} chose the {info.transport} transport ({info.why}); "
                         f"the job runs on {transport}", reasons.RANKS_DISAGREE)
+    planned = needs(rank)
+    if planned is not None and info.needs != planned:
+        raise JobFailed(f"{who(INFERENCE, rank)} (pod {info.pod}) needs other slices than the plan gave its place in "
+                        "its tensor-parallel replica: every replica must shard the model alike", reasons.RANKS_DISAGREE)
 
 
 def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss,

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, WAITING, Host, Seat
+from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, PARKED, WAITING, Host, Seat
 from weightsync.runtime.metrics import AWAY as AWAY_STATE
 from weightsync.runtime.metrics import BEHIND, CURRENT, RECEIVER_STATES, REJOINING
 from weightsync.runtime.metrics import DROPPED as DROPPED_STATE
@@ -40,8 +40,9 @@ def state_of(seat: Seat, latest: int | None) -> str:
 
 
 def states(seats: dict[int, Seat], latest: int | None) -> dict[int, str]:
-    """Every inference rank's state."""
-    return {rank: state_of(seat, latest) for rank, seat in sorted(seats.items())}
+    """Every inference rank's state; not the parked ones' (their pods are beyond
+    spec.inference.replicas: not part of the job until they are scaled up to)."""
+    return {rank: state_of(seat, latest) for rank, seat in sorted(seats.items()) if seat.state != PARKED}
 
 
 def counts(by_rank: dict[int, str]) -> dict[str, int]:
@@ -87,7 +88,7 @@ class Receivers:
 
     def record(self) -> dict:
         """status.receivers now (each rank's `since` kept from when its state last changed)."""
-        seats = dict(self.host.seats)
+        seats = {r: s for r, s in self.host.seats.items() if s.state != PARKED}
         held = [s.holds for s in seats.values() if s.holds is not None]
         latest = max(held) if held else None
         by_rank = states(seats, latest)

@@ -50,18 +50,26 @@ class Reporter:
     def status(self) -> dict:
         """The job's status as last reported ({} when there is nowhere to read it from)."""
         if self.api is not None:
-            from kubernetes.client.exceptions import ApiException
-
-            try:
-                job = self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.job.namespace, PLURAL, self.job.name)
-            except ApiException as e:
-                raise RuntimeError(f"cannot read the status of WeightTransferJob {self.job.namespace}/{self.job.name}: "
-                                   f"{e.status} {e.reason}: {_api_message(e)}") from None
-            return job.get("status") or {}
+            return self._read().get("status") or {}
         if self.status_file and os.path.exists(self.status_file):
             with open(self.status_file) as f:
                 return json.load(f)
         return {}
+
+    def inference_replicas(self) -> int | None:
+        """spec.inference.replicas as the job says it now, in a cluster (the pods' count may change
+        while the job runs: spec.inference.maxReplicas); None elsewhere."""
+        return None if self.api is None else int(self._read()["spec"]["inference"]["replicas"])
+
+    def _read(self) -> dict:
+        """The job's object (its status subresource's, which the controller's ServiceAccount may read)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.job.namespace, PLURAL, self.job.name)
+        except ApiException as e:
+            raise RuntimeError(f"cannot read WeightTransferJob {self.job.namespace}/{self.job.name}: "
+                               f"{e.status} {e.reason}: {_api_message(e)}") from None
 
     def started(self, starts: int) -> None:
         """Record a start of the controller (the first is 1)."""
