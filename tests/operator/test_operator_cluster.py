@@ -291,6 +291,9 @@ def test_topology_is_immutable(ns):
         ('{"spec":{"model":{"dtype":"float32"}}}', "spec.model is immutable"),
         ('{"spec":{"network":{"mode":"tcp"}}}', "spec.network.mode is immutable"),
         ('{"spec":{"trainer":{"external":true}}}', "spec.trainer.external and spec.inference.external are immutable"),
+        ('{"spec":{"inference":{"replicas":2}}}', "spec.inference.replicas can change only in a job created with "
+                                                  "spec.inference.maxReplicas"),
+        ('{"spec":{"inference":{"maxReplicas":3}}}', "spec.inference.maxReplicas is immutable"),
     ]
     for patch, message in refusals:
         proc = ns.kubectl("patch", contract.PLURAL, "fixed", "--type=merge", "-p", patch, check=False)
@@ -377,3 +380,37 @@ def test_a_suspended_job_runs_no_pods_until_resumed_and_suspending_a_running_one
     refused = ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}',
                          check=False)
     assert refused.returncode != 0 and "has finished" in refused.stderr
+
+
+def test_a_running_job_scales_its_inference_pods_up_to_max_replicas_and_replaces_no_other_pod(ns):
+    """spec.inference.maxReplicas: kubectl scale (the scale subresource) changes the inference
+    pods' count of a running job, up to it; the StatefulSet follows, its template unchanged, and
+    no pod of another role is replaced. Any other change of the running spec is still refused, and
+    so is a count above maxReplicas."""
+    ns.apply_job("elastic", {"trainer": {"replicas": 1}, "inference": {"replicas": 1, "maxReplicas": 3}})
+    ns.wait_phase("elastic", "Running")
+    ns.wait_running_pods("elastic", 3)
+    before = ns.get("statefulset", "elastic-inference")["spec"]["template"]
+    others = {p["metadata"]["name"]: p["metadata"]["uid"] for p in ns.pods("elastic")
+              if p["metadata"]["labels"][contract.LABEL_ROLE] != "inference"}
+
+    ns.kubectl("scale", contract.PLURAL, "elastic", "--replicas=3")
+    wait_for("three inference pods", lambda: ns.get("statefulset", "elastic-inference")["spec"]["replicas"] == 3)
+    ns.wait_running_pods("elastic", 5)
+    assert ns.get("statefulset", "elastic-inference")["spec"]["template"] == before
+    wait_for("status: 3/3 inference", lambda: ns.status("elastic")["replicas"]["inference"]["summary"] == "3/3")
+    scale = json.loads(ns.kubectl("get", contract.PLURAL, "elastic", "--subresource=scale", "-o", "json").stdout)
+    assert (scale["kind"], scale["spec"]["replicas"], scale["status"]["replicas"]) == ("Scale", 3, 3)
+    assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in ns.pods("elastic")
+            if p["metadata"]["labels"][contract.LABEL_ROLE] != "inference"} == others
+
+    refused = ns.kubectl("scale", contract.PLURAL, "elastic", "--replicas=4", check=False)
+    assert refused.returncode != 0 and "spec.inference.replicas is more than spec.inference.maxReplicas" in refused.stderr
+    refused = ns.kubectl("patch", contract.PLURAL, "elastic", "--type=merge", "-p",
+                         '{"spec":{"inference":{"replicas":2,"awayGraceSeconds":5}}}', check=False)
+    assert refused.returncode != 0 and "cannot change while it runs" in refused.stderr
+
+    ns.kubectl("scale", contract.PLURAL, "elastic", "--replicas=1")
+    wait_for("one inference pod", lambda: len([p for p in ns.pods("elastic")
+                                               if p["metadata"]["labels"][contract.LABEL_ROLE] == "inference"]) == 1, 60)
+    assert ns.status("elastic")["replicas"]["inference"]["desired"] == 1

@@ -416,6 +416,17 @@ def test_a_suspended_job_wants_no_pods_and_says_so_until_it_resumes():
     assert render.spec_hash(job()) == render.spec_hash(job({"suspend": True})), "suspending rolls no pod template"
 
 
+def test_scaled_inference_pods_change_the_statefulset_and_the_status_but_roll_no_pod():
+    small, large = (job({"inference": {"replicas": n, "maxReplicas": 3}}) for n in (1, 3))
+    sets = [render.statefulset(j, "inference", "tcp", running=True) for j in (small, large)]
+    assert [s["spec"]["replicas"] for s in sets] == [1, 3]
+    assert sets[0]["spec"]["template"] == sets[1]["spec"]["template"], "scaling rolls no pod template"
+    assert render.spec_hash(small) != render.spec_hash(job({"inference": {"replicas": 1}}))  # maxReplicas is read
+    layout = small.layout  # the layout holds maxReplicas' ranks: the status wants the pods the job runs
+    scaled = status.compute({}, layout, READY, [], at="t0", running={"inference": 1})
+    assert scaled["replicas"]["inference"]["desired"] == 1 and scaled["replicas"]["inference"]["summary"] == "1/1"
+
+
 def test_restarts_and_rejoins_per_role():
     # The index holds (role, restarts) of each job's pods that restarted; pods that did not are not in it.
     assert status.restarts({"containerStatuses": [{"name": "worker", "restartCount": 3}]}) == 3

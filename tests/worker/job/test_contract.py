@@ -1,6 +1,9 @@
 """The job contract: CRD defaults, local validation, the ordinal layout and pod settings."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from weightsync import job as contract
 
@@ -96,6 +99,14 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"inference": {"replicas": 2, "procsPerPod": 2, "minAvailable": 5}}, "demo",
      "spec.inference: spec.inference.minAvailable is more than the job's inference ranks"),
     ({"inference": {"minAvailable": 0}}, "demo", "spec.inference.minAvailable: 0 is less than the minimum of 1"),
+    ({"inference": {"replicas": 3, "maxReplicas": 2}}, "demo",
+     "spec.inference: spec.inference.replicas is more than spec.inference.maxReplicas"),
+    ({"inference": {"replicas": 2, "maxReplicas": 3, "tensorParallelSizes": [1, 1]}}, "demo",
+     "spec.inference: spec.inference.maxReplicas needs model replicas of one tensor-parallel size"),
+    ({"inference": {"engine": "vllm", "external": True, "maxReplicas": 2}}, "demo",
+     "spec.inference: spec.inference.maxReplicas scales the inference pods the operator runs"),
+    ({"inference": {"replicas": 2, "maxReplicas": 3, "tensorParallel": 2}}, "demo",
+     "spec.inference: inference maxReplicas x procsPerPod must be a multiple of tensorParallel"),
     ({"inference": {"replicas": 3, "tensorParallelSizes": [2, 2]}}, "demo",
      "spec.inference: tensorParallelSizes must add up to inference replicas x procsPerPod"),
     ({"inference": {"replicas": 3, "tensorParallel": 3, "tensorParallelSizes": [2, 1]}}, "demo",
@@ -147,6 +158,18 @@ def test_layout_assigns_global_ordinals_and_role_ranks():
     mixed = contract.load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallelSizes": [1, 2, 1]}})).layout
     assert [list(mixed.tp_group(r)) for r in range(4)] == [[0], [1, 2], [1, 2], [3]] and mixed.sliced
     assert not contract.load_job(job({"inference": {"replicas": 2, "tensorParallelSizes": [1, 1]}})).layout.sliced
+
+
+def test_max_replicas_sizes_the_layout_and_replicas_the_pods_a_role_runs():
+    j = contract.load_job(job({"inference": {"replicas": 2, "maxReplicas": 4, "procsPerPod": 2}}))
+    assert j.layout.replicas("inference") == 4 and j.layout.world_size("inference") == 8
+    assert j.running_pods("inference") == 2 and j.inference.running_ranks == 4
+    assert j.running_pods("trainer") == 1 and j.inference.ranks_of_pods(3) == 6
+    vllm = contract.load_job(job({"inference": {"engine": "vllm", "replicas": 1, "maxReplicas": 3, "tensorParallel": 2}}))
+    assert vllm.layout.tensor_parallel == (2, 2, 2) and vllm.inference.running_ranks == 2
+    assert vllm.layout.ranks_of(vllm.layout.first_ordinal("inference") + 2) == range(4, 6)
+    fixed = contract.load_job(job({"inference": {"replicas": 2}}))
+    assert fixed.inference.capacity == 2 and fixed.layout.world_size("inference") == fixed.inference.running_ranks == 2
 
 
 def test_network_env_per_mode():
@@ -361,3 +384,17 @@ def test_a_vllm_servers_tensor_parallel_workers_are_its_pods_ranks():
     assert layout.procs_per_pod("inference") == 4  # the most workers a pod's server runs: its data ports
     gpus = contract.load_job(job({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}))
     assert gpus.inference.gpus == 2 and gpus.layout.world_size("inference") == 4
+
+
+def test_the_running_spec_rule_names_every_field_but_the_inference_replicas():
+    """A running job takes a change of spec.inference.replicas alone: the CRD's rule compares every
+    other field one by one (CEL cannot compare an object but one field), so a field added to the
+    schema must be added to the rule, or it could change on a running job."""
+    crd = yaml.safe_load(Path(contract.__file__).with_name("crd.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    (rule,) = [r["rule"] for r in schema["x-kubernetes-validations"] if "oldSelf.status.phase != 'Running'" in r["rule"]]
+    spec = schema["properties"]["spec"]["properties"]
+    fields = [f"spec.{k}" for k in spec if k != "inference"] + \
+        [f"spec.inference.{k}" for k in spec["inference"]["properties"] if k != "replicas"]
+    assert [f for f in fields if f"self.{f} == oldSelf.{f}" not in rule] == []
+    assert "self.spec.inference.replicas" not in rule

@@ -447,6 +447,12 @@ class Member(Channel):
         latest = self.latest()
         return latest is not None and latest > rnd.version
 
+    def joins_late(self, timeout: float) -> bool:
+        """Whether this inference rank joins the running job, taken in at a later round than the
+        first (its welcome says which): its process started again, or its pod was scaled up to
+        after the ranks joined (the plan's endpoints, epoch 0, do not name it)."""
+        return self.attempt > 1 or self.rank not in self.peers(0, timeout)
+
     def welcome(self) -> Round:
         """A rejoined inference rank: the round it receives first (the controller says it at the
         next version, or at once when the trainers are done)."""

@@ -103,9 +103,10 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
     rank, me = receiver.rank, who(INFERENCE, receiver.rank)
     timeout = transfer.timeout
     counters = rank_counters(rank)  # its pod's /metrics
-    first = member.welcome() if member.attempt > 1 else Round(0)
-    if member.attempt > 1:
-        log(me, f"taken back at {first.name}")
+    late = member.joins_late(timeout)
+    first = member.welcome() if late else Round(0)
+    if late:
+        log(me, f"taken {'back' if member.attempt > 1 else 'in'} at {first.name}")
     for version in itertools.count(first.version):  # until the controller ends the job
         again = first.again if version == first.version else 0
         try:
