@@ -84,7 +84,8 @@ def is_true(workload: Mapping, kind: str) -> bool:
 
 def pod_sets(job: Job, templates: Mapping[str, Mapping]) -> list[dict]:
     """One pod set per role the operator runs pods of (`templates`: role -> its pod template), in
-    the roles' order, each with the role's pod count."""
+    the roles' order, each with the role's pod count (inference: maxReplicas where set, the most a
+    scaled job runs)."""
     return [{"name": role, "count": job.layout.replicas(role), "template": templates[role]}
             for role in ROLES if role in templates]
 

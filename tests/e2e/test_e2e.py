@@ -219,6 +219,56 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     assert f"switched to version {versions - 1} (digest verified)" in logs.text(victim)
 
 
+def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, real_node, helm, namespace, chart,
+                                                                   operator_from_chart, tmp_path):
+    """spec.inference.maxReplicas 3, two inference pods at first: `kubectl scale wtj` to 3 starts a
+    third pod, whose rank joins the running job and serves once a version is verified on it; then
+    to 1 removes two, and the versions go on to the one left without a failure. The trainers train
+    until the job is deleted (steps 0)."""
+    job = fast(example("tcp-job.yaml"))
+    job["metadata"]["name"] = name = "elastic"
+    job["spec"]["training"].update(steps=0)
+    job["spec"]["inference"].update(replicas=2, maxReplicas=3)
+    layout = contract.load_job(job, namespace).layout
+    new = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE) + 2}"
+    logs = LogFollower(cluster, namespace, tmp_path / "logs")
+
+    def status() -> dict:
+        return get_job(cluster, namespace, name).get("status") or {}
+
+    def receivers() -> dict:
+        return status().get("receivers") or {}
+
+    with operator_from_chart(chart[1], chart[0]) as operator:
+        apply(cluster, namespace, job)
+        progress = following(cluster, namespace, name, operator, logs)
+        try:
+            wait_for(f"{name} to deliver version 1", lambda: (status().get("transfer") or {}).get("version", -1) >= 1,
+                     300, interval=1, failed=progress)
+            assert receivers()["total"] == 2
+            cluster.kubectl("scale", contract.PLURAL, name, "-n", namespace, "--replicas=3")
+            wait_for("the new rank current", lambda: [r["state"] for r in receivers().get("ranks", [])
+                                                      if r["pod"] == new] == ["current"], 240, interval=1,
+                     failed=progress)
+            assert receivers()["total"] == 3
+            reached = status()["transfer"]["version"]
+            cluster.kubectl("scale", contract.PLURAL, name, "-n", namespace, "--replicas=1")
+            wait_for("one rank left, and two versions more", lambda: receivers().get("total") == 1 and
+                     status()["transfer"]["version"] >= reached + 2, 240, interval=1, failed=progress)
+            assert status()["phase"] == "Running" and receivers()["ranks"][0]["state"] == "current"
+            wait_for("the pods scaled away gone", lambda: len([p for p in job_pods(cluster, namespace, name)
+                                                               if f"-{contract.INFERENCE}-" in p]) == 1, 120)
+        finally:
+            show_logs(logs)
+            cluster.kubectl("delete", contract.PLURAL, name, "-n", namespace, "--wait=true", check=False)
+    (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
+    said = logs.text(controller)
+    assert "inference rank 2 joined the running job (start 1" in said, said[-3000:]
+    assert "inference rank 1 leaves the job: its pod was scaled away" in said, said[-3000:]
+    assert re.search(r"switched to version \d+ \(digest verified\)", logs.text(new)), logs.text(new)[-3000:]
+    assert "taken in at version" in logs.text(new)
+
+
 def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_node, helm, namespace, chart,
                                                               operator_from_chart, tmp_path):
     """spec.model.path inside a volume the pod templates mount, as a cluster holds its checkpoints:

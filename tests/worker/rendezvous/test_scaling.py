@@ -3,7 +3,7 @@
 spec.inference.replicas are parked (not waited for while the ranks join, nor in the rounds), a
 rank whose pod is scaled up to joins when its process starts and is taken in at the next round,
 and the ranks of pods scaled away leave without failing the round on its way. The same in real
-pods: tests/e2e/test_scale_e2e.py."""
+pods: tests/e2e/test_e2e.py."""
 import threading
 import time
 

@@ -8,22 +8,14 @@ joins anew (a fresh challenge for its new attempt, a new endpoint), waits, and i
 the next round, which it receives in full and verifies before it serves. A rank away for longer
 than `away_limit` fails the job. The same holds while the ranks join (joining.py): the
 controller admits each rank's latest start, so an inference pod killed while it loads its model
-joins with its next start, and the first round takes it back. Trainers do not come back: a trainer that restarts, or
-goes silent, fails the job, while the ranks join as later (the built-in trainer keeps no
-checkpoint to resume from; see the README).
+joins with its next start, and the first round takes it back. Trainers do not come back: a
+trainer that restarts, or goes silent, fails the job, while the ranks join as later (the built-in
+trainer keeps no checkpoint to resume from; see the README). The inference pods of a running job
+may be scaled: the ranks beyond the pods it runs are parked (parking.py).
 
 A failure is blamed on the rank that failed first. When a rank reports a failure, the controller
 first looks, for a few heartbeats, for a rank that stopped (its process started again, or its
 heartbeat stopped): a survivor that saw its peer vanish reports first, but its peer is the cause.
-
-The inference pods may be scaled while the job runs, up to spec.inference.maxReplicas, for which
-the layout holds ranks: the ranks beyond spec.inference.replicas are parked. A parked rank is not
-waited for, neither while the ranks join nor in the versions; when its process starts (its pod
-was scaled up to) it joins as a rank that comes back does, and receives the next round in full
-before it serves. Scaling down parks the ranks of the pods removed: a round on its way goes on
-without them, and they fail nothing. The controller learns the pods' count from the job
-(`wanted`, which a thread of the controller keeps); an inference rank whose process starts is
-taken in whatever the count it last read, as the StatefulSet started it.
 """
 
 from __future__ import annotations
@@ -41,6 +33,8 @@ from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.joining import PROGRESS_EVERY, Deadline, Joining, RankFailed
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
+from weightsync.rendezvous.parking import Parking
+from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING, WAITING, Seat
 from weightsync.rendezvous.protocol import (
     HEARTBEAT,
     Channel,
@@ -59,31 +53,8 @@ BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
 
-SERVING = "serving"  # receives every round
-AWAY = "away"  # vanished: dead, frozen, or cut off; expected back
-JOINING = "joining"  # its process started again; its proof is awaited
-WAITING = "waiting"  # admitted again; receives the next round
-DROPPED = "dropped"  # away past away_limit while enough others remain (min_available): no longer waited for
-PARKED = "parked"  # its pod is beyond spec.inference.replicas: not part of the job until its process starts
-
-
 class _AllClosed(Exception):
     """Every trainer rank closed: there is no next version."""
-
-
-@dataclass
-class Seat:
-    """An inference rank, as the controller sees it."""
-
-    attempt: int = 1  # of its process: one more each time it starts again
-    endpoint: str = ""
-    state: str = SERVING
-    since: float = 0.0  # when it entered that state
-    # The version it holds: the last it applied, verified; None when it holds none (new, or its
-    # process started again). Delta versions go only to ranks that hold the one the trainers kept.
-    holds: int | None = None
-    rejoins: int = 0
-    info: RankInfo | None = None  # what its latest attempt told about itself (pod, transport, vLLM server)
 
 
 @dataclass
@@ -92,7 +63,7 @@ class Beat:
     seen: float  # when the count last changed
 
 
-class Host(Channel):
+class Host(Channel, Parking):
     """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
 
     def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
@@ -499,52 +470,6 @@ class Host(Channel):
         self.say(f"{who(INFERENCE, rank)} {'joined the running job' if first else 'rejoined'} (start {seat.attempt}, "
                  f"pod {got.info.pod}, at {got.endpoint}); it receives the next round in full and serves once it has "
                  "verified it")
-
-    # ------------------------------------------------------------ scaling
-
-    def follow_scale(self) -> None:
-        """Park the ranks of the pods scaled away since the last look (`wanted`, the running
-        ranks as last read from the job); take back the parked ranks of pods scaled up to whose
-        process still runs (scaled down, then up again before the pod went). A rank whose pod is
-        new joins when its process starts (check_ranks)."""
-        wanted = self.wanted
-        if wanted is None or wanted == self.running:
-            return
-        before, self.running = self.running, wanted
-        self.say(f"the job runs {wanted} inference ranks now (spec.inference.replicas changed; it ran {before})")
-        if not self.seats:  # the ranks are joining: the join phase waits for the running ones
-            self.parked = set(range(wanted, self.layout.world_size(INFERENCE)))
-            return
-        self.parked = set()
-        for rank in range(wanted, before):
-            self._park(rank)
-        for rank in range(before, wanted):
-            self._unpark(rank)
-
-    def _park(self, rank: int) -> None:
-        seat = self.seats[rank]
-        if seat.state == PARKED:
-            return
-        cut = self.in_round.get(rank) == seat.attempt and seat.state == SERVING
-        seat.state, seat.since, seat.holds = PARKED, time.monotonic(), None
-        if cut:
-            self._cut(rank)
-        self.epoch += 1
-        self._publish_peers()
-        self.say(f"{who(INFERENCE, rank)} leaves the job: its pod was scaled away (spec.inference.replicas); "
-                 "nothing waits for it, and it is taken back if its pod is scaled up to again")
-
-    def _unpark(self, rank: int) -> None:
-        seat = self.seats[rank]
-        if seat.state != PARKED or not seat.endpoint:
-            return
-        if self.silent_for(INFERENCE, rank, time.monotonic()) > self.silent_limit:
-            return  # gone with its pod: it joins when its process starts
-        seat.state, seat.since = WAITING, time.monotonic()
-        self.epoch += 1
-        self._publish_peers()
-        self.say(f"{who(INFERENCE, rank)} is back in the job (its pod was scaled up to again before it went); it "
-                 "receives the next round in full and serves once it has verified it")
 
     # ------------------------------------------------------------ the end
 
