@@ -54,7 +54,7 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 
 .PHONY: test
 test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, local control plane, real pods, end to end)
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=25 $(PYTEST_ARGS)  # the slowest, to keep the whole inside its time
 
 # The fast tier: no cluster, no binaries, no images, no vLLM, no whole jobs (docs/testing.md).
 UNIT_MARKERS := not cluster and not slow and not gpu
