@@ -20,6 +20,12 @@ in its environment, either way it is started:
 
 The model must be the one the job's spec.model describes (the inference ranks build theirs from
 it): the same config, or the same checkpoint directory (--model PATH, spec.model.path).
+
+With --checkpoint DIR (a directory every rank shares) every rank saves the model and the optimizer
+(torch.distributed.checkpoint, sharded as they are) after each publish, and a start that finds a
+checkpoint there resumes from it: as the job's spec.trainer.command, a trainer pod that restarts
+(its node lost, an OOM kill) takes every trainer rank back to the last checkpoint, and the job goes
+on with the next version number (sync.resumed says which version was delivered last).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the final weights here (one file, rank 0, gathered once at the end)")
+    parser.add_argument("--checkpoint", help="save model and optimizer here at each publish; resume from it if present")
     return parser.parse_args()
 
 
@@ -56,6 +63,38 @@ def batch(vocab: int, size: int, length: int, generator: torch.Generator) -> tor
     start = torch.randint(vocab, (size, 1), generator=generator)
     stride = torch.randint(1, 4, (size, 1), generator=generator)
     return (start + stride * torch.arange(length)) % vocab
+
+
+def save_checkpoint(directory: str, step: int, model, optimizer) -> None:
+    """Every rank writes its part of model and optimizer; then rank 0 names it the latest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, f"step-{step}"))
+    dist.barrier()  # every rank's part written
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "latest.tmp"), "w") as f:
+            f.write(str(step))
+        os.replace(os.path.join(directory, "latest.tmp"), os.path.join(directory, "latest"))
+
+
+def load_checkpoint(directory: str, model, optimizer) -> int | None:
+    """The step of the latest checkpoint, loaded into model and optimizer; None if there is none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    latest = os.path.join(directory, "latest")
+    if not os.path.exists(latest):
+        os.makedirs(directory, exist_ok=True)
+        return None
+    with open(latest) as f:
+        step = int(f.read())
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(directory, f"step-{step}"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step
 
 
 def main() -> None:
@@ -84,19 +123,26 @@ def main() -> None:
     else:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
     vocab = model.config.vocab_size
+    first = load_checkpoint(args.checkpoint, trained, optimizer) if args.checkpoint else None
 
     loss = None
     with weightsync.attach(trained) as sync:  # joins the job; close() at the end of the block
-        for step in range(args.steps + 1):
-            if step % args.publish_every == 0 or step == args.steps:
+        if first is not None and rank == 0:
+            print(f"resumed from the checkpoint of step {first}; {sync.resumed}", flush=True)
+        for step in range(first or 0, args.steps + 1):
+            # the checkpoint's own step was published before it was saved, unless the job says otherwise
+            published = first is not None and step == first and (sync.resumed is None or sync.resumed.step == first)
+            if (step % args.publish_every == 0 or step == args.steps) and not published:
                 figures = sync.publish(step=step, loss=None if loss is None else loss.item())
                 if rank == 0:
                     print(f"step {step}: version {figures.version}, sent {figures.bytes} bytes to {figures.receivers} "
                           f"inference ranks in {figures.seconds:.3f}s", flush=True)
+                if args.checkpoint:
+                    save_checkpoint(args.checkpoint, step, trained, optimizer)
             if step == args.steps:
                 break
+            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1000 + rank)  # resumable data
             tokens = batch(vocab, args.batch_size, args.seq_len, generator).to(device)
             loss = trained(input_ids=tokens, labels=tokens).loss
             optimizer.zero_grad(set_to_none=True)

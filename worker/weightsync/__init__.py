@@ -1,12 +1,12 @@
 """weightsync: fresh weights from training ranks to inference ranks, M to N.
 
 The trainer-side API (weightsync.publisher.sync) is imported on first use, so that importing the
-package (the operator does) loads no torch: attach, Sync, Published, JobEnded."""
+package (the operator does) loads no torch: attach, Sync, Published, Resumed, JobEnded, Resuming."""
 
 __version__ = "0.1.0"
 
 _API = {"attach": "publisher.sync", "Sync": "publisher.sync", "Published": "publisher.sync",
-        "JobEnded": "rendezvous.protocol"}
+        "Resumed": "publisher.sync", "JobEnded": "rendezvous.protocol", "Resuming": "rendezvous.protocol"}
 
 
 def __getattr__(name: str):

@@ -14,99 +14,26 @@ dead pods and probes them as a kubelet does, so the outcomes are the cluster's:
 Each prints how long detection and recovery took."""
 from __future__ import annotations
 
-import io
-import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from support.faulty import Faulty, wait_for_line
 from support.jobs import ODD, as_bytes, assert_nothing_left, make_job
 
 from weightsync import job as contract
 
 from weightsync.rendezvous.protocol import versions
-from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
-from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.local.runner import RunFailed
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
-
-REACH_TIMEOUT = 240.0  # seconds for the job to reach the armed point (start-up on a loaded machine)
-RUN_TIMEOUT = 400.0
-
 
 def fault_job(name: str):
     # ~2.8 MB float32 versions in 1 MiB buckets: each trainer sends two buckets or more
     return make_job(name, config=ODD, dtype="float32", trainers=(2, 1), inferences=(2, 1), steps=4, every=2)
-
-
-class Faulty:
-    """A local job with an armed pause point."""
-
-    def __init__(self, tmp_path: Path, job, point: str):
-        self.dump, self.pause = tmp_path / "dump", tmp_path / "pause"
-        self.dump.mkdir()
-        self.pause.mkdir()
-        (self.pause / f"{point}.arm").touch()
-        self.point = point
-        self.local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(self.dump), PAUSE_DIR_ENV: str(self.pause)},
-                              progress=io.StringIO())
-        self.outcome: dict = {}
-        self.follower = threading.Thread(target=self._follow, daemon=True)
-
-    def pod(self, role: str, rank: int):
-        return next(p for p in self.local.pods if p.role == role and rank in p.ranks)
-
-    def strike(self, target, sig: int, *more) -> float:
-        """Start the job (followed by `weightsync run`'s loop on a thread, which restarts and
-        probes pods), wait for the pause point, send `sig` to the target pod's processes (and to
-        `more` pods', at once), let the paused rank go on; returns when it struck."""
-        self.local.start()
-        self.follower.start()
-        deadline = time.monotonic() + REACH_TIMEOUT
-        while not (self.pause / f"{self.point}.reached").exists():
-            assert time.monotonic() < deadline, f"the job did not reach {self.point} within {REACH_TIMEOUT:.0f}s"
-            assert self.follower.is_alive(), f"the job ended before {self.point}: {self.outcome}"
-            time.sleep(0.02)
-        for pod in (target, *more):
-            os.killpg(pod.proc.pid, sig)
-        struck = time.monotonic()
-        (self.pause / f"{self.point}.release").touch()
-        return struck
-
-    def _follow(self) -> None:
-        try:
-            self.outcome["summary"] = self.local.wait(timeout=RUN_TIMEOUT)
-        except RunFailed as e:
-            self.outcome["failed"] = e
-
-    def end(self) -> dict:
-        """The run's summary; RunFailed if the job failed."""
-        self.follower.join(RUN_TIMEOUT + 60)
-        assert not self.follower.is_alive(), "the run did not end"
-        if "failed" in self.outcome:
-            raise self.outcome["failed"]
-        return self.outcome["summary"]
-
-    def log(self, pod) -> str:
-        return pod.log.read_text(errors="replace")
-
-    def status(self) -> dict:
-        return json.loads((self.local.workdir / "status.json").read_text())
-
-
-def wait_for_line(path: Path, text: str, timeout: float, running: Faulty | None = None) -> float:
-    """When `text` appeared in the log at `path`; fails past `timeout`, or once the `running` job ended."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return time.monotonic()
-        assert running is None or running.follower.is_alive(), f"the job ended before {text!r}: {running.outcome}"
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} did not appear in {path.name} within {timeout:.0f}s")
 
 
 def check_applied_versions(dump: Path, job) -> dict[int, list[int]]:

@@ -18,7 +18,7 @@ module defines each.
 """
 
 from weightsync.job.join import Join, JoinEnv, external_roles, join_env
-from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, READINESS, SHM_MOUNT, SPEC_KEY,
+from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, MASTER_PORTS, READINESS, SHM_MOUNT, SPEC_KEY,
                                 SPEC_MOUNT, STORE_PORT, TMP_MOUNT, TOKEN_KEY, TOKEN_MOUNT, TORCHRUN_VARS, WORKER_UID,
                                 WRITABLE_ENV, Env, PodSite, Probe, Value, WorkerContext, master_addr, network_env,
                                 pod_env, torchrun_env)
@@ -34,7 +34,8 @@ from weightsync.job.yamlfile import KubectlLoader, dump_document
 __all__ = [
     "ANNOTATION_NETWORK_MODE", "ANNOTATION_NETWORK_REASON", "ANNOTATION_TOKEN_SHA256", "ANNOTATION_WORKER_IMAGE",
     "API_VERSION", "BUILTIN", "CONTROLLER", "DATA_PORT", "GROUP", "HEALTH_PORT", "INFERENCE", "KIND", "LABEL_JOB",
-    "LABEL_ROLE", "LIVENESS", "MASTER_PORT", "PLURAL", "POD_INDEX_LABEL", "QUEUE_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
+    "LABEL_ROLE", "LIVENESS", "MASTER_PORT",
+    "MASTER_PORTS", "PLURAL", "POD_INDEX_LABEL", "QUEUE_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
     "SPEC_KEY", "SPEC_MOUNT", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",
     "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Inference", "Job", "KubectlLoader",
     "Join", "JoinEnv", "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",

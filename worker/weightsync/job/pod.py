@@ -23,6 +23,7 @@ HEALTH_PORT = 29700  # every pod answers its probes here: /healthz (liveness), /
 # spec.trainer.command: the port of torch.distributed's store among the trainer ranks (torchrun's,
 # on trainer rank 0's pod, MASTER_ADDR); the job's own rendezvous is the controller's store.
 MASTER_PORT = 29800
+MASTER_PORTS = 8  # ports from MASTER_PORT on that the trainers' torch.distributed rendezvous takes, one per resume
 
 # What the operator mounts into every pod, and where.
 SPEC_KEY = "job.yaml"  # ConfigMap key: the defaulted job the workers read

@@ -39,10 +39,12 @@ RANK_SILENT = _reason("RankSilent", "a trainer rank sent no heartbeat for longer
                       "process died, froze, or lost the network")
 RANK_LOST = _reason("RankLost", "an inference rank went away (its pod restarting, frozen, or cut off) and did not "
                     "come back within the away limit")
-TRAINER_RESTARTED = _reason("TrainerRestarted", "a trainer rank's process started again after it had joined: "
-                            "trainers do not rejoin a running job (the built-in trainer keeps no checkpoint)")
+TRAINER_RESTARTED = _reason("TrainerRestarted", "a trainer rank's process started again after it had joined: the "
+                            "built-in trainer keeps no checkpoint to resume from; a user's script resumes between "
+                            "versions, but not while a version is on its way, nor when its ranks do not start again")
 TRAINERS_DISAGREE = _reason("TrainersDisagree", "the trainer ranks did not publish the same versions: one closed "
-                            "while another went on, or closed after another version")
+                            "while another went on, or closed after another version, or they published one at "
+                            "different steps")
 CONTROLLER_RESTARTED = _reason("ControllerRestarted", "the controller started again: the rendezvous it hosted, and "
                                "with it every rank's progress, is gone, so the job cannot resume")
 VERIFICATION_FAILED = _reason("VerificationFailed", "an inference rank applied a version whose digest is not the "

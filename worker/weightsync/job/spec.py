@@ -186,6 +186,13 @@ class Trainer(Pods):
         """The command and its arguments; empty for the built-in trainer."""
         return [*self.command, *self.args] if self.command else []
 
+    @property
+    def resumes(self) -> bool:
+        """Whether a trainer rank whose process starts again resumes the running job: with the
+        user's command in the trainer pods, whose script resumes from its own checkpoint (the
+        built-in trainer keeps none; an external rank's second process is another claim of it)."""
+        return bool(self.command) and not self.external
+
     @classmethod
     def read(cls, trainer: Mapping) -> "Trainer":
         return cls(replicas=trainer["replicas"], procs_per_pod=trainer["procsPerPod"], gpus_per_proc=trainer["gpusPerProc"],

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import IO, Mapping
 
 
-from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, ROLES, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS, TRAINER, Env, Job,
-                            dump_document,
+from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, MASTER_PORTS, ROLES, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS,
+                            TRAINER, Env, Job, dump_document,
                             PodSite, ValueFrom, external_roles, load_job, pod_env)
 from weightsync.local.external import JoinOffer
 from weightsync.local.kubelet import Kubelet, Pod, tail
@@ -102,8 +102,9 @@ class LocalJob:
         spec_file, token_file = self._files()
         inference_procs = layout.procs_per_pod(INFERENCE)
         servers = layout.inferences if self.job.inference.runs_vllm else 0
-        store_port, master_port, *ports = free_ports([1, 1] + [1] * layout.pods + [inference_procs] * layout.inferences
-                                                     + [1] * servers)
+        # the trainers' rendezvous takes a port of MASTER_PORTS from master_port on per resume (command.py)
+        store_port, master_port, *ports = free_ports([1, MASTER_PORTS] + [1] * layout.pods
+                                                     + [inference_procs] * layout.inferences + [1] * servers)
         health_ports, data_ports = ports[:layout.pods], ports[layout.pods:layout.pods + layout.inferences]
         server_ports = ports[layout.pods + layout.inferences:]
         base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES) and k not in TORCHRUN_VARS}

@@ -24,6 +24,13 @@ figures. close() says this rank publishes no more: the controller ends the job o
 rank closed, after sending the last version again to inference ranks that came back after it went
 out. A failure inside any of these, or an exception that leaves the `with` block or reaches the
 top of the script, is reported to the controller, which fails the job naming this rank.
+
+A script run as the job's spec.trainer.command resumes instead: when a trainer rank stops between
+two versions (its pod restarted, its node lost), every trainer rank starts again, and attach()
+in the new process waits until all are back, then says where they resume (Sync.resumed: the last
+version delivered and its step, for the script to check its checkpoint against); the version
+numbers go on from the controller's. A process of an earlier start that still waits on weightsync
+meanwhile ends (Resuming), so that it starts again with the others (rendezvous/resume.py).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_fa
 from weightsync.publisher.peers import Links
 from weightsync.rendezvous.join import JoinError, joined_context
 from weightsync.rendezvous.messages import Round, SentReport
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Resuming, who
 from weightsync.publisher.sources import Sources, local_tensors, sources_of
 from weightsync.transfer.send import SentVersion, VersionSender
 
@@ -61,6 +68,15 @@ class Published:
     lost: Mapping[int, str] = field(default_factory=dict)  # {inference rank: why} those it could not reach
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where the trainers resumed after a trainer rank started again (Sync.resumed)."""
+
+    delivered: int | None  # the last version delivered to the inference ranks (None: none yet)
+    step: int | None  # the training step it was published at
+    version: int  # the version the next publish() sends
+
+
 class Sync:
     """One trainer rank's link to its job (attach() makes it)."""
 
@@ -70,12 +86,13 @@ class Sync:
         self.version = -1  # the last one published
         self.step: int | None = None  # its training step
         self.closed = False
+        self.resumed: Resumed | None = None  # set where this process started again and the trainers resumed
         transfer = ctx.job.transfer
         self.timeout = transfer.timeout
         self.member = Member(ctx.controller_host, ctx.store_port, ctx.token, TRAINER, rank, JOIN_TIMEOUT, job=ctx.job.identity)
         self.sender = None
         try:
-            self.member.arrive()
+            self.member.arrive(resumes=ctx.job.trainer.resumes)
         except Restarted as e:
             self._restarted(e)
         self.member.start_heartbeat()
@@ -85,7 +102,11 @@ class Sync:
             name, why, self.sender = transport_for(ctx, self.member, TRAINER, rank, device)
             holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}
             self.member.join(ctx.pod_ip, self.sources.layout.to_json(), info(ctx, name, why, device, **holds), JOIN_TIMEOUT)
+            if ctx.job.trainer.resumes:
+                self.member.watch_resumes()
             plan, endpoints = self.member.plan(JOIN_TIMEOUT)
+            if self.member.attempt > 1:
+                self._resume(ctx.job.trainer.attach_timeout_seconds)
             health.ready()
             self.links = Links(self.sender, self.member, endpoints, self.timeout)
             self.links.follow(Round(0, receivers=tuple(endpoints)))
@@ -114,7 +135,7 @@ class Sync:
         version = self.version + 1
         try:
             pause_point(TRAINER, self.rank, "before-ready", version)
-            self.member.set(Keys.ready(version, self.rank), "1")
+            self.member.set(Keys.ready(version, self.rank), {"step": step})
             pause_point(TRAINER, self.rank, "before-go", version)
             if version:  # the go comes once the previous version is done (its deadline is the controller's)
                 self.member.wait_for(Keys.done(version - 1), f"the controller to finish version {version - 1}")
@@ -236,24 +257,48 @@ class Sync:
 
     def _leave(self) -> None:
         """Stop the heartbeat and the transport, tell the controller this rank saw the end."""
+        self._stop()
+        self.member.bye()
+
+    def _stop(self) -> None:
+        """Stop the heartbeat and the transport (a process of an earlier start, as the trainers
+        resume, says no goodbye: its rank's next start does, at the end)."""
         self.closed = True
         if self in _open:
             _open.remove(self)
         self.member.stop_heartbeat()
         if self.sender is not None:
             self.sender.close()
-        self.member.bye()
+
+    def _resume(self, timeout: float) -> None:
+        """This process started again: wait until every trainer rank is back, then go on from the
+        version the controller says comes next."""
+        where = self.member.resumed(timeout)
+        self.version = where["version"] - 1
+        self.resumed = Resumed(where["delivered"], where["step"], where["version"])
+        last = f"version {where['delivered']} (step {where['step']})" if where["delivered"] is not None else "none"
+        log(self.me, f"resumed (start {self.member.attempt}): the last version delivered is {last}; the next is "
+                     f"version {where['version']}")
 
     def _fail(self, error: BaseException, trace: bool = True) -> None:
         """Report the failure naming this rank, and wait (a bounded time) for the controller to end
-        the job, heartbeats going: the rank that failed first is the one it names."""
+        the job, heartbeats going: the rank that failed first is the one it names. Where the
+        trainers resume meanwhile (or the error is that they do), this process only ends."""
         if self.closed:
             return
-        if trace and not isinstance(error, (Expected, SpecError, KeyboardInterrupt)):
-            traceback.print_exception(error)
-        log(self.me, f"failed: {error}")
-        report_failure(self.ctx, TRAINER, self.rank, f"{type(error).__name__}: {error}", self.member)
-        wait_for_the_end(self.member, self.me)
+        if not isinstance(error, Resuming):
+            if trace and not isinstance(error, (Expected, SpecError, KeyboardInterrupt)):
+                traceback.print_exception(error)
+            log(self.me, f"failed: {error}")
+            report_failure(self.ctx, TRAINER, self.rank, f"{type(error).__name__}: {error}", self.member)
+            try:
+                wait_for_the_end(self.member, self.me, check=self.member.check_resuming)
+            except Resuming as e:
+                error = e
+        if isinstance(error, Resuming):
+            log(self.me, str(error))
+            self._stop()
+            return
         self._leave()
 
     def _restarted(self, error: Restarted) -> None:
@@ -357,6 +402,8 @@ def _hook_uncaught() -> None:
         for sync in list(_open):
             if isinstance(error, JobEnded):
                 sync._leave()
+            elif isinstance(error, Resuming):
+                sync._stop()
             else:
                 sync._fail(error, trace=False)
 

@@ -34,6 +34,14 @@ class RankFailed(RuntimeError):
         super().__init__(message)
 
 
+class TrainersRestart(RankFailed):
+    """A trainer rank of a script that resumes from its checkpoint stopped (its process started
+    again, or went silent): the trainers resume (resume.py); where they cannot, the job fails."""
+
+    def __init__(self, message: str):
+        super().__init__(message, reasons.TRAINER_RESTARTED)
+
+
 @dataclass(frozen=True)
 class Deadline:
     """How long the ranks of an external role have to join, and what to tell the user."""

@@ -54,6 +54,11 @@ class Restarted(RuntimeError):
     """A trainer rank's process started again after it had joined: the job cannot go on."""
 
 
+class Resuming(RuntimeError):
+    """The job's trainers resume from their checkpoint (a trainer rank's process started again): this
+    process, of an earlier start, ends so that it starts again and resumes with the others."""
+
+
 class ProofError(RuntimeError):
     """A rank or the controller could not prove it holds the job's token."""
 
@@ -156,6 +161,10 @@ class Keys:
     END = "end"  # controller: the job is over {"state", "reason", "message"}
     CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)
     LATEST = "latest"  # controller: the last version it said go for (its first sending)
+    RESUMING = "resuming"  # counter: the times the trainers began to resume from their checkpoint
+    # controller: where the trainers resumed, last {"resumes", "version" (the next one), "delivered"
+    # (the last delivered, or None), "step" (its step), "attempts" {trainer rank: its start}}
+    RESUME = "resume"
 
     @staticmethod
     def join(role: str, rank: int) -> str:
@@ -298,6 +307,7 @@ class Member(Channel):
             raise ProofError(f"{who(role, rank)} failed the job token proof: {e}") from None
         self.address = (host, port, token, job, timeout)
         self.token, self.role, self.rank = token, role, rank
+        self.resumes_seen: int | None = None  # a trainer's: the resumes begun when it joined (watch_resumes)
         self.attempt = 0  # set by join(): 1 for the rank's first process, then one more per restart
         self._beat: threading.Event | None = None
         self._watcher: Channel | None = None
@@ -341,6 +351,8 @@ class Member(Channel):
         if self.has(Keys.END):
             end = self.get_json(Keys.END)
             raise JobEnded(end["state"], end["message"])
+        if self.role == TRAINER:
+            self.check_resuming()
 
     def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, say: bool = False) -> None:
         """Wait for `keys` until the job's end; `say`: a line every SAY_EVERY seconds says what
@@ -355,15 +367,44 @@ class Member(Channel):
         self.wait([Keys.END], "the end of the job")
         return self.get_json(Keys.END)
 
-    def arrive(self) -> int:
+    def arrive(self, resumes: bool = False) -> int:
         """Count this process's start (at once, before anything slow: the controller learns of
         a restart from it); returns the attempt. A trainer's process that started again raises
-        Restarted: the controller ends the job (trainers do not rejoin)."""
+        Restarted (the controller ends the job), unless its trainers `resume` from their own
+        checkpoint (a user's script): then it joins with that start (resumed())."""
         self.attempt = attempt = self.store.add(Keys.join(self.role, self.rank), 1)
-        if attempt > 1 and self.role == TRAINER:
+        if attempt > 1 and self.role == TRAINER and not resumes:
             raise Restarted(f"{self.name} restarted after it had joined the job (start {attempt}); trainers do not "
                             "rejoin a running job: the built-in trainer keeps no checkpoint to resume from")
         return attempt
+
+    def resumed(self, timeout: float) -> dict:
+        """A trainer rank that started again: where the trainers resume ({"version": the next one,
+        "delivered", "step"}), once the controller took every trainer rank back (Keys.RESUME)."""
+        def taken() -> bool:
+            return self.has(Keys.RESUME) and self.get_json(Keys.RESUME)["attempts"].get(str(self.rank)) == self.attempt
+
+        deadline = time.monotonic() + timeout
+        while not taken():
+            self.check_end()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f}s for the controller to take every trainer rank back")
+            try:  # RESUME is set once per resume, and this rank's start must be in it
+                self.wait([Keys.RESUME], "where the trainers resume", CHECK_EVERY, self.check_end)
+            except TimeoutError:
+                pass
+            time.sleep(0.05)
+        return self.get_json(Keys.RESUME)
+
+    def watch_resumes(self) -> None:
+        """From now on, this trainer rank's waits end (Resuming) once the trainers begin to resume
+        again: a process of an earlier start must end so that it starts again with the others."""
+        self.resumes_seen = self.store.add(Keys.RESUMING, 0)
+
+    def check_resuming(self) -> None:
+        if self.resumes_seen is not None and self.store.add(Keys.RESUMING, 0) > self.resumes_seen:
+            raise Resuming(f"{self.name}: the job's trainers resume from their checkpoint (a trainer rank started again); "
+                           "this process ends so that it starts again and resumes with them")
 
     def join(self, endpoint: str, meta: str, about: RankInfo, timeout: float) -> int:
         """Publish endpoint, layout and what the rank tells about itself, proving the job token over

@@ -31,7 +31,7 @@ from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Lay
 from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
-from weightsync.rendezvous.joining import PROGRESS_EVERY, Deadline, Joining, RankFailed
+from weightsync.rendezvous.joining import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
 from weightsync.rendezvous.parking import Parking
 from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING, WAITING, Seat
@@ -52,6 +52,14 @@ from weightsync.rendezvous.protocol import (
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
+
+def _step(ready: bytes) -> int | None:
+    """The training step a trainer rank said it is ready with (Keys.ready), None if it said none."""
+    try:
+        return json.loads(ready).get("step")
+    except (ValueError, AttributeError):
+        return None
+
 
 class _AllClosed(Exception):
     """Every trainer rank closed: there is no next version."""
@@ -89,6 +97,11 @@ class Host(Channel, Parking):
         self.cut: set[int] = set()  # receivers of the current round counted away during it
         self.check_rejoin: Callable[[int, str, RankInfo], None] = lambda rank, meta, info: None
         self.external: set[str] = set()  # the roles whose ranks the user starts (spec.<role>.external)
+        # a trainer rank that stops is resumed from (spec.trainer.resumes: the user's script, which
+        # keeps its own checkpoint) instead of failing the job; {trainer rank: the start it runs}
+        self.resumable = False
+        self.trainers_run: dict[int, int] = {}
+        self.resumes = 0  # the times they resumed
         self.claims: Claims | None = None  # external vLLM servers: their workers claim inference ranks (claims.py)
         self.failures_seen = 0
         self.beats: dict[tuple[str, int], Beat] = {}
@@ -144,6 +157,7 @@ class Host(Channel, Parking):
         now = time.monotonic()
         # a rank admitted with a later start (its process started again while the ranks joined) is
         # a rejoined one: it waits for its welcome, which the first round says
+        self.trainers_run = {t: self.attempts[(TRAINER, t)] for t in range(self.layout.world_size(TRAINER))}
         self.seats = {r: Seat(attempt=self.attempts[(INFERENCE, r)], endpoint=endpoints.get(r, ""), since=now,
                               info=(infos or {}).get(r))
                       for r in range(self.layout.world_size(INFERENCE))}
@@ -209,6 +223,12 @@ class Host(Channel, Parking):
                       check=check)
         except _AllClosed:
             return False
+        steps = {t: step for t in range(trainers) if (step := _step(self.get(Keys.ready(version, t)))) is not None}
+        if len(set(steps.values())) > 1:
+            told = ", ".join(f"{who(TRAINER, t)} at step {s}" for t, s in steps.items())
+            raise RankFailed(f"the trainer ranks publish version {version} at different steps ({told}): every trainer "
+                             "rank must publish the same versions (and resume from the same checkpoint)",
+                             reasons.TRAINERS_DISAGREE)
         return True
 
     def collect_sent(self, rnd: Round, timeout: float) -> list[SentReport]:
@@ -307,9 +327,11 @@ class Host(Channel, Parking):
     def wait_ranks(self, keys: Iterable[str], what: str, timeout: float | None = None) -> None:
         self.wait(keys, what, timeout, self.check_ranks)
 
-    def check_ranks(self) -> None:
+    def check_ranks(self, trainers: bool = True) -> None:
         """Raise RankFailed for a rank that reported a failure, a trainer that restarted or went
-        silent, or an inference rank away for too long; keep the roster of inference ranks."""
+        silent (TrainersRestart where the trainers resume), or an inference rank away for too
+        long; keep the roster of inference ranks. Without `trainers`: the inference ranks only
+        (while the trainers resume, resume.py follows them)."""
         self.check_failures()
         self.follow_scale()
         now = time.monotonic()
@@ -319,6 +341,8 @@ class Host(Channel, Parking):
         if self.claims is not None:
             self.claims.serve(self, self.there)
         for role, rank in self.ranks:
+            if role == TRAINER and not trainers:
+                continue
             started = self.started_again(role, rank)
             if started is not None and role == TRAINER:
                 self.trainer_started(rank, started, now)
@@ -332,11 +356,13 @@ class Host(Channel, Parking):
                 if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
                     self._drop(rank)
                 continue
-            if seat is not None and seat.state in (DROPPED, PARKED):
+            if (seat is not None and seat.state in (DROPPED, PARKED)) or (role == TRAINER and not trainers):
                 continue
             silent = self.silent_for(role, rank, now)
             if silent > self.silent_limit:
                 why = f"no heartbeat for {silent:.0f}s (its process died, froze, or lost the network)"
+                if seat is None and self.resumable:
+                    raise TrainersRestart(f"{who(role, rank)} is silent: {why}")
                 if seat is None:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
                 self._away(rank, why)
@@ -349,6 +375,8 @@ class Host(Channel, Parking):
             self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that joined "
                      "as it is alive; it was refused, and the job goes on")
             return
+        if self.resumable:
+            raise TrainersRestart(f"{who(TRAINER, rank)} started again (start {started})")
         raise RankFailed(f"{who(TRAINER, rank)} restarted (its process started again, start {started}); trainers "
                          "do not rejoin a running job", reasons.TRAINER_RESTARTED)
 
@@ -406,6 +434,8 @@ class Host(Channel, Parking):
         if stopped is None:
             return RankFailed(f"{who(role, rank)} failed: {message}")
         (srole, srank), how = stopped
+        if srole == TRAINER and self.resumable:
+            return TrainersRestart(f"{who(srole, srank)} stopped ({how}), and {who(role, rank)} failed with it: {message}")
         return RankFailed(f"{who(srole, srank)} stopped first ({how}); then {who(role, rank)} failed: {message}",
                           reasons.TRAINER_RESTARTED if srole == TRAINER and "started again" in how
                           else reasons.RANK_FAILED)

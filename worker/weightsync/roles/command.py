@@ -10,7 +10,15 @@ supervisor:
   controller for each such rank (a rank that reported its own failure keeps its own words), so
   the job fails naming the rank;
 - a job that ended Failed stops a command still running; after the end a pod in a cluster stays
-  until the operator removes it, as every worker pod does.
+  until the operator removes it, as every worker pod does;
+- a command that ended as the job's trainers resume from their checkpoint (rendezvous/resume.py:
+  a trainer rank stopped, and every rank starts again) is no failure: the pod exits at once, so
+  that it starts again and runs the command anew. Each resume gives the commands a port of their
+  own for torch.distributed's rendezvous (MASTER_PORT + the resumes so far, modulo MASTER_PORTS):
+  a pod that starts again before the others' processes of the earlier start are gone would
+  otherwise meet their rendezvous, whose master is on its way out, and hang there; and a command
+  started before the resume began that has not attached yet is stopped, so that its pod starts it
+  again on the new port.
 
 The command runs in the pod's process group: whatever it starts ends with the pod (a container's
 processes do; `weightsync run` stops a local pod's whole group).
@@ -27,7 +35,7 @@ import threading
 import time
 from functools import partial
 
-from weightsync.job import MASTER_PORT, TRAINER, WorkerContext, master_addr, torchrun_env
+from weightsync.job import MASTER_PORT, MASTER_PORTS, TRAINER, WorkerContext, master_addr, torchrun_env
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
 from weightsync.runtime.health import PodHealth
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
@@ -47,9 +55,13 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     slots = [health.rank(i) for i in range(len(ranks))]
     for slot in slots:  # alive while this process runs; the command's ranks beat to the controller
         slot.start()
-    env = {**torchrun_env(ctx.job, ctx.ordinal, os.environ.get("MASTER_ADDR") or master_addr(ctx.job),
-                          int(os.environ.get("MASTER_PORT") or MASTER_PORT)), **os.environ}
     channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
+    resumes = channel.store.add(Keys.RESUMING, 0)  # the trainers' resumes begun before this command
+    started = {r: channel.store.add(Keys.join(TRAINER, r), 0) for r in ranks}  # its ranks' starts before it
+    port = int(os.environ.get("MASTER_PORT") or MASTER_PORT)
+    env = {**torchrun_env(ctx.job, ctx.ordinal, os.environ.get("MASTER_ADDR") or master_addr(ctx.job), port), **os.environ}
+    if ctx.job.trainer.resumes:  # the resume's own port
+        env["MASTER_PORT"] = env["PET_MASTER_PORT"] = str(port + resumes % MASTER_PORTS)
     command = shlex.join(argv)
     log(me, f"runs the command {command} for {', '.join(who(TRAINER, r) for r in ranks)}")
     try:
@@ -82,6 +94,12 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
             gone = True
             continue
         code = proc.poll()
+        if code is None and _behind_a_resume(ctx, channel, resumes, started):
+            log(me, "the trainers resume from their checkpoint, and the command had not attached: it stops, and this "
+                    "pod starts again to run it on the resume's port")
+            stop(proc, grace=STOP_GRACE)
+            proc.wait()
+            return 1
         if end is not None and end["state"] != "Succeeded" and code is None:
             log(me, "the job failed: stopping the command")
             stop(proc, grace=STOP_GRACE)  # torchrun passes the SIGTERM on to its workers
@@ -94,6 +112,10 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
             return _end(ctx, channel, me, proc.wait())
     if end is None and not gone:
         end = channel.get_json(Keys.END) if channel.has(Keys.END) else None
+    if end is None and not gone and ctx.job.trainer.resumes and channel.store.add(Keys.RESUMING, 0) > resumes:
+        log(me, f"the command {exit_status(code)} as the trainers resume from their checkpoint: this pod starts "
+                "again, and runs it anew")
+        return 1
     if end is None and not gone:
         how = exit_status(code)
         open_ranks = [r for r in ranks if not channel.has(Keys.closed(r))]
@@ -104,6 +126,14 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     elif gone:  # close() returns only once the job succeeded: a command that exits 0 after it is done
         end = {"state": "Succeeded" if code == 0 else "Failed"}
     return _end(ctx, channel, me, code, end)
+
+
+def _behind_a_resume(ctx: WorkerContext, channel: Channel, resumes: int, started: dict[int, int]) -> bool:
+    """Whether the trainers began to resume after the command started while one of its ranks has
+    not arrived yet (it may wait in the rendezvous of the processes that are going)."""
+    if not ctx.job.trainer.resumes or channel.store.add(Keys.RESUMING, 0) <= resumes:
+        return False
+    return any(channel.store.add(Keys.join(TRAINER, r), 0) <= before for r, before in started.items())
 
 
 def _wait_end(channel: Channel, timeout: float) -> dict | None:

@@ -32,6 +32,8 @@ from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, ProofError, update_proof, who
+from weightsync.rendezvous.joining import TrainersRestart
+from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Deadline, Host, RankFailed
 from weightsync.rendezvous.store.table import StoreError, StoreFull
 from weightsync.roles.receivers import Receivers, counts, states
@@ -122,16 +124,31 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
                                         plan.sliced)
         log(ME, why)
         delta = Delta(delta_on, ctx.job.transfer.delta.full_every)
-        version = 0
-        while host.next_version(version):  # until every trainer rank closed
+        host.resumable = ctx.job.trainer.resumes
+        version, whole = 0, -1  # whole: the first version after the trainers resumed
+        last: tuple[int, int | None] | None = None  # the last version delivered, and its step
+        while True:
+            try:
+                if not host.next_version(version):  # until every trainer rank closed
+                    break
+            except TrainersRestart as e:
+                _resume(ctx, host, reporter, (plan, transport, admitted), version, last, e)
+                whole = version
+                continue
             published = time.monotonic()  # every trainer rank is ready with it
-            rnd = host.start_round(version, bases=partial(bases, delta, version, 0))
-            sent, applied = _round(ctx, host, reporter, plan, rnd, transport, timeout)
+            rnd = host.start_round(version, bases=partial(bases, delta if version != whole else Delta(False, 1),
+                                                          version, 0))
+            try:
+                sent, applied = _round(ctx, host, reporter, plan, rnd, transport, timeout)
+            except TrainersRestart as e:
+                raise JobFailed(f"{e}, while {rnd.name} was on its way: its bytes are half sent by processes that are "
+                                "gone, so the job cannot resume", reasons.TRAINER_RESTARTED) from None
             if sent[0].loss is not None:
                 loss = sent[0].loss
             if applied:  # a round whose receivers were all away delivered nothing
                 metrics.publish_to_serving.observe(time.monotonic() - published)
                 _reached(reached, version, metrics)
+                last = (version, sent[0].step)
             if version >= 2:
                 host.forget(version - 2)
             version += 1
@@ -217,7 +234,7 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     host.holding(rnd.version, applied)
     reporter.metrics.states(counts(states(host.seats, rnd.version)))
     if rnd.again or host.rejoins():
-        reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: 0})
+        reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: host.resumes})
     loss, step = sent[0].loss, sent[0].step
     changed, compared = sum(s.changed for s in sent), sum(s.compared for s in sent)
     extra = {"changed": round(changed / compared, 6)} if compared else {}
@@ -361,6 +378,28 @@ def _needs(layout, admitted: dict[tuple[str, int], Admission], rank: int):
         if role == INFERENCE and len(mate) == len(group) and other - mate.start == rank - group.start:
             return got.info.needs
     return None
+
+
+def _resume(ctx: WorkerContext, host: Host, reporter: Reporter, planned, version: int,
+            last: tuple[int, int | None] | None, why: TrainersRestart) -> None:
+    """A trainer rank stopped between two versions: every trainer rank starts again, resumes from
+    its checkpoint and attaches with the model, transport and shards it had (`planned`: the plan,
+    the transport and what the ranks joined with); version `version` comes next."""
+    plan, transport, admitted = planned
+    serving = f"version {last[0]}" if last is not None else "no version yet"
+    log(ME, f"{why}: the trainers resume from their checkpoint (resume {host.resumes + 1}); the inference ranks serve "
+            f"{serving} meanwhile")
+
+    def check(rank: int, got: Admission) -> None:
+        plan.layout.check_matches(FlatLayout.from_json(got.meta), what=f"{who(TRAINER, rank)} resuming")
+        if got.info.transport != transport or got.info.holds != admitted[(TRAINER, rank)].info.holds:
+            raise JobFailed(f"{who(TRAINER, rank)} resumed with the {got.info.transport} transport and other shards "
+                            f"than it joined with; the job runs on {transport}, each rank with its shards",
+                            reasons.RANKS_DISAGREE)
+
+    resume(host, ctx.job.trainer.attach_timeout_seconds, version, *(last or (None, None)), check)
+    reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: host.resumes})
+    log(ME, f"every trainer rank resumed; version {version} comes next, whole to every inference rank")
 
 
 def _check_rejoin(layout: FlatLayout, transport: str, needs, rank: int, meta: str, info: RankInfo) -> None:

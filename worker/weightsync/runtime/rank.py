@@ -14,7 +14,7 @@ import time
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.job.logline import say
 from weightsync.rendezvous.messages import RankInfo
-from weightsync.rendezvous.protocol import Channel, Keys, Member, connect_store, who
+from weightsync.rendezvous.protocol import Channel, Keys, Member, Resuming, connect_store, who
 from weightsync.runtime import health
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
 
@@ -58,12 +58,14 @@ def report_failure(ctx: WorkerContext, role: str, rank: int, message: str, chann
         return False
 
 
-def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT) -> dict | None:
+def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT, check=None) -> dict | None:
     """After a failure: wait (at most `timeout`) for the controller to end the job; its end
-    record, or None."""
+    record, or None. `check` runs meanwhile, and what it raises ends the wait (Resuming)."""
     try:
-        channel.wait([Keys.END], "the controller to end the job", timeout)
+        channel.wait([Keys.END], "the controller to end the job", timeout, check)
         return channel.get_json(Keys.END)
+    except Resuming:
+        raise
     except TimeoutError:
         log(me, f"the controller did not end the job within {timeout:.0f}s")
     except Exception as e:  # noqa: BLE001 - the controller's store is gone

@@ -1,0 +1,77 @@
+"""Trainers that resume from their checkpoint: examples/train_with_weightsync.py as the job's
+spec.trainer.command (two trainer pods, DDP) with --checkpoint, run by `weightsync run`. A trainer
+pod is killed (kill -9: an OOM kill, a lost node) between two versions; the local kubelet starts it
+again, the other trainer's process ends as the trainers resume, both load the last checkpoint, and
+the job goes on: the version numbers strictly increase and go on from the last one delivered,
+every version is verified on every inference rank, and the final one equals the weights the
+script saved. A trainer killed while a version is on its way still fails the job, saying why."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import pytest
+from support.faulty import Faulty
+from support.jobs import assert_nothing_left
+from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
+
+from weightsync import job as contract
+from weightsync.local.runner import RunFailed
+from weightsync.publisher.sync import Resumed
+
+pytestmark = pytest.mark.slow  # whole jobs as processes: not in `make unit`
+
+
+def resuming_job(tmp_path, name: str):
+    return contract.load_job({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+        "spec": {"model": {"config": CONFIG, "dtype": "bfloat16"},
+                 "trainer": {"replicas": 2, "gpusPerProc": 0, "command": [sys.executable, EXAMPLE],
+                             "args": example_args(tmp_path, "--checkpoint", str(tmp_path / "checkpoint")),
+                             "attachTimeoutSeconds": 240},
+                 "inference": {"replicas": 2, "gpusPerProc": 0},
+                 "transfer": {"bucketMB": 1, "transport": "tcp", "timeoutSeconds": 60},
+                 "network": {"mode": "tcp"}}})
+
+
+def test_a_trainer_killed_between_versions_resumes_from_the_checkpoint_and_the_job_succeeds(tmp_path):
+    job = resuming_job(tmp_path, "resume")
+    faulty = Faulty(tmp_path, job, "trainer-1-before-ready-v2")  # versions 0 and 1 delivered, step 3 saved
+    try:
+        struck = faulty.strike(faulty.pod("trainer", 1), signal.SIGKILL)
+        summary = faulty.end()
+        took = time.monotonic() - struck
+    finally:
+        faulty.local.stop()
+    print(f"killed before version 2: the job succeeded {took:.1f}s later")
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
+    records = [(t["version"], t["step"]) for t in faulty.local.transfers]
+    assert records == [(0, 0), (1, 3), (2, 6)], records  # on from the last delivered, the steps as published
+    check_final_version(tmp_path, job, 3)
+    status = faulty.status()
+    assert status["rejoins"]["trainer"] == 1, status
+    controller = faulty.log(faulty.local.pods[0])
+    assert "the trainers resume from their checkpoint (resume 1); the inference ranks serve version 1" in controller
+    assert "every trainer rank resumed; version 2 comes next" in controller
+    for rank in (0, 1):
+        log = faulty.log(faulty.pod("trainer", rank))
+        assert "resumed (start 2): the last version delivered is version 1 (step 3); the next is version 2" in log, log
+    assert f"resumed from the checkpoint of step 3; {Resumed(1, 3, 2)}" in faulty.log(faulty.pod("trainer", 0))
+    assert_nothing_left(faulty.local)
+
+
+def test_a_trainer_killed_while_a_version_is_on_its_way_fails_the_job_saying_why(tmp_path):
+    job = resuming_job(tmp_path, "resume-mid")
+    faulty = Faulty(tmp_path, job, "trainer-1-mid-send-v1")  # its share of version 1 half sent
+    try:
+        faulty.strike(faulty.pod("trainer", 1), signal.SIGKILL)
+        with pytest.raises(RunFailed):
+            faulty.end()
+    finally:
+        faulty.local.stop()
+    completion = faulty.status()["completion"]
+    assert completion["reason"] == "TrainerRestarted", completion
+    assert "while version 1 was on its way" in completion["message"], completion
+    assert_nothing_left(faulty.local)

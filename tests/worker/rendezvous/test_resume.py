@@ -1,0 +1,117 @@
+"""Trainers that resume from their checkpoint, in one process through the controller's store
+(rendezvous/resume.py): a trainer rank that starts again stops the versions (TrainersRestart where
+the trainers resume, RankFailed where they do not), every trainer rank must start again and prove
+the token over a fresh challenge, a process of an earlier start that still waits on weightsync is
+told to end, and the controller says where they resume. (With real processes and the example
+script's checkpoint: tests/worker/publisher/test_trainer_resume.py.)"""
+import threading
+
+import pytest
+
+from weightsync.job import Layout, reasons
+from weightsync.rendezvous.joining import TrainersRestart
+from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.protocol import Keys, Member, Resuming
+from weightsync.rendezvous.resume import resume
+from weightsync.rendezvous.roster import Host, RankFailed
+
+TOKEN = b"0123456789abcdef-job-token"
+JOB = "default/resume"
+TWO = Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
+
+
+@pytest.fixture()
+def said():
+    return []
+
+
+@pytest.fixture()
+def host(said):
+    host = Host(0, TOKEN, TWO, silent_limit=8.0, away_limit=60.0, say=said.append, address="127.0.0.1", job=JOB)
+    yield host
+    host.store.close()
+
+
+def member(host, role, rank):
+    return Member("127.0.0.1", host.store.port, TOKEN, role, rank, timeout=10, job=JOB)
+
+
+def join(m, resumes=True):
+    m.arrive(resumes=resumes)
+    m.join(f"127.0.0.1:{1000 + m.rank}", '{"layout": 1}', RankInfo("tcp", pod=f"{m.role}-{m.rank}"), timeout=10)
+    if m.role == "trainer":
+        m.watch_resumes()
+    return m
+
+
+def started(host):
+    members = {(role, rank): join(member(host, role, rank)) for role, rank in (("trainer", 0), ("trainer", 1),
+                                                                                ("inference", 0))}
+    admitted = host.admit(timeout=10)
+    host.publish_plan("{}", {0: admitted[("inference", 0)].endpoint})
+    return members
+
+
+def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_resumes(host, said):
+    host.resumable = True
+    old = started(host)
+    old[("trainer", 0)].set(Keys.ready(2, 0), {"step": 20})  # ready with version 2 when its peer went
+    again = member(host, "trainer", 1)
+    assert again.arrive(resumes=True) == 2
+    host.last_watch = 0.0
+    with pytest.raises(TrainersRestart, match="trainer rank 1 started again .start 2."):
+        host.check_ranks()
+
+    got = []
+    t = threading.Thread(target=lambda: got.append(resume(host, 30, 2, 1, 10, lambda rank, admission: None,
+                                                          every=0.2)))
+    t.start()
+    # the process of rank 0's earlier start learns that it must end
+    with pytest.raises(Resuming, match="trainer rank 0: the job's trainers resume from their checkpoint"):
+        old[("trainer", 0)].wait_for(Keys.END, "the end", timeout=10)
+    again.join("127.0.0.1:2001", '{"layout": 1}', RankInfo("tcp", pod="trainer-1"), timeout=10)
+    again.watch_resumes()
+    zero = join(member(host, "trainer", 0))
+    t.join(20)
+    assert got == [{0: 2, 1: 2}]
+    assert not host.has(Keys.ready(2, 0)), "a ready of an earlier start would let the version go too soon"
+    where = zero.resumed(timeout=5)
+    assert (where["version"], where["delivered"], where["step"], where["resumes"]) == (2, 1, 10, 1)
+    assert again.resumed(timeout=5)["attempts"] == {"0": 2, "1": 2}
+    assert host.resumes == 1 and host.trainers_run == {0: 2, 1: 2}
+    assert "trainer rank 1 is back (start 2, at 127.0.0.1:2001)" in said
+    assert any(line.startswith("the trainers resume: ") and "to start again (" in line
+               for line in said), said
+    again.check_end()  # the processes of the new starts wait on
+
+
+def test_trainers_that_do_not_start_again_fail_the_job_naming_them(host):
+    host.resumable = True
+    started(host)
+    member(host, "trainer", 1).arrive(resumes=True)
+    host.last_watch = 0.0
+    with pytest.raises(TrainersRestart):
+        host.check_ranks()
+    with pytest.raises(RankFailed, match=r"trainer ranks 0-1 did not start again within 1s .*attachTimeoutSeconds") as e:
+        resume(host, 1, 2, 1, 10, lambda rank, admission: None)
+    assert e.value.reason == reasons.TRAINER_RESTARTED
+
+
+def test_a_trainer_that_starts_again_fails_the_job_where_the_trainers_do_not_resume(host):
+    started(host)
+    again = member(host, "trainer", 1)
+    with pytest.raises(Exception, match="trainer rank 1 restarted after it had joined the job"):
+        again.arrive()
+    host.last_watch = 0.0
+    with pytest.raises(RankFailed, match="trainer rank 1 restarted .its process started again, start 2.") as e:
+        host.check_ranks()
+    assert not isinstance(e.value, TrainersRestart) and e.value.reason == reasons.TRAINER_RESTARTED
+
+
+def test_trainer_ranks_ready_at_different_steps_fail_the_job_naming_them(host):
+    members = started(host)
+    members[("trainer", 0)].set(Keys.ready(0, 0), {"step": 30})
+    members[("trainer", 1)].set(Keys.ready(0, 1), {"step": 20})
+    with pytest.raises(RankFailed, match="trainer rank 0 at step 30, trainer rank 1 at step 20") as e:
+        host.next_version(0)
+    assert e.value.reason == reasons.TRAINERS_DISAGREE
