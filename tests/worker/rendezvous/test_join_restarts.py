@@ -7,15 +7,18 @@ waits for. (The same with real processes: tests/worker/local/test_join_faults.py
 import re
 import threading
 
+from functools import partial
+
 import pytest
+from support import roster
+from support.roster import join, make_host
 
 from weightsync.job import Layout, reasons
 from weightsync.rendezvous import protocol
-from weightsync.rendezvous.messages import Peer, RankInfo, Round
-from weightsync.rendezvous.protocol import Keys, Member, Restarted
-from weightsync.rendezvous.roster import SERVING, WAITING, Host, RankFailed
+from weightsync.rendezvous.messages import Peer, Round
+from weightsync.rendezvous.protocol import Keys, Restarted
+from weightsync.rendezvous.roster import SERVING, WAITING, RankFailed
 
-TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/joining"
 TWO = Layout(trainers=2, trainer_procs=1, inferences=2, inference_procs=1)
 
@@ -28,18 +31,12 @@ def said():
 @pytest.fixture()
 def host(said, request):
     limits = getattr(request, "param", {})
-    host = Host(0, TOKEN, TWO, silent_limit=limits.get("silent", 8.0), away_limit=limits.get("away", 60.0),
-                say=said.append, address="127.0.0.1", job=JOB)
+    host = make_host(TWO, JOB, said, silent_limit=limits.get("silent", 8.0), away_limit=limits.get("away", 60.0))
     yield host
     host.store.close()
 
 
-def member(host, role, rank):
-    return Member("127.0.0.1", host.store.port, TOKEN, role, rank, timeout=10, job=JOB)
-
-
-def join(m, endpoint):
-    return m.join(endpoint, '{"layout": 1}', RankInfo("tcp", pod=f"{m.role}-{m.rank}"), timeout=10)
+member = partial(roster.member, job=JOB)
 
 
 def test_an_inference_rank_that_starts_again_while_the_ranks_join_joins_with_its_new_start(host, said):

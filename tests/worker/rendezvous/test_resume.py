@@ -6,16 +6,19 @@ told to end, and the controller says where they resume. (With real processes and
 script's checkpoint: tests/worker/publisher/test_trainer_resume.py.)"""
 import threading
 
+from functools import partial
+
 import pytest
+from support import roster
+from support.roster import make_host
 
 from weightsync.job import Layout, reasons
 from weightsync.rendezvous.joining import TrainersRestart
 from weightsync.rendezvous.messages import RankInfo
-from weightsync.rendezvous.protocol import Keys, Member, Resuming
+from weightsync.rendezvous.protocol import Keys, Resuming
 from weightsync.rendezvous.resume import resume
-from weightsync.rendezvous.roster import Host, RankFailed
+from weightsync.rendezvous.roster import RankFailed
 
-TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/resume"
 TWO = Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
 
@@ -27,18 +30,17 @@ def said():
 
 @pytest.fixture()
 def host(said):
-    host = Host(0, TOKEN, TWO, silent_limit=8.0, away_limit=60.0, say=said.append, address="127.0.0.1", job=JOB)
+    host = make_host(TWO, JOB, said, silent_limit=8.0, away_limit=60.0)
     yield host
     host.store.close()
 
 
-def member(host, role, rank):
-    return Member("127.0.0.1", host.store.port, TOKEN, role, rank, timeout=10, job=JOB)
+member = partial(roster.member, job=JOB)
 
 
 def join(m, resumes=True):
     m.arrive(resumes=resumes)
-    m.join(f"127.0.0.1:{1000 + m.rank}", '{"layout": 1}', RankInfo("tcp", pod=f"{m.role}-{m.rank}"), timeout=10)
+    roster.join(m, f"127.0.0.1:{1000 + m.rank}")
     if m.role == "trainer":
         m.watch_resumes()
     return m

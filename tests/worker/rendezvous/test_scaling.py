@@ -7,16 +7,19 @@ pods: tests/e2e/test_e2e.py."""
 import threading
 import time
 
+from functools import partial
+
 import pytest
+from support import roster
+from support.roster import join, make_host
 
 from weightsync.job import Layout
-from weightsync.rendezvous.messages import Peer, RankInfo, Round
-from weightsync.rendezvous.protocol import Keys, Member
-from weightsync.rendezvous.roster import JOINING, PARKED, SERVING, WAITING, Host, RankFailed
+from weightsync.rendezvous.messages import Peer, Round
+from weightsync.rendezvous.protocol import Keys
+from weightsync.rendezvous.roster import JOINING, PARKED, SERVING, WAITING, RankFailed
 from weightsync.roles.receivers import Receivers
 from weightsync.roles.scaling import ScaleWatch
 
-TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/scaling"
 THREE = Layout(trainers=1, trainer_procs=1, inferences=3, inference_procs=1)  # maxReplicas 3
 
@@ -28,18 +31,12 @@ def said():
 
 @pytest.fixture()
 def host(said):
-    host = Host(0, TOKEN, THREE, silent_limit=1.5, away_limit=60.0, say=said.append, address="127.0.0.1", job=JOB,
-                running=2)
+    host = make_host(THREE, JOB, said, silent_limit=1.5, away_limit=60.0, running=2)
     yield host
     host.store.close()
 
 
-def member(host, role, rank):
-    return Member("127.0.0.1", host.store.port, TOKEN, role, rank, timeout=10, job=JOB)
-
-
-def join(m, endpoint):
-    return m.join(endpoint, '{"layout": 1}', RankInfo("tcp", pod=f"{m.role}-{m.rank}"), timeout=10)
+member = partial(roster.member, job=JOB)
 
 
 def started(host):
@@ -146,8 +143,7 @@ def test_a_scale_down_while_the_ranks_join_stops_the_wait_for_the_pods_scaled_aw
 
 
 def test_a_parked_rank_that_does_not_prove_the_token_in_time_is_dropped_or_fails_the_job(said):
-    host = Host(0, TOKEN, THREE, silent_limit=1.5, away_limit=0.3, say=said.append, address="127.0.0.1", job=JOB,
-                running=2)
+    host = make_host(THREE, JOB, said, silent_limit=1.5, away_limit=0.3, running=2)
     try:
         started(host)
         host.wanted = 3

@@ -1,0 +1,24 @@
+"""The controller's roster and its ranks in one process, as the rendezvous tests drive them: a Host
+on loopback with the tests' token, the Members that join it, and what a rank publishes."""
+
+from __future__ import annotations
+
+from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.protocol import Member
+from weightsync.rendezvous.roster import Host
+
+TOKEN = b"0123456789abcdef-job-token"
+
+
+def make_host(layout, job: str, said: list[str], **limits) -> Host:
+    """A controller's Host for `job` whose lines go to `said`."""
+    return Host(0, TOKEN, layout, say=said.append, address="127.0.0.1", job=job, **limits)
+
+
+def member(host: Host, role: str, rank: int, job: str) -> Member:
+    return Member("127.0.0.1", host.store.port, TOKEN, role, rank, timeout=10, job=job)
+
+
+def join(m: Member, endpoint: str) -> int:
+    """The rank joins (its start counted, the token proven) at `endpoint`; returns its attempt."""
+    return m.join(endpoint, '{"layout": 1}', RankInfo("tcp", pod=f"{m.role}-{m.rank}"), timeout=10)
