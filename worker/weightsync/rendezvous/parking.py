@@ -37,32 +37,34 @@ class Parking:
             self.parked = set(range(wanted, self.layout.world_size(INFERENCE)))
             return
         self.parked = set()
-        for rank in range(wanted, before):
-            self._park(rank)
-        for rank in range(before, wanted):
-            self._unpark(rank)
+        changed = [self._park(rank) for rank in range(wanted, before)] + \
+            [self._unpark(rank) for rank in range(before, wanted)]
+        if any(changed):  # the trainers' endpoints, once for all the ranks that changed
+            self.epoch += 1
+            self._publish_peers()
 
-    def _park(self, rank: int) -> None:
+    def _park(self, rank: int) -> bool:
+        """Park the rank of a pod scaled away; False if it was parked already."""
         seat = self.seats[rank]
         if seat.state == PARKED:
-            return
+            return False
         cut = self.in_round.get(rank) == seat.attempt and seat.state == SERVING
         seat.state, seat.since, seat.holds = PARKED, time.monotonic(), None
         if cut:
             self._cut(rank)
-        self.epoch += 1
-        self._publish_peers()
         self.say(f"{who(INFERENCE, rank)} leaves the job: its pod was scaled away (spec.inference.replicas); "
                  "nothing waits for it, and it is taken back if its pod is scaled up to again")
+        return True
 
-    def _unpark(self, rank: int) -> None:
+    def _unpark(self, rank: int) -> bool:
+        """Take back the parked rank of a pod scaled up to again whose process still runs; False
+        if there is none (its pod is new, or gone: it joins when its process starts)."""
         seat = self.seats[rank]
         if seat.state != PARKED or not seat.endpoint:
-            return
+            return False
         if self.silent_for(INFERENCE, rank, time.monotonic()) > self.silent_limit:
-            return  # gone with its pod: it joins when its process starts
+            return False
         seat.state, seat.since = WAITING, time.monotonic()
-        self.epoch += 1
-        self._publish_peers()
         self.say(f"{who(INFERENCE, rank)} is back in the job (its pod was scaled up to again before it went); it "
                  "receives the next round in full and serves once it has verified it")
+        return True
