@@ -391,11 +391,10 @@ def _resume(ctx: WorkerContext, host: Host, reporter: Reporter, planned, version
             f"{serving} meanwhile")
 
     def check(rank: int, got: Admission) -> None:
-        plan.layout.check_matches(FlatLayout.from_json(got.meta), what=f"{who(TRAINER, rank)} resuming")
-        if got.info.transport != transport or got.info.holds != admitted[(TRAINER, rank)].info.holds:
-            raise JobFailed(f"{who(TRAINER, rank)} resumed with the {got.info.transport} transport and other shards "
-                            f"than it joined with; the job runs on {transport}, each rank with its shards",
-                            reasons.RANKS_DISAGREE)
+        _check_rejoin(plan.layout, transport, lambda _: None, rank, got.meta, got.info)  # its model and transport
+        if got.info.holds != admitted[(TRAINER, rank)].info.holds:
+            raise JobFailed(f"{who(TRAINER, rank)} resumed holding other shards than it joined with (pod "
+                            f"{got.info.pod}): each rank must hold its own as before", reasons.RANKS_DISAGREE)
 
     resume(host, ctx.job.trainer.attach_timeout_seconds, version, *(last or (None, None)), check)
     reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: host.resumes})
