@@ -193,18 +193,30 @@ def build(docker: Docker, images: Images, coredns: Path, log=None) -> dict[str, 
     docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.operator"), "-t", images.operator, str(ROOT))
     docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.worker"), "--build-arg",
            f"BASE_IMAGE={PYTORCH_BASE}", "-t", images.worker, str(ROOT))
+    prune(docker, log)
     return {tag: docker.image_id(tag) for tag in images.all()}
+
+
+def prune(docker: Docker, log) -> None:
+    """Removes the images a rebuild left without a tag: each change of the source tree makes a new
+    worker image of several hundred MB, and the cache is kept between runs, so on a machine that
+    runs the tests again and again they would fill its disk. The layers the tagged images are built
+    from stay, and with them the build cache."""
+    out = docker("image", "prune", "--force", capture=True).stdout.strip().splitlines()
+    if out and out[-1].startswith("Total reclaimed space") and not out[-1].endswith(" 0B"):
+        print(f"images: removed the untagged images of earlier builds ({out[-1].split(': ', 1)[1]})", file=log, flush=True)
 
 
 def load(docker: Docker, ids: dict[str, str], containerd, stamp: Path, log=None) -> None:
     """Copies into containerd's Kubernetes namespace each image it does not hold at that ID."""
     log = log or sys.stderr
     loaded = json.loads(stamp.read_text()) if stamp.exists() else {}
-    present = set(containerd.ctr("images", "ls", "-q").split())
-    for tag, image_id in ids.items():
+    wanted = {containerd.normalize(tag) for tag in ids}
+    present = set(remove_stale(containerd, wanted, log))
+    missing = {tag: image_id for tag, image_id in ids.items()
+               if not (loaded.get(containerd.normalize(tag)) == image_id and containerd.normalize(tag) in present)}
+    for tag, image_id in missing.items():
         full = containerd.normalize(tag)
-        if loaded.get(full) == image_id and full in present:
-            continue
         print(f"images: loading {tag} into the node's containerd", file=log, flush=True)
         # `ctr images import` points the name at the new image before it unpacks the layers, which
         # leaves the old image's snapshots unreferenced: containerd's garbage collector may remove
@@ -215,7 +227,13 @@ def load(docker: Docker, ids: dict[str, str], containerd, stamp: Path, log=None)
             containerd.ctr("images", "tag", "--force", full, held)
         try:
             save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE, env=docker.env)
-            containerd.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=save.stdout)
+            try:
+                containerd.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=save.stdout)
+            except Exception as e:
+                save.kill()
+                if "no space left on device" in str(e):
+                    raise out_of_space(containerd.root, e) from None
+                raise
             if save.wait() != 0:
                 raise RuntimeError(f"docker save {tag} failed")
         finally:
@@ -223,6 +241,35 @@ def load(docker: Docker, ids: dict[str, str], containerd, stamp: Path, log=None)
                 containerd.ctr("images", "rm", held)
         loaded[full] = image_id
         stamp.write_text(json.dumps(loaded, indent=1))
+    if missing:
+        remove_stale(containerd, wanted, log)  # what the images replaced
+
+
+def remove_stale(containerd, wanted: set[str], log) -> dict[str, str]:
+    """Removes from containerd's Kubernetes namespace every image but `wanted` (names in full)
+    and the references its CRI plugin keeps to them by ID; returns {wanted name present: its
+    digest}. An image whose name a load moved to a new one stays referenced by its ID and would
+    keep its layers, several hundred MB a load, on a disk kept between runs."""
+    refs = {}
+    for line in containerd.ctr("images", "ls").splitlines()[1:]:
+        ref, _, digest, *_ = line.split()
+        refs[ref] = digest
+    kept = {refs[name] for name in wanted if name in refs}
+    for ref, digest in sorted(refs.items()):
+        if ref not in wanted and digest not in kept:
+            print(f"images: removing {ref} from the node's containerd (not one of the images it runs)", file=log,
+                  flush=True)
+            containerd.ctr("images", "rm", ref)
+    return {name: refs[name] for name in wanted if name in refs}
+
+
+def out_of_space(root: Path, error: Exception) -> OSError:
+    """What to tell where a load ran out of disk midway (its own message names one layer)."""
+    gib = 1 << 30
+    free = shutil.disk_usage(root if root.exists() else root.parent).free
+    return OSError(f"the disk of the real node's image store ({root}) is full ({free / gib:.1f} GiB free): free disk "
+                   f"space there (old test folders in {Path(tempfile.gettempdir()) / 'pytest-of-*'}, other "
+                   f"containers' images) and run the tests again; containerd said: {error}")
 
 
 def main() -> int:
