@@ -74,13 +74,13 @@ class LogFollower:
         self.cluster, self.namespace, self.dir = cluster, namespace, directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.uids: dict[str, str] = {}
+        self.uids: dict[str, tuple[str, int]] = {}  # {pod: (its uid, its container's restarts)}
         self.ended: list[subprocess.Popen] = []
 
     def follow(self, pod: dict) -> None:
-        """Follow the pod's logs; a pod deleted and created again under its name is followed
-        again, into the same file."""
-        name, uid = pod["metadata"]["name"], pod["metadata"].get("uid", "")
+        """Follow the pod's logs; a pod deleted and created again under its name, or whose
+        container started again, is followed again, into the same file."""
+        name, uid = pod["metadata"]["name"], (pod["metadata"].get("uid", ""), restarts(pod))
         if (name in self.procs and self.uids.get(name) == uid) or not running(pod):
             return
         if name in self.procs:
@@ -247,6 +247,36 @@ def restricted(cluster, namespace: str) -> None:
 
 def apply(cluster, namespace: str, job: dict) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
+
+
+def host_claim(cluster, namespace: str, claim: str, folder: Path, access: str) -> str:
+    """A PersistentVolumeClaim `claim` bound to a hostPath PersistentVolume of `folder` on the real
+    node, as a cluster's storage gives pods its checkpoints; returns the volume's name
+    (drop_claim() deletes both: the volume's reclaim policy keeps the folder)."""
+    pv = f"{namespace}-{claim}"
+    for obj in (
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [access], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder), "type": "Directory"},
+                  "claimRef": {"namespace": namespace, "name": claim}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": namespace},
+         "spec": {"accessModes": [access], "storageClassName": "", "volumeName": pv,
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ):
+        apply(cluster, namespace, obj)
+    return pv
+
+
+def drop_claim(cluster, namespace: str, claim: str) -> None:
+    cluster.kubectl("delete", "pvc", claim, "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
+    cluster.kubectl("delete", "pv", f"{namespace}-{claim}", "--ignore-not-found", "--wait=false", check=False)
+
+
+def mounted(claim: str, path: str, read_only: bool = False) -> dict:
+    """A pod template (spec.<role>.podTemplate) that mounts the claim at `path` in the worker."""
+    return {"spec": {"volumes": [{"name": claim, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}],
+                     "containers": [{"name": "worker", "volumeMounts": [
+                         {"name": claim, "mountPath": path, "readOnly": read_only}]}]}}
 
 
 def job_pods(cluster, namespace: str, name: str) -> dict[str, dict]:

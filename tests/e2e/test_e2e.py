@@ -8,7 +8,6 @@ need GPUs and RDMA land on KWOK's fake nodes, which run nothing."""
 from __future__ import annotations
 
 import base64
-import copy
 import json
 import re
 import shutil
@@ -17,8 +16,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from e2e_harness import (LogFollower, Prometheus, apply, example, fast, finished, following, get_job, install, job_pods,
-                         new_namespace, restricted, phase_in, pods, restarts, running, show_logs)
+from e2e_harness import (LogFollower, Prometheus, apply, drop_claim, example, fast, finished, following, get_job,
+                         host_claim, install, job_pods, mounted, new_namespace, restricted, phase_in, pods, restarts,
+                         running, show_logs)
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
@@ -293,23 +293,10 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
         checkpoint.save_pretrained(folder / "gpt2")
         for path in (folder, *folder.rglob("*")):
             path.chmod(0o755 if path.is_dir() else 0o644)
-        pv = f"{namespace}-models"
-        for obj in (
-            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                      "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder), "type": "Directory"},
-                      "claimRef": {"namespace": namespace, "name": "models"}}},
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": namespace},
-             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
-                      "resources": {"requests": {"storage": "1Gi"}}}},
-        ):
-            apply(cluster, namespace, obj)
+        host_claim(cluster, namespace, "models", folder, "ReadOnlyMany")
         job["spec"]["model"] = {"path": "/models/gpt2", "dtype": "bfloat16"}
-        template = {"spec": {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}],
-                             "containers": [{"name": "worker", "volumeMounts": [
-                                 {"name": "models", "mountPath": "/models", "readOnly": True}]}]}}
         for role in ("trainer", "inference"):
-            job["spec"][role]["podTemplate"] = copy.deepcopy(template)
+            job["spec"][role]["podTemplate"] = mounted("models", "/models", read_only=True)
         logs = LogFollower(cluster, namespace, tmp_path / "logs")
         with operator_from_chart(chart[1], chart[0]) as operator:
             apply(cluster, namespace, job)
@@ -326,51 +313,75 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
     finally:
         cluster.kubectl("delete", "wtj", name, "-n", namespace, "--ignore-not-found", "--wait=true", "--timeout=60s",
                         check=False)
-        cluster.kubectl("delete", "pvc", "models", "-n", namespace, "--ignore-not-found", "--wait=false", check=False)
-        cluster.kubectl("delete", "pv", f"{namespace}-models", "--ignore-not-found", "--wait=false", check=False)
+        drop_claim(cluster, namespace, "models")
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_your_own_training_script_runs_as_the_trainers_in_real_pods(cluster, real_node, helm, namespace, chart,
-                                                                     operator_from_chart, tmp_path):
+def test_your_own_training_script_runs_as_the_trainers_in_real_pods_and_resumes_from_its_checkpoint(
+        cluster, real_node, helm, namespace, chart, operator_from_chart, tmp_path):
     """examples/user-trainer-job.yaml as a user applies it: torchrun runs the example FSDP2 script in
     each of the two trainer pods, whose four ranks find each other through the job's Service
     (MASTER_ADDR) and attach to the job; here the inference side is a replica of TP degree 2 over
-    two pods (its process group over the pod network) beside a whole replica. Fewer steps and
-    smaller CPU requests than the example, for a 2-core node."""
+    two pods (its process group over the pod network) beside a whole replica. The script saves its
+    checkpoint to a ReadWriteMany claim the trainer pods mount; once version 1 is delivered a
+    trainer pod is deleted, as a node drain does, whatever the job is doing then: its StatefulSet
+    starts it again, every trainer rank resumes from the checkpoint, and the job succeeds with every
+    version verified. Smaller CPU requests than the example, for a 2-core node."""
     job = example("user-trainer-job.yaml")
-    name, steps, every = job["metadata"]["name"], 6, 3
+    name, steps, every = job["metadata"]["name"], 24, 3  # versions enough to outlast the deletion
     args = job["spec"]["trainer"]["args"]
     args[args.index("--steps") + 1], args[args.index("--publish-every") + 1] = str(steps), str(every)
+    args += ["--checkpoint", "/checkpoints"]
+    job["spec"]["trainer"]["podTemplate"] = mounted("checkpoints", "/checkpoints")
     job["spec"]["inference"].update(replicas=3, tensorParallelSizes=[2, 1])
     for role in ("trainer", "inference"):
         job["spec"][role]["resources"]["requests"]["cpu"] = "200m"
     layout = contract.load_job(job, namespace).layout
-    versions = 1 + steps // every
+    trainers = [f"{name}-{contract.TRAINER}-{ordinal}" for ordinal in layout.ordinals(contract.TRAINER)]
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)
-
-    with operator_from_chart(chart[1], chart[0]) as operator:
-        apply(cluster, namespace, job)
-        progress = following(cluster, namespace, name, operator, logs)
-
-        try:
-            done = finished(cluster, namespace, name, progress)
-        finally:
-            show_logs(logs)
+    folder = Path(tempfile.mkdtemp(prefix="weightsync-checkpoints-"))  # outside pytest's 0700 folders
+    folder.chmod(0o777)  # the trainers write it as the image's unprivileged user
+    host_claim(cluster, namespace, "checkpoints", folder, "ReadWriteMany")
+    try:
+        with operator_from_chart(chart[1], chart[0]) as operator:
+            apply(cluster, namespace, job)
+            progress = following(cluster, namespace, name, operator, logs)
+            try:
+                wait_for(f"{name} to deliver version 1", lambda: (((get_job(cluster, namespace, name).get("status") or {})
+                                                                   .get("transfer") or {}).get("version", -1) >= 1),
+                         300, interval=1, failed=progress)
+                first_uid = job_pods(cluster, namespace, name)[trainers[-1]]["metadata"]["uid"]
+                cluster.kubectl("delete", "pod", trainers[-1], "-n", namespace, "--wait=false")
+                wait_for(f"{trainers[-1]} back as a new pod", lambda: (job_pods(cluster, namespace, name).get(
+                    trainers[-1]) or {}).get("metadata", {}).get("uid") not in (None, first_uid), 120, failed=progress)
+                done = finished(cluster, namespace, name, progress)
+            finally:
+                show_logs(logs)
+    finally:
+        drop_claim(cluster, namespace, "checkpoints")
+        shutil.rmtree(folder, ignore_errors=True)
     status = done["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
-    assert status["completion"]["versions"] == versions
-    trainers = [f"{name}-{contract.TRAINER}-{ordinal}" for ordinal in layout.ordinals(contract.TRAINER)]
-    attached = "".join(logs.text(n) for n in trainers)
+    assert status["rejoins"][contract.TRAINER] >= 1, json.dumps(status, indent=1)
+    # every step published once, one of them perhaps twice (the checkpoint a step behind the delivery)
+    assert status["completion"]["versions"] >= 1 + steps // every, json.dumps(status, indent=1)
+    final = status["transfer"]["version"]
+    (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
+    assert "every trainer rank resumed" in logs.text(controller), logs.text(controller)[-3000:]
+    # each trainer pod's last start: its ranks attached, resumed from the checkpoint, and finished
+    # (the operator removed the pods as the scripts finished: torchrun was not cut short)
+    last = {n: logs.text(n).rsplit("runs the command", 1)[-1] for n in trainers}
+    attached = "".join(last.values())
     for rank in range(layout.world_size(contract.TRAINER)):
         assert f"[trainer rank {rank}] attached on cpu" in attached, attached[-3000:]
-    assert f"step {steps}: version {versions - 1}, sent" in attached  # the script's own line, from its rank 0
-    # the operator removed the pods as the scripts finished: they finished, torchrun was not cut short
+        assert f"[trainer rank {rank}] resumed (start " in attached, attached[-3000:]
+    assert "resumed from the checkpoint of step " in attached, attached[-3000:]
+    assert f"step {steps}: version {final}, sent" in attached  # the script's own line, from its rank 0
     assert "SignalException" not in attached, attached[-3000:]
     for ordinal in layout.ordinals(contract.INFERENCE):
         text = logs.text(f"{name}-{contract.INFERENCE}-{ordinal}")
-        assert f"switched to version {versions - 1} (digest verified)" in text, text[-3000:]
+        assert f"switched to version {final} (digest verified)" in text, text[-3000:]
     first = logs.text(f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}")
     assert "TP rank 0 of 2" in first, first[-3000:]
 

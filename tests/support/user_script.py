@@ -23,13 +23,16 @@ def example_args(tmp_path: Path, *more: str) -> list[str]:
     return ["--config", json.dumps(CONFIG), "--steps", "6", "--publish-every", "3", "--save", str(tmp_path / "final.pt"), *more]
 
 
-def check_final_version(tmp_path: Path, job, versions: int) -> None:
+def check_final_version(tmp_path: Path, job, versions: int | list[int]) -> None:
+    """Every inference rank switched to each of `versions` (a count: 0 to count - 1), and the
+    last of them holds the weights the script saved at its end."""
+    versions = list(range(versions)) if isinstance(versions, int) else versions
     saved = torch.load(tmp_path / "final.pt")
     dtype = getattr(torch, job.model.dtype)
     for rank in range(job.layout.world_size("inference")):
-        for v in range(versions):
+        for v in versions:
             assert (tmp_path / "dump" / f"inference-{rank}-v{v}.pt").exists(), f"inference rank {rank} missed version {v}"
-        got = torch.load(tmp_path / "dump" / f"inference-{rank}-v{versions - 1}.pt")["tensors"]
+        got = torch.load(tmp_path / "dump" / f"inference-{rank}-v{versions[-1]}.pt")["tensors"]
         assert "lm_head.weight" not in got  # tied: sent once, as the embedding
         for name, tensor in got.items():
             assert torch.equal(as_bytes(tensor), as_bytes(saved[name].to(dtype))), f"inference rank {rank}: {name}"

@@ -2,8 +2,10 @@
 (rendezvous/resume.py): a trainer rank that starts again stops the versions (TrainersRestart where
 the trainers resume, RankFailed where they do not), every trainer rank must start again and prove
 the token over a fresh challenge, a process of an earlier start that still waits on weightsync is
-told to end, and the controller says where they resume. (With real processes and the example
-script's checkpoint: tests/worker/publisher/test_trainer_resume.py.)"""
+told to end, and the controller says where they resume. A trainer rank that stops before a round
+is sent drops the round (its receivers leave it); one that stops once it is sent is seen between
+two versions. (With real processes and the example script's checkpoint:
+tests/worker/publisher/test_trainer_resume.py.)"""
 import threading
 
 from functools import partial
@@ -14,8 +16,8 @@ from support.roster import make_host
 
 from weightsync.job import Layout, reasons
 from weightsync.rendezvous.joining import TrainersRestart
-from weightsync.rendezvous.messages import RankInfo
-from weightsync.rendezvous.protocol import Keys, Resuming
+from weightsync.rendezvous.messages import RankInfo, SentReport
+from weightsync.rendezvous.protocol import Dropped, Keys, Resuming
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import RankFailed
 
@@ -117,3 +119,60 @@ def test_trainer_ranks_ready_at_different_steps_fail_the_job_naming_them(host):
     with pytest.raises(RankFailed, match="trainer rank 0 at step 30, trainer rank 1 at step 20") as e:
         host.next_version(0)
     assert e.value.reason == reasons.TRAINERS_DISAGREE
+
+
+def ready_round(host, members, version: int):
+    """Every trainer rank ready with `version`, and its round said."""
+    for t in (0, 1):
+        members[("trainer", t)].set(Keys.ready(version, t), {"step": version * 10})
+    assert host.next_version(version)
+    return host.start_round(version)
+
+
+def test_a_trainer_that_stops_before_the_round_is_sent_stops_it_and_its_receivers_leave_it(host):
+    host.resumable = True
+    members = started(host)
+    rnd = ready_round(host, members, 1)
+    members[("trainer", 0)].set(Keys.sent(1, 0, 0), SentReport(bytes=8, seconds=0.1).to_json())
+    member(host, "trainer", 1).arrive(resumes=True)  # its share not sent: it started again
+    host.last_watch = 0.0
+    with pytest.raises(TrainersRestart, match="trainer rank 1 started again"):
+        host.collect_sent(rnd, timeout=10)
+
+    receiver = members[("inference", 0)]
+    receiver.verdict(rnd, 0.3)  # nothing said yet: the caller's error stands
+    host.set(Keys.dropped(1), "trainer rank 1 started again (start 2)")
+    with pytest.raises(Dropped, match=r"version 1 was dropped on its way: trainer rank 1 started again \(start 2\)"):
+        receiver.verdict(rnd, 5)
+    with pytest.raises(Dropped):  # a rank that waits for the version's reference digest leaves it too
+        receiver.wait([Keys.ref(1)], "the reference digest", 5, receiver.behind(1, Keys.ref(1)))
+    host.forget(1)
+    assert not host.has(Keys.dropped(1))
+
+
+def test_a_trainer_that_stops_once_the_round_is_sent_is_seen_at_the_next_version(host):
+    host.resumable = True
+    members = started(host)
+    rnd = ready_round(host, members, 1)
+    for t in (0, 1):
+        members[("trainer", t)].set(Keys.sent(1, 0, t), SentReport(bytes=8, seconds=0.1).to_json())
+    assert len(host.collect_sent(rnd, timeout=10)) == 2
+    members[("trainer", 0)].fail("its collective lost a peer")  # trainer rank 1 died: it starts again
+    member(host, "trainer", 1).arrive(resumes=True)
+    members[("inference", 0)].set(Keys.applied(1, 0, 1), {"digest": "d"})
+    host.last_watch = 0.0
+    assert host.collect_applied(rnd, timeout=10) == {0: {"digest": "d"}}  # the round ends as sent
+    with pytest.raises(TrainersRestart, match="trainer rank 1 stopped .its process started again., and trainer rank 0 "
+                                              "failed with it"):
+        host.next_version(2)
+
+
+def test_without_resuming_trainers_a_trainer_that_stops_once_the_round_is_sent_fails_it(host):
+    members = started(host)
+    rnd = ready_round(host, members, 1)
+    for t in (0, 1):
+        members[("trainer", t)].set(Keys.sent(1, 0, t), SentReport(bytes=8, seconds=0.1).to_json())
+    host.collect_sent(rnd, timeout=10)
+    members[("trainer", 1)].fail("out of memory")
+    with pytest.raises(RankFailed, match="trainer rank 1 failed: out of memory"):
+        host.collect_applied(rnd, timeout=10)

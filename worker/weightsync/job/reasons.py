@@ -40,8 +40,9 @@ RANK_SILENT = _reason("RankSilent", "a trainer rank sent no heartbeat for longer
 RANK_LOST = _reason("RankLost", "an inference rank went away (its pod restarting, frozen, or cut off) and did not "
                     "come back within the away limit")
 TRAINER_RESTARTED = _reason("TrainerRestarted", "a trainer rank's process started again after it had joined: the "
-                            "built-in trainer keeps no checkpoint to resume from; a user's script resumes between "
-                            "versions, but not while a version is on its way, nor when its ranks do not start again")
+                            "built-in trainer keeps no checkpoint to resume from; a user's script resumes from its "
+                            "checkpoint, but not when its ranks do not start again, nor when an inference rank failed "
+                            "with it")
 TRAINERS_DISAGREE = _reason("TrainersDisagree", "the trainer ranks did not publish the same versions: one closed "
                             "while another went on, or closed after another version, or they published one at "
                             "different steps")

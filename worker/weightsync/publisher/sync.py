@@ -137,7 +137,9 @@ class Sync:
             pause_point(TRAINER, self.rank, "before-ready", version)
             self.member.set(Keys.ready(version, self.rank), {"step": step})
             pause_point(TRAINER, self.rank, "before-go", version)
-            if version:  # the go comes once the previous version is done (its deadline is the controller's)
+            # the go comes once the previous version is done (its deadline is the controller's), or
+            # after a resume, whose previous version may have been dropped on its way
+            if version and not (self.resumed is not None and self.resumed.version == version):
                 self.member.wait_for(Keys.done(version - 1), f"the controller to finish version {version - 1}")
             wait = self.timeout if timeout is None else timeout
             try:

@@ -50,6 +50,12 @@ class FellBehind(RuntimeError):
     frozen or cut off meanwhile, and counted away): it must start again and rejoin."""
 
 
+class Dropped(RuntimeError):
+    """The controller dropped the round this inference rank receives: a trainer rank stopped while
+    it was on its way and the trainers resume from their checkpoint. Its bytes are half sent, never
+    verified, and the rank goes on to the next version on the weights it serves."""
+
+
 class Restarted(RuntimeError):
     """A trainer rank's process started again after it had joined: the job cannot go on."""
 
@@ -214,6 +220,12 @@ class Keys:
         """controller: the receivers of a round it counted away while the round was on its way
         (json list); trainers stop sending to them at once instead of waiting out their timeout."""
         return f"cut/{version}" if not again else f"cut/{version}/again/{again}"
+
+    @staticmethod
+    def dropped(version: int) -> str:
+        """controller: why it dropped that version while it was on its way (a trainer rank stopped
+        and the trainers resume); its receivers take none of it and wait for the next."""
+        return f"dropped/{version}"
 
     @staticmethod
     def ref(version: int) -> str:
@@ -468,11 +480,30 @@ class Member(Channel):
         def check() -> None:
             self.check_end()
             if self.role == INFERENCE:
+                self.check_dropped(version)
                 latest = self.latest()
                 if latest is not None and latest > version and not self.has(key):
                     raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
                                      f"version {latest} without this rank: it was frozen or cut off")
         return check
+
+    def check_dropped(self, version: int) -> None:
+        """Dropped where the controller dropped `version` (a trainer rank stopped mid-way)."""
+        if self.has(Keys.dropped(version)):
+            raise Dropped(f"version {version} was dropped on its way: {self.get(Keys.dropped(version)).decode()}")
+
+    def verdict(self, rnd: Round, timeout: float) -> None:
+        """An inference rank whose receive of `rnd` failed in a job whose trainers resume: wait up
+        to `timeout` seconds for the controller to say what became of the round, as it may have
+        lost a sender that stopped. Dropped where it dropped the round; returns where it went on
+        without this rank, or said nothing in time (the caller's error stands)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_end()
+            self.check_dropped(rnd.version)
+            if self.counted_away(rnd):
+                return
+            time.sleep(CHECK_EVERY)
 
     def latest(self) -> int | None:
         """The latest version the controller announced, None before the first."""

@@ -13,8 +13,11 @@ the last delivered version and its step, for the script to check its checkpoint 
 inference ranks serve the last version meanwhile, and get the next one whole (the trainers kept
 no copy of the last to send a delta against).
 
-A trainer that stops while a version is on its way still fails the job: that version's bytes
-would be half sent by processes that are gone."""
+A trainer that stops while a version is on its way, before every trainer rank reported it sent,
+drops that version first (Keys.dropped): its bytes are half sent by processes that are gone, no
+receiver verified it, and every receiver leaves it and keeps the version it serves; the resume's
+next version is the one after it. One that stops once the version is sent is seen at the next
+version, when the round has ended."""
 
 from __future__ import annotations
 

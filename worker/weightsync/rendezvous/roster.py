@@ -104,6 +104,7 @@ class Host(Channel, Parking):
         self.resumes = 0  # the times they resumed
         self.claims: Claims | None = None  # external vLLM servers: their workers claim inference ranks (claims.py)
         self.failures_seen = 0
+        self.deferred = False  # a trainer rank's failure seen while only the inference ranks were checked
         self.beats: dict[tuple[str, int], Beat] = {}
         self.last_watch = 0.0
         for role, rank in self.ranks:
@@ -244,7 +245,9 @@ class Host(Channel, Parking):
 
     def collect_applied(self, rnd: Round, timeout: float) -> dict[int, dict]:
         """{inference rank: what it applied} from every receiver of the round that is still there;
-        one that vanished meanwhile is away, and the round goes on without it."""
+        one that vanished meanwhile is away, and the round goes on without it. Where the trainers
+        resume, a trainer rank that stops now (every byte of the round sent) is seen at the next
+        version, between two versions, and the round goes on."""
         return self._collect(rnd, Keys.applied, "apply", timeout)
 
     def collect_staged(self, rnd: Round, timeout: float) -> dict[int, dict]:
@@ -267,7 +270,7 @@ class Host(Channel, Parking):
                     del pending[r]
             if not pending:
                 return got
-            self.check_ranks()
+            self.check_ranks(trainers=not self.resumable)  # sent: the round needs them no more
             if time.monotonic() - start > timeout:
                 raise TimeoutError(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
@@ -284,7 +287,7 @@ class Host(Channel, Parking):
                 return True
             if time.monotonic() > deadline:
                 return False
-            self.check_ranks()
+            self.check_ranks(trainers=not self.resumable)  # sent: as in _collect
             time.sleep(BACK_POLL)
 
     def holding(self, version: int, applied: Iterable[int]) -> None:
@@ -313,7 +316,7 @@ class Host(Channel, Parking):
         not fill it. Only for a version no rank still reads (two versions back: every inference
         rank that is there has applied a later one)."""
         trainers = self.layout.world_size(TRAINER)
-        keys = [Keys.go(version), Keys.ref(version), Keys.cut(version)]
+        keys = [Keys.go(version), Keys.ref(version), Keys.cut(version), Keys.dropped(version)]
         keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
         keys += [key(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)
                  for key in (Keys.staged, Keys.applied)]
@@ -332,7 +335,7 @@ class Host(Channel, Parking):
         silent (TrainersRestart where the trainers resume), or an inference rank away for too
         long; keep the roster of inference ranks. Without `trainers`: the inference ranks only
         (while the trainers resume, resume.py follows them)."""
-        self.check_failures()
+        self.check_failures(trainers)
         self.follow_scale()
         now = time.monotonic()
         if now - self.last_watch < HEARTBEAT / 4:
@@ -403,12 +406,17 @@ class Host(Channel, Parking):
             return 0.0
         return now - seen.seen
 
-    def check_failures(self) -> None:
+    def check_failures(self, trainers: bool = True) -> None:
+        """RankFailed for a rank that reported a failure; without `trainers`, a trainer rank's
+        report waits for the next check with them."""
         failures = self.store.add(Keys.FAILURES, 0)
-        if failures > self.failures_seen:
-            self.failures_seen = failures
+        if failures > self.failures_seen or (trainers and self.deferred):
+            self.failures_seen, self.deferred = failures, False
             for role, rank in self.ranks:
                 if self.has(Keys.failed(role, rank)):
+                    if role == TRAINER and not trainers:
+                        self.deferred = True
+                        continue
                     raise self._blame(role, rank, self.get(Keys.failed(role, rank)).decode())
 
     def _blame(self, role: str, rank: int, message: str) -> RankFailed:

@@ -57,6 +57,15 @@ REPORT_SLACK = 10.0  # seconds for a trainer to report a round after its own dea
 ME = "controller"
 
 
+class RoundDropped(RuntimeError):
+    """A trainer rank stopped while a version was on its way, in a job whose trainers resume: the
+    version is dropped (its bytes half sent, none verified) and the trainers resume."""
+
+    def __init__(self, rnd: Round, why: TrainersRestart):
+        self.round, self.why = rnd, why
+        super().__init__(f"{why}, while {rnd.name} was on its way")
+
+
 class JobFailed(RuntimeError):
     """The job cannot go on; the message says why, `reason` how (job/reasons.py)."""
 
@@ -140,9 +149,16 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
                                                           version, 0))
             try:
                 sent, applied = _round(ctx, host, reporter, plan, rnd, transport, timeout)
-            except TrainersRestart as e:
-                raise JobFailed(f"{e}, while {rnd.name} was on its way: its bytes are half sent by processes that are "
-                                "gone, so the job cannot resume", reasons.TRAINER_RESTARTED) from None
+            except RoundDropped as e:
+                host.set(Keys.dropped(version), str(e.why))  # its receivers take none of it
+                log(ME, f"{e}: {rnd.name} is dropped (its bytes are half sent, none was verified), and the inference "
+                        "ranks keep the version they serve")
+                version += 1  # never a number reused for other bytes
+                _resume(ctx, host, reporter, (plan, transport, admitted), version, last, e.why)
+                whole = version
+                continue
+            except TrainersRestart as e:  # an inference rank failed, blamed on a trainer that stopped
+                raise JobFailed(f"{e}, while {rnd.name} was on its way", reasons.TRAINER_RESTARTED) from None
             if sent[0].loss is not None:
                 loss = sent[0].loss
             if applied:  # a round whose receivers were all away delivered nothing
@@ -202,7 +218,10 @@ def _round(ctx: WorkerContext, host: Host, reporter: Reporter, plan, rnd: Round,
     start = time.monotonic()
     # A trainer may spend its timeout dialling a receiver and its timeout again on a send that
     # makes no progress before it reports the receiver lost: wait for that report, not past it.
-    sent = host.collect_sent(rnd, 2 * timeout + REPORT_SLACK)
+    try:
+        sent = host.collect_sent(rnd, 2 * timeout + REPORT_SLACK)
+    except TrainersRestart as e:  # a trainer stopped before every byte of the round was sent
+        raise RoundDropped(rnd, e) from None
     sent_at = time.monotonic()
     pause_point(CONTROLLER, 0, "verifying", rnd.version)
     reference = reference_digests(plan, sent, rnd.receivers)

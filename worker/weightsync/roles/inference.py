@@ -88,7 +88,7 @@ class Inference:
                      f"bytes per version from {len(plan.expected_for(self.rank))} trainer ranks{again}")
 
         settle_heap()
-        mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.transfer)
+        mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.ctx.job)
         try:
             self._generate(model, gens, device)
         finally:

@@ -81,7 +81,7 @@ class ShardedInference:
                          f"{self.group.stop - 1}); {local.total_bytes} of {plan.version_bytes} bytes per version "
                          f"from {len(plan.expected_for(self.rank))} trainer ranks")
             settle_heap()
-            mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.transfer)
+            mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.ctx.job)
             try:
                 self._generate(model, tp, layout, local, gens, device)
             finally:

@@ -9,7 +9,10 @@ and the checks are one piece of code.
 
 A rank whose process started again (its pod restarted) is taken back at the next round, which it
 receives in full. A rank the controller counted away (silent, or cut off by the trainers) while its
-process lived on ends its process, so that it starts again and rejoins the same way.
+process lived on ends its process, so that it starts again and rejoins the same way. A round the
+controller dropped (a trainer rank stopped while it was on its way, and the trainers resume from
+their checkpoint) is left half received: never verified, never handed to the engine, and the rank
+waits for the next version on the weights it serves.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ import threading
 import time
 from typing import Protocol
 
-from weightsync.job import INFERENCE, Transfer
+from weightsync.job import INFERENCE, Job
 from weightsync.rendezvous.messages import Round
-from weightsync.rendezvous.protocol import FellBehind, JobEnded, Keys, Member, who
+from weightsync.rendezvous.protocol import HEARTBEAT, Dropped, FellBehind, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
 from weightsync.transport.base import TransferError
+
+# seconds a rank whose receive failed waits for the controller to say whether a trainer rank
+# stopped and the round is dropped: the controller sees a stopped trainer within its silent limit
+# (8 s at most) and a few heartbeats to blame the right rank
+VERDICT_WAIT = 8.0 + 8 * HEARTBEAT
 
 
 class VerificationError(Expected):
@@ -83,12 +91,12 @@ class GenerationHandover:
         with self.cond:
             self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.error is not None, timeout)
 
-    def start_receiving(self, member: Member, receiver: VersionReceiver, transfer: Transfer) -> threading.Thread:
+    def start_receiving(self, member: Member, receiver: VersionReceiver, job: Job) -> threading.Thread:
         """Start the receiving thread, the only user of the member's store client from then on: it
         takes every round and hands the job's end, or why it failed, to the generation loop."""
         def receive() -> None:
             try:
-                self.finish(end=receive_rounds(member, receiver, transfer, self))
+                self.finish(end=receive_rounds(member, receiver, job, self))
             except BaseException as e:  # noqa: BLE001 - handed to the generation loop, which raises it
                 self.finish(error=e)
 
@@ -97,10 +105,11 @@ class GenerationHandover:
         return thread
 
 
-def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer, engine: Handover) -> dict:
+def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: Handover) -> dict:
     """Take every round the controller announces until the job ends; returns its end
     ({"state", "message"}). Raises VerificationError, StartAgain, or what the transfer raised."""
     rank, me = receiver.rank, who(INFERENCE, receiver.rank)
+    transfer = job.transfer
     timeout = transfer.timeout
     counters = rank_counters(rank)  # its pod's /metrics
     late = member.joins_late(timeout)
@@ -121,6 +130,12 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
         try:
             got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
         except TransferError as e:  # frozen or cut off mid-version, the trainers hung up on it meanwhile
+            try:
+                if job.trainer.resumes:  # or a sender stopped, and the trainers resume
+                    member.verdict(rnd, VERDICT_WAIT)
+            except Dropped as dropped:
+                log(me, f"{dropped}; {rnd.name} is left half received here; the model stays on the version it serves")
+                continue
             if member.counted_away(rnd):
                 raise StartAgain(f"{rnd.name} failed here ({e}): the controller counted this rank away meanwhile; "
                                  "ending this process so that it starts again and rejoins") from None
@@ -138,6 +153,9 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
                 reference = reference_for(member.seen(Keys.ref(version), version).decode(), rank)
             except FellBehind as e:
                 raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
+            except Dropped as dropped:
+                log(me, f"{dropped}; {rnd.name} is left unverified here; the model stays on the version it serves")
+                continue
             if got.digest != reference:
                 member.store.add(Keys.VERIFY_FAILURES, 1)
                 counters.checksum_failed()
@@ -154,3 +172,4 @@ def receive_rounds(member: Member, receiver: VersionReceiver, transfer: Transfer
                     "why_refused": got.refused[0] if got.refused else None, "verify_seconds": round(verified, 6),
                     "load_seconds": None if loaded is None else round(loaded, 6)})
     raise AssertionError("unreachable")
+

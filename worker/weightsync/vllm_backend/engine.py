@@ -118,7 +118,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             plan, _ = member.plan(JOIN_TIMEOUT)
             self._check_plan(plan)
             settle_heap()
-            end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job.transfer, self)
+            end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job, self)
             log(self.me, f"the job ended: {end['message']}")
             if self.place.external:  # a pod's server process says goodbye for it; here nobody else does
                 member.bye()
