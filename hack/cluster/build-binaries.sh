@@ -16,6 +16,11 @@ KUEUE_VERSION=v0.17.0  # sigs.k8s.io/kueue
 cache=${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}
 out=$cache/bin/k8s-$K8S_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION
 mkdir -p "$out"
+# Go's build and module caches for these builds (about 13 GB) serve only while they run: they live
+# in a folder of their own, removed at the end, not in the caches of the machine's user.
+gowork=$cache/go-work
+export GOCACHE=$gowork/build GOMODCACHE=$gowork/mod
+trap '[ ! -d "$gowork" ] || { chmod -R u+w "$gowork"; rm -rf "$gowork"; }' EXIT
 
 build() {  # name, package, ldflags
   [ -x "$out/$1" ] && return 0
