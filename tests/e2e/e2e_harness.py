@@ -92,7 +92,9 @@ class LogFollower:
                 stdout=out, stderr=subprocess.STDOUT)
 
     def text(self, name: str) -> str:
-        return (self.dir / f"{name}.log").read_text(errors="replace")
+        """What the pod's containers said so far ("" before it ran)."""
+        path = self.dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def stop(self, timeout: float = 30) -> None:
         """Waits for every stream to end (its container exited), then stops those that did not."""
