@@ -59,8 +59,10 @@ def test_an_operator_started_before_kueue_asks_to_be_restarted_once_kueue_is_ser
     cluster.kubectl("delete", "crd", "workloads.kueue.x-k8s.io", "--ignore-not-found", "--wait=true", "--timeout=120s")
     op = Operator(cluster.kubeconfig, tmp_path / "operator.log")
     try:
-        op.start()
-        assert "Unresolved resources cannot be served" in op.log() and "workloads" in op.log()
+        op.start()  # alive as soon as it serves the CRD: kopf says what it cannot watch just after
+        wait_for("the operator to say it cannot watch Kueue's Workloads",
+                 lambda: "Unresolved resources cannot be served" in op.log(), 30)
+        assert "workloads" in op.log()
         cluster.kubectl("apply", "--server-side", "-f", str(workloads))
         cluster.wait_served("workloads.kueue.x-k8s.io")
         wait_for("liveness failing once Kueue is served", lambda: not probe(f"http://127.0.0.1:{op.port}/healthz"), 60)
