@@ -230,6 +230,26 @@ def test_an_inference_rank_away_past_its_grace_is_dropped_while_enough_remain_an
     assert host.seats[1].state == WAITING and host.start_round(1).receivers == (0, 1)
 
 
+def test_a_start_slower_to_join_than_the_grace_is_dropped_and_taken_back_once_it_joins():
+    said = []
+    host, _ = started(away_limit=0.3, min_available=1, say=said.append)
+    again = member(host, "inference", 1)
+    again.arrive()  # its process started again: it builds its model, longer than the grace
+    deadline = time.monotonic() + 10
+    while host.seats[1].state != DROPPED and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.05)
+    assert host.seats[1].state == DROPPED
+    assert any("takes it back once its start joins, or if its process starts again" in line for line in said), said
+    assert host.start_round(1).receivers == (0,)  # not waited for meanwhile
+    again.join("127.0.0.1:7777", '{"layout": 1}', RankInfo("tcp", pod="p1"), timeout=10)
+    while host.seats[1].state != WAITING and time.monotonic() < deadline:
+        host.check_ranks()
+        time.sleep(0.02)
+    assert host.seats[1].state == WAITING and host.start_round(2).receivers == (0, 1)
+    assert any("inference rank 1 rejoined (start 2" in line for line in said), said
+
+
 def test_a_silent_inference_rank_is_away_a_silent_trainer_fails_the_job():
     host, members = started(silent_limit=1.0)
     for m in members.values():

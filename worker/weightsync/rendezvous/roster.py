@@ -353,8 +353,8 @@ class Host(Channel, Parking):
                 self._restarted(rank, started)
         for role, rank in self.ranks:
             seat = self.seats.get(rank) if role == INFERENCE else None
-            if seat is not None and seat.state in (AWAY, JOINING):
-                if seat.state == JOINING:
+            if seat is not None and (seat.state in (AWAY, JOINING) or (seat.state == DROPPED and seat.late)):
+                if seat.state in (JOINING, DROPPED):  # a start that joins late is taken back all the same
                     self._readmit(rank)
                 if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
                     self._drop(rank)
@@ -461,17 +461,18 @@ class Host(Channel, Parking):
 
     def _drop(self, rank: int) -> None:
         """An inference rank away past away_limit: dropped from the versions while at least
-        min_available others remain (taken back if its process starts again), else RankFailed."""
+        min_available others remain (taken back if its process starts again, or once the start it was joining with joins), else RankFailed."""
         remaining = sum(1 for r, s in self.seats.items() if r != rank and s.state not in (DROPPED, PARKED))
         if remaining < self.needed:
             raise RankFailed(f"{who(INFERENCE, rank)} did not come back within {self.away_limit:.0f}s after it went "
                              f"away, and the job needs {self.needed} inference ranks "
                              f"(spec.inference.minAvailable) with {remaining} left", reasons.RANK_LOST)
         seat = self.seats[rank]
+        seat.late = seat.state == JOINING
         seat.state, seat.since = DROPPED, time.monotonic()
         self.say(f"{who(INFERENCE, rank)} dropped: away for more than {self.away_limit:.0f}s; the job goes on with "
                  f"{remaining} inference ranks (it needs {self.needed}, spec.inference.minAvailable) and takes it "
-                 "back if its process starts again")
+                 f"back {'once its start joins, or ' if seat.late else ''}if its process starts again")
 
     def _lost(self, rank: int, why: str) -> None:
         if self.in_round.get(rank) == self.seats[rank].attempt:
@@ -501,6 +502,7 @@ class Host(Channel, Parking):
             return
         self.check_rejoin(rank, got.meta, got.info)
         seat.endpoint, seat.state, seat.since, seat.info = got.endpoint, WAITING, time.monotonic(), got.info
+        seat.late = False
         first = seat.attempt == 1  # a pod scaled up to, starting for the first time
         seat.rejoins += 0 if first else 1
         self.epoch += 1

@@ -28,3 +28,6 @@ class Seat:
     holds: int | None = None
     rejoins: int = 0
     info: RankInfo | None = None  # what its latest attempt told about itself (pod, transport, vLLM server)
+    # dropped while its latest start was joining (slower than away_limit to build its model): taken
+    # back once that start proves the token, as it would have been in time
+    late: bool = False
