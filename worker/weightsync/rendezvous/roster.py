@@ -461,7 +461,8 @@ class Host(Channel, Parking):
 
     def _drop(self, rank: int) -> None:
         """An inference rank away past away_limit: dropped from the versions while at least
-        min_available others remain (taken back if its process starts again, or once the start it was joining with joins), else RankFailed."""
+        min_available others remain (taken back if its process starts again, or once the start it
+        was joining with joins), else RankFailed."""
         remaining = sum(1 for r, s in self.seats.items() if r != rank and s.state not in (DROPPED, PARKED))
         if remaining < self.needed:
             raise RankFailed(f"{who(INFERENCE, rank)} did not come back within {self.away_limit:.0f}s after it went "
