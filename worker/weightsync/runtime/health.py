@@ -48,6 +48,9 @@ STALE_AFTER = 10.0
 # one probe at a time (two with readiness), each answered as soon as its request is in.
 MAX_PENDING = 64
 REQUEST_TIMEOUT = 1.0  # seconds from a connection's accept to its whole request: a prober sends it at once
+# seconds from a whole request to its answer's last byte sent: a scrape's answer may take a while to
+# make on busy cores and to go as the client reads, and its time is not the request's
+ANSWER_TIMEOUT = 10.0
 MAX_REQUEST = 4096  # bytes of a request; a longer one is no probe
 METRICS_PATH = "/metrics"  # where Prometheus scrapes the pod
 # Connections accepted at a time before the requests already in are read: fewer than MAX_PENDING,
@@ -200,7 +203,8 @@ class _Request:
 class _Server:
     """Answers the probes from one thread, with a selector: a connection costs no thread, has
     REQUEST_TIMEOUT seconds from its accept to send its whole request (a byte now and then does not
-    extend it), and at most MAX_PENDING are pending at once, one more closing the oldest. The
+    extend it), and its answer ANSWER_TIMEOUT seconds more to go, and at most MAX_PENDING are
+    pending at once, one more closing the oldest. The
     prober sends its request as soon as it connects and is answered at once, so it never is the
     oldest for long; a client that holds connections open, idle or trickling, gains nothing."""
 
@@ -216,7 +220,7 @@ class _Server:
             raise
         self.listener.setblocking(False)
         self.server_address = self.listener.getsockname()
-        self.pending: collections.OrderedDict[int, _Request] = collections.OrderedDict()  # oldest first
+        self.pending: collections.OrderedDict[int, _Request] = collections.OrderedDict()  # by deadline, soonest first
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.wake_r, self.wake_w = socket.socketpair()
@@ -291,13 +295,14 @@ class _Server:
         head = (f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\nContent-Type: {kind}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         request.out = head + (b"" if line and line[0] == "HEAD" else body)
+        request.deadline = time.monotonic() + ANSWER_TIMEOUT  # the latest of all: pending stays in deadline order
+        self.pending.move_to_end(request.fd)
         self.selector.modify(request.fd, selectors.EVENT_WRITE, request)
         self._write(request)
 
     def _write(self, request: _Request) -> None:
         """Send what is left of the answer; a probe's fits the socket's buffer at once, a scrape's
-        (a few kilobytes) almost always; the rest goes as the client reads, before the request's
-        deadline, which still holds."""
+        (a few kilobytes) almost always; the rest goes as the client reads, within ANSWER_TIMEOUT."""
         try:
             request.out = request.out[request.sock.send(request.out):]
         except (BlockingIOError, InterruptedError):
