@@ -36,6 +36,7 @@ MQA = {**LLAMA, "num_key_value_heads": 1}
 SIZES = (2, 1)  # the servers' tensor-parallel sizes: inference ranks 0, 1 (TP 2) and 2 (TP 1)
 WORKERS = [(2, 0), (2, 1), (1, 0)]  # (tp size, tp rank) of inference ranks 0, 1, 2
 EMPTY = hashlib.sha256(b"").hexdigest()  # vLLM's checksum of an empty parameter
+ONEDNN_FALLBACK = "Failed to create oneDNN linear, fallback to torch linear"  # vLLM's line where it cannot repack
 VERSIONS = 4  # 0..3: steps 6, every 2
 
 
@@ -155,8 +156,15 @@ def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):
         assert loaded == plain, f"TP {tp}: after the reset, version 2 differs from a plain server's in " \
                                 f"{sorted(k for k in plain if loaded.get(k) != plain[k])}"
         assert loaded != held, "version 2 checksums as version 1"
-        # vLLM's CPU build repacked the linear layers' weights for its GEMM kernels (wherever its build
-        # has oneDNN, whatever the CPU), leaving the parameters empty: every load went through the
-        # processing that repacks them again (the dumps above read the repacked kernels back)
+        # vLLM's CPU build repacked the linear layers' weights for its GEMM kernels, leaving the
+        # parameters empty: every load went through the processing that repacks them again (the
+        # dumps above read the repacked kernels back). Where its oneDNN has no bfloat16 matmul for
+        # this CPU (AVX2 only) vLLM says so and keeps them as they are: nothing was repacked to check.
+        unpacked = [p.name for p in tp_run.run.local.pods if p.role == "inference" and ONEDNN_FALLBACK in p.log.read_text(
+            errors="replace")]
+        if unpacked:
+            print(f"TP {tp}: not checked that every load repacks the linear weights: vLLM's CPU build did not repack "
+                  f"them on this CPU ({', '.join(unpacked)}: {ONEDNN_FALLBACK!r})")
+            continue
         repacked = [k for k in held if held[k] == EMPTY and k.endswith("_proj.weight")]
         assert len(repacked) == 4 * MQA["num_hidden_layers"] * tp, f"TP {tp}: repacked only {repacked}"
