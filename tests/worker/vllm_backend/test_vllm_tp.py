@@ -146,6 +146,9 @@ def test_the_tp2_and_tp1_servers_answer_the_same_greedy_tokens(tp_run):
 
 def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):
     servers = tp_run.run.servers
+    # the servers' pods where vLLM said it keeps the linear weights unpacked (read once for both)
+    unpacked = [p.name for p in tp_run.run.local.pods if p.role == "inference" and ONEDNN_FALLBACK in p.log.read_text(
+        errors="replace")]
     for server, tp in zip(servers, SIZES):
         held, reset, loaded, plain = tp_run.held[server], tp_run.reset[server], tp_run.loaded[server], tp_run.plain[tp]
         assert sorted(held) == sorted(plain), f"TP {tp}: other parameters than a plain server's"
@@ -160,8 +163,6 @@ def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):
         # parameters empty: every load went through the processing that repacks them again (the
         # dumps above read the repacked kernels back). Where its oneDNN has no bfloat16 matmul for
         # this CPU (AVX2 only) vLLM says so and keeps them as they are: nothing was repacked to check.
-        unpacked = [p.name for p in tp_run.run.local.pods if p.role == "inference" and ONEDNN_FALLBACK in p.log.read_text(
-            errors="replace")]
         if unpacked:
             print(f"TP {tp}: not checked that every load repacks the linear weights: vLLM's CPU build did not repack "
                   f"them on this CPU ({', '.join(unpacked)}: {ONEDNN_FALLBACK!r})")
