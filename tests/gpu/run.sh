@@ -61,21 +61,26 @@ step "GPU tests"
 # GPU_TESTS: some of the files, where one call may not last long enough for all of them
 GPU_TESTS=${GPU_TESTS:-tests/worker/transport/test_checksum.py tests/worker/model/test_flat.py \
   tests/worker/transport/test_transport_p2p.py tests/worker/transport/test_transports_gpu.py tests/worker/local/test_runner_gpu.py}
-$V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" --junitxml "$OUT/gpu-tests.xml" \
-  $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log"
+# every test named in the log as it ends; at TESTS_DEADLINE pytest is interrupted (SIGINT), so that
+# it still writes the JUnit XML of what ran; pytest-xdist, where the machine has it, runs
+# GPU_WORKERS tests at a time (they share the one GPU)
+parallel=$($V -c 'import xdist' 2>/dev/null && echo "-n ${GPU_WORKERS:-4}")
+timeout -s INT -k 30 "${TESTS_DEADLINE:-600}" $V -m pytest -v -ra -m gpu -p no:cacheprovider $parallel \
+  --timeout "${TEST_TIMEOUT:-120}" --junitxml "$OUT/gpu-tests.xml" $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 
 step "uccl in its TCP mode (over NCCL, which it loads itself)"
 export UCCL_NCCL_SO=$($V -c 'import glob, site; print((glob.glob(site.getsitepackages()[0] + "/nvidia/nccl/lib/libnccl.so*") or [""])[0])')
 echo "UCCL_NCCL_SO=$UCCL_NCCL_SO"
-UCCL_P2P_TRANSPORT=tcp $V -m pytest -ra -m gpu -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" \
+UCCL_P2P_TRANSPORT=tcp timeout -s INT -k 10 "${UCCL_DEADLINE:-180}" $V -m pytest -v -ra -m gpu -p no:cacheprovider \
+  --timeout "${TEST_TIMEOUT:-120}" \
   tests/worker/transport/test_transports_gpu.py -k uccl 2>&1 | tee "$OUT/uccl-tcp.log"
 fi
 
 if [ "$WHAT" != tests ]; then
 step "GPU benchmark"
 for shape in 2x2 1x1; do
-  timeout "${BENCH_TIMEOUT:-240}" $V -m weightsync.cli bench --gpu --mb 1024 --shape $shape --reps 5 2>&1 \
+  timeout "${BENCH_TIMEOUT:-240}" $V -m weightsync.cli bench --gpu --mb "${BENCH_MB:-1024}" --shape $shape --reps 5 2>&1 \
     | tee "$OUT/bench-gpu-$shape.txt"
 done
 fi
