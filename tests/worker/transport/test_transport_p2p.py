@@ -159,6 +159,48 @@ class BackendWork:
         threading.Event().wait()
 
 
+class Torch211Work(BackendWork):
+    """A Work as torch 2.11 shows an NCCL operation: exception() cannot convert its answer to
+    Python (TypeError), whatever the operation's state; wait() raises the operation's error, hangs
+    (aborting a failed communicator), or returns at once."""
+
+    def __init__(self, error: Exception | None = None, hangs: bool = False):
+        super().__init__(error)
+        self.hangs = hangs
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self):
+        raise TypeError("Unable to convert function return value to a Python type! The signature was\n"
+                        "\t(self: torch._C._distributed_c10d.Work) -> std::__exception_ptr::exception_ptr")
+
+    def wait(self, timeout=None):
+        if self.hangs:
+            threading.Event().wait()
+        if self.error:
+            raise self.error
+        return True
+
+
+@pytest.mark.parametrize("work,expected", [
+    (Torch211Work(), None),
+    (Torch211Work(RuntimeError("NCCL error: remote process exited")), "failed: NCCL error: remote process exited"),
+    (Torch211Work(RuntimeError("NCCL error"), hangs=True), "did not complete in time"),
+])
+def test_an_nccl_operation_completes_or_fails_where_torch_cannot_say_its_error_but_through_its_wait(work, expected):
+    """Every NCCL transfer once failed on torch 2.11, at its first completed operation: the
+    transport asked the operation for its error, which that torch cannot convert to Python.
+    There a completed operation's wait says it, bounded by the deadline."""
+    deadline = time.monotonic() + 0.5
+    if expected is None:
+        nccl._wait(work, deadline, "trainer rank 1", "a header of version 3", poll=True)
+        return
+    with pytest.raises(nccl.TransferError, match=expected) as err:
+        nccl._wait(work, deadline, "trainer rank 1", "a header of version 3", poll=True)
+    assert err.value.peer == "trainer rank 1" and time.monotonic() < deadline + 5
+
+
 @pytest.mark.parametrize("error", [None, RuntimeError("NCCL error: remote process exited or there was a network error\n"
                                                       "ncclRemoteError: ...")])
 def test_an_nccl_operation_is_polled_to_its_deadline_and_never_waited_on_when_it_failed(error):

@@ -4,6 +4,7 @@ transport's transfers and failures are in test_transport_p2p.py.)"""
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 
@@ -89,14 +90,22 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def one_gpu_env(role: str, shared: bool) -> dict:
+    """The environment of a peer; where both share one GPU, each names a host of its own to NCCL
+    (which uccl's TCP mode runs on), which otherwise refuses two ranks on one GPU."""
+    env = dict(os.environ)
+    if shared:
+        env.update({"NCCL_HOSTID": f"weightsync-{role}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"})
+    return env
+
+
 def run_pair(transport, trainer_device, inference_device, dtype):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     common = ["--trainers", "1", "--inferences", "1", "--shapes", "7x3,1,33,1024x1024", "--dtype", dtype,
               "--bucket", str(1 << 20), "--versions", "2", "--store-port", str(store.port), "--transport", transport]
-    procs = [subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", "0", "--device", inference_device,
-                               *common]),
-             subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", "0", "--device", trainer_device,
-                               *common])]
+    procs = [subprocess.Popen([sys.executable, str(PEER), "--role", role, "--rank", "0", "--device", device, *common],
+                              env=one_gpu_env(role, trainer_device == inference_device != "cpu"))
+             for role, device in (("inference", inference_device), ("trainer", trainer_device))]
     try:
         codes = [p.wait(300) for p in procs]
     finally:

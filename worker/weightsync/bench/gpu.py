@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import queue
 import statistics
 import sys
 import time
@@ -115,6 +116,36 @@ def _p2p_rank(role: str, rank: int, trainers: int, inferences: int, port: int, n
     end.close()
 
 
+def _gather(procs, results, count: int, what: str, timeout: float = 600) -> list:
+    """Start `procs` and take `count` results from them; a process that exits before its result
+    is in, or a measurement past `timeout`, ends the bench naming `what`, instead of a wait for a
+    result that will never come."""
+    for p in procs:
+        p.start()
+    got, deadline = [], time.monotonic() + timeout
+    try:
+        while len(got) < count:
+            try:
+                got.append(results.get(timeout=1))
+                continue
+            except queue.Empty:
+                pass
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a process of {what} exited with {failed[0]} (its error is above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} gave no result within {timeout:.0f}s")
+        for p in procs:
+            p.join(120)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a process of {what} exited with {p.exitcode}")
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
 def bench_nccl(trainers: int, inferences: int, nbytes: int, reps: int, backend: str) -> tuple[float, float]:
     """(weightsync's seconds per version, broadcast's), each the median over the slowest
     inference rank of each repetition."""
@@ -125,13 +156,7 @@ def bench_nccl(trainers: int, inferences: int, nbytes: int, reps: int, backend: 
     results = ctx.Queue()
     procs = [ctx.Process(target=_p2p_rank, args=(role, r, trainers, inferences, store.port, nbytes, reps, backend, results))
              for role, count in (("inference", inferences), ("trainer", trainers)) for r in range(count)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=600) for _ in range(inferences)]
-    for p in procs:
-        p.join(120)
-        if p.exitcode != 0:
-            raise RuntimeError(f"a rank of the nccl measurement exited with {p.exitcode}")
+    got = _gather(procs, results, inferences, "the nccl measurement")
     ours = [max(g[1][i] for g in got) for i in range(reps)]
     theirs = [max(g[2][i] for g in got) for i in range(reps)]
     return statistics.median(ours), statistics.median(theirs)
@@ -180,11 +205,7 @@ def bench_ipc(nbytes: int, reps: int) -> tuple[float, float]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_ipc_rank, args=(role, store.port, nbytes, reps, results)) for role in ("inference", "trainer")]
-    for p in procs:
-        p.start()
-    ours = results.get(timeout=600)
-    for p in procs:
-        p.join(120)
+    ours, = _gather(procs, results, 1, "the ipc measurement")
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return statistics.median(ours), _timed(lambda: dst.copy_(src), reps)

@@ -21,8 +21,11 @@ Waiting, failing, and why the process survives it:
   communicator's asynchronous error, such as a peer that exited) rather than work.wait(timeout):
   NCCL's wait on an operation whose peer died aborts the communicator from inside the wait and
   can stay there (seen with NCCL 2.28 and torch 2.11 on an H100: the receiver of a killed
-  trainer never returned). Only an operation that completed without error is waited on, which
-  orders the current stream after it and returns at once.
+  trainer never returned). Only an operation that completed is waited on, which orders the
+  current stream after it and returns at once; an error it completed with is read from
+  work.exception() where torch can say it (torch 2.11 cannot: its binding fails to convert the
+  answer), else the wait raises it, and since the wait may then hang aborting the communicator,
+  it runs on a helper thread bounded by the deadline.
 - NCCL's own watchdog would end the process on a timeout or error. The group's timeout is set
   well past the transfer timeout (WATCHDOG_FACTOR), and its error handling to abort the
   communicators without killing the process; a failed version aborts the group itself, so that
@@ -128,23 +131,39 @@ def _first_line(error: BaseException) -> str:
 
 def _wait(work, deadline: float, peer: str, what: str, poll: bool) -> None:
     """Wait for a point-to-point operation until `deadline`; any failure becomes a
-    TransferError naming `peer`. NCCL's operations are polled (see the module's docstring);
-    gloo's complete only inside their wait, which keeps its deadline and raises for a dead peer."""
+    TransferError naming `peer`. NCCL's operations are polled (see the module's docstring), and
+    their wait, which raises a failed operation's error but may first hang aborting its
+    communicator, runs on a helper thread bounded by `deadline`; gloo's complete only inside
+    their wait, which keeps its deadline and raises for a dead peer."""
     if poll:
         _poll(work, deadline, peer, what)
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransferError(peer, f"{what} did not complete in time")
+    timeout = datetime.timedelta(seconds=left)
     try:
-        done = work.wait(datetime.timedelta(seconds=left))
+        done = bounded(lambda: work.wait(timeout), left, f"{what} with {peer}") if poll else work.wait(timeout)
+    except TimeoutError:
+        raise TransferError(peer, f"{what} did not complete in time") from None
     except Exception as e:  # noqa: BLE001 - the backend's error (timeout, peer gone, group aborted), named below
         raise TransferError(peer, f"{what} failed: {_first_line(e)}") from None
     if done is False:
         raise TransferError(peer, f"{what} did not complete in time")
 
 
+def _error_of(work) -> BaseException | None:
+    """The error a completed operation ended with, or None where there was none or the backend
+    cannot say without its wait: torch 2.11's binding of `Work.exception()` cannot convert its
+    answer to Python (TypeError), and there the bounded wait raises the error instead."""
+    try:
+        return work.exception()
+    except TypeError:
+        return None
+
+
 def _poll(work, deadline: float, peer: str, what: str) -> None:
-    """Until `work` completed without error, by `deadline`; then its wait returns at once."""
+    """Until `work` completed, by `deadline`, without entering the backend's wait; an error it
+    completed with is raised here where the backend says it without a wait."""
     pause = POLL_FIRST
     while True:
         try:
@@ -157,7 +176,7 @@ def _poll(work, deadline: float, peer: str, what: str) -> None:
             raise TransferError(peer, f"{what} did not complete in time")
         time.sleep(min(pause, left))
         pause = min(2 * pause, POLL_MOST)
-    error = work.exception()
+    error = _error_of(work)
     if error is not None:
         raise TransferError(peer, f"{what} failed: {_first_line(error)}")
 
