@@ -144,6 +144,11 @@ def main():
                                                            "patched_peers": sent.patched_peers, "changed": sent.changed,
                                                            "compared": sent.compared}))
         store.set(f"buffers/trainer/{args.rank}", str(mover.buffer_bytes))
+        if args.transport == "nccl":
+            # a send ends once NCCL has handed its bytes to the network, before the peer has them,
+            # and closing aborts the group: stay until every inference rank (each a peer process
+            # here) has the last version, as the roles do (a round ends before a trainer leaves)
+            store.wait([f"result/{args.versions}/{i}" for i in range(args.inferences)])
         sender.close()
         return
 

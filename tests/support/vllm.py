@@ -51,10 +51,10 @@ def vllm_python() -> str:
 
 
 def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
-             ahead: bool = False, **inference):
+             ahead: bool = False, dtype: str = "bfloat16", **inference):
     return contract.load_job({
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
-        "spec": {"model": {"config": config, "dtype": "bfloat16"},
+        "spec": {"model": {"config": config, "dtype": dtype},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
                                "vllm": {"args": SERVER_ARGS, "loadAhead": ahead},
@@ -256,11 +256,11 @@ class PlainServer:
     """vLLM's server on a checkpoint, without weightsync: what a server that loaded the weights
     from disk holds."""
 
-    def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path):
+    def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path, dtype: str = "bfloat16"):
         from weightsync.roles.vllm_server import server_command, server_env
         from weightsync.job import Model
 
-        cmd = server_command(python, Model(path=str(checkpoint), dtype="bfloat16"), "plain", tuple(SERVER_ARGS),
+        cmd = server_command(python, Model(path=str(checkpoint), dtype=dtype), "plain", tuple(SERVER_ARGS),
                              "127.0.0.1", port, tensor_parallel=tp, cpu=True)
         cmd = [a for a in cmd if a != "--weight-transfer-config" and not a.startswith('{"backend"')]
         env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1"}

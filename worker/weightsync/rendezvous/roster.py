@@ -280,12 +280,19 @@ class Host(Channel, Parking):
     def gone(self, ranks: Iterable[int], within: float) -> bool:
         """Whether every inference rank of `ranks` left the round on its way (counted away, or
         started again) within `within` seconds: a vLLM server that stopped answering may have died
-        with its workers, which their heartbeats tell (check_ranks keeps the roster meanwhile)."""
+        with its workers, which their heartbeats tell (check_ranks keeps the roster meanwhile). A
+        rank that beats twice more is alive, which ends the wait early: a rank is counted away only
+        once the roster has seen it silent for silent_limit, from its first look, so `within` is
+        a bound for busy machines, not the time it takes."""
+        ranks = list(ranks)
+        beats = {r: self.store.add(Keys.beat(INFERENCE, r), 0) for r in ranks}
         deadline = time.monotonic() + within
         while True:
             if all(self.seats[r].state != SERVING or self.seats[r].attempt != self.in_round.get(r) for r in ranks):
                 return True
             if time.monotonic() > deadline:
+                return False
+            if any(self.store.add(Keys.beat(INFERENCE, r), 0) >= beats[r] + 2 for r in ranks):
                 return False
             self.check_ranks(trainers=not self.resumable)  # sent: as in _collect
             time.sleep(BACK_POLL)

@@ -320,7 +320,7 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
     for rank, got in loads.items():
         if isinstance(got, Unreachable):
             ranks = [r for r in seats if seats[r].info.server == seats[rank].info.server]
-            if not host.gone(ranks, host.silent_limit + 2 * HEARTBEAT):
+            if not host.gone(ranks, 2 * host.silent_limit + 2 * HEARTBEAT):
                 raise failed(rank, ControlError(f"{got}; its workers beat on, so the server is alive")) from None
             log(ME, f"the vLLM server of {who(INFERENCE, rank)} stopped answering while it loaded {rnd.name} "
                     f"({got}) and its ranks went away: {rnd.name} goes on without them")
