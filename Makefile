@@ -117,14 +117,18 @@ NAMESPACE ?= weightsync-system
 HELM_ARGS ?=
 
 .PHONY: dist
-dist: setup ## The release's packages, each with the package's version: wheel and sdist, and the chart package, in $(DIST) (HELM=)
+dist: dist-packages ## The release, each part with the package's version, in $(DIST): wheel, sdist, the chart package and both images as archives
+	$(MAKE) --no-print-directory dist-images
+
+.PHONY: dist-packages
+dist-packages: setup ## The release's packages: wheel and sdist, and the chart package, in $(DIST) (HELM=)
 	rm -rf $(DIST) && mkdir -p $(DIST)
 	$(PY) -m build --no-isolation --wheel --sdist --outdir $(DIST) . >/dev/null
 	$(HELM) package charts/weightsync --destination $(DIST) --version $(VERSION) --app-version $(VERSION) >/dev/null
 	@ls -1 $(DIST)
 
 .PHONY: dist-images
-dist-images: images ## The two images, tagged with the package's version, saved as archives in $(DIST) (a container engine)
+dist-images: images ## The two images, tagged with the package's version, saved as archives in $(DIST) (a container engine; after dist-packages, which empties $(DIST))
 	mkdir -p $(DIST)
 	$(CONTAINER_ENGINE) save -o $(DIST)/weightsync-operator-$(VERSION).tar $(REGISTRY)/operator:$(VERSION)
 	$(CONTAINER_ENGINE) save -o $(DIST)/weightsync-worker-$(VERSION).tar $(REGISTRY)/worker:$(VERSION)

@@ -62,13 +62,15 @@ def operator_from_chart(cluster, real_node):
 
 
 @pytest.fixture
-def chart(cluster, helm, namespace):
-    """The chart installed as `make deploy-*` installs it, watching the test's namespace, with the
-    images the tests built (the chart's defaults, as `make images` tags them)."""
+def chart(cluster, helm, namespace, tmp_path):
+    """The chart's package, as `make dist` builds it, installed as `make deploy-*` installs it,
+    watching the test's namespace, with the images the tests built (the chart's defaults, as
+    `make images` tags them)."""
     release, ns = "weightsync", new_namespace(cluster, "weightsync-system")
     restricted(cluster, ns)
+    package = helm.package(tmp_path / "chart")
     install(helm, release, ns, f"watchNamespaces={{{namespace}}}", "metrics.scrapeConfig.enabled=true",
-            "metrics.scrapeConfig.interval=1s")
+            "metrics.scrapeConfig.interval=1s", chart=package)
     yield release, ns
     helm("uninstall", release, "--namespace", ns, "--ignore-not-found", "--wait", check=False)
     cluster.delete_namespaces(ns)

@@ -36,6 +36,12 @@ class Helm:
             raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
 
+    def package(self, destination: Path) -> Path:
+        """The chart's package, with the package's one version number, as `make dist` builds it."""
+        version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+        self("package", str(CHART), "--destination", str(destination), "--version", version, "--app-version", version)
+        return destination / f"weightsync-{version}.tgz"
+
 
 def new_namespace(cluster, prefix: str) -> str:
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"

@@ -11,6 +11,7 @@ import sys
 import tomllib
 import uuid
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -134,28 +135,38 @@ def test_pod_monitors_scrape_the_operator_and_the_jobs_worker_pods(helm, cluster
 
 
 def test_make_dist_builds_a_release_whose_packages_install_and_run(helm, cluster, tmp_path):
-    """`make dist`: the wheel, the sdist and the chart package, each with the one version number;
-    the wheel installed into a folder of its own runs `weightsync --version` and `weightsync plan`
-    from there, and the chart package installs into the cluster."""
+    """`make dist`'s packages (`make dist-packages`; its images are the ones the real-pod tests
+    build and run): the wheel, the sdist and the chart package, each with the one version number;
+    the wheel installed into a fresh virtual environment, its dependencies resolved from its own
+    metadata, runs `weightsync --version` and `weightsync plan` from there, and the chart package
+    installs into the cluster."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     dist = tmp_path / "dist"
-    proc = subprocess.run(["make", "--no-print-directory", "dist", f"DIST={dist}", f"HELM={cluster.binaries / 'helm'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["make", "--no-print-directory", "dist-packages", f"DIST={dist}",
+                           f"HELM={cluster.binaries / 'helm'}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = dist.glob(f"weightsync-{version}-*.whl")
     assert (dist / f"weightsync-{version}.tar.gz").is_file() and (dist / f"weightsync-{version}.tgz").is_file()
 
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    where = subprocess.run([sys.executable, "-c", "import weightsync; print(weightsync.__file__)"], env=env,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    assert where.startswith(str(site)), where  # the installed wheel, not this checkout
-    command = site / "bin" / "weightsync"
-    out = subprocess.run([str(command), "--version"], env=env, capture_output=True, text=True, timeout=60)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python, command = venv / "bin" / "python", venv / "bin" / "weightsync"
+    got = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
+                         capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stdout + got.stderr
+    out = subprocess.run([str(command), "--version"], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == f"weightsync {version}", out.stdout + out.stderr
-    plan = subprocess.run([str(command), "plan", str(ROOT / "examples" / "tcp-job.yaml")], env=env, capture_output=True,
+    # `plan` builds the model: the worker extra's torch and transformers (GBs), taken from this
+    # environment by a path line after the venv's own packages (which hold weightsync itself)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = subprocess.run([sys.executable, "-c", "import torch, pathlib; print(pathlib.Path(torch.__file__).parents[1])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "worker-extra.pth").write_text(ours + "\n")
+    where = subprocess.run([str(python), "-c", "import weightsync; print(weightsync.__file__)"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(site), where  # the installed wheel, not this checkout
+    plan = subprocess.run([str(command), "plan", str(ROOT / "examples" / "tcp-job.yaml")], capture_output=True,
                           text=True, timeout=300)
     assert plan.returncode == 0 and "balance" in plan.stdout, plan.stdout + plan.stderr
     assert b"Apache License" in zipfile.ZipFile(wheel).read(f"weightsync-{version}.dist-info/licenses/LICENSE")

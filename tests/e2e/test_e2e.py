@@ -274,19 +274,19 @@ def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, r
 
 def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_node, helm, namespace, chart,
                                                               operator_from_chart, tmp_path):
-    """spec.model.path inside a volume the pod templates mount, as a cluster holds its checkpoints:
-    a PersistentVolumeClaim bound to a hostPath PersistentVolume on the real node, holding a
-    checkpoint of the tcp example's model whose weights only it has (all zero). The trainers start
-    from it: version 0, verified on every inference rank, generates only token 0, as zero weights
-    do (random ones would not)."""
+    """examples/pvc-job.yaml: spec.model.path inside a volume the pod templates mount, as a
+    cluster holds its checkpoints: its claim bound to a hostPath PersistentVolume on the real node,
+    holding a checkpoint of the tcp example's model whose weights only it has (all zero). The
+    trainers start from it: version 0, verified on every inference rank, generates only token 0, as
+    zero weights do (random ones would not)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from weightsync.model.config import config_of
 
-    job = fast(example("tcp-job.yaml"))
-    job["metadata"]["name"] = name = "from-pvc"
-    model = contract.load_job(job, namespace).model
+    job = fast(example("pvc-job.yaml"))
+    name = job["metadata"]["name"]
+    model = contract.load_job(example("tcp-job.yaml"), namespace).model  # the same model, from its config
     folder = Path(tempfile.mkdtemp(prefix="weightsync-pv-"))  # outside pytest's 0700 folders: the pods read it
     try:
         checkpoint = AutoModelForCausalLM.from_config(config_of(model))
@@ -297,9 +297,7 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
         for path in (folder, *folder.rglob("*")):
             path.chmod(0o755 if path.is_dir() else 0o644)
         host_claim(cluster, namespace, "models", folder, "ReadOnlyMany")
-        job["spec"]["model"] = {"path": "/models/gpt2", "dtype": "bfloat16"}
-        for role in ("trainer", "inference"):
-            job["spec"][role]["podTemplate"] = mounted("models", "/models", read_only=True)
+        assert job["spec"]["model"]["path"] == "/models/gpt2"
         logs = LogFollower(cluster, namespace, tmp_path / "logs")
         with operator_from_chart(chart[1], chart[0]) as operator:
             apply(cluster, namespace, job)
