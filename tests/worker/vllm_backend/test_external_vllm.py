@@ -33,7 +33,7 @@ import pytest
 
 from weightsync import job as contract
 from weightsync.local.runner import LocalJob
-from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
+from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 
 import torch
 
@@ -74,13 +74,17 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     dump, pause = tmp_path / "dump", tmp_path / "pause"
     dump.mkdir()
     pause.mkdir()
-    # the trainer holds (at most faults.PAUSE_LIMIT each) before version 1 while the refused servers
-    # try, and in version 4 (announced to no one: the server is away) while the server, killed in the
-    # middle of loading version 3 (paused, its update call in), starts again
-    for point in ("trainer-0-before-go-v1", "inference-0-loading-v3", "trainer-0-before-go-v4"):
+    # the trainer holds before it is ready for version 1 while the refused servers try (nothing has
+    # a deadline then: five vLLM servers starting at once take minutes on two busy cores), and in
+    # version 4 (announced to no one: the server is away) while the server, killed in the middle of
+    # loading version 3 (paused, its update call in), starts again; each as long as the test takes.
+    # (With the default limit, faults.PAUSE_LIMIT, version 1 once went on by itself while the refused
+    # servers started, and version 3's load waited in its pause past the update call's deadline.)
+    for point in ("trainer-0-before-ready-v1", "inference-0-loading-v3", "trainer-0-before-go-v4"):
         (pause / f"{point}.arm").touch()
     progress = io.StringIO()
-    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)},
+    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause),
+                                             PAUSE_LIMIT_ENV: str(RUN_TIMEOUT)},
                      progress=progress, join_env=tmp_path / "join.env")
     servers: list[ExternalServer] = []
     try:
@@ -89,7 +93,7 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log",
                                 env={DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause)})
         servers.append(server)
-        reach(pause, "trainer-0-before-go-v1", local)
+        reach(pause, "trainer-0-before-ready-v1", local)
         server.serving(0)
         request = urllib.request.Request(server.url + "/init_weight_transfer_engine", b'{"init_info": {}}',
                                          {"Content-Type": "application/json"})
@@ -131,7 +135,7 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         until("weightsync run showing the claims", lambda: "refused the vLLM server" in progress.getvalue(), 10)
         assert f"the vLLM server at {server.url} claimed inference rank 0" in progress.getvalue()
 
-        (pause / "trainer-0-before-go-v1.release").touch()
+        (pause / "trainer-0-before-ready-v1.release").touch()
         reach(pause, "inference-0-loading-v3", local)  # the server paused for version 3's load
         server.kill()
         controller_log = local.pods[0].log

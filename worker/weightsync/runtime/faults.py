@@ -46,6 +46,9 @@ DUMP_DIR_ENV = "WEIGHTSYNC_TEST_DUMP_DIR"
 # not ended yet: its metrics are complete).
 PAUSE_DIR_ENV = "WEIGHTSYNC_TEST_PAUSE_DIR"
 PAUSE_LIMIT = 120.0
+# seconds: another PAUSE_LIMIT, for a test that acts for longer while a rank holds (one that starts
+# vLLM servers meanwhile, which takes minutes on busy cores)
+PAUSE_LIMIT_ENV = "WEIGHTSYNC_TEST_PAUSE_LIMIT"
 # "<version>" - trainer ranks flip one byte of the first chunk they send of that version after
 # hashing it, as a bad link would: every receiver must refuse the version.
 CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
@@ -66,7 +69,7 @@ def pause_point(role: str, rank: int, point: str, version: int) -> None:
     except FileNotFoundError:
         return
     open(base + ".reached", "w").close()
-    deadline = time.monotonic() + PAUSE_LIMIT
+    deadline = time.monotonic() + float(os.environ.get(PAUSE_LIMIT_ENV) or PAUSE_LIMIT)
     while not os.path.exists(base + ".release") and time.monotonic() < deadline:
         time.sleep(0.01)
 
