@@ -28,11 +28,9 @@ class Backend:
     def env(self, role: str, rank: int) -> dict:
         if self.name != "nccl":
             return {}
-        # NCCL refuses two ranks on one GPU unless each process names a host of its own; its
-        # socket transport then carries the bytes. Its warnings go to the rank's stderr, which a
-        # failing test prints.
-        return {"NCCL_HOSTID": f"weightsync-{role}-{rank}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1",
-                "NCCL_DEBUG": "WARN"}
+        # every process on the one GPU, each a host of its own to NCCL; its warnings go to the
+        # rank's stderr, which a failing test prints
+        return {**nccl.shared_gpu_env(f"weightsync-{role}-{rank}"), "NCCL_DEBUG": "WARN"}
 
 
 @pytest.fixture(params=["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])

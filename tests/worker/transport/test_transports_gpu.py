@@ -95,7 +95,7 @@ def one_gpu_env(role: str, shared: bool) -> dict:
     (which uccl's TCP mode runs on), which otherwise refuses two ranks on one GPU."""
     env = dict(os.environ)
     if shared:
-        env.update({"NCCL_HOSTID": f"weightsync-{role}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"})
+        env.update(nccl.shared_gpu_env(f"weightsync-{role}"))
     return env
 
 

@@ -33,7 +33,7 @@ from weightsync.transfer.receive import VersionReceiver
 from weightsync.transfer.send import VersionSender
 from weightsync.transport import make_transport
 from weightsync.transport.checksum import device_checksum
-from weightsync.transport.nccl import NcclOptions
+from weightsync.transport.nccl import NcclOptions, shared_gpu_env
 
 TOKEN = b"weightsync-bench-gpu-token"
 
@@ -61,7 +61,7 @@ def _p2p_rank(role: str, rank: int, trainers: int, inferences: int, port: int, n
     world = trainers + inferences
     me = rank if role == "trainer" else trainers + rank
     if backend == "nccl":
-        os.environ.update({"NCCL_HOSTID": f"bench-{me}", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"})
+        os.environ.update(shared_gpu_env(f"bench-{me}"))
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     else:

@@ -39,6 +39,7 @@ from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
 from weightsync.runtime.health import METRICS_PATH
 from weightsync.runtime.procs import exit_status
+from weightsync.transport.nccl import shared_gpu_env
 
 LOOPBACK = "127.0.0.1"
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
@@ -150,9 +151,7 @@ class LocalJob:
             if self.share_gpus:
                 env[Env.COLOCATED] = "1"
             if self.share_gpus and gpus[ordinal]:
-                # NCCL refuses two ranks on one GPU unless each process names a host of its own;
-                # its socket transport then carries the bytes between them
-                env.update({"NCCL_HOSTID": self.job.pod_name(ordinal), "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"})
+                env.update(shared_gpu_env(self.job.pod_name(ordinal)))
             env.update(self.extra_env)
             name = self.job.pod_name(ordinal)
             # a user's command runs where `weightsync run` was started (its paths are the user's)

@@ -97,6 +97,13 @@ def unavailable_reason(backend: str = "nccl") -> str | None:
     return cuda_unavailable_reason()
 
 
+def shared_gpu_env(host: str) -> dict[str, str]:
+    """The environment of one of several processes that share a GPU over NCCL: NCCL refuses two
+    ranks on one GPU unless each process names a host of its own (`host`); its socket transport
+    then carries the bytes between them."""
+    return {"NCCL_HOSTID": host, "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+
+
 def _signed(u: int) -> int:
     return struct.unpack("<q", struct.pack("<Q", u))[0]
 
@@ -131,18 +138,17 @@ def _first_line(error: BaseException) -> str:
 
 def _wait(work, deadline: float, peer: str, what: str, poll: bool) -> None:
     """Wait for a point-to-point operation until `deadline`; any failure becomes a
-    TransferError naming `peer`. NCCL's operations are polled (see the module's docstring), and
-    their wait, which raises a failed operation's error but may first hang aborting its
-    communicator, runs on a helper thread bounded by `deadline`; gloo's complete only inside
-    their wait, which keeps its deadline and raises for a dead peer."""
-    if poll:
-        _poll(work, deadline, peer, what)
+    TransferError naming `peer`. NCCL's operations are polled (see the module's docstring); where
+    torch cannot say whether one that completed failed, its wait, which raises the error but may
+    first hang aborting the communicator, runs on a helper thread bounded by `deadline`. gloo's
+    complete only inside their wait, which keeps its deadline and raises for a dead peer."""
+    said = _poll(work, deadline, peer, what) if poll else True
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransferError(peer, f"{what} did not complete in time")
     timeout = datetime.timedelta(seconds=left)
     try:
-        done = bounded(lambda: work.wait(timeout), left, f"{what} with {peer}") if poll else work.wait(timeout)
+        done = work.wait(timeout) if said else bounded(lambda: work.wait(timeout), left, f"{what} with {peer}")
     except TimeoutError:
         raise TransferError(peer, f"{what} did not complete in time") from None
     except Exception as e:  # noqa: BLE001 - the backend's error (timeout, peer gone, group aborted), named below
@@ -151,19 +157,10 @@ def _wait(work, deadline: float, peer: str, what: str, poll: bool) -> None:
         raise TransferError(peer, f"{what} did not complete in time")
 
 
-def _error_of(work) -> BaseException | None:
-    """The error a completed operation ended with, or None where there was none or the backend
-    cannot say without its wait: torch 2.11's binding of `Work.exception()` cannot convert its
-    answer to Python (TypeError), and there the bounded wait raises the error instead."""
-    try:
-        return work.exception()
-    except TypeError:
-        return None
-
-
-def _poll(work, deadline: float, peer: str, what: str) -> None:
+def _poll(work, deadline: float, peer: str, what: str) -> bool:
     """Until `work` completed, by `deadline`, without entering the backend's wait; an error it
-    completed with is raised here where the backend says it without a wait."""
+    completed with is raised here. False where torch cannot say whether it failed: torch 2.11's
+    binding of `Work.exception()` cannot convert its answer to Python (TypeError)."""
     pause = POLL_FIRST
     while True:
         try:
@@ -176,9 +173,13 @@ def _poll(work, deadline: float, peer: str, what: str) -> None:
             raise TransferError(peer, f"{what} did not complete in time")
         time.sleep(min(pause, left))
         pause = min(2 * pause, POLL_MOST)
-    error = _error_of(work)
+    try:
+        error = work.exception()
+    except TypeError:
+        return False
     if error is not None:
         raise TransferError(peer, f"{what} failed: {_first_line(error)}")
+    return True
 
 
 def _first_frame(operation: Callable[[], Any], deadline: float, peer: str, poll: bool) -> None:
