@@ -330,3 +330,20 @@ def show_logs(logs: LogFollower, tail: int = 2500) -> None:
     logs.stop()
     for pod_name in sorted(logs.procs):
         print(f"--- kubectl logs {pod_name}:\n{logs.text(pod_name)[-tail:]}")
+
+
+def assert_succeeded(cluster, namespace: str, job: dict, logs: LogFollower, lines: int = 20) -> dict:
+    """The job's status, which must say Succeeded. Otherwise the failure says why as far as the
+    cluster can tell, in the assertion's own message (which a CI log keeps when it cuts the
+    captured output): the job's conditions, the namespace's events (a container killed, a probe
+    failing, a pod evicted) and the last lines of each of the job's pods."""
+    status = job.get("status", {})
+    if status.get("phase") == "Succeeded":
+        return status
+    name = job["metadata"]["name"]
+    events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
+    said = [f"{name} ended {status.get('phase')}:", json.dumps(status.get("conditions"), indent=1),
+            "events:", *events.splitlines()[-40:]]
+    for pod in sorted(p for p in logs.procs if p.startswith(f"{name}-")):
+        said += [f"--- the last lines of {pod}:", *logs.text(pod).splitlines()[-lines:]]
+    raise AssertionError("\n".join(said))

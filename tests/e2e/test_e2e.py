@@ -16,9 +16,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from e2e_harness import (LogFollower, Prometheus, apply, drop_claim, example, fast, finished, following, get_job,
-                         host_claim, install, job_pods, mounted, new_namespace, restricted, phase_in, pods, restarts,
-                         running, show_logs)
+from e2e_harness import (LogFollower, Prometheus, apply, assert_succeeded, drop_claim, example, fast, finished, following,
+                         get_job, host_claim, install, job_pods, mounted, new_namespace, restricted, phase_in, pods,
+                         restarts, running, show_logs)
 from controlplane import wait_for
 from kubernetes.utils import parse_quantity
 
@@ -110,8 +110,7 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
         try:
             done = wait_for(f"{name} Succeeded", lambda: phase_in(cluster, namespace, name, ("Succeeded", "Failed")),
                             600, interval=1, failed=progress)
-            status = done["status"]
-            assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+            status = assert_succeeded(cluster, namespace, done, logs)
             # The operator ended the job: its pods stop (the kubelet stops their containers).
             wait_for(f"pods of {name} gone", lambda: not job_pods(cluster, namespace, name), 120)
             scraped = scraped_figures(prometheus, namespace, name, operator)
@@ -209,8 +208,7 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
             done = finished(cluster, namespace, name, progress)
         finally:
             show_logs(logs)
-    status = done["status"]
-    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    status = assert_succeeded(cluster, namespace, done, logs)
     assert status["rejoins"][contract.INFERENCE] >= 1, json.dumps(status, indent=1)
     assert status["completion"]["versions"] == versions
     # every inference rank, the one that came back included, ends on the final version, verified
@@ -305,7 +303,7 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
                 done = finished(cluster, namespace, name, following(cluster, namespace, name, operator, logs))
             finally:
                 show_logs(logs)
-        assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+        assert_succeeded(cluster, namespace, done, logs)
         inference = [n for n in logs.procs if f"-{contract.INFERENCE}-" in n]
         assert inference
         for pod in inference:
@@ -362,8 +360,7 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods_and_resumes_
     finally:
         drop_claim(cluster, namespace, "checkpoints")
         shutil.rmtree(folder, ignore_errors=True)
-    status = done["status"]
-    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    status = assert_succeeded(cluster, namespace, done, logs)
     assert status["rejoins"][contract.TRAINER] >= 1, json.dumps(status, indent=1)
     # every step published once, one of them perhaps twice (the checkpoint a step behind the delivery)
     assert status["completion"]["versions"] >= 1 + steps // every, json.dumps(status, indent=1)
@@ -431,8 +428,7 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
                 failed=progress)
         finally:
             show_logs(logs)
-    status = done["status"]
-    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)
+    status = assert_succeeded(cluster, namespace, done, logs)
     assert status["completion"]["versions"] == versions and status["transfer"]["transport"] == "tcp"
     assert status["replicas"][contract.TRAINER]["summary"] == "external (2 ranks)"
     assert printed_columns(cluster, namespace, name)["TRAINERS"] == "external (2 ranks)"
@@ -508,8 +504,10 @@ def more_rdma_nodes(cluster):
         cluster.delete_node(node)
 
 
-def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, namespace, chart, operator_from_chart,
-                                                            more_rdma_nodes):
+def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, more_rdma_nodes, namespace, chart,
+                                                            operator_from_chart):
+    # the nodes before the namespace: its pods go with it while their nodes are still there (the pods
+    # of a deleted node wait for the pod garbage collector, a minute)
     job = example("rdma-job.yaml")
     loaded = contract.load_job(job, namespace)
     name, spec, layout = job["metadata"]["name"], loaded.spec, loaded.layout

@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 from controlplane import wait_for
-from e2e_harness import LogFollower, apply, example, fast, finished, following, get_job, job_pods, show_logs
+from e2e_harness import (LogFollower, apply, assert_succeeded, example, fast, finished, following, get_job, job_pods,
+                         show_logs)
 from support.kueue_harness import running
 
 pytestmark = pytest.mark.cluster
@@ -81,8 +82,8 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster,
         cluster.kubectl("delete", "wtj", "first", "second", "-n", namespace, "--ignore-not-found", "--wait=true",
                         "--timeout=60s", check=False)
         cluster.kubectl("delete", "clusterqueue,resourceflavor", queue, "--ignore-not-found", "--wait=false", check=False)
-    assert first["status"]["phase"] == "Succeeded", json.dumps(first["status"], indent=1)
-    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    assert_succeeded(cluster, namespace, first, logs)
+    assert_succeeded(cluster, namespace, done, logs)
     for status in (first["status"], done["status"]):
         admitted = {c["type"]: c for c in status["conditions"]}
         assert "Admitted" not in admitted or admitted["Admitted"]["status"] == "True", status["conditions"]

@@ -17,6 +17,7 @@ import pytest
 
 from weightsync import job as contract
 from weightsync.rendezvous.protocol import Keys
+from weightsync.local import kubelet
 from weightsync.local.runner import LocalJob, RunFailed
 from support.jobs import ODD, assert_nothing_left, check_every_version, make_job, pids_of, run_to_end, start, store_of, wait_key
 
@@ -80,7 +81,10 @@ def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_appli
     assert "refused connection" in (local.workdir / "logs" / f"{job.pod_name(2)}.log").read_text()
 
 
-def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path):
+def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path, monkeypatch):
+    # A wrong token fails every start alike: one restart shows it (the whole crash loop, a minute of
+    # back-off, is test_runner_restarts.py's)
+    monkeypatch.setattr(kubelet, "CRASH_LOOP_LIMIT", 1)
     job = make_job("wrong-token-file")
     local = LocalJob(job, tmp_path / "run", progress=io.StringIO())
     wrong = tmp_path / "wrong-token"

@@ -1,6 +1,8 @@
 """vLLM's own tensor parallelism, for real: one job (two trainer ranks, a vLLM server of
-tensor-parallel size 2 and one of size 1 beside it, on vLLM's CPU build) run twice for the module:
-loading each version in the pause, and loading it ahead (spec.inference.vllm.loadAhead).
+tensor-parallel size 2 and one of size 1 beside it, on vLLM's CPU build) run once for the module,
+loading each version in the pause. Loading ahead (spec.inference.vllm.loadAhead) puts the same
+per-worker parts through the same loaders into a second copy: test_vllm_engine.py and
+test_load_ahead.py run it, on servers of one worker.
 
 What is checked: each of the TP-2 server's workers is an inference rank that receives only its own
 slices (the model has one KV head, which vLLM replicates on both workers), planned from what vLLM's
@@ -56,13 +58,12 @@ class TpRun:
     plain: dict[int, dict] = field(default_factory=dict)  # plain servers on version 2: tp size -> checksums
 
 
-# each worker's parts go through vLLM's loaders in the pause, or ahead (into a second copy while it serves)
-@pytest.fixture(scope="module", params=[False, True], ids=["in-the-pause", "ahead"])
-def tp_run(tmp_path_factory, request) -> TpRun:
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> TpRun:
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm-tp")
     job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES),
-                   ahead=request.param, dtype=DTYPE)
+                   dtype=DTYPE)
     run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
     out = TpRun(run, {})
     plains = []
