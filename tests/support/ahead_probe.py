@@ -1,10 +1,12 @@
 """Run by the vLLM environment's Python (tests/worker/vllm_backend/test_load_ahead.py): vLLM's
 engine in this process (its CPU build, no engine-core process), a small Llama with the config in
 argv[1] (JSON), and a few versions loaded ahead (vllm_backend/ahead.py), each prepared on a thread
-of its own while vLLM generates, then committed. Prints one JSON line per version: whether the
-served parameters were still the previous version's after the prepare, and the greedy tokens
-before, during and after; saves the version (checkpoint names) and what vLLM serves after the
-commit in the folder argv[2], for the test to compare."""
+of its own while vLLM generates, then committed: copied into the served tensors in even versions,
+swapped with them in odd ones (as on an eager CPU worker), so that each way follows the other.
+Prints one JSON line per version: whether the served parameters were still the previous
+version's after the prepare, and the greedy tokens before, during and after; saves the version
+(checkpoint names) and what vLLM serves after the commit in the folder argv[2], for the test to
+compare."""
 
 from __future__ import annotations
 
@@ -60,11 +62,12 @@ def main(config: dict, out: str) -> int:
             thread.join()
             after_prepare = tokens()
             unchanged = all(torch.equal(t, served_before[n]) for n, t in served_parameters(model).items())
-            commit(box["prepared"], model_config)
-            spares = box["prepared"].clones  # the next version refills them, as the engine has it
+            swap = version % 2 == 1
+            commit(box["prepared"], model_config, swap=swap)
+            spares = box["prepared"].clones  # the next version loads into them, as the engine has it
             torch.save(weights, Path(out) / f"v{version}-version.pt")
             torch.save({n: t.contiguous() for n, t in served_parameters(model).items()}, Path(out) / f"v{version}-served.pt")
-            print(json.dumps({"version": version, "unchanged_after_prepare": unchanged, "before": before,
+            print(json.dumps({"version": version, "swap": swap, "unchanged_after_prepare": unchanged, "before": before,
                               "during": during, "after_prepare": after_prepare, "after": tokens()}), flush=True)
     return 0
 

@@ -1,9 +1,10 @@
 """Loading a version ahead (spec.inference.vllm.loadAhead, vllm_backend/ahead.py), in vLLM's own
 engine: a version prepared while vLLM generates leaves what it serves untouched, and its commit
 makes every tensor vLLM serves (the CPU build's repacked linear weights read back through their
-kernels) the version's, version after version; with untied and with tied embeddings (one tensor
-two layers share). The probe runs in the vLLM environment (tests/support/ahead_probe.py); the
-jobs that load ahead end to end are in test_vllm_engine.py and test_vllm_tp.py."""
+kernels) the version's, version after version, committed by copies and by storage swaps in turn;
+with untied and with tied embeddings (one tensor two layers share). The probe runs in the vLLM
+environment (tests/support/ahead_probe.py); the job that loads ahead end to end is in
+test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_a_version_loaded_ahead_is_served_only_once_committed_version_after_vers
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["version"] for r in rows] == [0, 1, 2, 3], done.stdout
+    assert [r["swap"] for r in rows] == [False, True, False, True]  # committed by copies and by swaps, in turn
     for row in rows:
         v = row["version"]
         assert row["unchanged_after_prepare"], f"version {v}: preparing it changed what vLLM serves"

@@ -92,6 +92,7 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
     assert all("prepare" in t["phases"] for t in run.local.transfers), "a version was not loaded ahead"
     for ordinal in (3, 4):  # the inference pods (after the controller and the two trainer pods)
         assert "committed version 3 into vLLM" in run.log(ordinal) and "loaded ahead" in run.log(ordinal)
+        assert "storages swapped" in run.log(ordinal)  # an eager model on the CPU (ahead.py)
     for version in range(4):
         want = fused(torch.load(run.dump / f"trainer-0-v{version}.pt")["tensors"])
         for rank in range(2):

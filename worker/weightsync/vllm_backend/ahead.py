@@ -14,13 +14,16 @@ every shadow tensor into the live tensor of the same name (in place, so that CUD
 compiled code keep their references) and sets the attributes processing changed, then runs the
 attention layers' own processing on the live model as vLLM's reload finishes with it (an
 attention layer's processing may reach state its shadow shares with the live layer, so it never
-runs on the shadow).
+runs on the shadow). Where the model runs eagerly on the CPU (nothing captured a tensor's address,
+and a copy of the version costs as much as loading it), `commit` swaps each pair's storage instead
+of copying: the live tensor takes the prepared one's, and the shadow's clone the version before's,
+which the next prepare loads into.
 
 The price is memory: one more copy of the worker's weights (on a GPU, outside what
 --gpu-memory-utilization leaves to vLLM), kept from one version to the next: the clones are
-refilled, not allocated again, since fresh memory costs a page fault per page. Nothing unverified is prepared: the
-engine prepares a version only once it was verified in staging, and the live model is untouched
-until the update call, checked as for any load, commits it.
+loaded into again, not allocated, since fresh memory costs a page fault per page. Nothing
+unverified is prepared: the engine prepares a version only once it was verified in staging, and
+the live model is untouched until the update call, checked as for any load, commits it.
 """
 
 from __future__ import annotations
@@ -100,8 +103,11 @@ def prepare(model: torch.nn.Module, model_config, tensors, sharded,
     """Load `tensors` ((checkpoint name, tensor), the verified version) through vLLM's layerwise
     reload into a shadow of `model`; `sharded(root)` is the context the loaders run in (a
     tensor-parallel worker's parts: shards.presharded). `spares` are the clones of the version
-    committed before (its `clones`): refilled, not allocated again (fresh memory costs a page
-    fault per page, most of a prepare's time on a busy machine)."""
+    prepared before (its `clones`): used again, not allocated (fresh memory costs a page fault
+    per page, most of a prepare's time on a busy machine), and not refilled from the live tensors
+    either: the reload writes every part of them that any version writes, and the parts no version
+    writes (padding, buffers such as the rotary tables) hold what the first clone copied, as the
+    live tensors do."""
     root, pairs = shadow_of(model)
     attention = []
     spare = spares or {}
@@ -131,9 +137,9 @@ def prepare(model: torch.nn.Module, model_config, tensors, sharded,
 
 def _clone(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     """A copy of a kernel tensor that keeps its class and attributes (vLLM's parameters carry their
-    loaders and sharding as attributes), into `spare` where it fits."""
-    if spare is not None and spare.shape == tensor.shape and spare.dtype == tensor.dtype and spare.device == tensor.device:
-        spare.data.copy_(tensor.detach())
+    loaders and sharding as attributes), or `spare` where it fits (see prepare)."""
+    if (spare is not None and spare.shape == tensor.shape and spare.dtype == tensor.dtype
+            and spare.device == tensor.device and spare.stride() == tensor.stride()):
         return spare
     twin = tensor.detach().clone()
     if isinstance(tensor, torch.nn.Parameter):
@@ -144,9 +150,10 @@ def _clone(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def commit(prepared: Prepared, model_config) -> None:
-    """In the pause: the prepared version into the live model. Every check runs before the first
-    copy, so a version that does not fit changes nothing."""
+def commit(prepared: Prepared, model_config, swap: bool = False) -> None:
+    """In the pause: the prepared version into the live model, copied, or with `swap` its storage
+    exchanged with the live tensors' (see above: only where nothing holds their addresses). Every
+    check runs before the first change, so a version that does not fit changes nothing."""
     copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     settings = []
     attention = {id(layer) for layer in prepared.attention}
@@ -159,7 +166,8 @@ def commit(prepared: Prepared, model_config) -> None:
                 new = theirs.get(name)
                 if tensor is None or new is None or new is tensor:
                     continue
-                if new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
+                if (new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device
+                        or (swap and new.stride() != tensor.stride())):
                     raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to {tuple(new.shape)} "
                                       f"{new.dtype} on {new.device}, and the model runs on {tuple(tensor.shape)} "
                                       f"{tensor.dtype} on {tensor.device}: nothing was loaded")
@@ -172,7 +180,10 @@ def commit(prepared: Prepared, model_config) -> None:
             if live.__dict__.get(key, _GONE) is not twin.__dict__.get(key, _GONE):
                 settings.append((live, key, twin.__dict__.get(key, _GONE)))
     for tensor, new in copies.values():
-        tensor.data.copy_(new)
+        if swap:
+            tensor.data, new.data = new.data, tensor.data
+        else:
+            tensor.data.copy_(new)
     for live, key, value in settings:
         if value is _GONE:
             del live.__dict__[key]

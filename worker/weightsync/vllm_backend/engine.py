@@ -93,7 +93,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.staging_index, self.loaded, self.staged = 0, None, None
         self.ahead = ctx.job.inference.vllm.load_ahead
         self.prepared: Prepared | None = None  # with loadAhead: the staged version, loaded into a shadow
-        self.spares: dict = {}  # the last prepared version's kernel tensors, refilled by the next prepare
+        self.spares: dict = {}  # the last prepared version's kernel tensors, the next prepare's
+        # a commit swaps storages where the model runs eagerly on the CPU, else copies (ahead.py)
+        self.swap = self.device.type == "cpu" and bool(getattr(self.model_config, "enforce_eager", False))
         self.load_seconds = 0.0  # how long the last load took (the controller's round record shows it)
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
@@ -179,15 +181,16 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         pause_point(INFERENCE, self.rank, "loading", version)
         start = time.monotonic()
         if prepared is not None:
-            commit(prepared, self.model_config)
+            commit(prepared, self.model_config, swap=self.swap)
         else:
             self.load(buffer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - start
         if prepared is not None:
-            log(self.me, f"committed version {version} into vLLM in {seconds:.3f}s (loaded ahead, while it served, "
-                         f"in {prepared.seconds:.3f}s)")
+            how = "storages swapped" if self.swap else "copied"
+            log(self.me, f"committed version {version} into vLLM in {seconds:.3f}s ({how}; loaded ahead, while it "
+                         f"served, in {prepared.seconds:.3f}s)")
         else:
             log(self.me, f"loaded version {version} into vLLM in {seconds:.3f}s")
         if dumping():
