@@ -29,7 +29,7 @@ from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
-from weightsync.transport.base import TransferError
+from weightsync.transport.base import ChecksumMismatch, TransferError
 
 # seconds a rank whose receive failed waits for the controller to say whether a trainer rank
 # stopped and the round is dropped: the controller sees a stopped trainer within its silent limit
@@ -130,6 +130,8 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
         try:
             got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
         except TransferError as e:  # frozen or cut off mid-version, the trainers hung up on it meanwhile
+            if isinstance(e, ChecksumMismatch):  # bytes changed on the way: the job fails, naming it here
+                raise
             try:
                 if job.trainer.resumes:  # or a sender stopped, and the trainers resume
                     member.verdict(rnd, VERDICT_WAIT)

@@ -31,6 +31,11 @@ class TransferError(RuntimeError):
         super().__init__(f"{peer}: {message}")
 
 
+class ChecksumMismatch(TransferError):
+    """Bytes arrived other than their sender checksummed them: changed on the way (a fault of the
+    network, the memory or the code between), not a peer that was lost, slow or cut off."""
+
+
 class PeersFailed(TransferError):
     """A version could not be sent to some peers ({peer rank: TransferError}, in `failed`);
     every other peer was sent all of it."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from weightsync.transport.base import TransferError
+from weightsync.transport.base import ChecksumMismatch, TransferError
 
 
 class Ledger:
@@ -66,5 +66,5 @@ class Ledger:
 
     def checksum(self, offset: int, length: int, sent: int, received: int) -> None:
         if sent != received:
-            raise TransferError(self.peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
+            raise ChecksumMismatch(self.peer, f"checksum mismatch for bytes [{offset}, {offset + length}) of version "
                                            f"{self.version}: sent {sent:016x}, received {received:016x}")
