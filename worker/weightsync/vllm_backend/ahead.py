@@ -166,11 +166,13 @@ def commit(prepared: Prepared, model_config, swap: bool = False) -> None:
                 new = theirs.get(name)
                 if tensor is None or new is None or new is tensor:
                     continue
-                if (new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device
-                        or (swap and new.stride() != tensor.stride())):
+                if new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
                     raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to {tuple(new.shape)} "
                                       f"{new.dtype} on {new.device}, and the model runs on {tuple(tensor.shape)} "
                                       f"{tensor.dtype} on {tensor.device}: nothing was loaded")
+                if swap and new.stride() != tensor.stride():  # a swap would hand the model another layout
+                    raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to strides {new.stride()}, "
+                                      f"and the model runs on strides {tensor.stride()}: nothing was loaded")
                 if copies.setdefault(id(tensor), (tensor, new))[1] is not new:
                     raise CommitError(f"{type(live).__name__}.{name}: a tensor the model shares between layers was "
                                       "processed into two different ones: nothing was loaded")
