@@ -2,6 +2,9 @@
 phase's median over the versions, and the table that sets the methods side by side. Parsing and
 arithmetic only: the times themselves are the benchmark's to measure."""
 
+import subprocess
+import sys
+
 import pytest
 
 from weightsync.bench.vllm import PHASES, breakdown, medians, table, version_row
@@ -65,3 +68,16 @@ def test_the_table_puts_the_summary_above_the_breakdown():
     summary, details = text.split("\n\n")
     assert "1.25x" in summary.splitlines()[2]
     assert details.splitlines()[-1].split()[-2:] == ["0.400", "0.500"]
+
+
+def test_the_summary_names_the_step_between_versions():
+    report = {"model": "Llama", "trainers": 2, "servers": 2, "step": 2.0, "methods": {
+        "disk": {"seconds_per_version": 0.5, "stall_seconds": 0.2, "bytes_per_version": 2e8,
+                 "speedup_over_disk": 1.0, "phases": {"total": 0.5, "stall": 0.2}}}}
+    assert table(report).splitlines()[0].endswith("2 vLLM servers; 2s between versions")
+
+
+def test_a_negative_step_is_refused_before_any_server_starts():
+    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", "--vllm", "/no/such/python", "--step", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--step: -1.0 is not a number of seconds (0 or more)" in out.stderr, out.stderr

@@ -63,11 +63,12 @@ def routes():
         r.close()
 
 
-def test_an_update_opens_the_session_then_pauses_loads_labels_and_resumes(routes):
+def test_an_update_opens_the_session_as_it_pauses_then_loads_labels_and_resumes(routes):
     server = routes()
     times = Server(server.url).update(7, "proof", 30)
-    assert [path for path, _ in server.calls] == ["/start_weight_update", "/pause?mode=wait&clear_cache=true",
-                                                  "/update_weights", "/finish_weight_update", "/resume"]
+    paths = [path for path, _ in server.calls]
+    assert set(paths[:2]) == {"/start_weight_update", "/pause?mode=wait&clear_cache=true"}  # at once
+    assert paths[2:] == ["/update_weights", "/finish_weight_update", "/resume"]
     assert server.calls[2][1] == {"update_info": {"version": 7, "proof": "proof"}}
     assert server.calls[3][1] == {"weight_version": "7"}
     assert isinstance(times, UpdateTimes)
@@ -85,6 +86,15 @@ def test_a_failed_load_still_resumes_the_server_and_names_the_route(routes):
     assert "/finish_weight_update" not in [path for path, _ in server.calls]
 
 
+def test_a_session_that_would_not_open_resumes_the_paused_server_and_loads_nothing(routes):
+    server = routes(failing="/start_weight_update")
+    with pytest.raises(ControlError, match="/start_weight_update answered 500"):
+        Server(server.url).update(3, "proof", 30)
+    paths = [path for path, _ in server.calls]
+    assert paths[-1] == "/resume" and "/pause?mode=wait&clear_cache=true" in paths
+    assert "/update_weights" not in paths and "/finish_weight_update" not in paths
+
+
 def test_a_server_that_answers_an_error_is_not_unreachable_one_that_gives_no_answer_is(routes):
     """The controller lets a round go on without a server only when it gave no answer (and its
     ranks went away): an error it answered is never taken for that."""
@@ -96,7 +106,8 @@ def test_a_server_that_answers_an_error_is_not_unreachable_one_that_gives_no_ans
         Server(dropped.url).update(3, "proof", 30)
     gone = routes()
     gone.close()
-    with pytest.raises(Unreachable, match="/start_weight_update could not be reached: .*[Rr]efused"):
+    with pytest.raises(Unreachable, match=r"/(start_weight_update|pause\?mode=wait&clear_cache=true) could not be "
+                                          r"reached: .*[Rr]efused"):
         Server(gone.url).update(3, "proof", 30)
 
 

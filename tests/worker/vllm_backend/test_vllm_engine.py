@@ -67,13 +67,7 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                 assert completion(run.servers[0], job.name, LONG_PROMPT) == completion(run.servers[1], job.name, LONG_PROMPT), \
                     "a server answered from KV blocks cached before the load"
             if version == 1:  # a long request is in flight when version 2 is loaded
-                long = {}
-                flight = threading.Thread(target=lambda: long.update(generate(run.servers[0], job.name, 200)))
-                flight.start()
-                deadline = time.monotonic() + 60
-                while "vllm:num_requests_running" not in running_metrics(run.servers[0]):
-                    assert time.monotonic() < deadline, "the long request did not start"
-                    time.sleep(0.01)
+                long, flight = in_flight(run.servers[0], job.name)
             run.release(f"trainer-0-before-go-v{version + 1}")
             if version == 1:  # version 2 verified and loaded ahead on every worker, no server paused yet
                 run.reach("controller-0-staged-v2")
@@ -174,6 +168,24 @@ def test_delta_versions_are_loaded_into_vllm_bit_for_bit(tmp_path, vllm_python):
         for name, tensor in want.items():
             assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
                 f"version {version}: the vLLM server holds other bytes than the trainer in {name}"
+
+
+def in_flight(server: str, job_name: str, tokens: int = 200, tries: int = 5) -> tuple[dict, threading.Thread]:
+    """A long generation on its way, seen running on the server while its caller still waits for
+    the answer: (where the answer will be, the thread that waits for it). On a busy machine one
+    may run whole between two reads of the server's metrics: then it is sent again."""
+    for _ in range(tries):
+        answer: dict = {}
+        flight = threading.Thread(target=lambda: answer.update(generate(server, job_name, tokens)))
+        flight.start()
+        deadline = time.monotonic() + 60
+        while flight.is_alive() and "vllm:num_requests_running" not in running_metrics(server):
+            assert time.monotonic() < deadline, "the long request did not start within 60s"
+            time.sleep(0.01)
+        if flight.is_alive():
+            return answer, flight
+        flight.join()
+    raise AssertionError(f"none of {tries} long requests was seen running before it ended")
 
 
 def running_metrics(server: str) -> str:

@@ -39,7 +39,7 @@ from weightsync.bench.rank import build_model, run
 from weightsync.bench.scrape import main as scrape_bench
 from weightsync.bench.shards import main as shards_bench
 from weightsync.bench.trained import train
-from weightsync.bench.vllm import main as vllm_bench
+from weightsync.bench.vllm import STEP as VLLM_STEP, main as vllm_bench
 from weightsync.model.flat import FlatLayout, cast_name
 from weightsync.plan.segments import make_plan
 
@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                                                            "seconds and memory per trainer rank (needs matplotlib)")
     parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
                                                          "against reloading a checkpoint from disk (PYTHON runs vLLM)")
+    parser.add_argument("--step", type=float, default=VLLM_STEP, metavar="SECONDS",
+                        help=f"with --vllm: seconds between a version served and the next one made, as a training "
+                             f"step between versions (default {VLLM_STEP:g})")
     parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
                                                             "replicas, publishing through the trainer API (seconds per "
                                                             "version, trainer memory); --shapes one TRAINERSxINFERENCE")
@@ -290,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"--chart: {problem}")
     if args.vllm:
-        return vllm_bench(args.vllm, args.json, args.chart)
+        if args.step < 0:
+            parser.error(f"--step: {args.step} is not a number of seconds (0 or more)")
+        return vllm_bench(args.vllm, args.json, args.chart, args.step)
     dtypes = args.dtypes.split(",")
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):

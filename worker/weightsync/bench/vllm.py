@@ -17,7 +17,11 @@ the same model and the same number of servers:
               (vLLM's reload_weights) and resumes. From the start of the save to the last server
               serving it.
 The stall is how long a server serves nothing: from its pause to its resume (the longest of the
-servers). vLLM's own nccl backend needs GPUs; this machine has none, so it is not run here.
+servers). Between two versions both methods wait a training step (STEP seconds, --step): in RL a
+version follows a step of training, and vLLM's CPU worker busy-polls its message queue for a
+second after every call it answers (shm_broadcast's spin before it goes idle), so versions back
+to back would time each load against the last one's polling on the same two cores. vLLM's own
+nccl backend needs GPUs; this machine has none, so it is not run here.
 
 Where the seconds go, per phase (the median over the versions of the slowest server's), comes from
 what the parts recorded, not from estimates: for weightsync the controller's round record (its
@@ -70,24 +74,27 @@ PHASES = {"transfer": "go -> every trainer sent", "save": "the checkpoint writte
           "load": "the worker's load", "applied": "last call -> every applied",
           "stall": "pause -> resume answered", "total": "start -> every server serving"}
 RUN_TIMEOUT = 1800.0
+VERSIONS = 9  # per method; weightsync's first is its warm-up, the disk's first is the servers' start
+STEP = 2.0  # seconds between a version served and the next made: a training step, past vLLM's polling
 
 
-def bench_job(name: str, trainers: int, servers: int, versions: int, ahead: bool = False):
+def bench_job(name: str, trainers: int, servers: int, versions: int, ahead: bool = False, step: float = 0.0):
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": MODEL, "dtype": "bfloat16"},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0,
-                             "command": [sys.executable, "-m", "weightsync.bench.vllm", str(versions)]},
+                             "command": [sys.executable, "-m", "weightsync.bench.vllm", str(versions), str(step)]},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
                                "vllm": {"args": SERVER_ARGS, "loadAhead": ahead}},
                  "transfer": {"transport": "tcp", "timeoutSeconds": 300},
                  "network": {"mode": "tcp"}}})
 
 
-def weightsync_times(python: str, trainers: int, servers: int, versions: int, ahead: bool = False) -> list[dict]:
+def weightsync_times(python: str, trainers: int, servers: int, versions: int, ahead: bool = False,
+                     step: float = STEP) -> list[dict]:
     """The records of a vLLM job's versions after the first: seconds from go to every server
     serving it, and the stall; `ahead`: with spec.inference.vllm.loadAhead."""
-    job = bench_job("bench-vllm", trainers, servers, versions, ahead)
+    job = bench_job("bench-vllm", trainers, servers, versions, ahead, step)
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-vllm-") as folder:
         local = LocalJob(job, Path(folder), {Env.VLLM_PYTHON: python, **SERVER_ENV}, progress=io.StringIO())
         try:
@@ -105,7 +112,7 @@ def version_row(record: dict) -> dict:
             "phases": {**record["phases"], "total": record["seconds"]}}
 
 
-def disk_times(python: str, servers: int, versions: int) -> list[dict]:
+def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> list[dict]:
     """Versions saved as a checkpoint and reloaded from it by every server."""
     import subprocess
 
@@ -135,6 +142,7 @@ def disk_times(python: str, servers: int, versions: int) -> list[dict]:
             out = []
             generator = torch.Generator().manual_seed(1)
             for v in range(1, versions):
+                time.sleep(step)
                 new_version(model, generator)
                 start = time.monotonic()
                 where = Path(folder) / f"v{v}"
@@ -163,9 +171,9 @@ def new_version(model, generator) -> None:
             p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
 
 
-def publish_versions(count: int) -> int:
-    """The trainer ranks' command in the weightsync job: `count` versions, published back to back
-    (every rank the same weights: a DDP replica)."""
+def publish_versions(count: int, step: float) -> int:
+    """The trainer ranks' command in the weightsync job: `count` versions, `step` seconds apart
+    once every server serves the last (every rank the same weights: a DDP replica)."""
     import torch
 
     ctx = WorkerContext.from_environ()
@@ -174,6 +182,7 @@ def publish_versions(count: int) -> int:
     with weightsync.attach(model) as sync:
         for v in range(count):
             if v:
+                time.sleep(step)
                 new_version(model, generator)
             sync.publish(step=v)
             # the next version is made once every server serves this one, as the disk baseline
@@ -211,13 +220,13 @@ def _reload(server, where: Path, version: int) -> dict[str, float]:
     return times
 
 
-def run(python: str, trainers: int = 2, servers: int = 2, versions: int = 5) -> dict:
+def run(python: str, trainers: int = 2, servers: int = 2, versions: int = VERSIONS, step: float = STEP) -> dict:
     check_vllm_python(python)
-    results = {"weightsync": weightsync_times(python, trainers, servers, versions),
-               "ahead": weightsync_times(python, trainers, servers, versions, ahead=True),
-               "disk": disk_times(python, servers, versions)}
+    results = {"weightsync": weightsync_times(python, trainers, servers, versions, step=step),
+               "ahead": weightsync_times(python, trainers, servers, versions, ahead=True, step=step),
+               "disk": disk_times(python, servers, versions, step)}
     report = {"model": f"Llama, {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, bfloat16",
-              "trainers": trainers, "servers": servers, "methods": {}}
+              "trainers": trainers, "servers": servers, "step": step, "methods": {}}
     for method, rows in results.items():
         report["methods"][method] = {
             "seconds_per_version": statistics.median(r["seconds"] for r in rows),
@@ -238,7 +247,8 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def table(report: dict) -> str:
-    lines = [f"model: {report['model']}; {report['trainers']} trainer ranks -> {report['servers']} vLLM servers",
+    lines = [f"model: {report['model']}; {report['trainers']} trainer ranks -> {report['servers']} vLLM servers; "
+             f"{report.get('step', 0):g}s between versions",
              f"{'method':<12}{'s/version':>10}{'stall s':>10}{'MB/version':>12}{'vs disk':>9}"]
     for name, m in report["methods"].items():
         lines.append(f"{name:<12}{m['seconds_per_version']:>10.3f}{m['stall_seconds']:>10.3f}"
@@ -259,8 +269,8 @@ def breakdown(methods: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(python: str, as_json: bool, chart: str | None = None) -> int:
-    report = run(python)
+def main(python: str, as_json: bool, chart: str | None = None, step: float = STEP) -> int:
+    report = run(python, step=step)
     print(json.dumps(report, indent=2) if as_json else table(report), flush=True)
     if chart:
         print(f"bench: chart in {vllm_chart(report, list(PHASES), chart)}", file=sys.stderr, flush=True)
@@ -268,4 +278,4 @@ def main(python: str, as_json: bool, chart: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(publish_versions(int(sys.argv[1])))
+    sys.exit(publish_versions(int(sys.argv[1]), float(sys.argv[2])))

@@ -89,12 +89,13 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
             # said goodbye a local controller exits, and its store with it)
             end = _wait_end(channel, TICK)
             late = watch.not_attached() if end is None else []
-        except (OSError, ConnectionError, RuntimeError) as e:
+            behind = end is None and _behind_a_resume(ctx, channel, resumes, started)
+        except (OSError, ConnectionError, RuntimeError) as e:  # the job's end may take the store with it
             log(me, f"lost the controller's store ({e}); waiting for the command to exit")
             gone = True
             continue
         code = proc.poll()
-        if code is None and _behind_a_resume(ctx, channel, resumes, started):
+        if code is None and behind:
             log(me, "the trainers resume from their checkpoint, and the command had not attached: it stops, and this "
                     "pod starts again to run it on the resume's port")
             stop(proc, grace=STOP_GRACE)
@@ -110,9 +111,15 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
                                                 f"(spec.trainer.attachTimeoutSeconds): {command}", channel)
             stop(proc, grace=STOP_GRACE)
             return _end(ctx, channel, me, proc.wait())
+    resuming = False
     if end is None and not gone:
-        end = channel.get_json(Keys.END) if channel.has(Keys.END) else None
-    if end is None and not gone and ctx.job.trainer.resumes and channel.store.add(Keys.RESUMING, 0) > resumes:
+        try:
+            end = channel.get_json(Keys.END) if channel.has(Keys.END) else None
+            resuming = end is None and ctx.job.trainer.resumes and channel.store.add(Keys.RESUMING, 0) > resumes
+        except (OSError, ConnectionError, RuntimeError) as e:
+            log(me, f"lost the controller's store ({e}) as the command exited")
+            gone = True
+    if resuming:
         log(me, f"the command {exit_status(code)} as the trainers resume from their checkpoint: this pod starts "
                 "again, and runs it anew")
         return 1

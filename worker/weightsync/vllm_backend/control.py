@@ -2,9 +2,9 @@
 
 vLLM loads weights only between two scheduler steps, through its engine's control routes (served
 when VLLM_SERVER_DEV_MODE=1). One update, for weightsync, is: start (opens vLLM's update session;
-weightsync's engine changes nothing there, so the server serves on), pause with mode=wait (no new
-request starts, those in flight finish on the weights they started on) and the KV and prefix
-caches cleared (cached blocks were computed with the old weights), update (the backend loads the
+weightsync's engine changes nothing there, so the server serves on) at once with pause, mode=wait
+(no new request starts, those in flight finish on the weights they started on) and the KV and
+prefix caches cleared (cached blocks were computed with the old weights), update (the backend loads the
 version it already received and verified), finish with weightsync's version number as vLLM's
 weight version (vLLM reports it with every generation), resume. A request therefore runs on exactly
 one version, and the server serves nothing only between the pause and the resume: the load and
@@ -22,6 +22,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
@@ -103,23 +104,27 @@ class Server:
             self.call(route, body, limit)
             return time.monotonic() - began
 
-        # The update session opens before the pause: weightsync's start_weight_update changes
-        # nothing (the reload is set up in update_weights, once the update was checked), so the
-        # server serves on while it answers, and the stall holds only what must be in it.
-        start = timed("/start_weight_update", None, left())
-        # clear_cache: a prompt cached before the load would otherwise reuse the old version's KV
-        # blocks after it, under the new version's label
-        pause = timed("/pause?mode=wait&clear_cache=true", None, left())
-        paused = time.monotonic()
-        try:
-            update = timed("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
-            finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
-        except ControlError as e:  # resumed all the same; what failed first is what the error says
+        # The update session opens while the server pauses, on a thread of its own: weightsync's
+        # start_weight_update changes nothing (the reload is set up in update_weights, once the
+        # update was checked), so the server serves on while it answers; and vLLM's pause answers
+        # 20 ms after its engine paused, time in which the engine takes the start. The update
+        # waits for both.
+        with ThreadPoolExecutor(1) as opener:
+            opening = opener.submit(timed, "/start_weight_update", None, left())
+            # clear_cache: a prompt cached before the load would otherwise reuse the old
+            # version's KV blocks after it, under the new version's label
+            pause = timed("/pause?mode=wait&clear_cache=true", None, left())
+            paused = time.monotonic()
             try:
-                timed("/resume", None, RESUME_TIMEOUT)
-            except ControlError as also:
-                raise type(e)(f"{e}; then {also}") from None
-            raise
+                start = opening.result()
+                update = timed("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
+                finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
+            except ControlError as e:  # resumed all the same; what failed first is what the error says
+                try:
+                    timed("/resume", None, RESUME_TIMEOUT)
+                except ControlError as also:
+                    raise type(e)(f"{e}; then {also}") from None
+                raise
         resume = timed("/resume", None, max(deadline - time.monotonic(), RESUME_TIMEOUT))
         return UpdateTimes(pause=pause, start=start, update=update, finish=finish, resume=resume,
                            stall=time.monotonic() - paused)
