@@ -81,3 +81,9 @@ def test_a_negative_step_is_refused_before_any_server_starts():
     out = subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", "--vllm", "/no/such/python", "--step", "-1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--step: -1.0 is not a number of seconds (0 or more)" in out.stderr, out.stderr
+
+
+def test_a_step_without_the_vllm_bench_is_refused():
+    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", "--step", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "--step: only the --vllm bench waits between versions" in out.stderr, out.stderr

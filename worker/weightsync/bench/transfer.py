@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            "seconds and memory per trainer rank (needs matplotlib)")
     parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
                                                          "against reloading a checkpoint from disk (PYTHON runs vLLM)")
-    parser.add_argument("--step", type=float, default=VLLM_STEP, metavar="SECONDS",
+    parser.add_argument("--step", type=float, metavar="SECONDS",
                         help=f"with --vllm: seconds between a version served and the next one made, as a training "
                              f"step between versions (default {VLLM_STEP:g})")
     parser.add_argument("--fsdp", action="store_true", help="instead: trainer ranks holding FSDP2 shards against DDP "
@@ -292,10 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         problem = chart_problem(args.chart)
         if problem:
             parser.error(f"--chart: {problem}")
+    if args.step is not None and not args.vllm:
+        parser.error("--step: only the --vllm bench waits between versions")
     if args.vllm:
-        if args.step < 0:
-            parser.error(f"--step: {args.step} is not a number of seconds (0 or more)")
-        return vllm_bench(args.vllm, args.json, args.chart, args.step)
+        step = VLLM_STEP if args.step is None else args.step
+        if step < 0:
+            parser.error(f"--step: {step} is not a number of seconds (0 or more)")
+        return vllm_bench(args.vllm, args.json, args.chart, step)
     dtypes = args.dtypes.split(",")
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):

@@ -129,9 +129,9 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
                              "off); ending this process so that it starts again and rejoins")
         try:
             got = receiver.receive(version, engine.staging(), timeout, engine.base(rnd.bases.get(rank)))
+        except ChecksumMismatch:  # bytes changed on the way: the job fails, naming it here
+            raise
         except TransferError as e:  # frozen or cut off mid-version, the trainers hung up on it meanwhile
-            if isinstance(e, ChecksumMismatch):  # bytes changed on the way: the job fails, naming it here
-                raise
             try:
                 if job.trainer.resumes:  # or a sender stopped, and the trainers resume
                     member.verdict(rnd, VERDICT_WAIT)

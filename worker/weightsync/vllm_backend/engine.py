@@ -97,7 +97,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         # a commit swaps storages where the model runs eagerly on the CPU, else copies (ahead.py)
         self.swap = self.device.type == "cpu" and bool(getattr(self.model_config, "enforce_eager", False))
         self.load_seconds = 0.0  # how long the last load took (the controller's round record shows it)
-        self.settled = False  # whether vLLM's start-up objects were put out of the collector's reach
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
         member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
@@ -150,6 +149,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         returns the seconds the load took. With loadAhead the version is loaded into a shadow of
         the model first, while vLLM serves on (the staged record says how long that took)."""
         staged = {"digest": got.digest}
+        first = self.loaded is None  # only this thread's offers lead to loads
         prepared = None
         if self.ahead:
             began = time.monotonic()
@@ -165,13 +165,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                     seconds = self.load_seconds
                     break
             self.member.check_end()  # the job may end (failed elsewhere) before the load
-        if not self.settled:
+        if first:
             # vLLM serves (it loaded a version): what it made after this engine joined (its
             # profile, KV cache, warm-up) out of the collector's reach too, once. Left in reach,
             # a full collection walks it every few versions (the prepares' objects add up): 0.4 s
             # in this process on a 2-core VM, in which the worker answers no call.
             settle_heap()
-            self.settled = True
         return seconds
 
     # vLLM's side: the engine core, between two scheduler steps
