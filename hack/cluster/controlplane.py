@@ -401,6 +401,9 @@ class ControlPlane:
             f"--service-account-issuer={SA_ISSUER}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
+            # Who deleted or changed what, for a test that must find out why a pod went.
+            f"--audit-policy-file={self._audit_policy()}", f"--audit-log-path={self.dir / 'logs' / 'audit.log'}",
+            "--audit-log-maxsize=50", "--audit-log-maxbackup=1",
         ])
         self.wait("kube-apiserver /readyz", lambda: self.request("GET", "/readyz", timeout=3) == "ok", timeout)
         self.timings["kube-apiserver"] = time.monotonic() - t
@@ -434,6 +437,19 @@ class ControlPlane:
         self.wait("default ServiceAccount", lambda: self._exists("/api/v1/namespaces/default/serviceaccounts/default"),
                    timeout)
         self.timings["controllers"] = time.monotonic() - t
+
+    def _audit_policy(self) -> Path:
+        """The API server's audit policy: every delete, and the writes of StatefulSets and Kueue's
+        Workloads with their bodies (a scale to zero, a Workload made again); nothing else."""
+        path = self.dir / "audit-policy.yaml"
+        path.write_text(json.dumps({
+            "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", "verbs": ["delete", "deletecollection"]},
+                      {"level": "Request", "verbs": ["create", "patch", "update"],
+                       "resources": [{"group": "apps", "resources": ["statefulsets"]},
+                                     {"group": "kueue.x-k8s.io", "resources": ["workloads"]}]},
+                      {"level": "None"}]}))
+        return path
 
     def _run(self, name: str, args: list[str]) -> None:
         with open(self.dir / "logs" / f"{name}.log", "ab") as log:

@@ -82,11 +82,16 @@ class LogFollower:
         self.procs: dict[str, subprocess.Popen] = {}
         self.uids: dict[str, tuple[str, int]] = {}  # {pod: (its uid, its container's restarts)}
         self.ended: list[subprocess.Popen] = []
+        self.seen: dict[str, dict] = {}  # {pod: the pod as last shown}, kept after the pod is gone
+        self.lives: dict[str, list[str]] = {}  # {pod: the uids it had, the first first}
 
     def follow(self, pod: dict) -> None:
         """Follow the pod's logs; a pod deleted and created again under its name, or whose
         container started again, is followed again, into the same file."""
         name, uid = pod["metadata"]["name"], (pod["metadata"].get("uid", ""), restarts(pod))
+        self.seen[name] = pod
+        if uid[0] not in self.lives.setdefault(name, []):
+            self.lives[name].append(uid[0])
         if (name in self.procs and self.uids.get(name) == uid) or not running(pod):
             return
         if name in self.procs:
@@ -101,6 +106,23 @@ class LogFollower:
         """What the pod's containers said so far ("" before it ran)."""
         path = self.dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def story(self, name: str) -> str:
+        """How the pod last looked: its uids (a pod the StatefulSet created again has a new one),
+        each container's state, restarts and last end (exit code, signal, reason: OOMKilled,
+        Error), and whether its log stream was followed and how that ended."""
+        pod = self.seen.get(name)
+        if pod is None:
+            return "never seen"
+        said = [f"uids {', '.join(self.lives[name])}", f"phase {pod['status'].get('phase')}"]
+        if pod["metadata"].get("deletionTimestamp"):
+            said.append(f"deleted at {pod['metadata']['deletionTimestamp']}")
+        for c in pod["status"].get("containerStatuses") or []:
+            said.append(f"container {c['name']}: {c.get('restartCount', 0)} restarts, state {json.dumps(c.get('state'))}"
+                        f", last state {json.dumps(c.get('lastState') or {})}")
+        proc = self.procs.get(name)
+        said.append("its log not followed" if proc is None else f"its log stream exited {proc.poll()}")
+        return "; ".join(said)
 
     def stop(self, timeout: float = 30) -> None:
         """Waits for every stream to end (its container exited), then stops those that did not."""
@@ -341,9 +363,21 @@ def assert_succeeded(cluster, namespace: str, job: dict, logs: LogFollower, line
     if status.get("phase") == "Succeeded":
         return status
     name = job["metadata"]["name"]
-    events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
     said = [f"{name} ended {status.get('phase')}:", json.dumps(status.get("conditions"), indent=1),
-            "events:", *events.splitlines()[-40:]]
-    for pod in sorted(p for p in logs.procs if p.startswith(f"{name}-")):
-        said += [f"--- the last lines of {pod}:", *logs.text(pod).splitlines()[-lines:]]
+            "events of the job, its children and its pods:", *job_events(cluster, namespace, name)[-40:]]
+    for pod in sorted(p for p in logs.seen if p.startswith(f"{name}-")):
+        said += [f"--- {pod}: {logs.story(pod)}", "its last lines:", *logs.text(pod).splitlines()[-lines:]]
     raise AssertionError("\n".join(said))
+
+
+def job_events(cluster, namespace: str, name: str) -> list[str]:
+    """The namespace's events about the job, its children and its pods (named after the job), oldest
+    first, one line each: the events of another job in the namespace do not push them out."""
+    out = cluster.kubectl("get", "events", "-n", namespace, "-o", "json", check=False).stdout
+    events = json.loads(out)["items"] if out else []
+    ours = [e for e in events if e["involvedObject"].get("name") == name
+            or e["involvedObject"].get("name", "").startswith(f"{name}-")]
+    ours.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return [f"{e.get('lastTimestamp') or e.get('eventTime')} {e['type']} {e['reason']} "
+            f"{e['involvedObject']['kind']}/{e['involvedObject']['name']} (x{e.get('count', 1)}): {e.get('message', '')}"
+            for e in ours]

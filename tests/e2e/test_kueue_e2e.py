@@ -84,6 +84,9 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster,
         cluster.kubectl("delete", "clusterqueue,resourceflavor", queue, "--ignore-not-found", "--wait=false", check=False)
     assert_succeeded(cluster, namespace, first, logs)
     assert_succeeded(cluster, namespace, done, logs)
+    # Admitted once, each job kept its pods from start to end: none was deleted and made again.
+    replaced = {pod: uids for pod, uids in logs.lives.items() if len(uids) > 1}
+    assert not replaced, f"pods deleted and made again while their job ran (their uids): {replaced}"
     for status in (first["status"], done["status"]):
         admitted = {c["type"]: c for c in status["conditions"]}
         assert "Admitted" not in admitted or admitted["Admitted"]["status"] == "True", status["conditions"]

@@ -216,7 +216,7 @@ def test_a_namespace_being_deleted_is_not_reported_as_missing_rights(cluster, op
         writes = []
         monkeypatch.setattr(jobs, "report", lambda *args, **kwargs: writes.append(kwargs))
         memo = types.SimpleNamespace(kube=kube, token_key=tokens.load_key(kube))
-        jobs.reconcile_job(memo, obj, logging.getLogger(__name__), Indexes({}, {}, {}, {}))  # returns: no retry
+        jobs.reconcile_read(memo, obj, logging.getLogger(__name__), Indexes({}, {}, {}, {}))  # returns: no retry
         assert writes == []  # no condition, no Event
         log = [line for line in operator.log_since_start().splitlines() if f"[{ns.name}/" in line]
         assert not [line for line in log if "ERROR" in line or "may not write" in line], log

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import threading
 from typing import Callable, Mapping
 
 import kopf
@@ -63,9 +64,44 @@ def receivers_reported(body: kopf.Body, memo: kopf.Memo, old, new, **_):
             kopf.event(body, type=kind, reason=reason, message=message)
 
 
+class JobLocks:
+    """One lock per job, so that its reconciles run one at a time. The job's own handlers and the
+    handlers of its Workload and children run on threads of their own: two at once could each
+    read where the job stands, one just before Kueue admitted it, and the one that read first
+    could write last (it scaled a just-admitted job's StatefulSets back to zero, deleting its first
+    pods as they started)."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+
+    def of(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job is gone: its lock goes too (a reconcile holding it still finishes)."""
+        with self._guard:
+            self._locks.pop((namespace, name), None)
+
+
 def reconcile_job(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repairing: bool = False):
     """Bring the job's children to what it wants; `repairing`: because a child was deleted or
-    changed by someone else (what is patched then is a repair too)."""
+    changed by someone else (what is patched then is a repair too). One reconcile of a job at a
+    time, each from the job as it is once its turn came (JobLocks): the last to write read last."""
+    namespace, name, uid = obj["metadata"]["namespace"], obj["metadata"]["name"], obj["metadata"].get("uid")
+    with memo.job_locks.of(namespace, name):
+        fresh = memo.kube.get_job(namespace, name)
+        if fresh is None:
+            memo.job_locks.forget(namespace, name)
+            return  # deleted
+        if fresh["metadata"]["uid"] != uid:
+            return  # deleted and made again: the new job's own handlers reconcile it
+        reconcile_read(memo, fresh, logger, indexes, repairing)
+
+
+def reconcile_read(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repairing: bool = False):
+    """One reconcile of the job as `obj` shows it (reconcile_job reads it afresh, in its turn)."""
     kube: Kube = memo.kube
     write = functools.partial(report, kube, obj["metadata"]["namespace"], obj["metadata"]["name"], indexes)
     METRICS.reconciles.inc()
