@@ -1,7 +1,8 @@
 """The controller's client of a vLLM server's control routes (control.py), against an HTTP server
 in the test that answers as vLLM's routes do and writes down what it was asked: the calls of one
 update in their order, the per-call timings it returns, a server resumed when the load fails, and
-the slowest server's timings over several. No vLLM here: the tests in test_vllm_engine.py drive
+the slowest server's timings over several, and an update into a session its workers kept open from
+the version before (no start, and the label set without closing it). No vLLM here: the tests in test_vllm_engine.py drive
 real servers."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from weightsync.vllm_backend.control import ControlError, Server, Unreachable, UpdateTimes
+from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
 
 
 class Routes:
@@ -78,6 +79,34 @@ def test_an_update_opens_the_session_as_it_pauses_then_loads_labels_and_resumes(
     assert times.stall >= times.update + times.finish + times.resume  # the pause's answer to the resume's
 
 
+def test_a_session_kept_open_takes_one_call_of_the_workers_and_the_label_from_the_engine_core(routes):
+    server = routes()
+    times = Server(server.url).update(8, "proof", 30, Session(open=True, keep=True))
+    assert [path for path, _ in server.calls] == ["/pause?mode=wait&clear_cache=true", "/update_weights",
+                                                  "/update_weight_version", "/resume"]
+    assert server.calls[1][1] == {"update_info": {"version": 8, "proof": "proof"}}
+    assert server.calls[2][1] == {"new_version": "8"}
+    assert set(times.to_json()) == {"pause", "update", "version", "resume", "stall"}  # no start, no finish
+    assert times.start is None and times.finish is None
+
+
+def test_a_session_opened_to_be_kept_is_opened_as_the_server_pauses_and_left_open(routes):
+    server = routes()
+    Server(server.url).update(1, "proof", 30, Session(open=False, keep=True))
+    paths = [path for path, _ in server.calls]
+    assert set(paths[:2]) == {"/start_weight_update", "/pause?mode=wait&clear_cache=true"}
+    assert paths[2:] == ["/update_weights", "/update_weight_version", "/resume"]
+
+
+def test_a_servers_session_is_open_and_kept_only_where_every_worker_says_so():
+    both = [Session.record(True, True), Session.record(True, True)]
+    assert Session.of(both) == Session(open=True, keep=True)
+    assert Session.of([Session.record(True, True), Session.record(False, True)]) == Session(open=False, keep=True)
+    assert Session.of([Session.record(False, False)]) == Session()
+    assert Session.of([{"digest": "abc"}]) == Session()  # a worker that says nothing of it: open one, close it
+    assert Session.of([]) == Session()
+
+
 def test_a_failed_load_still_resumes_the_server_and_names_the_route(routes):
     server = routes(failing="/update_weights")
     with pytest.raises(ControlError, match="/update_weights answered 500"):
@@ -111,9 +140,11 @@ def test_a_server_that_answers_an_error_is_not_unreachable_one_that_gives_no_ans
         Server(gone.url).update(3, "proof", 30)
 
 
-def test_the_slowest_takes_each_calls_longest_over_the_servers():
-    a = UpdateTimes(pause=0.1, start=0.01, update=0.5, finish=0.02, resume=0.001, stall=0.6)
-    b = UpdateTimes(pause=0.3, start=0.02, update=0.2, finish=0.01, resume=0.004, stall=0.3)
-    assert UpdateTimes.slowest([a, b]) == UpdateTimes(pause=0.3, start=0.02, update=0.5, finish=0.02, resume=0.004,
-                                                      stall=0.6)
-    assert UpdateTimes.slowest([]) == UpdateTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+def test_the_slowest_takes_each_calls_longest_over_the_servers_that_made_it():
+    a = UpdateTimes(pause=0.1, start=0.01, update=0.5, finish=0.02, version=None, resume=0.001, stall=0.6)
+    b = UpdateTimes(pause=0.3, start=None, update=0.2, finish=None, version=0.01, resume=0.004, stall=0.3)
+    assert UpdateTimes.slowest([a, b]) == UpdateTimes(pause=0.3, start=0.01, update=0.5, finish=0.02, version=0.01,
+                                                      resume=0.004, stall=0.6)
+    assert UpdateTimes.slowest([b]).to_json() == {"pause": 0.3, "update": 0.2, "version": 0.01, "resume": 0.004,
+                                                  "stall": 0.3}
+    assert UpdateTimes.slowest([]) == UpdateTimes(0.0, None, 0.0, None, None, 0.0, 0.0)

@@ -84,6 +84,9 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
     assert end["state"] == "Succeeded", end
     assert end["versions"] == 4 and end["failed_verifications"] == 0, end
     assert all("prepare" in t["phases"] for t in run.local.transfers), "a version was not loaded ahead"
+    calls = [set(t["phases"]) for t in run.local.transfers]  # the control calls each version took
+    assert "start" in calls[0] and all({"start", "finish"}.isdisjoint(c) and "version" in c for c in calls[1:]), \
+        f"vLLM's update session was not opened once and kept from one version to the next: {calls}"
     for ordinal in (3, 4):  # the inference pods (after the controller and the two trainer pods)
         assert "committed version 3 into vLLM" in run.log(ordinal) and "loaded ahead" in run.log(ordinal)
         assert "storages swapped" in run.log(ordinal)  # an eager model on the CPU (ahead.py)

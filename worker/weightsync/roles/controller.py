@@ -45,7 +45,7 @@ from weightsync.runtime.metrics import ControllerMetrics
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
-from weightsync.vllm_backend.control import ControlError, Server, Unreachable, UpdateTimes
+from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 BYE_TIMEOUT = 30.0
@@ -309,7 +309,8 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
             server = Server(seats[rank].info.server)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
-            return server.update(rnd.version, proof, timeout)
+            workers = [got for r, got in staged.items() if seats[r].info.server == server.url]
+            return server.update(rnd.version, proof, timeout, Session.of(workers))
         except Unreachable as e:
             return e  # judged on this thread, which keeps the roster: its ranks may be gone with it
         except ControlError as e:

@@ -1,16 +1,25 @@
 """Driving a vLLM server's weight update over its HTTP control routes, with a deadline on every call.
 
 vLLM loads weights only between two scheduler steps, through its engine's control routes (served
-when VLLM_SERVER_DEV_MODE=1). One update, for weightsync, is: start (opens vLLM's update session;
-weightsync's engine changes nothing there, so the server serves on) at once with pause, mode=wait
-(no new request starts, those in flight finish on the weights they started on) and the KV and
-prefix caches cleared (cached blocks were computed with the old weights), update (the backend loads the
-version it already received and verified), finish with weightsync's version number as vLLM's
-weight version (vLLM reports it with every generation), resume. A request therefore runs on exactly
-one version, and the server serves nothing only between the pause and the resume: the load and
-two short calls. Not mode=keep: it freezes the requests in flight and resumes them on the new
-weights, so a request would run on two versions; and vLLM has no route that loads and labels a
-version in one call (update_weights needs an open session, which only finish closes and labels).
+when VLLM_SERVER_DEV_MODE=1), inside a weight-update session that start_weight_update opens and
+finish_weight_update closes. weightsync's engine changes nothing at either end (it loads in place,
+the case vLLM's API leaves those two calls empty for), so a server serves on with a session open,
+and its workers keep it open from one version to the next: a version then takes one call of its
+workers, the load, as vLLM's own disk reload does. Each of their calls costs more than its answer
+on a busy machine: a vLLM worker busy-polls its message queue for a second after every call it
+answers, so calls that follow one another land while the cores spin.
+
+One update, for weightsync, is: pause, mode=wait (no new request starts, those in flight finish on
+the weights they started on) with the KV and prefix caches cleared (cached blocks were computed
+with the old weights), and at once, where no session is open yet (a server's first version, or
+its first after a failed load, which closes it), start; update (the backend loads the version it
+already received and verified); the version's label, weightsync's version number as vLLM's
+weight version (vLLM reports it with every generation), set by update_weight_version, which only
+the engine core answers; resume. A request therefore runs on exactly one version, and the server
+serves nothing only between the pause and the resume: the load and two short calls. Where a
+worker needs the session closed after every load (where vLLM invalidates a LoRA server's state), the
+label comes with finish_weight_update instead, in the pause as well. Not mode=keep: it freezes the
+requests in flight and resumes them on the new weights, so a request would run on two versions.
 
 Standard library only: the controller, which has no vLLM, drives the servers with it.
 """
@@ -37,6 +46,29 @@ class Unreachable(ControlError):
     """The server gave no answer: it could not be reached, dropped the connection, or ran out of
     time. Its process may be gone (killed, preempted) or frozen, which its ranks' heartbeats tell;
     a server that answered an error is a ControlError, never this."""
+
+
+@dataclass(frozen=True)
+class Session:
+    """vLLM's weight-update session on a server, as its workers said when they staged a version:
+    `open`, every worker has one open (the version before left it so), and start is not called;
+    `keep`, every worker keeps it open after this load, so the label is set without closing it."""
+
+    open: bool = False
+    keep: bool = False
+
+    OPEN, KEEP = "session_open", "keep_session"  # the keys of a worker's staged record that say so
+
+    @classmethod
+    def of(cls, staged: list[dict]) -> Session:
+        """A server's session from its workers' staged records."""
+        return cls(open=bool(staged) and all(s.get(cls.OPEN) for s in staged),
+                   keep=bool(staged) and all(s.get(cls.KEEP) for s in staged))
+
+    @classmethod
+    def record(cls, opened: bool, keep: bool) -> dict[str, bool]:
+        """What a worker's staged record says of its session."""
+        return {cls.OPEN: opened, cls.KEEP: keep}
 
 
 @dataclass(frozen=True)
@@ -87,10 +119,11 @@ class Server:
     def weight_version(self, timeout: float = 10.0) -> str | None:
         return self.call("/weight_info", None, timeout, method="GET").get("weight_version")
 
-    def update(self, version: int, proof: str, timeout: float) -> UpdateTimes:
+    def update(self, version: int, proof: str, timeout: float, session: Session = Session()) -> UpdateTimes:
         """Load `version` (already received and verified by the backend) between two steps; returns
         how long each call took and how long the server served nothing (pause to resume). The
-        server is resumed also when a step in between fails."""
+        server is resumed also when a step in between fails. `session`: what its workers said of
+        vLLM's update session as they staged the version (the default opens one and closes it)."""
         deadline = time.monotonic() + timeout
 
         def left() -> float:
@@ -104,21 +137,25 @@ class Server:
             self.call(route, body, limit)
             return time.monotonic() - began
 
-        # The update session opens while the server pauses, on a thread of its own: weightsync's
-        # start_weight_update changes nothing (the reload is set up in update_weights, once the
-        # update was checked), so the server serves on while it answers; and vLLM's pause answers
-        # 20 ms after its engine paused, time in which the engine takes the start. The update
-        # waits for both.
+        # A session opens while the server pauses, on a thread of its own: weightsync's
+        # start_weight_update changes nothing, so the server serves on while it answers; and
+        # vLLM's pause answers 20 ms after its engine paused, time in which the engine takes the
+        # start. The update waits for both.
+        start = finish = label = None
         with ThreadPoolExecutor(1) as opener:
-            opening = opener.submit(timed, "/start_weight_update", None, left())
+            opening = None if session.open else opener.submit(timed, "/start_weight_update", None, left())
             # clear_cache: a prompt cached before the load would otherwise reuse the old
             # version's KV blocks after it, under the new version's label
             pause = timed("/pause?mode=wait&clear_cache=true", None, left())
             paused = time.monotonic()
             try:
-                start = opening.result()
+                if opening is not None:
+                    start = opening.result()
                 update = timed("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
-                finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
+                if session.keep:
+                    label = timed("/update_weight_version", {"new_version": str(version)}, left())
+                else:
+                    finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
             except ControlError as e:  # resumed all the same; what failed first is what the error says
                 try:
                     timed("/resume", None, RESUME_TIMEOUT)
@@ -126,26 +163,35 @@ class Server:
                     raise type(e)(f"{e}; then {also}") from None
                 raise
         resume = timed("/resume", None, max(deadline - time.monotonic(), RESUME_TIMEOUT))
-        return UpdateTimes(pause=pause, start=start, update=update, finish=finish, resume=resume,
+        return UpdateTimes(pause=pause, start=start, update=update, finish=finish, version=label, resume=resume,
                            stall=time.monotonic() - paused)
 
 
 @dataclass(frozen=True)
 class UpdateTimes:
-    """One server's update as the controller saw it: seconds each control call took to answer,
-    and the stall, from the pause's answer to the resume's (the server served nothing)."""
+    """One server's update as the controller saw it: seconds each control call took to answer
+    (None for a call this update did not make), and the stall, from the pause's answer to the
+    resume's (the server served nothing)."""
 
     pause: float
-    start: float
+    start: float | None
     update: float
-    finish: float
+    finish: float | None
+    version: float | None  # update_weight_version
     resume: float
     stall: float
 
     @staticmethod
     def slowest(times: list[UpdateTimes]) -> UpdateTimes:
-        """Each call's longest time, and the longest stall, over the servers (zeros for none)."""
-        return UpdateTimes(**{f.name: max((getattr(t, f.name) for t in times), default=0.0) for f in fields(UpdateTimes)})
+        """Each call's longest time over the servers that made it, and the longest stall (zeros
+        for no server)."""
+        def longest(name: str) -> float | None:
+            made = [getattr(t, name) for t in times if getattr(t, name) is not None]
+            return max(made) if made else (0.0 if name in MADE_BY_EVERY_UPDATE else None)
+        return UpdateTimes(**{f.name: longest(f.name) for f in fields(UpdateTimes)})
 
     def to_json(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+MADE_BY_EVERY_UPDATE = ("pause", "update", "resume", "stall")

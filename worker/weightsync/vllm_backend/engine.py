@@ -42,6 +42,7 @@ from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, tra
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
+from weightsync.vllm_backend.control import Session
 from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, worker_needs, worker_parts
 from weightsync.vllm_backend.join import joining, place_of
 
@@ -97,6 +98,12 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         # a commit swaps storages where the model runs eagerly on the CPU, else copies (ahead.py)
         self.swap = self.device.type == "cpu" and bool(getattr(self.model_config, "enforce_eager", False))
         self.load_seconds = 0.0  # how long the last load took (the controller's round record shows it)
+        # vLLM's update session: opened by start_weight_update, kept open from one version to the
+        # next (control.py), closed by finish_weight_update or by a failed update (vLLM's worker
+        # closes it then); a LoRA server's is closed after every load: that is where vLLM
+        # invalidates its LoRA state after the base weights changed
+        self.session = False
+        self.keep_session = getattr(self.vllm_config, "lora_config", None) is None
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
         member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
@@ -148,7 +155,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         """A verified version is in staging: say so, and wait until the controller had it loaded;
         returns the seconds the load took. With loadAhead the version is loaded into a shadow of
         the model first, while vLLM serves on (the staged record says how long that took)."""
-        staged = {"digest": got.digest}
+        # a session closed after every load is reported closed: its finish may still be on its way
+        staged = {"digest": got.digest, **Session.record(self.session and self.keep_session, self.keep_session)}
         first = self.loaded is None  # only this thread's offers lead to loads
         prepared = None
         if self.ahead:
@@ -175,7 +183,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     # vLLM's side: the engine core, between two scheduler steps
     def start_weight_update(self) -> None:
-        pass  # the reload is set up in receive_weights, once the update was checked
+        self.session = True  # nothing else: the reload is set up in receive_weights, once the update was checked
+
+    def update_weights(self, update_info: dict) -> None:
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            self.session = False  # vLLM's worker closes the session when an update fails
+            raise
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         version = update_info.version
@@ -213,7 +228,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.cond.notify_all()
 
     def finish_weight_update(self) -> None:
-        pass  # the reload is finished in receive_weights
+        self.session = False  # nothing else: the reload is finished in receive_weights
 
     def _needs(self):
         """What this worker needs of a version (plan.slices.RankSlices), or None where every
