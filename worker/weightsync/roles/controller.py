@@ -295,10 +295,10 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
     proof = update_proof(ctx.token, ctx.job.identity, rnd.version)
     seats = {r: host.seats[r] for r in staged}
     # one update per server: a tensor-parallel server's workers are several ranks, and vLLM's update
-    # has every worker load its own staged version
-    servers: dict[str, int] = {}
+    # has every worker load its own staged version; {server: its ranks}, named by the first
+    servers: dict[str, list[int]] = {}
     for rank in sorted(seats):
-        servers.setdefault(seats[rank].info.server, rank)
+        servers.setdefault(seats[rank].info.server, []).append(rank)
 
     def failed(rank: int, e: ControlError) -> JobFailed:
         return JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
@@ -309,19 +309,19 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
             server = Server(seats[rank].info.server)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
-            workers = [got for r, got in staged.items() if seats[r].info.server == server.url]
-            return server.update(rnd.version, proof, timeout, Session.of(workers))
+            workers = servers[server.url]
+            return server.update(rnd.version, proof, timeout, Session.of([staged[r] for r in workers]))
         except Unreachable as e:
             return e  # judged on this thread, which keeps the roster: its ranks may be gone with it
         except ControlError as e:
             raise failed(rank, e) from None
 
+    firsts = [ranks[0] for ranks in servers.values()]
     with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
-        loads = dict(zip(servers.values(), pool.map(load, servers.values())))
+        loads = dict(zip(firsts, pool.map(load, firsts)))
     for rank, got in loads.items():
         if isinstance(got, Unreachable):
-            ranks = [r for r in seats if seats[r].info.server == seats[rank].info.server]
-            if not host.gone(ranks, 2 * host.silent_limit + 2 * HEARTBEAT):
+            if not host.gone(servers[seats[rank].info.server], 2 * host.silent_limit + 2 * HEARTBEAT):
                 raise failed(rank, ControlError(f"{got}; its workers beat on, so the server is alive")) from None
             log(ME, f"the vLLM server of {who(INFERENCE, rank)} stopped answering while it loaded {rnd.name} "
                     f"({got}) and its ranks went away: {rnd.name} goes on without them")
