@@ -81,7 +81,7 @@ class Receivers:
         self.host, self.write, self.limit, self.every = host, write, limit, every
         self.ranks: dict[int, Rank] = {}
         self.written: dict | None = None
-        self.last_write = 0.0
+        self.last_write: float | None = None  # never: the first change is written at once
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
@@ -119,7 +119,9 @@ class Receivers:
             record = self.record()
             if _without_since(record) == _without_since(self.written):
                 return False
-            if not force and time.monotonic() - self.last_write < self.every:
+            # (the monotonic clock counts from the machine's boot: 0.0 would hold back a first write
+            # on a machine up for less than `every`)
+            if not force and self.last_write is not None and time.monotonic() - self.last_write < self.every:
                 return False
             self.write(record)
             self.written, self.last_write = record, time.monotonic()
