@@ -1,4 +1,6 @@
-"""The `weightsync` command: plan, bench, and clear refusals of bad specs and pod environments."""
+"""The `weightsync` command: plan, bench, and clear refusals of bad specs and pod environments (its
+`main` called in this process, as support/cli.py says why; the GPU bench, which starts processes,
+and the version run as the command itself)."""
 import re
 from pathlib import Path
 
@@ -6,7 +8,7 @@ import pytest
 import yaml
 
 from weightsync import job as contract
-from support.cli import EXAMPLE, example, weightsync
+from support.cli import EXAMPLE, example, in_process as weightsync, weightsync as command
 
 
 def test_plan_prints_the_table_with_its_balance():
@@ -19,7 +21,7 @@ def test_plan_prints_the_table_with_its_balance():
 
 
 def test_version_is_the_packages_one():
-    out = weightsync("--version")
+    out = command("--version")
     want = re.search(r'^version = "([^"]+)"', (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(), re.M)
     assert out.returncode == 0 and out.stdout.strip() == f"weightsync {want.group(1)}", out
 
@@ -44,13 +46,14 @@ def test_bench_is_delegated():
     assert "--links RATE" in out.stdout and "--delta" in out.stdout
 
 
+@pytest.mark.slow  # a real measurement between processes: not in `make unit`
 def test_the_gpu_bench_runs_its_point_to_point_measurement_over_gloo_and_says_what_needs_a_gpu():
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the GPU run measures it (tests/gpu/run.sh)")
-    assert weightsync("bench", "--gpu").returncode == 2  # without a GPU, only --backend gloo
-    out = weightsync("bench", "--gpu", "--backend", "gloo", "--mb", "4", "--reps", "1", "--shape", "2x1")
+    assert command("bench", "--gpu").returncode == 2  # without a GPU, only --backend gloo
+    out = command("bench", "--gpu", "--backend", "gloo", "--mb", "4", "--reps", "1", "--shape", "2x1")
     assert out.returncode == 0, out.stderr
     assert re.search(r"gloo 2x1 .* ms .* broadcast from trainer rank 0: .* ratio +[0-9.]+x", out.stdout), out.stdout
     assert "ipc and cast need a CUDA GPU: not measured" in out.stdout

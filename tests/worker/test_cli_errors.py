@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from support.cli import EXAMPLE, example
+from support.cli import EXAMPLE, children, example, in_process
 
 MARK = "WS_CLI_ERRORS_RUN"  # inherited by every process the CLI would start
 
@@ -86,19 +86,16 @@ def processes_marked(mark: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("content, command, words", [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
-def test_bad_input_is_refused_on_one_line_before_anything_starts(tmp_path, content, command, words):
+def job_file(tmp_path: Path, content) -> Path:
     job = tmp_path / "job.yaml"
     if content == "DIRECTORY":
         job.mkdir()
     else:
         job.write_text(content(tmp_path) if callable(content) else content)
-    mark = uuid.uuid4().hex
-    logs = tmp_path / "logs"
-    args = [command, str(job)] + (["--logs", str(logs)] if command == "run" else [])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
-    out = subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
-                         env={**env, MARK: mark}, timeout=120)
+    return job
+
+
+def assert_refused(out, command: str, words: list[str]) -> None:
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     lines = out.stderr.splitlines()
@@ -107,5 +104,27 @@ def test_bad_input_is_refused_on_one_line_before_anything_starts(tmp_path, conte
     for word in words:
         assert word in lines[0]
     assert out.stdout == ""
+
+
+@pytest.mark.parametrize("content, command, words", [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
+def test_bad_input_is_refused_on_one_line_before_anything_starts(tmp_path, content, command, words):
+    job = job_file(tmp_path, content)
+    logs = tmp_path / "logs"
+    before = children()
+    out = in_process(command, str(job), *(["--logs", str(logs)] if command == "run" else []))
+    assert_refused(out, command, words)
+    assert not logs.exists(), "a pod's files were written: the job was started"
+    assert children() - before == set(), "a process was started"
+
+
+def test_the_command_a_user_runs_refuses_bad_input_before_any_process_starts(tmp_path):
+    """The same, through the command as its own process: its exit code, and nothing it started
+    (every process it would start inherits MARK)."""
+    _, content, command, words = next(row for row in ROWS if row[0] == "width-not-divisible")
+    job, logs, mark = job_file(tmp_path, content), tmp_path / "logs", uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+    out = subprocess.run([sys.executable, "-m", "weightsync.cli", command, str(job), "--logs", str(logs)],
+                         capture_output=True, text=True, env={**env, MARK: mark}, timeout=120)
+    assert_refused(out, command, words)
     assert not logs.exists(), "a pod's files were written: the job was started"
     assert processes_marked(mark) == []

@@ -13,6 +13,8 @@ from weightsync.bench.chart import fsdp_chart, vllm_chart
 from weightsync.bench.shards import pooled
 from weightsync.bench.vllm import PHASES, medians, version_row
 
+from support.cli import in_process
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -33,7 +35,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
     (("--fsdp", "--chart", "/no/such/folder/report.png"), "the folder /no/such/folder does not exist"),
 ])
 def test_a_chart_that_cannot_be_drawn_is_refused_before_the_run(args, problem):
-    out = bench(*args)
+    out = in_process("bench", *args)
     assert out.returncode == 2 and f"--chart: {problem}" in out.stderr, out.stderr
 
 

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from weightsync.bench.scrape import Scraper
 
+from support.cli import in_process
+
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", *args], capture_output=True, text=True,
@@ -27,7 +29,7 @@ def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (("--scrape", "0.1", "--shapes", "2x"), "--scrape --shapes: '2x' is not one TRAINERSxINFERENCE"),
 ])
 def test_a_scrape_bench_that_cannot_run_as_asked_is_refused_before_the_run(args, problem):
-    out = bench(*args)
+    out = in_process("bench", *args)
     assert out.returncode == 2 and problem in out.stderr, out.stderr
 
 

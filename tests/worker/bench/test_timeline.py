@@ -2,18 +2,17 @@
 (`weightsync run --logs`), and clear refusals where there is nothing to draw."""
 
 import subprocess
-import sys
 
 import pytest
 
+from support.cli import in_process
 from support.jobs import make_job, run_to_end
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", "report", *args], capture_output=True, text=True,
-                          timeout=300)
+    return in_process("report", *args)
 
 
 def test_nothing_to_draw_is_said_in_one_line(tmp_path):

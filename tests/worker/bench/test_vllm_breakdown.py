@@ -2,12 +2,11 @@
 phase's median over the versions, and the table that sets the methods side by side. Parsing and
 arithmetic only: the times themselves are the benchmark's to measure."""
 
-import subprocess
-import sys
-
 import pytest
 
 from weightsync.bench.vllm import PHASES, breakdown, medians, table, version_row
+
+from support.cli import in_process
 
 
 def record(version: int, seconds: float, stall: float, update: float) -> dict:
@@ -78,12 +77,10 @@ def test_the_summary_names_the_step_between_versions():
 
 
 def test_a_negative_step_is_refused_before_any_server_starts():
-    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", "--vllm", "/no/such/python", "--step", "-1"],
-                         capture_output=True, text=True, timeout=120)
+    out = in_process("bench", "--vllm", "/no/such/python", "--step", "-1")
     assert out.returncode == 2 and "--step: -1.0 is not a number of seconds (0 or more)" in out.stderr, out.stderr
 
 
 def test_a_step_without_the_vllm_bench_is_refused():
-    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", "--step", "1"], capture_output=True, text=True,
-                         timeout=120)
+    out = in_process("bench", "--step", "1")
     assert out.returncode == 2 and "--step: only the --vllm bench waits between versions" in out.stderr, out.stderr

@@ -1,6 +1,7 @@
 """Generated training data: walks on a fixed random Markov chain, which a causal LM can learn."""
 import math
 
+import pytest
 import torch
 
 from weightsync.job import Model
@@ -18,6 +19,7 @@ def test_batches_are_walks_on_the_chain_and_reproducible():
             assert nxt in chain.successors[prev].tolist()
 
 
+@pytest.mark.slow  # a training run of hundreds of steps: not in `make unit`
 def test_the_loss_goes_down_towards_the_chain_entropy():
     spec = Model(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 128,
                          "n_positions": 32, "bos_token_id": 0, "eos_token_id": 0}, dtype="float32")

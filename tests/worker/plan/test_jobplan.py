@@ -13,7 +13,7 @@ from weightsync.plan.holders import Holdings
 from weightsync.plan.sliced import SlicedPlan, needs_everything
 from weightsync.transport import capabilities_of
 
-from support.cli import weightsync
+from support.cli import in_process as weightsync
 
 # vocab 1001 and intermediate 700 do not split evenly over 4 trainer ranks or 2 TP ranks
 CONFIG = {"model_type": "llama", "vocab_size": 1001, "hidden_size": 256, "intermediate_size": 700,

@@ -4,9 +4,6 @@ needed byte painted exactly once from a rank that holds it, balance across repli
 model, and `weightsync plan --simulate`."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +15,8 @@ from weightsync.plan.linktime import greedy_order, simulate
 from weightsync.plan.pieces import assign_pieces, check_assignment
 from weightsync.plan.slices import Box, GlobalTensor, Slicing, chunk_bounds, join
 from weightsync.plan.tp import check_heads, tp_boxes, tp_needs
+
+from support.cli import in_process as weightsync
 
 LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=130, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
@@ -307,12 +306,6 @@ def test_a_stream_runs_at_the_share_of_its_more_crowded_end():
 
 
 # ---------------------------------------------------------------- the command
-
-
-def weightsync(*args, timeout=300):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True, env=base,
-                          timeout=timeout)
 
 
 def test_simulate_prints_balance_busiest_nic_projection_and_speed_of_light(tmp_path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from support.tiers import first_in_unit
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -85,7 +87,7 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,dtype", [(2, "bfloat16"), (3, "float32"), (4, "float16")])
+@pytest.mark.parametrize("world,dtype", first_in_unit([(2, "bfloat16"), (3, "float32"), (4, "float16")]))
 def test_fsdp2_ranks_send_only_their_shards_and_together_the_whole_version(tmp_path, world, dtype):
     mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dtype), nprocs=world,
                        start_method="spawn")

@@ -366,6 +366,7 @@ def server_process():
     proc.wait()
 
 
+@pytest.mark.slow  # waits out the client's timeout, once per call: not in `make unit`
 @pytest.mark.parametrize("call", ["check", "set", "get", "wait"])
 def test_a_frozen_server_is_an_error_within_the_timeout_for_every_call(server_process, call):
     proc, port = server_process
@@ -416,6 +417,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # two processes with torch.distributed: not in `make unit`
 def test_gloo_process_group_meets_through_the_store_in_two_processes(server):
     procs = [subprocess.Popen([sys.executable, "-c", GLOO_RANK, str(rank), str(server.port), TOKEN.decode(), JOB],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]

@@ -48,6 +48,7 @@ def pod():
     pod.close()
 
 
+@pytest.mark.slow  # waits out the probes' deadlines: not in `make unit`
 def test_readyz_waits_for_every_rank_and_healthz_fails_while_one_is_stopped(pod):
     pod, port, procs, events = pod
     assert answer(port) == (True, "HTTP 200: alive: trainer rank 0, trainer rank 1")
@@ -144,6 +145,7 @@ def end(proc: subprocess.Popen) -> None:
     proc.wait(DEADLINE)
 
 
+@pytest.mark.slow  # a worker pod as a process, stopped: not in `make unit`
 def test_a_stopped_controller_pod_answers_no_probe(tmp_path):
     """The controller pod: ready once its rendezvous is up; while its process is stopped, a probe
     gets no answer within its timeout, as the kubelet's would not."""
@@ -178,6 +180,7 @@ def failing(port: int):
     return None if got[0] else got
 
 
+@pytest.mark.slow  # waits out the liveness deadline: not in `make unit`
 def test_a_stopped_rank_process_fails_its_pods_liveness(tmp_path):
     """A trainer pod with two rank processes (no controller to join, so they wait, alive): either
     of them stopped fails the pod's /healthz, naming that rank; the pod's own process still answers."""

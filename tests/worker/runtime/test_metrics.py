@@ -110,6 +110,7 @@ def write_counts(rank: int, sent: int, received: int, failures: int, version: in
         counters.serving(version)
 
 
+@pytest.mark.slow  # rank processes of a pod: not in `make unit`
 @pytest.mark.parametrize("role", ["trainer", "inference"])
 def test_a_rank_pods_board_shows_what_its_rank_processes_count(role):
     board = metrics.RankBoard(role, [4, 5])

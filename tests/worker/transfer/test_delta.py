@@ -21,6 +21,7 @@ from weightsync.transport.checksum import CHUNK
 
 
 from support.transfer_peer import layout_of, plan_of
+from support.tiers import first_in_unit
 
 MIB = 1 << 20
 
@@ -211,7 +212,7 @@ def wire(sent, v):
     return sum(s["wire_bytes"] for (u, _), s in sent.items() if u == v)
 
 
-@pytest.mark.parametrize("trainers,inferences", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("trainers,inferences", first_in_unit([(2, 3), (1, 1)]))
 def test_delta_versions_arrive_bit_for_bit(ranks, store, trainers, inferences):  # noqa: F811
     everyone = dict.fromkeys(range(inferences))
     bases = [everyone, {i: 1 for i in everyone}, {i: 2 for i in everyone}]
@@ -262,7 +263,7 @@ def test_a_rank_that_holds_nothing_gets_the_version_whole(ranks, store):  # noqa
     assert plan.version_bytes < wire(sent, 2) < plan.version_bytes * 1.1
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", first_in_unit(["bfloat16", "float32"]))
 def test_a_version_where_everything_changed_costs_the_whole_bytes(ranks, store, dtype):  # noqa: F811
     bases = [{0: None, 1: None}, {0: 1, 1: 1}]
     results, sent = run_versions(ranks, store, 2, 2, dtype, bases, change=1.0)

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from support.tiers import first_in_unit
+
 from support import SUPPORT
 import torch.distributed as dist
 
@@ -71,12 +73,12 @@ def run_ranks(store, args, versions=2, timeout=180):
     return plan
 
 
-@pytest.mark.parametrize("args", [
+@pytest.mark.parametrize("args", first_in_unit([
     Args(dtype="float32", shard=4),  # FSDP2 over 4, uneven rows; a TP2 and a TP1 replica
     Args(dtype="bfloat16", shard=3, replicas=2, bucket=128),  # HSDP: replicas share the sending
     Args(dtype="float16", shard=2, tp="2,2", bucket=4096),
     Args(dtype="bfloat16", shard=3, random_needs=7, inferences=3, bucket=192),  # random boxes: strided in every dim
-], ids=["fsdp4-tp2+tp1-f32", "hsdp3x2-tp2+tp1-bf16", "fsdp2-2xtp2-f16", "fsdp3-random-boxes-bf16"])
+], ids=["fsdp4-tp2+tp1-f32", "hsdp3x2-tp2+tp1-bf16", "fsdp2-2xtp2-f16", "fsdp3-random-boxes-bf16"]))
 def test_slices_arrive_bit_for_bit(store, args):
     versions = 2
     plan = run_ranks(store, args, versions)

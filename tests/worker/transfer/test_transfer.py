@@ -26,15 +26,16 @@ from weightsync.transport import TransferError, make_transport
 from support.transfer_peer import layout_of, plan_of
 from support.waits import until
 from support.transfer import ODD, TOKEN, send_and_check
+from support.tiers import first_in_unit
 
 
-@pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", [
+@pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", first_in_unit([
+    (2, 3, "bfloat16", ODD, 4096),
     (1, 1, "float32", "64x64,10", 4096),
     (2, 1, "bfloat16", ODD, 1024),
     (2, 3, "float32", ODD, 512),
-    (2, 3, "bfloat16", ODD, 4096),
     (4, 2, "float16", "3,5", 64),  # more trainers than 64-byte units: two of them idle
-])
+]))
 def test_versions_arrive_bit_for_bit(ranks, store, trainers, inferences, dtype, shapes, bucket):
     send_and_check(ranks(trainers, inferences, shapes, dtype, bucket, 3), store, trainers, inferences, 3)
     if dtype != "float32":  # a cast: send buffers, at most depth x bucket
@@ -44,11 +45,11 @@ def test_versions_arrive_bit_for_bit(ranks, store, trainers, inferences, dtype, 
         assert all(int(store.get(f"buffers/trainer/{t}")) == 0 for t in range(trainers))
 
 
-@pytest.mark.parametrize("trainers,inferences,dtype,bucket", [
+@pytest.mark.parametrize("trainers,inferences,dtype,bucket", first_in_unit([
+    (4, 1, "float16", 64),  # runs cut at the bucket's end, and ranks that hold no row of some tensors
     (3, 2, "float32", 512),  # no cast: every run sent straight from its shard
     (2, 3, "bfloat16", 4096),  # one bucket a rank: every run of every tensor in one frame
-    (4, 1, "float16", 64),  # runs cut at the bucket's end, and ranks that hold no row of some tensors
-])
+]))
 def test_fsdp_shards_arrive_bit_for_bit_in_buckets_that_bundle_runs(ranks, store, trainers, inferences, dtype, bucket):
     """Each trainer rank holds only its FSDP2 rows of every tensor; its buckets bundle its runs of
     several tensors, and every inference rank scatters each frame over those runs."""

@@ -14,6 +14,7 @@ HARNESS = Path(__file__).with_name("fuzz_frames.py")
 SECONDS = 25
 
 
+@pytest.mark.slow  # a fuzz pass of SECONDS: not in `make unit`
 def test_fuzzing_the_frame_parser_finds_no_crash(tmp_path):
     try:
         import atheris  # noqa: F401

@@ -14,6 +14,7 @@ from weightsync.runtime.faults import CORRUPT_ENV
 from weightsync.transport import nccl
 
 from support.transfer import ODD, send_and_check
+from support.tiers import first_in_unit
 
 
 
@@ -52,18 +53,19 @@ def wait_for_key(keys, key: str, timeout: float = 60, ranks=None) -> float:
     return time.monotonic()
 
 
-@pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", [
+@pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", first_in_unit([
+    (2, 3, "float16", ODD, 256),
     (1, 1, "float32", "64x64,10", 4096),
     (1, 1, "bfloat16", ODD, 1024),
     (2, 2, "float32", ODD, 512),
     (2, 2, "bfloat16", ODD, 4096),
-    (2, 3, "float16", ODD, 256),
-])
+]))
 def test_versions_arrive_bit_for_bit_over_point_to_point(p2p, ranks, store, trainers, inferences, dtype, shapes, bucket):
     send_and_check(ranks(trainers, inferences, shapes, dtype, bucket, 3, env=p2p.env), store, trainers, inferences, 3,
                    *p2p.flags)
 
 
+@pytest.mark.slow  # waits for a heartbeat to go silent: not in `make unit`
 def test_a_killed_trainer_is_named_within_seconds(p2p, ranks, store):
     r = ranks(2, 1, "256x256,77", "float32", 4096, 1, env=p2p.env)
     r.start("inference", 0, *p2p.flags, "--timeout", "20")
@@ -81,6 +83,7 @@ def test_a_killed_trainer_is_named_within_seconds(p2p, ranks, store):
     assert r.procs[("inference", 0)].wait(30) == 4
 
 
+@pytest.mark.slow  # waits out the version's deadline: not in `make unit`
 def test_a_stalled_trainer_fails_the_version_at_its_deadline(p2p, ranks, store):
     r = ranks(1, 1, "256x256,77", "float32", 4096, 1, env=p2p.env)
     r.start("inference", 0, *p2p.flags, "--timeout", "4")
@@ -115,6 +118,7 @@ def test_a_trainer_without_the_job_token_is_refused_and_nothing_is_applied(p2p, 
     assert res["untouched"]
 
 
+@pytest.mark.slow  # waits out the join's deadline: not in `make unit`
 def test_a_rank_that_never_joins_is_named(p2p, ranks, store):
     r = ranks(2, 1, "64x64", "float32", 4096, 1, env=p2p.env)
     r.start("inference", 0, *p2p.flags, "--timeout", "3")
