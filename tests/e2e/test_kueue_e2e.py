@@ -65,13 +65,18 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster,
             held = []  # the second job's Admitted conditions while it waited
 
             def first_ended_with_the_second_held():
-                """While the first runs, the second has no pod; once it ended, its Workload's quota is free."""
-                assert not job_pods(cluster, namespace, "second"), "the second job started beside the first"
+                """While the first runs, the second has no pod; once it ended, its Workload's quota is free.
+                (The second's pods are read before the first's phase: pods seen while the first still
+                ran, read after them, ran beside it; pods made once the first ended are its turn.)"""
+                second_pods = job_pods(cluster, namespace, "second")
                 progress()
                 second = get_job(cluster, namespace, "second").get("status", {})
                 if second.get("phase") == "Queued":
                     held.extend(c for c in second.get("conditions", []) if c["type"] == "Admitted")
-                return get_job(cluster, namespace, "first").get("status", {}).get("phase") in ("Succeeded", "Failed")
+                if get_job(cluster, namespace, "first").get("status", {}).get("phase") in ("Succeeded", "Failed"):
+                    return True
+                assert not second_pods, "the second job started beside the first"
+                return False
 
             wait_for("the first job ended, the second held", first_ended_with_the_second_held, 600, interval=1)
             assert held and held[-1]["reason"] == "Queued" and "quota" in held[-1]["message"], held[-1:]

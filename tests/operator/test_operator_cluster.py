@@ -245,8 +245,10 @@ def test_drifted_children_are_put_back(ns):
     wait_for("StatefulSet put back", lambda: ns.get("statefulset", "drift-trainer")["spec"]["replicas"] == 2)
     ns.kubectl("delete", "configmap", "drift-spec")
     wait_for("ConfigMap put back", lambda: ns.get("configmap", "drift-spec"))
-    repaired = wait_for("ChildrenCreated Repaired",
-                        lambda: (c := ns.condition("drift", "ChildrenCreated")).get("reason") == "Repaired" and c)
+    # (the StatefulSet's repair set Repaired first, with its own message: wait for the ConfigMap's)
+    repaired = wait_for("ChildrenCreated Repaired for the ConfigMap",
+                        lambda: (c := ns.condition("drift", "ChildrenCreated")).get("reason") == "Repaired"
+                        and "ConfigMap drift-spec" in c.get("message", "") and c)
     assert repaired["status"] == "True" and "ConfigMap drift-spec (it had been deleted)" in repaired["message"]
     assert ns.status("drift")["phase"] == "Running"
 

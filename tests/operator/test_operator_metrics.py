@@ -92,8 +92,10 @@ def test_the_running_operator_counts_reconciles_and_repairs(operator, ns):
         f, "weightsync_operator_children_repaired_total") > value(before, "weightsync_operator_children_repaired_total")
         and f)
     assert value(after, "weightsync_operator_reconciles_total") > value(before, "weightsync_operator_reconciles_total")
-    phase = ns.status("metered").get("phase") or "Pending"
-    assert value(after, "weightsync_operator_jobs", phase=phase) >= 1
+    # (read once, the phase may move on between the scrape and the read: wait for one that stays)
+    ns.wait_phase("metered", "Running")
+    wait_for("the running job counted by its phase",
+             lambda: value(scrape(operator.metrics_port), "weightsync_operator_jobs", phase="Running") >= 1)
 
 
 @pytest.mark.cluster

@@ -17,8 +17,8 @@ the job fails naming the rank.
 
 from __future__ import annotations
 
+import json
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from weightsync import job as contract
 from support.waits import until
 
-from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, checker, completion, free_port, fused, generate,
-                          save_checkpoint, vllm_job)
+from support.vllm import (LLAMA, PROMPT, PlainServer, VllmRun, as_bytes, checker, completion, free_port, fused,
+                          generate, save_checkpoint, vllm_job)
 from support.vllm import vllm_python as find_vllm_python
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
@@ -173,29 +173,40 @@ def test_delta_versions_are_loaded_into_vllm_bit_for_bit(tmp_path, vllm_python):
                 f"version {version}: the vLLM server holds other bytes than the trainer in {name}"
 
 
-def in_flight(server: str, job_name: str, tokens: int = 200, tries: int = 5) -> tuple[dict, threading.Thread]:
-    """A long generation on its way, seen running on the server while its caller still waits for
-    the answer: (where the answer will be, the thread that waits for it). On a busy machine one
-    may run whole between two reads of the server's metrics: then it is sent again."""
-    for _ in range(tries):
-        answer: dict = {}
-        flight = threading.Thread(target=lambda: answer.update(generate(server, job_name, tokens)))
-        flight.start()
-        deadline = time.monotonic() + 60
-        while flight.is_alive() and "vllm:num_requests_running" not in running_metrics(server):
-            assert time.monotonic() < deadline, "the long request did not start within 60s"
-            time.sleep(0.01)
-        if flight.is_alive():
-            return answer, flight
-        flight.join()
-    raise AssertionError(f"none of {tries} long requests was seen running before it ended")
+def in_flight(server: str, job_name: str, tokens: int = 200) -> tuple[dict, threading.Thread]:
+    """A long generation on its way: streamed from vLLM's generate route, and returned once its
+    first tokens arrived, so that the engine has taken it whatever the machine's pace (a signal
+    that cannot be missed, unlike a scrape of the running requests, which one may run whole
+    between). (where the answer will be: its token ids and the final chunk's weight versions, the
+    thread that reads the rest)."""
+    body = {"model": job_name, "token_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    request = urllib.request.Request(server + "/inference/v1/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=REACH_TIMEOUT)
+    answer: dict = {"token_ids": []}
 
+    def chunks():
+        for line in response:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                choice = json.loads(line[len(b"data: "):])["choices"][0]
+                answer["token_ids"] += choice.get("token_ids") or []
+                if choice.get("weight_versions"):
+                    answer["weight_versions"] = choice["weight_versions"]
+                yield choice
 
-def running_metrics(server: str) -> str:
-    """The lines of the server's Prometheus metrics that count running requests, when one runs."""
-    with urllib.request.urlopen(server + "/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
-    return "\n".join(line for line in lines if line.startswith("vllm:num_requests_running") and not line.endswith(" 0.0"))
+    stream = chunks()
+    first = next(stream)
+    assert first.get("token_ids"), f"the stream's first chunk carries no token: {first}"
+
+    def rest():
+        with response:
+            for _ in stream:
+                pass
+
+    flight = threading.Thread(target=rest, daemon=True)
+    flight.start()
+    return answer, flight
 
 
 def test_a_corrupted_version_is_never_loaded_and_the_job_fails_naming_the_rank(tmp_path, vllm_python):
