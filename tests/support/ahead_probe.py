@@ -1,12 +1,12 @@
 """Run by the vLLM environment's Python (tests/worker/vllm_backend/test_load_ahead.py): vLLM's
 engine in this process (its CPU build, no engine-core process), a small Llama with the config in
 argv[1] (JSON), and a few versions loaded ahead (vllm_backend/ahead.py), each prepared on a thread
-of its own while vLLM generates, then committed: copied into the served tensors in even versions,
-swapped with them in odd ones (as on an eager CPU worker), so that each way follows the other.
-Prints one JSON line per version: whether the served parameters were still the previous
-version's after the prepare, and the greedy tokens before, during and after; saves the version
-(checkpoint names) and what vLLM serves after the commit in the folder argv[2], for the test to
-compare."""
+of its own while vLLM generates (the prepare held once its loaders wrote the shadow, until vLLM
+answered), then committed: copied into the served tensors in even versions, swapped with them in
+odd ones (as on an eager CPU worker), so that each way follows the other. Prints one JSON line
+per version: whether the served parameters were still the previous version's after the prepare,
+and the greedy tokens before, during and after; saves the version (checkpoint names) and what
+vLLM serves after the commit in the folder argv[2], for the test to compare."""
 
 from __future__ import annotations
 
@@ -54,11 +54,22 @@ def main(config: dict, out: str) -> int:
             weights = {n: (torch.randn(s, generator=generator) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
             before, served_before = tokens(), served_parameters(model)
             box: dict = {}
+            loaded, answered = threading.Event(), threading.Event()
+
+            @contextlib.contextmanager
+            def held(root):
+                """The loaders' context: once they wrote the version into the shadow, the prepare
+                waits until vLLM answered (so that it answers while a version is half-way in)."""
+                yield
+                loaded.set()
+                answered.wait(600)
+
             thread = threading.Thread(target=lambda: box.update(prepared=prepare(
-                model, model_config, list(weights.items()), lambda root: contextlib.nullcontext(), spares)))
+                model, model_config, list(weights.items()), held, spares)))
             thread.start()
-            while thread.is_alive():  # vLLM serves on while the version is prepared
-                during = tokens()
+            assert loaded.wait(600), "the prepare never loaded the version into its shadow"
+            during = tokens()  # vLLM serves on while the version is prepared
+            answered.set()
             thread.join()
             after_prepare = tokens()
             unchanged = all(torch.equal(t, served_before[n]) for n, t in served_parameters(model).items())

@@ -76,8 +76,9 @@ def wait_for_line(path: Path, text: str, timeout: float, running: Faulty | None 
     """When `text` appeared in the log at `path`; fails past `timeout`, or once the `running` job ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        ended = running is not None and not running.follower.is_alive()  # before the read: a last line counts
         if path.exists() and text in path.read_text(errors="replace"):
             return time.monotonic()
-        assert running is None or running.follower.is_alive(), f"the job ended before {text!r}: {running.outcome}"
+        assert not ended, f"the job ended before {text!r}: {running.outcome}"
         time.sleep(0.05)
     raise AssertionError(f"{text!r} did not appear in {path.name} within {timeout:.0f}s")

@@ -73,8 +73,15 @@ def test_a_trainer_killed_while_the_ranks_join_fails_the_job_naming_it(tmp_path)
     failed = outcome_of(local, RUN)
     assert isinstance(failed, RunFailed), failed
     completion = json.loads((local.workdir / "status.json").read_text())["completion"]
-    assert completion["state"] == "Failed" and completion["reason"] == reasons.TRAINER_RESTARTED, completion
-    assert completion["message"].startswith("trainer rank 1 restarted (its process started again, start 2)"), completion
+    # Whichever the controller sees first names the trainer: its start again (its pod restarted it),
+    # or its silence (its new process took longer than the heartbeat's limit to start, on a busy machine).
+    assert completion["state"] == "Failed", completion
+    if completion["reason"] == reasons.TRAINER_RESTARTED:
+        assert completion["message"].startswith("trainer rank 1 restarted (its process started again, start 2)"), \
+            completion
+    else:
+        assert completion["reason"] == reasons.RANK_SILENT, completion
+        assert completion["message"].startswith("trainer rank 1 is silent: no heartbeat for"), completion
     assert completion["versions"] == 0, completion
 
 

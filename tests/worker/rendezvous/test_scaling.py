@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 from support import roster
 from support.roster import join, make_host
+from support.waits import until
 
 from weightsync.job import Layout
 from weightsync.rendezvous.messages import Peer, Round
@@ -131,7 +132,8 @@ def test_a_scale_down_while_the_ranks_join_stops_the_wait_for_the_pods_scaled_aw
     got = []
     t = threading.Thread(target=lambda: got.append(host.admit(timeout=20, every=0.2)))
     t.start()
-    time.sleep(0.5)
+    until("the join saying inference rank 1 is missing",
+          lambda: any("inference rank 1 missing" in line for line in said), 20)
     assert not got  # inference rank 1 is waited for
     host.wanted = 1
     t.join(10)
