@@ -20,6 +20,7 @@ from controlplane import ControlPlane, find_binaries  # noqa: E402
 EXCLUSIVE = {"test_links.py": "links"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups off the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cluster") or "cluster" in getattr(item, "fixturenames", ()):

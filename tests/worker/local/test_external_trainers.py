@@ -93,6 +93,7 @@ def test_the_users_fsdp2_torchrun_joins_as_the_jobs_trainers(tmp_path):
     assert "trainer rank 0 joined (external, at 127.0.0.1)" in told and "trainer rank 1 joined" in told, told
 
 
+ATTACH = 75  # seconds: spec.trainer.attachTimeoutSeconds of the job the refused trainers try to join
 REFUSED = """
 import torch, weightsync
 weightsync.attach(torch.nn.Linear(2, 2))
@@ -115,7 +116,9 @@ def refused(join_file: Path, tmp_path: Path, **change) -> str:
 
 @pytest.mark.slow
 def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_path):
-    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=45))
+    # the refusals below must all come before the attach deadline: four Python processes that import
+    # torch, which take a few seconds each on two busy cores
+    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=ATTACH))
     job_id = "default/ext-refused"
     controller = (join_file.read_text().split(f"{JoinEnv.CONTROLLER}=")[1]).split()[0]
     assert refused(join_file, tmp_path, **{JoinEnv.TOKEN: "f" * 64}, RANK="0", WORLD_SIZE="2") == (
@@ -136,7 +139,7 @@ def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_pa
     assert isinstance(failure, RunFailed)
     completion = status(local)["completion"]
     assert completion["state"] == "Failed" and completion["reason"] == "TimedOut", completion
-    missing = ("trainer rank 1 did not join within 45s (spec.trainer.attachTimeoutSeconds): start it with the join "
+    missing = (f"trainer rank 1 did not join within {ATTACH}s (spec.trainer.attachTimeoutSeconds): start it with the join "
                "variables (RANK 0..1, WORLD_SIZE=2)")
     assert completion["message"] == missing and completion["versions"] == 0, completion
     assert list((tmp_path / "dump").iterdir()) == []  # nothing was sent, nothing applied
