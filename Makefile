@@ -53,10 +53,10 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-# Two workers (tests/conftest.py): the cluster's tests in one, in order, the rest beside them.
+# Two workers (tests/conftest.py): the cluster's modules in one, in order, the other modules beside them.
 TEST_WORKERS ?= 2
 test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, local control plane, real pods, end to end)
-	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)  # the slowest, to keep the whole inside its time
+	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS)  # the slowest, to keep the whole inside its time
 
 # The fast tier: no cluster, no binaries, no images, no vLLM, no whole jobs (docs/testing.md).
 UNIT_MARKERS := not cluster and not slow and not gpu

@@ -1,11 +1,11 @@
 """The `cluster` fixture: a real local Kubernetes control plane (hack/cluster/controlplane.py)
 shared by every test marked `@pytest.mark.cluster`, started once per session and stopped at its end.
 
-`make test` runs the suite in two pytest-xdist workers (`--dist loadgroup`): every test marked
-`cluster` goes to one worker, in one group, so that one control plane and one real node serve them
-all while the other worker runs the tests of processes on loopback beside it; a test module that
-holds what two tests cannot share at once (the shaped links' network namespaces) is a group of
-its own."""
+`make test` runs the suite in two pytest-xdist workers (`-n 2`), scheduled by module: every module
+with tests marked `cluster` goes to one worker, as one unit in its order, so that one control plane
+and one real node (there can be only one on a machine) serve them all, while the other worker runs
+the other modules (processes on loopback, vLLM, shaped links) beside them, each module whole on
+one worker, so that a module's fixtures (a vLLM job, say) run once."""
 import contextlib
 import sys
 from pathlib import Path
@@ -15,18 +15,35 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack" / "cluster"))
 from controlplane import ControlPlane, find_binaries  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER_LANE = "cluster"
 
-# modules whose tests must not run beside each other, by the group they run in
-EXCLUSIVE = {"test_links.py": "links"}
+
+def lane_of(nodeid: str) -> str:
+    """The unit of work a test goes to a worker in: the cluster's lane for the modules of
+    cluster tests, else the test's module."""
+    module = nodeid.split("::", 1)[0]
+    return CLUSTER_LANE if _uses_cluster(module) else module
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups off the markers
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("cluster") or "cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-        elif item.path.name in EXCLUSIVE:
-            item.add_marker(pytest.mark.xdist_group(EXCLUSIVE[item.path.name]))
+_CLUSTER_MODULES: dict[str, bool] = {}
+
+
+def _uses_cluster(module: str) -> bool:
+    if module not in _CLUSTER_MODULES:
+        path = ROOT / module
+        _CLUSTER_MODULES[module] = path.suffix == ".py" and "pytest.mark.cluster" in path.read_text()
+    return _CLUSTER_MODULES[module]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid)
+
+    return Lanes(config, log)
 
 
 @pytest.fixture(scope="session")
