@@ -214,9 +214,11 @@ def test_nothing_is_restarted_after_the_end(tmp_path):
         os.kill(frozen.pid, signal.SIGSTOP)
         os.kill(dead.pid, signal.SIGKILL)
         dead.wait(DEADLINE)
-        # Long enough for the liveness probe to have killed the frozen one, and for the dead one to
-        # have been restarted twice over, had the run not ended (the runner is told so by follow()).
-        time.sleep(LIVENESS.deadline + LIVENESS.period_seconds)
+        # The run ended (the runner is told so by follow()): its probes stopped, so none can kill the
+        # frozen one, and a tick restarts nothing (no wait for a probe's timers to prove it).
+        for thread in (t for t in local.kubelet.threads if t.name.startswith("probe-")):
+            thread.join(LIVENESS.deadline + LIVENESS.period_seconds)
+            assert not thread.is_alive(), f"the kubelet's {thread.name} goes on after the end"
         local.kubelet.tick()
         assert (controller.proc, inference.proc) == (frozen, dead)
         assert frozen.poll() is None and Path(f"/proc/{frozen.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
