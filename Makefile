@@ -53,7 +53,8 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-# Two workers (tests/conftest.py): the cluster's modules in one, in order, the other modules beside them.
+# Two pytest-xdist workers, scheduled by module (tests/conftest.py: the real node's modules in one
+# unit, the longest kinds first); 0 runs the tests in one process.
 TEST_WORKERS ?= 2
 test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, local control plane, real pods, end to end)
 	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS)  # the slowest, to keep the whole inside its time
@@ -62,7 +63,7 @@ test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, lo
 UNIT_MARKERS := not cluster and not slow and not gpu
 .PHONY: unit
 unit: setup ## The fast tier a developer runs every few minutes: unit tests only (no cluster, binaries, images or whole jobs)
-	$(PY) -m pytest -q -m '$(UNIT_MARKERS)' --ignore=tests/e2e --ignore=tests/hack $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m '$(UNIT_MARKERS)' --ignore=tests/e2e --ignore=tests/hack $(PYTEST_ARGS)
 
 .PHONY: lint
 lint: setup ## Lint every Python file with ruff (rules in pyproject.toml)

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from support.store import record_session, recv_all
+from support.waits import until
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
@@ -278,7 +279,9 @@ def test_a_flood_of_connections_without_the_token_takes_no_slot_from_the_job():
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)
+        # the flood holds every slot of the connections that have not proven the token (however
+        # long its threads take to start on a busy machine) before the ranks connect
+        until("the flood filling the unauthenticated slots", lambda: len(s._handshaking) >= s.limits.pending, 30)
         ranks = [client(s, connect_timeout=30) for _ in range(4)]
         for i, c in enumerate(ranks):
             c.set(f"rank{i}", b"here")
