@@ -253,6 +253,7 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         "securityContext": container_security(rdma),
     }
     if not host_network:
+        container["startupProbe"] = probe(contract.STARTUP)
         container["livenessProbe"] = probe(contract.LIVENESS)
         container["readinessProbe"] = probe(contract.READINESS)
     if template.env_from:

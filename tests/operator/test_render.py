@@ -274,7 +274,7 @@ def test_gpu_requests_follow_procs_per_pod_unless_resources_say_otherwise():
         contract.DATA_PORT, contract.DATA_PORT + 1, contract.HEALTH_PORT]
 
 
-def test_every_pod_is_probed_for_liveness_and_readiness_on_its_health_port():
+def test_every_pod_is_probed_for_startup_liveness_and_readiness_on_its_health_port():
     j = job({"inference": {"procsPerPod": 2}})
     for role in (CONTROLLER, TRAINER, INFERENCE):
         for mode in ("tcp", "rdma"):
@@ -282,13 +282,18 @@ def test_every_pod_is_probed_for_liveness_and_readiness_on_its_health_port():
             (health,) = [p for p in c["ports"] if p["name"] == "health"]
             assert health == {"name": "health", "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}
             assert env(j, role, mode)[Env.HEALTH_PORT] == str(contract.HEALTH_PORT)
-            for key, spec in (("livenessProbe", contract.LIVENESS), ("readinessProbe", contract.READINESS)):
+            for key, spec in (("startupProbe", contract.STARTUP), ("livenessProbe", contract.LIVENESS),
+                              ("readinessProbe", contract.READINESS)):
                 assert c[key] == {"httpGet": {"path": spec.path, "port": "health", "scheme": "HTTP"},
                                   "periodSeconds": spec.period_seconds, "timeoutSeconds": spec.timeout_seconds,
                                   "failureThreshold": spec.failure_threshold}
     assert (contract.LIVENESS.path, contract.READINESS.path) == ("/healthz", "/readyz")
     # A pod that stops answering is restarted within seconds, and only after four probes in a row failed.
     assert contract.LIVENESS.failure_threshold == 4 and contract.LIVENESS.deadline == 25
+    # One that has not answered yet (it imports torch and builds its model) has minutes to start,
+    # and is live within seconds of its first answer; liveness begins only then.
+    assert contract.STARTUP.path == contract.LIVENESS.path and contract.STARTUP.deadline >= 300
+    assert contract.STARTUP.period_seconds <= 2
     # Ports of one pod never collide, whatever procsPerPod allows (16 at most).
     assert contract.HEALTH_PORT not in range(contract.DATA_PORT, contract.DATA_PORT + 16)
     assert contract.HEALTH_PORT != contract.STORE_PORT
@@ -300,7 +305,7 @@ def test_worker_pods_on_the_nodes_network_have_no_health_port_and_no_probes():
     for role in (TRAINER, INFERENCE):
         c = container(j, role, "rdma")
         assert "health" not in [p["name"] for p in c["ports"]]
-        assert "livenessProbe" not in c and "readinessProbe" not in c
+        assert "livenessProbe" not in c and "readinessProbe" not in c and "startupProbe" not in c
         assert env(j, role, "rdma")[Env.HEALTH_PORT] == "0"
     assert "livenessProbe" in container(j, CONTROLLER, "rdma")  # the controller never runs on the node's network
 

@@ -64,7 +64,7 @@ def test_every_field_of_a_roles_template_reaches_its_pods_alone(role):
                              {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
     # What the job owns is as it renders it without a template.
     plain = pod(job(), role)
-    for name in ("command", "image", "ports", "securityContext", "livenessProbe", "readinessProbe"):
+    for name in ("command", "image", "ports", "securityContext", "startupProbe", "livenessProbe", "readinessProbe"):
         assert c.get(name) == plain["spec"]["containers"][0].get(name), name
     assert s["securityContext"] == plain["spec"]["securityContext"]
     for other in {CONTROLLER, TRAINER, INFERENCE} - {role}:

@@ -102,6 +102,11 @@ class Probe:
 # from a thread of their own: a long step, a collective or a garbage collection does not hold
 # them up.
 LIVENESS = Probe("/healthz", period_seconds=5, timeout_seconds=5, failure_threshold=4)
+# Startup: liveness begins once the pod answered once. Before it serves its probes, a pod's process
+# imports torch and builds its model: on a busy node that took longer than liveness allows (four
+# failures, 20 s), and the kubelet killed a controller still starting, which ends the job. Up to
+# five minutes to answer, asked every 2 s, so that a pod that started is live within seconds.
+STARTUP = Probe("/healthz", period_seconds=2, timeout_seconds=5, failure_threshold=150)
 # Readiness: every rank said it is ready (health.ready()) and is alive. Checked as often as
 # liveness; three failures in a row, as the kubelet's default, so that one slow answer does not
 # flip the pod (and the job's Ready condition) back and forth.

@@ -1,11 +1,11 @@
 """What a kubelet does for its pods, done for the local runner's pod processes, on threads of
 its own from start() on: start each pod's process; start it again whenever it exits
 (restartPolicy Always), after an exponential back-off; and probe its /healthz as the kubelet's
-liveness probe does (job.LIVENESS, the numbers the operator renders), killing a pod that
-fails the probe (SIGKILL to its whole process group, as the kubelet kills a container's
-processes) so that it is started again. A restarted pod is the same command with the same
-environment, and its output goes on in the same log, after a line that says which restart it is
-and why.
+startup and liveness probes do (job.STARTUP until it first answers, then job.LIVENESS: the
+numbers the operator renders), killing a pod that fails them (SIGKILL to its whole process
+group, as the kubelet kills a container's processes) so that it is started again. A restarted pod
+is the same command with the same environment, and its output goes on in the same log, after a
+line that says which restart it is and why.
 
 Nothing is restarted, and nothing probed, once the job has ended (end(), called as soon as the
 controller's completion record is read). A pod that keeps dying is not started forever: after
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable
 
-from weightsync.job import CONTROLLER, LIVENESS, Env
+from weightsync.job import CONTROLLER, LIVENESS, STARTUP, Env
 from weightsync.runtime import procs
 from weightsync.runtime.health import probe
 
@@ -158,26 +158,30 @@ class Kubelet:
         self.say(f"{pod.describe()} {how}; restarting it in {delay:g}s (restart {pod.restarts + 1})\n{tail(pod.log)}")
 
     def _probe(self, pod: Pod) -> None:
-        """The pod's liveness probe: one every period (from one start to the next, as the kubelet
-        ticks), from the pod's start until the job ends."""
-        failures, seen = 0, None
+        """The pod's probes, from the pod's start until the job ends: each process's startup probe
+        until it first answers, then its liveness probe, each one every period of its own."""
+        failures, seen, spec = 0, None, STARTUP
         host, port = pod.env[Env.POD_IP], int(pod.env[Env.HEALTH_PORT])
-        next_probe = time.monotonic() + LIVENESS.period_seconds
+        next_probe = time.monotonic() + spec.period_seconds
         while not self.ended.wait(max(0.0, next_probe - time.monotonic())):
-            next_probe += LIVENESS.period_seconds
             with pod.lock:
                 proc = pod.proc if pod.running else None
-            if proc is not seen:  # a new process (or none): it starts with no failures
-                failures, seen = 0, proc
+            if proc is not seen:  # a new process (or none): it starts again with its startup probe
+                failures, seen, spec = 0, proc, STARTUP
             if proc is None:
+                next_probe += spec.period_seconds
                 continue
-            ok, detail = probe(host, port, LIVENESS)
+            ok, detail = probe(host, port, spec)
             failures = 0 if ok else failures + 1
-            if failures < LIVENESS.failure_threshold:
+            if ok and spec is STARTUP:
+                spec = LIVENESS  # started: liveness from now on, its first probe a period later
+            next_probe += spec.period_seconds
+            if failures < spec.failure_threshold:
                 continue
             with pod.lock:
                 if pod.proc is proc and proc.poll() is None and not self.ended.is_set():
-                    pod.killed_for = f"failed its liveness probe {failures} times in a row ({detail}), and was killed"
+                    which = "startup" if spec is STARTUP else "liveness"
+                    pod.killed_for = f"failed its {which} probe {failures} times in a row ({detail}), and was killed"
                     procs.signal_group(proc.pid, signal.SIGKILL)
             failures = 0
 
