@@ -3,8 +3,9 @@ shared by every test marked `@pytest.mark.cluster`, started once per session and
 
 `make test` runs the suite in two pytest-xdist workers (`-n 2`), scheduled by module, each module
 whole on one worker (so that its fixtures, a vLLM job say, run once): the modules that run pods on
-the real node go to one worker as one unit, in their order, since a machine has room for one real
-node; every other module goes to whichever worker is free, the longest kinds first (`weight_of`),
+the real node, and those that start vLLM servers, go to one worker as one unit, in their order,
+since a machine has room for one real node and vLLM's spinning workers starve pods beside them;
+every other module goes to whichever worker is free, the longest kinds first (`weight_of`),
 and each worker that runs a module of cluster tests starts its own control plane (seconds) for
 them."""
 import contextlib
@@ -22,23 +23,24 @@ REAL_NODE_LANE = "real-node"
 
 def lane_of(nodeid: str) -> str:
     """The unit of work a test goes to a worker in: one for every module that runs pods on the
-    real node (its `real_node` fixture), else the test's module."""
+    real node (its `real_node` fixture) or starts vLLM servers, else the test's module. vLLM's
+    CPU workers spin on both cores while they wait for work; beside them a real pod's heartbeat
+    thread once went 11 s without the CPU and its job failed, so these never run at once."""
     module = nodeid.split("::", 1)[0]
-    return REAL_NODE_LANE if "real_node" in _source(module) else module
+    text = _source(module)
+    return REAL_NODE_LANE if "real_node" in text or "vllm_python" in text else module
 
 
 def weight_of(lane: str) -> int:
     """Which units go first (the lower, the sooner), so that no long one starts last while the
-    other worker has nothing left: the real node's, then the modules that start vLLM servers, then
-    those of whole jobs, engines or a cluster, then the rest."""
+    other worker has nothing left: the real node's and vLLM's, then the modules of whole jobs,
+    engines or a cluster, then the rest."""
     if lane == REAL_NODE_LANE:
         return 0
     text = _source(lane)
-    if "vllm_python" in text:
-        return 1
     if "pytestmark = pytest.mark.slow" in text or "pytest.mark.cluster" in text:
-        return 2
-    return 3
+        return 1
+    return 2
 
 
 _SOURCES: dict[str, str] = {}
