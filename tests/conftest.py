@@ -1,13 +1,15 @@
 """The `cluster` fixture: a real local Kubernetes control plane (hack/cluster/controlplane.py)
 shared by every test marked `@pytest.mark.cluster`, started once per session and stopped at its end.
 
-`make test` runs the suite in two pytest-xdist workers (`-n 2`), scheduled by module, each module
-whole on one worker (so that its fixtures, a vLLM job say, run once): the modules that run pods on
-the real node, and those that start vLLM servers, go to one worker as one unit, in their order,
-since a machine has room for one real node and vLLM's spinning workers starve pods beside them;
-every other module goes to whichever worker is free, the longest kinds first (`weight_of`),
-and each worker that runs a module of cluster tests starts its own control plane (seconds) for
-them."""
+`make test` runs the suite in two pytest-xdist workers (`-n 2`), scheduled by module: every module
+with tests marked `cluster` goes to one worker, as one unit in its order, so that one control plane
+and one real node (there can be only one on a machine) serve them all, while the other worker runs
+the other modules (processes on loopback, vLLM, shaped links) beside them, each module whole on
+one worker, so that a module's fixtures (a vLLM job, say) run once. pytest-xdist hands out the
+modules of most tests first: the many short unit modules run beside the real pods at the start,
+and vLLM's (a few long tests each) beside the operator's tests on fake nodes at the end. Putting
+the heaviest first starved the real pods: beside whole jobs or vLLM's spinning CPU workers a real
+trainer went 9-11 s without a heartbeat (the controller's limit is 8 s), and its job failed."""
 import contextlib
 import sys
 from pathlib import Path
@@ -18,39 +20,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack" / "cluster")
 from controlplane import ControlPlane, find_binaries  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL_NODE_LANE = "real-node"
+CLUSTER_LANE = "cluster"
 
 
 def lane_of(nodeid: str) -> str:
-    """The unit of work a test goes to a worker in: one for every module that runs pods on the
-    real node (its `real_node` fixture) or starts vLLM servers, else the test's module. vLLM's
-    CPU workers spin on both cores while they wait for work; beside them a real pod's heartbeat
-    thread once went 11 s without the CPU and its job failed, so these never run at once."""
+    """The unit of work a test goes to a worker in: the cluster's lane for the modules of
+    cluster tests, else the test's module."""
     module = nodeid.split("::", 1)[0]
-    text = _source(module)
-    return REAL_NODE_LANE if "real_node" in text or "vllm_python" in text else module
+    return CLUSTER_LANE if _uses_cluster(module) else module
 
 
-def weight_of(lane: str) -> int:
-    """Which units go first (the lower, the sooner), so that no long one starts last while the
-    other worker has nothing left: the real node's and vLLM's, then the modules of whole jobs,
-    engines or a cluster, then the rest."""
-    if lane == REAL_NODE_LANE:
-        return 0
-    text = _source(lane)
-    if "pytestmark = pytest.mark.slow" in text or "pytest.mark.cluster" in text:
-        return 1
-    return 2
+_CLUSTER_MODULES: dict[str, bool] = {}
 
 
-_SOURCES: dict[str, str] = {}
-
-
-def _source(module: str) -> str:
-    if module not in _SOURCES:
+def _uses_cluster(module: str) -> bool:
+    if module not in _CLUSTER_MODULES:
         path = ROOT / module
-        _SOURCES[module] = path.read_text() if path.suffix == ".py" and path.is_file() else ""
-    return _SOURCES[module]
+        _CLUSTER_MODULES[module] = path.suffix == ".py" and "pytest.mark.cluster" in path.read_text()
+    return _CLUSTER_MODULES[module]
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -59,12 +46,6 @@ def pytest_xdist_make_scheduler(config, log):
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return lane_of(nodeid)
-
-        def _assign_work_unit(self, node) -> None:
-            # the unit of least weight (then of most tests) first; the rest keep their order
-            first = min(self.workqueue, key=lambda lane: (weight_of(lane), -len(self.workqueue[lane])))
-            self.workqueue.move_to_end(first, last=False)
-            super()._assign_work_unit(node)
 
     return Lanes(config, log)
 
