@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import time
 import urllib.request
@@ -17,7 +16,7 @@ from pathlib import Path
 from weightsync.job import Model
 from weightsync.roles.vllm_server import server_command
 
-from support.vllm import LLAMA, vllm_python  # noqa: F401 - the tests take both from here
+from support.vllm import LLAMA, free_port, vllm_python  # noqa: F401 - the tests take both from here
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_with_weightsync.py")
 # vLLM's CPU backend: head size 64 (LLAMA), a small share of memory, a small KV cache (the env below)
@@ -32,12 +31,6 @@ def read_join_file(path: Path, timeout: float = 300.0) -> dict[str, str]:
         assert time.monotonic() < deadline, f"{path} was not written within {timeout:.0f}s"
         time.sleep(0.1)
     return dict(shlex.split(line)[0].split("=", 1) for line in path.read_text().splitlines() if line.strip())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ExternalServer:

@@ -12,7 +12,7 @@ import yaml
 from support import waits
 from weightsync import job as contract
 from weightsync.job import LIVENESS
-from weightsync.local.runner import free_ports
+from weightsync.local import ports
 from weightsync.runtime import health
 
 DEADLINE = 60  # seconds for anything to happen on a loaded machine
@@ -35,7 +35,7 @@ def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:
                  "inference": {"replicas": 1, "gpusPerProc": 0}, "network": {"mode": "tcp"}}})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.to_object()))
     (tmp_path / "token").write_text("t" * 32)
-    store, port = free_ports([1, 1])
+    store, port = ports.lease([1, 1])  # this test process's until it ends
     base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
     return {**base, contract.Env.ORDINAL: str(ordinal), contract.Env.SPEC_FILE: str(tmp_path / "job.yaml"),
             contract.Env.TOKEN_FILE: str(tmp_path / "token"), contract.Env.CONTROLLER_HOST: "127.0.0.1",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from weightsync import job as contract
+from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
 
@@ -158,9 +158,8 @@ def checker(server: str, action: str, baseline: dict | None = None) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port leased to this test process until it ends (weightsync.local.ports)."""
+    return ports.lease([1])[0]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ from pathlib import Path
 import weightsync
 from weightsync.bench.chart import vllm_chart
 from weightsync.job import API_VERSION, Env, KIND, Model, WorkerContext, load_job
-from weightsync.local.runner import LocalJob, check_vllm_python, free_ports
+from weightsync.local import ports as leases
+from weightsync.local.runner import LocalJob, check_vllm_python
 from weightsync.model.build import build, parameters
 from weightsync.rendezvous.protocol import Keys
 from weightsync.roles.vllm_server import server_command
@@ -123,7 +124,7 @@ def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> 
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-disk-") as folder:
         first = Path(folder) / "v0"
         _save(model, first, save_file)
-        ports = free_ports([1] * servers)
+        ports = leases.lease([1] * servers)
         logs = [open(Path(folder) / f"server-{i}.log", "w") for i in range(servers)]  # noqa: SIM115 - closed below
         # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
         args = (*SERVER_ARGS, "--skip-tokenizer-init")
@@ -160,6 +161,7 @@ def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> 
             for proc, log in zip(procs, logs):
                 stop(proc, grace=VLLM_STOP_GRACE)
                 log.close()
+            leases.release(ports)
 
 
 def new_version(model, generator) -> None:

@@ -20,7 +20,6 @@ import queue
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, MASTER_PORTS, ROLE
                             TRAINER, Env, Job, dump_document,
                             PodSite, ValueFrom, external_roles, load_job, pod_env)
 from weightsync.local.external import JoinOffer
+from weightsync.local import ports
+from weightsync.local.ports import LOOPBACK
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
@@ -41,7 +42,6 @@ from weightsync.runtime.health import METRICS_PATH
 from weightsync.runtime.procs import exit_status
 from weightsync.transport.nccl import shared_gpu_env
 
-LOOPBACK = "127.0.0.1"
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
 VLLM_PROBE_TIMEOUT = 180.0  # seconds to import vLLM in the Python that runs it
 STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
@@ -103,11 +103,6 @@ class LocalJob:
         spec_file, token_file = self._files()
         inference_procs = layout.procs_per_pod(INFERENCE)
         servers = layout.inferences if self.job.inference.runs_vllm else 0
-        # the trainers' rendezvous takes a port of MASTER_PORTS from master_port on per resume (command.py)
-        store_port, master_port, *ports = free_ports([1, MASTER_PORTS] + [1] * layout.pods
-                                                     + [inference_procs] * layout.inferences + [1] * servers)
-        health_ports, data_ports = ports[:layout.pods], ports[layout.pods:layout.pods + layout.inferences]
-        server_ports = ports[layout.pods + layout.inferences:]
         base = {k: v for k, v in os.environ.items() if not k.startswith(POD_OWNED_PREFIXES) and k not in TORCHRUN_VARS}
         base["PYTHONUNBUFFERED"] = "1"
         # a command such as [torchrun, ...] is this environment's, as in the image it is the image's:
@@ -118,6 +113,13 @@ class LocalJob:
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (layout.pods - 1))))
         gpus = gpus_per_pod(self.job, self.share_gpus)
         check_command_env(self.job)
+        # leased until stop(); the trainers' rendezvous takes a port of MASTER_PORTS from master_port
+        # on per resume (command.py)
+        self.ports = ports.lease([1, MASTER_PORTS] + [1] * layout.pods
+                                 + [inference_procs] * layout.inferences + [1] * servers)
+        store_port, master_port, *picked = self.ports
+        health_ports, data_ports = picked[:layout.pods], picked[layout.pods:layout.pods + layout.inferences]
+        server_ports = picked[layout.pods + layout.inferences:]
         first_inference = layout.first_ordinal(INFERENCE)
         pods = []
         self.store_port, self.token_file = store_port, token_file
@@ -283,6 +285,8 @@ class LocalJob:
         if self.offer is not None:
             self.offer.stop()
         self.kubelet.stop()
+        ports.release(self.ports)
+        self.ports = []
 
 
 def check_join_env(job: Job, join_env: Path | None) -> None:
@@ -425,40 +429,6 @@ def _interrupt(signum, _frame):
     for s in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
         signal.signal(s, signal.SIG_IGN)
     raise Interrupted(signal.Signals(signum).name)
-
-
-def free_ports(runs: list[int]) -> list[int]:
-    """For each n in `runs`, the first of n consecutive free loopback ports (all distinct)."""
-    held: list[socket.socket] = []
-    out = []
-    try:
-        for n in runs:
-            while True:
-                first = _bind(0, held)
-                port = first.getsockname()[1]
-                extra = []
-                try:
-                    for k in range(1, n):
-                        extra.append(_bind(port + k, held))
-                except OSError:
-                    continue  # keep the sockets held (so these ports are not offered again) and retry
-                out.append(port)
-                break
-    finally:
-        for s in held:
-            s.close()
-    return out
-
-
-def _bind(port: int, held: list) -> socket.socket:
-    s = socket.socket()
-    try:
-        s.bind((LOOPBACK, port))
-    except OSError:
-        s.close()
-        raise
-    held.append(s)
-    return s
 
 
 def _describe_transfer(t: dict) -> str:
