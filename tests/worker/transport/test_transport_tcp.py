@@ -113,7 +113,8 @@ def test_wrong_token_is_refused_logged_and_nothing_is_used(caplog):
     assert time.monotonic() - start < 5
     assert buf == bytes(64)
     assert len(receiver.refused) == 2 and all("wrong token" in r for r in receiver.refused)
-    assert any("refused connection" in r.getMessage() for r in caplog.records)  # logged on another thread: maybe not formatted yet
+    # getMessage(): a record logged on another thread may not be formatted yet
+    assert any("refused connection" in r.getMessage() for r in caplog.records)
     # the real trainer still gets through afterwards
     sender = make_transport("tcp", token=TOKEN, timeout=5).sender(0)
     sender.connect({0: endpoint})
