@@ -244,9 +244,14 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
-    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(folder)
+    model_type = cfg.pop("model_type")
+    # the architecture vLLM builds: the causal LM, as weightsync names it for its own servers
+    AutoConfig.for_model(model_type, architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]],
+                         **cfg).save_pretrained(folder)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"))
     return folder
 
@@ -255,12 +260,13 @@ class PlainServer:
     """vLLM's server on a checkpoint, without weightsync: what a server that loaded the weights
     from disk holds."""
 
-    def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path, dtype: str = "bfloat16"):
+    def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path, dtype: str = "bfloat16",
+                 expert_parallel: bool = False):
         from weightsync.roles.vllm_server import server_command, server_env
         from weightsync.job import Model
 
         cmd = server_command(python, Model(path=str(checkpoint), dtype=dtype), "plain", tuple(SERVER_ARGS),
-                             "127.0.0.1", port, tensor_parallel=tp, cpu=True)
+                             "127.0.0.1", port, tensor_parallel=tp, cpu=True, expert_parallel=expert_parallel)
         cmd = [a for a in cmd if a != "--weight-transfer-config" and not a.startswith('{"backend"')]
         env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1"}
         self.url = f"http://127.0.0.1:{port}"

@@ -219,6 +219,9 @@ class Vllm:
     load_ahead: bool = False
     """Load each verified version into a second copy of the weights while the server serves, so that
     the pause holds only a copy into the weights it runs on (one more copy of them in memory)."""
+    expert_parallel: bool = False
+    """A mixture of experts served with expert parallelism (vLLM's --enable-expert-parallel): each
+    of a server's tensor-parallel workers holds whole experts, 1/N of them, and receives only those."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,7 +295,7 @@ class Inference(Pods):
                    tensor_parallel_sizes=tuple(inference.get("tensorParallelSizes") or ()),
                    engine=inference.get("engine", BUILTIN),
                    vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())),
-                             bool(vllm.get("loadAhead", False))),
+                             bool(vllm.get("loadAhead", False)), bool(vllm.get("expertParallel", False))),
                    min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
                    max_replicas=inference.get("maxReplicas"),
                    **Pods.common(inference))

