@@ -51,13 +51,13 @@ def vllm_python() -> str:
 
 
 def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
-             ahead: bool = False, dtype: str = "bfloat16", **inference):
+             ahead: bool = False, dtype: str = "bfloat16", expert_parallel: bool = False, **inference):
     return contract.load_job({
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
         "spec": {"model": {"config": config, "dtype": dtype},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
-                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead},
+                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead, "expertParallel": expert_parallel},
                                **inference},
                  "training": {"steps": steps, "batchSize": 4, "seqLen": 32, "learningRate": 1e-2},
                  "transfer": {"everySteps": every, "bucketMB": 1, "transport": "tcp", "timeoutSeconds": 120},

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--fsdp-dim", choices=("0", "auto"), default="0",
                       help="dim FSDP2 shards: 0 (fully_shard's default) or auto (dim 1 where dim 0 does not "
                            "split evenly, as torchtitan shards MoE experts)")
-    plan.add_argument("--inference", default="8xTP16", help="inference replicas x TP degree (default 8xTP16)")
+    plan.add_argument("--inference", default="8xTP16", help="inference replicas x TP degree (default 8xTP16), and "
+                      "for a mixture of experts served with expert parallelism x EP degree (2xTP8xEP8, 4xEP32)")
     plan.add_argument("--nic", default="400gbit", help="NIC rate per GPU, each way (default 400gbit)")
     plan.add_argument("--dtype", default="bfloat16", help="transfer dtype (default bfloat16)")
     plan.add_argument("--bucket-mb", type=int, default=64, help="largest piece in MiB (default 64)")
@@ -183,10 +184,10 @@ def _simulate(args) -> int:
             raise ValueError(f"--bucket-mb {args.bucket_mb}: give at least 1")
         from weightsync.plan.simulate import Topology, parse_inference, report, run
 
-        replicas, tp = parse_inference(args.inference)
+        replicas, tp, ep = parse_inference(args.inference)
         bits = nic_bits(args.nic)
         topo = Topology(args.trainers, args.fsdp or args.trainers, replicas, tp, bits, args.dtype,
-                        args.bucket_mb << 20, args.fsdp_dim)
+                        args.bucket_mb << 20, args.fsdp_dim, ep)
         result = run(args.simulate, topo)
     except ValueError as e:
         print(f"weightsync plan: {e}", file=sys.stderr)

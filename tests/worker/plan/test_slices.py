@@ -305,6 +305,50 @@ def test_a_stream_runs_at_the_share_of_its_more_crowded_end():
     assert t.seconds == pytest.approx(2.0) and t.speed_of_light == pytest.approx(2.0)
 
 
+def test_expert_parallel_ranks_need_their_experts_whole_and_the_rest_by_the_tp_plan():
+    """vLLM's default placement: rank i of a replica of EP degree e holds experts [i*E/e, (i+1)*E/e)."""
+    model = build(MOE, n_routed_experts=4)
+    tensors = tensors_of(model)
+    needs = tp_needs(tensors, model._tp_plan, 2, replicas=2, ep=4, experts=4)
+    tp_only = tp_needs(tensors, model._tp_plan, 2)
+    assert needs.world == 8
+    for i, t in enumerate(tensors):
+        per_rank = {r: [b for b, ranks in zip(needs.placements[i].boxes, needs.placements[i].ranks) if r in ranks]
+                    for r in range(8)}
+        if t.name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            for r in range(8):
+                (box,) = per_rank[r]
+                assert box.start[0] == (r % 4) and box.stop[0] == (r % 4) + 1 and box.shape[1:] == t.shape[1:]
+        else:  # rank r is TP rank r % 2 of its data-parallel group
+            want = {r: [b for b, ranks in zip(tp_only.placements[i].boxes, tp_only.placements[i].ranks) if r in ranks]
+                    for r in range(2)}
+            assert all(per_rank[r] == want[r % 2] for r in range(8)), t.name
+    check_assignment(assign_pieces(sharded(tensors, 4), needs, 1 << 20), needs)
+
+
+def test_simulate_with_expert_parallelism_states_each_gpus_share_of_the_experts(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**MOE, "n_routed_experts": 8}))
+    out = weightsync("plan", "--simulate", str(config), "--trainers", "4", "--inference", "2xTP2xEP4", "--bucket-mb", "1")
+    assert out.returncode == 0, out.stderr
+    assert "2 replicas x TP2xEP4 = 8 GPUs" in out.stdout and "experts: 8 routed per layer" in out.stdout, out.stdout
+    assert "of them (0.2500)" in out.stdout, out.stdout
+    dp = weightsync("plan", "--simulate", str(config), "--trainers", "4", "--inference", "1xEP8", "--bucket-mb", "1")
+    assert dp.returncode == 0 and "1 replicas x TP1xEP8 = 8 GPUs" in dp.stdout and "(0.1250)" in dp.stdout, dp.stderr
+
+
+@pytest.mark.parametrize("inference, values, message", [
+    ("2xTP4xEP2", {"n_routed_experts": 8}, "the expert-parallel degree 2 must be a multiple of the TP degree 4"),
+    ("1xEP3", {"n_routed_experts": 8}, "divide the model's 8 routed experts"),
+    ("1xEP2", LLAMA, "has no experts to place with expert parallelism"),
+])
+def test_simulate_refuses_expert_parallel_layouts_vllm_would_not_run(tmp_path, inference, values, message):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(values if "model_type" in values else {**MOE, **values}))
+    out = weightsync("plan", "--simulate", str(config), "--trainers", "2", "--inference", inference)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -323,7 +367,7 @@ def test_simulate_prints_balance_busiest_nic_projection_and_speed_of_light(tmp_p
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--simulate", "gpt-9"], "not a built-in model (kimi-k2, deepseek-v3, llama-3-70b)"),
+    (["--simulate", "gpt-9"], "not a built-in model (kimi-k2, deepseek-v3, qwen3-235b-a22b, llama-3-70b)"),
     (["--simulate", "llama-3-70b", "--inference", "8 by 16"], "write replicas x TP degree, for example 8xTP16"),
     (["--simulate", "llama-3-70b", "--trainers", "10", "--fsdp", "4"], "--fsdp 4 must divide --trainers 10"),
     (["--simulate", "llama-3-70b", "--nic", "400X"], "--nic: link rate '400X' is not a number with bit"),

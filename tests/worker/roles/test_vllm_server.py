@@ -1,15 +1,27 @@
 """How an inference pod of engine vllm starts its server: the command (tensor-parallel size, vLLM's
-multiprocessing executor on CPU) and the environment that binds each CPU worker's threads to cores
-of its own (vLLM's CPU build refuses to guess them on a machine with one NUMA node)."""
+multiprocessing executor on CPU, expert parallelism), the model config it is given (the causal LM's
+architecture, or a refusal before any server starts) and the environment that binds each CPU
+worker's threads to cores of its own (vLLM's CPU build refuses to guess them on a machine with one
+NUMA node)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
-from weightsync.job import Model
+import pytest
+
+from weightsync.job import Model, SpecError
+from weightsync.model.config import served_config
 from weightsync.roles.vllm_server import OMP_BIND, server_command, server_env
 
-MODEL = Model(path="/models/llama", dtype="bfloat16")
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128, "max_position_embeddings": 64}
+MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
+       "max_position_embeddings": 64, "num_experts": 8, "num_experts_per_tok": 2}
+MODEL = Model(config=LLAMA, dtype="bfloat16")
 
 
 def test_a_tensor_parallel_server_runs_its_workers_as_vllm_places_them():
@@ -33,3 +45,43 @@ def test_each_cpu_worker_gets_cores_of_its_own_unless_the_pod_says():
         assert not set(groups[0]) & set(groups[1]), "two workers bound to one core"
     assert server_env(2, True, {OMP_BIND: "0-3|4-7"}) == {}  # the pod's own binding stands
     assert server_env(1, True, {}) == {} and server_env(2, False, {}) == {}
+
+
+def served_architectures(cmd: list[str]) -> list[str]:
+    return json.loads((Path(cmd[cmd.index("--model") + 1]) / "config.json").read_text())["architectures"]
+
+
+def test_an_inline_config_is_served_as_its_causal_lm_and_expert_parallelism_is_passed_on():
+    # without `architectures`, vLLM resolves a mixture of experts' base model and serves it for pooling
+    cmd = server_command("python", Model(config=MOE, dtype="bfloat16"), "demo", (), "10.0.0.5", 8000,
+                         tensor_parallel=2, expert_parallel=True)
+    assert served_architectures(cmd) == ["Qwen3MoeForCausalLM"] and "--enable-expert-parallel" in cmd
+    assert served_architectures(server_command("python", MODEL, "demo", (), "10.0.0.5", 8000)) == ["LlamaForCausalLM"]
+    assert "--enable-expert-parallel" not in server_command("python", MODEL, "demo", (), "10.0.0.5", 8000)
+
+
+def checkpoint(folder: Path, **config) -> Model:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LLAMA, **config}))
+    (folder / "model.safetensors").write_bytes(b"")
+    return Model(path=str(folder), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("model, expert_parallel, says", [
+    (Model(config={**MOE, "architectures": ["Qwen3MoeModel"]}), (), "Qwen3MoeModel is not a causal LM"),
+    (Model(config=MOE), (3,), "8 experts do not split evenly over the 3 tensor-parallel workers"),
+    (Model(config=LLAMA), (2,), "model_type llama has no experts"),
+])
+def test_what_vllm_would_not_serve_as_asked_is_refused_on_one_line(model, expert_parallel, says):
+    with pytest.raises(SpecError, match=says) as e:
+        served_config(model, expert_parallel)
+    assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_keeps_its_architecture_and_must_name_a_causal_lm(tmp_path):
+    assert served_config(checkpoint(tmp_path / "ok", architectures=["LlamaForCausalLM"])).architectures == \
+        ["LlamaForCausalLM"]
+    with pytest.raises(SpecError, match="LlamaForSequenceClassification is not a causal LM.*name LlamaForCausalLM"):
+        served_config(checkpoint(tmp_path / "classifier", architectures=["LlamaForSequenceClassification"]))
+    with pytest.raises(SpecError, match='names no architecture.*"architectures": \\["LlamaForCausalLM"\\]'):
+        served_config(checkpoint(tmp_path / "none"))

@@ -3,7 +3,9 @@
 The model is built on the meta device (shapes, no weights: a 1T-parameter MoE takes seconds),
 its parameters become global tensors in the transfer dtype, the trainer side is FSDP2 (HSDP where
 the FSDP degree is less than the trainer GPUs, DDP at degree 1), the inference side replicas of
-TP degree k sliced by the model's own transformers TP plan. The same planner the controller runs
+TP degree k sliced by the model's own transformers TP plan, or of expert-parallel degree e (a
+mixture of experts served as vLLM serves it with --enable-expert-parallel: each GPU holds e-th of
+the routed experts, whole, and the rest by the TP plan; plan/tp.py). The same planner the controller runs
 then assigns every piece to a sender, the assignment is checked (every receiver gets exactly its
 bytes of every tensor), and linktime simulates its order on one NIC per rank.
 """
@@ -22,7 +24,8 @@ from weightsync.plan.linktime import WINDOW, simulate
 from weightsync.plan.pieces import assign_pieces, check_assignment
 from weightsync.plan.segments import size_text
 from weightsync.plan.slices import GlobalTensor
-from weightsync.plan.tp import check_heads, tp_needs
+from weightsync.model.config import expert_count
+from weightsync.plan.tp import ONE_EXPERT, STACKED_EXPERTS, check_heads, tp_needs
 
 JITTER, JITTER_RUNS = 1e-3, 3
 
@@ -40,6 +43,11 @@ MODELS = {
                                 "num_key_value_heads": 64, "n_routed_experts": 384, "first_k_dense_replace": 1,
                                 "n_group": 1, "topk_group": 1}),
     "deepseek-v3": ("deepseek_v3", _DEEPSEEK_V3),
+    # Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B): 128 experts, 8 per token, ~235B parameters
+    "qwen3-235b-a22b": ("qwen3_moe", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, tie_word_embeddings=False)),
     # Llama 3 70B (meta-llama/Meta-Llama-3-70B)
     "llama-3-70b": ("llama", dict(
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -57,20 +65,34 @@ class Topology:
     dtype: str = "bfloat16"
     bucket_bytes: int = 64 << 20
     fsdp_dim: str = "0"  # "0": fully_shard's default; "auto": dim 1 where dim 0 does not split evenly
+    ep: int = 0         # expert-parallel degree of each replica (its GPUs); 0: none
 
     def __post_init__(self):
         if self.trainers < 1 or self.fsdp < 1 or self.trainers % self.fsdp:
             raise ValueError(f"--fsdp {self.fsdp} must divide --trainers {self.trainers} (the rest are HSDP replicas)")
         if self.replicas < 1 or self.tp < 1:
             raise ValueError("--inference needs at least one replica of TP degree at least 1, for example 8xTP16")
+        if self.ep and self.ep % self.tp:
+            raise ValueError(f"--inference: the expert-parallel degree {self.ep} must be a multiple of the TP degree "
+                             f"{self.tp} (the GPUs of a replica: EP = TP x its data-parallel attention groups)")
+
+    @property
+    def replica_gpus(self) -> int:
+        return max(self.tp, self.ep)
 
 
-def parse_inference(text: str) -> tuple[int, int]:
-    """'8xTP16' (or '8x16') -> (8 replicas, TP degree 16)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(?:TP|tp)?\s*(\d+)\s*", text)
-    if not m:
-        raise ValueError(f"--inference {text!r}: write replicas x TP degree, for example 8xTP16")
-    return int(m.group(1)), int(m.group(2))
+INFERENCE = re.compile(r"\s*(\d+)\s*[xX*]\s*(?:(?:TP|tp)?\s*(\d+))?\s*(?:[xX*]?\s*(?:EP|ep)\s*(\d+))?\s*")
+
+
+def parse_inference(text: str) -> tuple[int, int, int]:
+    """'8xTP16' (or '8x16') -> (8 replicas, TP degree 16, no expert parallelism); '4xEP32' -> (4,
+    1, 32): 32 GPUs a replica, each with 1/32 of the routed experts and the rest whole (data-
+    parallel attention); '2xTP8xEP8' -> (2, 8, 8)."""
+    m = INFERENCE.fullmatch(text)
+    if not m or (m.group(2) is None and m.group(3) is None):
+        raise ValueError(f"--inference {text!r}: write replicas x TP degree, for example 8xTP16, and for a mixture "
+                         "of experts served with expert parallelism x EP degree (2xTP8xEP8, or 4xEP32)")
+    return int(m.group(1)), int(m.group(2) or 1), int(m.group(3) or 0)
 
 
 def model_config(name: str):
@@ -112,13 +134,16 @@ def run(name: str, topo: Topology) -> dict:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan in transformers: "
                          f"simulate its inference as replicas of TP1 (for example --inference {topo.replicas * topo.tp}xTP1)")
     check_heads(config, plan_styles, topo.tp)
+    experts = expert_count(config)
+    if topo.ep and not experts:
+        raise ValueError(f"--inference: {name} has no experts to place with expert parallelism; drop the EP degree")
     tensors = [GlobalTensor(n, tuple(p.shape), topo.dtype) for n, p in model.named_parameters()]
     built = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     shard_dim = dim1_where_dim0_is_uneven(topo.fsdp) if topo.fsdp_dim == "auto" else int(topo.fsdp_dim)
     holders = sharded(tensors, topo.fsdp, topo.trainers // topo.fsdp, shard_dim)
-    needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas)
+    needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas, topo.ep, experts)
     assignment = assign_pieces(holders, needs, topo.bucket_bytes)
     planned = time.perf_counter() - t1
 
@@ -129,7 +154,13 @@ def run(name: str, topo: Topology) -> dict:
                    for seed in range(JITTER_RUNS))
     sent, received = assignment.bytes_by_sender(), assignment.bytes_by_receiver()
     bs, br = assignment.balance()
-    return {"model": name, "parameters": sum(t.numel for t in tensors), "tensors": len(tensors),
+    routed = [i for i, t in enumerate(tensors) if STACKED_EXPERTS.search(t.name) or ONE_EXPERT.search(t.name)]
+    routed_bytes = sum(tensors[i].nbytes for i in routed)
+    # what the first GPU of a replica needs of the routed experts (each GPU the same share)
+    routed_share = sum(box.numel * tensors[i].itemsize for i in routed
+                       for box, ranks in zip(needs.placements[i].boxes, needs.placements[i].ranks) if 0 in ranks)
+    return {"model": name, "experts": experts, "routed_bytes": routed_bytes, "routed_per_gpu": routed_share,
+            "parameters": sum(t.numel for t in tensors), "tensors": len(tensors),
             "version_bytes": sum(t.nbytes for t in tensors), "build_seconds": built, "plan_seconds": planned,
             "pieces": len(assignment), "streams": timing.streams, "sender_balance": bs, "receiver_balance": br,
             "busiest_sender_bytes": int(sent.max()), "busiest_receiver_bytes": int(received.max()),
@@ -141,12 +172,16 @@ def run(name: str, topo: Topology) -> dict:
 def report(r: dict, topo: Topology) -> str:
     hsdp = topo.trainers // topo.fsdp
     kind = "FSDP2" if hsdp == 1 else ("DDP" if topo.fsdp == 1 else f"HSDP {hsdp} x FSDP2")
+    shape = f"TP{topo.tp}" + (f"xEP{topo.ep}" if topo.ep else "")
     lines = [
         f"model: {r['model']}: {r['parameters'] / 1e9:.1f}B parameters in {r['tensors']} tensors, "
         f"{size_text(r['version_bytes'])} as {topo.dtype} (built on the meta device in {r['build_seconds']:.1f} s)",
         f"trainers: {topo.trainers} GPUs, {kind} degree {topo.fsdp} (shard dim {topo.fsdp_dim}); "
-        f"inference: {topo.replicas} replicas x TP{topo.tp} = {topo.replicas * topo.tp} GPUs; "
+        f"inference: {topo.replicas} replicas x {shape} = {topo.replicas * topo.replica_gpus} GPUs; "
         f"one {topo.nic_bits / 1e9:g} Gb/s NIC per GPU, full duplex",
+        *([f"experts: {r['experts']} routed per layer, {size_text(r['routed_bytes'])} in all; each inference GPU "
+           f"needs {size_text(r['routed_per_gpu'])} of them ({r['routed_per_gpu'] / r['routed_bytes']:.4f}), and "
+           f"{size_text(r['busiest_receiver_bytes'])} in all per version at most"] if r["experts"] else []),
         f"plan: {r['pieces']} pieces (at most {size_text(topo.bucket_bytes)}), {r['streams']} sender->receiver "
         f"streams, computed in {r['plan_seconds']:.2f} s; checked: every receiver gets exactly its bytes",
         f"balance (max / mean): senders {r['sender_balance']:.3f}, receivers {r['receiver_balance']:.3f}",

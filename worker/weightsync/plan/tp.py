@@ -18,6 +18,12 @@ mapped to style names. How each style shards a parameter, as transformers' own s
 
 Any other style name is refused with the list above: guessing would send a rank bytes it does not
 hold. Ranks are numbered replica * tp + tp rank; a replica of TP degree 1 needs everything.
+
+With expert parallelism of degree ep (vLLM's --enable-expert-parallel) a replica is ep ranks: the
+routed experts are placed as vLLM places them by default (linearly: rank i holds experts
+[i * E/ep, (i + 1) * E/ep) whole, from a stack of every expert or from one expert's tensors), and
+the rest of the model is sharded by the TP plan over groups of tp ranks (ep / tp of them: data-
+parallel attention where tp < ep).
 """
 
 from __future__ import annotations
@@ -72,25 +78,50 @@ def tp_boxes(t: GlobalTensor, style: str | None, tp: int) -> list[tuple]:
     return _single(dim_chunks(t.shape, dim, tp))
 
 
-def tp_needs(tensors: Sequence[GlobalTensor], plan: Mapping[str, str], tp: int, replicas: int = 1) -> Slicing:
-    """`replicas` inference replicas of TP degree `tp`: what each of the replicas * tp ranks needs."""
+# a routed expert's tensors: a stack of every expert (transformers 5), or one expert's (experts.<e>.)
+STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(_bias)?$")
+ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def tp_needs(tensors: Sequence[GlobalTensor], plan: Mapping[str, str], tp: int, replicas: int = 1,
+             ep: int = 0, experts: int = 0) -> Slicing:
+    """`replicas` inference replicas of TP degree `tp`: what each of the replicas * tp ranks needs;
+    with `ep`, replicas of ep ranks whose `experts` routed experts are split by expert."""
     if tp < 1 or replicas < 1:
         raise ValueError(f"inference needs tp >= 1 and replicas >= 1 (got tp={tp}, replicas={replicas})")
+    size = max(tp, ep)
+    if ep and (ep % tp or not experts or experts % ep):
+        raise ValueError(f"expert parallelism of degree {ep}: it must be a multiple of the TP degree {tp} and divide "
+                         f"the model's {experts} routed experts")
     cache: dict = {}
     placements = []
     for t in tensors:
-        style = style_of(t.name, plan) if tp > 1 else None
-        key = (t.shape, style, t.name.rsplit(".", 1)[-1] == "bias")
-        if key not in cache:
-            boxes, ranks = [], []
-            for i, per_rank in enumerate(tp_boxes(t, style, tp)):
-                for box in per_rank:
-                    if box is not None:
-                        boxes.append(box)
-                        ranks.append(tuple(g * tp + i for g in range(replicas)))
-            cache[key] = _merged(boxes, ranks)
-        placements.append(cache[key])
-    return Slicing(tuple(tensors), tuple(placements), tp * replicas)
+        stacked, one = STACKED_EXPERTS.search(t.name), ONE_EXPERT.search(t.name)
+        if ep and (stacked or one):
+            per = experts // ep
+            if stacked:  # rank i: its experts of the stack, whole
+                chunks = [(box,) for box in dim_chunks(t.shape, 0, ep)]
+            else:  # the rank that holds this expert, all of it
+                chunks = [(t.whole(),) if i == int(one.group(1)) // per else () for i in range(ep)]
+            key = None
+        else:
+            style = style_of(t.name, plan) if tp > 1 else None
+            key = (t.shape, style, t.name.rsplit(".", 1)[-1] == "bias")
+            if key in cache:
+                placements.append(cache[key])
+                continue
+            chunks = tp_boxes(t, style, tp)
+        boxes, ranks = [], []
+        for i in range(size):
+            for box in chunks[i % len(chunks)]:
+                if box is not None:
+                    boxes.append(box)
+                    ranks.append(tuple(g * size + i for g in range(replicas)))
+        placement = _merged(boxes, ranks)
+        if key is not None:
+            cache[key] = placement
+        placements.append(placement)
+    return Slicing(tuple(tensors), tuple(placements), size * replicas)
 
 
 def check_heads(config, plan: Mapping[str, str], tp: int) -> None:

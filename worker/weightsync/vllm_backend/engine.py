@@ -43,6 +43,7 @@ from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.control import Session
+from weightsync.model.config import config_of, expert_count
 from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, split_experts, worker_needs, worker_parts
 from weightsync.vllm_backend.join import joining, place_of
 
@@ -236,6 +237,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         the job's."""
         parallel = self.parallel_config
         tp = parallel.tensor_parallel_size
+        served = expert_count(getattr(self.model_config, "hf_text_config", None) or self.model_config.hf_config)
+        wanted = expert_count(config_of(self.ctx.job.model))
+        if served != wanted:  # a server the user started on another model
+            raise ValueError(f"{self.me}: this vLLM server's model has {served} routed experts per layer, and the job's "
+                             f"spec.model {wanted}: serve the job's model")
         if parallel.pipeline_parallel_size != 1 or parallel.data_parallel_size != 1:
             raise ValueError(f"{self.me}: the weightsync backend takes vLLM's tensor parallelism only; this server "
                              f"runs pipeline-parallel size {parallel.pipeline_parallel_size} and data-parallel size "

@@ -1,0 +1,229 @@
+"""Mixtures of experts through vLLM's own tensor and expert parallelism, for real: two jobs on
+vLLM's CPU build, each one trainer rank into one vLLM server of two workers, run once for the
+module.
+
+- qwen2_moe (routed experts, a shared expert and its gate, the router's gate) at tensor-parallel
+  size 2: each worker holds every expert's half of the intermediate dimension;
+- qwen3_moe at tensor-parallel size 2 with expert parallelism (spec.inference.vllm.expertParallel):
+  each worker holds 4 of the 8 experts whole and nothing of the other 4.
+
+Both models come as inline configs without `architectures`: vLLM serves them as causal LMs (the
+architecture weightsync names), not as pooling models. The trainers' checkpoint holds the
+experts as transformers does, one tensor of every expert per projection.
+
+What is checked after each version: every worker's parameters equal the trainer's bytes as vLLM
+lays them out (stated here independently of the backend, the experts included); each worker
+receives exactly the slices that layout gives it, half of the routed experts' bytes; on the last
+version, vLLM's own weight checker finds the weights equal to those of a plain vLLM server of the
+same shape that loaded the trainer's checkpoint from disk, and (tensor parallelism) both answer
+the same greedy tokens. The expert-parallel server is compared by weights alone: vLLM 0.32's CPU
+fused-MoE kernel crashes at the first generation under expert parallelism
+(csrc/cpu/cpu_fused_moe.cpp), with or without weightsync.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from weightsync.model.build import meta_layout
+from weightsync.model.flat import ITEMSIZE
+from weightsync.plan.sliced import LocalLayout
+from weightsync.plan.slices import Box, RankSlices, Slice
+
+from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, boxes, checker, completion, free_port, save_checkpoint,
+                          shards, vllm_job, vllm_python)
+
+pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
+
+BASE = {k: v for k, v in LLAMA.items() if k not in ("model_type", "intermediate_size")}
+EXPERTS = 8
+QWEN2_MOE = {**BASE, "model_type": "qwen2_moe", "intermediate_size": 256, "moe_intermediate_size": 128,
+             "shared_expert_intermediate_size": 256, "num_experts": EXPERTS, "num_experts_per_tok": 2}
+QWEN3_MOE = {**BASE, "model_type": "qwen3_moe", "intermediate_size": 256, "moe_intermediate_size": 128,
+             "num_experts": EXPERTS, "num_experts_per_tok": 2}
+TP = 2
+DTYPE = "float32"  # repacked by vLLM's CPU build on any x86 CPU, and read back through its kernels
+VERSIONS = 3  # 0..2: steps 4, every 2
+PAUSE = "trainer-0-before-go-v2"  # version 1 is served; the trainer holds version 2 back
+
+
+@dataclass
+class MoeRun:
+    run: VllmRun
+    config: dict
+    expert_parallel: bool
+    end: dict = field(default_factory=dict)
+    tokens: list[int] | None = None  # the server's greedy tokens on version 1
+    plain_tokens: list[int] | None = None  # a plain server's, on version 1 from disk
+    compare: dict = field(default_factory=dict)  # vLLM's compare of the served version 1 with the plain server's
+
+
+def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
+    python = vllm_python()
+    job = vllm_job(name, trainers=1, servers=1, steps=4, config=config, tensorParallel=TP, dtype=DTYPE,
+                   expert_parallel=expert_parallel)
+    run = VllmRun(tmp, job, python, pauses=[PAUSE])
+    out = MoeRun(run, config, expert_parallel)
+    plain = None
+    try:
+        run.reach(PAUSE)
+        server = run.servers[0]
+        run.serving(server, 1)
+        served = checker(server, "checksum")["checksums"]
+        if not expert_parallel:
+            out.tokens = completion(server, job.name)
+        run.release(PAUSE)
+        out.end = run.finish()
+        tensors = torch.load(run.dump / "trainer-0-v1.pt")["tensors"]
+        checkpoint = save_checkpoint(tensors, config, tmp / "checkpoint-v1")
+        plain = PlainServer(python, checkpoint, free_port(), TP, tmp / "plain.log", DTYPE, expert_parallel=expert_parallel)
+        plain.wait_up()
+        out.compare = checker(plain.url, "compare", served)
+        if not expert_parallel:
+            out.plain_tokens = completion(plain.url, "plain")
+    finally:
+        run.local.stop()
+        if plain is not None:
+            plain.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_moe(tmp_path_factory) -> MoeRun:
+    return moe_run(tmp_path_factory.mktemp("vllm-moe-tp"), "vllm-moe-tp", QWEN2_MOE, expert_parallel=False)
+
+
+@pytest.fixture(scope="module")
+def ep_moe(tmp_path_factory) -> MoeRun:
+    return moe_run(tmp_path_factory.mktemp("vllm-moe-ep"), "vllm-moe-ep", QWEN3_MOE, expert_parallel=True)
+
+
+def routed(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def expert_box(name: str, shape: tuple, rank: int, expert_parallel: bool, half: int | None) -> Box:
+    """The box of a stacked expert tensor ([experts, 2 x intermediate, hidden] gate and up, or
+    [experts, hidden, intermediate] down) that worker `rank` holds: under expert parallelism its
+    experts whole, else every expert's share of the intermediate dimension (`half`: of gate, 0,
+    or of up, 1)."""
+    if expert_parallel:
+        per = shape[0] // TP
+        return Box((rank * per, 0, 0), ((rank + 1) * per, shape[1], shape[2]))
+    if "gate_up_proj" in name:
+        rows = shape[1] // 2
+        size = rows // TP
+        first = half * rows + rank * size
+        return Box((0, first, 0), (shape[0], first + size, shape[2]))
+    size = shape[2] // TP
+    return Box((0, 0, rank * size), (shape[0], shape[1], (rank + 1) * size))
+
+
+def cut(t: torch.Tensor, box: Box) -> torch.Tensor:
+    for dim, (a, b) in enumerate(zip(box.start, box.stop)):
+        t = t.narrow(dim, a, b - a)
+    return t
+
+
+def expected(tensors: dict[str, torch.Tensor], config: dict, rank: int, expert_parallel: bool) -> dict[str, torch.Tensor]:
+    """The trainer's tensors as vLLM's model holds them on worker `rank`: the dense part as for a
+    Llama (support.vllm.shards), the shared expert as a dense MLP (gate_up_proj: its rows of gate
+    and of up; down_proj: its columns), the gates whole, and the routed experts in w13_weight
+    (gate and up rows stacked per expert) and w2_weight."""
+    dense = {n: t for n, t in tensors.items() if ".mlp." not in n}
+    out = shards(dense, config, TP, rank)
+    for name, t in tensors.items():
+        if ".mlp.gate.weight" in name or "shared_expert_gate" in name:
+            out[name] = t
+        elif ".shared_expert.gate_proj." in name:
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            size = t.shape[0] // TP
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t[rank * size:(rank + 1) * size],
+                                                                       up[rank * size:(rank + 1) * size]])
+        elif ".shared_expert.down_proj." in name:
+            size = t.shape[1] // TP
+            out[name] = t[:, rank * size:(rank + 1) * size]
+        elif name.endswith("experts.gate_up_proj"):
+            param = name.replace("experts.gate_up_proj", "experts.routed_experts.w13_weight")
+            if expert_parallel:
+                out[param] = cut(t, expert_box(name, tuple(t.shape), rank, True, None))
+            else:
+                out[param] = torch.cat([cut(t, expert_box(name, tuple(t.shape), rank, False, h)) for h in (0, 1)], dim=1)
+        elif name.endswith("experts.down_proj"):
+            out[name.replace("experts.down_proj", "experts.routed_experts.w2_weight")] = \
+                cut(t, expert_box(name, tuple(t.shape), rank, expert_parallel, None))
+    return out
+
+
+def needs(layout, config: dict, rank: int, expert_parallel: bool) -> RankSlices:
+    """What worker `rank` needs of a version, stated as expected() lays it out."""
+    shapes = {s.name: tuple(s.shape) for s in layout.slots}
+    dense = {n: s for n, s in shapes.items() if ".mlp." not in n}
+    out = []
+    for name, box in boxes(dense, config, TP, rank).items():
+        start, stop = [0] * len(dense[name]), list(dense[name])
+        start[box[0]], stop[box[0]] = box[1], box[2]
+        out.append(Slice(name, Box(tuple(start), tuple(stop))))
+    for name, shape in shapes.items():
+        whole = Box((0,) * len(shape), shape)
+        if ".mlp.gate.weight" in name or "shared_expert_gate" in name:
+            out.append(Slice(name, whole))
+        elif ".shared_expert.gate_proj." in name or ".shared_expert.up_proj." in name:
+            size = shape[0] // TP
+            out.append(Slice(name, Box((rank * size, 0), ((rank + 1) * size, shape[1]))))
+        elif ".shared_expert.down_proj." in name:
+            size = shape[1] // TP
+            out.append(Slice(name, Box((0, rank * size), (shape[0], (rank + 1) * size))))
+        elif name.endswith("experts.gate_up_proj") and not expert_parallel:
+            out += [Slice(name, expert_box(name, shape, rank, False, h)) for h in (0, 1)]
+        elif routed(name):
+            out.append(Slice(name, expert_box(name, shape, rank, expert_parallel, None)))
+    return RankSlices(rank, tuple(out))
+
+
+@pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
+def test_every_worker_holds_its_experts_and_the_rest_as_vllm_lays_them_out(which, request):
+    moe: MoeRun = request.getfixturevalue(which)
+    end, dump = moe.end, moe.run.dump
+    assert end["state"] == "Succeeded", end
+    assert end["versions"] == VERSIONS and end["failed_verifications"] == 0, end
+    for version in range(VERSIONS):
+        trainer = torch.load(dump / f"trainer-0-v{version}.pt")["tensors"]
+        for rank in range(TP):
+            want = expected(trainer, moe.config, rank, moe.expert_parallel)
+            got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
+            assert sorted(got) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
+            for name, tensor in want.items():
+                assert got[name].shape == tensor.shape, (name, got[name].shape, tensor.shape)
+                assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
+                    f"{which} version {version}: worker {rank} differs in {name}"
+
+
+@pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
+def test_each_worker_receives_only_its_share_half_of_the_routed_experts(which, request):
+    moe: MoeRun = request.getfixturevalue(which)
+    layout = meta_layout(moe.run.job.model)
+    log = moe.run.log(2)  # the server's pod
+    experts = sum(s.nbytes for s in layout.slots if routed(s.name))
+    for rank in range(TP):
+        share = needs(layout, moe.config, rank, moe.expert_parallel)
+        said = re.search(rf"\[inference rank {rank}\] tensor-parallel rank {rank} of {TP} .*?: receives (\d+) of "
+                         rf"(\d+) bytes per version", log)
+        assert said, f"inference rank {rank} did not say what it receives"
+        assert int(said[1]) == LocalLayout.of(layout, share).total_bytes and int(said[2]) == layout.total_bytes, said[0]
+        routed_bytes = sum(s.box.numel * ITEMSIZE[layout.dtype] for s in share.slices if routed(s.tensor))
+        assert routed_bytes * TP == experts, f"{which}: worker {rank} receives {routed_bytes} of {experts} expert bytes"
+
+
+@pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
+def test_vllms_weight_checker_finds_the_weights_of_a_server_that_loaded_them_from_disk(which, request):
+    moe: MoeRun = request.getfixturevalue(which)
+    assert moe.compare == {"match": True, "mismatches": []}, moe.compare
+
+
+def test_the_tensor_parallel_server_answers_as_a_plain_server_of_the_same_version(tp_moe):
+    assert tp_moe.tokens is not None and tp_moe.tokens == tp_moe.plain_tokens, (tp_moe.tokens, tp_moe.plain_tokens)
