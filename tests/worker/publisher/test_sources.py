@@ -107,3 +107,78 @@ def test_fsdp2_ranks_send_only_their_shards_and_together_the_whole_version(tmp_p
         assert "Shard(dim=1)" in g["refused"] and "not supported" in g["refused"]
     assert sent == layout.payload_bytes  # every byte of every tensor, once
     assert make_plan(layout, world, 1, 1024).version_bytes == layout.total_bytes
+
+
+# a mixture of experts: 6 experts over 2 expert-parallel ranks, each group of 3 again over 2 FSDP ranks (2 and 1)
+MOE = dict(model_type="qwen3_moe", vocab_size=101, hidden_size=48, intermediate_size=64, moe_intermediate_size=24,
+           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+           num_experts=6, num_experts_per_tok=2)
+
+
+def moe_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    values = dict(MOE)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+
+
+def _ep_rank(rank: int, world: int, init: str, out: str) -> None:
+    """Expert parallelism as torchtitan lays it out: a 2-D mesh (ep, fsdp); the experts' stacks
+    Shard(0) over ep and again Shard(0) over fsdp, every other parameter replicated over ep and
+    Shard(0) over fsdp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        model = moe_model()
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "fsdp"))
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                placements = [Shard(0), Shard(0)] if p.dim() == 3 else [Replicate(), Shard(0)]
+                module._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
+
+        def gathered(*_a, **_k):
+            raise AssertionError("a DTensor was gathered")
+
+        DTensor.full_tensor = gathered
+        sources = sources_of(model, "float32")
+        params = local_tensors(model, sources)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, sources.holdings.to_json())
+        holdings = {r: Holdings.from_json(h) for r, h in enumerate(everyone)}
+        plan = plan_by_holder(sources.layout, holdings, inferences=1, bucket_bytes=1024)
+        filled = {}
+        for b in plan.buckets_of(rank):
+            data = torch.empty(b.length, dtype=torch.uint8)
+            fill_range(sources.layout, params, b.offset, b.end, data, sources.starts)
+            filled[b.offset] = data
+        torch.save({"filled": filled, "holdings": sources.holdings.to_json()}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # four processes: `make test`, beside the first FSDP2 case in `make unit`
+def test_expert_parallel_ranks_on_a_2d_mesh_send_only_their_experts_and_together_the_whole_version(tmp_path):
+    world = 4
+    mp.start_processes(_ep_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, start_method="spawn")
+    model = moe_model()
+    layout = FlatLayout.from_named_tensors(model.named_parameters(), "float32")
+    reference = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    fill_range(layout, [p.detach() for p in model.parameters()], 0, layout.total_bytes, reference)
+    stacks = [i for i, s in enumerate(layout.slots) if len(s.shape) == 3]
+    assert stacks, "the model has no stacked experts"
+    sent = 0
+    for r in range(world):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        rows = Holdings.from_json(got["holdings"]).rows
+        ep, fsdp = divmod(r, 2)
+        # experts [3 ep, 3 ep + 3) of the ep rank, then torch.chunk's 2 and 1 of them for the fsdp rank
+        assert all(rows[i] == (3 * ep + 2 * fsdp, 3 * ep + (2 if fsdp == 0 else 3)) for i in stacks), rows
+        for offset, data in got["filled"].items():
+            assert torch.equal(data, reference[offset:offset + data.numel()]), f"rank {r}, bytes at {offset}"
+            sent += data.numel()
+    assert sent == layout.payload_bytes  # every byte of every tensor, once

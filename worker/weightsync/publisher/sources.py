@@ -5,8 +5,9 @@ The names are the module's own, as model.named_parameters() lists them for a tra
 (the names of its Hugging Face checkpoint): the wrappers' prefixes ("module.", "_orig_mod.") are
 dropped, and a tied weight is listed once. The version's layout is of the global shapes; what
 this rank sends from is its local tensors, each with the rows it holds (shards.Holdings). A
-DTensor is never gathered here: only its local shard is read. Placements other than dim-0
-shards and replicas (tensor-parallel shards on other dims, partial sums) are refused by name.
+DTensor is never gathered here: only its local shard is read. Dim-0 shards may nest over several
+mesh dimensions (experts sharded by expert parallelism, then by FSDP2). Placements other than
+dim-0 shards and replicas (tensor-parallel shards on other dims, partial sums) are refused by name.
 """
 
 from __future__ import annotations
@@ -101,26 +102,24 @@ def _local(p) -> torch.Tensor:
 
 
 def _rows_held(name: str, p) -> tuple[int, int]:
-    """The dim-0 rows [first, end) of `p` this rank holds."""
+    """The dim-0 rows [first, end) of `p` this rank holds: one run of them, whatever the mesh (FSDP2's
+    Shard(0), or a mixture of experts' experts sharded over an expert-parallel mesh dimension and
+    again by FSDP2 over another, as torchtitan shards them: nested Shard(0) placements), as
+    DTensor itself places the rank's shard."""
     rows = p.shape[0] if p.dim() else 1
     if not _is_dtensor(p):
         return 0, rows
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    first, end = 0, rows
-    sharded = False
-    for dim, placement in enumerate(p.placements):
-        if isinstance(placement, Replicate):
-            continue
-        if not isinstance(placement, Shard) or placement.dim != 0 or sharded:
-            raise ValueError(f"parameter {name} is a DTensor placed as {tuple(p.placements)}: weightsync sends "
-                             "shards on dim 0 (FSDP2's fully_shard) and their replicas; shards on other dims "
-                             "(tensor parallelism), nested shards and partial values are not supported")
-        sharded = True
-        mesh = p.device_mesh
-        count, index = mesh.size(dim), mesh.get_local_rank(dim)
-        chunk = -(-rows // count)  # torch.chunk's split, as DTensor and FSDP2 shard: the last ones short or empty
-        first, end = min(index * chunk, rows), min(index * chunk + chunk, rows)
+    odd = [pl for pl in p.placements if not isinstance(pl, Replicate) and not (type(pl) is Shard and pl.dim == 0)]
+    if odd:
+        raise ValueError(f"parameter {name} is a DTensor placed as {tuple(p.placements)}: weightsync sends shards on "
+                         "dim 0 (FSDP2's fully_shard, expert parallelism, nested over several mesh dimensions) and "
+                         "their replicas; shards on other dims (tensor parallelism), strided shards and partial "
+                         "values are not supported")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    first, end = (offset[0], offset[0] + shape[0]) if p.dim() else (0, 1)
     local = p.to_local()
     held = local.shape[0] if local.dim() else 1
     if held != end - first:

@@ -44,7 +44,8 @@ from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.control import Session
 from weightsync.model.config import config_of, expert_count
-from weightsync.vllm_backend.shards import UnsupportedLayer, presharded, split_experts, worker_needs, worker_parts
+from weightsync.vllm_backend.shards import (UnsupportedLayer, check_experts, cpu_packed, pack_experts, presharded,
+                                            split_experts, worker_needs, worker_parts)
 from weightsync.vllm_backend.join import joining, place_of
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
@@ -237,6 +238,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         the job's."""
         parallel = self.parallel_config
         tp = parallel.tensor_parallel_size
+        try:
+            check_experts(self.model)
+        except UnsupportedLayer as e:
+            raise ValueError(f"{self.me}: {e}") from None
+        if self.ctx.job.inference.vllm.load_ahead and any(cpu_packed(m) for m in self.model.modules()):
+            # the packing (shards.pack_experts) replaces the parameters a commit fills
+            raise ValueError(f"{self.me}: spec.inference.vllm.loadAhead: vLLM's CPU build packs a mixture of experts' "
+                             "weights again after each load, which a version loaded ahead cannot take: drop loadAhead")
         served = expert_count(getattr(self.model_config, "hf_text_config", None) or self.model_config.hf_config)
         wanted = expert_count(config_of(self.ctx.job.model))
         if served != wanted:  # a server the user started on another model
@@ -299,6 +308,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 self.model.load_weights(self._tensors(buffer))
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
+        pack_experts(self.model)
 
     def _tensors(self, buffer):
         """(checkpoint name, tensor) of everything staged: the whole version, or this worker's parts."""
@@ -320,17 +330,36 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         pass  # the receiving thread ends with the job
 
 
+def unpacked(weight: torch.Tensor, experts) -> torch.Tensor:
+    """Fused experts' weights as loaded, from the layout vLLM's CPU build packs them in (its
+    grouped-GEMM kernel's; shards.pack_experts): the packing only moves elements, so packing their
+    indices says where each went."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    if weight.dtype != torch.float32 or weight.numel() >= 1 << 24:
+        raise ValueError(f"reading packed experts back needs float32 weights of fewer than 2**24 elements, not "
+                         f"{weight.dtype} {list(weight.shape)}")
+    where = cpu_prepack_moe_weight(torch.arange(weight.numel(), dtype=torch.float32).view(weight.shape), experts.isa)
+    out = torch.empty_like(weight).view(-1)
+    out[where.view(-1).long()] = weight.reshape(-1)
+    return out.view(weight.shape)
+
+
 def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as the model computes with it, for the tests' dumps. vLLM's CPU build
     repacks a linear layer's weight for its GEMM kernel (oneDNN, or its own small-GEMM kernel) and
     leaves the parameter empty: such a weight is read back through the layer's own kernel, an
-    identity in and the weight's transpose out, so a check sees what vLLM serves."""
+    identity in and the weight's transpose out, and packed experts are unpacked, so a check sees
+    what vLLM serves."""
     modules = dict(model.named_modules())
     out = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             tensor = param.detach()
             module = modules.get(name.rpartition(".")[0])
+            packed = cpu_packed(module) if name.endswith(("w13_weight", "w2_weight")) else None
+            if packed is not None:
+                tensor = unpacked(tensor, packed)
             if tensor.numel() == 0 and name.endswith(".weight") and hasattr(module, "cpu_linear"):
                 # a replicated layer (a router's gate) has all of its input
                 size = getattr(module, "input_size_per_partition", None) or module.input_size

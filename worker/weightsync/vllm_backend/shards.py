@@ -52,6 +52,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
                                                QKVParallelLinear, RowParallelLinear)
@@ -362,6 +363,37 @@ def _check_experts(layer, param: str, meta: torch.Tensor, feeding: list[Part]) -
                                f"{'/'.join(shards)} on this worker, and the expert tensors read from vLLM's "
                                f"{type(layer).__name__} do not fill it ({'; '.join(wrong[:4]) or 'other shards'}); "
                                "serve this model with tensorParallel 1")
+
+
+def cpu_packed(layer: torch.nn.Module) -> CPUUnquantizedExperts | None:
+    """The grouped-GEMM kernel of vLLM's CPU build that serves a fused-experts layer, which packs
+    the layer's w13_weight and w2_weight in place when the model first loads (None: another kernel)."""
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+
+
+def check_experts(model: torch.nn.Module) -> None:
+    """Refuse fused experts that a reload cannot bring back into the layout vLLM's CPU build serves
+    them in: intermediate sizes it pads (it pads them once, when the model first loads)."""
+    for layer in model.modules():
+        experts = cpu_packed(layer) if isinstance(layer, RoutedExperts) else None
+        if experts is not None and experts._padded_intermediate_size(layer.moe_config) != \
+                layer.moe_config.intermediate_size_per_partition:
+            raise UnsupportedLayer(f"vLLM's {type(experts).__name__} pads the experts of {layer.layer_name} to an "
+                                   f"intermediate size of {experts._padded_intermediate_size(layer.moe_config)} per "
+                                   "worker when the model loads, which its reload does not do again: serve a model whose "
+                                   "intermediate size per worker is a multiple of 32")
+
+
+def pack_experts(model: torch.nn.Module) -> None:
+    """After a reload: vLLM's CPU build packs a mixture of experts' weights for its grouped GEMM
+    when the model first loads, and its reload of a weight update copies the reloaded weights,
+    unpacked, into the packed ones without packing them again (it packs only on the first load).
+    Pack them as the first load does, with the kernel's own step."""
+    for layer in model.modules():
+        experts = cpu_packed(layer) if isinstance(layer, RoutedExperts) else None
+        if experts is not None:
+            experts.process_weights_after_loading(layer)
 
 
 def split_experts(model: torch.nn.Module) -> list[str]:
