@@ -10,7 +10,9 @@ row-parallel o_proj and down_proj each sum two partial products, rounded to the 
 all-reduce, where one process sums all terms in one matmul), so the logits differ by a few units
 in the dtype's last place, carried through the layers. Llama with GQA and tied embeddings in
 bfloat16, the TP2 replica over two pods and then the TP1 replica; Qwen2 (biases, untied) in
-float16, the TP1 replica first and then the TP2 replica, all three ranks in one pod."""
+float16, the TP1 replica first and then the TP2 replica, all three ranks in one pod; a Qwen3
+mixture of experts in float32 (its experts' stacks sharded by expert by FSDP2, by intermediate
+dimension by TP), the TP2 replica first, all three ranks in one pod."""
 
 from __future__ import annotations
 
@@ -43,7 +45,13 @@ QWEN2 = {"model_type": "qwen2", "vocab_size": 99, "hidden_size": 48, "intermedia
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False}
 # a few units in the last place of the dtype at the logits' size (about 1: bfloat16's unit there is
 # 2^-8, float16's 2^-11), carried through two layers; measured: 0.0039 (bfloat16), 0.00037 (float16)
-TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-3}
+TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-4}
+# a mixture of experts: FSDP2 shards the stacks of 6 experts by expert (2 of them per trainer rank,
+# none on the fourth), TP shards every expert's intermediate dimension; float32, so that a
+# rounding in the reduction cannot change which experts a token is routed to
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 99, "hidden_size": 48, "intermediate_size": 70,
+             "moe_intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 64, "num_experts": 6, "num_experts_per_tok": 2}
 STEPS, EVERY = 4, 2
 VERSIONS = STEPS // EVERY + 1
 
@@ -63,10 +71,11 @@ def tp_job(name, config, dtype, out: Path, inference: dict):
 @pytest.mark.parametrize("config,dtype,inference", [
     (LLAMA, "bfloat16", {"replicas": 3, "procsPerPod": 1, "tensorParallelSizes": [2, 1]}),
     (QWEN2, "float16", {"replicas": 1, "procsPerPod": 3, "tensorParallelSizes": [1, 2]}),
-], ids=["llama-tied-gqa-bf16-tp2-tp1", "qwen2-f16-tp1-tp2"])
+    (QWEN3_MOE, "float32", {"replicas": 1, "procsPerPod": 3, "tensorParallelSizes": [2, 1]}),
+], ids=["llama-tied-gqa-bf16-tp2-tp1", "qwen2-f16-tp1-tp2", "qwen3-moe-f32-tp2-tp1"])
 def test_fsdp2_trainers_to_tp2_and_tp1_replicas(tmp_path, config, dtype, inference):
     (tmp_path / "dump").mkdir()
-    job = tp_job("tp-" + config["model_type"], config, dtype, tmp_path, inference)
+    job = tp_job("tp-" + config["model_type"].replace("_", "-"), config, dtype, tmp_path, inference)
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=io.StringIO())
     local.start()
     summary = summary_of(local, 500)
@@ -75,14 +84,18 @@ def test_fsdp2_trainers_to_tp2_and_tp1_replicas(tmp_path, config, dtype, inferen
     torch_dtype = getattr(torch, dtype)
     reference = build(Model(config=config, dtype=dtype), dtype=dtype, load_weights=False)
     layout = layout_of(reference, dtype)
-    assert len(layout.slots) < len(reference.state_dict()) or not config["tie_word_embeddings"]
+    assert len(layout.slots) < len(reference.state_dict()) or not config.get("tie_word_embeddings")
     ranks = range(job.layout.world_size(contract.INFERENCE))
     groups = {r: job.layout.tp_group(r) for r in ranks}
     assert sorted(len(g) for g in set(groups.values())) == [1, 2]
-    needs = {r: {s.tensor: s.box for s in needs_of(reference, layout, groups[r], r).slices} for r in ranks if len(groups[r]) > 1}
+    needs = {}  # rank -> tensor -> the boxes it holds (two of a packed gate/up stack: its share of each)
+    for r in ranks:
+        if len(groups[r]) > 1:
+            for sl in needs_of(reference, layout, groups[r], r).slices:
+                needs.setdefault(r, {}).setdefault(sl.tensor, []).append(sl.box)
     first, second = (r for r in ranks if len(groups[r]) > 1)
-    assert needs[first]["model.layers.0.self_attn.o_proj.weight"].start == (0, 0)  # row-parallel: strided slices
-    assert needs[second]["model.layers.0.self_attn.o_proj.weight"].start == (0, 24)
+    assert needs[first]["model.layers.0.self_attn.o_proj.weight"][0].start == (0, 0)  # row-parallel: strided slices
+    assert needs[second]["model.layers.0.self_attn.o_proj.weight"][0].start == (0, 24)
     ids = prompt(reference)
     for v in range(VERSIONS):
         weights = torch.load(tmp_path / f"weights-v{v}.pt")
@@ -94,8 +107,10 @@ def test_fsdp2_trainers_to_tp2_and_tp1_replicas(tmp_path, config, dtype, inferen
             for name, held in got["tensors"].items():
                 full = weights[name].to(torch_dtype)
                 if r in needs:
-                    box = needs[r][name]
-                    full = full[tuple(slice(a, b) for a, b in zip(box.start, box.stop))]
+                    boxes = needs[r][name]
+                    parts = [full[tuple(slice(a, b) for a, b in zip(box.start, box.stop))] for box in boxes]
+                    differ = [d for d in range(full.dim()) if len({box.start[d] for box in boxes}) > 1]
+                    full = torch.cat(parts, dim=differ[0]) if differ else parts[0]
                 assert torch.equal(as_bytes(held), as_bytes(full)), \
                     f"version {v}: inference rank {r} (TP{len(groups[r])})'s {name} differs from the trainers' weights"
             assert got["logits"].dtype == torch_dtype
