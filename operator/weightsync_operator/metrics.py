@@ -16,9 +16,10 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from weightsync.job import PHASES  # a job's status.phase (status.py); Pending until it has one
+
 METRICS_PORT_ENV = "WEIGHTSYNC_OPERATOR_METRICS_PORT"
 METRICS_PORT = 8081  # the chart's metrics.port
-PHASES = ("Pending", "Running", "Succeeded", "Failed")  # a job's status.phase (status.py); Pending until it has one
 
 
 class OperatorMetrics:

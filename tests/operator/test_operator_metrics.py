@@ -10,11 +10,13 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 from controlplane import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
+from weightsync import job as contract
 from weightsync_operator import metrics
 
 TYPES = {"weightsync_operator_reconciles": "counter", "weightsync_operator_reconcile_errors": "counter",
@@ -47,6 +49,8 @@ def test_every_metric_has_its_type_and_jobs_are_counted_by_phase():
     m.job_seen("b", None)  # a new job, no phase yet
     m.job_seen("c", "Failed")
     m.job_seen("c", None, gone=True)
+    m.job_seen("d", "Suspended")  # counted as what it is, not as Pending
+    m.job_seen("e", "Queued")
     m.reconciles.inc(3)
     m.reconcile_errors.inc()
     m.children_repaired.inc(2)
@@ -59,10 +63,18 @@ def test_every_metric_has_its_type_and_jobs_are_counted_by_phase():
         server.server_close()
     assert {name: f.type for name, f in families.items()} == TYPES
     assert {s.labels["phase"]: s.value for s in families["weightsync_operator_jobs"].samples} == \
-        {"Pending": 1, "Running": 1, "Succeeded": 0, "Failed": 0}
+        {"Pending": 1, "Queued": 1, "Running": 1, "Suspended": 1, "Succeeded": 0, "Failed": 0}
     assert value(families, "weightsync_operator_reconciles_total") == 3
     assert value(families, "weightsync_operator_reconcile_errors_total") == 1
     assert value(families, "weightsync_operator_children_repaired_total") == 2
+
+
+def test_the_phases_counted_are_the_crds():
+    import yaml
+
+    crd = yaml.safe_load((Path(contract.__file__).parent / "crd.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert tuple(status["properties"]["phase"]["enum"]) == metrics.PHASES
 
 
 def test_a_taken_port_and_a_wrong_one_are_refused_in_one_line():

@@ -4,15 +4,17 @@ module.
 
 - qwen2_moe (routed experts, a shared expert and its gate, the router's gate) at tensor-parallel
   size 2: each worker holds every expert's half of the intermediate dimension;
-- qwen3_moe at tensor-parallel size 2 with expert parallelism (spec.inference.vllm.expertParallel):
-  each worker holds 4 of the 8 experts whole and nothing of the other 4.
+- a DeepSeek-V3-shaped model (MLA attention, a dense first layer, shared and routed experts) at
+  tensor-parallel size 2 with expert parallelism (spec.inference.vllm.expertParallel): each worker
+  holds 4 of the 8 experts whole and nothing of the other 4.
 
 Both models come as inline configs without `architectures`: vLLM serves them as causal LMs (the
 architecture weightsync names), not as pooling models. The trainers' checkpoint holds the
 experts as transformers does, one tensor of every expert per projection.
 
 What is checked after each version: every worker's parameters equal the trainer's bytes as vLLM
-lays them out (stated here independently of the backend, the experts included); each worker
+lays them out (stated here independently of the backend: every parameter of qwen2_moe, the expert
+layers of the DeepSeek-shaped model, whose MLA vLLM fuses and derives its own way); each worker
 receives exactly the slices that layout gives it, half of the routed experts' bytes; on the last
 version, vLLM's own weight checker finds the weights equal to those of a plain vLLM server of the
 same shape that loaded the trainer's checkpoint from disk, and (tensor parallelism) both answer
@@ -34,7 +36,7 @@ from weightsync.model.flat import ITEMSIZE
 from weightsync.plan.sliced import LocalLayout
 from weightsync.plan.slices import Box, RankSlices, Slice
 
-from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, boxes, checker, completion, free_port, save_checkpoint,
+from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, checker, completion, free_port, save_checkpoint,
                           shards, vllm_job, vllm_python)
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
@@ -43,8 +45,11 @@ BASE = {k: v for k, v in LLAMA.items() if k not in ("model_type", "intermediate_
 EXPERTS = 8
 QWEN2_MOE = {**BASE, "model_type": "qwen2_moe", "intermediate_size": 256, "moe_intermediate_size": 128,
              "shared_expert_intermediate_size": 256, "num_experts": EXPERTS, "num_experts_per_tok": 2}
-QWEN3_MOE = {**BASE, "model_type": "qwen3_moe", "intermediate_size": 256, "moe_intermediate_size": 128,
-             "num_experts": EXPERTS, "num_experts_per_tok": 2}
+# MLA as vLLM's CPU build runs it: a latent of 512 plus a rotary part of 64 (its only head size)
+DEEPSEEK = {**BASE, "model_type": "deepseek_v3", "num_key_value_heads": 4, "intermediate_size": 256,
+            "moe_intermediate_size": 128, "first_k_dense_replace": 1, "n_routed_experts": EXPERTS, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "q_lora_rank": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64, "v_head_dim": 64, "n_group": 1, "topk_group": 1}
 TP = 2
 DTYPE = "float32"  # repacked by vLLM's CPU build on any x86 CPU, and read back through its kernels
 VERSIONS = 3  # 0..2: steps 4, every 2
@@ -79,7 +84,7 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
         run.release(PAUSE)
         out.end = run.finish()
         tensors = torch.load(run.dump / "trainer-0-v1.pt")["tensors"]
-        checkpoint = save_checkpoint(tensors, config, tmp / "checkpoint-v1")
+        checkpoint = save_checkpoint(one_per_expert(tensors), config, tmp / "checkpoint-v1")
         plain = PlainServer(python, checkpoint, free_port(), TP, tmp / "plain.log", DTYPE, expert_parallel=expert_parallel)
         plain.wait_up()
         out.compare = checker(plain.url, "compare", served)
@@ -92,6 +97,24 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
     return out
 
 
+def one_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint as the models' published checkpoints name their experts (experts.<e>.gate_proj
+    and so on, one tensor each), which vLLM's loaders of both models read; transformers stacks them
+    (experts.gate_up_proj), which vLLM's DeepSeek loader does not take."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            stem = name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{stem}{e}.gate_proj.weight"], out[f"{stem}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            stem = name.removesuffix("down_proj")
+            out.update({f"{stem}{e}.down_proj.weight": down for e, down in enumerate(t)})
+        else:
+            out[name] = t
+    return out
+
+
 @pytest.fixture(scope="module")
 def tp_moe(tmp_path_factory) -> MoeRun:
     return moe_run(tmp_path_factory.mktemp("vllm-moe-tp"), "vllm-moe-tp", QWEN2_MOE, expert_parallel=False)
@@ -99,7 +122,7 @@ def tp_moe(tmp_path_factory) -> MoeRun:
 
 @pytest.fixture(scope="module")
 def ep_moe(tmp_path_factory) -> MoeRun:
-    return moe_run(tmp_path_factory.mktemp("vllm-moe-ep"), "vllm-moe-ep", QWEN3_MOE, expert_parallel=True)
+    return moe_run(tmp_path_factory.mktemp("vllm-moe-ep"), "vllm-moe-ep", DEEPSEEK, expert_parallel=True)
 
 
 def routed(name: str) -> bool:
@@ -130,21 +153,22 @@ def cut(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def expected(tensors: dict[str, torch.Tensor], config: dict, rank: int, expert_parallel: bool) -> dict[str, torch.Tensor]:
-    """The trainer's tensors as vLLM's model holds them on worker `rank`: the dense part as for a
-    Llama (support.vllm.shards), the shared expert as a dense MLP (gate_up_proj: its rows of gate
-    and of up; down_proj: its columns), the gates whole, and the routed experts in w13_weight
-    (gate and up rows stacked per expert) and w2_weight."""
+    """The trainer's tensors as vLLM's model holds them on worker `rank`: qwen2_moe's attention and
+    embeddings as for a Llama (support.vllm.shards; none of the DeepSeek-shaped model's), the shared
+    expert as a dense MLP (gate_up_proj: its rows of gate and of up; down_proj: its columns), the
+    gates whole, and the routed experts in w13_weight (gate and up rows stacked per expert) and
+    w2_weight."""
     dense = {n: t for n, t in tensors.items() if ".mlp." not in n}
-    out = shards(dense, config, TP, rank)
+    out = shards(dense, config, TP, rank) if config is QWEN2_MOE else {}
     for name, t in tensors.items():
         if ".mlp.gate.weight" in name or "shared_expert_gate" in name:
             out[name] = t
-        elif ".shared_expert.gate_proj." in name:
+        elif re.search(r"\.shared_experts?\.gate_proj\.", name):
             up = tensors[name.replace("gate_proj", "up_proj")]
             size = t.shape[0] // TP
             out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t[rank * size:(rank + 1) * size],
                                                                        up[rank * size:(rank + 1) * size]])
-        elif ".shared_expert.down_proj." in name:
+        elif re.search(r"\.shared_experts?\.down_proj\.", name):
             size = t.shape[1] // TP
             out[name] = t[:, rank * size:(rank + 1) * size]
         elif name.endswith("experts.gate_up_proj"):
@@ -159,29 +183,31 @@ def expected(tensors: dict[str, torch.Tensor], config: dict, rank: int, expert_p
     return out
 
 
-def needs(layout, config: dict, rank: int, expert_parallel: bool) -> RankSlices:
-    """What worker `rank` needs of a version, stated as expected() lays it out."""
-    shapes = {s.name: tuple(s.shape) for s in layout.slots}
-    dense = {n: s for n, s in shapes.items() if ".mlp." not in n}
+WHOLE = re.compile(r"norm|\.mlp\.gate\.|shared_expert_gate|q_a_proj|kv_a_proj_with_mqa")  # on every worker
+ROWS = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.|embed_tokens|lm_head")  # its half
+COLUMNS = re.compile(r"\.(o_proj|down_proj)\.weight")  # its half of the columns; a down_proj bias whole
+
+
+def needs(layout, rank: int, expert_parallel: bool) -> RankSlices:
+    """What worker `rank` needs of a version, as vLLM lays these models out at tensor-parallel size
+    2 (no vocabulary padding: 512 rows; 4 query and 4 or 2 KV heads, none replicated)."""
     out = []
-    for name, box in boxes(dense, config, TP, rank).items():
-        start, stop = [0] * len(dense[name]), list(dense[name])
-        start[box[0]], stop[box[0]] = box[1], box[2]
-        out.append(Slice(name, Box(tuple(start), tuple(stop))))
-    for name, shape in shapes.items():
+    for slot in layout.slots:
+        name, shape = slot.name, tuple(slot.shape)
         whole = Box((0,) * len(shape), shape)
-        if ".mlp.gate.weight" in name or "shared_expert_gate" in name:
+        if routed(name):
+            halves = (0, 1) if name.endswith("gate_up_proj") and not expert_parallel else (None,)
+            out += [Slice(name, expert_box(name, shape, rank, expert_parallel, h)) for h in halves]
+        elif WHOLE.search(name):
             out.append(Slice(name, whole))
-        elif ".shared_expert.gate_proj." in name or ".shared_expert.up_proj." in name:
-            size = shape[0] // TP
-            out.append(Slice(name, Box((rank * size, 0), ((rank + 1) * size, shape[1]))))
-        elif ".shared_expert.down_proj." in name:
+        elif COLUMNS.search(name):
             size = shape[1] // TP
             out.append(Slice(name, Box((0, rank * size), (shape[0], (rank + 1) * size))))
-        elif name.endswith("experts.gate_up_proj") and not expert_parallel:
-            out += [Slice(name, expert_box(name, shape, rank, False, h)) for h in (0, 1)]
-        elif routed(name):
-            out.append(Slice(name, expert_box(name, shape, rank, expert_parallel, None)))
+        elif ROWS.search(name):
+            size = shape[0] // TP
+            out.append(Slice(name, Box((rank * size,) + (0,) * (len(shape) - 1), ((rank + 1) * size,) + shape[1:])))
+        else:
+            raise AssertionError(f"the test's layout does not know {name}")
     return RankSlices(rank, tuple(out))
 
 
@@ -196,7 +222,11 @@ def test_every_worker_holds_its_experts_and_the_rest_as_vllm_lays_them_out(which
         for rank in range(TP):
             want = expected(trainer, moe.config, rank, moe.expert_parallel)
             got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
-            assert sorted(got) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
+            if moe.config is QWEN2_MOE:
+                assert sorted(got) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
+            else:  # the expert layers
+                want = {n: t for n, t in want.items() if ".mlp." in n}
+                assert set(want) <= set(got), f"vLLM has none of {sorted(set(want) - set(got))}"
             for name, tensor in want.items():
                 assert got[name].shape == tensor.shape, (name, got[name].shape, tensor.shape)
                 assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
@@ -210,7 +240,7 @@ def test_each_worker_receives_only_its_share_half_of_the_routed_experts(which, r
     log = moe.run.log(2)  # the server's pod
     experts = sum(s.nbytes for s in layout.slots if routed(s.name))
     for rank in range(TP):
-        share = needs(layout, moe.config, rank, moe.expert_parallel)
+        share = needs(layout, rank, moe.expert_parallel)
         said = re.search(rf"\[inference rank {rank}\] tensor-parallel rank {rank} of {TP} .*?: receives (\d+) of "
                          rf"(\d+) bytes per version", log)
         assert said, f"inference rank {rank} did not say what it receives"

@@ -24,7 +24,7 @@ from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, M
                                 pod_env, torchrun_env)
 from weightsync.job.podtemplate import SCHEDULING_FIELDS, EnvVar, PodTemplate, pod_template_problems
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
-                                 ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
+                                 ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, PHASES, KIND, LABEL_JOB, LABEL_ROLE,
                                  PLURAL, POD_INDEX_LABEL, QUEUE_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
                                  Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
                                  load_job, read_job_file, schema)
@@ -33,7 +33,7 @@ from weightsync.job.yamlfile import KubectlLoader, dump_document
 
 __all__ = [
     "ANNOTATION_NETWORK_MODE", "ANNOTATION_NETWORK_REASON", "ANNOTATION_TOKEN_SHA256", "ANNOTATION_WORKER_IMAGE",
-    "API_VERSION", "BUILTIN", "CONTROLLER", "DATA_PORT", "GROUP", "HEALTH_PORT", "INFERENCE", "KIND", "LABEL_JOB",
+    "API_VERSION", "BUILTIN", "PHASES", "CONTROLLER", "DATA_PORT", "GROUP", "HEALTH_PORT", "INFERENCE", "KIND", "LABEL_JOB",
     "LABEL_ROLE", "LIVENESS", "MASTER_PORT",
     "MASTER_PORTS", "PLURAL", "POD_INDEX_LABEL", "QUEUE_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
     "SPEC_KEY", "SPEC_MOUNT", "STARTUP", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",

@@ -52,6 +52,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
@@ -316,7 +317,10 @@ def _check(model, modules: dict, parts: list[Part]) -> None:
     for p in parts:
         if p.box is not None:
             fed.setdefault(p.param, []).append(p)
-    unfed = [name for name, _ in model.named_parameters() if name not in fed]
+    # an attention layer's own parameters (MLA's W_UK_T and W_UV) are what its processing derives
+    # from the projections' weights after loading, not loaded
+    unfed = [name for name, _ in model.named_parameters()
+             if name not in fed and not is_deferred_attention_layer(modules.get(name.rpartition(".")[0]))]
     if unfed:
         raise UnsupportedLayer(f"no tensor of the version feeds vLLM's parameter(s) {', '.join(unfed[:4])}"
                                f"{' and more' if len(unfed) > 4 else ''}: the model's names do not map onto this "
