@@ -43,3 +43,14 @@ def test_the_width_must_split_into_heads_only_where_the_head_width_is_derived():
 def test_heads_must_split_into_key_value_groups():
     (problem,) = size_problems({"num_attention_heads": 8, "num_key_value_heads": 3})
     assert "8 attention heads do not split into num_key_value_heads 3 key/value groups" in problem
+
+
+def test_counts_beyond_any_model_are_refused_at_once():
+    """A typo's layer or expert count is refused from the config as written, before any model is built."""
+    assert size_problems({"n_layer": 100000}) == [
+        "spec.model.config.n_layer: 100000 is more than any model has (the number of layers: at most 1024)"]
+    assert size_problems({"n_routed_experts": 1 << 20, "vocab_size": 2 ** 63}) == [
+        f"spec.model.config.n_routed_experts: {1 << 20} is more than any model has (the number of routed experts: "
+        "at most 16384)",
+        f"spec.model.config.vocab_size: {2 ** 63} is more than any model has (the vocabulary size: at most 8388608)"]
+    assert size_problems({"num_hidden_layers": 126, "num_experts": 384, "hidden_size": 16384}) == []

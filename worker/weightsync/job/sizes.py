@@ -1,5 +1,7 @@
-"""Model sizes no model can have: a layer, head, vocabulary or width count that is not a positive
-integer, or heads that do not divide the width they share.
+"""Model sizes no model can have: a layer, head, expert, vocabulary or width count that is not a
+positive integer or is beyond any model's (so that a typo such as `n_layer: 100000` is refused at
+once, not after minutes of building the model it names), or heads that do not divide the width
+they share.
 
 transformers accepts these without complaint (`n_layer: -1` builds a model with no layers,
 `vocab_size: 0` an embedding with no rows) and the job fails much later, in a rank, with a shape
@@ -23,6 +25,15 @@ COUNTS = {
     "head_dim": "the width of one attention head",
     "vocab_size": "the vocabulary size",
     "max_position_embeddings": "the number of positions",
+    "num_experts": "the number of routed experts",
+}
+
+# Beyond any model's, by orders of magnitude (the largest open models have 126 layers, 384 routed
+# experts, a width of 16384, a vocabulary of 256000 and 10 million positions).
+MAXIMUM = {
+    "num_hidden_layers": 1024, "num_attention_heads": 4096, "num_key_value_heads": 4096, "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20, "head_dim": 1 << 14, "vocab_size": 1 << 23, "max_position_embeddings": 1 << 30,
+    "num_experts": 1 << 14,
 }
 
 # Other spellings of those sizes, as the configs of common model types write them (GPT-2's
@@ -33,6 +44,7 @@ ALIASES = {
     "n_embd": "hidden_size", "d_model": "hidden_size",
     "n_inner": "intermediate_size", "ffn_dim": "intermediate_size",
     "n_positions": "max_position_embeddings",
+    "n_routed_experts": "num_experts", "num_local_experts": "num_experts",
 }
 
 
@@ -59,6 +71,10 @@ def size_problems(config: Mapping[str, Any], where: str = "spec.model.config",
     value = {name: config[key] for name, key in keys.items() if config[key] is not None}
     problems = [f"{where}.{keys[name]}: {v!r} must be a positive integer ({COUNTS[name]})"
                 for name, v in value.items() if not _positive_int(v)]
+    if problems:
+        return problems
+    problems = [f"{where}.{keys[name]}: {v} is more than any model has ({COUNTS[name]}: at most {MAXIMUM[name]})"
+                for name, v in value.items() if v > MAXIMUM[name]]
     if problems:
         return problems
     heads, kv = value.get("num_attention_heads"), value.get("num_key_value_heads")
