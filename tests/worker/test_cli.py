@@ -64,6 +64,11 @@ def test_bench_refuses_a_link_rate_it_cannot_read():
     assert out.returncode == 2 and "--links: link rate '1GB/s' is not a number with bit" in out.stderr
 
 
+def test_bench_refuses_zero_versions_rather_than_running_its_default():
+    out = weightsync("bench", "--versions", "0")
+    assert out.returncode == 2 and "--versions: 0 times nothing; give 1 or more timed versions" in out.stderr
+
+
 def test_bench_fsdp_refuses_a_shape_without_shards():
     out = weightsync("bench", "--fsdp", "--shapes", "1x2")
     assert out.returncode == 2 and "at least 2 trainer ranks" in out.stderr

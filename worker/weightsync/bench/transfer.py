@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                         "and with every pod's /metrics read every "
                                                                         "SECONDS (--shapes one TRAINERSxINFERENCE)")
     args = parser.parse_args(argv)
+    if args.versions is not None and args.versions < 1:
+        parser.error(f"--versions: {args.versions} times nothing; give 1 or more timed versions")
     if args.chart and args.scrape:
         parser.error("--chart: --scrape prints a table only")
     if args.chart:
