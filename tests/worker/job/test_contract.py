@@ -125,6 +125,8 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"model": {"config": {"model_type": "llama", "num_attention_heads": 12, "num_key_value_heads": 4}},
       "inference": {"replicas": 2, "tensorParallelSizes": [6, 1], "engine": "vllm", "gpusPerProc": 0}},
      "demo", "must divide spec.model.config.num_key_value_heads or be a multiple of it"),
+    ({"training": {"learningRate": float("nan")}}, "demo", "spec.training.learningRate: nan is not a finite number"),
+    ({"training": {"learningRate": float("inf")}}, "demo", "spec.training.learningRate: inf is not a finite number"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])

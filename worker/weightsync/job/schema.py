@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -73,7 +74,20 @@ def schema_problems(node_schema: Mapping, obj: dict) -> list[str]:
         return err.message if len(shown) <= 80 else err.message.replace(shown, f"a {type(err.instance).__name__}")
 
     validator = jsonschema.Draft4Validator(_strip_extensions(node_schema))
-    return [f"{path(e)}: {message(e)}" for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+    errors = sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))
+    return [f"{path(e)}: {message(e)}" for e in errors] + not_finite(obj, "")
+
+
+def not_finite(value: Any, where: str) -> list[str]:
+    """NaN and infinities, which pass every numeric bound (they compare false) and which JSON, and
+    so the API server, cannot carry: YAML's .nan and .inf, refused where a number is wanted."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{where or '(root)'}: {value!r} is not a finite number"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in not_finite(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in not_finite(v, f"{where}[{i}]")]
+    return []
 
 
 # The fields of every object's metadata (ObjectMeta), which the API server checks itself: the
