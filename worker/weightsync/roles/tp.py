@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from weightsync.model.config import expert_count
 from weightsync.model.flat import FlatLayout, torch_dtype
 from weightsync.plan.sliced import LocalLayout, global_tensors
 from weightsync.plan.slices import RankSlices
@@ -39,12 +40,15 @@ def tp_plan_of(model) -> dict:
     return dict(plan)
 
 
-def needs_of(model, layout: FlatLayout, group: range, rank: int) -> RankSlices:
+def needs_of(model, layout: FlatLayout, group: range, rank: int, expert_parallel: bool = False) -> RankSlices:
     """What inference rank `rank` needs of a version as a rank of the replica `group` (its
-    inference ranks, job.Layout.tp_group)."""
+    inference ranks, job.Layout.tp_group); with `expert_parallel`, its experts as vLLM places them
+    (a vLLM server's, spec.inference.vllm.expertParallel: `weightsync plan`'s preview)."""
     plan = tp_plan_of(model)
     check_heads(model.config, plan, len(group))
-    mine = tp_needs(global_tensors(layout), plan, len(group)).of_rank(rank - group.start)
+    ep = len(group) if expert_parallel and len(group) > 1 else 0
+    needs = tp_needs(global_tensors(layout), plan, len(group), ep=ep, experts=expert_count(model.config))
+    mine = needs.of_rank(rank - group.start)
     return RankSlices(rank, mine.slices)
 
 
