@@ -1,7 +1,7 @@
 """The `cluster` fixture: a real local Kubernetes control plane (hack/cluster/controlplane.py)
 shared by every test marked `@pytest.mark.cluster`, started once per session and stopped at its end.
 
-`make test` runs the suite in two pytest-xdist workers, scheduled by module: every module
+`make test TEST_WORKERS=2` runs the suite in two pytest-xdist workers, scheduled by module: every module
 with tests marked `cluster` goes to one worker, as one unit in its order, so that one control plane
 and one real node (there can be only one on a machine) serve them all, while the other worker runs
 the other modules (processes on loopback, vLLM, shaped links) beside them, each module whole on

@@ -94,6 +94,8 @@ class Host(Protocol):
     away_limit: float
 
     def say(self, line: str) -> None: ...
+
+    def limit_for(self, role: str) -> float: ...
     def set(self, key: str, value) -> None: ...
     def check_failures(self, trainers: bool = True) -> None: ...
     def there(self, rank: int) -> bool: ...
@@ -184,7 +186,7 @@ class Joining:
             if (role, rank) in admitted:
                 continue
             silent = host.silent_for(role, rank, now)
-            if silent > host.silent_limit:
+            if silent > host.limit_for(role):
                 why = f"no heartbeat for {silent:.0f}s while joining (its process died, froze, or lost the network)"
                 if role == TRAINER:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)

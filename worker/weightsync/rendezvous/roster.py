@@ -76,10 +76,14 @@ class Host(Channel, Parking):
 
     def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
                  say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str,
-                 min_available: int | None = None, running: int | None = None):
+                 min_available: int | None = None, running: int | None = None,
+                 trainer_silent_limit: float | None = None):
         super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
         self.token, self.layout, self.say = token, layout, say
         self.silent_limit, self.away_limit = silent_limit, away_limit
+        # a silent trainer rank fails the job, where a silent inference rank is only away until it
+        # rejoins: trainers may have a longer limit (a step or a checkpoint that holds the CPU)
+        self.trainer_silent_limit = silent_limit if trainer_silent_limit is None else trainer_silent_limit
         # inference ranks the job cannot go on without (spec.inference.minAvailable): None, all
         # the ranks of the pods it runs
         self.min_available = min_available
@@ -369,7 +373,7 @@ class Host(Channel, Parking):
             if (seat is not None and seat.state in (DROPPED, PARKED)) or (role == TRAINER and not trainers):
                 continue
             silent = self.silent_for(role, rank, now)
-            if silent > self.silent_limit:
+            if silent > self.limit_for(role):
                 why = f"no heartbeat for {silent:.0f}s (its process died, froze, or lost the network)"
                 if seat is None and self.resumable:
                     raise TrainersRestart(f"{who(role, rank)} is silent: {why}")
@@ -381,7 +385,7 @@ class Host(Channel, Parking):
         """A trainer rank's process started again (start `started`): RankFailed, trainers do not
         rejoin; but an external rank whose process still beats was claimed by a second process,
         which was refused, and the job goes on."""
-        if TRAINER in self.external and self.silent_for(TRAINER, rank, now) <= self.silent_limit:
+        if TRAINER in self.external and self.silent_for(TRAINER, rank, now) <= self.trainer_silent_limit:
             self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that joined "
                      "as it is alive; it was refused, and the job goes on")
             return
@@ -543,4 +547,8 @@ class Host(Channel, Parking):
         seat = self.seats.get(rank) if role == INFERENCE else None
         if seat is not None and seat.state in (AWAY, JOINING, DROPPED, PARKED):
             return False
-        return self.silent_for(role, rank, now) <= self.silent_limit
+        return self.silent_for(role, rank, now) <= self.limit_for(role)
+
+    def limit_for(self, role: str) -> float:
+        """Seconds without a heartbeat after which a rank of `role` counts as silent."""
+        return self.trainer_silent_limit if role == TRAINER else self.silent_limit

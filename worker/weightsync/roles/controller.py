@@ -48,6 +48,9 @@ from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
+# a trainer's: its silence fails the job (an inference rank's only makes it away until it rejoins),
+# so it is given the time a training step or a checkpoint's save may hold a busy machine's CPU
+TRAINER_SILENT_LIMIT = 20.0
 BYE_TIMEOUT = 30.0
 # seconds for an external vLLM server that joined (its model loaded) to serve: vLLM profiles, sizes
 # its KV cache and compiles after the weight-transfer engine is built
@@ -89,6 +92,7 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
     starts = (status.get("controller") or {}).get("starts", 0) + 1
     reporter.started(starts)
     host = Host(ctx.store_port, ctx.token, layout, silent_limit=min(timeout, SILENT_LIMIT),
+                trainer_silent_limit=min(timeout, TRAINER_SILENT_LIMIT),
                 away_limit=ctx.job.inference.away_grace_seconds, min_available=ctx.job.inference.min_available,
                 running=ctx.job.inference.running_ranks, say=lambda m: log(ME, m), address=ctx.pod_ip,
                 job=ctx.job.identity)
