@@ -66,7 +66,7 @@ ROWS = [
     ("missing-path", dump(example(**{"model.config": None, "model.path": "/nonexistent/model"})), "run",
      ["spec.model.path", "/nonexistent/model does not exist", "checkpoint directory"]),
     ("path-without-config", checkpoint_without_config, "run", ["spec.model.path", "no config.json"]),
-    ("too-big-for-memory", dump(config(vocab_size=16_000_000, n_embd=1024, n_layer=1)), "run",
+    ("too-big-for-memory", dump(config(vocab_size=4_000_000, n_embd=4096, n_layer=1)), "run",
      ["needs at least", "GiB", "MemAvailable", "2 trainer processes", "AdamW", "make spec.model smaller"]),
 ]
 
