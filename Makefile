@@ -62,9 +62,11 @@ test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, lo
 
 # The fast tier: no cluster, no binaries, no images, no vLLM, no whole jobs (docs/testing.md).
 UNIT_MARKERS := not cluster and not slow and not gpu
+# two workers: no real pods in this tier to starve (2 min 27 s here, against 4 min 15 s in one process)
+UNIT_WORKERS ?= 2
 .PHONY: unit
 unit: setup ## The fast tier a developer runs every few minutes: unit tests only (no cluster, binaries, images or whole jobs)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m '$(UNIT_MARKERS)' --ignore=tests/e2e --ignore=tests/hack $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(UNIT_WORKERS) -m '$(UNIT_MARKERS)' --ignore=tests/e2e --ignore=tests/hack $(PYTEST_ARGS)
 
 .PHONY: lint
 lint: setup ## Lint every Python file with ruff (rules in pyproject.toml)
