@@ -42,6 +42,26 @@ def test_wrapper_prefixes_are_dropped_and_tied_weights_listed_once():
     assert local_tensors(model, sources)[0] is not None
 
 
+def sent_by(model, dtype: str, rank: int, world: int):
+    """What this rank holds of `model` (sources_of) and the bytes it fills into each of its buckets
+    (offset -> bytes), planned over every rank's holdings as the controller plans them."""
+    sources = sources_of(model, dtype)
+    params = local_tensors(model, sources)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, sources.holdings.to_json())  # what the controller gets in the join
+    holdings = {r: Holdings.from_json(h) for r, h in enumerate(everyone)}
+    plan = plan_by_holder(sources.layout, holdings, inferences=1, bucket_bytes=1024)
+    filled = {}
+    for b in plan.buckets_of(rank):
+        data = torch.empty(b.length, dtype=torch.uint8)
+        fill_range(sources.layout, params, b.offset, b.end, data, sources.starts)
+        if dtype == "float32":  # sent in place, straight from the shard's memory
+            assert b"".join(bytes(v) for v in range_views(sources.layout, params, b.offset, b.end, sources.starts)) \
+                == bytes(data.numpy())
+        filled[b.offset] = data
+    return sources, filled
+
+
 def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -59,20 +79,7 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
 
         DTensor.full_tensor = gathered
         DTensor.redistribute = gathered
-        sources = sources_of(model, dtype)
-        params = local_tensors(model, sources)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, sources.holdings.to_json())  # what the controller gets in the join
-        holdings = {r: Holdings.from_json(h) for r, h in enumerate(everyone)}
-        plan = plan_by_holder(sources.layout, holdings, inferences=1, bucket_bytes=1024)
-        filled = {}
-        for b in plan.buckets_of(rank):
-            data = torch.empty(b.length, dtype=torch.uint8)
-            fill_range(sources.layout, params, b.offset, b.end, data, sources.starts)
-            if dtype == "float32":  # sent in place, straight from the shard's memory
-                assert b"".join(bytes(v) for v in range_views(sources.layout, params, b.offset, b.end, sources.starts)) \
-                    == bytes(data.numpy())
-            filled[b.offset] = data
+        sources, filled = sent_by(model, dtype, rank, world)
         mesh = init_device_mesh("cpu", (world,))
         refused = None
         try:
@@ -145,17 +152,7 @@ def _ep_rank(rank: int, world: int, init: str, out: str) -> None:
             raise AssertionError("a DTensor was gathered")
 
         DTensor.full_tensor = gathered
-        sources = sources_of(model, "float32")
-        params = local_tensors(model, sources)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, sources.holdings.to_json())
-        holdings = {r: Holdings.from_json(h) for r, h in enumerate(everyone)}
-        plan = plan_by_holder(sources.layout, holdings, inferences=1, bucket_bytes=1024)
-        filled = {}
-        for b in plan.buckets_of(rank):
-            data = torch.empty(b.length, dtype=torch.uint8)
-            fill_range(sources.layout, params, b.offset, b.end, data, sources.starts)
-            filled[b.offset] = data
+        sources, filled = sent_by(model, "float32", rank, world)
         torch.save({"filled": filled, "holdings": sources.holdings.to_json()}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
