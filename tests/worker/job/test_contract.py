@@ -53,6 +53,8 @@ def test_the_spec_is_read_once_into_typed_sections():
     vllm = contract.load_job(job({"inference": {"engine": "vllm", "vllm": {"port": 8100, "args": ["--x"]}}})).inference
     assert vllm.runs_vllm and vllm.vllm == contract.Vllm(port=8100, args=("--x",))
     assert contract.load_job(job()).inference.vllm.port == contract.VLLM_PORT and not contract.load_job(job()).trainer.argv
+    quantized = contract.load_job(job({"model": {"config": {"model_type": "gpt2"}, "quantization": "fp8"}}))
+    assert quantized.model.quantization == "fp8" and contract.load_job(job()).model.quantization is None
 
 
 def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
@@ -68,6 +70,8 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"trainer": {"replicas": 0}}, "demo", "spec.trainer.replicas: 0 is less than the minimum of 1"),
     ({"network": {"mode": "infiniband"}}, "demo", "spec.network.mode: 'infiniband' is not one of"),
     ({"model": {"path": "models/x"}}, "demo", "spec.model.path: 'models/x' does not match"),
+    ({"model": {"config": {"model_type": "gpt2"}, "quantization": "int4"}}, "demo",
+     "spec.model.quantization: 'int4' is not one of ['int8', 'fp8']"),
     ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
     ({"transfer": {"transport": "nccl", "delta": {"enabled": True}}}, "demo", "spec.transfer.delta.enabled needs transport tcp"),
     ({"transfer": {"transport": "uccl", "bucketMB": 4096}}, "demo",

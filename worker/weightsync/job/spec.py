@@ -103,10 +103,15 @@ class Model:
     """An absolute path, inside every pod, to a checkpoint directory (config.json plus weights)."""
     dtype: str = "bfloat16"
     """The dtype inference ranks receive and run the weights in (float32, bfloat16, float16)."""
+    quantization: str | None = None
+    """The quantized format inference serves (int8: per-channel W8A8, vLLM's compressed-tensors
+    layout; fp8: 128x128 block-scaled e4m3 with inverse scales, DeepSeek-V3's), in which the trainers
+    send the linear layers' weights with their scales (model/quant.py); None: unquantized."""
 
     @classmethod
     def read(cls, model: Mapping) -> "Model":
-        return cls(config=model.get("config"), path=model.get("path"), dtype=model["dtype"])
+        return cls(config=model.get("config"), path=model.get("path"), dtype=model["dtype"],
+                   quantization=model.get("quantization"))
 
 
 @dataclass(frozen=True, kw_only=True)
