@@ -57,6 +57,16 @@ def test_the_spec_is_read_once_into_typed_sections():
     assert quantized.model.quantization == "fp8" and contract.load_job(job()).model.quantization is None
 
 
+def test_a_lora_adapter_is_read_with_its_name_defaulted():
+    j = contract.load_job(job({"model": {"path": "/models/llama", "lora": {"rank": 16, "alpha": 32,
+                                                                          "targetModules": ["q_proj", "v_proj"]}},
+                               "inference": {"engine": "vllm"}}))
+    assert j.model.lora == contract.Lora(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"), name="adapter")
+    assert j.model.lora.scaling == 2.0
+    assert j.model.lora.targets("model.layers.0.self_attn.q_proj") and not j.model.lora.targets("model.layers.0.mlp.up_proj")
+    assert contract.load_job(job()).model.lora is None
+
+
 def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     once = contract.load_job(job({"trainer": {"replicas": 3}, "network": {"mode": "tcp"}}))
     assert once.spec["trainer"]["replicas"] == 3 and once.spec["network"]["mode"] == "tcp"
@@ -129,6 +139,22 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"model": {"config": {"model_type": "llama", "num_attention_heads": 12, "num_key_value_heads": 4}},
       "inference": {"replicas": 2, "tensorParallelSizes": [6, 1], "engine": "vllm", "gpusPerProc": 0}},
      "demo", "must divide spec.model.config.num_key_value_heads or be a multiple of it"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 16}}}, "demo",
+     "spec.model.lora: 'targetModules' is a required property"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 0, "alpha": 16, "targetModules": ["q_proj"]}}},
+     "demo", "spec.model.lora.rank: 0 is less than the minimum of 1"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 0, "targetModules": ["q_proj"]}}},
+     "demo", "spec.model.lora.alpha: 0 is less than or equal to the minimum of 0"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": []}}},
+     "demo", "spec.model.lora.targetModules: [] should be non-empty"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": ["q.proj"]}}},
+     "demo", "spec.model.lora.targetModules.0: 'q.proj' does not match"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
+      "inference": {"engine": "vllm"}}, "demo", "spec.model.lora with spec.inference.engine vllm needs spec.model.path"),
+    ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
+      "inference": {"replicas": 2, "tensorParallel": 2}}, "demo", "spec.model.lora is served by whole model replicas only"),
+    ({"model": {"path": "/m", "quantization": "int8", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}}},
+     "demo", "set spec.model.lora or spec.model.quantization, not both"),
     ({"training": {"learningRate": float("nan")}}, "demo", "spec.training.learningRate: nan is not a finite number"),
     ({"training": {"learningRate": float("inf")}}, "demo", "spec.training.learningRate: inf is not a finite number"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),

@@ -26,7 +26,7 @@ from weightsync.job.podtemplate import SCHEDULING_FIELDS, EnvVar, PodTemplate, p
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
                                  ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, PHASES, KIND, LABEL_JOB, LABEL_ROLE,
                                  PLURAL, POD_INDEX_LABEL, QUEUE_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
-                                 Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
+                                 Lora, Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
                                  load_job, read_job_file, schema)
 from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
 from weightsync.job.yamlfile import KubectlLoader, dump_document
@@ -38,7 +38,7 @@ __all__ = [
     "MASTER_PORTS", "PLURAL", "POD_INDEX_LABEL", "QUEUE_LABEL", "READINESS", "ROLES", "SHM_MOUNT",
     "SPEC_KEY", "SPEC_MOUNT", "STARTUP", "STORE_PORT", "TMP_MOUNT", "TOKEN_KEY", "TOKEN_MOUNT", "TORCHRUN_VARS", "TRAINER",
     "VERSION", "VLLM", "VLLM_PORT", "WORKER_UID", "WRITABLE_ENV", "Delta", "Env", "Inference", "Job", "KubectlLoader",
-    "Join", "JoinEnv", "Layout", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",
+    "Join", "JoinEnv", "Layout", "Lora", "Model", "Network", "PodSite", "Pods", "Probe", "Rdma", "SpecError", "Tcp", "Trainer",
     "Training", "Transfer", "Value", "ValueFrom", "Vllm", "WorkerContext", "external_roles", "join_env", "load_job",
     "dump_document", "master_addr", "network_env", "pod_env", "read_job_file", "schema", "torchrun_env",
     "SCHEDULING_FIELDS", "EnvVar", "PodTemplate", "pod_template_problems",

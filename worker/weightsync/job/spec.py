@@ -93,6 +93,35 @@ def _model_problems(model: Mapping) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Lora:
+    """spec.model.lora: a LoRA adapter over the base model, what every version carries."""
+
+    rank: int
+    """The adapter's rank r (PEFT's LoraConfig.r)."""
+    alpha: float
+    """PEFT's lora_alpha: each target weight W runs as W + (alpha / rank) B A."""
+    target_modules: tuple[str, ...]
+    """The last name of every linear layer that carries the adapter (PEFT's target_modules)."""
+    name: str = "adapter"
+    """The name a vLLM server serves the adapter under."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def targets(self, module_name: str) -> bool:
+        """Whether the module of that name carries the adapter (its last name is a target)."""
+        return module_name.rpartition(".")[2] in self.target_modules
+
+    @classmethod
+    def read(cls, lora: Mapping | None) -> "Lora | None":
+        if lora is None:
+            return None
+        return cls(rank=int(lora["rank"]), alpha=float(lora["alpha"]), target_modules=tuple(lora["targetModules"]),
+                   name=lora["name"])
+
+
+@dataclass(frozen=True)
 class Model:
     """spec.model: the causal LM every role holds. Exactly one of `config` and `path` is set."""
 
@@ -107,11 +136,13 @@ class Model:
     """The quantized format inference serves (int8: per-channel W8A8, vLLM's compressed-tensors
     layout; fp8: 128x128 block-scaled e4m3 with inverse scales, DeepSeek-V3's), in which the trainers
     send the linear layers' weights with their scales (model/quant.py); None: unquantized."""
+    lora: Lora | None = None
+    """Versions carry this LoRA adapter alone, over base weights every rank loads itself."""
 
     @classmethod
     def read(cls, model: Mapping) -> "Model":
         return cls(config=model.get("config"), path=model.get("path"), dtype=model["dtype"],
-                   quantization=model.get("quantization"))
+                   quantization=model.get("quantization"), lora=Lora.read(model.get("lora")))
 
 
 @dataclass(frozen=True, kw_only=True)
