@@ -15,7 +15,8 @@ from weightsync import job as contract
 from weightsync.job import reasons
 from weightsync_operator import network, render, tokens
 from weightsync_operator.kube import Kube
-from weightsync_operator.status import NETWORK_RESOLVED, condition
+from weightsync.job.states import Condition
+from weightsync_operator.status import condition
 
 DECISIONS = (contract.ANNOTATION_NETWORK_MODE, contract.ANNOTATION_NETWORK_REASON,
              contract.ANNOTATION_WORKER_IMAGE, contract.ANNOTATION_TOKEN_SHA256)
@@ -86,7 +87,7 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
     })
     why = reasons.REQUESTED if requested != "auto" else (reasons.RDMA_NODE_FOUND if mode == "rdma" else
                                                          reasons.NO_RDMA_NODE)
-    write(set_conditions=[condition(NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
+    write(set_conditions=[condition(Condition.NETWORK_RESOLVED, True, why, f"network mode {mode}: {reason}")])
     return decisions
 
 

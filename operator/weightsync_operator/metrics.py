@@ -16,7 +16,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from weightsync.job import PHASES  # a job's status.phase (status.py); Pending until it has one
+from weightsync.job.states import PENDING, PHASES  # a job's status.phase (status.py)
 
 METRICS_PORT_ENV = "WEIGHTSYNC_OPERATOR_METRICS_PORT"
 METRICS_PORT = 8081  # the chart's metrics.port
@@ -42,7 +42,7 @@ class OperatorMetrics:
             if gone:
                 self._phases.pop(uid, None)
             else:
-                self._phases[uid] = phase if phase in PHASES else "Pending"
+                self._phases[uid] = phase if phase in PHASES else PENDING  # Pending until it has one
 
     def describe(self):
         return [GaugeMetricFamily("weightsync_operator_jobs", "")]

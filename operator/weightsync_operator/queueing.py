@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from weightsync.job import LABEL_JOB, QUEUE_LABEL, ROLES, Job
+from weightsync.job import LABEL_JOB, QUEUE_LABEL, ROLES, Job, states
 from weightsync_operator.kube import ApiError, Kube, path
 
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"  # a WorkloadPriorityClass, as Kueue's integrations read it
@@ -31,6 +31,9 @@ PLURALS = {WORKLOAD: "workloads", FLAVOR: "resourceflavors", PRIORITY_CLASS: "wo
 TEMPLATE_HASH = "weightsync.io/pod-sets-hash"
 # Kueue's Workload condition types and the reasons this module writes
 QUOTA_RESERVED, ADMITTED, EVICTED, FINISHED, REQUEUED = "QuotaReserved", "Admitted", "Evicted", "Finished", "Requeued"
+# Kueue's own reasons: QuotaReserved's while a Workload waits, and Finished's (its WorkloadFinishedReason*).
+# Kueue's words, which a job's phases happen to share.
+KUEUE_PENDING, KUEUE_SUCCEEDED, KUEUE_FAILED = "Pending", "Succeeded", "Failed"
 REQUEUE_REASONS = ("Preempted", "NodeFailures")  # evictions after which Kueue's integrations mark the workload requeued
 
 
@@ -171,7 +174,7 @@ def quota_returned(stored: Mapping, at: str) -> dict:
     no admission, QuotaReserved and Admitted false, and Requeued where Kueue preempted it."""
     evicted = condition_of(stored, EVICTED)
     reason, message = evicted.get("reason", "Evicted"), evicted.get("message") or "evicted"
-    new = [{"type": QUOTA_RESERVED, "status": "False", "reason": "Pending", "message": message},
+    new = [{"type": QUOTA_RESERVED, "status": "False", "reason": KUEUE_PENDING, "message": message},
            {"type": ADMITTED, "status": "False", "reason": "NoReservation", "message": "The workload has no reservation"},
            {"type": REQUEUED, "status": "True" if reason in REQUEUE_REASONS else "False", "reason": reason,
             "message": message}]
@@ -180,7 +183,7 @@ def quota_returned(stored: Mapping, at: str) -> dict:
 
 def finished(stored: Mapping, succeeded: bool, message: str, at: str) -> dict:
     """The status patch that finishes the Workload of a finished job, which frees its quota."""
-    new = {"type": FINISHED, "status": "True", "reason": "Succeeded" if succeeded else "Failed",
+    new = {"type": FINISHED, "status": "True", "reason": KUEUE_SUCCEEDED if succeeded else KUEUE_FAILED,
            "message": message or ("the job succeeded" if succeeded else "the job failed")}
     return {"conditions": _conditions_with(stored, new, at=at)}
 
@@ -245,8 +248,8 @@ def gate(kube: Kube, job: Job, obj: Mapping, templates: Mapping[str, Mapping], a
                      {"spec": {"active": wanted["spec"]["active"]}}, content_type="application/merge-patch+json")
     stored = kube.get(API_VERSION, WORKLOAD, job.namespace, wanted["metadata"]["name"])
     completion = ((obj.get("status") or {}).get("completion") or {})
-    if stored is not None and completion.get("state") in ("Succeeded", "Failed") and not is_true(stored, FINISHED):
-        kube.patch_status(stored, finished(stored, completion["state"] == "Succeeded", completion.get("message", ""), at))
+    if stored is not None and states.ended(completion.get("state")) and not is_true(stored, FINISHED):
+        kube.patch_status(stored, finished(stored, completion["state"] == states.SUCCEEDED, completion.get("message", ""), at))
         return Admission(False, "the job finished; its Kueue Workload is finished")
     now = admission_of(kube, stored)
     if now.evicted and now.quota_held and not kube.list("v1", "Pod", job.namespace, f"{LABEL_JOB}={job.name}"):

@@ -5,19 +5,12 @@ reported: pure functions, so that every handler writes the same answer."""
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from weightsync.job import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout, reasons
+from weightsync.job import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout, reasons, states
+from weightsync.job.states import CONDITIONS, Condition
 from weightsync_operator.queueing import Admission
-
-# Condition types (their reasons: weightsync/job/reasons.py).
-NETWORK_RESOLVED = "NetworkResolved"
-CHILDREN_CREATED = "ChildrenCreated"
-READY = "Ready"
-COMPLETED = "Completed"
-FAILED = "Failed"
-SUSPENDED = "Suspended"
-ADMITTED = "Admitted"
 
 # Ready reasons that deserve no Event: the usual way to and from running.
 QUIET = (reasons.PODS_NOT_READY, reasons.FINISHED, reasons.SUSPENDED, reasons.QUEUED)
@@ -33,7 +26,7 @@ def now() -> str:
 
 
 def condition(kind: str, ok: bool, reason: str, message: str) -> dict:
-    """A condition of type `kind` (the types above; reasons: weightsync/job/reasons.py)."""
+    """A condition of type `kind` (weightsync/job/states.py: Condition; reasons: weightsync/job/reasons.py)."""
     return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
@@ -81,10 +74,8 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     running: the pods a role runs now where fewer than the layout holds ranks for (Job.running_pods:
     spec.inference.replicas below maxReplicas)."""
     external = set(external)
-    held = queued is not None and queued.held and not suspended
+    wants = Wants(completion=current.get("completion") or {}, suspended=suspended, queued=queued)
     at = at or now()
-    completion = current.get("completion") or {}
-    finished = completion.get("state") in ("Succeeded", "Failed")
     conditions = {c["type"]: dict(c) for c in current.get("conditions") or []}
     for c in set_conditions:
         conditions[c["type"]] = dict(c)
@@ -97,71 +88,24 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
             replicas[role] = {"ready": 0, "desired": 0, "summary": f"external ({layout.world_size(role)} ranks)",
                               "restarts": 0, "rejoins": int(rejoins.get(role) or 0)}
             continue
-        desired = 0 if finished or suspended or held else (running or {}).get(role, layout.replicas(role))
+        desired = 0 if wants.stopped else (running or {}).get(role, layout.replicas(role))
         ready = min(int((statefulsets.get(role) or {}).get("ready") or 0), desired)
         restarted = int((pod_restarts or {}).get(role) or 0)
-        if finished or suspended or held:  # its pods are going or gone
+        if wants.stopped:  # its pods are going or gone
             restarted = max(restarted, int((before.get(role) or {}).get("restarts") or 0))
         replicas[role] = {"ready": ready, "desired": desired, "summary": f"{ready}/{desired}",
                           "restarts": restarted, "rejoins": int(rejoins.get(role) or 0)}
-    all_ready = not finished and not suspended and not held and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
+    all_ready = not wants.stopped and all(replicas[r]["ready"] == replicas[r]["desired"] for r in ROLES)
 
-    problems = sorted(problems)
-    if suspended and not finished:
-        conditions[SUSPENDED] = condition(SUSPENDED, True, reasons.SUSPENDED,
-                                          "spec.suspend is true: the job runs no pods until it is false")
-    elif SUSPENDED in conditions and conditions[SUSPENDED]["status"] == "True":
-        conditions[SUSPENDED] = condition(SUSPENDED, False, reasons.RESUMED,
-                                          "spec.suspend is false: the job starts again from its beginning")
-    if queued is not None and not finished:
-        if queued.admitted:
-            conditions[ADMITTED] = condition(ADMITTED, True, reasons.ADMITTED, queued.message)
-        elif not suspended:
-            conditions[ADMITTED] = condition(ADMITTED, False, reasons.EVICTED if queued.evicted else reasons.QUEUED,
-                                             queued.message)
-    if finished:
-        conditions[READY] = condition(READY, False, reasons.FINISHED,
-                                      "the job finished; its StatefulSets are scaled to zero")
-    elif suspended:
-        conditions[READY] = condition(READY, False, reasons.SUSPENDED, "the job is suspended; its StatefulSets are "
-                                                                       "scaled to zero")
-    elif held:
-        conditions[READY] = condition(READY, False, reasons.QUEUED, "the job is not admitted by its Kueue queue; "
-                                                                    "its StatefulSets are scaled to zero")
-    elif all_ready:
-        conditions[READY] = condition(READY, True, reasons.ALL_PODS_READY, _counts(replicas, layout, external))
-    elif problems:
-        what, reason, message = problems[0]
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        conditions[READY] = condition(READY, False, reason, f"{what}: {message}{more}")
-    else:
-        ready = ", ".join(f"{r} {replicas[r]['summary']}" for r in ROLES)
-        conditions[READY] = condition(READY, False, reasons.PODS_NOT_READY, f"ready pods: {ready}")
-
-    created = conditions.get(CHILDREN_CREATED)
-    if completion.get("state") == "Succeeded":
-        conditions[COMPLETED] = condition(COMPLETED, True, reasons.SUCCEEDED, _completion_message(completion))
-    if completion.get("state") == "Failed":
-        conditions[FAILED] = condition(FAILED, True, completion.get("reason") or reasons.WORKERS_FAILED,
-                                       _completion_message(completion))
-    elif created and created["status"] == "False" and created.get("reason") in reasons.PERMANENT:
-        conditions[FAILED] = condition(FAILED, True, created["reason"], created.get("message", ""))
-    else:
-        conditions.pop(FAILED, None)
-
-    if finished:
-        phase = completion["state"]
-    elif suspended:
-        phase = "Suspended"
-    elif held:
-        phase = "Queued"
-    elif FAILED in conditions:
-        phase = "Failed"
-    elif all_ready or (current.get("phase") == "Running" and created and created["status"] == "True"):
-        # A restarting pod does not send a running job back to Pending: Ready says what is wrong.
-        phase = "Running"
-    else:
-        phase = "Pending"
+    conditions[Condition.SUSPENDED] = _suspended(wants, conditions.get(Condition.SUSPENDED))
+    conditions[Condition.ADMITTED] = _admitted(wants, conditions.get(Condition.ADMITTED))
+    conditions[Condition.READY] = (condition(Condition.READY, True, reasons.ALL_PODS_READY,
+                                             _counts(replicas, layout, external)) if all_ready
+                                   else _not_ready(wants, replicas, sorted(problems)))
+    conditions[Condition.COMPLETED] = _completed(wants, conditions.get(Condition.COMPLETED))
+    conditions[Condition.FAILED] = _failed(wants, conditions.get(Condition.CHILDREN_CREATED))
+    conditions = {kind: c for kind, c in conditions.items() if c is not None}
+    phase = _phase(wants, current.get("phase"), conditions, all_ready)
 
     old = {c["type"]: c for c in current.get("conditions") or []}
     merged = []
@@ -174,8 +118,108 @@ def compute(current: Mapping, layout: Layout, statefulsets: Mapping[str, Mapping
     return {"phase": phase, "conditions": merged, "replicas": replicas}
 
 
-_ORDER = {t: i for i, t in enumerate((NETWORK_RESOLVED, CHILDREN_CREATED, SUSPENDED, ADMITTED, READY, COMPLETED,
-                                       FAILED))}
+_ORDER = {t: i for i, t in enumerate(CONDITIONS)}
+
+
+@dataclass(frozen=True)
+class Wants:
+    """What a job wants now, from its spec (suspend, its Kueue queue) and its controller's report
+    (completion): the inputs every condition and the phase are computed from."""
+
+    completion: Mapping
+    suspended: bool
+    queued: Admission | None
+
+    @property
+    def finished(self) -> bool:
+        return states.ended(self.completion.get("state"))
+
+    @property
+    def held(self) -> bool:
+        """Not admitted by its Kueue queue (a suspended job is suspended first)."""
+        return self.queued is not None and self.queued.held and not self.suspended
+
+    @property
+    def stopped(self) -> bool:
+        """It wants no pods: finished, suspended or held."""
+        return self.finished or self.suspended or self.held
+
+
+def _suspended(wants: Wants, old: dict | None) -> dict | None:
+    """Suspended: True while spec.suspend is; False (Resumed) once it turns false again."""
+    if wants.suspended and not wants.finished:
+        return condition(Condition.SUSPENDED, True, reasons.SUSPENDED,
+                         "spec.suspend is true: the job runs no pods until it is false")
+    if old is not None and old["status"] == "True":
+        return condition(Condition.SUSPENDED, False, reasons.RESUMED,
+                         "spec.suspend is false: the job starts again from its beginning")
+    return old
+
+
+def _admitted(wants: Wants, old: dict | None) -> dict | None:
+    """Admitted: where a job that names a Kueue queue stands, in Kueue's words (kept once it ends)."""
+    queued = wants.queued
+    if queued is None or wants.finished:
+        return old
+    if queued.admitted:
+        return condition(Condition.ADMITTED, True, reasons.ADMITTED, queued.message)
+    if not wants.suspended:
+        return condition(Condition.ADMITTED, False, reasons.EVICTED if queued.evicted else reasons.QUEUED,
+                         queued.message)
+    return old
+
+
+def _not_ready(wants: Wants, replicas: Mapping, problems: list[tuple[str, str, str]]) -> dict:
+    """Ready when not every pod is: why the job runs none, else the first stuck pod, else the counts."""
+    if wants.finished:
+        return condition(Condition.READY, False, reasons.FINISHED,
+                         "the job finished; its StatefulSets are scaled to zero")
+    if wants.suspended:
+        return condition(Condition.READY, False, reasons.SUSPENDED, "the job is suspended; its StatefulSets are "
+                                                                    "scaled to zero")
+    if wants.held:
+        return condition(Condition.READY, False, reasons.QUEUED, "the job is not admitted by its Kueue queue; "
+                                                                 "its StatefulSets are scaled to zero")
+    if problems:
+        what, reason, message = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return condition(Condition.READY, False, reason, f"{what}: {message}{more}")
+    ready = ", ".join(f"{r} {replicas[r]['summary']}" for r in ROLES)
+    return condition(Condition.READY, False, reasons.PODS_NOT_READY, f"ready pods: {ready}")
+
+
+def _completed(wants: Wants, old: dict | None) -> dict | None:
+    """Completed: set once, when the controller reports the job succeeded."""
+    if wants.completion.get("state") == states.SUCCEEDED:
+        return condition(Condition.COMPLETED, True, reasons.SUCCEEDED, _completion_message(wants.completion))
+    return old
+
+
+def _failed(wants: Wants, created: dict | None) -> dict | None:
+    """Failed: the controller's reason, or a child no retry can create; absent otherwise."""
+    if wants.completion.get("state") == states.FAILED:
+        return condition(Condition.FAILED, True, wants.completion.get("reason") or reasons.WORKERS_FAILED,
+                         _completion_message(wants.completion))
+    if created and created["status"] == "False" and created.get("reason") in reasons.PERMANENT:
+        return condition(Condition.FAILED, True, created["reason"], created.get("message", ""))
+    return None
+
+
+def _phase(wants: Wants, before: str | None, conditions: Mapping[str, dict], all_ready: bool) -> str:
+    """status.phase, from what the job wants and its conditions."""
+    if wants.finished:
+        return wants.completion["state"]
+    if wants.suspended:
+        return states.SUSPENDED
+    if wants.held:
+        return states.QUEUED
+    if Condition.FAILED in conditions:
+        return states.FAILED
+    created = conditions.get(Condition.CHILDREN_CREATED)
+    if all_ready or (before == states.RUNNING and created and created["status"] == "True"):
+        # A restarting pod does not send a running job back to Pending: Ready says what is wrong.
+        return states.RUNNING
+    return states.PENDING
 
 
 def _counts(replicas: Mapping, layout: Layout, external: set[str]) -> str:
@@ -202,6 +246,11 @@ def changes(current: Mapping, new: Mapping) -> dict:
     return {k: v for k, v in new.items() if current.get(k) != v}
 
 
+# The phases that deserve an Event when a job enters them, each with the condition whose message it gives.
+_SAID_BY = {states.RUNNING: Condition.READY, states.SUCCEEDED: Condition.COMPLETED, states.FAILED: Condition.FAILED,
+            states.SUSPENDED: Condition.SUSPENDED}
+
+
 def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
     """(type, reason, message) of the Kubernetes Events that the change from `current` to `new`
     deserves: a chosen network, a condition turning bad, a new phase."""
@@ -211,21 +260,21 @@ def events(current: Mapping, new: Mapping) -> list[tuple[str, str, str]]:
         before = old.get(c["type"])
         if before and (before.get("status"), before.get("reason")) == (c["status"], c.get("reason")):
             continue
-        if c["type"] == NETWORK_RESOLVED:
-            out.append(("Normal", NETWORK_RESOLVED, c.get("message", "")))
-        elif c["status"] == "False" and c["type"] in (CHILDREN_CREATED, READY) and c.get("reason") not in QUIET:
+        if c["type"] == Condition.NETWORK_RESOLVED:
+            out.append(("Normal", Condition.NETWORK_RESOLVED, c.get("message", "")))
+        elif (c["status"] == "False" and c["type"] in (Condition.CHILDREN_CREATED, Condition.READY)
+              and c.get("reason") not in QUIET):
             out.append(("Warning", c["reason"], c.get("message", "")))
-        elif c["type"] == ADMITTED:  # admitted, and each time it waits again or is evicted
+        elif c["type"] == Condition.ADMITTED:  # admitted, and each time it waits again or is evicted
             out.append(("Warning" if c.get("reason") == reasons.EVICTED else "Normal", c["reason"], c.get("message", "")))
     phase = new.get("phase")
-    if phase in ("Running", "Succeeded", "Failed", "Suspended") and phase != current.get("phase"):
+    if phase in _SAID_BY and phase != current.get("phase"):
         by_type = {c["type"]: c for c in new.get("conditions", [])}
-        source = by_type.get({"Running": READY, "Succeeded": COMPLETED, "Failed": FAILED,
-                              "Suspended": SUSPENDED}[phase]) or {}
+        source = by_type.get(_SAID_BY[phase]) or {}
         message = source.get("message", "")
-        if phase == "Failed" and source.get("reason"):
+        if phase == states.FAILED and source.get("reason"):
             message = f"{source['reason']}: {message}"
-        out.append(("Warning" if phase == "Failed" else "Normal", phase, message))
+        out.append(("Warning" if phase == states.FAILED else "Normal", phase, message))
     return out
 
 

@@ -8,6 +8,7 @@ import yaml
 
 from weightsync import job as contract
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
+from weightsync.job.states import Condition
 from weightsync.job.join import Join, JoinEnv
 from weightsync_operator import render, status, tokens
 from weightsync_operator.handlers import jobs
@@ -118,18 +119,18 @@ def test_a_changed_or_foreign_join_secret_is_put_back_and_the_right_one_is_left_
 def test_status_of_an_external_role_says_external_and_ready_waits_only_on_the_operators_pods():
     j = job(EXTERNAL_TRAINERS)
     layout, external = j.layout, (TRAINER,)
-    created = status.condition(status.CHILDREN_CREATED, True, "Created", "ok")
+    created = status.condition(Condition.CHILDREN_CREATED, True, "Created", "ok")
     pending = status.compute({}, layout, {CONTROLLER: {"ready": 1}}, [], [created], external=external)
     assert pending["phase"] == "Pending"
     assert pending["replicas"][TRAINER] == {"ready": 0, "desired": 0, "summary": "external (2 ranks)",
                                             "restarts": 0, "rejoins": 0}
-    ready = {c["type"]: c for c in pending["conditions"]}[status.READY]
+    ready = {c["type"]: c for c in pending["conditions"]}[Condition.READY]
     assert ready["message"] == "ready pods: controller 1/1, trainer external (2 ranks), inference 0/2"
 
     running = status.compute(pending, layout, {CONTROLLER: {"ready": 1}, INFERENCE: {"ready": 2}}, [],
                              external=external)
     assert running["phase"] == "Running"
-    ready = {c["type"]: c for c in running["conditions"]}[status.READY]
+    ready = {c["type"]: c for c in running["conditions"]}[Condition.READY]
     assert ready["status"] == "True"
     assert ready["message"].startswith("1 controller and 2 inference pods are ready; the 2 trainer ranks are external")
     assert {r: v["summary"] for r, v in running["replicas"].items()} == {

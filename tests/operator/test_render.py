@@ -9,6 +9,7 @@ import yaml
 
 from weightsync import job as contract
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
+from weightsync.job.states import Condition
 from weightsync_operator import network, render, status, tokens
 from weightsync_operator.handlers import children
 from weightsync_operator.kube import ApiError, matches
@@ -372,21 +373,21 @@ def test_explicit_modes_need_no_nodes():
 LAYOUT = contract.Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
 READY = {"controller": {"ready": 1}, "trainer": {"ready": 2}, "inference": {"ready": 1}}
 PODS = {role: LAYOUT.replicas(role) for role in contract.ROLES}  # the pods each role runs
-CREATED = status.condition(status.CHILDREN_CREATED, True, "Created", "ok")
+CREATED = status.condition(Condition.CHILDREN_CREATED, True, "Created", "ok")
 
 
 def test_phase_follows_readiness_and_completion():
     pending = status.compute({}, LAYOUT, {"trainer": {"ready": 1}}, [], [CREATED], at="t0")
     assert pending["phase"] == "Pending"
     assert pending["replicas"]["trainer"] == {"ready": 1, "desired": 2, "summary": "1/2", "restarts": 0, "rejoins": 0}
-    ready = {c["type"]: c for c in pending["conditions"]}[status.READY]
+    ready = {c["type"]: c for c in pending["conditions"]}[Condition.READY]
     assert ready["status"] == "False" and ready["reason"] == "PodsNotReady"
 
     running = status.compute(pending, LAYOUT, READY, [], at="t1")
     assert running["phase"] == "Running"
     conditions = {c["type"]: c for c in running["conditions"]}
-    assert conditions[status.READY]["status"] == "True" and conditions[status.READY]["lastTransitionTime"] == "t1"
-    assert conditions[status.CHILDREN_CREATED]["lastTransitionTime"] == "t0"  # unchanged status keeps its time
+    assert conditions[Condition.READY]["status"] == "True" and conditions[Condition.READY]["lastTransitionTime"] == "t1"
+    assert conditions[Condition.CHILDREN_CREATED]["lastTransitionTime"] == "t0"  # unchanged status keeps its time
 
     # A pod restarting does not send the job back to Pending.
     again = status.compute(running, LAYOUT, {**READY, "trainer": {"ready": 1}}, [], at="t2")
@@ -396,12 +397,13 @@ def test_phase_follows_readiness_and_completion():
     assert done["phase"] == "Succeeded"
     assert all(r["desired"] == 0 for r in done["replicas"].values())
     conditions = {c["type"]: c for c in done["conditions"]}
-    assert conditions[status.COMPLETED]["status"] == "True" and "3 weight versions" in conditions[status.COMPLETED]["message"]
-    assert conditions[status.READY]["reason"] == "Finished"
+    completed = conditions[Condition.COMPLETED]
+    assert completed["status"] == "True" and "3 weight versions" in completed["message"]
+    assert conditions[Condition.READY]["reason"] == "Finished"
 
     failed = status.compute({**running, "completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [])
     assert failed["phase"] == "Failed"
-    assert {c["type"]: c for c in failed["conditions"]}[status.FAILED]["message"] == "rank 3 timed out"
+    assert {c["type"]: c for c in failed["conditions"]}[Condition.FAILED]["message"] == "rank 3 timed out"
 
 
 def test_a_suspended_job_wants_no_pods_and_says_so_until_it_resumes():
@@ -410,14 +412,14 @@ def test_a_suspended_job_wants_no_pods_and_says_so_until_it_resumes():
     assert held["phase"] == "Suspended"
     assert all(r["desired"] == 0 and r["ready"] == 0 for r in held["replicas"].values())
     conditions = {c["type"]: c for c in held["conditions"]}
-    assert (conditions[status.SUSPENDED]["status"], conditions[status.SUSPENDED]["reason"]) == ("True", "Suspended")
-    assert conditions[status.READY]["reason"] == "Suspended"
-    assert status.events(running, held) == [("Normal", "Suspended", conditions[status.SUSPENDED]["message"])]
+    assert (conditions[Condition.SUSPENDED]["status"], conditions[Condition.SUSPENDED]["reason"]) == ("True", "Suspended")
+    assert conditions[Condition.READY]["reason"] == "Suspended"
+    assert status.events(running, held) == [("Normal", "Suspended", conditions[Condition.SUSPENDED]["message"])]
     resumed = status.compute(held, LAYOUT, {}, [], at="t2")
     assert resumed["phase"] == "Pending"
     conditions = {c["type"]: c for c in resumed["conditions"]}
-    assert (conditions[status.SUSPENDED]["status"], conditions[status.SUSPENDED]["reason"]) == ("False", "Resumed")
-    assert conditions[status.SUSPENDED]["lastTransitionTime"] == "t2"
+    assert (conditions[Condition.SUSPENDED]["status"], conditions[Condition.SUSPENDED]["reason"]) == ("False", "Resumed")
+    assert conditions[Condition.SUSPENDED]["lastTransitionTime"] == "t2"
     assert render.spec_hash(job()) == render.spec_hash(job({"suspend": True})), "suspending rolls no pod template"
 
 
@@ -458,12 +460,12 @@ def test_the_failed_condition_takes_the_controllers_reason():
     failed = status.compute({"completion": {"state": "Failed", "reason": "ControllerRestarted",
                                             "message": "the controller restarted at version 3 and cannot resume"}},
                             LAYOUT, READY, [], [CREATED])
-    condition = {c["type"]: c for c in failed["conditions"]}[status.FAILED]
+    condition = {c["type"]: c for c in failed["conditions"]}[Condition.FAILED]
     assert (failed["phase"], condition["reason"]) == ("Failed", "ControllerRestarted")
     # its Event says why, as kubectl describe and get events show it
     assert status.events({}, failed)[-1] == ("Warning", "Failed", f"ControllerRestarted: {condition['message']}")
     plain = status.compute({"completion": {"state": "Failed", "message": "rank 3 timed out"}}, LAYOUT, READY, [], [CREATED])
-    assert {c["type"]: c for c in plain["conditions"]}[status.FAILED]["reason"] == "WorkersFailed"
+    assert {c["type"]: c for c in plain["conditions"]}[Condition.FAILED]["reason"] == "WorkersFailed"
 
 
 def test_the_status_schema_takes_what_the_controller_reports():
@@ -477,11 +479,11 @@ def test_the_status_schema_takes_what_the_controller_reports():
 
 
 def test_refusals_fail_the_job_and_stuck_pods_say_why():
-    refused = status.compute({}, LAYOUT, {}, [], [status.condition(status.CHILDREN_CREATED, False, "ChildRefused", "bad")])
+    refused = status.compute({}, LAYOUT, {}, [], [status.condition(Condition.CHILDREN_CREATED, False, "ChildRefused", "bad")])
     assert refused["phase"] == "Failed"
     stuck = status.compute({}, LAYOUT, {}, [("pod demo-trainer-2", "Unschedulable", "0/5 nodes"),
                                             ("pod demo-trainer-1", "Unschedulable", "0/5 nodes")], [CREATED])
-    ready = {c["type"]: c for c in stuck["conditions"]}[status.READY]
+    ready = {c["type"]: c for c in stuck["conditions"]}[Condition.READY]
     assert stuck["phase"] == "Pending" and ready["reason"] == "Unschedulable"
     assert ready["message"] == "pod demo-trainer-1: 0/5 nodes (and 1 more)"
     events = status.events({}, stuck)

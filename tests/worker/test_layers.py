@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from weightsync.job import states
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "worker" / "weightsync"
 # Low to high. The facade (__init__) and the command (cli) sit on top.
@@ -140,3 +142,23 @@ def test_the_operator_imports_only_the_job_contract():
                     wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports weightsync.{a.name}"
                               for a in node.names if a.name not in ("job", "__version__")]
     assert not wrong, "\n".join(wrong)
+
+
+# Constants outside job/ that spell a phase's word and are not a job's phase, each with its reason.
+NOT_PHASES = {"KUEUE_PENDING", "KUEUE_SUCCEEDED", "KUEUE_FAILED"}  # Kueue's reasons (weightsync_operator/queueing.py)
+
+
+def test_no_job_phase_is_spelled_outside_the_job_contract():
+    """A job's phases and end states are spelled once, in job/states.py: a phase written as a
+    string elsewhere could drift from the CRD's enum (as a metrics list once did)."""
+    phases = set(states.PHASES)
+    wrong = []
+    paths = [p for p in sorted(PACKAGE.rglob("*.py")) if "job" not in p.relative_to(PACKAGE).parts[:1]]
+    for path in paths + sorted((ROOT / "operator").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        allowed = {id(c) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                   and {t.id for t in ast.walk(node.targets[0]) if isinstance(t, ast.Name)} <= NOT_PHASES
+                   for c in ast.walk(node.value)}
+        wrong += [f"{path.relative_to(ROOT)}:{node.lineno} spells {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in phases and id(node) not in allowed]
+    assert not wrong, "job phases spelled outside weightsync/job/states.py:\n" + "\n".join(wrong)

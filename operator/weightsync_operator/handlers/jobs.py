@@ -14,13 +14,14 @@ from typing import Callable, Mapping
 import kopf
 
 from weightsync import job as contract
-from weightsync.job import join, reasons
+from weightsync.job import join, reasons, states
+from weightsync.job.states import Condition
 from weightsync_operator import queueing, render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
 from weightsync_operator.kube import ApiError, Kube, matches
 from weightsync_operator.metrics import METRICS
 from weightsync_operator.report import Indexes, report
-from weightsync_operator.status import ADMITTED, CHILDREN_CREATED, condition, now, receiver_events
+from weightsync_operator.status import condition, now, receiver_events
 
 JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLURAL)
 
@@ -29,7 +30,7 @@ JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLUR
 @kopf.on.create(**JOBS)
 @kopf.on.update(**JOBS, field="spec", id="update")
 @kopf.on.field(**JOBS, field="status.completion", id="completion")
-@kopf.on.field(**JOBS, field="status.phase", new="Running", id="running")  # pod templates stop rolling
+@kopf.on.field(**JOBS, field="status.phase", new=states.RUNNING, id="running")  # pod templates stop rolling
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger, **kwargs):
     reconcile_job(memo, body, logger, Indexes.of(kwargs))
 
@@ -123,7 +124,7 @@ def reconcile_read(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repa
         # not at every retry), and a retry later.
         message = f"{type(e).__name__}: {e}"
         METRICS.reconcile_errors.inc()
-        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.OPERATOR_ERROR, message)])
+        write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.OPERATOR_ERROR, message)])
         raise kopf.TemporaryError(message, delay=30) from e
 
 
@@ -139,9 +140,9 @@ def standing(job: contract.Job, obj: Mapping, queued: queueing.Admission | None)
     it is suspended, or its Kueue queue has not admitted it), running, and where an admission
     puts each role's pods."""
     job_status = obj.get("status") or {}
-    finished = (job_status.get("completion") or {}).get("state") in ("Succeeded", "Failed")
+    finished = states.ended((job_status.get("completion") or {}).get("state"))
     stopped = finished or job.suspended or (queued is not None and queued.held)
-    return {"stopped": stopped, "running": job_status.get("phase") == "Running" and not stopped,
+    return {"stopped": stopped, "running": job_status.get("phase") == states.RUNNING and not stopped,
             "placements": queued.placements if queued else {}}
 
 
@@ -158,13 +159,13 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     try:
         job = load(obj)
     except contract.SpecError as e:
-        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.INVALID_SPEC, str(e))])
+        write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.INVALID_SPEC, str(e))])
         raise kopf.PermanentError(str(e)) from None
 
     try:
         decisions = decide(kube, key, job, obj, write)
     except TokenLost as e:
-        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.TOKEN_LOST, str(e))])
+        write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.TOKEN_LOST, str(e))])
         raise kopf.PermanentError(str(e)) from None
     missing = missing_pull_secrets(kube, job)
     queued = admit(kube, job, obj, decisions, write)
@@ -188,10 +189,10 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     if missing:
         message = (f"image pull secret(s) {', '.join(missing)} not found in namespace {namespace}: create them; "
                    f"the StatefulSets are created once they exist")
-        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.IMAGE_PULL_SECRET_MISSING, message)])
+        write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.IMAGE_PULL_SECRET_MISSING, message)])
         raise kopf.TemporaryError(message, delay=15)
 
-    before = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == CHILDREN_CREATED), {})
+    before = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == Condition.CHILDREN_CREATED), {})
     was_created = before.get("status") == "True"
     # Put back: a child created again (it had been deleted) or one a child's change made the
     # operator patch. A spec change, completion or the start of running patch children too.
@@ -203,10 +204,10 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
             f"{w} (it had been {'deleted' if changed[w] == 'created' else 'changed'})" for w in restored)
         if any(w.startswith("Secret ") for w in restored):
             message += "; the Secret holds the job's own token, as before"
-        conditions.append(condition(CHILDREN_CREATED, True, reasons.REPAIRED, message))
+        conditions.append(condition(Condition.CHILDREN_CREATED, True, reasons.REPAIRED, message))
         kopf.event(obj, type="Warning", reason=reasons.REPAIRED, message=message)
     elif changed or not was_created:
-        conditions.append(condition(CHILDREN_CREATED, True, reasons.CREATED, created_message(job, manifests)))
+        conditions.append(condition(Condition.CHILDREN_CREATED, True, reasons.CREATED, created_message(job, manifests)))
     write(set_conditions=conditions, observed_generation=obj["metadata"].get("generation"))
 
 
@@ -224,7 +225,7 @@ def admit(kube: Kube, job: contract.Job, obj: Mapping, decisions, write) -> queu
             raise
         message = (f"the job names the Kueue queue {queueing.queue_name(obj)} (label {queueing.QUEUE_LABEL}), but "
                    f"the API server serves no {queueing.API_VERSION} Workloads: install Kueue, or remove the label")
-        write(set_conditions=[condition(ADMITTED, False, reasons.QUEUED, message)])
+        write(set_conditions=[condition(Condition.ADMITTED, False, reasons.QUEUED, message)])
         raise kopf.TemporaryError(message, delay=30) from None
 
 
@@ -303,12 +304,12 @@ def refused(write, what: str, e: ApiError):
         raise e
     if e.status in (400, 422):
         message = f"the API server refused {what}: {e.message}"
-        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.CHILD_REFUSED, message)])
+        write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.CHILD_REFUSED, message)])
         raise kopf.PermanentError(message)
     if e.status == 403:
         message = (f"the operator may not write {what}: {e.message} (is this namespace one the operator "
                    f"watches? The chart grants it rights only in its watchNamespaces)")
-        write(set_conditions=[condition(CHILDREN_CREATED, False, reasons.FORBIDDEN, message)])
+        write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.FORBIDDEN, message)])
         raise kopf.TemporaryError(message, delay=60)
     raise kopf.TemporaryError(str(e), delay=10)
 

@@ -11,6 +11,7 @@ from it. No torch, no Kubernetes client.
 - yamlfile, errors: a job file read as kubectl reads it, within bounds, and SpecError;
 - token: the job's secret, read and proven (one HMAC for every proof of it);
 - join: what a process the user started needs to join as an external rank (three variables);
+- states: the phases of a job, the types of its conditions, the states it ends in;
 - reasons: every reason a job's status and Events give, with what it means.
 
 The names below are the contract's vocabulary, re-exported so that callers need not know which
@@ -24,10 +25,11 @@ from weightsync.job.pod import (DATA_PORT, HEALTH_PORT, LIVENESS, MASTER_PORT, M
                                 pod_env, torchrun_env)
 from weightsync.job.podtemplate import SCHEDULING_FIELDS, EnvVar, PodTemplate, pod_template_problems
 from weightsync.job.spec import (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ANNOTATION_TOKEN_SHA256,
-                                 ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, PHASES, KIND, LABEL_JOB, LABEL_ROLE,
+                                 ANNOTATION_WORKER_IMAGE, API_VERSION, BUILTIN, GROUP, KIND, LABEL_JOB, LABEL_ROLE,
                                  PLURAL, POD_INDEX_LABEL, QUEUE_LABEL, VERSION, VLLM, VLLM_PORT, Delta, Inference, Job,
                                  Lora, Model, Network, Pods, Rdma, SpecError, Tcp, Trainer, Training, Transfer, ValueFrom, Vllm,
                                  load_job, read_job_file, schema)
+from weightsync.job.states import PHASES
 from weightsync.job.topology import CONTROLLER, INFERENCE, ROLES, TRAINER, Layout
 from weightsync.job.yamlfile import KubectlLoader, dump_document
 

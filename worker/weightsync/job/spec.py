@@ -240,8 +240,6 @@ class Trainer(Pods):
 
 
 BUILTIN, VLLM = "builtin", "vllm"  # spec.inference.engine
-# status.phase, as the CRD's enum has it: Pending until the operator first sets one
-PHASES = ("Pending", "Queued", "Running", "Suspended", "Succeeded", "Failed")
 VLLM_PORT = 8000  # spec.inference.vllm.port's default: vLLM's own
 
 

@@ -31,7 +31,7 @@ from typing import IO, Mapping
 
 from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, MASTER_PORTS, ROLES, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS,
                             TRAINER, Env, Job, dump_document,
-                            PodSite, ValueFrom, external_roles, load_job, pod_env)
+                            PodSite, ValueFrom, external_roles, load_job, pod_env, states)
 from weightsync.local.external import JoinOffer
 from weightsync.local import ports
 from weightsync.local.ports import LOOPBACK
@@ -247,7 +247,7 @@ class LocalJob:
         if self.offer is not None:
             self.offer.stop()
         exit_by = time.monotonic() + EXIT_TIMEOUT
-        failed = completion["state"] != "Succeeded"
+        failed = completion["state"] != states.SUCCEEDED
         for pod in self.pods:
             if pod.restart_at is not None or (failed and pod.role != CONTROLLER):
                 continue

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from weightsync.runtime import health
-from weightsync.job import TRAINER, Env, Job, Join, JoinEnv, SpecError, WorkerContext
+from weightsync.job import TRAINER, Env, Job, Join, JoinEnv, SpecError, WorkerContext, states
 from weightsync.plan.job import delta_in_effect
 from weightsync.runtime.faults import pause_point, tamper_hook
 from weightsync.runtime.metrics import rank_counters
@@ -175,7 +175,7 @@ class Sync:
                 raise
             end = e
         self._leave()
-        if end.state != "Succeeded":
+        if end.state != states.SUCCEEDED:
             raise end
 
     def __enter__(self) -> "Sync":

@@ -35,7 +35,7 @@ import threading
 import time
 from functools import partial
 
-from weightsync.job import MASTER_PORT, MASTER_PORTS, TRAINER, WorkerContext, master_addr, torchrun_env
+from weightsync.job import MASTER_PORT, MASTER_PORTS, TRAINER, WorkerContext, master_addr, states, torchrun_env
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
 from weightsync.runtime.health import PodHealth
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
@@ -76,7 +76,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     deadline = time.monotonic() + ctx.job.trainer.attach_timeout_seconds
     code, end, gone = None, None, False
     while code is None:
-        if end is not None and end["state"] == "Succeeded":
+        if end is not None and end["state"] == states.SUCCEEDED:
             succeeded.set()
         if end is not None or gone:  # only the command is left to wait for
             try:
@@ -101,7 +101,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
             stop(proc, grace=STOP_GRACE)
             proc.wait()
             return 1
-        if end is not None and end["state"] != "Succeeded" and code is None:
+        if end is not None and end["state"] != states.SUCCEEDED and code is None:
             log(me, "the job failed: stopping the command")
             stop(proc, grace=STOP_GRACE)  # torchrun passes the SIGTERM on to its workers
         elif late and time.monotonic() > deadline and code is None:
@@ -131,7 +131,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
                                             f"(sync.close()): {command}", channel)
         log(me, f"the command {how}" + (f" before {', '.join(who(TRAINER, r) for r in open_ranks)} closed" if open_ranks else ""))
     elif gone:  # close() returns only once the job succeeded: a command that exits 0 after it is done
-        end = {"state": "Succeeded" if code == 0 else "Failed"}
+        end = {"state": states.SUCCEEDED if code == 0 else states.FAILED}
     return _end(ctx, channel, me, code, end)
 
 
@@ -174,9 +174,9 @@ def _end(ctx: WorkerContext, channel: Channel, me: str, code: int | None, end: d
     """The command is over: wait (bounded) for the job's end, then stay in a cluster."""
     if end is None:
         end = wait_for_the_end(channel, me)
-    state = end["state"] if end else "Failed"
+    state = end["state"] if end else states.FAILED
     linger(ctx, me)
-    return 0 if state == "Succeeded" and code == 0 else 1
+    return states.exit_code(state) if code == 0 else 1
 
 
 def _stop_on_sigterm(proc: subprocess.Popen, succeeded: threading.Event, signum, _frame) -> None:

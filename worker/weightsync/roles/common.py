@@ -8,7 +8,7 @@ import traceback
 
 import torch
 
-from weightsync.job import INFERENCE, WorkerContext
+from weightsync.job import INFERENCE, WorkerContext, states
 from weightsync.model.build import build, layout_of
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
 from weightsync.runtime.inbound import StartAgain
@@ -50,10 +50,10 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
         # died first are the ones that stand out.
         return _wait_for_the_end(ctx, member, me)
     member.bye()
-    if state != "Succeeded":
+    if state != states.SUCCEEDED:
         log(me, "the job failed elsewhere")
     linger(ctx, me)
-    return 0 if state == "Succeeded" else 1
+    return states.exit_code(state)
 
 
 def _wait_for_the_end(ctx: WorkerContext, member: Member, me: str) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, Job, WorkerContext, external_roles, reasons
+from weightsync.job.states import FAILED, SUCCEEDED
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
@@ -194,13 +195,13 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
     message = f"{delivered} versions delivered to and verified on {host.running} inference ranks"
     if host.rejoins():
         message += f" ({host.rejoins()} rejoins)"
-    host.end("Succeeded", message)
+    host.end(SUCCEEDED, message)
     # the goodbyes before the completion: once it is reported, the operator removes the job's pods,
     # this one and its store with them, and a rank still waiting on the store would fail
     missing = host.wait_byes(BYE_TIMEOUT)
     if missing:
         log(ME, f"no goodbye within {BYE_TIMEOUT:.0f}s from {', '.join(missing)}")
-    reporter.completion("Succeeded", message, delivered, failed_verifications=0, final_loss=_rounded(loss))
+    reporter.completion(SUCCEEDED, message, delivered, failed_verifications=0, final_loss=_rounded(loss))
     linger(ctx, ME)
     return 0
 
@@ -448,11 +449,11 @@ def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, 
     log(ME, f"the job failed: {message}")
     watch.stop()
     try:
-        host.end("Failed", message, reason)
+        host.end(FAILED, message, reason)
     except StoreError as e:  # a full store takes no more keys: the completion below still says why
         log(ME, f"could not tell the ranks that the job ended: {e}")
     host.wait_byes(5.0)  # as for success: the ranks see the end before the pods go
-    reporter.completion("Failed", message, delivered, reason=reason,
+    reporter.completion(FAILED, message, delivered, reason=reason,
                         failed_verifications=host.store.add(Keys.VERIFY_FAILURES, 0), final_loss=_rounded(loss))
     linger(ctx, ME)
     return 1

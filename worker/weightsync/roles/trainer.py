@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync.job import TRAINER, WorkerContext
+from weightsync.job import TRAINER, WorkerContext, states
 from weightsync.model.build import build, check_fits, logits, parameters, prompt, train_step, vocab_size
 from weightsync.model.flat import torch_dtype
 from weightsync.model.markov import MarkovTokens, rank_generator
@@ -34,17 +34,17 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
         log(me, str(e))
         state = e.state
     except Restarted:
-        state = "Failed"  # the API said so and waited for the controller's end
+        state = states.FAILED  # the API said so and waited for the controller's end
     except Exception as e:  # noqa: BLE001 - reported to the controller, which fails the job
         if not isinstance(e, Expected):
             traceback.print_exc()
         log(me, f"failed: {e}")
         report_failure(ctx, TRAINER, rank, f"{type(e).__name__}: {e}")  # unless the API did
-        state = "Failed"
-    if state != "Succeeded":
+        state = states.FAILED
+    if state != states.SUCCEEDED:
         log(me, "the job failed")
     linger(ctx, me)
-    return 0 if state == "Succeeded" else 1
+    return states.exit_code(state)
 
 
 class BuiltIn:
@@ -81,7 +81,7 @@ class BuiltIn:
                     self._dump(model, version, job.model.dtype, device)
             if dist.is_initialized():
                 dist.destroy_process_group()
-        return "Succeeded"  # close() raised JobEnded otherwise
+        return states.SUCCEEDED  # close() raised JobEnded otherwise
 
     def _ddp(self, sync: Sync, model, device):
         """DDP among the trainer ranks, its process group met through the job's own rendezvous

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from typing import Mapping, Sequence
 
-from weightsync.job import INFERENCE, Env, Model, WorkerContext
+from weightsync.job import INFERENCE, Env, Model, WorkerContext, states
 from weightsync.model.config import served_config
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
 from weightsync.runtime import health
@@ -77,7 +77,7 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
         return 1
     stop(proc, grace=VLLM_STOP_GRACE)
     linger(ctx, me)
-    return 0 if state == "Succeeded" else 1
+    return states.exit_code(state)
 
 
 def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int, *,
