@@ -28,7 +28,7 @@ from weightsync import cli
 from weightsync import job as contract
 from weightsync.job import JoinEnv
 from weightsync.local.runner import LocalJob, RunFailed
-from weightsync.runtime.faults import DUMP_DIR_ENV
+from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
 
 RUN_TIMEOUT = 300
 
@@ -127,14 +127,24 @@ def test_wrong_trainers_are_refused_and_missing_ones_fail_the_job_by_name(tmp_pa
     assert refused(join_file, tmp_path, RANK="0", WORLD_SIZE="3") == (
         f"weightsync.rendezvous.join.JoinError: WORLD_SIZE=3, but job {job_id} has 2 trainer ranks (spec.trainer: "
         "replicas 1 x procsPerPod 2): start exactly 2 trainer processes")
-    # trainer rank 0 joins; a second process claiming rank 0 while it is there is refused
-    first = subprocess.Popen([sys.executable, "-c", REFUSED], env=joining(join_file, RANK="0", WORLD_SIZE="2"),
-                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    until("trainer rank 0 to join", lambda: "trainer rank 0 joined (external" in progress.getvalue(), 60)
+    # trainer rank 0's process holds before it proves the token (as while it builds its model); a second
+    # process claiming rank 0 meanwhile is refused, and the first is the one admitted
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    (pause / "trainer-0-joining-v0.arm").touch()
+    first = subprocess.Popen([sys.executable, "-c", REFUSED], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env=joining(join_file, RANK="0", WORLD_SIZE="2", **{PAUSE_DIR_ENV: str(pause)}))
+    until("trainer rank 0 to hold before it joins", (pause / "trainer-0-joining-v0.reached").exists, 60)
     assert refused(join_file, tmp_path, RANK="0", WORLD_SIZE="2") == (
         f"weightsync.rendezvous.protocol.Restarted: trainer rank 0 of job {job_id} is taken (this is its start 2): "
         "another process joined with RANK=0, or this rank's process started again; each trainer process needs its "
         "own RANK (0..1), and trainers do not rejoin a running job")
+    controller = next(p for p in local.pods if p.role == "controller").log
+    until("the controller to refuse the second claim of trainer rank 0",
+          lambda: "a second process claimed trainer rank 0 (start 2)" in controller.read_text(errors="replace"), 60)
+    (pause / "trainer-0-joining-v0.release").touch()
+    until("trainer rank 0 to join", lambda: "trainer rank 0 joined (external" in progress.getvalue(), 60)
     failure = finish(local)
     assert isinstance(failure, RunFailed)
     completion = status(local)["completion"]

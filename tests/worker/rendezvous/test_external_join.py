@@ -11,6 +11,7 @@ import pytest
 from weightsync import job as contract
 from weightsync.job import Join, join_env
 from weightsync.rendezvous.join import JoinError, fetch_job, joined_context
+from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Keys, Member, Restarted
 from weightsync.rendezvous.roster import Host, RankFailed
 
@@ -98,6 +99,7 @@ def test_a_rank_the_jobs_own_pods_hold_or_outside_the_job_is_refused():
 
 
 def test_a_second_process_claiming_a_live_external_trainers_rank_is_refused_and_the_job_goes_on():
+    """Before the holder proved the token (it still builds its model): the holder is the one admitted."""
     for external in (True, False):
         job = make_job(external=external)
         host = serve(job)
@@ -113,8 +115,13 @@ def test_a_second_process_claiming_a_live_external_trainers_rank_is_refused_and_
                 second.arrive()
             if external:
                 host.check_ranks()
-                assert said == ["a second process claimed trainer rank 0 (start 2) while the one that joined as it is "
+                assert said == ["a second process claimed trainer rank 0 (start 2) while the one that holds it is "
                                 "alive; it was refused, and the job goes on"]
+                assert first.join("127.0.0.1", "{}", RankInfo("tcp"), timeout=10) == 1
+                admitted = host.proven("trainer", 0, host.attempts[("trainer", 0)])
+                assert admitted is not None and admitted.endpoint == "127.0.0.1"
+                host.check_ranks()  # the refused start is not seen again
+                assert len(said) == 1
             else:  # the job's own trainer pod started again: its rank is gone
                 with pytest.raises(RankFailed, match="trainer rank 0 restarted"):
                     host.check_ranks()

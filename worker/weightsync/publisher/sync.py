@@ -96,6 +96,7 @@ class Sync:
         except Restarted as e:
             self._restarted(e)
         self.member.start_heartbeat()
+        pause_point(TRAINER, rank, "joining", 0)  # its start counted, its heartbeat going, not joined yet
         try:
             self.sources: Sources = sources_of(model, ctx.job.model.dtype)
             device = self.sources.device

@@ -169,7 +169,8 @@ class Joining:
         """While the ranks join: follow each rank's starts (its process started again: an inference
         rank joins with its new start, over a fresh challenge, and what an earlier start published
         is dropped; a trainer fails the job as check_ranks has it) and its heartbeat (a trainer
-        that went silent fails the job; an inference rank has away_limit to start again)."""
+        that went silent, joined or not, fails the job within its limit, naming it; an inference
+        rank that has not joined has away_limit to start again)."""
         host, admitted, notes = self.host, self.admitted, self.notes
         for role, rank in self.expected():
             started = host.started_again(role, rank)
@@ -183,11 +184,12 @@ class Joining:
                 if started > 1:  # else a rank parked at first, its pod scaled up to: its first start
                     notes[(role, rank)] = f"started again (start {started}) while the ranks joined: it joins with that start"
                     host.say(f"{who(role, rank)} {notes[(role, rank)]}")
-            if (role, rank) in admitted:
-                continue
+            if (role, rank) in admitted and role != TRAINER:
+                continue  # an inference rank that stops now is seen by its start again, or in the first round
             silent = host.silent_for(role, rank, now)
             if silent > host.limit_for(role):
-                why = f"no heartbeat for {silent:.0f}s while joining (its process died, froze, or lost the network)"
+                when = "after it joined, while the others join" if (role, rank) in admitted else "while joining"
+                why = f"no heartbeat for {silent:.0f}s {when} (its process died, froze, or lost the network)"
                 if role == TRAINER:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
                 if silent > host.away_limit:

@@ -94,6 +94,9 @@ class Host(Channel, Parking):
         self.parked = set(range(self.running, layout.world_size(INFERENCE)))
         # a parked rank has not started: its first start is one more than none
         self.attempts = {(role, rank): 0 if role == INFERENCE and rank in self.parked else 1 for role, rank in self.ranks}
+        # the latest start of a rank that was refused (a second process claiming an external trainer's
+        # rank while the one that holds it is alive): counted, but not the rank's attempt
+        self.refused: dict[tuple[str, int], int] = {}
         self.seats: dict[int, Seat] = {}
         self.epoch = 0
         self.in_round: dict[int, int] = {}  # receivers of the current round: {rank: attempt}
@@ -150,10 +153,14 @@ class Host(Channel, Parking):
         """The rank's start count where its process started again since the last look (recorded
         as its attempt), else None."""
         started = self.store.add(Keys.join(role, rank), 0)
-        if started <= self.attempts[(role, rank)]:
+        if started <= self.counted(role, rank):
             return None
         self.attempts[(role, rank)] = started
         return started
+
+    def counted(self, role: str, rank: int) -> int:
+        """The starts of the rank seen so far: its attempt's, or a refused later one's."""
+        return max(self.attempts[(role, rank)], self.refused.get((role, rank), 0))
 
     def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, RankInfo] | None = None) -> None:
         text = json.dumps({"plan": plan_json})
@@ -384,10 +391,13 @@ class Host(Channel, Parking):
     def trainer_started(self, rank: int, started: int, now: float) -> None:
         """A trainer rank's process started again (start `started`): RankFailed, trainers do not
         rejoin; but an external rank whose process still beats was claimed by a second process,
-        which was refused, and the job goes on."""
+        which was refused (it refuses itself: Sync._restarted), and the job goes on with the
+        process that holds the rank, joined or still joining: an external trainer never resumes,
+        so that is its first start."""
         if TRAINER in self.external and self.silent_for(TRAINER, rank, now) <= self.trainer_silent_limit:
-            self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that joined "
-                     "as it is alive; it was refused, and the job goes on")
+            self.refused[(TRAINER, rank)], self.attempts[(TRAINER, rank)] = started, 1
+            self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that holds it "
+                     "is alive; it was refused, and the job goes on")
             return
         if self.resumable:
             raise TrainersRestart(f"{who(TRAINER, rank)} started again (start {started})")
@@ -437,12 +447,12 @@ class Host(Channel, Parking):
         # pod reports for each rank its command had not ended)
         others = [r for r in self.ranks if r != (role, rank) and not self.has(Keys.failed(*r))]
         counts = {r: self.store.add(Keys.beat(*r), 0) for r in others}
-        others = [r for r in others if counts[r] or self.store.add(Keys.join(*r), 0) > self.attempts[r]]
+        others = [r for r in others if counts[r] or self.store.add(Keys.join(*r), 0) > self.counted(*r)]
         deadline = time.monotonic() + BLAME_WINDOW
         stopped = None
         while stopped is None:
             for r in others:
-                if self.store.add(Keys.join(*r), 0) > self.attempts[r]:
+                if self.store.add(Keys.join(*r), 0) > self.counted(*r):
                     stopped = r, "its process started again"
             if time.monotonic() > deadline:
                 quiet = [r for r in others if self.store.add(Keys.beat(*r), 0) == counts[r]]
