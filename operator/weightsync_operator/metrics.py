@@ -1,7 +1,9 @@
 """The operator's figures for Prometheus: the jobs it sees by phase, its reconciles and those that
 ended in an error (or a retry), and the children it put back after someone deleted or changed
 them. Served on their own port (METRICS_PORT_ENV; the chart sets it) in the text exposition
-format, beside kopf's liveness endpoint.
+format, beside kopf's liveness endpoint. Each connection is answered on a thread of its own,
+which gives up on a client that sends nothing for READ_TIMEOUT seconds: idle connections
+cannot pile up threads.
 
 One registry for the operator's process, never prometheus_client's global default one (which
 would also show what kopf's libraries register). Labels stay bounded: a phase, never a job.
@@ -11,15 +13,34 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from weightsync.job.states import PENDING, PHASES  # a job's status.phase (status.py)
 
 METRICS_PORT_ENV = "WEIGHTSYNC_OPERATOR_METRICS_PORT"
 METRICS_PORT = 8081  # the chart's metrics.port
+READ_TIMEOUT = 10.0  # seconds a connection may send nothing before its thread closes it
+
+
+class _Handler(WSGIRequestHandler):
+    """One connection: closed once its client sends nothing for READ_TIMEOUT seconds; logs nothing."""
+
+    timeout = READ_TIMEOUT
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            pass  # an idle client: its connection closes, its thread ends
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the signature of the method it overrides
+        pass
 
 
 class OperatorMetrics:
@@ -59,12 +80,17 @@ class OperatorMetrics:
 
     def serve(self, host: str, port: int):
         """Answer scrapes on host:port from a thread of this process; returns the server."""
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            request_queue_size = 64  # connections the kernel holds until this server accepts them
+
         try:
-            server, _ = start_http_server(port, host, self.registry)
+            server = make_server(host, port, make_wsgi_app(self.registry), Server, handler_class=_Handler)
         except OSError as e:
             raise OSError(e.errno, f"the operator's metrics endpoint cannot listen on {host}:{port}: {e.strerror}"
                           + (f" (another process holds the port; set {METRICS_PORT_ENV} to another)"
                              if e.errno == errno.EADDRINUSE else "")) from None
+        threading.Thread(target=server.serve_forever, name="operator-metrics", daemon=True).start()
         return server
 
 

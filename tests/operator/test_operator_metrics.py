@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -67,6 +68,29 @@ def test_every_metric_has_its_type_and_jobs_are_counted_by_phase():
     assert value(families, "weightsync_operator_reconciles_total") == 3
     assert value(families, "weightsync_operator_reconcile_errors_total") == 1
     assert value(families, "weightsync_operator_children_repaired_total") == 2
+
+
+def test_an_idle_connection_is_closed_after_the_read_timeout_and_scrapes_go_on(monkeypatch):
+    monkeypatch.setattr(metrics._Handler, "timeout", 3.0)
+    port = free_port()
+    server = metrics.OperatorMetrics().serve("127.0.0.1", port)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(20)]  # they send nothing
+    try:
+        wait_for("a thread per idle connection", lambda: _handlers() >= 20, timeout=3, interval=0.05)
+        for s in idle:
+            assert s.recv(1) == b""  # the server closed it (within the socket's 30 s, or this raises)
+        wait_for("the idle connections' threads to end", lambda: _handlers() == 0, timeout=30)
+        assert "weightsync_operator_jobs" in scrape(port)
+    finally:
+        for s in idle:
+            s.close()
+        server.shutdown()
+        server.server_close()
+
+
+def _handlers() -> int:
+    """Threads answering a connection to a metrics server (socketserver names them so)."""
+    return sum(t.name.startswith("Thread-") and "process_request_thread" in t.name for t in threading.enumerate())
 
 
 def test_the_phases_counted_are_the_crds():
