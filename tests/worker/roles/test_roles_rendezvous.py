@@ -1,6 +1,7 @@
 """The rendezvous protocol through the controller's store, in one process: token proofs, the
 signed plan and endpoints, restarts and rejoins, failures, silent ranks and who is blamed, and the
 version schedule."""
+import dataclasses
 import json
 import threading
 import time
@@ -405,3 +406,25 @@ def test_trainers_that_publish_different_versions_fail_the_job_naming_them():
                                          r"version 1: every trainer rank must publish the same versions") as err:
         host.next_version(1)
     assert err.value.reason == "TrainersDisagree"
+
+
+def test_a_trainer_that_attached_another_model_is_the_rank_blamed_not_the_inference_rank():
+    from weightsync.model.build import build, layout_of, meta_layout
+    from weightsync.model.flat import LayoutMismatch
+    from weightsync.roles.controller import same_models
+
+    job = load_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "models"},
+                    "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                  "vocab_size": 64, "n_positions": 16}}}})
+    right = meta_layout(job.model).to_json()
+    other = dataclasses.replace(job.model, config={**job.model.config, "n_embd": 16})
+    wrong = layout_of(build(other, dtype="float32", device="meta", load_weights=False), job.model.dtype).to_json()
+    info = RankInfo("tcp")
+    with pytest.raises(LayoutMismatch) as err:
+        same_models(job, {("trainer", 0): Admission("t", wrong, info), ("inference", 0): Admission("i", right, info)})
+    assert str(err.value).startswith("trainer rank 0 holds another model than spec.model: tensor #0 differs: spec.model "), err
+    assert str(err.value).endswith("; attach the model spec.model describes, in spec.model.dtype")
+    with pytest.raises(LayoutMismatch, match=r"^inference rank 0 holds another model than spec\.model: .*; serve the"):
+        same_models(job, {("trainer", 0): Admission("t", right, info), ("inference", 0): Admission("i", wrong, info)})
+    assert same_models(job, {("trainer", 0): Admission("t", right, info), ("inference", 0): Admission("i", right, info)}) \
+        .to_json() == right

@@ -109,21 +109,22 @@ class FlatLayout:
         slots = [TensorSlot(name, tuple(shape), dtype, offset, nbytes) for name, shape, offset, nbytes in obj["slots"]]
         return cls(slots, obj["total_bytes"], dtype)
 
-    def check_matches(self, other: "FlatLayout", what: str = "the other rank") -> None:
-        """Raise LayoutMismatch naming the first tensor where `other` differs from this layout."""
+    def check_matches(self, other: "FlatLayout", what: str = "the other rank", here: str = "here") -> None:
+        """Raise LayoutMismatch naming the first tensor where `other` differs from this layout
+        (`here` names this one in the message)."""
         if self.dtype != other.dtype:
-            raise LayoutMismatch(f"dtype differs: {self.dtype} here, {other.dtype} on {what}")
+            raise LayoutMismatch(f"dtype differs: {self.dtype} {here}, {other.dtype} on {what}")
         for mine, theirs in zip(self.slots, other.slots):
             if mine != theirs:
-                raise LayoutMismatch(f"tensor #{self.slots.index(mine)} differs: here {_describe(mine)}, "
+                raise LayoutMismatch(f"tensor #{self.slots.index(mine)} differs: {here} {_describe(mine)}, "
                                      f"on {what} {_describe(theirs)}")
         if len(self.slots) != len(other.slots):
-            longer, where = (self, "here") if len(self.slots) > len(other.slots) else (other, f"on {what}")
+            longer, where = (self, here) if len(self.slots) > len(other.slots) else (other, f"on {what}")
             extra = longer.slots[min(len(self.slots), len(other.slots))]
-            raise LayoutMismatch(f"tensor count differs ({len(self.slots)} here, {len(other.slots)} on {what}); "
+            raise LayoutMismatch(f"tensor count differs ({len(self.slots)} {here}, {len(other.slots)} on {what}); "
                                  f"first extra one {where}: {_describe(extra)}")
         if self.total_bytes != other.total_bytes:
-            raise LayoutMismatch(f"total bytes differ: {self.total_bytes} here, {other.total_bytes} on {what}")
+            raise LayoutMismatch(f"total bytes differ: {self.total_bytes} {here}, {other.total_bytes} on {what}")
 
     @cached_property
     def slot_ends(self) -> list[int]:

@@ -23,9 +23,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, Job, WorkerContext, external_roles, reasons
 from weightsync.job.states import FAILED, SUCCEEDED
+from weightsync.model.build import meta_layout
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
@@ -355,12 +357,7 @@ def _phases(transfer: float, verify: float, loads: ServerLoads | None, applied: 
 
 def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):
     """The plan from the trainers' layout, after checking every rank agrees on layout and transport."""
-    reference = FlatLayout.from_json(admitted[(TRAINER, 0)].meta)
-    for (role, rank), admission in admitted.items():
-        try:
-            reference.check_matches(FlatLayout.from_json(admission.meta), what=who(role, rank))
-        except LayoutMismatch as e:
-            raise LayoutMismatch(f"{who(role, rank)} holds a different model than trainer rank 0: {e}") from None
+    reference = same_models(ctx.job, admitted)
     transports = {a.info.transport for a in admitted.values()}
     if len(transports) != 1:
         chosen = ", ".join(f"{who(role, rank)}: {a.info.transport} ({a.info.why})" for (role, rank), a in admitted.items())
@@ -387,6 +384,31 @@ def _plan(ctx: WorkerContext, admitted: dict[tuple[str, int], Admission]):
         raise JobFailed(f"{what} cannot be planned from what the trainer ranks hold: {e}",
                         reasons.RANKS_DISAGREE) from None
     return plan, transport
+
+
+def same_models(job: Job, admitted: Mapping[tuple[str, int], Admission]) -> FlatLayout:
+    """Trainer rank 0's layout, once every rank's matches it. Where one differs, LayoutMismatch
+    names the rank whose model is not spec.model's (the trainers' first: a trainer that attached
+    another model, not the inference rank that built spec.model, is the one to fix)."""
+    reference = FlatLayout.from_json(admitted[(TRAINER, 0)].meta)
+    for (role, rank), admission in admitted.items():
+        try:
+            reference.check_matches(FlatLayout.from_json(admission.meta), what=who(role, rank))
+        except LayoutMismatch as e:
+            differs = f"{who(role, rank)} holds a different model than trainer rank 0: {e}"
+            try:
+                spec = meta_layout(job.model)
+            except Exception as why:  # noqa: BLE001 - the blame cannot be narrowed; the mismatch still fails the job
+                raise LayoutMismatch(f"{differs} (spec.model cannot be built here to tell which is wrong: {why})") from None
+            for suspect in sorted(admitted, key=lambda r: (r[0] != TRAINER, r[1])):
+                try:
+                    spec.check_matches(FlatLayout.from_json(admitted[suspect].meta), what=who(*suspect), here="spec.model")
+                except LayoutMismatch as wrong:
+                    fix = "attach the model spec.model describes, in spec.model.dtype" if suspect[0] == TRAINER else \
+                        "serve the model spec.model describes, in spec.model.dtype"
+                    raise LayoutMismatch(f"{who(*suspect)} holds another model than spec.model: {wrong}; {fix}") from None
+            raise LayoutMismatch(differs) from None
+    return reference
 
 
 def _needs(layout, admitted: dict[tuple[str, int], Admission], rank: int):
