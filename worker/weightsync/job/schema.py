@@ -78,11 +78,18 @@ def schema_problems(node_schema: Mapping, obj: dict) -> list[str]:
     return [f"{path(e)}: {message(e)}" for e in errors] + not_finite(obj, "")
 
 
+INT64 = (-(2 ** 63), 2 ** 63 - 1)  # the integers the API server (and CEL) hold
+
+
 def not_finite(value: Any, where: str) -> list[str]:
-    """NaN and infinities, which pass every numeric bound (they compare false) and which JSON, and
-    so the API server, cannot carry: YAML's .nan and .inf, refused where a number is wanted."""
+    """Numbers the API server cannot carry, which would pass the schema's bounds here: NaN and
+    infinities (they compare false; YAML's .nan and .inf), and integers beyond 64 bits (the API
+    server's int64; CEL fails on them), refused wherever they stand."""
     if isinstance(value, float) and not math.isfinite(value):
         return [f"{where or '(root)'}: {value!r} is not a finite number"]
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+        shown = str(value) if value.bit_length() <= 128 else f"an integer of {value.bit_length()} bits"
+        return [f"{where or '(root)'}: {shown} does not fit in 64 bits (from {INT64[0]} to {INT64[1]})"]
     if isinstance(value, dict):
         return [p for k, v in value.items() for p in not_finite(v, f"{where}.{k}" if where else str(k))]
     if isinstance(value, list):
