@@ -157,6 +157,10 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
      "demo", "set spec.model.lora or spec.model.quantization, not both"),
     ({"training": {"learningRate": float("nan")}}, "demo", "spec.training.learningRate: nan is not a finite number"),
     ({"training": {"learningRate": float("inf")}}, "demo", "spec.training.learningRate: inf is not a finite number"),
+    ({"training": {"steps": 2 ** 63}}, "demo", "spec.training.steps: 9223372036854775808 does not fit in 64 bits (from "
+     "-9223372036854775808 to 9223372036854775807)"),
+    ({"model": {"config": {"model_type": "gpt2", "n_layer": -(10 ** 50)}}}, "demo",
+     "spec.model.config.n_layer: an integer of 167 bits does not fit in 64 bits"),
     ({}, "Demo", "metadata.name must start with a lowercase letter"),
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])
@@ -346,11 +350,30 @@ def test_a_job_file_whose_aliases_explode_is_refused_before_anything_expands_it(
     assert contract.load_job(path).spec["model"]["config"]["n_layer"] == 1
 
 
-def test_a_job_file_larger_than_an_object_can_be_is_refused(tmp_path):
+def test_a_job_file_larger_than_an_object_can_be_is_refused_without_reading_it_whole(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("# " + "x" * (1 << 20) + "\n")
-    with pytest.raises(contract.SpecError, match="characters; a job file is at most 1048576"):
+    with pytest.raises(contract.SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
         contract.load_job(path)
+    with open(path, "wb") as f:
+        f.truncate(1 << 40)  # a terabyte (sparse): read whole, it would not fit in memory
+    with pytest.raises(contract.SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
+        contract.load_job(path)
+    with pytest.raises(contract.SpecError) as err:  # endless, and no file
+        contract.load_job("/dev/zero")
+    assert str(err.value) == ("invalid WeightTransferJob: /dev/zero: not a regular file (a device or a socket); give "
+                              "the path of one WeightTransferJob YAML file")
+
+
+def test_an_integer_too_long_for_python_to_read_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata: {name: big}\n"
+                    f"spec: {{model: {{config: {{model_type: gpt2}}}}, training: {{steps: {'9' * 5000}}}}}\n")
+    with pytest.raises(contract.SpecError) as err:
+        contract.load_job(path)
+    assert str(err.value) == (f"invalid WeightTransferJob: {path}: holds an integer too long to read (Exceeds the limit "
+                              "(4300 digits) for integer string conversion: value has 5000 digits); a job's integers "
+                              "fit in 64 bits")
 
 
 def test_the_spec_a_pod_reads_keeps_strings_that_look_like_numbers(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+import stat
 from typing import Any
 
 import yaml
@@ -45,21 +45,9 @@ def dump_document(obj: Any) -> str:
 
 def read_document(path: str | os.PathLike, kind: str) -> Any:
     """The one YAML document of a file holding a `kind`, or a SpecError that says what is wrong
-    with the file: it is missing, too large or a directory, not YAML (with the line), aliased past
-    MAX_EXPANDED_NODES, or holds several documents."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise SpecError([f"{path}: no such file"]) from None
-    except IsADirectoryError:
-        raise SpecError([f"{path}: is a directory; give the path of one {kind} YAML file"]) from None
-    except UnicodeDecodeError:
-        raise SpecError([f"{path}: not a text file (YAML is UTF-8 text)"]) from None
-    except OSError as e:
-        raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
-    if len(text) > MAX_FILE_BYTES:
-        raise SpecError([f"{path}: {len(text)} characters; a job file is at most {MAX_FILE_BYTES} "
-                         "(as the API server takes an object)"])
+    with the file: it is missing, too large, a directory or a device, not YAML (with the line),
+    aliased past MAX_EXPANDED_NODES, or holds several documents."""
+    text = _read_bounded(path, kind)
     loader = KubectlLoader(text)
     try:
         documents = []
@@ -71,12 +59,45 @@ def read_document(path: str | os.PathLike, kind: str) -> Any:
                 documents.append(document)
     except yaml.YAMLError as e:
         raise SpecError([f"{path}: not valid YAML{_yaml_problem(e)}"]) from None
+    except SpecError:
+        raise
+    except ValueError as e:  # Python's bound on the digits of an integer it reads (sys.get_int_max_str_digits)
+        raise SpecError([f"{path}: holds an integer too long to read ({str(e).split(';')[0]}); a job's integers fit "
+                         "in 64 bits"]) from None
     finally:
         loader.dispose()
     if len(documents) != 1:
         raise SpecError([f"{path}: holds {len(documents)} YAML documents; put exactly one {kind} in the file"
                          + (" (weightsync runs one job at a time)" if documents else "")])
     return documents[0]
+
+
+def _read_bounded(path: str | os.PathLike, kind: str) -> str:
+    """The file's text, reading at most MAX_FILE_BYTES + 1 bytes of it (a larger file is refused
+    without reading the rest); a directory, a device or a socket is refused (a pipe, as a shell's
+    <(...) gives, is read within the same bound)."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if stat.S_ISDIR(mode):
+                raise SpecError([f"{path}: is a directory; give the path of one {kind} YAML file"])
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                raise SpecError([f"{path}: not a regular file (a device or a socket); give the path of one {kind} "
+                                 "YAML file"])
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise SpecError([f"{path}: no such file"]) from None
+    except IsADirectoryError:
+        raise SpecError([f"{path}: is a directory; give the path of one {kind} YAML file"]) from None
+    except OSError as e:
+        raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise SpecError([f"{path}: more than {MAX_FILE_BYTES} bytes; a job file is at most {MAX_FILE_BYTES} "
+                         "(as the API server takes an object)"])
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise SpecError([f"{path}: not a text file (YAML is UTF-8 text)"]) from None
 
 
 def _check_expanded(root: yaml.Node, path) -> None:
