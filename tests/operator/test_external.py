@@ -10,8 +10,7 @@ from weightsync import job as contract
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
 from weightsync.job.states import Condition
 from weightsync.job.join import Join, JoinEnv
-from weightsync_operator import render, status, tokens
-from weightsync_operator.handlers import jobs
+from weightsync_operator import reconcile, render, status, tokens
 
 TOKEN = tokens.derive(b"k" * 32, "0b5e2c3a-uid")
 EXTERNAL_TRAINERS = {"trainer": {"external": True, "replicas": 1, "procsPerPod": 2},
@@ -93,7 +92,7 @@ def test_the_join_secret_holds_the_three_variables_a_joiner_parses():
 
 def test_every_child_of_an_external_job_is_owned_by_it():
     j = job(EXTERNAL_TRAINERS)
-    owned = jobs.desired(j, body(j), "tcp", TOKEN, "worker:1", None)
+    owned = reconcile.desired(j, body(j), "tcp", TOKEN, "worker:1", None)
     join_secret = next(m for m in owned if m["metadata"]["name"] == "demo-join")
     assert join_secret["metadata"]["ownerReferences"] == [{
         "apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo", "uid": "0b5e2c3a-uid",
@@ -105,15 +104,15 @@ def test_a_changed_or_foreign_join_secret_is_put_back_and_the_right_one_is_left_
     j = job(EXTERNAL_TRAINERS)
     stored = body(j)
     right = render.join_secret(j, TOKEN)
-    assert not jobs.drifted(None, stored, right)
+    assert not reconcile.drifted(None, stored, right)
     for key, value in ((JoinEnv.TOKEN, "x" * 43), (JoinEnv.JOB_ID, "team-a/other"),
                        (JoinEnv.CONTROLLER, "elsewhere:29500")):
         changed = {**right, "data": {**right["data"], key: base64.b64encode(value.encode()).decode()}}
-        assert jobs.drifted(None, stored, changed), key
+        assert reconcile.drifted(None, stored, changed), key
     extra = {**right, "data": {**right["data"], "MORE": base64.b64encode(b"1").decode()}}
-    assert jobs.drifted(None, stored, extra)
+    assert reconcile.drifted(None, stored, extra)
     # The token Secret is still told apart by its own key.
-    assert not jobs.drifted(None, stored, render.secret(j, TOKEN))
+    assert not reconcile.drifted(None, stored, render.secret(j, TOKEN))
 
 
 def test_status_of_an_external_role_says_external_and_ready_waits_only_on_the_operators_pods():
@@ -144,10 +143,10 @@ def test_status_of_an_external_role_says_external_and_ready_waits_only_on_the_op
 
 def test_the_created_condition_names_the_external_ranks_and_their_secret():
     j = job(EXTERNAL_TRAINERS)
-    message = jobs.created_message(j, render.children(j, "tcp", TOKEN))
+    message = reconcile.created_message(j, render.children(j, "tcp", TOKEN))
     assert message == ("Service, Secrets (token, join), ConfigMap, ServiceAccount, Role, RoleBinding and 2 "
                        "StatefulSets (3 pods) match the job; no pods for the trainer ranks (external: your own "
                        "processes join with envFrom Secret demo-join)")
     plain = job({})
-    assert jobs.created_message(plain, render.children(plain, "tcp", TOKEN)) == (
+    assert reconcile.created_message(plain, render.children(plain, "tcp", TOKEN)) == (
         "Service, Secret, ConfigMap, ServiceAccount, Role, RoleBinding and 3 StatefulSets (3 pods) match the job")

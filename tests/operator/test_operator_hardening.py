@@ -11,8 +11,7 @@ import pytest
 from controlplane import wait_for
 
 from weightsync import job as contract
-from weightsync_operator import tokens
-from weightsync_operator.handlers import jobs
+from weightsync_operator import reconcile, tokens
 from weightsync_operator.kube import ApiError, Kube
 from weightsync_operator.render import DEFAULT_WORKER_IMAGE_ENV
 from weightsync_operator.report import Indexes
@@ -214,9 +213,9 @@ def test_a_namespace_being_deleted_is_not_reported_as_missing_rights(cluster, op
         # them back, as does this pass over the job (as it was before): both are refused.
         wait_for("children gone", lambda: not ns.children("late"))
         writes = []
-        monkeypatch.setattr(jobs, "report", lambda *args, **kwargs: writes.append(kwargs))
+        monkeypatch.setattr(reconcile, "report", lambda *args, **kwargs: writes.append(kwargs))
         memo = types.SimpleNamespace(kube=kube, token_key=tokens.load_key(kube))
-        jobs.reconcile_read(memo, obj, logging.getLogger(__name__), Indexes({}, {}, {}, {}))  # returns: no retry
+        reconcile.reconcile_read(memo, obj, logging.getLogger(__name__), Indexes({}, {}, {}, {}))  # returns: no retry
         assert writes == []  # no condition, no Event
         log = [line for line in operator.log_since_start().splitlines() if f"[{ns.name}/" in line]
         assert not [line for line in log if "ERROR" in line or "may not write" in line], log

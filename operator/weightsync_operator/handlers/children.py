@@ -7,25 +7,13 @@ from __future__ import annotations
 import kopf
 
 from weightsync.job import LABEL_JOB, LABEL_ROLE, ROLES
-from weightsync_operator.decisions import recorded
-from weightsync_operator.handlers.jobs import drifted, reconcile_job
+from weightsync_operator.reconcile import OWNED, of_a_role, owned_by_job, put_back
 from weightsync_operator.report import Indexes, report
 from weightsync_operator.status import pod_problem, restarts
 
-OWNED = {LABEL_JOB: kopf.PRESENT, LABEL_ROLE: kopf.PRESENT}
 # The children besides the StatefulSets: (group, version, plural).
 OTHER_CHILDREN = [("", "v1", "services"), ("", "v1", "secrets"), ("", "v1", "configmaps"), ("", "v1", "serviceaccounts"),
                   ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings")]
-
-
-def of_a_role(labels, **_) -> bool:
-    return labels.get(LABEL_ROLE) in ROLES
-
-
-def owned_by_job(body, labels, **_) -> bool:
-    """Controlled by the job its label names (not merely labelled like one)."""
-    return any(ref.get("kind") == "WeightTransferJob" and ref.get("controller") and ref.get("name") == labels.get(LABEL_JOB)
-               for ref in body.get("metadata", {}).get("ownerReferences") or [])
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=OWNED, when=of_a_role)
@@ -126,23 +114,3 @@ def child_changed(type, body, labels, memo: kopf.Memo, logger, **kwargs):  # noq
 
 for _group, _version, _plural in OTHER_CHILDREN:
     kopf.on.event(_group, _version, _plural, labels={LABEL_JOB: kopf.PRESENT}, when=owned_by_job)(child_changed)
-
-
-def put_back(memo: kopf.Memo, event, body, labels, logger, indexes: Indexes):
-    """A child was deleted, or changed so that it is not what its job wants: reconcile the job
-    (which creates or patches it, and says so in a condition and an Event)."""
-    if event not in ("MODIFIED", "DELETED") or not owned_by_job(body, labels):
-        return  # listed at start-up (resuming each job compares every child), or just created
-    namespace = body["metadata"]["namespace"]
-    job = memo.kube.get_job(namespace, labels[LABEL_JOB])
-    if job is None or job["metadata"].get("deletionTimestamp") or recorded(job) is None:
-        return  # gone, going, or its first pass (which creates every child) is under way
-    what = f"{body['kind']} {body['metadata']['name']}"
-    if event == "DELETED":
-        cause = f"{what} was deleted"
-    elif drifted(memo.kube, job, dict(body)):
-        cause = f"{what} was changed"
-    else:
-        return
-    logger.info(f"{cause}: putting it back")
-    reconcile_job(memo, job, logger, indexes, repairing=True)

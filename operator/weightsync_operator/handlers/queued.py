@@ -7,24 +7,15 @@ import kopf
 
 from weightsync.job import LABEL_JOB
 from weightsync_operator import queueing
-from weightsync_operator.decisions import recorded
-from weightsync_operator.handlers.children import OWNED, owned_by_job, of_a_role
-from weightsync_operator.handlers.jobs import load, reconcile_job
+from weightsync_operator.reconcile import OWNED, load, of_a_role, owned_by_job, queued_job, reconcile_job
 from weightsync_operator.report import Indexes
-
-
-def _job_to_reconcile(memo: kopf.Memo, namespace: str, name: str) -> dict | None:
-    job = memo.kube.get_job(namespace, name)
-    if job is None or job["metadata"].get("deletionTimestamp") or recorded(job) is None:
-        return None  # gone, going, or its first pass (which writes the Workload) is under way
-    return job if queueing.queue_name(job) else None
 
 
 @kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.PLURAL, labels={LABEL_JOB: kopf.PRESENT}, when=owned_by_job)
 def workload_changed(namespace, labels, memo: kopf.Memo, logger, **kwargs):
     """Admitted (the pods start on the assigned flavors), evicted (they go), deleted (written again,
     and the job waits for a new admission), finished: the job's handler does each."""
-    job = _job_to_reconcile(memo, namespace, labels[LABEL_JOB])
+    job = queued_job(memo, namespace, labels[LABEL_JOB])
     if job is not None:
         reconcile_job(memo, job, logger, Indexes.of(kwargs))
 
@@ -32,7 +23,7 @@ def workload_changed(namespace, labels, memo: kopf.Memo, logger, **kwargs):
 @kopf.on.event("", "v1", "pods", labels=OWNED, when=lambda **kw: kw.get("type") == "DELETED" and of_a_role(**kw))
 def pod_gone(namespace, labels, memo: kopf.Memo, logger, **kwargs):
     """An evicted job's quota goes back to Kueue only when its last pod is gone."""
-    job = _job_to_reconcile(memo, namespace, labels[LABEL_JOB])
+    job = queued_job(memo, namespace, labels[LABEL_JOB])
     if job is None:
         return
     queued = queueing.read(memo.kube, load(job), job)

@@ -9,7 +9,7 @@ import kopf
 
 from weightsync import job as contract
 from weightsync_operator import queueing, tokens
-from weightsync_operator.handlers.jobs import JobLocks
+from weightsync_operator.reconcile import JobLocks
 from weightsync_operator.kube import ApiError, Kube, load_client
 from weightsync_operator.metrics import METRICS, metrics_port
 
@@ -32,7 +32,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     memo.token_key = await asyncio.to_thread(tokens.load_key, memo.kube)
     memo.compared_statefulsets = {}  # uid -> what was compared last (handlers/children.py)
     memo.pod_restarts = {}  # pod uid -> the container restarts last reported (handlers/children.py)
-    memo.job_locks = JobLocks()  # one reconcile of a job at a time (handlers/jobs.py)
+    memo.job_locks = JobLocks()  # one reconcile of a job at a time (reconcile.py)
     try:  # a port that is taken or wrong stops the operator, saying so, rather than run it unmeasured
         memo.metrics_server = METRICS.serve("0.0.0.0", metrics_port())
     except (OSError, ValueError) as e:
