@@ -17,6 +17,7 @@ import shlex
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,16 @@ def test_weightsync_run_asks_for_join_env_exactly_when_a_role_is_external(tmp_pa
                                        "(spec.trainer.external, spec.inference.external), so no process of yours joins "
                                        "it; drop --join-env\n")
     assert not (tmp_path / "join.env").exists()
+    # a join file that cannot be written is refused before any pod starts or any folder is made
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    runs = set(Path(tempfile.gettempdir()).glob("weightsync-ext-*"))
+    for where, says in ((folder, f"{folder} is a folder; name the file to write the join variables to, such as "
+                                 f"{folder / 'join.env'}"),
+                        (Path("/dev/null"), "/dev/null is not a regular file (a device, a pipe or a socket); name a "
+                                            "file to write"),
+                        (external / "join.env", f"{external} is not a folder, so {external / 'join.env'} cannot be "
+                                                "written")):
+        assert cli.main(["run", str(external), "--join-env", str(where)]) == cli.EXIT_SPEC
+        assert capsys.readouterr().err == f"weightsync run: --join-env: {says}\n"
+    assert set(Path(tempfile.gettempdir()).glob("weightsync-ext-*")) == runs and list(folder.iterdir()) == []

@@ -38,6 +38,23 @@ def write_join_file(path: Path, values: dict[str, str]) -> None:
     os.replace(partial, path)
 
 
+def join_path_problem(path: Path) -> str | None:
+    """Why the join file cannot be written at `path` (a folder, a device, under a file or a
+    folder this user cannot write in), None if it can: said before anything starts."""
+    if path.is_dir():
+        return f"{path} is a folder; name the file to write the join variables to, such as {path / 'join.env'}"
+    if path.exists() and not path.is_file():
+        return f"{path} is not a regular file (a device, a pipe or a socket); name a file to write"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # the folders missing in between are made
+    if not folder.is_dir():
+        return f"{folder} is not a folder, so {path} cannot be written"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"this user cannot write in {folder}, so {path} cannot be written"
+    return None
+
+
 def how_to_join(job: Job, path: Path) -> str:
     """One line: what the user starts, and with what."""
     parts = []
@@ -82,7 +99,11 @@ class JoinOffer:
                          f"was not written (the controller's log: {self.controller_log})")
             return
         token = self.token_file.read_bytes().strip()
-        write_join_file(self.path, join_env(self.job, self.host, self.store_port, token))
+        try:
+            write_join_file(self.path, join_env(self.job, self.host, self.store_port, token))
+        except OSError as e:  # checked before the run (join_path_problem), changed since
+            self.say(f"{self.path} could not be written: {e.strerror}; no process of yours can join")
+            return
         self.written.set()
         self.say(how_to_join(self.job, self.path))
         self._echo_admission()

@@ -32,7 +32,7 @@ from typing import IO, Mapping
 from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, MASTER_PORTS, ROLES, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS,
                             TRAINER, Env, Job, dump_document,
                             PodSite, ValueFrom, external_roles, load_job, pod_env, states)
-from weightsync.local.external import JoinOffer
+from weightsync.local.external import JoinOffer, join_path_problem
 from weightsync.local import ports
 from weightsync.local.ports import LOOPBACK
 from weightsync.local.kubelet import Kubelet, Pod, tail
@@ -300,6 +300,9 @@ def check_join_env(job: Job, join_env: Path | None) -> None:
     if join_env is not None and not external:
         raise CannotRunHere(f"--join-env: job {job.name} has no external role (spec.trainer.external, "
                             "spec.inference.external), so no process of yours joins it; drop --join-env")
+    problem = None if join_env is None else join_path_problem(join_env)
+    if problem:
+        raise CannotRunHere(f"--join-env: {problem}")
 
 
 def note_pod_templates(job: Job, say) -> None:
