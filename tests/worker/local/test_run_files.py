@@ -1,18 +1,23 @@
 """What `weightsync run` writes before any pod starts: its run directory, named by an absolute
 path in every pod's environment (a relative --logs works wherever a pod's process runs), private
 to the user, and the job's token created with its final permissions, never readable by others for
-a moment. No process is started here."""
+a moment; the controller's metrics URL said only once it answers. No process is started here."""
 
 from __future__ import annotations
 
+import http.server
 import io
 import os
+import socket
 import stat
 import sys
+import threading
+import time
 
+from support import waits
 from support.jobs import make_job
 from weightsync.job import Env
-from weightsync.local.runner import LocalJob
+from weightsync.local.runner import LocalJob, say_once_up
 
 
 def test_a_relative_run_directory_is_made_absolute_and_private(tmp_path, monkeypatch):
@@ -47,3 +52,40 @@ def test_the_pods_find_this_environments_executables_first(tmp_path, monkeypatch
     local = LocalJob(make_job("path"), tmp_path / "run", progress=io.StringIO())
     for pod in local.pods:
         assert pod.env["PATH"].split(os.pathsep)[:3] == [os.path.dirname(sys.executable), "/usr/bin", "/bin"]
+
+
+def test_the_metrics_url_is_said_once_it_answers_not_before():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there until the server below
+    said, stop = [], threading.Event()
+    line = "metrics at {url}"
+    looking = threading.Thread(target=lambda: said.append((say_once_up(f"http://127.0.0.1:{port}/metrics", stop,
+                                                                       lambda m: said.append((m, time.monotonic())),
+                                                                       line))), daemon=True)
+    looking.start()
+    answered = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            answered.append(time.monotonic())
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    assert said == []  # nothing answers at that port yet
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        waits.until("the URL said", lambda: len(said) == 2, 30)
+        assert said[0][0] == f"metrics at http://127.0.0.1:{port}/metrics" and said[1] is True
+        assert answered and answered[0] <= said[0][1]
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    stop = threading.Event()
+    stop.set()  # the run ended before it answered: nothing is said
+    assert say_once_up(f"http://127.0.0.1:{port}/metrics", stop, said.append, line) is False and len(said) == 2

@@ -14,6 +14,7 @@ GB/s from those two, the trainers' mean loss over the last steps, and the pods t
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -24,7 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import IO, Mapping
 
@@ -46,6 +49,7 @@ from weightsync.transport.nccl import shared_gpu_env
 EXIT_TIMEOUT = 60.0  # seconds for every process to exit once the job has ended
 VLLM_PROBE_TIMEOUT = 180.0  # seconds to import vLLM in the Python that runs it
 STATUS_FILE = "status.json"  # in the run's directory: the job's status, as the controller reports it
+URL_POLL = 0.1  # seconds between two looks at whether the controller's metrics answer
 # The pod's environment decides these; the shell's values must not leak into a local pod.
 POD_OWNED_PREFIXES = ("WEIGHTSYNC_", "NCCL_", "GLOO_", "UCCL_", "KUBERNETES_", "KUBECONFIG", "PET_", "TORCHELASTIC_")
 
@@ -76,6 +80,7 @@ class LocalJob:
         self.transfers: list[dict] = []
         self.completion: dict | None = None
         check_join_env(job, join_env)
+        self._stopping = threading.Event()
         self.pods = self._pods()
         note_pod_templates(job, self.say)
         self.kubelet = Kubelet(self.pods, self.workdir, self.say)
@@ -178,7 +183,9 @@ class LocalJob:
     def start(self) -> None:
         (self.workdir / "logs").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.kubelet.start()
-        self.say(f"the controller's metrics for Prometheus: {self.metrics_url}")
+        threading.Thread(target=say_once_up, args=(self.metrics_url, self._stopping, self.say,
+                                                    "the controller's metrics for Prometheus: {url}"),
+                         name="metrics-url", daemon=True).start()
         if self.offer is not None:
             self.offer.start()
 
@@ -283,11 +290,25 @@ class LocalJob:
 
     def stop(self) -> None:
         """Stop every process this run started (whole process groups), then reap them."""
+        self._stopping.set()
         if self.offer is not None:
             self.offer.stop()
         self.kubelet.stop()
         ports.release(self.ports)
         self.ports = []
+
+
+def say_once_up(url: str, stop: threading.Event, say, line: str) -> bool:
+    """Say `line` (its {url} filled in) once `url` answers, not before: a user who copies it must
+    find it there. Looks every URL_POLL seconds until it answers (True) or `stop` is set (False)."""
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(url, timeout=max(URL_POLL, 1.0)):
+                say(line.format(url=url))
+                return True
+        except (OSError, http.client.HTTPException):  # not listening yet, or not answering as it will
+            stop.wait(URL_POLL)
+    return False
 
 
 def check_join_env(job: Job, join_env: Path | None) -> None:
