@@ -39,7 +39,7 @@ def test_point_at_makes_parameters_views_of_the_buffer_and_tied_weights_follow()
     for (_, p), v in zip(model.parameters(m), slots):
         v.copy_(p.detach())
     expected = model.logits(m, model.prompt(m))
-    model.point_at(m, slots)
+    model.point_at([p for _, p in model.parameters(m)], slots)
     assert torch.equal(model.logits(m, model.prompt(m)), expected)
     wte = m.transformer.wte.weight
     assert wte.data_ptr() == slots[0].data_ptr() and m.lm_head.weight.data_ptr() == slots[0].data_ptr()
@@ -51,7 +51,7 @@ def test_point_at_refuses_views_of_another_model():
     m = model.build(SPEC)
     other = model.build(Model(config={**CONFIG, "n_embd": 32}, dtype="float32"))
     with pytest.raises(ValueError, match="does not fit"):
-        model.point_at(m, [p for _, p in model.parameters(other)])
+        model.point_at([p for _, p in model.parameters(m)], [p for _, p in model.parameters(other)])
 
 
 def test_checkpoint_directory(tmp_path):

@@ -28,7 +28,8 @@ def test_generations_only_ever_see_whole_versions():
     weights, expected = versions_of(4)
     served = model.build(SPEC, dtype="bfloat16", seed=99, load_weights=False)
     layout = model.layout_of(served, "bfloat16")
-    gens = Generations(served, [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)], layout)
+    buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)]
+    gens = Generations([p for _, p in model.parameters(served)], buffers, layout)
 
     def receive():  # lands each version slowly, tensor by tensor, in the staging buffer
         for version, tensors in enumerate(weights):
@@ -60,7 +61,8 @@ def test_a_version_never_offered_is_never_used():
     weights, expected = versions_of(2)
     served = model.build(SPEC, dtype="bfloat16", seed=99, load_weights=False)
     layout = model.layout_of(served, "bfloat16")
-    gens = Generations(served, [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)], layout)
+    buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8) for _ in range(2)]
+    gens = Generations([p for _, p in model.parameters(served)], buffers, layout)
     for view, tensor in zip(views(gens.staging(), layout), weights[0]):
         view.copy_(tensor)
     offer = threading.Thread(target=gens.offer, args=(0,))

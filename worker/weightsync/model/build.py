@@ -61,10 +61,10 @@ def meta_layout(model: Model) -> FlatLayout:
     return layout_of(build(model, dtype="float32", device="meta", load_weights=False), model.dtype)
 
 
-def point_at(model: torch.nn.Module, views: list[torch.Tensor]) -> None:
-    """Make the model's parameters the given views (typed slices of one flat buffer, in version
-    order). Assigning .data keeps every Parameter object, so tied modules follow along."""
-    params = [p for _, p in parameters(model)]
+def point_at(params: list[torch.nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Make the parameters of a version (a model's, or its LoRA adapter's) the given views (typed
+    slices of one flat buffer, in version order). Assigning .data keeps every Parameter object, so
+    tied modules follow along."""
     if len(params) != len(views):
         raise ValueError(f"{len(views)} views for {len(params)} parameters")
     with torch.no_grad():

@@ -8,6 +8,9 @@ this rank sends from is its local tensors, each with the rows it holds (shards.H
 DTensor is never gathered here: only its local shard is read. Dim-0 shards may nest over several
 mesh dimensions (experts sharded by expert parallelism, then by FSDP2). Placements other than
 dim-0 shards and replicas (tensor-parallel shards on other dims, partial sums) are refused by name.
+
+A job whose versions are a LoRA adapter (spec.model.lora) sends the adapter's tensors alone, named
+and ordered as model/lora.py lays them out, read off the model's LoRA layers (PEFT's or ours).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.model.flat import FlatLayout
+from weightsync.model.lora import Adapter
 from weightsync.plan.holders import Holdings
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and FSDP1's wrapper; torch.compile's
@@ -41,15 +45,17 @@ class Sources:
     layout: FlatLayout
     holdings: Holdings | None
     device: torch.device
+    adapter: Adapter | None = None  # the versions are this LoRA adapter alone
 
     @property
     def starts(self) -> list[int] | None:
         return self.holdings.starts(self.layout) if self.holdings is not None else None
 
 
-def sources_of(model: torch.nn.Module, dtype: str) -> Sources:
-    """The version layout of `model`'s parameters cast to `dtype`, and what this rank holds."""
-    named = _named(model)
+def sources_of(model: torch.nn.Module, dtype: str, adapter: Adapter | None = None) -> Sources:
+    """The version layout of `model`'s parameters cast to `dtype` (of its LoRA adapter's alone,
+    with `adapter`), and what this rank holds."""
+    named = _named(model, adapter)
     if not named:
         raise ValueError("the model has no parameters to publish")
     layout = FlatLayout.from_shapes([(n, tuple(p.shape)) for n, p in named], dtype)
@@ -59,14 +65,14 @@ def sources_of(model: torch.nn.Module, dtype: str) -> Sources:
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices ({', '.join(sorted(map(str, devices)))}); "
                          "weightsync sends from one device per rank")
-    return Sources(layout, None if holdings.is_whole(layout) else holdings, devices.pop())
+    return Sources(layout, None if holdings.is_whole(layout) else holdings, devices.pop(), adapter)
 
 
 def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor]:
     """This rank's tensors of the version as they are now, in layout order: each whole tensor, or
     the local shard of each DTensor (no copy). Refuses a model that no longer matches `sources`
     (parameters replaced, or FSDP's unsharded parameters, inside its forward or backward)."""
-    named = _named(model)
+    named = _named(model, sources.adapter)
     names = [s.name for s in sources.layout.slots]
     if [n for n, _ in named] != names:
         raise ValueError("the model's parameters are not the ones weightsync.attach() saw: publish from the model attached")
@@ -87,7 +93,9 @@ def _rows(sources: Sources) -> tuple[tuple[int, int], ...]:
     return holdings.rows
 
 
-def _named(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+def _named(model: torch.nn.Module, adapter: Adapter | None = None) -> list[tuple[str, torch.nn.Parameter]]:
+    if adapter is not None:
+        return adapter.tensors(model)
     return [(version_name(n), p) for n, p in model.named_parameters()]
 
 

@@ -52,6 +52,7 @@ from weightsync.rendezvous.join import JoinError, joined_context
 from weightsync.rendezvous.messages import Round, SentReport
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Resuming, who
 from weightsync.publisher.sources import Sources, local_tensors, sources_of
+from weightsync.model.lora import Adapter
 from weightsync.transfer.send import SentVersion, VersionSender
 
 
@@ -98,7 +99,8 @@ class Sync:
         self.member.start_heartbeat()
         pause_point(TRAINER, rank, "joining", 0)  # its start counted, its heartbeat going, not joined yet
         try:
-            self.sources: Sources = sources_of(model, ctx.job.model.dtype)
+            adapter = Adapter.of(ctx.job.model) if ctx.job.model.lora is not None else None
+            self.sources: Sources = sources_of(model, ctx.job.model.dtype, adapter)
             device = self.sources.device
             name, why, self.sender = transport_for(ctx, self.member, TRAINER, rank, device)
             holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}
@@ -119,6 +121,8 @@ class Sync:
             self._fail(e)
             raise
         held = "its shards" if self.sources.holdings is not None else "its replica"
+        if adapter is not None:
+            held += f" (the LoRA adapter alone, rank {adapter.lora.rank} on {len(adapter.layers)} layers)"
         kept = f"; keeps the last {self.mover.kept_bytes} sent for delta versions" if self.mover.kept_bytes else ""
         log(self.me, f"attached on {device}, {name} transport ({why}); sends {sum(b.length for b in plan.buckets_of(rank))} "
                      f"of {plan.version_bytes} bytes per version, from {held}, to {len(endpoints)} inference ranks{kept}")

@@ -9,7 +9,9 @@ import traceback
 import torch
 
 from weightsync.job import INFERENCE, WorkerContext, states
-from weightsync.model.build import build, layout_of
+from weightsync.model.build import build, layout_of, parameters
+from weightsync.model.flat import FlatLayout, torch_dtype
+from weightsync.model.lora import Adapter, add_adapters
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
 from weightsync.runtime.inbound import StartAgain
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, linger, log, wait_for_the_end
@@ -79,13 +81,24 @@ def device_for(ctx: WorkerContext, role: str, local_rank: int):
 
 
 def serving_model(ctx: WorkerContext, member: Member, local_rank: int):
-    """An inference rank's start: its heartbeat, and (model, its version layout, device) of
-    spec.model in the job's dtype, evaluating, without weights worth keeping (versions replace
-    them)."""
+    """An inference rank's start: its heartbeat, and (model, its version layout, device, the
+    parameters versions replace) of spec.model in the job's dtype, evaluating, without weights
+    worth keeping (versions replace them). Where versions are a LoRA adapter (spec.model.lora) the
+    base weights are loaded (spec.model.path) or built as the trainers build them (spec.model.config
+    and spec.training.seed), and only the adapter's parameters are the version's."""
     job = ctx.job
     dtype = job.model.dtype
     device = device_for(ctx, INFERENCE, local_rank)
     member.start_heartbeat()
-    model = build(job.model, dtype=dtype, device=device, seed=job.training.seed, load_weights=False)
+    lora = job.model.lora
+    if lora is None:
+        model = build(job.model, dtype=dtype, device=device, seed=job.training.seed, load_weights=False)
+        model.eval()
+        return model, layout_of(model, dtype), device, [p for _, p in parameters(model)]
+    # the base as the trainers hold it: built in float32 from the seed (or loaded), then cast
+    model = build(job.model, dtype="float32", device=device, seed=job.training.seed).to(torch_dtype(dtype))
     model.eval()
-    return model, layout_of(model, dtype), device
+    adapter = Adapter.of(job.model)
+    add_adapters(model, lora)
+    params = adapter.tensors(model)
+    return model, FlatLayout.from_named_tensors(params, dtype), device, [p for _, p in params]

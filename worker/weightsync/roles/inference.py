@@ -1,6 +1,7 @@
 """An inference rank: generates with the latest verified weights, switching versions atomically.
 
-The model's parameters are views into one of two flat buffers. A background thread receives
+The model's parameters (or, where versions are a LoRA adapter, its adapter's: model/lora.py) are
+views into one of two flat buffers. A background thread receives
 each new version into the other one (staging) and verifies it; the generation loop switches the
 parameters to it between two generations. A model never runs on half-updated weights, and a
 version that fails verification is never switched to: the old one stays and the rank fails.
@@ -38,12 +39,12 @@ class Generations(GenerationHandover):
     the generation loop switches to it between generations, and only then does the staging
     buffer become the other one."""
 
-    def __init__(self, model, buffers: list, layout):
+    def __init__(self, params: list, buffers: list, layout):
         super().__init__()
-        self.model, self.buffers = model, buffers
+        self.params, self.buffers = params, buffers
         self.views = [views(b, layout) for b in buffers]
         self.active = 0
-        point_at(model, self.views[self.active])
+        point_at(params, self.views[self.active])
 
     def staging(self):
         return self.buffers[1 - self.active]
@@ -61,7 +62,7 @@ class Generations(GenerationHandover):
             if self.staged is None:
                 return None
             self.active = 1 - self.active
-            point_at(self.model, self.views[self.active])
+            point_at(self.params, self.views[self.active])
             self.version, self.staged = self.staged, None
             self.cond.notify_all()
             return self.version
@@ -75,9 +76,9 @@ class Inference:
 
     def run(self) -> str:
         member = self.member
-        model, layout, device = serving_model(self.ctx, member, self.local_rank)
+        model, layout, device, params = serving_model(self.ctx, member, self.local_rank)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        gens = Generations(model, buffers, layout)  # the weights the model was built with are dropped here
+        gens = Generations(params, buffers, layout)  # the weights the model was built with are dropped here
         name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
         endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
         pause_point(INFERENCE, self.rank, "joining", 0)  # its start counted, its model built, not joined yet

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from weightsync.job import TRAINER, WorkerContext, states
 from weightsync.model.build import build, check_fits, logits, parameters, prompt, train_step, vocab_size
 from weightsync.model.flat import torch_dtype
+from weightsync.model.lora import add_adapters
 from weightsync.model.markov import MarkovTokens, rank_generator
 from weightsync.publisher.sync import Sync, attach
 from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
@@ -58,10 +59,12 @@ class BuiltIn:
         device = device_for(self.ctx, TRAINER, self.local_rank)
         check_fits(job.model, training.seq_len)
         model = build(job.model, dtype="float32", device=device, seed=training.seed)
+        if job.model.lora is not None:  # train the adapter alone, as PEFT does: the base is frozen
+            add_adapters(model, job.model.lora)
         model.train()
         with attach(model, rank=self.rank, context=self.ctx) as sync:
             ddp = self._ddp(sync, model, device)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate)
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=training.learning_rate)
             data = MarkovTokens(vocab_size(model), training.seed)
             generator = rank_generator(training.seed, self.rank)
             step, losses = 0, []
