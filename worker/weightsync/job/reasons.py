@@ -61,6 +61,9 @@ NO_VERSIONS = _reason("NoVersions", "every trainer rank closed without publishin
 STORE_FULL = _reason("StoreFull", "the controller's rendezvous store reached one of its bounds (keys or bytes): a "
                      "rank of the job wrote more than a job needs")
 WORKERS_FAILED = _reason("WorkersFailed", "the job's controller reported a failure without a reason")
+CONTROLLER_ERROR = _reason("ControllerError", "the job's controller failed in a way it does not know: a bug in "
+                           "weightsync, not a mistake in the job (the message names the error; the controller's "
+                           "log has its traceback)")
 
 # ---------------------------------------------------------------- the operator's conditions
 

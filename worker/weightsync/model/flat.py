@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from weightsync.job import reasons
+from weightsync.job.errors import JobFailed
+
 if TYPE_CHECKING:
     import torch
 
@@ -24,8 +27,10 @@ ALIGN = 64
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
 
 
-class LayoutMismatch(ValueError):
+class LayoutMismatch(JobFailed, ValueError):
     """Two ranks disagree about the tensors of a version."""
+
+    reason = reasons.RANKS_DISAGREE
 
 
 def torch_dtype(name: str) -> "torch.dtype":

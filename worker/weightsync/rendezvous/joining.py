@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 from weightsync.job import INFERENCE, TRAINER, reasons
+from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
@@ -26,20 +27,17 @@ from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
 PROGRESS_EVERY = 5.0  # seconds between two lines, while the ranks join, about the ones still missing
 
 
-class RankFailed(RuntimeError):
+class RankFailed(JobFailed, RuntimeError):
     """A rank failed or went silent; the message names it, `reason` says how (job/reasons.py)."""
 
-    def __init__(self, message: str, reason: str = reasons.RANK_FAILED):
-        self.reason = reason
-        super().__init__(message)
+    reason = reasons.RANK_FAILED
 
 
 class TrainersRestart(RankFailed):
     """A trainer rank of a script that resumes from its checkpoint stopped (its process started
     again, or went silent): the trainers resume (resume.py); where they cannot, the job fails."""
 
-    def __init__(self, message: str):
-        super().__init__(message, reasons.TRAINER_RESTARTED)
+    reason = reasons.TRAINER_RESTARTED
 
 
 @dataclass(frozen=True)
@@ -156,7 +154,7 @@ class Joining:
                 host.say(progress(self.expected(), admitted, self.limits, now - start, notes))
             if now > deadline:
                 missing = [who(r, k) for r, k in self.expected() if (r, k) not in admitted]
-                raise TimeoutError(f"{len(missing)} ranks did not join within {self.timeout:.0f}s: {', '.join(missing[:6])}")
+                raise TimedOut(f"{len(missing)} ranks did not join within {self.timeout:.0f}s: {', '.join(missing[:6])}")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.1)
         return {r: got for r, got in admitted.items() if r in self.expected()}

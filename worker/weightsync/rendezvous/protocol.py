@@ -21,7 +21,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline
+from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
+from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.job.token import mac, same
 from weightsync.plan.sliced import plan_from_json
 from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
@@ -65,8 +66,10 @@ class Resuming(RuntimeError):
     process, of an earlier start, ends so that it starts again and resumes with the others."""
 
 
-class ProofError(RuntimeError):
+class ProofError(JobFailed, RuntimeError):
     """A rank or the controller could not prove it holds the job's token."""
+
+    reason = reasons.TOKEN_PROOF_FAILED
 
 
 def versions(job: Job) -> Iterator[tuple[int, int]]:
@@ -151,7 +154,7 @@ class Channel:
                     (f", {max(deadline - told, 0.0):.0f}s left)" if deadline is not None else ")"))
             if deadline is not None and time.monotonic() >= deadline:
                 missing = [k for k in keys if not self.store.check([k])]
-                raise TimeoutError(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
+                raise TimedOut(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
 
 
 class Keys:
@@ -400,7 +403,7 @@ class Member(Channel):
         while not taken():
             self.check_end()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout:.0f}s for the controller to take every trainer rank back")
+                raise TimedOut(f"waited {timeout:.0f}s for the controller to take every trainer rank back")
             try:  # RESUME is set once per resume, and this rank's start must be in it
                 self.wait([Keys.RESUME], "where the trainers resume", CHECK_EVERY, self.check_end)
             except TimeoutError:

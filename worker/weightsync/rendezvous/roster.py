@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Layout, reasons
+from weightsync.job.errors import TimedOut
 from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
@@ -283,7 +284,7 @@ class Host(Channel, Parking):
                 return got
             self.check_ranks(trainers=not self.resumable)  # sent: the round needs them no more
             if time.monotonic() - start > timeout:
-                raise TimeoutError(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
+                raise TimedOut(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
             time.sleep(pause)
             pause = min(pause * 1.5, 0.002)

@@ -20,12 +20,14 @@ server does not."""
 from __future__ import annotations
 
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, Job, WorkerContext, external_roles, reasons
+from weightsync.job.errors import JobFailed, failure_of
 from weightsync.job.states import FAILED, SUCCEEDED
 from weightsync.model.build import meta_layout
 from weightsync.model.flat import FlatLayout, LayoutMismatch
@@ -34,11 +36,11 @@ from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_jo
 from weightsync.plan.sliced import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
-from weightsync.rendezvous.protocol import HEARTBEAT, Keys, ProofError, update_proof, who
+from weightsync.rendezvous.protocol import HEARTBEAT, Keys, update_proof, who
 from weightsync.rendezvous.joining import TrainersRestart
 from weightsync.rendezvous.resume import resume
-from weightsync.rendezvous.roster import Deadline, Host, RankFailed
-from weightsync.rendezvous.store.table import StoreError, StoreFull
+from weightsync.rendezvous.roster import Deadline, Host
+from weightsync.rendezvous.store.table import StoreError
 from weightsync.roles.receivers import Receivers, counts, states
 from weightsync.roles.records import Reporter
 from weightsync.roles.scaling import ScaleWatch
@@ -70,14 +72,6 @@ class RoundDropped(RuntimeError):
     def __init__(self, rnd: Round, why: TrainersRestart):
         self.round, self.why = rnd, why
         super().__init__(f"{why}, while {rnd.name} was on its way")
-
-
-class JobFailed(RuntimeError):
-    """The job cannot go on; the message says why, `reason` how (job/reasons.py)."""
-
-    def __init__(self, message: str, reason: str):
-        self.reason = reason
-        super().__init__(message)
 
 
 def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
@@ -187,7 +181,7 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
             if _round(ctx, host, reporter, plan, rnd, transport, timeout)[1]:
                 _reached(reached, final, metrics)
         pause_point(CONTROLLER, 0, "delivered", final)
-    except (JobFailed, RankFailed, ProofError, LayoutMismatch, TimeoutError, ValueError, StoreError) as e:
+    except (JobFailed, TimeoutError, ValueError, StoreError) as e:  # a ValueError or StoreError of a bug too
         return _fail(ctx, host, reporter, e, len(reached), loss, watch)
     finally:
         if scale is not None:
@@ -463,11 +457,9 @@ def _check_rejoin(layout: FlatLayout, transport: str, needs, rank: int, meta: st
 
 def _fail(ctx: WorkerContext, host: Host, reporter: Reporter, error: Exception, delivered: int, loss,
           watch: Receivers) -> int:
-    message = str(error)
-    reason = getattr(error, "reason", None) or (reasons.STORE_FULL if isinstance(error, StoreFull) else
-                                                reasons.TIMED_OUT if isinstance(error, TimeoutError) else
-                                                reasons.TOKEN_PROOF_FAILED if isinstance(error, ProofError) else
-                                                reasons.RANKS_DISAGREE)
+    reason, message = failure_of(error)
+    if reason == reasons.CONTROLLER_ERROR:  # no failure of the job's: a bug, its traceback in the log
+        traceback.print_exception(error)
     log(ME, f"the job failed: {message}")
     watch.stop()
     try:

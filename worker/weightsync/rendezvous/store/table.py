@@ -10,6 +10,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+from weightsync.job import reasons
+from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.rendezvous.store.wire import as_bytes
 
 MAX_WAIT = 86400.0  # the longest a client may ask the server to wait for keys
@@ -17,19 +19,25 @@ KEY_OVERHEAD = 64  # bytes counted per key on top of its name and value (the tab
 
 
 class StoreError(RuntimeError):
-    """The store refused a request, or the connection to it failed (the message says which)."""
+    """The store refused a request, or the connection to it failed (the message says which). Not
+    a failure of the job by itself (the controller's own store failing is a bug); the kinds below
+    that are say why."""
 
 
-class StoreTimeout(StoreError, TimeoutError):
+class StoreTimeout(StoreError, TimedOut):
     """A deadline passed: keys not set in time, or a server that did not answer in time."""
 
 
-class StoreFull(StoreError):
+class StoreFull(StoreError, JobFailed):
     """A request would take the store over one of its bounds (Limits)."""
 
+    reason = reasons.STORE_FULL
 
-class StoreRefused(StoreError):
+
+class StoreRefused(StoreError, JobFailed):
     """The handshake failed: the client or the server does not hold the job's token."""
+
+    reason = reasons.TOKEN_PROOF_FAILED
 
 
 @dataclass(frozen=True)
