@@ -17,7 +17,7 @@ from weightsync.job import Layout, reasons
 from weightsync.rendezvous import protocol
 from weightsync.rendezvous.messages import Peer, Round
 from weightsync.rendezvous.protocol import Keys, Restarted
-from weightsync.rendezvous.roster import SERVING, WAITING, RankFailed
+from weightsync.rendezvous.roster import SERVING, WAITING, Deadline, RankFailed
 
 JOB = "default/joining"
 TWO = Layout(trainers=2, trainer_procs=1, inferences=2, inference_procs=1)
@@ -109,6 +109,32 @@ def test_a_trainer_silent_while_joining_fails_the_job_naming_it(host):
     with pytest.raises(RankFailed, match=r"^trainer rank 1 is silent: no heartbeat for \d+s while joining") as failed:
         host.admit(timeout=60)
     assert failed.value.reason == reasons.RANK_SILENT
+
+
+@pytest.mark.parametrize("host", [{"silent": 0.5}], indirect=True)
+def test_a_trainer_that_joined_then_went_silent_while_the_others_join_fails_the_job_naming_it(host):
+    """Not the rank still joining, at the join's deadline: the trainer, within its silence limit."""
+    dead = member(host, "trainer", 1)
+    dead.arrive()
+    dead.start_heartbeat()
+    join(dead, "127.0.0.1:1001")
+    dead.stop_heartbeat()  # killed once it joined: an external trainer's process is not started again
+    join(member(host, "trainer", 0), "127.0.0.1:1000")
+    join(member(host, "inference", 0), "127.0.0.1:2000")  # inference rank 1 still loads its model
+    with pytest.raises(RankFailed, match=r"^trainer rank 1 is silent: no heartbeat for \d+s after it joined, while the "
+                                         r"others join \(its process died") as failed:
+        host.admit(timeout=30)
+    assert failed.value.reason == reasons.RANK_SILENT
+
+
+def test_external_ranks_that_never_come_fail_the_job_by_name_at_their_deadline(host):
+    join(member(host, "trainer", 0), "127.0.0.1:1000")
+    deadline = Deadline(0.5, "spec.trainer.attachTimeoutSeconds", "RANK 0..1, WORLD_SIZE=2")
+    with pytest.raises(RankFailed) as failed:
+        host.admit(timeout=30, external={"trainer": deadline})
+    assert str(failed.value) == ("trainer rank 1 did not join within 0s (spec.trainer.attachTimeoutSeconds): start it with "
+                                 "the join variables (RANK 0..1, WORLD_SIZE=2)")
+    assert failed.value.reason == reasons.TIMED_OUT
 
 
 def test_a_joining_rank_says_what_it_waits_for_from_the_controller(host, monkeypatch):
