@@ -14,6 +14,7 @@ import torch
 from weightsync.job import Model, SpecError
 from weightsync.model.flat import FlatLayout, torch_dtype
 from weightsync.model.config import config_of
+from weightsync.model.quant import check_quantizable, dequantize, format_of, quantize_layout, quantized_names, scales_of
 
 # The fixed input inference ranks generate from, and that tests compare logits on.
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -52,19 +53,32 @@ def parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return list(model.named_parameters())
 
 
-def layout_of(model: torch.nn.Module, dtype: str) -> FlatLayout:
-    return FlatLayout.from_named_tensors(parameters(model), dtype)
+def layout_of(model: torch.nn.Module, dtype: str, quantization: str | None = None) -> FlatLayout:
+    """The version layout of `model`'s parameters in `dtype`, quantized as `quantization` says
+    (spec.model.quantization: the linear layers' weights and their scales, quant.py)."""
+    layout = FlatLayout.from_named_tensors(parameters(model), dtype)
+    fmt = format_of(quantization)
+    if fmt is None:
+        return layout
+    check_quantizable(model, fmt)
+    return quantize_layout(layout, quantized_names(model), fmt)
 
 
 def meta_layout(model: Model) -> FlatLayout:
     """The version layout of spec.model without allocating any weights (meta device)."""
-    return layout_of(build(model, dtype="float32", device="meta", load_weights=False), model.dtype)
+    return layout_of(build(model, dtype="float32", device="meta", load_weights=False), model.dtype, model.quantization)
 
 
-def point_at(params: list[torch.nn.Parameter], views: list[torch.Tensor]) -> None:
+def point_at(params: list[torch.nn.Parameter], views: list[torch.Tensor], layout: FlatLayout | None = None,
+             quantization: str | None = None) -> None:
     """Make the parameters of a version (a model's, or its LoRA adapter's) the given views (typed
     slices of one flat buffer, in version order). Assigning .data keeps every Parameter object, so
-    tied modules follow along."""
+    tied modules follow along. Of a quantized version (`layout` quantized as `quantization`), each
+    quantized weight becomes its weights dequantized (quant.dequantize) in its parameter's dtype;
+    the rest are views as ever."""
+    fmt = format_of(quantization)
+    if fmt is not None:
+        views = dequantized(layout, fmt, views, [p.dtype for p in params])
     if len(params) != len(views):
         raise ValueError(f"{len(views)} views for {len(params)} parameters")
     with torch.no_grad():
@@ -72,6 +86,23 @@ def point_at(params: list[torch.nn.Parameter], views: list[torch.Tensor]) -> Non
             if p.shape != v.shape or p.dtype != v.dtype:
                 raise ValueError(f"view {list(v.shape)} {v.dtype} does not fit parameter {list(p.shape)} {p.dtype}")
             p.data = v
+
+
+def dequantized(layout: FlatLayout, fmt, views: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """The unquantized tensors of a quantized version's views: each quantized weight dequantized
+    with its scales into its parameter's dtype (`dtypes`, in the unquantized order), the rest as
+    they are."""
+    scales = scales_of(layout, fmt)
+    by_name = dict(zip(layout.names, views))
+    skip = set(scales.values())
+    out = []
+    for slot, view in zip(layout.slots, views):
+        if slot.name in skip:
+            continue
+        if slot.name in scales:
+            view = dequantize(view, by_name[scales[slot.name]], fmt, dtypes[len(out)])
+        out.append(view)
+    return out
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from weightsync.job import Model, SpecError
 from weightsync.job.schema import choices, did_you_mean
 from weightsync.job.sizes import ALIASES, size_problems
+from weightsync.model.quant import VLLM_METHOD, format_of, quantization_config
 
 WHERE = "spec.model.config"
 # Shown first when model_type is unknown, where this transformers has them.
@@ -74,6 +75,16 @@ def served_config(model: Model, expert_parallel: tuple[int, ...] = ()):
         raise SpecError([f"spec.inference.vllm.expertParallel: {experts} experts do not split evenly over the "
                          f"{uneven[0]} tensor-parallel workers of a server: use a tensor-parallel size that divides "
                          f"{experts}"])
+    fmt = format_of(model.quantization)
+    if fmt is not None:
+        method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
+        if model.path is None:
+            config.quantization_config = quantization_config(fmt)
+        elif method != VLLM_METHOD[fmt.name]:
+            raise SpecError([f"spec.model.quantization {fmt.name}: spec.model.path ({model.path}/config.json) has "
+                             f"{'quantization_config ' + str(method) if method else 'no quantization_config'}, so vLLM "
+                             f"would not serve it as {fmt.name}: point spec.model.path at a checkpoint quantized as "
+                             f"{VLLM_METHOD[fmt.name]}, or give spec.model.config"])
     causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
     named = list(getattr(config, "architectures", None) or [])
     where = WHERE + ".architectures" if model.config is not None else f"spec.model.path ({model.path}/config.json)"

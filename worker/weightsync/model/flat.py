@@ -4,7 +4,9 @@ A version is one contiguous run of bytes: every tensor, cast to the job's dtype,
 aligned to ALIGN bytes, in the order the model lists its parameters (tied weights once). Padding
 between tensors is zero. The plan cuts this run into byte ranges; senders fill a range straight
 from the parameters (cast where needed), receivers land it straight in a staging buffer whose
-typed views become the inference model's parameters.
+typed views become the inference model's parameters. A quantized version (model/quant.py) holds
+int8 or float8 weights and their float32 scales beside the rest in the job's dtype: each slot says
+its own dtype.
 
 torch is imported lazily: the layout itself (and the plan built on it) needs no torch.
 """
@@ -24,7 +26,8 @@ if TYPE_CHECKING:
     import torch
 
 ALIGN = 64
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "int8": 1,
+            "float8_e4m3fn": 1}
 
 
 class LayoutMismatch(JobFailed, ValueError):
@@ -59,15 +62,18 @@ class FlatLayout:
     slots: list
     total_bytes: int
     dtype: str
+    """The version's dtype (spec.model.dtype): every slot's but a quantized version's weights and scales."""
 
     @classmethod
-    def from_shapes(cls, named_shapes: Iterable[tuple[str, Sequence[int]]], dtype: str, align: int = ALIGN) -> "FlatLayout":
-        if dtype not in ITEMSIZE:
-            raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(ITEMSIZE)}")
-        if align <= 0 or align % ITEMSIZE[dtype]:
-            raise ValueError(f"alignment {align} must be a positive multiple of the {dtype} item size")
+    def from_shapes(cls, named_shapes: Iterable[tuple], dtype: str, align: int = ALIGN) -> "FlatLayout":
+        """The layout of (name, shape) entries in `dtype`, or (name, shape, its own dtype)."""
         slots, offset, seen = [], 0, set()
-        for name, shape in named_shapes:
+        for name, shape, *own in named_shapes:
+            slot_dtype = own[0] if own else dtype
+            if slot_dtype not in ITEMSIZE:
+                raise ValueError(f"unsupported dtype {slot_dtype!r}; use one of {', '.join(ITEMSIZE)}")
+            if align <= 0 or align % ITEMSIZE[slot_dtype]:
+                raise ValueError(f"alignment {align} must be a positive multiple of the {slot_dtype} item size")
             if name in seen:
                 raise ValueError(f"tensor {name!r} is listed twice")
             seen.add(name)
@@ -75,9 +81,11 @@ class FlatLayout:
             numel = 1
             for d in shape:
                 numel *= d
-            nbytes = numel * ITEMSIZE[dtype]
-            slots.append(TensorSlot(name, shape, dtype, offset, nbytes))
+            nbytes = numel * ITEMSIZE[slot_dtype]
+            slots.append(TensorSlot(name, shape, slot_dtype, offset, nbytes))
             offset = _round_up(offset + nbytes, align)
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(ITEMSIZE)}")
         return cls(slots, offset, dtype)
 
     @classmethod
@@ -99,19 +107,32 @@ class FlatLayout:
         return [s.name for s in self.slots]
 
     @property
+    def itemsize(self) -> int:
+        """The smallest element of any slot: every slot's bytes are whole elements of it (the unit
+        cuts and delta encodings of the version's bytes take)."""
+        return min((ITEMSIZE[s.dtype] for s in self.slots), default=ITEMSIZE[self.dtype])
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some slot has a dtype other than the version's (a quantized version)."""
+        return any(s.dtype != self.dtype for s in self.slots)
+
+    @property
     def payload_bytes(self) -> int:
         """Bytes of tensor data, without padding."""
         return sum(s.nbytes for s in self.slots)
 
     def to_json(self) -> str:
         return json.dumps({"dtype": self.dtype, "total_bytes": self.total_bytes,
-                           "slots": [[s.name, list(s.shape), s.offset, s.nbytes] for s in self.slots]})
+                           "slots": [[s.name, list(s.shape), s.offset, s.nbytes, *([s.dtype] if s.dtype != self.dtype else [])]
+                                     for s in self.slots]})
 
     @classmethod
     def from_json(cls, text: str) -> "FlatLayout":
         obj = json.loads(text)
         dtype = obj["dtype"]
-        slots = [TensorSlot(name, tuple(shape), dtype, offset, nbytes) for name, shape, offset, nbytes in obj["slots"]]
+        slots = [TensorSlot(name, tuple(shape), own[0] if own else dtype, offset, nbytes)
+                 for name, shape, offset, nbytes, *own in obj["slots"]]
         return cls(slots, obj["total_bytes"], dtype)
 
     def check_matches(self, other: "FlatLayout", what: str = "the other rank", here: str = "here") -> None:
@@ -175,8 +196,7 @@ def views(buffer: "torch.Tensor", layout: FlatLayout) -> list["torch.Tensor"]:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout.total_bytes:
         raise ValueError(f"the buffer must be a 1-d uint8 tensor of at least {layout.total_bytes} bytes, "
                          f"got {buffer.dtype} {list(buffer.shape)}")
-    dtype = torch_dtype(layout.dtype)
-    return [buffer[s.offset:s.offset + s.nbytes].view(dtype).view(s.shape) for s in layout.slots]
+    return [buffer[s.offset:s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape) for s in layout.slots]
 
 
 def check_sources(layout: FlatLayout, sources: Sequence["torch.Tensor"], starts: Sequence[int] | None = None) -> None:
@@ -197,8 +217,8 @@ def check_sources(layout: FlatLayout, sources: Sequence["torch.Tensor"], starts:
 def can_send_in_place(layout: FlatLayout, sources: Sequence["torch.Tensor"]) -> bool:
     """True when every source already holds the layout's bytes (same dtype, contiguous, in host
     memory): ranges are then sent straight from the parameters with no copy at all."""
-    dtype = torch_dtype(layout.dtype)
-    return all(t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" for t in sources)
+    return all(t.dtype == torch_dtype(s.dtype) and t.is_contiguous() and t.device.type == "cpu"
+               for s, t in zip(layout.slots, sources))
 
 
 _ZEROS = memoryview(bytes(ALIGN))
@@ -210,11 +230,10 @@ def range_views(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: in
     (padding from a shared zero block). Only valid when can_send_in_place(layout, sources).
     `starts`: as for check_sources (a shard's bytes are only those it holds)."""
     out, pos = [], start
-    item = ITEMSIZE[layout.dtype]
     for i, slot, a, b in layout.overlapping(start, end):
         gap = slot.offset + a - pos
         out.extend(_zero_views(gap))
-        skip = starts[i] * item if starts is not None else 0
+        skip = starts[i] * ITEMSIZE[slot.dtype] if starts is not None else 0
         out.append(memoryview(byte_view(sources[i]).numpy())[a - skip:b - skip])
         pos = slot.offset + b
     out.extend(_zero_views(end - pos))
@@ -287,10 +306,9 @@ def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int
     `starts`: as for check_sources (a shard is read only where it holds the range)."""
     if dest.numel() != end - start:
         raise ValueError(f"destination holds {dest.numel()} bytes for a range of {end - start}")
-    dtype = torch_dtype(layout.dtype)
-    item = ITEMSIZE[layout.dtype]
     pos = start
     for i, slot, a, b in layout.overlapping(start, end):
+        dtype, item = torch_dtype(slot.dtype), ITEMSIZE[slot.dtype]
         lo = slot.offset + a - start
         if slot.offset + a > pos:
             dest[pos - start:lo].zero_()

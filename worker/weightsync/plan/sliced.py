@@ -41,7 +41,7 @@ from weightsync.plan.slices import Box, GlobalTensor, RankSlices, Slice, Slicing
 
 def global_tensors(layout: FlatLayout) -> tuple[GlobalTensor, ...]:
     """The version's tensors as the piece assignment names them (the layout's transfer dtype)."""
-    return tuple(GlobalTensor(s.name, s.shape, layout.dtype) for s in layout.slots)
+    return tuple(GlobalTensor(s.name, s.shape, s.dtype) for s in layout.slots)
 
 
 def rows_box(shape: Sequence[int], first: int, end: int) -> Box:

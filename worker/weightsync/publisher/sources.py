@@ -11,6 +11,10 @@ dim-0 shards and replicas (tensor-parallel shards on other dims, partial sums) a
 
 A job whose versions are a LoRA adapter (spec.model.lora) sends the adapter's tensors alone, named
 and ordered as model/lora.py lays them out, read off the model's LoRA layers (PEFT's or ours).
+
+A quantized version (spec.model.quantization) is made here, each rank quantizing the rows it holds
+on their device at every publish (model/quant.py): the layout is the quantized one, and a rank's
+rows of a weight's scales are those of the rows it holds.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from weightsync.model.flat import FlatLayout
 from weightsync.model.lora import Adapter
+from weightsync.model.quant import Format, check_quantizable, format_of, quantize_layout, quantized_names, quantized_tensors
 from weightsync.plan.holders import Holdings
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and FSDP1's wrapper; torch.compile's
@@ -46,26 +51,43 @@ class Sources:
     holdings: Holdings | None
     device: torch.device
     adapter: Adapter | None = None  # the versions are this LoRA adapter alone
+    base: FlatLayout | None = None
+    """Of a quantized version: the layout of the model's own parameters (`layout` is the quantized one)."""
+    fmt: Format | None = None
 
     @property
     def starts(self) -> list[int] | None:
         return self.holdings.starts(self.layout) if self.holdings is not None else None
 
 
-def sources_of(model: torch.nn.Module, dtype: str, adapter: Adapter | None = None) -> Sources:
+def sources_of(model: torch.nn.Module, dtype: str, adapter: Adapter | None = None,
+               quantization: str | None = None) -> Sources:
     """The version layout of `model`'s parameters cast to `dtype` (of its LoRA adapter's alone,
-    with `adapter`), and what this rank holds."""
+    with `adapter`; quantized as `quantization` says), and what this rank holds."""
     named = _named(model, adapter)
     if not named:
         raise ValueError("the model has no parameters to publish")
-    layout = FlatLayout.from_shapes([(n, tuple(p.shape)) for n, p in named], dtype)
+    layout = base = FlatLayout.from_shapes([(n, tuple(p.shape)) for n, p in named], dtype)
     rows = tuple(_rows_held(n, p) for n, p in named)
+    fmt = format_of(quantization)
+    if fmt is not None:
+        check_quantizable(model, fmt)
+        quantized = {version_name(n) for n in quantized_names(model)}
+        layout = quantize_layout(base, quantized, fmt)
+        held = {s.name: (s, r) for s, r in zip(base.slots, rows)}
+        rows = tuple(held[s.name][1] if s.name in held else _scale_rows(fmt, *held[s.name.removesuffix(fmt.scale_suffix)])
+                     for s in layout.slots)
     holdings = Holdings(rows)
     devices = {_local(p).device for _, p in named}
     if len(devices) > 1:
         raise ValueError(f"the model's parameters are on several devices ({', '.join(sorted(map(str, devices)))}); "
                          "weightsync sends from one device per rank")
-    return Sources(layout, None if holdings.is_whole(layout) else holdings, devices.pop(), adapter)
+    return Sources(layout, None if holdings.is_whole(layout) else holdings, devices.pop(), adapter,
+                   base if fmt is not None else None, fmt)
+
+
+def _scale_rows(fmt: Format, weight, rows: tuple[int, int]) -> tuple[int, int]:
+    return fmt.scale_rows(weight.name, weight.shape, *rows)
 
 
 def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor]:
@@ -73,11 +95,13 @@ def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor
     the local shard of each DTensor (no copy). Refuses a model that no longer matches `sources`
     (parameters replaced, or FSDP's unsharded parameters, inside its forward or backward)."""
     named = _named(model, sources.adapter)
-    names = [s.name for s in sources.layout.slots]
-    if [n for n, _ in named] != names:
+    own = sources.base or sources.layout
+    if [n for n, _ in named] != own.names:
         raise ValueError("the model's parameters are not the ones weightsync.attach() saw: publish from the model attached")
     out = []
-    for (name, p), (first, end), slot in zip(named, _rows(sources), sources.layout.slots):
+    held = dict(zip(sources.layout.names, _rows(sources)))
+    for (name, p), slot in zip(named, own.slots):
+        first, end = held[name]
         local = _local(p).detach()
         rows = local.shape[0] if local.dim() else 1
         if tuple(p.shape) != slot.shape or rows != end - first:
@@ -85,7 +109,7 @@ def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor
                              f"held of {list(p.shape)}); with FSDP publish between optimizer steps, "
                              "not inside forward or backward")
         out.append(local)
-    return out
+    return out if sources.fmt is None else quantized_tensors(sources.layout, sources.fmt, out)
 
 
 def _rows(sources: Sources) -> tuple[tuple[int, int], ...]:

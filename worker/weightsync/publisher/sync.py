@@ -100,7 +100,7 @@ class Sync:
         pause_point(TRAINER, rank, "joining", 0)  # its start counted, its heartbeat going, not joined yet
         try:
             adapter = Adapter.of(ctx.job.model) if ctx.job.model.lora is not None else None
-            self.sources: Sources = sources_of(model, ctx.job.model.dtype, adapter)
+            self.sources: Sources = sources_of(model, ctx.job.model.dtype, adapter, ctx.job.model.quantization)
             device = self.sources.device
             name, why, self.sender = transport_for(ctx, self.member, TRAINER, rank, device)
             holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}

@@ -94,7 +94,7 @@ def serving_model(ctx: WorkerContext, member: Member, local_rank: int):
     if lora is None:
         model = build(job.model, dtype=dtype, device=device, seed=job.training.seed, load_weights=False)
         model.eval()
-        return model, layout_of(model, dtype), device, [p for _, p in parameters(model)]
+        return model, layout_of(model, dtype, job.model.quantization), device, [p for _, p in parameters(model)]
     # the base as the trainers hold it: built in float32 from the seed (or loaded), then cast
     model = build(job.model, dtype="float32", device=device, seed=job.training.seed).to(torch_dtype(dtype))
     model.eval()

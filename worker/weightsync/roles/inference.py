@@ -39,12 +39,16 @@ class Generations(GenerationHandover):
     the generation loop switches to it between generations, and only then does the staging
     buffer become the other one."""
 
-    def __init__(self, params: list, buffers: list, layout):
+    def __init__(self, params: list, buffers: list, layout, quantization: str | None = None):
         super().__init__()
-        self.params, self.buffers = params, buffers
+        self.params, self.buffers, self.layout, self.quantization = params, buffers, layout, quantization
         self.views = [views(b, layout) for b in buffers]
         self.active = 0
-        point_at(params, self.views[self.active])
+        self._point()
+
+    def _point(self) -> None:
+        """The parameters onto the active buffer (a quantized version's weights dequantized from it)."""
+        point_at(self.params, self.views[self.active], self.layout, self.quantization)
 
     def staging(self):
         return self.buffers[1 - self.active]
@@ -62,7 +66,7 @@ class Generations(GenerationHandover):
             if self.staged is None:
                 return None
             self.active = 1 - self.active
-            point_at(self.params, self.views[self.active])
+            self._point()
             self.version, self.staged = self.staged, None
             self.cond.notify_all()
             return self.version
@@ -78,7 +82,8 @@ class Inference:
         member = self.member
         model, layout, device, params = serving_model(self.ctx, member, self.local_rank)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        gens = Generations(params, buffers, layout)  # the weights the model was built with are dropped here
+        # the weights the model was built with are dropped here
+        gens = Generations(params, buffers, layout, self.ctx.job.model.quantization)
         name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
         endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
         pause_point(INFERENCE, self.rank, "joining", 0)  # its start counted, its model built, not joined yet

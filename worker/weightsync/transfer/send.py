@@ -138,7 +138,7 @@ class VersionSender:
         self.peers = list(range(plan.inferences))
         self.cast_threads = cast_threads
         self.buffers: list | None = None
-        self.last = LastSent(self.buckets, flat.ITEMSIZE[plan.layout.dtype], delta_threads) if delta else None
+        self.last = LastSent(self.buckets, plan.layout.itemsize, delta_threads) if delta else None
         # Tests only: tamper(version, chunk) may change a chunk of a send buffer after it was
         # hashed and before it goes out, as a bad link would (runtime/faults.py tamper_hook).
         self.tamper = tamper

@@ -18,7 +18,9 @@ version that failed verification is never staged, so it cannot be loaded; an
 update call that names a version other than the staged one, or that does not prove the job token,
 changes nothing: every check is done before the reload starts. A load that fails part-way (which
 a verified version of the declared layout does not) fails the job naming the server.
-Online-quantized models are refused at init.
+A quantized job's versions (spec.model.quantization) are the quantized checkpoint's tensors, weights
+and scales, which the same reload loads and processes for vLLM's quantized kernels; a server that
+quantizes otherwise (or online) than the job says is refused at init.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from weightsync.job import INFERENCE
 from weightsync.job.token import same
 from weightsync.model.flat import torch_dtype, views
+from weightsync.model.quant import VLLM_METHOD, format_of
 from weightsync.plan.sliced import LocalLayout, needs_everything, needs_to_json
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.model.build import meta_layout
@@ -73,13 +76,17 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.init_transfer_engine(WeightsyncInitInfo())
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        if getattr(self.model_config, "quantization", None):
-            raise ValueError(f"the weightsync backend loads unquantized weights in place; this server quantizes "
-                             f"them ({self.model_config.quantization}): serve the model unquantized")
         if getattr(self, "place", None) is not None and self.place.external:  # joined as vLLM built it
             raise RuntimeError(f"{self.me} joined job {self.ctx.job.identity} when its server started: there is "
                                "nothing to initialize")
         self.place = place_of(self.parallel_config, self.model_config)
+        served = getattr(self.model_config, "quantization", None)
+        fmt = format_of(self.place.ctx.job.model.quantization)
+        if served != (VLLM_METHOD[fmt.name] if fmt is not None else None):
+            wanted = f"spec.model.quantization {fmt.name} ({VLLM_METHOD[fmt.name]})" if fmt else "unquantized weights"
+            raise ValueError(f"the weightsync backend loads the job's {wanted} in place; this server "
+                             f"{'quantizes them as ' + served if served else 'serves them unquantized'}: serve the job's "
+                             "model as spec.model says")
         ctx = self.ctx = self.place.ctx
         local_rank = self.parallel_config.rank
         self.rank = self.place.rank
