@@ -8,13 +8,15 @@ tensors of a weight version; flat.FlatLayout turns them into byte offsets.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
 from weightsync.job import Model, SpecError
 from weightsync.model.flat import FlatLayout, torch_dtype
 from weightsync.model.config import config_of
-from weightsync.model.quant import check_quantizable, dequantize, format_of, quantize_layout, quantized_names, scales_of
+from weightsync.model.quant import (check_quantizable, dequantize, format_of, quantize, quantize_layout, quantized_names,
+                                    scales_of)
 
 # The fixed input inference ranks generate from, and that tests compare logits on.
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -103,6 +105,22 @@ def dequantized(layout: FlatLayout, fmt, views: list[torch.Tensor], dtypes: list
             view = dequantize(view, by_name[scales[slot.name]], fmt, dtypes[len(out)])
         out.append(view)
     return out
+
+
+def as_served(model: torch.nn.Module, dtype: str, quantization: str | None = None) -> torch.nn.Module:
+    """A copy of `model` as inference ranks serve a version of it: cast to `dtype`, its quantized
+    weights (spec.model.quantization) quantized from `model`'s own and dequantized as the
+    built-in engine loads them (the tests' dumps compare with it)."""
+    cast = copy.deepcopy(model).to(torch_dtype(dtype))
+    fmt = format_of(quantization)
+    if fmt is not None:
+        names = quantized_names(model)
+        own = dict(parameters(model))
+        with torch.no_grad():
+            for name, param in parameters(cast):
+                if name in names:
+                    param.data = dequantize(*quantize(own[name], fmt), fmt, param.dtype)
+    return cast
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ trainer API (weightsync.publisher.sync) exactly as a user's own training script 
 
 from __future__ import annotations
 
-import copy
 import datetime
 import traceback
 
@@ -13,8 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync.job import TRAINER, WorkerContext, states
-from weightsync.model.build import build, check_fits, logits, parameters, prompt, train_step, vocab_size
-from weightsync.model.flat import torch_dtype
+from weightsync.model.build import as_served, build, check_fits, logits, parameters, prompt, train_step, vocab_size
 from weightsync.model.lora import add_adapters
 from weightsync.model.markov import MarkovTokens, rank_generator
 from weightsync.publisher.sync import Sync, attach
@@ -106,6 +104,6 @@ class BuiltIn:
         return total.item() / dist.get_world_size()
 
     def _dump(self, model, version: int, dtype: str, device) -> None:
-        cast = copy.deepcopy(model).to(torch_dtype(dtype))
+        cast = as_served(model, dtype, self.ctx.job.model.quantization)
         tensors = {n: p.detach().cpu() for n, p in parameters(cast)}
         dump(TRAINER, self.rank, version, tensors, logits(cast, prompt(cast, device)).cpu())

@@ -15,8 +15,10 @@ sets it in its own processes or through LocalJob's extra environment.
                  tests/worker/publisher/test_trainer_api.py,
                  tests/worker/vllm_backend/test_vllm_engine.py).
   CORRUPT_ENV    tamper_hook(): trainer ranks flip a byte of a version after hashing it, as a bad
-                 link would (tests/worker/transport/test_transport_p2p.py through
-                 tests/support/transfer_peer.py, tests/worker/vllm_backend/test_vllm_engine.py).
+                 link would ("V": the first byte a rank sends of version V; "V@B": the version's
+                 byte B) (tests/worker/transport/test_transport_p2p.py through
+                 tests/support/transfer_peer.py, tests/worker/vllm_backend/test_vllm_engine.py,
+                 tests/worker/local/test_quantized_job.py).
   IDLE_ENV       generating(): the built-in engines generate nothing between versions
                  (`weightsync bench --fsdp`, bench/shards.py).
 
@@ -81,10 +83,20 @@ def tamper_hook():
         return None
     flipped: set[int] = set()
 
-    def tamper(v: int, chunk: memoryview) -> None:
-        if v == int(version) and v not in flipped and len(chunk):
+    version, _, byte = version.partition("@")
+
+    def tamper(v: int, chunk: memoryview, at: int | None = None) -> None:
+        """Flip the chunk's first byte, or with "VERSION@BYTE" the version's byte BYTE where the
+        chunk holds it (`at`: the version's byte at the chunk's start, None where unknown)."""
+        if v != int(version) or v in flipped or not len(chunk):
+            return
+        if not byte:
             chunk[0] ^= 0xFF
-            flipped.add(v)
+        elif at is not None and at <= int(byte) < at + len(chunk):
+            chunk[int(byte) - at] ^= 0xFF
+        else:
+            return
+        flipped.add(v)
 
     return tamper
 

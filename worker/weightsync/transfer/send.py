@@ -122,7 +122,7 @@ class VersionSender:
 
     def __init__(self, sender: Sender, plan: TransferPlan, trainer_rank: int, bucket_bytes: int | None = None,
                  depth: int = 2, cast_threads: int = 1, delta: bool = False, delta_threads: int = 2,
-                 starts: Sequence[int] | None = None, tamper: Callable[[int, memoryview], None] | None = None):
+                 starts: Sequence[int] | None = None, tamper: Callable[..., None] | None = None):
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
         if delta and not (sender.capabilities.patches and sender.capabilities.buffer_device == "cpu"):
@@ -256,8 +256,8 @@ class VersionSender:
             a = 0
             for b in packer.steps(bucket, data):
                 h.update(view[a:b])
-                if self.tamper is not None:
-                    self.tamper(self.version, view[a:b])
+                if self.tamper is not None:  # the version's byte at a, where the bucket is one run of it
+                    self.tamper(self.version, view[a:b], None if getattr(bucket, "parts", None) else bucket.offset + a)
                 filling.advance(b)
                 if each is not None:
                     each(a, b)
