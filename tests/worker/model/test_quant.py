@@ -145,7 +145,7 @@ def test_a_quantized_version_carries_the_linear_weights_and_their_scales_in_abou
     assert 0.5 < sum(s.nbytes for s in layout.slots if s.name in scales_of(layout, f) or s.name.endswith(f.scale_suffix)) \
         / linear < 0.52
     # the version's bytes are the quantized tensors' own, and the built-in engine loads their dequantization
-    sources = sources_of(model, "bfloat16", fmt)
+    sources = sources_of(model, "bfloat16", quantization=fmt)
     assert sources.layout == layout and sources.holdings is None
     tensors = local_tensors(model, sources)
     buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8)
