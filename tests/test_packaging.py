@@ -8,10 +8,10 @@ import importlib.util
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from support.dockerfiles import DOCKERFILES, ROOT, exec_form, installed_extras, instructions
 

@@ -38,8 +38,16 @@ from string import Template
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "cluster"))
 import images as images_mod  # noqa: E402
-from controlplane import (GPU_RESOURCE, KWOK_ANNOTATION, ControlPlane, die_with_parent, find_binaries,  # noqa: E402
-                          free_ports, stop_group, wait_for)
+from controlplane import (  # noqa: E402
+    GPU_RESOURCE,
+    KWOK_ANNOTATION,
+    ControlPlane,
+    die_with_parent,
+    find_binaries,
+    free_ports,
+    stop_group,
+    wait_for,
+)
 
 NODE_NAME = "node-0"
 BRIDGE = "ws-cni0"

@@ -11,15 +11,22 @@ from typing import Mapping
 
 import kopf
 
-from weightsync import job as contract
-from weightsync.job import reasons
+from weightsync.job import (
+    ANNOTATION_NETWORK_MODE,
+    ANNOTATION_NETWORK_REASON,
+    ANNOTATION_TOKEN_SHA256,
+    ANNOTATION_WORKER_IMAGE,
+    TOKEN_KEY,
+    Job,
+    reasons,
+)
+from weightsync.job.states import Condition
 from weightsync_operator import network, render, tokens
 from weightsync_operator.kube import Kube
-from weightsync.job.states import Condition
 from weightsync_operator.status import condition
 
-DECISIONS = (contract.ANNOTATION_NETWORK_MODE, contract.ANNOTATION_NETWORK_REASON,
-             contract.ANNOTATION_WORKER_IMAGE, contract.ANNOTATION_TOKEN_SHA256)
+DECISIONS = (ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON,
+             ANNOTATION_WORKER_IMAGE, ANNOTATION_TOKEN_SHA256)
 
 
 @dataclass(frozen=True)
@@ -44,16 +51,16 @@ def recorded(obj: Mapping) -> dict[str, str] | None:
     return {k: annotations[k] for k in DECISIONS}
 
 
-def recorded_mode(job: contract.Job, decisions: Mapping[str, str]) -> str:
+def recorded_mode(job: Job, decisions: Mapping[str, str]) -> str:
     """A job that names its mode gets that mode, whatever its annotations say."""
     requested = job.network.mode
-    mode = requested if requested != "auto" else decisions[contract.ANNOTATION_NETWORK_MODE]
+    mode = requested if requested != "auto" else decisions[ANNOTATION_NETWORK_MODE]
     if mode not in render.MODES:
-        raise kopf.PermanentError(f"annotation {contract.ANNOTATION_NETWORK_MODE} must be rdma or tcp, not {mode!r}")
+        raise kopf.PermanentError(f"annotation {ANNOTATION_NETWORK_MODE} must be rdma or tcp, not {mode!r}")
     return mode
 
 
-def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> Decisions:
+def decide(kube: Kube, key: bytes, job: Job, obj: Mapping, write) -> Decisions:
     """The job's decisions: read back from its annotations, or (its first pass) made and recorded.
     `write` reports the network chosen. TokenLost when no token the operator has is the job's."""
     stored = stored_token(kube, job)
@@ -61,14 +68,14 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
     done = recorded(obj)
     if done is not None:
         token = next((t for t in (stored, derived)
-                      if t and tokens.fingerprint(t) == done[contract.ANNOTATION_TOKEN_SHA256]), None)
+                      if t and tokens.fingerprint(t) == done[ANNOTATION_TOKEN_SHA256]), None)
         if token is None:
             raise TokenLost(
                 f"Secret {job.secret_name} was deleted or changed and the job's token cannot be restored (the "
                 f"operator's token key is not the one the job was created with): running ranks hold a token that "
                 f"no new pod would get; delete the job and create it again")
-        return Decisions(recorded_mode(job, done), done[contract.ANNOTATION_NETWORK_REASON],
-                         done[contract.ANNOTATION_WORKER_IMAGE], token)
+        return Decisions(recorded_mode(job, done), done[ANNOTATION_NETWORK_REASON],
+                         done[ANNOTATION_WORKER_IMAGE], token)
 
     requested = job.network.mode
     earlier = (obj.get("status") or {}).get("network") or {}
@@ -80,10 +87,10 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
     # A job whose Secret exists already (created by an earlier operator version) keeps its token.
     decisions = Decisions(mode, reason, render.default_worker_image(), stored or derived)
     kube.annotate_job(job.namespace, job.name, {
-        contract.ANNOTATION_NETWORK_MODE: decisions.mode,
-        contract.ANNOTATION_NETWORK_REASON: decisions.reason,
-        contract.ANNOTATION_WORKER_IMAGE: decisions.image,
-        contract.ANNOTATION_TOKEN_SHA256: tokens.fingerprint(decisions.token),
+        ANNOTATION_NETWORK_MODE: decisions.mode,
+        ANNOTATION_NETWORK_REASON: decisions.reason,
+        ANNOTATION_WORKER_IMAGE: decisions.image,
+        ANNOTATION_TOKEN_SHA256: tokens.fingerprint(decisions.token),
     })
     why = reasons.REQUESTED if requested != "auto" else (reasons.RDMA_NODE_FOUND if mode == "rdma" else
                                                          reasons.NO_RDMA_NODE)
@@ -91,9 +98,9 @@ def decide(kube: Kube, key: bytes, job: contract.Job, obj: Mapping, write) -> De
     return decisions
 
 
-def stored_token(kube: Kube, job: contract.Job) -> str | None:
+def stored_token(kube: Kube, job: Job) -> str | None:
     stored = kube.get("v1", "Secret", job.namespace, job.secret_name)
-    value = ((stored or {}).get("data") or {}).get(contract.TOKEN_KEY)
+    value = ((stored or {}).get("data") or {}).get(TOKEN_KEY)
     return base64.b64decode(value).decode(errors="replace") if value else None
 
 

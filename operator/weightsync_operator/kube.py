@@ -10,7 +10,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, PLURAL
 
 FIELD_MANAGER = "weightsync-operator"
 # kind -> plural, for every kind the operator reads or writes.
@@ -18,7 +18,7 @@ PLURALS = {
     "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
     "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
     "StatefulSet": "statefulsets", "Node": "nodes", "Namespace": "namespaces", "Pod": "pods",
-    contract.KIND: contract.PLURAL,
+    KIND: PLURAL,
     # Kueue's (kueue.x-k8s.io), for the jobs it admits
     "Workload": "workloads", "ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
 }
@@ -140,10 +140,10 @@ class Kube:
         return stored is None or (stored.get("status") or {}).get("phase") == "Terminating"
 
     def get_job(self, namespace: str, name: str) -> dict | None:
-        return self.get(contract.API_VERSION, contract.KIND, namespace, name)
+        return self.get(API_VERSION, KIND, namespace, name)
 
     def annotate_job(self, namespace: str, name: str, annotations: Mapping[str, str]) -> dict:
-        return self.request("PATCH", path(contract.API_VERSION, contract.KIND, namespace, name),
+        return self.request("PATCH", path(API_VERSION, KIND, namespace, name),
                             {"metadata": {"annotations": dict(annotations)}}, content_type="application/merge-patch+json")
 
     def patch_job_status(self, namespace: str, name: str, status: Mapping, resource_version: str | None = None) -> dict:
@@ -152,7 +152,7 @@ class Kube:
         body: dict = {"status": dict(status)}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
-        return self.request("PATCH", path(contract.API_VERSION, contract.KIND, namespace, name) + "/status", body,
+        return self.request("PATCH", path(API_VERSION, KIND, namespace, name) + "/status", body,
                             content_type="application/merge-patch+json")
 
 

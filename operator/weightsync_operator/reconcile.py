@@ -14,8 +14,23 @@ from typing import Callable, Mapping
 
 import kopf
 
-from weightsync import job as contract
-from weightsync.job import LABEL_JOB, LABEL_ROLE, ROLES, join, reasons, states
+from weightsync.job import (
+    ANNOTATION_TOKEN_SHA256,
+    ANNOTATION_WORKER_IMAGE,
+    API_VERSION,
+    KIND,
+    LABEL_JOB,
+    LABEL_ROLE,
+    ROLES,
+    STORE_PORT,
+    TOKEN_KEY,
+    Job,
+    SpecError,
+    join,
+    load_job,
+    reasons,
+    states,
+)
 from weightsync.job.states import Condition
 from weightsync_operator import queueing, render, tokens
 from weightsync_operator.decisions import TokenLost, decide, recorded, recorded_mode
@@ -101,14 +116,14 @@ def reconcile_read(memo: kopf.Memo, obj: Mapping, logger, indexes: Indexes, repa
         raise kopf.TemporaryError(message, delay=30) from e
 
 
-def load(obj: Mapping) -> contract.Job:
+def load(obj: Mapping) -> Job:
     meta = obj["metadata"]
-    return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+    return load_job({"apiVersion": API_VERSION, "kind": KIND,
                               "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
                               "spec": copy.deepcopy(dict(obj["spec"]))})
 
 
-def standing(job: contract.Job, obj: Mapping, queued: queueing.Admission | None) -> dict:
+def standing(job: Job, obj: Mapping, queued: queueing.Admission | None) -> dict:
     """Where the job stands, as rendering needs it: stopped (its controller reported completion,
     it is suspended, or its Kueue queue has not admitted it), running, and where an admission
     puts each role's pods."""
@@ -119,7 +134,7 @@ def standing(job: contract.Job, obj: Mapping, queued: queueing.Admission | None)
             "placements": queued.placements if queued else {}}
 
 
-def desired(job: contract.Job, obj: Mapping, mode: str, token: str, image: str,
+def desired(job: Job, obj: Mapping, mode: str, token: str, image: str,
             queued: queueing.Admission | None) -> list[dict]:
     """Every child as the job wants it now, owned by the job."""
     manifests = render.children(job, mode, token, image=image, **standing(job, obj, queued))
@@ -131,7 +146,7 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     namespace = obj["metadata"]["namespace"]
     try:
         job = load(obj)
-    except contract.SpecError as e:
+    except SpecError as e:
         write(set_conditions=[condition(Condition.CHILDREN_CREATED, False, reasons.INVALID_SPEC, str(e))])
         raise kopf.PermanentError(str(e)) from None
 
@@ -184,13 +199,13 @@ def ensure_children(kube: Kube, key: bytes, obj: Mapping, write: Callable, logge
     write(set_conditions=conditions, observed_generation=obj["metadata"].get("generation"))
 
 
-def admit(kube: Kube, job: contract.Job, obj: Mapping, decisions, write) -> queueing.Admission | None:
+def admit(kube: Kube, job: Job, obj: Mapping, decisions, write) -> queueing.Admission | None:
     """A job that names a Kueue queue: its Workload written, and where it stands (queueing.py).
     A cluster without Kueue leaves the job waiting, its Admitted condition saying so."""
     if not queueing.queue_name(obj):
         return None
     templates = {r: render.pod_template(job, r, decisions.mode, decisions.image)
-                 for r in contract.ROLES if r not in join.external_roles(job)}
+                 for r in ROLES if r not in join.external_roles(job)}
     try:
         return queueing.gate(kube, job, obj, templates, lambda m: kopf.adopt(m, owner=obj), now())
     except ApiError as e:
@@ -202,7 +217,7 @@ def admit(kube: Kube, job: contract.Job, obj: Mapping, decisions, write) -> queu
         raise kopf.TemporaryError(message, delay=30) from None
 
 
-def created_message(job: contract.Job, manifests: list[dict]) -> str:
+def created_message(job: Job, manifests: list[dict]) -> str:
     """What ChildrenCreated says once every child is there: the kinds, the StatefulSets with their
     pods, and the roles whose processes the user starts (which have none)."""
     sets = [m for m in manifests if m["kind"] == "StatefulSet"]
@@ -223,18 +238,18 @@ def drifted(kube: Kube, obj: Mapping, child: Mapping) -> bool:
     done = recorded(obj)
     try:
         job = load(obj)
-    except contract.SpecError:
+    except SpecError:
         return False  # the job's own handler says why
     if child["kind"] == "Secret" and child["metadata"]["name"] == job.join_secret_name:
-        return join_secret_drifted(job, child, done[contract.ANNOTATION_TOKEN_SHA256])
+        return join_secret_drifted(job, child, done[ANNOTATION_TOKEN_SHA256])
     if child["kind"] == "Secret":
-        value = (child.get("data") or {}).get(contract.TOKEN_KEY) or ""
-        return tokens.fingerprint(base64.b64decode(value).decode(errors="replace")) != done[contract.ANNOTATION_TOKEN_SHA256]
-    mode, image = recorded_mode(job, done), done[contract.ANNOTATION_WORKER_IMAGE]
+        value = (child.get("data") or {}).get(TOKEN_KEY) or ""
+        return tokens.fingerprint(base64.b64decode(value).decode(errors="replace")) != done[ANNOTATION_TOKEN_SHA256]
+    mode, image = recorded_mode(job, done), done[ANNOTATION_WORKER_IMAGE]
     if child["kind"] == "StatefulSet":
         # The one StatefulSet (they change often; the rest rarely): rendered alone.
-        role = (child["metadata"].get("labels") or {}).get(contract.LABEL_ROLE)
-        if role not in contract.ROLES or role in join.external_roles(job):
+        role = (child["metadata"].get("labels") or {}).get(LABEL_ROLE)
+        if role not in ROLES or role in join.external_roles(job):
             return False  # not a role's, or one the job runs no pods of (the job's handler renders none)
         queued = queueing.read(kube, job, obj)
         wanted = [render.statefulset(job, role, mode, image=image, **placed(standing(job, obj, queued), role))]
@@ -254,14 +269,14 @@ def placed(where: Mapping, role: str) -> dict:
     return {"stopped": where["stopped"], "running": where["running"], "placement": where["placements"].get(role)}
 
 
-def join_secret_drifted(job: contract.Job, child: Mapping, token_sha256: str) -> bool:
+def join_secret_drifted(job: Job, child: Mapping, token_sha256: str) -> bool:
     """Whether a stored join Secret differs from what the job wants: other keys, another
     controller address or job id, or a token that is not the job's (known by its fingerprint:
     the handler of a child's change holds no token)."""
     if not join.external_roles(job):
         return False  # left from a spec that had an external role: nothing to put back
     stored = {k: base64.b64decode(v).decode(errors="replace") for k, v in (child.get("data") or {}).items()}
-    wanted = join.join_env(job, job.controller_host, contract.STORE_PORT, b"")
+    wanted = join.join_env(job, job.controller_host, STORE_PORT, b"")
     token = stored.pop(join.JoinEnv.TOKEN, "")
     del wanted[join.JoinEnv.TOKEN]
     return stored != wanted or tokens.fingerprint(token) != token_sha256 or child.get("type", "Opaque") != "Opaque"
@@ -287,7 +302,7 @@ def refused(write, what: str, e: ApiError):
     raise kopf.TemporaryError(str(e), delay=10)
 
 
-def missing_pull_secrets(kube: Kube, job: contract.Job) -> list[str]:
+def missing_pull_secrets(kube: Kube, job: Job) -> list[str]:
     return [n for n in job.image_pull_secrets if kube.get("v1", "Secret", job.namespace, n) is None]
 
 

@@ -11,14 +11,46 @@ import os
 from typing import Mapping
 
 import weightsync
-from weightsync import job as contract
-from weightsync.job import CONTROLLER, ROLES, Job, ValueFrom
+from weightsync.job import (
+    CONTROLLER,
+    DATA_PORT,
+    GROUP,
+    HEALTH_PORT,
+    INFERENCE,
+    LIVENESS,
+    MASTER_PORT,
+    PLURAL,
+    POD_INDEX_LABEL,
+    READINESS,
+    ROLES,
+    SHM_MOUNT,
+    SPEC_KEY,
+    SPEC_MOUNT,
+    STARTUP,
+    STORE_PORT,
+    TMP_MOUNT,
+    TOKEN_KEY,
+    TOKEN_MOUNT,
+    TRAINER,
+    WORKER_UID,
+    WRITABLE_ENV,
+    Job,
+    PodSite,
+    PodTemplate,
+    Probe,
+    SpecError,
+    ValueFrom,
+    dump_document,
+    master_addr,
+    pod_env,
+    pod_template_problems,
+)
 from weightsync.job.join import external_roles, join_env
 from weightsync_operator.queueing import Placement
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
-SPEC_HASH_ANNOTATION = f"{contract.GROUP}/spec-hash"
+SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 CONTAINER = "worker"
 HEALTH_PORT_NAME = "health"
 METRICS_PATH = "/metrics"  # served beside the probes (weightsync.runtime.health): the pod's Prometheus metrics
@@ -72,7 +104,7 @@ def _meta(job: Job, name: str, role: str | None = None) -> dict:
 
 def spec_document(job: Job) -> str:
     """The ConfigMap content: the defaulted job, as the workers load it."""
-    return contract.dump_document(job.to_object())
+    return dump_document(job.to_object())
 
 
 def service(job: Job) -> dict:
@@ -87,8 +119,8 @@ def service(job: Job) -> dict:
             "publishNotReadyAddresses": True,
             "selector": job.labels(),
             "ports": [
-                {"name": "store", "port": contract.STORE_PORT, "targetPort": contract.STORE_PORT, "protocol": "TCP"},
-                {"name": "data", "port": contract.DATA_PORT, "targetPort": contract.DATA_PORT, "protocol": "TCP"},
+                {"name": "store", "port": STORE_PORT, "targetPort": STORE_PORT, "protocol": "TCP"},
+                {"name": "data", "port": DATA_PORT, "targetPort": DATA_PORT, "protocol": "TCP"},
             ],
         },
     }
@@ -100,9 +132,9 @@ def vllm_service(job: Job) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, job.vllm_service_name, contract.INFERENCE),
+        "metadata": _meta(job, job.vllm_service_name, INFERENCE),
         "spec": {
-            "selector": job.labels(contract.INFERENCE),
+            "selector": job.labels(INFERENCE),
             "ports": [{"name": VLLM_PORT_NAME, "port": job.inference.vllm.port, "targetPort": VLLM_PORT_NAME, "protocol": "TCP"}],
         },
     }
@@ -114,7 +146,7 @@ def secret(job: Job, token: str) -> dict:
         "kind": "Secret",
         "metadata": _meta(job, job.secret_name),
         "type": "Opaque",
-        "data": {contract.TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
@@ -123,7 +155,7 @@ def join_secret(job: Job, token: str) -> dict:
     for `envFrom: [{secretRef: {name: <job>-join}}]`: the controller's store at the address the
     job's own pods dial (its pod's name under the job's headless Service, which resolves for any
     pod of the cluster), the job's identity and its token, the token Secret's own."""
-    values = join_env(job, job.controller_host, contract.STORE_PORT, token.encode())
+    values = join_env(job, job.controller_host, STORE_PORT, token.encode())
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -138,7 +170,7 @@ def configmap(job: Job) -> dict:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(job, job.configmap_name),
-        "data": {contract.SPEC_KEY: spec_document(job)},
+        "data": {SPEC_KEY: spec_document(job)},
     }
 
 
@@ -158,9 +190,9 @@ def role(job: Job) -> dict:
         "kind": "Role",
         "metadata": _meta(job, job.service_account_name, CONTROLLER),
         "rules": [
-            {"apiGroups": [contract.GROUP], "resources": [contract.PLURAL],
+            {"apiGroups": [GROUP], "resources": [PLURAL],
              "resourceNames": [job.name], "verbs": ["get"]},
-            {"apiGroups": [contract.GROUP], "resources": [f"{contract.PLURAL}/status"],
+            {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"],
              "resourceNames": [job.name], "verbs": ["get", "patch"]},
         ],
     }
@@ -214,10 +246,10 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         raise ValueError(f"network mode must be resolved to one of {MODES} before rendering, not {mode!r}")
     pods = job.pods(role)
     template = pods.pod_template
-    problems = contract.pod_template_problems(job.spec[role].get("podTemplate"), job.spec[role],
-                                              job.trainer.env if role == contract.TRAINER else {})
+    problems = pod_template_problems(job.spec[role].get("podTemplate"), job.spec[role],
+                                              job.trainer.env if role == TRAINER else {})
     if problems:
-        raise contract.SpecError([f"spec.{role}.{p}" for p in problems])
+        raise SpecError([f"spec.{role}.{p}" for p in problems])
     worker = role != CONTROLLER
     rdma = worker and mode == "rdma"
     host_network = on_host_network(job, role, mode)
@@ -229,16 +261,16 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         {"name": "tmp", "emptyDir": {}},
     ]
     mounts = [
-        {"name": "spec", "mountPath": contract.SPEC_MOUNT, "readOnly": True},
-        {"name": "token", "mountPath": contract.TOKEN_MOUNT, "readOnly": True},
-        {"name": "tmp", "mountPath": contract.TMP_MOUNT},
+        {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
+        {"name": "token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+        {"name": "tmp", "mountPath": TMP_MOUNT},
     ]
     # RDMA registers pinned buffers, and NCCL (and vLLM, between its server, engine and workers)
     # moves data between the processes of one pod through /dev/shm; the container runtime's
     # default /dev/shm is 64 MiB.
-    if rdma or (worker and procs > 1) or (role == contract.INFERENCE and job.inference.runs_vllm):
+    if rdma or (worker and procs > 1) or (role == INFERENCE and job.inference.runs_vllm):
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        mounts.append({"name": "dshm", "mountPath": contract.SHM_MOUNT})
+        mounts.append({"name": "dshm", "mountPath": SHM_MOUNT})
     volumes += [copy.deepcopy(dict(v)) for v in template.volumes]
     mounts += [copy.deepcopy(dict(m)) for m in template.volume_mounts]
 
@@ -253,9 +285,9 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
         "securityContext": container_security(rdma),
     }
     if not host_network:
-        container["startupProbe"] = probe(contract.STARTUP)
-        container["livenessProbe"] = probe(contract.LIVENESS)
-        container["readinessProbe"] = probe(contract.READINESS)
+        container["startupProbe"] = probe(STARTUP)
+        container["livenessProbe"] = probe(LIVENESS)
+        container["readinessProbe"] = probe(READINESS)
     if template.env_from:
         container["envFrom"] = copy.deepcopy(list(template.env_from))
     res = resources(job, role, mode)
@@ -290,14 +322,14 @@ def pod_template(job: Job, role: str, mode: str, image: str | None = None) -> di
     if rdma and job.network.rdma.networks:
         annotations[MULTUS_ANNOTATION] = job.network.rdma.networks
     if not host_network:  # where the pod serves its metrics, for a Prometheus that discovers pods by annotation
-        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.HEALTH_PORT),
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(HEALTH_PORT),
                             "prometheus.io/path": METRICS_PATH})
     return {"metadata": {"labels": {**template.labels, **job.labels(role)}, "annotations": annotations}, "spec": pod}
 
 
-def with_template_env(base: list[dict], template: contract.PodTemplate) -> list[dict]:
+def with_template_env(base: list[dict], template: PodTemplate) -> list[dict]:
     """The job's variables, then the podTemplate's: one that names a default of the job's
-    (contract.WRITABLE_ENV: HOME, HF_HOME, the caches) takes its place; the others, which the CRD
+    (WRITABLE_ENV: HOME, HF_HOME, the caches) takes its place; the others, which the CRD
     keeps clear of the job's names, follow in the template's order."""
     env = {var["name"]: var for var in base}
     for var in template.env:
@@ -330,7 +362,7 @@ def spec_hash(job: Job) -> str:
                                for c in template.get("containers") or () if set(c) & {"env", "envFrom", "volumeMounts"}]}
         if any(read.values()):
             section["podTemplate"] = {"spec": {k: v for k, v in read.items() if v}}
-    return hashlib.sha256(contract.dump_document(spec).encode()).hexdigest()[:16]
+    return hashlib.sha256(dump_document(spec).encode()).hexdigest()[:16]
 
 
 def pod_security(rdma: bool) -> dict:
@@ -340,38 +372,38 @@ def pod_security(rdma: bool) -> dict:
     root (Kubernetes gives a non-root user no ambient capabilities), so those pods run as root."""
     if rdma:
         return {"runAsUser": 0, "runAsGroup": 0, "seccompProfile": {"type": "RuntimeDefault"}}
-    return {"runAsNonRoot": True, "runAsUser": contract.WORKER_UID, "runAsGroup": contract.WORKER_UID,
-            "fsGroup": contract.WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+    return {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def container_security(rdma: bool) -> dict:
     """No capability but IPC_LOCK for RDMA, no privilege escalation, and a read-only root
-    filesystem: the worker writes only under /tmp (contract.WRITABLE_ENV)."""
+    filesystem: the worker writes only under /tmp (WRITABLE_ENV)."""
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if rdma else {})}}
 
 
 def env(job: Job, role: str, mode: str) -> list[dict]:
-    """The pod's environment (contract.pod_env), as its template gives it: one template for every
+    """The pod's environment (pod_env), as its template gives it: one template for every
     pod of the role, so each learns its ordinal, name and address through the downward API."""
-    site = contract.PodSite(
+    site = PodSite(
         namespace=ValueFrom.field("metadata.namespace"),
-        ordinal=ValueFrom.field(f"metadata.labels['{contract.POD_INDEX_LABEL}']"),
+        ordinal=ValueFrom.field(f"metadata.labels['{POD_INDEX_LABEL}']"),
         pod_name=ValueFrom.field("metadata.name"),
         pod_ip=ValueFrom.field("status.podIP"),
         controller_host=job.controller_host,
-        store_port=contract.STORE_PORT,
-        data_port=contract.DATA_PORT,
-        health_port=0 if on_host_network(job, role, mode) else contract.HEALTH_PORT,
-        spec_file=f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}",
-        token_file=f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}",
-        master_addr=contract.master_addr(job),
-        master_port=contract.MASTER_PORT,
+        store_port=STORE_PORT,
+        data_port=DATA_PORT,
+        health_port=0 if on_host_network(job, role, mode) else HEALTH_PORT,
+        spec_file=f"{SPEC_MOUNT}/{SPEC_KEY}",
+        token_file=f"{TOKEN_MOUNT}/{TOKEN_KEY}",
+        master_addr=master_addr(job),
+        master_port=MASTER_PORT,
         report_to_kubernetes=True,
-        writable=contract.WRITABLE_ENV,
+        writable=WRITABLE_ENV,
     )
     return [{"name": name, "valueFrom": copy.deepcopy(dict(value.source))} if isinstance(value, ValueFrom)
-            else {"name": name, "value": value} for name, value in contract.pod_env(job, role, mode, site).items()]
+            else {"name": name, "value": value} for name, value in pod_env(job, role, mode, site).items()]
 
 
 def on_host_network(job: Job, role: str, mode: str) -> bool:
@@ -382,20 +414,20 @@ def on_host_network(job: Job, role: str, mode: str) -> bool:
 
 
 def ports(job: Job, role: str, health: bool = True) -> list[dict]:
-    health = [{"name": HEALTH_PORT_NAME, "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}] if health else []
+    health = [{"name": HEALTH_PORT_NAME, "containerPort": HEALTH_PORT, "protocol": "TCP"}] if health else []
     if role == CONTROLLER:
-        return [{"name": "store", "containerPort": contract.STORE_PORT, "protocol": "TCP"}, *health]
-    if role == contract.INFERENCE:
+        return [{"name": "store", "containerPort": STORE_PORT, "protocol": "TCP"}, *health]
+    if role == INFERENCE:
         server = ([{"name": VLLM_PORT_NAME, "containerPort": job.inference.vllm.port, "protocol": "TCP"}]
                   if job.inference.runs_vllm else [])
-        return [*({"name": f"data-{i}", "containerPort": contract.DATA_PORT + i, "protocol": "TCP"}
+        return [*({"name": f"data-{i}", "containerPort": DATA_PORT + i, "protocol": "TCP"}
                   for i in range(job.layout.procs_per_pod(role))), *server, *health]
     if job.trainer.command:
-        return [{"name": "torch", "containerPort": contract.MASTER_PORT, "protocol": "TCP"}, *health]
+        return [{"name": "torch", "containerPort": MASTER_PORT, "protocol": "TCP"}, *health]
     return health
 
 
-def probe(spec: contract.Probe) -> dict:
+def probe(spec: Probe) -> dict:
     """A kubelet probe of the worker's health endpoint (weightsync.runtime.health), with the numbers the
     local runner probes with too."""
     return {"httpGet": {"path": spec.path, "port": HEALTH_PORT_NAME, "scheme": "HTTP"},

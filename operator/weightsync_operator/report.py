@@ -7,7 +7,7 @@ from typing import Iterable, Mapping
 
 import kopf
 
-from weightsync import job as contract
+from weightsync.job import ANNOTATION_NETWORK_MODE, ANNOTATION_NETWORK_REASON, ROLES, Job
 from weightsync.job.join import external_roles
 from weightsync_operator import queueing, status
 from weightsync_operator.kube import ApiError, Kube
@@ -52,8 +52,8 @@ def network_of(job: Mapping) -> dict | None:
     """The job's network as the operator recorded it in the job's annotations (the status shows
     it; a status written by anyone else is put back)."""
     annotations = job["metadata"].get("annotations") or {}
-    mode = annotations.get(contract.ANNOTATION_NETWORK_MODE)
-    return {"mode": mode, "reason": annotations.get(contract.ANNOTATION_NETWORK_REASON, "")} if mode else None
+    mode = annotations.get(ANNOTATION_NETWORK_MODE)
+    return {"mode": mode, "reason": annotations.get(ANNOTATION_NETWORK_REASON, "")} if mode else None
 
 
 def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
@@ -66,8 +66,8 @@ def report(kube: Kube, namespace: str, name: str, indexes: Indexes, *,
         if job is None or job["metadata"].get("deletionTimestamp"):
             return None
         current = job.get("status") or {}
-        loaded = contract.Job(name, namespace, job["spec"])  # the spec as stored: defaulted
-        running = {role: loaded.running_pods(role) for role in contract.ROLES}
+        loaded = Job(name, namespace, job["spec"])  # the spec as stored: defaulted
+        running = {role: loaded.running_pods(role) for role in ROLES}
         statefulsets, problems, restarts = indexes.observed(namespace, name, running)
         queued = queueing.read(kube, loaded, job)
         new = status.compute(current, loaded.layout, statefulsets, problems, set_conditions, pod_restarts=restarts,

@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT / "hack" / "cluster"), str(ROOT / "tests")]
 from controlplane import ControlPlane, find_binaries, wait_for  # noqa: E402
 from support.operator_harness import CRD, Operator  # noqa: E402
 
-from weightsync import job as contract  # noqa: E402
+from weightsync.job import API_VERSION, KIND, LABEL_JOB, PLURAL, ROLES, load_job  # noqa: E402
 from weightsync_operator import render  # noqa: E402
 
 # Every kind a job owns, and where the API serves it.
@@ -75,7 +75,7 @@ class Watches:
     def _stream(self, kind: str, path: str):
         url = urllib.parse.urlsplit(self.cp.server)
         ctx = ssl.create_default_context(cafile=str(self.cp.ca_file))
-        query = urllib.parse.urlencode({"watch": "1", "labelSelector": contract.LABEL_JOB, "allowWatchBookmarks": "false"})
+        query = urllib.parse.urlencode({"watch": "1", "labelSelector": LABEL_JOB, "allowWatchBookmarks": "false"})
         first = True
         while not self.stopped.is_set():
             conn = http.client.HTTPSConnection(url.hostname, url.port, context=ctx, timeout=3600)
@@ -107,21 +107,21 @@ class Watches:
 
 
 def children_keys(namespace: str, name: str) -> set:
-    job = contract.load_job(job_doc(name), namespace=namespace)
+    job = load_job(job_doc(name), namespace=namespace)
     return {(namespace, "Service", job.service_name), (namespace, "Secret", job.secret_name),
             (namespace, "ConfigMap", job.configmap_name), (namespace, "ServiceAccount", job.service_account_name),
             (namespace, "Role", job.service_account_name), (namespace, "RoleBinding", job.service_account_name),
-            *((namespace, "StatefulSet", job.child_name(r)) for r in contract.ROLES)}
+            *((namespace, "StatefulSet", job.child_name(r)) for r in ROLES)}
 
 
 def job_doc(name: str) -> dict:
-    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name}, "spec": SPEC}
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": SPEC}
 
 
 def direct_docs(namespace: str, name: str) -> list[dict]:
     """The baseline: the same nine objects the operator would create, applied by kubectl (its
     StatefulSets at zero replicas: the baseline starts no pods, so the nodes hold the measured jobs)."""
-    job = contract.load_job(job_doc(name), namespace=namespace)
+    job = load_job(job_doc(name), namespace=namespace)
     return render.children(job, "rdma", secrets.token_urlsafe(32), stopped=True)
 
 
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
             idle = proc_status(pid)
 
             def job_phase(ns, name):
-                out = cp.kubectl("-n", ns, "get", contract.PLURAL, name, "-o", "jsonpath={.status.phase}", check=False)
+                out = cp.kubectl("-n", ns, "get", PLURAL, name, "-o", "jsonpath={.status.phase}", check=False)
                 return out.stdout.strip()
 
             # The first job after start is timed apart: kopf opens its API connections for it.
@@ -199,9 +199,9 @@ def main(argv=None) -> int:
             start = apply(cp, "many", [job_doc(n) for n in names])
             many = [watches.wait(children_keys("many", n)) - start for n in names]
             wait_for("all jobs Running", lambda: all(
-                p == "Running" for p in cp.kubectl("-n", "many", "get", contract.PLURAL, "-o",
+                p == "Running" for p in cp.kubectl("-n", "many", "get", PLURAL, "-o",
                                                    "jsonpath={.items[*].status.phase}").stdout.split())
-                and len(cp.kubectl("-n", "many", "get", contract.PLURAL, "-o", "name").stdout.split()) == args.many, 600)
+                and len(cp.kubectl("-n", "many", "get", PLURAL, "-o", "name").stdout.split()) == args.many, 600)
             after_many = proc_status(pid)
             bnames = [f"basemany-{i:02d}" for i in range(args.many)]
             start = apply(cp, "base-many", [d for n in bnames for d in direct_docs("base-many", n)])

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from controlplane import free_ports, probe, wait_for
 
-from weightsync import job as contract
+from weightsync.job import LABEL_JOB
 from weightsync.runtime.procs import stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -310,7 +310,7 @@ def mounted(claim: str, path: str, read_only: bool = False) -> dict:
 
 
 def job_pods(cluster, namespace: str, name: str) -> dict[str, dict]:
-    return {p["metadata"]["name"]: p for p in pods(cluster, namespace, f"{contract.LABEL_JOB}={name}")}
+    return {p["metadata"]["name"]: p for p in pods(cluster, namespace, f"{LABEL_JOB}={name}")}
 
 
 def fast(job: dict) -> dict:

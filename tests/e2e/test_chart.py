@@ -8,15 +8,14 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 import uuid
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
-from e2e_harness import CHART, ROOT, install, new_namespace
-from e2e_harness import leftovers
+from e2e_harness import CHART, ROOT, install, leftovers, new_namespace
 
 from weightsync.job import LABEL_JOB
 from weightsync_operator.render import DEFAULT_WORKER_IMAGE_ENV, FALLBACK_WORKER_IMAGE

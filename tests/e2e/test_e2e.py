@@ -16,14 +16,47 @@ import uuid
 from pathlib import Path
 
 import pytest
-from e2e_harness import (LogFollower, Prometheus, apply, assert_succeeded, drop_claim, example, fast, finished, following,
-                         get_job, host_claim, install, job_pods, mounted, new_namespace, restricted, phase_in, pods,
-                         restarts, running, show_logs)
 from controlplane import wait_for
+from e2e_harness import (
+    LogFollower,
+    Prometheus,
+    apply,
+    assert_succeeded,
+    drop_claim,
+    example,
+    fast,
+    finished,
+    following,
+    get_job,
+    host_claim,
+    install,
+    job_pods,
+    mounted,
+    new_namespace,
+    phase_in,
+    pods,
+    restarts,
+    restricted,
+    running,
+    show_logs,
+)
 from kubernetes.utils import parse_quantity
 
 import weightsync
-from weightsync import job as contract
+from weightsync.job import (
+    CONTROLLER,
+    INFERENCE,
+    KIND,
+    LABEL_JOB,
+    LABEL_ROLE,
+    PLURAL,
+    POD_INDEX_LABEL,
+    ROLES,
+    STORE_PORT,
+    TOKEN_KEY,
+    TRAINER,
+    load_job,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -40,7 +73,7 @@ def env_of(pod: dict) -> dict[str, str]:
 
 def events(cluster, namespace: str, name: str) -> list[dict]:
     out = cluster.kubectl("get", "events", "-n", namespace, "--field-selector",
-                          f"involvedObject.kind={contract.KIND},involvedObject.name={name}", "-o", "json").stdout
+                          f"involvedObject.kind={KIND},involvedObject.name={name}", "-o", "json").stdout
     return json.loads(out)["items"]
 
 
@@ -61,7 +94,7 @@ def printed_columns(cluster, namespace: str, name: str) -> dict[str, str]:
 
 def owned_leftovers(cluster, namespace: str, name: str) -> list[str]:
     kinds = "statefulsets,services,secrets,configmaps,serviceaccounts,roles,rolebindings,pods"
-    return cluster.kubectl("get", kinds, "-n", namespace, "-l", f"{contract.LABEL_JOB}={name}", "-o", "name").stdout.split()
+    return cluster.kubectl("get", kinds, "-n", namespace, "-l", f"{LABEL_JOB}={name}", "-o", "name").stdout.split()
 
 
 
@@ -74,7 +107,7 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
                                                     tmp_path):
     job = fast(example("tcp-job.yaml"))
     name = job["metadata"]["name"]
-    loaded = contract.load_job(job, namespace)
+    loaded = load_job(job, namespace)
     spec, layout = loaded.spec, loaded.layout
     assert spec["network"]["mode"] == "tcp"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
@@ -98,11 +131,11 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
 
         scheduled = wait_for(f"{layout.pods} pods of {name} Running",
                              lambda: all_running(cluster, namespace, name, layout.pods), 180, failed=progress)
-        by_ordinal = {int(p["metadata"]["labels"][contract.POD_INDEX_LABEL]): p for p in scheduled.values()}
+        by_ordinal = {int(p["metadata"]["labels"][POD_INDEX_LABEL]): p for p in scheduled.values()}
         assert sorted(by_ordinal) == list(range(layout.pods))
         for ordinal, pod in by_ordinal.items():
             assert pod["spec"]["nodeName"] == real_node.name, pod["metadata"]["name"]
-            assert pod["metadata"]["labels"][contract.LABEL_ROLE] == layout.role_of(ordinal)
+            assert pod["metadata"]["labels"][LABEL_ROLE] == layout.role_of(ordinal)
             if ordinal > 0:
                 assert env_of(pod)["NCCL_IB_DISABLE"] == "1"
             assert RDMA not in pod["spec"]["containers"][0].get("resources", {}).get("requests", {})
@@ -121,21 +154,21 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
 
     # Each role's progress, as `kubectl logs` showed it.
     versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
-    role_logs = {role: [logs.text(n) for n, p in scheduled.items() if p["metadata"]["labels"][contract.LABEL_ROLE] == role]
-                 for role in contract.ROLES}
-    for text in role_logs[contract.TRAINER]:
+    role_logs = {role: [logs.text(n) for n, p in scheduled.items() if p["metadata"]["labels"][LABEL_ROLE] == role]
+                 for role in ROLES}
+    for text in role_logs[TRAINER]:
         assert re.search(rf"version {versions - 1} at step {spec['training']['steps']}.*: sent \d+ bytes", text), text
-    for text in role_logs[contract.INFERENCE]:
+    for text in role_logs[INFERENCE]:
         assert f"switched to version {versions - 1} (digest verified)" in text, text
         assert re.search(r"version \d+ generates", text), text
-    (controller_log,) = role_logs[contract.CONTROLLER]
+    (controller_log,) = role_logs[CONTROLLER]
     reported = [json.loads(line) for line in controller_log.splitlines() if line.startswith("{")]
     last = [r for r in reported if r.get("event") == "transfer"][-1]
 
     # What a real Prometheus scraped from the job's pods, with the chart's scrape configuration,
     # agrees with the job's status and the controller's reports: every pod's final figures were read
     # before it stopped.
-    inference = layout.world_size(contract.INFERENCE)
+    inference = layout.world_size(INFERENCE)
     assert scraped["versions"] == status["completion"]["versions"] == versions, scraped
     assert scraped["delivered"] == sum(r["bytes"] for r in reported if r.get("event") == "transfer"), scraped
     assert scraped["wire"] == sum(r["wireBytes"] for r in reported if r.get("event") == "transfer"), scraped
@@ -160,7 +193,7 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Completed"]["status"] == "True"
     assert status["network"]["mode"] == "tcp"
-    for role in contract.ROLES:
+    for role in ROLES:
         sts = json.loads(cluster.kubectl("get", "statefulset", f"{name}-{role}", "-n", namespace, "-o", "json").stdout)
         assert sts["spec"]["replicas"] == 0, role
 
@@ -186,10 +219,10 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
     job = fast(example("tcp-job.yaml"))
     job["metadata"]["name"] = name = "rejoin"
     job["spec"]["training"].update(steps=12)
-    loaded = contract.load_job(job, namespace)
+    loaded = load_job(job, namespace)
     spec, layout = loaded.spec, loaded.layout
     versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
-    victim = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}"
+    victim = f"{name}-{INFERENCE}-{layout.first_ordinal(INFERENCE)}"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
 
     with operator_from_chart(chart[1], chart[0]) as operator:
@@ -209,10 +242,10 @@ def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster,
         finally:
             show_logs(logs)
     status = assert_succeeded(cluster, namespace, done, logs)
-    assert status["rejoins"][contract.INFERENCE] >= 1, json.dumps(status, indent=1)
+    assert status["rejoins"][INFERENCE] >= 1, json.dumps(status, indent=1)
     assert status["completion"]["versions"] == versions
     # every inference rank, the one that came back included, ends on the final version, verified
-    (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
+    (controller,) = [n for n in logs.procs if n.endswith(f"-{CONTROLLER}-0")]
     assert "rejoined" in logs.text(controller), logs.text(controller)[-3000:]
     assert f"switched to version {versions - 1} (digest verified)" in logs.text(victim)
 
@@ -227,8 +260,8 @@ def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, r
     job["metadata"]["name"] = name = "elastic"
     job["spec"]["training"].update(steps=0)
     job["spec"]["inference"].update(replicas=2, maxReplicas=3)
-    layout = contract.load_job(job, namespace).layout
-    new = f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE) + 2}"
+    layout = load_job(job, namespace).layout
+    new = f"{name}-{INFERENCE}-{layout.first_ordinal(INFERENCE) + 2}"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
 
     def status() -> dict:
@@ -244,7 +277,7 @@ def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, r
             wait_for(f"{name} to deliver version 1", lambda: (status().get("transfer") or {}).get("version", -1) >= 1,
                      300, interval=1, failed=progress)
             assert receivers()["total"] == 2
-            cluster.kubectl("scale", contract.PLURAL, name, "-n", namespace, "--replicas=3")
+            cluster.kubectl("scale", PLURAL, name, "-n", namespace, "--replicas=3")
             wait_for("the new rank current", lambda: [r["state"] for r in receivers().get("ranks", [])
                                                       if r["pod"] == new] == ["current"], 240, interval=1,
                      failed=progress)
@@ -254,16 +287,16 @@ def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, r
             wait_for(f"{new} to say it switched", lambda: switched.search(logs.text(new)), 120, interval=1,
                      failed=progress)
             reached = status()["transfer"]["version"]
-            cluster.kubectl("scale", contract.PLURAL, name, "-n", namespace, "--replicas=1")
+            cluster.kubectl("scale", PLURAL, name, "-n", namespace, "--replicas=1")
             wait_for("one rank left, and a version more", lambda: receivers().get("total") == 1 and
                      status()["transfer"]["version"] > reached, 240, interval=1, failed=progress)
             assert status()["phase"] == "Running" and receivers()["ranks"][0]["state"] == "current"
         finally:
             show_logs(logs)
             # it trains until deleted: its pods go before the next test, which needs the node's cores
-            cluster.kubectl("delete", contract.PLURAL, name, "-n", namespace, "--wait=false", check=False)
+            cluster.kubectl("delete", PLURAL, name, "-n", namespace, "--wait=false", check=False)
             wait_for(f"{name}'s pods gone", lambda: not job_pods(cluster, namespace, name), 120)
-    (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
+    (controller,) = [n for n in logs.procs if n.endswith(f"-{CONTROLLER}-0")]
     said = logs.text(controller)
     assert "inference rank 2 joined the running job (start 1" in said, said[-3000:]
     assert "inference rank 1 leaves the job: its pod was scaled away" in said, said[-3000:]
@@ -284,7 +317,7 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
 
     job = fast(example("pvc-job.yaml"))
     name = job["metadata"]["name"]
-    model = contract.load_job(example("tcp-job.yaml"), namespace).model  # the same model, from its config
+    model = load_job(example("tcp-job.yaml"), namespace).model  # the same model, from its config
     folder = Path(tempfile.mkdtemp(prefix="weightsync-pv-"))  # outside pytest's 0700 folders: the pods read it
     try:
         checkpoint = AutoModelForCausalLM.from_config(config_of(model))
@@ -304,7 +337,7 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
             finally:
                 show_logs(logs)
         assert_succeeded(cluster, namespace, done, logs)
-        inference = [n for n in logs.procs if f"-{contract.INFERENCE}-" in n]
+        inference = [n for n in logs.procs if f"-{INFERENCE}-" in n]
         assert inference
         for pod in inference:
             assert re.search(r"switched to version 0 \(digest verified\); version 0 generates \[0(, 0)*\]",
@@ -335,8 +368,8 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods_and_resumes_
     job["spec"]["inference"].update(replicas=3, tensorParallelSizes=[2, 1])
     for role in ("trainer", "inference"):
         job["spec"][role]["resources"]["requests"]["cpu"] = "200m"
-    layout = contract.load_job(job, namespace).layout
-    trainers = [f"{name}-{contract.TRAINER}-{ordinal}" for ordinal in layout.ordinals(contract.TRAINER)]
+    layout = load_job(job, namespace).layout
+    trainers = [f"{name}-{TRAINER}-{ordinal}" for ordinal in layout.ordinals(TRAINER)]
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)
     folder = Path(tempfile.mkdtemp(prefix="weightsync-checkpoints-"))  # outside pytest's 0700 folders
@@ -361,26 +394,26 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods_and_resumes_
         drop_claim(cluster, namespace, "checkpoints")
         shutil.rmtree(folder, ignore_errors=True)
     status = assert_succeeded(cluster, namespace, done, logs)
-    assert status["rejoins"][contract.TRAINER] >= 1, json.dumps(status, indent=1)
+    assert status["rejoins"][TRAINER] >= 1, json.dumps(status, indent=1)
     # every step published once, one of them perhaps twice (the checkpoint a step behind the delivery)
     assert status["completion"]["versions"] >= 1 + steps // every, json.dumps(status, indent=1)
     final = status["transfer"]["version"]
-    (controller,) = [n for n in logs.procs if n.endswith(f"-{contract.CONTROLLER}-0")]
+    (controller,) = [n for n in logs.procs if n.endswith(f"-{CONTROLLER}-0")]
     assert "every trainer rank resumed" in logs.text(controller), logs.text(controller)[-3000:]
     # each trainer pod's last start: its ranks attached, resumed from the checkpoint, and finished
     # (the operator removed the pods as the scripts finished: torchrun was not cut short)
     last = {n: logs.text(n).rsplit("runs the command", 1)[-1] for n in trainers}
     attached = "".join(last.values())
-    for rank in range(layout.world_size(contract.TRAINER)):
+    for rank in range(layout.world_size(TRAINER)):
         assert f"[trainer rank {rank}] attached on cpu" in attached, attached[-3000:]
         assert f"[trainer rank {rank}] resumed (start " in attached, attached[-3000:]
     assert "resumed from the checkpoint of step " in attached, attached[-3000:]
     assert f"step {steps}: version {final}, sent" in attached  # the script's own line, from its rank 0
     assert "SignalException" not in attached, attached[-3000:]
-    for ordinal in layout.ordinals(contract.INFERENCE):
-        text = logs.text(f"{name}-{contract.INFERENCE}-{ordinal}")
+    for ordinal in layout.ordinals(INFERENCE):
+        text = logs.text(f"{name}-{INFERENCE}-{ordinal}")
         assert f"switched to version {final} (digest verified)" in text, text[-3000:]
-    first = logs.text(f"{name}-{contract.INFERENCE}-{layout.first_ordinal(contract.INFERENCE)}")
+    first = logs.text(f"{name}-{INFERENCE}-{layout.first_ordinal(INFERENCE)}")
     assert "TP rank 0 of 2" in first, first[-3000:]
 
 
@@ -418,7 +451,7 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
                 if pod["status"].get("phase") == "Failed":
                     out = cluster.kubectl("logs", "-n", namespace, pod["metadata"]["name"], check=False)
                     raise AssertionError(f"the user's trainer pod failed:\n{out.stdout[-4000:]}{out.stderr}")
-            assert not cluster.kubectl("get", "statefulset", f"{name}-{contract.TRAINER}", "-n", namespace,
+            assert not cluster.kubectl("get", "statefulset", f"{name}-{TRAINER}", "-n", namespace,
                                        "--ignore-not-found", "-o", "name").stdout.strip()
 
         try:
@@ -430,16 +463,16 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
             show_logs(logs)
     status = assert_succeeded(cluster, namespace, done, logs)
     assert status["completion"]["versions"] == versions and status["transfer"]["transport"] == "tcp"
-    assert status["replicas"][contract.TRAINER]["summary"] == "external (2 ranks)"
+    assert status["replicas"][TRAINER]["summary"] == "external (2 ranks)"
     assert printed_columns(cluster, namespace, name)["TRAINERS"] == "external (2 ranks)"
     (user_pod,) = users_pods()
     attached = logs.text(user_pod["metadata"]["name"])
     for rank in range(2):
         assert f"[trainer rank {rank}] attached on cpu" in attached, attached[-3000:]
     assert f"step {steps}: version {versions - 1}, sent" in attached, attached[-3000:]
-    loaded = contract.load_job(job, namespace)
-    for ordinal in loaded.layout.ordinals(contract.INFERENCE):
-        text = logs.text(f"{name}-{contract.INFERENCE}-{ordinal}")
+    loaded = load_job(job, namespace)
+    for ordinal in loaded.layout.ordinals(INFERENCE):
+        text = logs.text(f"{name}-{INFERENCE}-{ordinal}")
         assert f"switched to version {versions - 1} (digest verified)" in text, text[-3000:]
 
     # What the user's processes joined with: the controller where the job's pods dial it, the
@@ -448,9 +481,9 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
         data = json.loads(cluster.kubectl("get", "secret", which, "-n", namespace, "-o", "json").stdout)["data"]
         return {k: base64.b64decode(v).decode() for k, v in data.items()}
 
-    assert secret(f"{name}-join") == {"WEIGHTSYNC_CONTROLLER": f"{loaded.controller_host}:{contract.STORE_PORT}",
+    assert secret(f"{name}-join") == {"WEIGHTSYNC_CONTROLLER": f"{loaded.controller_host}:{STORE_PORT}",
                                       "WEIGHTSYNC_JOB_ID": f"{namespace}/{name}",
-                                      "WEIGHTSYNC_TOKEN": secret(f"{name}-token")[contract.TOKEN_KEY]}
+                                      "WEIGHTSYNC_TOKEN": secret(f"{name}-token")[TOKEN_KEY]}
 
     cluster.kubectl("delete", "wtj", name, "-n", namespace, "--wait=true", "--timeout=60s")
     wait_for(f"everything of {name} gone", lambda: not owned_leftovers(cluster, namespace, name), 60)
@@ -509,7 +542,7 @@ def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, more_rdma_n
     # the nodes before the namespace: its pods go with it while their nodes are still there (the pods
     # of a deleted node wait for the pod garbage collector, a minute)
     job = example("rdma-job.yaml")
-    loaded = contract.load_job(job, namespace)
+    loaded = load_job(job, namespace)
     name, spec, layout = job["metadata"]["name"], loaded.spec, loaded.layout
     nodes = json.loads(cluster.kubectl("get", "nodes", "-o", "json").stdout)["items"]
     rdma_nodes = {n["metadata"]["name"] for n in nodes if RDMA in n["status"]["allocatable"]}
@@ -527,7 +560,7 @@ def test_rdma_example_lands_on_rdma_nodes_with_its_settings(cluster, more_rdma_n
         container = pod["spec"]["containers"][0]
         requests = container.get("resources", {}).get("requests", {})
         env = env_of(pod)
-        if pod["metadata"]["labels"][contract.LABEL_ROLE] == contract.CONTROLLER:
+        if pod["metadata"]["labels"][LABEL_ROLE] == CONTROLLER:
             assert GPU not in requests and RDMA not in requests, pod_name
             continue
         assert pod["spec"]["nodeName"] in rdma_nodes, (pod_name, pod["spec"]["nodeName"])
@@ -578,7 +611,7 @@ def test_auto_on_a_cluster_without_rdma_falls_back_to_tcp_with_an_event(cluster,
     assert network["mode"] == "tcp" and RDMA in network["reason"], network
     assert seen[0]["type"] == "Normal"
     for pod in created.values():
-        if pod["metadata"]["labels"][contract.LABEL_ROLE] != contract.CONTROLLER:
+        if pod["metadata"]["labels"][LABEL_ROLE] != CONTROLLER:
             assert env_of(pod)["NCCL_IB_DISABLE"] == "1"
         assert RDMA not in pod["spec"]["containers"][0].get("resources", {}).get("requests", {})
 
@@ -598,7 +631,7 @@ def test_a_namespaced_install_runs_jobs_in_its_namespace_only(cluster, helm, ope
             apply(cluster, other, job)
             apply(cluster, watched, job)
             wait_for(f"{job['metadata']['name']} in {watched} has its pods", lambda: len(job_pods(cluster, watched, "scoped"))
-                     == contract.load_job(job).layout.pods, 60, failed=operator.check)
+                     == load_job(job).layout.pods, 60, failed=operator.check)
             wait_for("scoped has ChildrenCreated", lambda: any(
                 c["type"] == "ChildrenCreated" and c["status"] == "True"
                 for c in get_job(cluster, watched, "scoped").get("status", {}).get("conditions", [])), 30,

@@ -10,8 +10,18 @@ import uuid
 
 import pytest
 from controlplane import wait_for
-from e2e_harness import (LogFollower, apply, assert_succeeded, example, fast, finished, following, get_job, job_pods,
-                         show_logs)
+from e2e_harness import (
+    LogFollower,
+    apply,
+    assert_succeeded,
+    example,
+    fast,
+    finished,
+    following,
+    get_job,
+    job_pods,
+    show_logs,
+)
 from support.kueue_harness import running
 
 pytestmark = pytest.mark.cluster

@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 from controlplane import wait_for
-from e2e_harness import install, new_namespace
-
+from e2e_harness import install, leftovers, new_namespace
 from support.operator_harness import Namespace, Operator  # noqa: E402
 
-from weightsync import job as contract  # noqa: E402
+from weightsync.job import GROUP, LABEL_JOB, PLURAL  # noqa: E402
 from weightsync_operator import tokens  # noqa: E402
-from e2e_harness import leftovers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -41,7 +39,7 @@ def statefulset(name: str, namespace: str, account: str | None, job: str = "x") 
     if account:
         pod["serviceAccountName"] = account
     return json.dumps({"apiVersion": "apps/v1", "kind": "StatefulSet",
-                       "metadata": {"name": name, "namespace": namespace, "labels": {contract.LABEL_JOB: job}},
+                       "metadata": {"name": name, "namespace": namespace, "labels": {LABEL_JOB: job}},
                        "spec": {"serviceName": name, "selector": {"matchLabels": {"a": "b"}},
                                 "template": {"metadata": {"labels": {"a": "b"}}, "spec": pod}}})
 
@@ -96,16 +94,16 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         assert refused(as_operator("create", "rolebinding", "x-controller", "-n", watched, "--clusterrole=admin",
                                    "--serviceaccount=kube-system:default"), "forbidden")
         role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                "metadata": {"name": "x-controller", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}},
+                "metadata": {"name": "x-controller", "namespace": watched, "labels": {LABEL_JOB: "x"}},
                 "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]}
         assert refused(as_operator("create", "-f", "-", input=json.dumps(role)), "ValidatingAdmissionPolicy",
                        "creates only a job's own Role")
         # A job's Role, as the operator makes it, bound to anyone but the job's own account.
-        role["rules"] = [{"apiGroups": [contract.GROUP], "resources": [contract.PLURAL], "resourceNames": ["x"],
+        role["rules"] = [{"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": ["x"],
                           "verbs": ["get"]}]
         cluster.kubectl("create", "-f", "-", input=json.dumps(role))
         binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-                   "metadata": {"name": "x-controller", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}},
+                   "metadata": {"name": "x-controller", "namespace": watched, "labels": {LABEL_JOB: "x"}},
                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "x-controller"},
                    "subjects": [{"kind": "ServiceAccount", "name": "builder", "namespace": other}]}
         assert refused(as_operator("create", "-f", "-", input=json.dumps(binding)), "ValidatingAdmissionPolicy",
@@ -113,7 +111,7 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         assert refused(as_operator("create", "-f", "-", input=statefulset("x-trainer", watched, "builder")),
                        "ValidatingAdmissionPolicy", "run as the job's own ServiceAccount")
         minted = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
-                  "metadata": {"name": "x-token", "namespace": watched, "labels": {contract.LABEL_JOB: "x"},
+                  "metadata": {"name": "x-token", "namespace": watched, "labels": {LABEL_JOB: "x"},
                                "annotations": {"kubernetes.io/service-account.name": "default"}}}
         for secret_name in ("x-token", "x-join"):
             minted["metadata"]["name"] = secret_name
@@ -132,12 +130,12 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
             assert refused(as_operator("create", "-f", "-", input=json.dumps(shape)), "ValidatingAdmissionPolicy",
                            "are not privileged"), shape
         orphan = {"apiVersion": "v1", "kind": "ConfigMap",
-                  "metadata": {"name": "x-spec", "namespace": watched, "labels": {contract.LABEL_JOB: "x"}}}
+                  "metadata": {"name": "x-spec", "namespace": watched, "labels": {LABEL_JOB: "x"}}}
         assert refused(as_operator("create", "-f", "-", input=json.dumps(orphan)), "ValidatingAdmissionPolicy",
                        "owned by the WeightTransferJob its weightsync.io/job label names")
         # An object of no job cannot be taken over by labelling it as one's child.
         cluster.kubectl("create", "configmap", "unrelated", "-n", watched, "--from-literal=a=b")
-        takeover = as_operator("label", "configmap", "unrelated", "-n", watched, f"{contract.LABEL_JOB}=x")
+        takeover = as_operator("label", "configmap", "unrelated", "-n", watched, f"{LABEL_JOB}=x")
         assert refused(takeover, "ValidatingAdmissionPolicy", "changes only objects it created for that same job")
         assert refused(as_operator("patch", "configmap", "unrelated", "-n", watched, "--type=merge", "-p",
                                    '{"data":{"a":"c"}}'), "ValidatingAdmissionPolicy", "children of a WeightTransferJob")
@@ -166,7 +164,7 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
             controller = jobs.kubectl("create", "token", "ok-controller").stdout.strip()
 
             def as_controller(status):
-                return jobs.kubectl("--token", controller, "patch", contract.PLURAL, "ok", "--subresource=status",
+                return jobs.kubectl("--token", controller, "patch", PLURAL, "ok", "--subresource=status",
                                     "--type=merge", "-p", json.dumps({"status": status}), check=False)
 
             reported = as_controller({"transfer": {"version": 1, "bytes": 10, "gbps": 0.5}})
@@ -187,7 +185,7 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         helm("uninstall", release, "--namespace", release_ns, "--wait")
         assert leftovers(cluster, release, [release_ns, watched, other]) == []
         # helm keeps a chart's CRDs (removing one would delete every job): that is the one thing left.
-        cluster.kubectl("get", "crd", f"{contract.PLURAL}.{contract.GROUP}")
+        cluster.kubectl("get", "crd", f"{PLURAL}.{GROUP}")
     finally:
         helm("uninstall", release, "--namespace", release_ns, "--ignore-not-found", check=False)
         cluster.delete_namespaces(release_ns, watched, other)

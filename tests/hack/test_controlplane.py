@@ -9,10 +9,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from controlplane import DEFAULT_NODES, GPU_RESOURCE, RDMA_RESOURCE, ControlPlane
 from kubernetes import client
 from kubernetes.utils import parse_quantity
-
-from controlplane import DEFAULT_NODES, GPU_RESOURCE, RDMA_RESOURCE, ControlPlane
 
 pytestmark = pytest.mark.cluster
 

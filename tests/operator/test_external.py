@@ -6,10 +6,24 @@ import base64
 
 import yaml
 
-from weightsync import job as contract
-from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
-from weightsync.job.states import Condition
+from weightsync.job import (
+    ANNOTATION_NETWORK_MODE,
+    ANNOTATION_NETWORK_REASON,
+    ANNOTATION_TOKEN_SHA256,
+    ANNOTATION_WORKER_IMAGE,
+    API_VERSION,
+    CONTROLLER,
+    INFERENCE,
+    KIND,
+    SPEC_KEY,
+    STORE_PORT,
+    TOKEN_KEY,
+    TRAINER,
+    Env,
+    load_job,
+)
 from weightsync.job.join import Join, JoinEnv
+from weightsync.job.states import Condition
 from weightsync_operator import reconcile, render, status, tokens
 
 TOKEN = tokens.derive(b"k" * 32, "0b5e2c3a-uid")
@@ -19,8 +33,8 @@ EXTERNAL_VLLM = {"inference": {"external": True, "engine": "vllm", "replicas": 2
 
 
 def job(spec, name="demo", namespace="team-a"):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name, "namespace": namespace},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2}}, **spec}})
 
 
@@ -33,12 +47,12 @@ def by_kind(objs):
 
 def body(j, uid="0b5e2c3a-uid"):
     """The job as the API server stores it, with the decisions the operator recorded."""
-    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+    return {"apiVersion": API_VERSION, "kind": KIND,
             "metadata": {"name": j.name, "namespace": j.namespace, "uid": uid,
-                         "annotations": {contract.ANNOTATION_NETWORK_MODE: "tcp",
-                                         contract.ANNOTATION_NETWORK_REASON: "spec.network.mode is tcp",
-                                         contract.ANNOTATION_WORKER_IMAGE: "worker:1",
-                                         contract.ANNOTATION_TOKEN_SHA256: tokens.fingerprint(TOKEN)}},
+                         "annotations": {ANNOTATION_NETWORK_MODE: "tcp",
+                                         ANNOTATION_NETWORK_REASON: "spec.network.mode is tcp",
+                                         ANNOTATION_WORKER_IMAGE: "worker:1",
+                                         ANNOTATION_TOKEN_SHA256: tokens.fingerprint(TOKEN)}},
             "spec": j.spec}
 
 
@@ -57,7 +71,7 @@ def test_external_trainers_get_no_statefulset_and_the_rest_is_rendered_as_ever()
     inference = kinds["StatefulSet"]["demo-inference"]["spec"]
     assert (inference["ordinals"]["start"], inference["replicas"]) == (j.layout.first_ordinal(INFERENCE), 2) == (2, 2)
     # The ConfigMap says which roles are external: the controller waits for those ranks to join.
-    assert contract.load_job(yaml.safe_load(kinds["ConfigMap"]["demo-spec"]["data"][contract.SPEC_KEY])).trainer.external
+    assert load_job(yaml.safe_load(kinds["ConfigMap"]["demo-spec"]["data"][SPEC_KEY])).trainer.external
 
 
 def test_external_vllm_servers_get_no_inference_statefulset():
@@ -78,16 +92,16 @@ def test_the_join_secret_holds_the_three_variables_a_joiner_parses():
     assert secret["metadata"]["name"] == j.join_secret_name == "demo-join"
     assert secret["type"] == "Opaque" and secret["metadata"]["labels"] == j.labels()
     values = decoded(secret)
-    assert values == {JoinEnv.CONTROLLER: f"demo-controller-0.demo.team-a.svc:{contract.STORE_PORT}",
+    assert values == {JoinEnv.CONTROLLER: f"demo-controller-0.demo.team-a.svc:{STORE_PORT}",
                       JoinEnv.JOB_ID: "team-a/demo", JoinEnv.TOKEN: TOKEN}
     # The controller is where the job's own pods dial it; the token is the token Secret's.
     pod_env = {e["name"]: e.get("value") for e in render.env(j, INFERENCE, "tcp")}
     assert values[JoinEnv.CONTROLLER] == f"{pod_env[Env.CONTROLLER_HOST]}:{pod_env[Env.STORE_PORT]}"
-    assert base64.b64decode(render.secret(j, TOKEN)["data"][contract.TOKEN_KEY]).decode() == values[JoinEnv.TOKEN]
+    assert base64.b64decode(render.secret(j, TOKEN)["data"][TOKEN_KEY]).decode() == values[JoinEnv.TOKEN]
     # What a process with envFrom of it reads back.
     joined = Join.from_environ(values)
     assert (joined.controller_host, joined.store_port, joined.job_id, joined.token) == (
-        j.controller_host, contract.STORE_PORT, j.identity, TOKEN.encode())
+        j.controller_host, STORE_PORT, j.identity, TOKEN.encode())
 
 
 def test_every_child_of_an_external_job_is_owned_by_it():
@@ -95,7 +109,7 @@ def test_every_child_of_an_external_job_is_owned_by_it():
     owned = reconcile.desired(j, body(j), "tcp", TOKEN, "worker:1", None)
     join_secret = next(m for m in owned if m["metadata"]["name"] == "demo-join")
     assert join_secret["metadata"]["ownerReferences"] == [{
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo", "uid": "0b5e2c3a-uid",
+        "apiVersion": API_VERSION, "kind": KIND, "name": "demo", "uid": "0b5e2c3a-uid",
         "controller": True, "blockOwnerDeletion": True}]
     assert all(m["metadata"]["ownerReferences"] == join_secret["metadata"]["ownerReferences"] for m in owned)
 

@@ -13,8 +13,7 @@ from controlplane import wait_for
 from support.kueue_harness import running
 from support.operator_harness import running_operator
 
-from weightsync import job as contract
-from weightsync.job import reasons
+from weightsync.job import CONTROLLER, LABEL_ROLE, PLURAL, ROLES, reasons
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
@@ -73,12 +72,12 @@ def workload(ns, job):
 
 def replicas(ns, job):
     return {r: (ns.children(job).get(f"StatefulSet/{job}-{r}") or {}).get("spec", {}).get("replicas")
-            for r in contract.ROLES}
+            for r in ROLES}
 
 
 def finish(ns, job):
     completion = {"state": "Succeeded", "message": "done", "versions": 2, "time": "2026-01-01T00:00:00Z"}
-    ns.kubectl("patch", contract.PLURAL, job, "--subresource=status", "--type=merge", "-p",
+    ns.kubectl("patch", PLURAL, job, "--subresource=status", "--type=merge", "-p",
                json.dumps({"status": {"completion": completion}}))
 
 
@@ -90,7 +89,7 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_each_whole(ns, quota)
     assert admitted["status"] == "True" and admitted["reason"] == reasons.ADMITTED and quota in admitted["message"]
     # the GPU pods run on the flavor's nodes
     for pod in pods:
-        if pod["metadata"]["labels"][contract.LABEL_ROLE] != contract.CONTROLLER:
+        if pod["metadata"]["labels"][LABEL_ROLE] != CONTROLLER:
             assert pod["spec"]["nodeSelector"][GPU_LABEL] == "true", pod["metadata"]["name"]
     wl = workload(ns, "first")
     assert [(p["name"], p["count"]) for p in wl["spec"]["podSets"]] == [("controller", 1), ("trainer", 2), ("inference", 1)]
@@ -102,7 +101,7 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_each_whole(ns, quota)
     waiting = wait_for("the Admitted condition naming the quota", lambda: c if "quota" in (
         c := ns.condition("second", "Admitted")).get("message", "") else None, 30)
     assert waiting["status"] == "False" and waiting["reason"] == reasons.QUEUED, waiting
-    assert {r: v["summary"] for r, v in status["replicas"].items()} == {r: "0/0" for r in contract.ROLES}
+    assert {r: v["summary"] for r, v in status["replicas"].items()} == {r: "0/0" for r in ROLES}
     # never half-started: nothing of the second runs while the first holds the quota
     for _ in range(5):
         assert not ns.pods("second") and set(replicas(ns, "second").values()) == {0}
@@ -122,7 +121,7 @@ def test_a_higher_priority_job_preempts_a_running_one_which_starts_again_when_re
     ns.apply_job("low", SMALL, labels={QUEUE: "lq"})
     ns.wait_phase("low", "Running", timeout=90)
     ns.wait_running_pods("low", 4)
-    ns.kubectl("patch", contract.PLURAL, "low", "--subresource=status", "--type=merge", "-p", json.dumps(
+    ns.kubectl("patch", PLURAL, "low", "--subresource=status", "--type=merge", "-p", json.dumps(
         {"status": {"controller": {"starts": 1, "started": "2026-01-01T00:00:00Z"}}}))
 
     ns.apply_job("high", SMALL, labels={QUEUE: "lq", PRIORITY: f"{quota}-high"})
@@ -154,10 +153,10 @@ def test_a_queue_that_does_not_exist_keeps_the_job_waiting_and_saying_so(ns, quo
     assert not ns.pods("lost") and set(replicas(ns, "lost").values()) == {0}
 
     # suspended, the Workload is deactivated; resumed, it is active again
-    ns.kubectl("patch", contract.PLURAL, "lost", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    ns.kubectl("patch", PLURAL, "lost", "--type=merge", "-p", '{"spec":{"suspend":true}}')
     ns.wait_phase("lost", "Suspended")
     wait_for("the Workload deactivated", lambda: workload(ns, "lost")["spec"]["active"] is False, 30)
-    ns.kubectl("patch", contract.PLURAL, "lost", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    ns.kubectl("patch", PLURAL, "lost", "--type=merge", "-p", '{"spec":{"suspend":false}}')
     wait_for("the Workload active", lambda: workload(ns, "lost")["spec"]["active"] is True, 30)
 
     # the queue the job names appears: it is admitted

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from weightsync import job as contract
+from weightsync.job import PLURAL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -24,7 +24,7 @@ def receivers(version: int, *states: str) -> dict:
 
 def row(ns) -> dict[str, str]:
     """`kubectl get wtj seen`'s row by column (names may hold one space: LAST TRANSFER)."""
-    header, line = ns.kubectl("get", contract.PLURAL, "seen").stdout.splitlines()
+    header, line = ns.kubectl("get", PLURAL, "seen").stdout.splitlines()
     starts = [(m.start(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", header)]
     ends = [start for start, _ in starts[1:]] + [None]
     return {name: line[start:end].strip() for (start, name), end in zip(starts, ends)}
@@ -36,7 +36,7 @@ def test_the_ranks_states_make_events_and_columns(ns):
     token = ns.kubectl("create", "token", "seen-controller").stdout.strip()
 
     def report(**status):
-        ns.kubectl("--token", token, "patch", contract.PLURAL, "seen", "--subresource=status", "--type=merge",
+        ns.kubectl("--token", token, "patch", PLURAL, "seen", "--subresource=status", "--type=merge",
                    "-p", json.dumps({"status": status}))
 
     def reasons() -> list[str]:

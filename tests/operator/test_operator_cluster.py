@@ -9,8 +9,25 @@ import pytest
 import yaml
 from controlplane import wait_for
 
-from weightsync import job as contract
-from weightsync.job import reasons
+from weightsync.job import (
+    API_VERSION,
+    CONTROLLER,
+    INFERENCE,
+    KIND,
+    LABEL_JOB,
+    LABEL_ROLE,
+    PLURAL,
+    POD_INDEX_LABEL,
+    ROLES,
+    SPEC_KEY,
+    STORE_PORT,
+    TOKEN_KEY,
+    TRAINER,
+    Env,
+    SpecError,
+    load_job,
+    reasons,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -61,15 +78,15 @@ def test_invalid_specs_are_refused_by_the_api_server(ns, spec, name, message):
     assert proc.returncode != 0, f"the API server accepted an invalid job: {spec}"
     assert "is invalid" in proc.stderr and message in proc.stderr, proc.stderr
     # The contract module refuses it too, before anything reaches a cluster.
-    obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
            "spec": {"model": {"config": {"model_type": "gpt2"}}, **spec}}
-    with pytest.raises(contract.SpecError):
-        contract.load_job(obj)
+    with pytest.raises(SpecError):
+        load_job(obj)
 
 
 def owned_by(obj, job):
     (ref,) = obj["metadata"]["ownerReferences"]
-    return ref["uid"] == job["metadata"]["uid"] and ref["kind"] == contract.KIND and ref["controller"] is True
+    return ref["uid"] == job["metadata"]["uid"] and ref["kind"] == KIND and ref["controller"] is True
 
 
 def container(sts):
@@ -89,23 +106,23 @@ def test_tcp_job_children(ns):
 
     svc = children["Service/tcp"]["spec"]
     assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
-    token = base64.b64decode(children["Secret/tcp-token"]["data"][contract.TOKEN_KEY])
+    token = base64.b64decode(children["Secret/tcp-token"]["data"][TOKEN_KEY])
     assert len(token) >= 32
-    spec_doc = yaml.safe_load(children["ConfigMap/tcp-spec"]["data"][contract.SPEC_KEY])
+    spec_doc = yaml.safe_load(children["ConfigMap/tcp-spec"]["data"][SPEC_KEY])
     assert spec_doc["spec"] == job["spec"]  # the job as the API server defaulted it
     assert spec_doc["spec"]["training"]["steps"] == 100
     role = children["Role/tcp-controller"]
     assert all(r["resourceNames"] == ["tcp"] for r in role["rules"])
 
-    sets = {r: children[f"StatefulSet/tcp-{r}"] for r in contract.ROLES}
+    sets = {r: children[f"StatefulSet/tcp-{r}"] for r in ROLES}
     assert [(s["spec"]["ordinals"]["start"], s["spec"]["replicas"]) for s in sets.values()] == [(0, 1), (1, 2), (3, 1)]
     for r, s in sets.items():
         assert s["spec"]["serviceName"] == "tcp" and s["spec"]["podManagementPolicy"] == "Parallel"
         assert container(s)["command"] == ["weightsync", "worker"]
-        assert env(s)[contract.Env.NETWORK_MODE] == "tcp"
+        assert env(s)[Env.NETWORK_MODE] == "tcp"
         limits = container(s).get("resources", {}).get("limits", {})
         assert RDMA not in limits
-        if r == contract.CONTROLLER:
+        if r == CONTROLLER:
             assert "nvidia.com/gpu" not in limits
         else:
             assert env(s)["NCCL_IB_DISABLE"] == "1" and env(s)["NCCL_SOCKET_IFNAME"] == "eth0"
@@ -120,16 +137,16 @@ def test_tcp_job_children(ns):
                                                            "tcp-trainer-1", "tcp-trainer-2"]
     gpu_nodes = {"gpu-0", "gpu-1"} | RDMA_NODES
     for p in pods:
-        if p["metadata"]["labels"][contract.LABEL_ROLE] != contract.CONTROLLER:
+        if p["metadata"]["labels"][LABEL_ROLE] != CONTROLLER:
             assert p["spec"]["nodeName"] in gpu_nodes
-        assert p["metadata"]["labels"][contract.POD_INDEX_LABEL] == p["metadata"]["name"].rsplit("-", 1)[1]
+        assert p["metadata"]["labels"][POD_INDEX_LABEL] == p["metadata"]["name"].rsplit("-", 1)[1]
 
 
 def test_rdma_job_lands_on_rdma_nodes(ns):
     ns.apply_job("rdma", {**SMALL, "network": {"mode": "rdma", "rdma": {
         "hcas": ["mlx5_0", "mlx5_1"], "networks": "rdma-net", "hostNetwork": True}}})
     children = ns.wait_children("rdma")
-    for r in (contract.TRAINER, contract.INFERENCE):
+    for r in (TRAINER, INFERENCE):
         s = children[f"StatefulSet/rdma-{r}"]
         c, pod = container(s), s["spec"]["template"]
         assert c["resources"]["limits"][RDMA] == "1" == c["resources"]["requests"][RDMA]
@@ -145,7 +162,7 @@ def test_rdma_job_lands_on_rdma_nodes(ns):
 
     pods = ns.wait_running_pods("rdma", 4)
     for p in pods:
-        if p["metadata"]["labels"][contract.LABEL_ROLE] != contract.CONTROLLER:
+        if p["metadata"]["labels"][LABEL_ROLE] != CONTROLLER:
             assert p["spec"]["nodeName"] in RDMA_NODES, f"{p['metadata']['name']} on {p['spec']['nodeName']}"
     ns.wait_phase("rdma", "Running")
 
@@ -192,23 +209,23 @@ def test_an_external_role_gets_the_join_secret_and_no_pods(ns):
     assert sorted(k for k in children if k.startswith("StatefulSet/")) == ["StatefulSet/ext-controller",
                                                                            "StatefulSet/ext-inference"]
     join = {k: base64.b64decode(v).decode() for k, v in children["Secret/ext-join"]["data"].items()}
-    assert join == {"WEIGHTSYNC_CONTROLLER": f"ext-controller-0.ext.{ns.name}.svc:{contract.STORE_PORT}",
+    assert join == {"WEIGHTSYNC_CONTROLLER": f"ext-controller-0.ext.{ns.name}.svc:{STORE_PORT}",
                     "WEIGHTSYNC_JOB_ID": f"{ns.name}/ext",
-                    "WEIGHTSYNC_TOKEN": base64.b64decode(children["Secret/ext-token"]["data"][contract.TOKEN_KEY]).decode()}
+                    "WEIGHTSYNC_TOKEN": base64.b64decode(children["Secret/ext-token"]["data"][TOKEN_KEY]).decode()}
     status = ns.wait_phase("ext", "Running")  # the operator's own two pods: nothing waits for the trainers
     assert {r: v["summary"] for r, v in status["replicas"].items()} == {
         "controller": "1/1", "trainer": "external (2 ranks)", "inference": "1/1"}
     ns.kubectl("delete", "secret", "ext-join")
     wait_for("the join Secret put back", lambda: (s := ns.get("secret", "ext-join")) and s["data"] ==
              children["Secret/ext-join"]["data"])
-    assert not ns.get("statefulsets", selector=f"{contract.LABEL_JOB}=ext,{contract.LABEL_ROLE}=trainer")["items"]
+    assert not ns.get("statefulsets", selector=f"{LABEL_JOB}=ext,{LABEL_ROLE}=trainer")["items"]
 
 
 def test_deleting_a_job_removes_every_child(ns):
     ns.apply_job("gone", SMALL)
     ns.wait_children("gone")
     ns.wait_running_pods("gone", 4)
-    ns.kubectl("delete", contract.PLURAL, "gone", "--wait=true", "--timeout=60s")
+    ns.kubectl("delete", PLURAL, "gone", "--wait=true", "--timeout=60s")
     wait_for("children garbage-collected", lambda: not ns.children("gone") and not ns.pods("gone"), 90)
 
 
@@ -229,7 +246,7 @@ def test_restarting_the_operator_writes_nothing_that_is_right(operator, ns):
     def resumed():
         log = operator.log_since_start()
         done = f"[{ns.name}/steady] Resuming is processed" in log and all(
-            f"[{ns.name}/steady-{r}] Handler 'statefulset_changed' succeeded" in log for r in contract.ROLES)
+            f"[{ns.name}/steady-{r}] Handler 'statefulset_changed' succeeded" in log for r in ROLES)
         return log if done else None
 
     log = wait_for("resume and status refresh", resumed)
@@ -261,19 +278,19 @@ def test_completion_scales_to_zero_and_succeeds(cluster, ns):
     # The controller pod's identity: it may patch its own job's status and nothing else.
     token = ns.kubectl("create", "token", "done-controller").stdout.strip()
     as_controller = ("--token", token)
-    denied = ns.kubectl(*as_controller, "patch", contract.PLURAL, "other", "--subresource=status", "--type=merge",
+    denied = ns.kubectl(*as_controller, "patch", PLURAL, "other", "--subresource=status", "--type=merge",
                         "-p", '{"status":{"completion":{"state":"Succeeded"}}}', check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr
-    denied = ns.kubectl(*as_controller, "patch", contract.PLURAL, "done", "--type=merge",
+    denied = ns.kubectl(*as_controller, "patch", PLURAL, "done", "--type=merge",
                         "-p", '{"spec":{"image":"x"}}', check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr
     completion = {"state": "Succeeded", "message": "all versions verified", "versions": 11, "time": "2026-01-01T00:00:00Z"}
-    ns.kubectl(*as_controller, "patch", contract.PLURAL, "done", "--subresource=status", "--type=merge",
+    ns.kubectl(*as_controller, "patch", PLURAL, "done", "--subresource=status", "--type=merge",
                "-p", json.dumps({"status": {"completion": completion}}))
 
     status = ns.wait_phase("done", "Succeeded")
     wait_for("StatefulSets at zero", lambda: all(
-        s["spec"]["replicas"] == 0 for s in ns.get("statefulsets", selector=f"{contract.LABEL_JOB}=done")["items"]))
+        s["spec"]["replicas"] == 0 for s in ns.get("statefulsets", selector=f"{LABEL_JOB}=done")["items"]))
     wait_for("pods gone", lambda: not ns.pods("done"), 60)
     completed = ns.condition("done", "Completed")
     assert completed["status"] == "True" and completed["message"] == "11 weight versions delivered: all versions verified"
@@ -298,7 +315,7 @@ def test_topology_is_immutable(ns):
         ('{"spec":{"inference":{"maxReplicas":3}}}', "spec.inference.maxReplicas is immutable"),
     ]
     for patch, message in refusals:
-        proc = ns.kubectl("patch", contract.PLURAL, "fixed", "--type=merge", "-p", patch, check=False)
+        proc = ns.kubectl("patch", PLURAL, "fixed", "--type=merge", "-p", patch, check=False)
         assert proc.returncode != 0 and message in proc.stderr, (patch, proc.stderr)
 
 
@@ -348,38 +365,38 @@ def test_a_suspended_job_runs_no_pods_until_resumed_and_suspending_a_running_one
     the job anew. A finished job cannot be suspended."""
     ns.apply_job("held", {**SMALL, "suspend": True})
     children = ns.wait_children("held")
-    assert all(children[f"StatefulSet/held-{r}"]["spec"]["replicas"] == 0 for r in contract.ROLES)
+    assert all(children[f"StatefulSet/held-{r}"]["spec"]["replicas"] == 0 for r in ROLES)
     status = ns.wait_phase("held", "Suspended")
     assert ns.condition("held", "Suspended")["reason"] == reasons.SUSPENDED
-    assert {r: v["summary"] for r, v in status["replicas"].items()} == {r: "0/0" for r in contract.ROLES}
+    assert {r: v["summary"] for r, v in status["replicas"].items()} == {r: "0/0" for r in ROLES}
     assert ns.wait_event("held", "Suspended")["type"] == "Normal"
     assert not ns.pods("held")
 
-    ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    ns.kubectl("patch", PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
     ns.wait_phase("held", "Running")
     ns.wait_running_pods("held", 4)
     assert ns.condition("held", "Suspended")["status"] == "False"
     assert ns.condition("held", "Suspended")["reason"] == reasons.RESUMED
     # what the job's controller pod reports as it runs
-    ns.kubectl("patch", contract.PLURAL, "held", "--subresource=status", "--type=merge", "-p", json.dumps(
+    ns.kubectl("patch", PLURAL, "held", "--subresource=status", "--type=merge", "-p", json.dumps(
         {"status": {"controller": {"starts": 1, "started": "2026-01-01T00:00:00Z"},
                     "transfer": {"version": 3, "bytes": 1000, "gbps": 1.0}}}))
-    refused = ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"image":"other"}}',
+    refused = ns.kubectl("patch", PLURAL, "held", "--type=merge", "-p", '{"spec":{"image":"other"}}',
                          check=False)
     assert refused.returncode != 0 and "suspend it first" in refused.stderr
 
-    ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    ns.kubectl("patch", PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}')
     status = ns.wait_phase("held", "Suspended")
     wait_for("pods of a suspended job gone", lambda: not ns.pods("held"), 60)
     assert "controller" not in ns.status("held"), "the controller a resume starts would count itself restarted"
     assert status["transfer"]["version"] == 3  # what it delivered stays
 
     completion = {"state": "Succeeded", "message": "done", "versions": 4, "time": "2026-01-01T00:00:00Z"}
-    ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
-    ns.kubectl("patch", contract.PLURAL, "held", "--subresource=status", "--type=merge", "-p",
+    ns.kubectl("patch", PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    ns.kubectl("patch", PLURAL, "held", "--subresource=status", "--type=merge", "-p",
                json.dumps({"status": {"completion": completion}}))
     ns.wait_phase("held", "Succeeded")
-    refused = ns.kubectl("patch", contract.PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}',
+    refused = ns.kubectl("patch", PLURAL, "held", "--type=merge", "-p", '{"spec":{"suspend":true}}',
                          check=False)
     assert refused.returncode != 0 and "has finished" in refused.stderr
 
@@ -394,25 +411,25 @@ def test_a_running_job_scales_its_inference_pods_up_to_max_replicas_and_replaces
     ns.wait_running_pods("elastic", 3)
     before = ns.get("statefulset", "elastic-inference")["spec"]["template"]
     others = {p["metadata"]["name"]: p["metadata"]["uid"] for p in ns.pods("elastic")
-              if p["metadata"]["labels"][contract.LABEL_ROLE] != "inference"}
+              if p["metadata"]["labels"][LABEL_ROLE] != "inference"}
 
-    ns.kubectl("scale", contract.PLURAL, "elastic", "--replicas=3")
+    ns.kubectl("scale", PLURAL, "elastic", "--replicas=3")
     wait_for("three inference pods", lambda: ns.get("statefulset", "elastic-inference")["spec"]["replicas"] == 3)
     ns.wait_running_pods("elastic", 5)
     assert ns.get("statefulset", "elastic-inference")["spec"]["template"] == before
     wait_for("status: 3/3 inference", lambda: ns.status("elastic")["replicas"]["inference"]["summary"] == "3/3")
-    scale = json.loads(ns.kubectl("get", contract.PLURAL, "elastic", "--subresource=scale", "-o", "json").stdout)
+    scale = json.loads(ns.kubectl("get", PLURAL, "elastic", "--subresource=scale", "-o", "json").stdout)
     assert (scale["kind"], scale["spec"]["replicas"], scale["status"]["replicas"]) == ("Scale", 3, 3)
     assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in ns.pods("elastic")
-            if p["metadata"]["labels"][contract.LABEL_ROLE] != "inference"} == others
+            if p["metadata"]["labels"][LABEL_ROLE] != "inference"} == others
 
-    refused = ns.kubectl("scale", contract.PLURAL, "elastic", "--replicas=4", check=False)
+    refused = ns.kubectl("scale", PLURAL, "elastic", "--replicas=4", check=False)
     assert refused.returncode != 0 and "spec.inference.replicas is more than spec.inference.maxReplicas" in refused.stderr
-    refused = ns.kubectl("patch", contract.PLURAL, "elastic", "--type=merge", "-p",
+    refused = ns.kubectl("patch", PLURAL, "elastic", "--type=merge", "-p",
                          '{"spec":{"inference":{"replicas":2,"awayGraceSeconds":5}}}', check=False)
     assert refused.returncode != 0 and "cannot change while it runs" in refused.stderr
 
-    ns.kubectl("scale", contract.PLURAL, "elastic", "--replicas=1")
+    ns.kubectl("scale", PLURAL, "elastic", "--replicas=1")
     wait_for("one inference pod", lambda: len([p for p in ns.pods("elastic")
-                                               if p["metadata"]["labels"][contract.LABEL_ROLE] == "inference"]) == 1, 60)
+                                               if p["metadata"]["labels"][LABEL_ROLE] == "inference"]) == 1, 60)
     assert ns.status("elastic")["replicas"]["inference"]["desired"] == 1

@@ -10,7 +10,15 @@ import types
 import pytest
 from controlplane import wait_for
 
-from weightsync import job as contract
+from weightsync.job import (
+    ANNOTATION_NETWORK_MODE,
+    ANNOTATION_TOKEN_SHA256,
+    LABEL_ROLE,
+    PLURAL,
+    ROLES,
+    TOKEN_KEY,
+    TRAINER,
+)
 from weightsync_operator import reconcile, tokens
 from weightsync_operator.kube import ApiError, Kube
 from weightsync_operator.render import DEFAULT_WORKER_IMAGE_ENV
@@ -38,7 +46,7 @@ def wait_pods(ns, name, count, timeout=90):
 
 def token_of(ns, name):
     secret = ns.get("secret", f"{name}-token")
-    return base64.b64decode(secret["data"][contract.TOKEN_KEY]) if secret else None
+    return base64.b64decode(secret["data"][TOKEN_KEY]) if secret else None
 
 
 def template(ns, name, role):
@@ -72,18 +80,18 @@ def test_the_controller_pod_cannot_change_what_the_operator_renders(ns):
     ns.apply_job("mine", TCP)
     ns.wait_children("mine")
     ns.wait_phase("mine", "Running")
-    before = {r: ns.get("statefulset", f"mine-{r}") for r in contract.ROLES}
+    before = {r: ns.get("statefulset", f"mine-{r}") for r in ROLES}
     # The controller pod's identity may patch its job's status, network included...
     token = ns.kubectl("create", "token", "mine-controller").stdout.strip()
-    ns.kubectl("--token", token, "patch", contract.PLURAL, "mine", "--subresource=status", "--type=merge",
+    ns.kubectl("--token", token, "patch", PLURAL, "mine", "--subresource=status", "--type=merge",
                "-p", json.dumps({"status": {"network": {"mode": "rdma", "reason": "the controller said so"}}}))
     # ...but not the job's annotations, where the operator keeps what it decided.
-    denied = ns.kubectl("--token", token, "annotate", contract.PLURAL, "mine", f"{contract.ANNOTATION_NETWORK_MODE}=rdma",
+    denied = ns.kubectl("--token", token, "annotate", PLURAL, "mine", f"{ANNOTATION_NETWORK_MODE}=rdma",
                         "--overwrite", check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr
     wait_for("status.network put back", lambda: ns.status("mine").get("network", {}).get("mode") == "tcp")
     assert ns.status("mine")["network"] == {"mode": "tcp", "reason": "spec.network.mode is tcp"}
-    for r in contract.ROLES:
+    for r in ROLES:
         after = ns.get("statefulset", f"mine-{r}")
         assert after["spec"]["template"] == before[r]["spec"]["template"]
         (c,) = after["spec"]["template"]["spec"]["containers"]
@@ -97,9 +105,9 @@ def test_a_running_job_is_never_rolled(operator, ns):
     wait_pods(ns, "steady", 4)
     ns.wait_phase("steady", "Running")
     uids = pod_uids(ns, "steady")
-    image = template(ns, "steady", contract.TRAINER)["spec"]["containers"][0]["image"]
+    image = template(ns, "steady", TRAINER)["spec"]["containers"][0]["image"]
     # A spec edit is refused while the job runs...
-    proc = ns.kubectl("patch", contract.PLURAL, "steady", "--type=merge", "-p", '{"spec":{"training":{"steps":7}}}',
+    proc = ns.kubectl("patch", PLURAL, "steady", "--type=merge", "-p", '{"spec":{"training":{"steps":7}}}',
                       check=False)
     assert proc.returncode != 0 and "the job is Running and its spec cannot change" in proc.stderr, proc.stderr
     # ...and a new default worker image (a chart upgrade) reaches new jobs only.
@@ -110,13 +118,13 @@ def test_a_running_job_is_never_rolled(operator, ns):
         wait_for("resume", lambda: f"[{ns.name}/steady] Resuming is processed" in operator.log_since_start())
         ns.apply_job("later", TCP)
         ns.wait_children("later")
-        assert template(ns, "later", contract.TRAINER)["spec"]["containers"][0]["image"] == "registry.local/worker:next"
+        assert template(ns, "later", TRAINER)["spec"]["containers"][0]["image"] == "registry.local/worker:next"
     finally:
         operator.stop()
         del operator.env[DEFAULT_WORKER_IMAGE_ENV]
         operator.start()
-    assert template(ns, "steady", contract.TRAINER)["spec"]["containers"][0]["image"] == image
-    for r in contract.ROLES:
+    assert template(ns, "steady", TRAINER)["spec"]["containers"][0]["image"] == image
+    for r in ROLES:
         assert ns.get("statefulset", f"steady-{r}")["spec"]["updateStrategy"] == {"type": "OnDelete"}
     assert pod_uids(ns, "steady") == uids
 
@@ -126,7 +134,7 @@ def test_a_job_that_is_not_running_yet_takes_edits(ns):
     ns.apply_job("fixme", {**TCP, "trainer": {"replicas": 2, "procsPerPod": 2, "gpusPerProc": 8}})
     ns.wait_children("fixme")
     wait_for("Unschedulable", lambda: ns.condition("fixme", "Ready").get("reason") == "Unschedulable")
-    ns.kubectl("patch", contract.PLURAL, "fixme", "--type=merge", "-p", '{"spec":{"trainer":{"gpusPerProc":1}}}')
+    ns.kubectl("patch", PLURAL, "fixme", "--type=merge", "-p", '{"spec":{"trainer":{"gpusPerProc":1}}}')
     ns.wait_phase("fixme", "Running", timeout=90)
 
 
@@ -140,11 +148,11 @@ def test_fixing_a_pending_jobs_trainer_resources_leaves_its_other_pods_alone(ns)
 
     def others_running():
         running = {p["metadata"]["name"]: p["metadata"]["uid"] for p in ns.pods("roomy")
-                   if p["metadata"]["labels"].get(contract.LABEL_ROLE) != contract.TRAINER
+                   if p["metadata"]["labels"].get(LABEL_ROLE) != TRAINER
                    and p["status"].get("phase") == "Running"}
         return running if len(running) == 2 else None
     others = wait_for("the controller and inference pods Running", others_running)
-    ns.kubectl("patch", contract.PLURAL, "roomy", "--type=merge", "-p",
+    ns.kubectl("patch", PLURAL, "roomy", "--type=merge", "-p",
                '{"spec":{"trainer":{"resources":{"requests":{"cpu":"100m"}}}}}')
     ns.wait_phase("roomy", "Running", timeout=90)
     assert {n: u for n, u in pod_uids(ns, "roomy").items() if n in others} == others
@@ -156,7 +164,7 @@ def test_deleted_children_come_back_with_the_same_token(operator, ns):
     ns.wait_phase("keep", "Running")
     token = token_of(ns, "keep")
     job = ns.job("keep")
-    assert job["metadata"]["annotations"][contract.ANNOTATION_TOKEN_SHA256] == tokens.fingerprint(token.decode())
+    assert job["metadata"]["annotations"][ANNOTATION_TOKEN_SHA256] == tokens.fingerprint(token.decode())
 
     ns.kubectl("delete", "secret", "keep-token")
     ns.kubectl("delete", "statefulset", "keep-trainer", "--cascade=orphan")
@@ -182,7 +190,7 @@ def test_a_secret_that_cannot_hold_the_same_token_fails_the_job(ns):
     ns.wait_children("lost")
     # The job's record of its token no longer matches what the operator can produce (as when its
     # key was replaced): a new token would lock out every running rank.
-    ns.kubectl("annotate", contract.PLURAL, "lost", f"{contract.ANNOTATION_TOKEN_SHA256}=0000", "--overwrite")
+    ns.kubectl("annotate", PLURAL, "lost", f"{ANNOTATION_TOKEN_SHA256}=0000", "--overwrite")
     ns.kubectl("delete", "secret", "lost-token")
     failed = ns.wait_phase("lost", "Failed")
     cond = {c["type"]: c for c in failed["conditions"]}["ChildrenCreated"]

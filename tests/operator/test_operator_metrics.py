@@ -17,7 +17,7 @@ import pytest
 from controlplane import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightsync import job as contract
+import weightsync.job
 from weightsync_operator import metrics
 
 TYPES = {"weightsync_operator_reconciles": "counter", "weightsync_operator_reconcile_errors": "counter",
@@ -96,7 +96,7 @@ def _handlers() -> int:
 def test_the_phases_counted_are_the_crds():
     import yaml
 
-    crd = yaml.safe_load((Path(contract.__file__).parent / "crd.yaml").read_text())
+    crd = yaml.safe_load((Path(weightsync.job.__file__).parent / "crd.yaml").read_text())
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert tuple(status["properties"]["phase"]["enum"]) == metrics.PHASES
 

@@ -8,11 +8,11 @@ import pytest
 from controlplane import probe, wait_for
 from support.operator_harness import CRD, Namespace, Operator
 
-from weightsync import job as contract
+from weightsync.job import GROUP, PLURAL
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-CRD_NAME = f"{contract.PLURAL}.{contract.GROUP}"
+CRD_NAME = f"{PLURAL}.{GROUP}"
 
 
 def apply_crd(cluster):

@@ -7,13 +7,13 @@ import pytest
 import yaml
 from controlplane import wait_for
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def dry_run(cluster, role_section: dict):
-    obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "tpl", "namespace": "default"},
+    obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "tpl", "namespace": "default"},
            "spec": {"model": {"config": {"model_type": "gpt2"}}, "trainer": role_section}}
     return cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(obj), check=False)
 

@@ -1,7 +1,7 @@
 """A queued job's Workload and where it stands, from Kueue's Workload as stored: the operator's pure
 functions of queueing.py, without a cluster (the real Kueue runs in test_kueue_cluster.py)."""
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, ROLES, load_job
 from weightsync_operator import queueing, render, status
 from weightsync_operator.queueing import Admission, Placement
 
@@ -9,14 +9,14 @@ STAMP = "2026-01-01T00:00:00Z"
 
 
 def job(spec=None):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "demo", "namespace": "team-a"},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "demo", "namespace": "team-a"},
         "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2}}, "trainer": {"replicas": 2},
                  "inference": {"replicas": 3}, **(spec or {})}})
 
 
 def templates(j):
-    return {r: render.pod_template(j, r, "tcp") for r in contract.ROLES}
+    return {r: render.pod_template(j, r, "tcp") for r in ROLES}
 
 
 def stored(conditions=(), admission=None, generation=1):
@@ -92,7 +92,7 @@ def test_an_admission_places_the_roles_pods_and_a_held_job_runs_none():
     held = Admission(False, "LocalQueue lq doesn't exist")
     s = status.compute({}, j.layout, {}, [], queued=held, at=STAMP)
     assert s["phase"] == "Queued"
-    assert {r: v["desired"] for r, v in s["replicas"].items()} == {r: 0 for r in contract.ROLES}
+    assert {r: v["desired"] for r, v in s["replicas"].items()} == {r: 0 for r in ROLES}
     conditions = {c["type"]: c for c in s["conditions"]}
     assert conditions["Admitted"]["reason"] == "Queued" and conditions["Admitted"]["message"] == held.message
     assert conditions["Ready"]["reason"] == "Queued"

@@ -7,8 +7,38 @@ import re
 import pytest
 import yaml
 
-from weightsync import job as contract
-from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Env
+from weightsync.job import (
+    API_VERSION,
+    CONTROLLER,
+    DATA_PORT,
+    HEALTH_PORT,
+    INFERENCE,
+    KIND,
+    LABEL_JOB,
+    LIVENESS,
+    MASTER_PORT,
+    PLURAL,
+    READINESS,
+    ROLES,
+    SHM_MOUNT,
+    SPEC_KEY,
+    SPEC_MOUNT,
+    STARTUP,
+    STORE_PORT,
+    TMP_MOUNT,
+    TOKEN_KEY,
+    TOKEN_MOUNT,
+    TRAINER,
+    VERSION,
+    WORKER_UID,
+    WRITABLE_ENV,
+    Env,
+    Layout,
+    SpecError,
+    load_job,
+    master_addr,
+    torchrun_env,
+)
 from weightsync.job.states import Condition
 from weightsync_operator import network, render, status, tokens
 from weightsync_operator.handlers import children
@@ -19,8 +49,8 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def job(spec=None, name="demo", namespace="team-a"):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name, "namespace": namespace},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2}}, **(spec or {})}})
 
 
@@ -48,11 +78,11 @@ def env(job, role, mode):
 def test_configmap_holds_the_defaulted_job_that_the_workers_load():
     j = job({"trainer": {"replicas": 3}})
     cm = render.configmap(j)
-    doc = yaml.safe_load(cm["data"][contract.SPEC_KEY])
+    doc = yaml.safe_load(cm["data"][SPEC_KEY])
     assert doc["spec"]["training"]["steps"] == 100  # a CRD default, applied before rendering
     assert doc["spec"]["trainer"] == {"replicas": 3, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800,
                                       "external": False}
-    assert contract.load_job(doc) == j
+    assert load_job(doc) == j
 
 
 def test_every_child_is_named_after_the_job_and_labelled_with_it():
@@ -64,7 +94,7 @@ def test_every_child_is_named_after_the_job_and_labelled_with_it():
     for objs in kinds.values():
         for o in objs.values():
             assert o["metadata"]["namespace"] == "team-a"
-            assert o["metadata"]["labels"][contract.LABEL_JOB] == "demo"
+            assert o["metadata"]["labels"][LABEL_JOB] == "demo"
 
 
 def test_statefulsets_share_one_ordinal_space_and_the_headless_service():
@@ -96,18 +126,18 @@ def test_longest_allowed_name_keeps_every_child_name_valid():
     assert len(j.pod_name(last)) <= 63 and DNS_LABEL.match(j.pod_name(last))
     # The StatefulSet controller labels pods with "<statefulset>-<10-character hash>".
     assert len(j.child_name(INFERENCE)) + 11 <= 63
-    with pytest.raises(contract.SpecError, match="at most 42 characters"):
+    with pytest.raises(SpecError, match="at most 42 characters"):
         job(name="j" * 43)
 
 
 def test_secret_and_rbac():
     j = job()
     sec = render.secret(j, "s3cret-token-value")
-    assert base64.b64decode(sec["data"][contract.TOKEN_KEY]) == b"s3cret-token-value"
+    assert base64.b64decode(sec["data"][TOKEN_KEY]) == b"s3cret-token-value"
     rules = render.role(j)["rules"]
     assert all(r["resourceNames"] == ["demo"] for r in rules)
     assert {(tuple(r["resources"]), tuple(r["verbs"])) for r in rules} == {
-        ((contract.PLURAL,), ("get",)), ((f"{contract.PLURAL}/status",), ("get", "patch"))}
+        ((PLURAL,), ("get",)), ((f"{PLURAL}/status",), ("get", "patch"))}
     binding = render.role_binding(j)
     assert binding["roleRef"]["name"] == j.service_account_name
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": j.service_account_name, "namespace": "team-a"}]
@@ -125,14 +155,14 @@ def test_every_pod_learns_its_ordinal_job_and_files():
         assert e[Env.POD_NAME]["fieldRef"]["fieldPath"] == "metadata.name"
         assert e[Env.NAMESPACE]["fieldRef"]["fieldPath"] == "metadata.namespace"
         assert e[Env.CONTROLLER_HOST] == "demo-controller-0.demo.team-a.svc" == j.controller_host
-        assert e[Env.SPEC_FILE] == f"{contract.SPEC_MOUNT}/{contract.SPEC_KEY}"
-        assert e[Env.TOKEN_FILE] == f"{contract.TOKEN_MOUNT}/{contract.TOKEN_KEY}"
+        assert e[Env.SPEC_FILE] == f"{SPEC_MOUNT}/{SPEC_KEY}"
+        assert e[Env.TOKEN_FILE] == f"{TOKEN_MOUNT}/{TOKEN_KEY}"
         assert e[Env.NETWORK_MODE] == "tcp"
         assert (Env.REPORT_TO_KUBERNETES in e) == (role == CONTROLLER)
         c = container(j, role, "tcp")
         assert c["command"] == ["weightsync", "worker"] and c["image"] == render.FALLBACK_WORKER_IMAGE
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
-        assert {contract.SPEC_MOUNT, contract.TOKEN_MOUNT} <= mounts
+        assert {SPEC_MOUNT, TOKEN_MOUNT} <= mounts
 
 
 def test_a_trainer_command_pod_gets_where_its_ranks_meet_and_the_users_env_and_image():
@@ -144,12 +174,12 @@ def test_a_trainer_command_pod_gets_where_its_ranks_meet_and_the_users_env_and_i
     c = container(j, TRAINER, "tcp")
     assert c["image"] == "registry.example/my-trainer:1" and c["command"] == ["weightsync", "worker"]
     e = env(j, TRAINER, "tcp")
-    assert e["MASTER_ADDR"] == "demo-trainer-1.demo.team-a.svc" == contract.master_addr(j)
-    assert e["MASTER_PORT"] == str(contract.MASTER_PORT)
+    assert e["MASTER_ADDR"] == "demo-trainer-1.demo.team-a.svc" == master_addr(j)
+    assert e["MASTER_PORT"] == str(MASTER_PORT)
     assert e["HF_TOKEN"] == user_env[0]["valueFrom"] and e["OMP_NUM_THREADS"] == "4"
     names = [v["name"] for v in c["env"]]
     assert names.index("OMP_NUM_THREADS") > names.index(Env.TOKEN_FILE)  # the user's own come last
-    assert {"name": "torch", "containerPort": contract.MASTER_PORT, "protocol": "TCP"} in c["ports"]
+    assert {"name": "torch", "containerPort": MASTER_PORT, "protocol": "TCP"} in c["ports"]
     for role in (CONTROLLER, INFERENCE):  # only trainer pods run the command
         assert container(j, role, "tcp")["image"] == "ghcr.io/weightsync/worker:dev"
         assert "MASTER_ADDR" not in env(j, role, "tcp") and "HF_TOKEN" not in env(j, role, "tcp")
@@ -160,13 +190,13 @@ def test_a_trainer_command_pod_gets_where_its_ranks_meet_and_the_users_env_and_i
 
 def test_the_worker_gives_each_trainer_pods_command_torchruns_variables():
     j = job({"trainer": {"replicas": 3, "procsPerPod": 4, "command": ["torchrun", "train.py"]}})
-    second = contract.torchrun_env(j, 2, "demo-trainer-1.demo.team-a.svc", 29800)
+    second = torchrun_env(j, 2, "demo-trainer-1.demo.team-a.svc", 29800)
     assert second == {"MASTER_ADDR": "demo-trainer-1.demo.team-a.svc", "MASTER_PORT": "29800", "WORLD_SIZE": "12",
                       "NODE_RANK": "1", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4", "PET_NNODES": "3",
                       "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "demo-trainer-1.demo.team-a.svc",
                       "PET_MASTER_PORT": "29800"}
     single = job({"trainer": {"replicas": 3, "command": ["python", "train.py"]}})
-    third = contract.torchrun_env(single, 3, "127.0.0.1", 1234)
+    third = torchrun_env(single, 3, "127.0.0.1", 1234)
     assert third["RANK"] == "2" and third["LOCAL_RANK"] == "0" and third["WORLD_SIZE"] == "3"  # env:// without torchrun
 
 
@@ -180,7 +210,7 @@ def test_vllm_pods_serve_the_openai_api_through_a_service_of_their_own():
     c = container(j, INFERENCE, "tcp")
     assert c["image"] == "registry.example/weightsync-vllm:1"
     assert {"name": "vllm", "containerPort": 8100, "protocol": "TCP"} in c["ports"]
-    assert {"name": "dshm", "mountPath": contract.SHM_MOUNT} in c["volumeMounts"]
+    assert {"name": "dshm", "mountPath": SHM_MOUNT} in c["volumeMounts"]
     assert {"name": "VLLM_CACHE_ROOT", "value": "/tmp/vllm"} in c["env"]
     assert "demo-vllm" not in by_kind(render.children(job(), "tcp", "t" * 64))["Service"]
 
@@ -272,7 +302,7 @@ def test_gpu_requests_follow_procs_per_pod_unless_resources_say_otherwise():
     # Several processes in one pod share /dev/shm: memory-backed even over TCP.
     assert any(v["name"] == "dshm" for v in pod(j, TRAINER, "tcp")["spec"]["volumes"])
     assert [p["containerPort"] for p in container(j, INFERENCE, "tcp")["ports"]] == [
-        contract.DATA_PORT, contract.DATA_PORT + 1, contract.HEALTH_PORT]
+        DATA_PORT, DATA_PORT + 1, HEALTH_PORT]
 
 
 def test_every_pod_is_probed_for_startup_liveness_and_readiness_on_its_health_port():
@@ -281,23 +311,23 @@ def test_every_pod_is_probed_for_startup_liveness_and_readiness_on_its_health_po
         for mode in ("tcp", "rdma"):
             c = container(j, role, mode)
             (health,) = [p for p in c["ports"] if p["name"] == "health"]
-            assert health == {"name": "health", "containerPort": contract.HEALTH_PORT, "protocol": "TCP"}
-            assert env(j, role, mode)[Env.HEALTH_PORT] == str(contract.HEALTH_PORT)
-            for key, spec in (("startupProbe", contract.STARTUP), ("livenessProbe", contract.LIVENESS),
-                              ("readinessProbe", contract.READINESS)):
+            assert health == {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}
+            assert env(j, role, mode)[Env.HEALTH_PORT] == str(HEALTH_PORT)
+            for key, spec in (("startupProbe", STARTUP), ("livenessProbe", LIVENESS),
+                              ("readinessProbe", READINESS)):
                 assert c[key] == {"httpGet": {"path": spec.path, "port": "health", "scheme": "HTTP"},
                                   "periodSeconds": spec.period_seconds, "timeoutSeconds": spec.timeout_seconds,
                                   "failureThreshold": spec.failure_threshold}
-    assert (contract.LIVENESS.path, contract.READINESS.path) == ("/healthz", "/readyz")
+    assert (LIVENESS.path, READINESS.path) == ("/healthz", "/readyz")
     # A pod that stops answering is restarted within seconds, and only after four probes in a row failed.
-    assert contract.LIVENESS.failure_threshold == 4 and contract.LIVENESS.deadline == 25
+    assert LIVENESS.failure_threshold == 4 and LIVENESS.deadline == 25
     # One that has not answered yet (it imports torch and builds its model) has minutes to start,
     # and is live within seconds of its first answer; liveness begins only then.
-    assert contract.STARTUP.path == contract.LIVENESS.path and contract.STARTUP.deadline >= 300
-    assert contract.STARTUP.period_seconds <= 2
+    assert STARTUP.path == LIVENESS.path and STARTUP.deadline >= 300
+    assert STARTUP.period_seconds <= 2
     # Ports of one pod never collide, whatever procsPerPod allows (16 at most).
-    assert contract.HEALTH_PORT not in range(contract.DATA_PORT, contract.DATA_PORT + 16)
-    assert contract.HEALTH_PORT != contract.STORE_PORT
+    assert HEALTH_PORT not in range(DATA_PORT, DATA_PORT + 16)
+    assert HEALTH_PORT != STORE_PORT
 
 
 def test_worker_pods_on_the_nodes_network_have_no_health_port_and_no_probes():
@@ -370,9 +400,9 @@ def test_explicit_modes_need_no_nodes():
 
 # ------------------------------------------------------------------ status
 
-LAYOUT = contract.Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
+LAYOUT = Layout(trainers=2, trainer_procs=1, inferences=1, inference_procs=1)
 READY = {"controller": {"ready": 1}, "trainer": {"ready": 2}, "inference": {"ready": 1}}
-PODS = {role: LAYOUT.replicas(role) for role in contract.ROLES}  # the pods each role runs
+PODS = {role: LAYOUT.replicas(role) for role in ROLES}  # the pods each role runs
 CREATED = status.condition(Condition.CHILDREN_CREATED, True, "Created", "ok")
 
 
@@ -471,7 +501,7 @@ def test_the_failed_condition_takes_the_controllers_reason():
 def test_the_status_schema_takes_what_the_controller_reports():
     from weightsync.job.schema import openapi_schema
 
-    status_schema = openapi_schema(contract.VERSION)["properties"]["status"]["properties"]
+    status_schema = openapi_schema(VERSION)["properties"]["status"]["properties"]
     assert set(status_schema["rejoins"]["properties"]) == {TRAINER, INFERENCE}
     reason = status_schema["completion"]["properties"]["reason"]
     assert re.match(reason["pattern"], "ControllerRestarted") and not re.match(reason["pattern"], "controller restarted")
@@ -537,8 +567,8 @@ def test_worker_image_is_the_jobs_own_else_the_default_recorded_at_creation(monk
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.local/worker:old"
 
 
-RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": contract.WORKER_UID, "runAsGroup": contract.WORKER_UID,
-                  "fsGroup": contract.WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+                  "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
 RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
@@ -550,12 +580,12 @@ def test_tcp_pods_meet_pod_security_restricted_with_a_read_only_root():
         assert "hostNetwork" not in p
         # The one writable place, and every cache and home pointed into it.
         assert {"name": "tmp", "emptyDir": {}} in p["volumes"]
-        assert {"name": "tmp", "mountPath": contract.TMP_MOUNT} in c["volumeMounts"]
+        assert {"name": "tmp", "mountPath": TMP_MOUNT} in c["volumeMounts"]
         e = env(j, role, "tcp")
-        for name, value in contract.WRITABLE_ENV.items():
+        for name, value in WRITABLE_ENV.items():
             assert e[name] == value
-            assert name == "PYTHONDONTWRITEBYTECODE" or value.startswith(contract.TMP_MOUNT)
-    assert {"HOME", "HF_HOME", "XDG_CACHE_HOME"} <= set(contract.WRITABLE_ENV)
+            assert name == "PYTHONDONTWRITEBYTECODE" or value.startswith(TMP_MOUNT)
+    assert {"HOME", "HF_HOME", "XDG_CACHE_HOME"} <= set(WRITABLE_ENV)
 
 
 def test_a_running_job_never_has_its_pods_replaced_by_a_template_change():
@@ -598,7 +628,7 @@ def test_pods_not_created_are_problems_only_while_their_statefulset_lacks_pods()
 
 
 def test_pods_with_a_health_port_say_where_prometheus_scrapes_them():
-    expected = {"prometheus.io/scrape": "true", "prometheus.io/port": str(contract.HEALTH_PORT),
+    expected = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HEALTH_PORT),
                 "prometheus.io/path": "/metrics"}
     j = job()
     for role in (CONTROLLER, TRAINER, INFERENCE):

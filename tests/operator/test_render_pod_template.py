@@ -3,20 +3,19 @@ each merges with the job's own, what the render refuses, and what rolls which ro
 
 import pytest
 
-from weightsync import job as contract
-from weightsync.job import CONTROLLER, INFERENCE, TRAINER
+from weightsync.job import API_VERSION, CONTROLLER, INFERENCE, KIND, LABEL_ROLE, TRAINER, Job, SpecError, load_job
 from weightsync_operator import render
 
 
 def job(spec=None):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "demo", "namespace": "team-a"},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "demo", "namespace": "team-a"},
         "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2}}, **(spec or {})}})
 
 
 def unchecked(spec):
     """A job the CRD's rules never saw (an older CRD): the render checks the template itself."""
-    return contract.Job("demo", "team-a", job().spec | spec)
+    return Job("demo", "team-a", job().spec | spec)
 
 
 def pod(j, role, mode="tcp"):
@@ -51,7 +50,7 @@ def test_every_field_of_a_roles_template_reaches_its_pods_alone(role):
              {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
         envFrom=[{"configMapRef": {"name": "vllm-settings"}}], volumeMounts=[MOUNT])}})
     p = pod(j, role)
-    assert p["metadata"]["labels"]["team"] == "rl" and p["metadata"]["labels"][contract.LABEL_ROLE] == role
+    assert p["metadata"]["labels"]["team"] == "rl" and p["metadata"]["labels"][LABEL_ROLE] == role
     assert p["metadata"]["annotations"]["owner"] == "alice" and render.SPEC_HASH_ANNOTATION in p["metadata"]["annotations"]
     s = p["spec"]
     assert s["volumes"][-1] == PVC and [v["name"] for v in s["volumes"][:3]] == ["spec", "token", "tmp"]
@@ -120,7 +119,7 @@ REFUSED = [
 def test_the_render_refuses_what_collides_with_the_jobs_own(podtemplate, message):
     trainer = {"command": ["python", "train.py"], "env": [{"name": "MINE", "value": "1"}],
                "nodeSelector": {"pool": "a"}, "resources": {"limits": {"cpu": "1"}}, "podTemplate": podtemplate}
-    with pytest.raises(contract.SpecError, match="spec.trainer.podTemplate") as err:
+    with pytest.raises(SpecError, match="spec.trainer.podTemplate") as err:
         pod(unchecked({"trainer": {**job({"trainer": {"command": ["python"]}}).spec["trainer"], **trainer}}), TRAINER)
     assert message in str(err.value)
 

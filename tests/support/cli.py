@@ -11,8 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-import yaml
 
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 

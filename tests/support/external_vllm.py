@@ -12,11 +12,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-
+from support.vllm import LLAMA, free_port, vllm_python  # noqa: F401 - the tests take both from here
 from weightsync.job import Model
 from weightsync.roles.vllm_server import server_command
-
-from support.vllm import LLAMA, free_port, vllm_python  # noqa: F401 - the tests take both from here
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_with_weightsync.py")
 # vLLM's CPU backend: head size 64 (LLAMA), a small share of memory, a small KV cache (the env below)

@@ -10,8 +10,7 @@ from pathlib import Path
 import yaml
 
 from support import waits
-from weightsync import job as contract
-from weightsync.job import LIVENESS
+from weightsync.job import API_VERSION, KIND, LIVENESS, Env, load_job
 from weightsync.local import ports
 from weightsync.runtime import health
 
@@ -27,8 +26,8 @@ def until(what: str, check, timeout: float = DEADLINE):
 
 
 def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:
-    job = contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "probed"},
+    job = load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "probed"},
         "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64,
                                       "n_positions": 16}},
                  "trainer": {"replicas": 1, "procsPerPod": procs, "gpusPerProc": 0},
@@ -37,7 +36,7 @@ def worker_env(tmp_path: Path, ordinal: int, procs: int = 1) -> dict:
     (tmp_path / "token").write_text("t" * 32)
     store, port = ports.lease([1, 1])  # this test process's until it ends
     base = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
-    return {**base, contract.Env.ORDINAL: str(ordinal), contract.Env.SPEC_FILE: str(tmp_path / "job.yaml"),
-            contract.Env.TOKEN_FILE: str(tmp_path / "token"), contract.Env.CONTROLLER_HOST: "127.0.0.1",
-            contract.Env.POD_IP: "127.0.0.1", contract.Env.STORE_PORT: str(store), contract.Env.HEALTH_PORT: str(port),
-            contract.Env.JOB: "probed", "PYTHONUNBUFFERED": "1"}
+    return {**base, Env.ORDINAL: str(ordinal), Env.SPEC_FILE: str(tmp_path / "job.yaml"),
+            Env.TOKEN_FILE: str(tmp_path / "token"), Env.CONTROLLER_HOST: "127.0.0.1",
+            Env.POD_IP: "127.0.0.1", Env.STORE_PORT: str(store), Env.HEALTH_PORT: str(port),
+            Env.JOB: "probed", "PYTHONUNBUFFERED": "1"}

@@ -2,16 +2,18 @@
 end, every version it delivered checked against the trainer's dumps, and nothing left behind."""
 
 from __future__ import annotations
+
 import io
 import time
 from pathlib import Path
+
 import pytest
 import torch
-from weightsync import job as contract
+
+from weightsync.job import API_VERSION, KIND, Env, load_job
+from weightsync.local.runner import LocalJob, RunFailed
 from weightsync.rendezvous.protocol import connect_store, versions
 from weightsync.runtime.faults import DUMP_DIR_ENV
-from weightsync.local.runner import LocalJob, RunFailed
-
 
 TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,
         "bos_token_id": 0, "eos_token_id": 0}
@@ -24,8 +26,8 @@ ODD = {"model_type": "gpt2", "n_layer": 2, "n_embd": 150, "n_head": 5, "vocab_si
 
 def make_job(name, config=TINY, dtype="bfloat16", trainers=(1, 1), inferences=(1, 1), steps=4, every=2, gpus=(0, 0),
              **transfer):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": config, "dtype": dtype},
                  "trainer": {"replicas": trainers[0], "procsPerPod": trainers[1], "gpusPerProc": gpus[0]},
                  "inference": {"replicas": inferences[0], "procsPerPod": inferences[1], "gpusPerProc": gpus[1]},
@@ -120,9 +122,9 @@ def check_every_version(dump: Path, job, logits_tolerance: float | None = None) 
 def pids_of(job_name: str, local: LocalJob | None = None) -> list[int]:
     """Every live process that belongs to the job's pods: the pod processes and their children
     (of that one run when `local` is given: other runs of a job of the same name may be going on)."""
-    markers = [f"{contract.Env.JOB}={job_name}".encode()]
+    markers = [f"{Env.JOB}={job_name}".encode()]
     if local is not None:
-        markers.append(f"{contract.Env.TOKEN_FILE}={local.pods[0].env[contract.Env.TOKEN_FILE]}".encode())
+        markers.append(f"{Env.TOKEN_FILE}={local.pods[0].env[Env.TOKEN_FILE]}".encode())
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -145,8 +147,8 @@ def assert_nothing_left(local: LocalJob) -> None:
 
 def store_of(local: LocalJob):
     env = local.pods[0].env
-    token = Path(env[contract.Env.TOKEN_FILE]).read_bytes().strip()
-    return connect_store("127.0.0.1", int(env[contract.Env.STORE_PORT]), token, local.job.identity, timeout=60)
+    token = Path(env[Env.TOKEN_FILE]).read_bytes().strip()
+    return connect_store("127.0.0.1", int(env[Env.STORE_PORT]), token, local.job.identity, timeout=60)
 
 
 def wait_key(store, key: str, timeout: float = 120) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 from controlplane import die_with_parent, free_ports, probe, stop_group, wait_for
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, LABEL_JOB, PLURAL
 from weightsync_operator.metrics import METRICS_PORT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,13 +86,13 @@ class Namespace:
         return json.loads(proc.stdout)
 
     def apply_job(self, name: str, spec: dict, check=True, labels: dict | None = None):
-        obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name, "labels": labels or {}},
+        obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "labels": labels or {}},
                "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
                                              "vocab_size": 1024}}, **spec}}
         return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj), check=check)
 
     def job(self, name: str) -> dict | None:
-        return self.get(contract.PLURAL, name)
+        return self.get(PLURAL, name)
 
     def status(self, name: str) -> dict:
         return (self.job(name) or {}).get("status") or {}
@@ -103,15 +103,15 @@ class Namespace:
     def children(self, name: str) -> dict[str, dict]:
         """Every object labelled as the job's, by "Kind/name"."""
         items = self.get("services,secrets,configmaps,serviceaccounts,roles,rolebindings,statefulsets",
-                         selector=f"{contract.LABEL_JOB}={name}")["items"]
+                         selector=f"{LABEL_JOB}={name}")["items"]
         return {f"{o['kind']}/{o['metadata']['name']}": o for o in items}
 
     def pods(self, name: str) -> list[dict]:
-        return self.get("pods", selector=f"{contract.LABEL_JOB}={name}")["items"]
+        return self.get("pods", selector=f"{LABEL_JOB}={name}")["items"]
 
     def events(self, name: str) -> list[dict]:
         return [e for e in self.get("events")["items"]
-                if e["involvedObject"].get("kind") == contract.KIND and e["involvedObject"].get("name") == name]
+                if e["involvedObject"].get("kind") == KIND and e["involvedObject"].get("name") == name]
 
     def wait_children(self, name: str, timeout: float = 60) -> dict[str, dict]:
         return wait_for(f"all 9 children of {name}", lambda: c if len(c := self.children(name)) == 9 else None,

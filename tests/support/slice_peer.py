@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from weightsync.model.flat import FlatLayout, byte_view, torch_dtype
+from weightsync.plan.boxes import Box, RankSlices, Slice, Slicing, chunk_bounds, join
 from weightsync.plan.holders import Holdings
-from weightsync.plan.sliced import SlicedPlan, global_tensors
-from weightsync.plan.slices import Box, RankSlices, Slice, Slicing, chunk_bounds, join
-from weightsync.plan.tp import tp_needs
+from weightsync.plan.sliced_plan import SlicedPlan, global_tensors
+from weightsync.plan.tp_needs import tp_needs
 from weightsync.transfer.receive import VersionReceiver, version_digest
 from weightsync.transfer.send import VersionSender
 from weightsync.transport import TransferError, make_transport

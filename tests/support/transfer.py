@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 import pytest
 import torch.distributed as dist
-
 
 PEER = Path(__file__).with_name("transfer_peer.py")
 

@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync import job as contract
+from support.jobs import assert_nothing_left
+from weightsync.job import API_VERSION, KIND, Env, load_job
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
-
-from support.jobs import assert_nothing_left
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -52,8 +51,8 @@ def vllm_python() -> str:
 
 def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
              ahead: bool = False, dtype: str = "bfloat16", expert_parallel: bool = False, **inference):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": config, "dtype": dtype},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
@@ -73,13 +72,13 @@ class VllmRun:
         self.pause.mkdir()
         for point in pauses:
             (self.pause / f"{point}.arm").touch()
-        env = {DUMP_DIR_ENV: str(self.dump), PAUSE_DIR_ENV: str(self.pause), contract.Env.VLLM_PYTHON: python,
+        env = {DUMP_DIR_ENV: str(self.dump), PAUSE_DIR_ENV: str(self.pause), Env.VLLM_PYTHON: python,
                **SERVER_ENV}
         if corrupt is not None:
             env[CORRUPT_ENV] = str(corrupt)
         self.job = job
         self.local = LocalJob(job, tmp_path / "run", env, progress=io.StringIO())
-        self.servers = [f"http://127.0.0.1:{p.env[contract.Env.VLLM_PORT]}" for p in self.local.pods if p.role == "inference"]
+        self.servers = [f"http://127.0.0.1:{p.env[Env.VLLM_PORT]}" for p in self.local.pods if p.role == "inference"]
         self.end: dict | None = None
         self.local.start()
         self.follower = threading.Thread(target=self._follow, daemon=True)
@@ -243,7 +242,6 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path
     """A Hugging Face checkpoint directory: config.json and model.safetensors."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -262,8 +260,8 @@ class PlainServer:
 
     def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path, dtype: str = "bfloat16",
                  expert_parallel: bool = False):
-        from weightsync.roles.vllm_server import server_command, server_env
         from weightsync.job import Model
+        from weightsync.roles.vllm_server import server_command, server_env
 
         cmd = server_command(python, Model(path=str(checkpoint), dtype=dtype), "plain", tuple(SERVER_ARGS),
                              "127.0.0.1", port, tensor_parallel=tp, cpu=True, expert_parallel=expert_parallel)

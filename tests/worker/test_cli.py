@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.cli import EXAMPLE, example
+from support.cli import in_process as weightsync
+from support.cli import weightsync as command
 
-from weightsync import job as contract
-from support.cli import EXAMPLE, example, in_process as weightsync, weightsync as command
+from weightsync.job import Env
 
 
 def test_plan_prints_the_table_with_its_balance():
@@ -138,15 +140,15 @@ def pod_env(tmp_path, ordinal="1"):
     spec.write_text(EXAMPLE.read_text())
     token = tmp_path / "token"
     token.write_text("x" * 32)
-    return {contract.Env.SPEC_FILE: str(spec), contract.Env.TOKEN_FILE: str(token), contract.Env.ORDINAL: ordinal,
-            contract.Env.CONTROLLER_HOST: "127.0.0.1"}
+    return {Env.SPEC_FILE: str(spec), Env.TOKEN_FILE: str(token), Env.ORDINAL: ordinal,
+            Env.CONTROLLER_HOST: "127.0.0.1"}
 
 
 @pytest.mark.parametrize("change, message", [
-    ({contract.Env.SPEC_FILE: ""}, "environment variable WEIGHTSYNC_SPEC_FILE is not set"),
-    ({contract.Env.ORDINAL: "9"}, "ordinal 9 is outside this job (0..4)"),
-    ({contract.Env.ORDINAL: "one"}, "invalid literal for int()"),
-    ({contract.Env.TOKEN_FILE: "/nonexistent/token"}, "/nonexistent/token"),
+    ({Env.SPEC_FILE: ""}, "environment variable WEIGHTSYNC_SPEC_FILE is not set"),
+    ({Env.ORDINAL: "9"}, "ordinal 9 is outside this job (0..4)"),
+    ({Env.ORDINAL: "one"}, "invalid literal for int()"),
+    ({Env.TOKEN_FILE: "/nonexistent/token"}, "/nonexistent/token"),
 ])
 def test_worker_refuses_a_bad_pod_environment(tmp_path, change, message):
     out = weightsync("worker", env={**pod_env(tmp_path), **change})
@@ -156,6 +158,6 @@ def test_worker_refuses_a_bad_pod_environment(tmp_path, change, message):
 
 def test_worker_refuses_an_invalid_spec_file(tmp_path):
     env = pod_env(tmp_path)
-    Path(env[contract.Env.SPEC_FILE]).write_text(yaml.safe_dump(example(**{"model.dtype": "int4"})))
+    Path(env[Env.SPEC_FILE]).write_text(yaml.safe_dump(example(**{"model.dtype": "int4"})))
     out = weightsync("worker", env=env)
     assert out.returncode == 2 and "spec.model.dtype" in out.stderr

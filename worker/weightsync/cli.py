@@ -148,9 +148,9 @@ def job_plan(job, fsdp: int | None = None):
     DDP) or, with `fsdp`, FSDP2 shards of that degree, and its tensor-parallel ranks the slices of
     the model's own TP plan, over the transport its ranks would choose on this machine."""
     from weightsync.job import INFERENCE, TRAINER
-    from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
     from weightsync.model.build import build, layout_of
-    from weightsync.roles.tp import needs_of
+    from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
+    from weightsync.roles.tp_engine import needs_of
     from weightsync.transport import capabilities_of, resolve_transport
 
     model = build(job.model, dtype="float32", device="meta", load_weights=False)

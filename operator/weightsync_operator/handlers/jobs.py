@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import kopf
 
-from weightsync import job as contract
-from weightsync.job import states
+from weightsync.job import GROUP, PLURAL, VERSION, states
 from weightsync_operator.metrics import METRICS
 from weightsync_operator.reconcile import reconcile_job
 from weightsync_operator.report import Indexes, report
 from weightsync_operator.status import receiver_events
 
-JOBS = dict(group=contract.GROUP, version=contract.VERSION, plural=contract.PLURAL)
+JOBS = dict(group=GROUP, version=VERSION, plural=PLURAL)
 
 
 @kopf.on.resume(**JOBS)

@@ -7,11 +7,11 @@ import logging
 
 import kopf
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, GROUP, KIND, PLURAL
 from weightsync_operator import queueing, tokens
-from weightsync_operator.reconcile import JobLocks
 from weightsync_operator.kube import ApiError, Kube, load_client
 from weightsync_operator.metrics import METRICS, metrics_port
+from weightsync_operator.reconcile import JobLocks
 
 CRD_POLL_SECONDS = 2
 
@@ -20,9 +20,9 @@ CRD_POLL_SECONDS = 2
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **_):
     # The CRD's status has a strict schema (kopf's own status fields would be pruned): kopf keeps
     # its handler progress and last-handled spec in annotations of the job instead.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=contract.GROUP)
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=contract.GROUP, key="last-handled-configuration")
+        prefix=GROUP, key="last-handled-configuration")
     # Events say what users must know (network chosen, a problem, a phase): the handlers post
     # them when a condition changes. kopf would post one more at every retry of a failing handler.
     settings.posting.level = logging.CRITICAL
@@ -45,11 +45,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger, **
     # are served by then (its log says once where they are not).
     memo.kueue_at_start = await asyncio.to_thread(served, memo.kube, queueing.API_VERSION, queueing.PLURAL)
     if not await asyncio.to_thread(served, memo.kube):
-        logger.warning(f"waiting for the CustomResourceDefinition {contract.PLURAL}.{contract.GROUP}: "
-                       f"nothing is served until the API server serves {contract.API_VERSION} {contract.KIND}")
+        logger.warning(f"waiting for the CustomResourceDefinition {PLURAL}.{GROUP}: "
+                       f"nothing is served until the API server serves {API_VERSION} {KIND}")
         while not await asyncio.to_thread(served, memo.kube):
             await asyncio.sleep(CRD_POLL_SECONDS)
-        logger.info(f"the API server serves {contract.API_VERSION} {contract.KIND}: starting")
+        logger.info(f"the API server serves {API_VERSION} {KIND}: starting")
 
 
 @kopf.on.probe(id="served")
@@ -63,14 +63,14 @@ def crd_served(memo: kopf.Memo, **_):
     except Exception as e:  # noqa: BLE001 - refused, or no connection: any failure fails the probe
         raise kopf.PermanentError(f"the API server does not answer: {e}") from None
     if not ok:
-        raise kopf.PermanentError(f"the API server does not serve {contract.API_VERSION} {contract.KIND}")
+        raise kopf.PermanentError(f"the API server does not serve {API_VERSION} {KIND}")
     if kueue_now:
         raise kopf.PermanentError(f"the API server serves Kueue's {queueing.API_VERSION} Workloads, which it did not "
                                   "when the operator started: a restart watches them")
     return True
 
 
-def served(kube: Kube, api_version: str = contract.API_VERSION, plural: str = contract.PLURAL) -> bool:
+def served(kube: Kube, api_version: str = API_VERSION, plural: str = PLURAL) -> bool:
     """Whether API discovery lists the resource (the jobs' by default): it does once its CRD is
     Established."""
     try:

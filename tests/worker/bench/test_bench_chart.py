@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from support.cli import in_process
 
 from weightsync.bench.chart import fsdp_chart, vllm_chart
-from weightsync.bench.shards import pooled
+from weightsync.bench.fsdp import pooled
 from weightsync.bench.vllm import PHASES, medians, version_row
-
-from support.cli import in_process
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

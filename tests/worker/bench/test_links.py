@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from support.transfer import Ranks
 
 from weightsync.bench import netns as links
 from weightsync.bench.netns import Links
-
-from support.transfer import Ranks
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 

@@ -12,11 +12,10 @@ import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, start_http_server
-
-from weightsync.bench.scrape import Scraper
-
 from support.cli import in_process
 from support.waits import until
+
+from weightsync.bench.scrape import Scraper
 
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ import subprocess
 import time
 
 import pytest
-
 from support.cli import in_process
 from support.jobs import make_job, run_to_end
 

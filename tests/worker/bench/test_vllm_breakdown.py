@@ -3,10 +3,9 @@ phase's median over the versions, and the table that sets the methods side by si
 arithmetic only: the times themselves are the benchmark's to measure."""
 
 import pytest
+from support.cli import in_process
 
 from weightsync.bench.vllm import PHASES, breakdown, medians, table, version_row
-
-from support.cli import in_process
 
 
 def record(version: int, seconds: float, stall: float, update: float) -> dict:

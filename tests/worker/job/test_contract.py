@@ -5,18 +5,39 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weightsync import job as contract
+import weightsync.job
+from weightsync.job import (
+    API_VERSION,
+    KIND,
+    VLLM_PORT,
+    Delta,
+    Env,
+    Layout,
+    Lora,
+    Model,
+    Pods,
+    PodSite,
+    SpecError,
+    Training,
+    ValueFrom,
+    Vllm,
+    WorkerContext,
+    dump_document,
+    load_job,
+    network_env,
+    pod_env,
+)
 
 
 def job(spec=None, name="demo", **top):
-    obj = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    obj = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
            "spec": {"model": {"config": {"model_type": "gpt2"}}, **(spec or {})}}
     obj.update(top)
     return obj
 
 
 def test_defaults_come_from_the_crd():
-    spec = contract.load_job(job()).spec
+    spec = load_job(job()).spec
     assert spec["model"]["dtype"] == "bfloat16"
     assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800,
                                "external": False}
@@ -32,45 +53,45 @@ def test_defaults_come_from_the_crd():
 
 
 def test_the_spec_is_read_once_into_typed_sections():
-    j = contract.load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4, "command": ["torchrun", "train.py"],
+    j = load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4, "command": ["torchrun", "train.py"],
                                            "args": ["--fsdp"],
                                            "env": [{"name": "A", "value": "1"}, {"name": "B"},
                                                    {"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]},
                                 "inference": {"replicas": 3, "tensorParallelSizes": [2, 1], "gpusPerProc": 0},
                                 "transfer": {"bucketMB": 3, "verify": "none"}, "imagePullSecrets": [{"name": "pull"}]}))
-    assert j.model == contract.Model(config={"model_type": "gpt2"}, dtype="bfloat16")
+    assert j.model == Model(config={"model_type": "gpt2"}, dtype="bfloat16")
     assert (j.trainer.replicas, j.trainer.procs_per_pod, j.trainer.gpus) == (2, 4, 4)
     assert j.trainer.argv == ["torchrun", "train.py", "--fsdp"] and j.trainer.attach_timeout_seconds == 1800
-    assert j.trainer.env == {"A": "1", "B": "", "T": contract.ValueFrom({"secretKeyRef": {"name": "s", "key": "t"}})}
+    assert j.trainer.env == {"A": "1", "B": "", "T": ValueFrom({"secretKeyRef": {"name": "s", "key": "t"}})}
     assert j.inference.model_replicas == (2, 1) and j.inference.gpus == 0 and not j.inference.runs_vllm
-    assert j.pods("controller") == contract.Pods() and j.pods("trainer") is j.trainer
+    assert j.pods("controller") == Pods() and j.pods("trainer") is j.trainer
     assert j.transfer.bucket_bytes == 3 << 20 and j.transfer.timeout == 300.0 and not j.transfer.verify_digest
-    assert j.transfer.delta == contract.Delta(enabled=False, full_every=10)
-    assert j.training == contract.Training(steps=100, learning_rate=3.0e-4, batch_size=8, seq_len=128, seed=0)
+    assert j.transfer.delta == Delta(enabled=False, full_every=10)
+    assert j.training == Training(steps=100, learning_rate=3.0e-4, batch_size=8, seq_len=128, seed=0)
     assert j.network.rdma.traffic_class == 104 and j.network.tcp.socket_ifname == "^lo,docker0"
     assert j.image is None and j.image_pull_policy == "IfNotPresent" and j.image_pull_secrets == ("pull",)
-    assert j.layout == contract.Layout(2, 4, 3, 1, (2, 1))
-    vllm = contract.load_job(job({"inference": {"engine": "vllm", "vllm": {"port": 8100, "args": ["--x"]}}})).inference
-    assert vllm.runs_vllm and vllm.vllm == contract.Vllm(port=8100, args=("--x",))
-    assert contract.load_job(job()).inference.vllm.port == contract.VLLM_PORT and not contract.load_job(job()).trainer.argv
-    quantized = contract.load_job(job({"model": {"config": {"model_type": "gpt2"}, "quantization": "fp8"}}))
-    assert quantized.model.quantization == "fp8" and contract.load_job(job()).model.quantization is None
+    assert j.layout == Layout(2, 4, 3, 1, (2, 1))
+    vllm = load_job(job({"inference": {"engine": "vllm", "vllm": {"port": 8100, "args": ["--x"]}}})).inference
+    assert vllm.runs_vllm and vllm.vllm == Vllm(port=8100, args=("--x",))
+    assert load_job(job()).inference.vllm.port == VLLM_PORT and not load_job(job()).trainer.argv
+    quantized = load_job(job({"model": {"config": {"model_type": "gpt2"}, "quantization": "fp8"}}))
+    assert quantized.model.quantization == "fp8" and load_job(job()).model.quantization is None
 
 
 def test_a_lora_adapter_is_read_with_its_name_defaulted():
-    j = contract.load_job(job({"model": {"path": "/models/llama", "lora": {"rank": 16, "alpha": 32,
+    j = load_job(job({"model": {"path": "/models/llama", "lora": {"rank": 16, "alpha": 32,
                                                                           "targetModules": ["q_proj", "v_proj"]}},
                                "inference": {"engine": "vllm"}}))
-    assert j.model.lora == contract.Lora(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"), name="adapter")
+    assert j.model.lora == Lora(rank=16, alpha=32.0, target_modules=("q_proj", "v_proj"), name="adapter")
     assert j.model.lora.scaling == 2.0
     assert j.model.lora.targets("model.layers.0.self_attn.q_proj") and not j.model.lora.targets("model.layers.0.mlp.up_proj")
-    assert contract.load_job(job()).model.lora is None
+    assert load_job(job()).model.lora is None
 
 
 def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
-    once = contract.load_job(job({"trainer": {"replicas": 3}, "network": {"mode": "tcp"}}))
+    once = load_job(job({"trainer": {"replicas": 3}, "network": {"mode": "tcp"}}))
     assert once.spec["trainer"]["replicas"] == 3 and once.spec["network"]["mode"] == "tcp"
-    twice = contract.load_job(once.to_object())
+    twice = load_job(once.to_object())
     assert twice == once
 
 
@@ -169,18 +190,18 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({}, "a" * 43, "metadata.name must be at most 42 characters"),
 ])
 def test_invalid_jobs_are_refused_with_what_to_fix(spec, name, expected):
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(job(spec, name=name))
+    with pytest.raises(SpecError) as err:
+        load_job(job(spec, name=name))
     assert expected in str(err.value)
 
 
 def test_wrong_kind_is_refused():
-    with pytest.raises(contract.SpecError, match="expected weightsync.io/v1alpha1 WeightTransferJob"):
-        contract.load_job(job(kind="Job"))
+    with pytest.raises(SpecError, match="expected weightsync.io/v1alpha1 WeightTransferJob"):
+        load_job(job(kind="Job"))
 
 
 def test_layout_assigns_global_ordinals_and_role_ranks():
-    j = contract.load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4}, "inference": {"replicas": 3, "procsPerPod": 2}}))
+    j = load_job(job({"trainer": {"replicas": 2, "procsPerPod": 4}, "inference": {"replicas": 3, "procsPerPod": 2}}))
     layout = j.layout
     assert layout.pods == 6
     assert [layout.role_of(o) for o in range(6)] == ["controller", "trainer", "trainer", "inference", "inference", "inference"]
@@ -193,67 +214,67 @@ def test_layout_assigns_global_ordinals_and_role_ranks():
     with pytest.raises(ValueError, match="outside this job"):
         layout.role_of(6)
     assert list(layout.tp_group(5)) == [5]
-    tp = contract.load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallel": 4}})).layout
+    tp = load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallel": 4}})).layout
     assert list(tp.tp_group(2)) == [0, 1, 2, 3] and tp.tensor_parallel == (4,) and tp.sliced
-    mixed = contract.load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallelSizes": [1, 2, 1]}})).layout
+    mixed = load_job(job({"inference": {"replicas": 2, "procsPerPod": 2, "tensorParallelSizes": [1, 2, 1]}})).layout
     assert [list(mixed.tp_group(r)) for r in range(4)] == [[0], [1, 2], [1, 2], [3]] and mixed.sliced
-    assert not contract.load_job(job({"inference": {"replicas": 2, "tensorParallelSizes": [1, 1]}})).layout.sliced
+    assert not load_job(job({"inference": {"replicas": 2, "tensorParallelSizes": [1, 1]}})).layout.sliced
 
 
 def test_max_replicas_sizes_the_layout_and_replicas_the_pods_a_role_runs():
-    j = contract.load_job(job({"inference": {"replicas": 2, "maxReplicas": 4, "procsPerPod": 2}}))
+    j = load_job(job({"inference": {"replicas": 2, "maxReplicas": 4, "procsPerPod": 2}}))
     assert j.layout.replicas("inference") == 4 and j.layout.world_size("inference") == 8
     assert j.running_pods("inference") == 2 and j.inference.running_ranks == 4
     assert j.running_pods("trainer") == 1 and j.inference.ranks_of_pods(3) == 6
-    vllm = contract.load_job(job({"inference": {"engine": "vllm", "replicas": 1, "maxReplicas": 3, "tensorParallel": 2}}))
+    vllm = load_job(job({"inference": {"engine": "vllm", "replicas": 1, "maxReplicas": 3, "tensorParallel": 2}}))
     assert vllm.layout.tensor_parallel == (2, 2, 2) and vllm.inference.running_ranks == 2
     assert vllm.layout.ranks_of(vllm.layout.first_ordinal("inference") + 2) == range(4, 6)
-    fixed = contract.load_job(job({"inference": {"replicas": 2}}))
+    fixed = load_job(job({"inference": {"replicas": 2}}))
     assert fixed.inference.capacity == 2 and fixed.layout.world_size("inference") == fixed.inference.running_ranks == 2
 
 
 def test_network_env_per_mode():
-    network = contract.load_job(job({"network": {"rdma": {"hcas": ["mlx5_0", "mlx5_1"]}}})).network
-    rdma = contract.network_env(network, "rdma")
+    network = load_job(job({"network": {"rdma": {"hcas": ["mlx5_0", "mlx5_1"]}}})).network
+    rdma = network_env(network, "rdma")
     assert rdma["NCCL_IB_DISABLE"] == "0" and rdma["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     assert rdma["NCCL_IB_TC"] == "104" and rdma["UCCL_P2P_RDMA_GID_INDEX"] == "3"
-    tcp = contract.network_env(network, "tcp")
+    tcp = network_env(network, "tcp")
     assert tcp["NCCL_IB_DISABLE"] == "1" and tcp["NCCL_SOCKET_IFNAME"] == "^lo,docker0"
     with pytest.raises(ValueError):
-        contract.network_env(network, "auto")
+        network_env(network, "auto")
 
 
 def test_pod_env_takes_what_differs_between_a_cluster_and_a_local_run_from_its_site():
-    j = contract.load_job(job({"trainer": {"command": ["torchrun", "train.py"], "env": [{"name": "A", "value": "1"},
+    j = load_job(job({"trainer": {"command": ["torchrun", "train.py"], "env": [{"name": "A", "value": "1"},
                                                                                        {"name": "MASTER_PORT", "value": "7"}]},
                                 "network": {"tcp": {"socketIfname": "eth0"}}}))
-    site = contract.PodSite(namespace="ns", ordinal="1", pod_name="demo-trainer-1", pod_ip="10.0.0.1", controller_host="ctl",
+    site = PodSite(namespace="ns", ordinal="1", pod_name="demo-trainer-1", pod_ip="10.0.0.1", controller_host="ctl",
                             store_port=1, data_port=2, health_port=3, spec_file="/s", token_file="/t", master_addr="m",
                             master_port=4, report_to_kubernetes=False, status_file="/status")
-    env = contract.pod_env(j, "trainer", "tcp", site)
-    assert env[contract.Env.ORDINAL] == "1" and env[contract.Env.STORE_PORT] == "1" and env[contract.Env.HEALTH_PORT] == "3"
+    env = pod_env(j, "trainer", "tcp", site)
+    assert env[Env.ORDINAL] == "1" and env[Env.STORE_PORT] == "1" and env[Env.HEALTH_PORT] == "3"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MASTER_ADDR"] == "m"
     assert env["MASTER_PORT"] == "7" and list(env)[-1] == "A"  # the command's own come last and win
-    assert contract.Env.REPORT_TO_KUBERNETES not in env and "HOME" not in env
-    controller = contract.pod_env(j, "controller", "tcp", site)
-    assert controller[contract.Env.REPORT_TO_KUBERNETES] == "0" and controller[contract.Env.STATUS_FILE] == "/status"
+    assert Env.REPORT_TO_KUBERNETES not in env and "HOME" not in env
+    controller = pod_env(j, "controller", "tcp", site)
+    assert controller[Env.REPORT_TO_KUBERNETES] == "0" and controller[Env.STATUS_FILE] == "/status"
     assert "NCCL_IB_DISABLE" not in controller and "MASTER_ADDR" not in controller
-    inference = contract.pod_env(j, "inference", "tcp", site)
+    inference = pod_env(j, "inference", "tcp", site)
     assert "A" not in inference and "MASTER_ADDR" not in inference and inference["NCCL_IB_DISABLE"] == "1"
 
 
 def test_worker_context_reads_env_and_files(tmp_path):
     import yaml
-    j = contract.load_job(job({"trainer": {"replicas": 2}}))
+    j = load_job(job({"trainer": {"replicas": 2}}))
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(j.to_object()))
     (tmp_path / "token").write_bytes(b"0123456789abcdef0123")
-    env = {contract.Env.SPEC_FILE: str(tmp_path / "job.yaml"), contract.Env.TOKEN_FILE: str(tmp_path / "token"),
-           contract.Env.ORDINAL: "2", contract.Env.CONTROLLER_HOST: "127.0.0.1"}
-    ctx = contract.WorkerContext.from_environ(env)
+    env = {Env.SPEC_FILE: str(tmp_path / "job.yaml"), Env.TOKEN_FILE: str(tmp_path / "token"),
+           Env.ORDINAL: "2", Env.CONTROLLER_HOST: "127.0.0.1"}
+    ctx = WorkerContext.from_environ(env)
     assert ctx.role == "trainer" and list(ctx.ranks) == [1] and ctx.token == b"0123456789abcdef0123"
-    del env[contract.Env.ORDINAL]
-    with pytest.raises(contract.SpecError, match="WEIGHTSYNC_ORDINAL is not set"):
-        contract.WorkerContext.from_environ(env)
+    del env[Env.ORDINAL]
+    with pytest.raises(SpecError, match="WEIGHTSYNC_ORDINAL is not set"):
+        WorkerContext.from_environ(env)
 
 
 @pytest.mark.parametrize("spec, top, expected", [
@@ -266,8 +287,8 @@ def test_worker_context_reads_env_and_files(tmp_path):
     ({}, {"stauts": {}}, "stauts: unknown field (did you mean status?)"),
 ])
 def test_unknown_fields_are_refused_as_strict_field_validation_does(spec, top, expected):
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(job(spec, **top))
+    with pytest.raises(SpecError) as err:
+        load_job(job(spec, **top))
     assert expected in str(err.value)
 
 
@@ -275,28 +296,28 @@ def test_fields_the_schema_leaves_open_are_kept():
     spec = {"model": {"config": {"model_type": "gpt2", "anything": 1}},  # checked by the worker against transformers
             "trainer": {"resources": {"limits": {"example.com/device": 1}}, "nodeSelector": {"any/label": "x"},
                         "tolerations": [{"key": "k", "operator": "Exists", "anyField": True}]}}
-    loaded = contract.load_job(job(spec, metadata={"name": "demo", "labels": {"a": "b"}, "annotations": {}}))
+    loaded = load_job(job(spec, metadata={"name": "demo", "labels": {"a": "b"}, "annotations": {}}))
     assert loaded.spec["model"]["config"]["anything"] == 1
     assert loaded.spec["trainer"]["tolerations"][0]["anyField"] is True
 
 
 def test_a_stored_job_is_read_without_strictness():
     # What a pod mounts was stored by the API server; a field newer than this worker is no reason to fail.
-    loaded = contract.load_job(job({"training": {"newField": 1}}), strict=False)
+    loaded = load_job(job({"training": {"newField": 1}}), strict=False)
     assert loaded.spec["training"]["newField"] == 1
 
 
 def test_every_problem_is_named_on_one_line():
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(job({"trainer": {"replicas": 0}, "training": {"stpes": 1}, "transfer": {"verify": "x"}}))
+    with pytest.raises(SpecError) as err:
+        load_job(job({"trainer": {"replicas": 0}, "training": {"stpes": 1}, "transfer": {"verify": "x"}}))
     message = str(err.value)
     assert "\n" not in message and message.startswith("invalid WeightTransferJob: ")
     assert len(err.value.problems) == 3 and message.count("; ") == 2
 
 
 def test_a_large_wrong_value_is_named_by_its_type():
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(job({"image": {f"k{i}": i for i in range(500)}}))
+    with pytest.raises(SpecError) as err:
+        load_job(job({"image": {f"k{i}": i for i in range(500)}}))
     assert "spec.image: a dict is not of type 'string'" in str(err.value) and len(str(err.value)) < 200
 
 
@@ -307,8 +328,8 @@ def test_a_large_wrong_value_is_named_by_its_type():
 ])
 def test_impossible_model_sizes_are_refused_by_the_contract(config, expected):
     # The operator refuses these as well: it loads every job through the contract, without transformers.
-    with pytest.raises(contract.SpecError, match="spec.model.config") as err:
-        contract.load_job(job({"model": {"config": {"model_type": "gpt2", **config}}}))
+    with pytest.raises(SpecError, match="spec.model.config") as err:
+        load_job(job({"model": {"config": {"model_type": "gpt2", **config}}}))
     assert expected in str(err.value)
 
 
@@ -323,16 +344,16 @@ def test_impossible_model_sizes_are_refused_by_the_contract(config, expected):
 def test_job_files_that_are_not_one_yaml_object(tmp_path, content, expected):
     path = tmp_path / "job.yaml"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(path)
+    with pytest.raises(SpecError) as err:
+        load_job(path)
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_missing_file_or_a_directory(tmp_path):
-    with pytest.raises(contract.SpecError, match="absent.yaml: no such file"):
-        contract.load_job(tmp_path / "absent.yaml")
-    with pytest.raises(contract.SpecError, match="is a directory; give the path of one WeightTransferJob YAML file"):
-        contract.load_job(tmp_path)
+    with pytest.raises(SpecError, match="absent.yaml: no such file"):
+        load_job(tmp_path / "absent.yaml")
+    with pytest.raises(SpecError, match="is a directory; give the path of one WeightTransferJob YAML file"):
+        load_job(tmp_path)
 
 
 def test_a_job_file_whose_aliases_explode_is_refused_before_anything_expands_it(tmp_path):
@@ -344,27 +365,27 @@ def test_a_job_file_whose_aliases_explode_is_refused_before_anything_expands_it(
     path = tmp_path / "job.yaml"
     path.write_text(f"apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata:\n  name: bomb\n"
                     f"  labels:\n{labels}\n    bomb: *a8\nspec: {{model: {{config: {{model_type: gpt2}}}}}}\n")
-    with pytest.raises(contract.SpecError, match="its aliases expand it past 100000 values; write the job without "
+    with pytest.raises(SpecError, match="its aliases expand it past 100000 values; write the job without "
                                                  "nested aliases") as err:
-        contract.load_job(path)
+        load_job(path)
     assert "\n" not in str(err.value)
     # an anchor used a few times, as people write YAML, is fine
     path.write_text("apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata: {name: fine}\n"
                     "spec:\n  model: {config: &c {model_type: gpt2, n_layer: 1, n_embd: 32, n_head: 2}}\n")
-    assert contract.load_job(path).spec["model"]["config"]["n_layer"] == 1
+    assert load_job(path).spec["model"]["config"]["n_layer"] == 1
 
 
 def test_a_job_file_larger_than_an_object_can_be_is_refused_without_reading_it_whole(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("# " + "x" * (1 << 20) + "\n")
-    with pytest.raises(contract.SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
-        contract.load_job(path)
+    with pytest.raises(SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
+        load_job(path)
     with open(path, "wb") as f:
         f.truncate(1 << 40)  # a terabyte (sparse): read whole, it would not fit in memory
-    with pytest.raises(contract.SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
-        contract.load_job(path)
-    with pytest.raises(contract.SpecError) as err:  # endless, and no file
-        contract.load_job("/dev/zero")
+    with pytest.raises(SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
+        load_job(path)
+    with pytest.raises(SpecError) as err:  # endless, and no file
+        load_job("/dev/zero")
     assert str(err.value) == ("invalid WeightTransferJob: /dev/zero: not a regular file (a device or a socket); give "
                               "the path of one WeightTransferJob YAML file")
 
@@ -373,8 +394,8 @@ def test_an_integer_too_long_for_python_to_read_is_refused_in_one_line(tmp_path)
     path = tmp_path / "job.yaml"
     path.write_text("apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata: {name: big}\n"
                     f"spec: {{model: {{config: {{model_type: gpt2}}}}, training: {{steps: {'9' * 5000}}}}}\n")
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(path)
+    with pytest.raises(SpecError) as err:
+        load_job(path)
     assert str(err.value) == (f"invalid WeightTransferJob: {path}: holds an integer too long to read (Exceeds the limit "
                               "(4300 digits) for integer string conversion: value has 5000 digits); a job's integers "
                               "fit in 64 bits")
@@ -384,13 +405,13 @@ def test_the_spec_a_pod_reads_keeps_strings_that_look_like_numbers(tmp_path):
     """The defaulted job as a pod reads it (the ConfigMap, the local runner's file), written and
     read back as kubectl reads YAML: a command's arguments such as `3e-3` stay strings, where
     PyYAML's YAML 1.1 would write them plain and kubectl's reading make them numbers."""
-    j = contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "strings"},
+    j = load_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "strings"},
                            "spec": {"model": {"config": {"model_type": "gpt2"}},
                                     "trainer": {"command": ["python", "train.py"],
                                                 "args": ["--lr", "3e-3", "1e5", ".5", "-2", "007", "1.0"]}}})
     path = tmp_path / "job.yaml"
-    path.write_text(contract.dump_document(j.to_object()))
-    again = contract.load_job(path)
+    path.write_text(dump_document(j.to_object()))
+    again = load_job(path)
     assert again.trainer.args == ("--lr", "3e-3", "1e5", ".5", "-2", "007", "1.0")
     assert again.spec == j.spec
 
@@ -407,11 +428,11 @@ def test_the_contract_checks_without_torch_or_transformers():
     import subprocess
     import sys
 
-    code = ("import sys; from weightsync import job as contract\n"
+    code = ("import sys; from weightsync.job import API_VERSION, KIND, SpecError, load_job\n"
             "try:\n"
-            "    contract.load_job({'apiVersion': contract.API_VERSION, 'kind': contract.KIND, 'metadata': {'name': 'x'},\n"
-            "                       'spec': {'model': {'config': {'model_type': 'gpt2', 'n_layer': 0}}}})\n"
-            "except contract.SpecError as e:\n"
+            "    load_job({'apiVersion': API_VERSION, 'kind': KIND, 'metadata': {'name': 'x'},\n"
+            "              'spec': {'model': {'config': {'model_type': 'gpt2', 'n_layer': 0}}}})\n"
+            "except SpecError as e:\n"
             "    print(e)\n"
             "print(sorted({'torch', 'transformers'} & sys.modules.keys()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
@@ -424,14 +445,14 @@ def test_numbers_in_a_job_file_are_read_as_kubectl_reads_them(tmp_path):
     path.write_text("apiVersion: weightsync.io/v1alpha1\nkind: WeightTransferJob\nmetadata: {name: demo}\n"
                     "spec:\n  model: {config: {model_type: gpt2, layer_norm_epsilon: 1e-5, name: '2e-3'}}\n"
                     "  training: {learningRate: 1e-5, steps: 80}\n")
-    spec = contract.load_job(path).spec
+    spec = load_job(path).spec
     assert spec["training"]["learningRate"] == 1e-5 and spec["training"]["steps"] == 80
     assert spec["model"]["config"]["layer_norm_epsilon"] == 1e-5 and spec["model"]["config"]["name"] == "2e-3"
 
 
 def test_a_vllm_servers_tensor_parallel_workers_are_its_pods_ranks():
     """engine vllm: every inference pod runs one server, one model replica, its workers the ranks."""
-    j = contract.load_job(job({"model": {"config": {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}},
+    j = load_job(job({"model": {"config": {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}},
                                "trainer": {"replicas": 2},
                                "inference": {"replicas": 3, "tensorParallelSizes": [2, 1, 4], "engine": "vllm",
                                              "gpusPerProc": 0}}))
@@ -441,7 +462,7 @@ def test_a_vllm_servers_tensor_parallel_workers_are_its_pods_ranks():
     assert [layout.ordinal_of_rank("inference", r) for r in range(7)] == [3, 3, 4, 5, 5, 5, 5]
     assert [list(layout.tp_group(r)) for r in (1, 2, 6)] == [[0, 1], [2], [3, 4, 5, 6]]
     assert layout.procs_per_pod("inference") == 4  # the most workers a pod's server runs: its data ports
-    gpus = contract.load_job(job({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}))
+    gpus = load_job(job({"inference": {"replicas": 2, "tensorParallel": 2, "engine": "vllm"}}))
     assert gpus.inference.gpus == 2 and gpus.layout.world_size("inference") == 4
 
 
@@ -449,7 +470,7 @@ def test_the_running_spec_rule_names_every_field_but_the_inference_replicas():
     """A running job takes a change of spec.inference.replicas alone: the CRD's rule compares every
     other field one by one (CEL cannot compare an object but one field), so a field added to the
     schema must be added to the rule, or it could change on a running job."""
-    crd = yaml.safe_load(Path(contract.__file__).with_name("crd.yaml").read_text())
+    crd = yaml.safe_load(Path(weightsync.job.__file__).with_name("crd.yaml").read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     (rule,) = [r["rule"] for r in schema["x-kubernetes-validations"] if "oldSelf.status.phase != 'Running'" in r["rule"]]
     spec = schema["properties"]["spec"]["properties"]

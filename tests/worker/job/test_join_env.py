@@ -7,15 +7,25 @@ import socket
 
 import pytest
 
-from weightsync import job as contract
-from weightsync.job import Join, JoinEnv, SpecError, external_roles, join_env
+from weightsync.job import (
+    API_VERSION,
+    KIND,
+    Env,
+    Join,
+    JoinEnv,
+    SpecError,
+    WorkerContext,
+    external_roles,
+    join_env,
+    load_job,
+)
 
 TOKEN = b"0123456789abcdef-job-token"
 
 
 def job(spec=None, name="demo"):
     base = {"model": {"config": {"model_type": "gpt2", "n_layer": 2}}}
-    return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+    return load_job({"apiVersion": API_VERSION, "kind": KIND,
                               "metadata": {"name": name, "namespace": "team"}, "spec": {**base, **(spec or {})}})
 
 
@@ -34,7 +44,7 @@ def test_the_optional_variables_are_read():
     env = {**join_env(job(), "10.0.0.1", 1, TOKEN), JoinEnv.POD_IP: "10.0.0.9", JoinEnv.VLLM_SERVER: "http://a:8000"}
     join = Join.from_environ(env)
     assert (join.pod_ip, join.vllm_server, join.local_address()) == ("10.0.0.9", "http://a:8000", "10.0.0.9")
-    assert JoinEnv.POD_IP == contract.Env.POD_IP and JoinEnv.VLLM_SERVER == contract.Env.VLLM_SERVER
+    assert JoinEnv.POD_IP == Env.POD_IP and JoinEnv.VLLM_SERVER == Env.VLLM_SERVER
 
 
 def test_without_the_controller_variable_a_process_is_not_joining():
@@ -75,7 +85,7 @@ def test_external_roles_and_the_join_secret():
 def test_a_joined_context_is_built_without_files():
     j = job({"trainer": {"external": True, "replicas": 2, "procsPerPod": 2}})
     join = Join.from_environ(join_env(j, "127.0.0.1", 4000, TOKEN))
-    ctx = contract.WorkerContext.from_join(join, j, "trainer", 3, network_mode="tcp")
+    ctx = WorkerContext.from_join(join, j, "trainer", 3, network_mode="tcp")
     assert (ctx.role, ctx.ordinal, list(ctx.ranks), ctx.pod_ip) == ("trainer", 2, [2, 3], "127.0.0.1")
     assert (ctx.controller_host, ctx.store_port, ctx.token, ctx.report_to_kubernetes) == ("127.0.0.1", 4000, TOKEN, False)
     # the controller names it by where it runs (the user's pod, in a cluster), not a pod weightsync would have made

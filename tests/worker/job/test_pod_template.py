@@ -5,12 +5,27 @@ every name the job sets."""
 
 import pytest
 
-from weightsync import job as contract
-from weightsync.job import podtemplate
+from weightsync.job import (
+    API_VERSION,
+    KIND,
+    ROLES,
+    SHM_MOUNT,
+    SPEC_MOUNT,
+    TMP_MOUNT,
+    TOKEN_MOUNT,
+    TORCHRUN_VARS,
+    WRITABLE_ENV,
+    EnvVar,
+    PodSite,
+    SpecError,
+    load_job,
+    pod_env,
+    podtemplate,
+)
 
 
 def job(role="trainer", template=None, **section):
-    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "demo"},
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "demo"},
             "spec": {"model": {"config": {"model_type": "gpt2"}}, role: {**section, "podTemplate": template or {}}}}
 
 
@@ -39,18 +54,18 @@ FULL = {
 
 @pytest.mark.parametrize("role", ["controller", "trainer", "inference"])
 def test_every_role_takes_a_template_and_reads_it_typed(role):
-    j = contract.load_job(job(role, FULL))
+    j = load_job(job(role, FULL))
     t = j.pods(role).pod_template
     assert (t.labels, t.annotations) == ({"team": "rl"}, {"owner": "alice"})
     assert t.volumes[0]["persistentVolumeClaim"] == {"claimName": "llama"}
     assert set(t.scheduling) == {"nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
                                  "priorityClassName", "schedulerName", "runtimeClassName", "imagePullSecrets"}
-    assert t.env[:2] == (contract.EnvVar("HF_HOME", "/models/hf"), contract.EnvVar("NCCL_DEBUG", "INFO"))
+    assert t.env[:2] == (EnvVar("HF_HOME", "/models/hf"), EnvVar("NCCL_DEBUG", "INFO"))
     assert t.env[2].value_from == {"secretKeyRef": {"name": "s", "key": "k"}}
     assert t.resources == {"limits": {"memory": "64Gi"}} and t.volume_mounts[0]["mountPath"] == "/models"
     assert t.unresolved_env() == ["env T: valueFrom (secretKeyRef) needs Kubernetes to resolve it",
                                   "envFrom[0] (configMapRef) needs Kubernetes to resolve it"]
-    assert contract.load_job(job(role)).pods(role).pod_template.empty
+    assert load_job(job(role)).pods(role).pod_template.empty
 
 
 @pytest.mark.parametrize("template,field", [
@@ -66,8 +81,8 @@ def test_every_role_takes_a_template_and_reads_it_typed(role):
     ({"metadata": {"name": "x"}}, "podTemplate.metadata.name"),
 ])
 def test_what_the_job_owns_is_no_field_of_the_template(template, field):
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(job("trainer", template))
+    with pytest.raises(SpecError) as err:
+        load_job(job("trainer", template))
     assert f"spec.trainer.{field}: unknown field" in str(err.value)
 
 
@@ -99,8 +114,8 @@ CEL = [
 
 @pytest.mark.parametrize("template,section,message", CEL, ids=[m[:50] for _, _, m in CEL])
 def test_collisions_with_the_jobs_own_are_refused_by_the_crds_rules(template, section, message):
-    with pytest.raises(contract.SpecError) as err:
-        contract.load_job(job("trainer", template, **section))
+    with pytest.raises(SpecError) as err:
+        load_job(job("trainer", template, **section))
     assert message in str(err.value) and "spec.trainer" in str(err.value)
     # The operator's render refuses the same collisions, should one reach it past an older CRD.
     spec = job("trainer", template, **section)["spec"]["trainer"]
@@ -110,30 +125,30 @@ def test_collisions_with_the_jobs_own_are_refused_by_the_crds_rules(template, se
 
 @pytest.mark.parametrize("role", ["controller", "inference"])
 def test_the_role_rules_hold_in_every_role(role):
-    with pytest.raises(contract.SpecError, match=f"spec.{role}: a node label is set in both"):
-        contract.load_job(job(role, {"spec": {"nodeSelector": {"pool": "b"}}}, nodeSelector={"pool": "a"}))
+    with pytest.raises(SpecError, match=f"spec.{role}: a node label is set in both"):
+        load_job(job(role, {"spec": {"nodeSelector": {"pool": "b"}}}, nodeSelector={"pool": "a"}))
 
 
 @pytest.mark.parametrize("role,more", [("trainer", {}), ("inference", {"engine": "vllm"})])
 def test_an_external_role_has_no_pods_to_template(role, more):
-    with pytest.raises(contract.SpecError, match=f"spec.{role}: spec.<role>.podTemplate applies to the pods weightsync"):
-        contract.load_job(job(role, worker(env=[{"name": "A", "value": "1"}]), external=True, **more))
+    with pytest.raises(SpecError, match=f"spec.{role}: spec.<role>.podTemplate applies to the pods weightsync"):
+        load_job(job(role, worker(env=[{"name": "A", "value": "1"}]), external=True, **more))
 
 
 def test_the_reserved_names_are_every_name_the_job_sets():
-    j = contract.load_job(job("trainer", {}, command=["python"]) | {"spec": {
+    j = load_job(job("trainer", {}, command=["python"]) | {"spec": {
         "model": {"config": {"model_type": "gpt2"}}, "trainer": {"command": ["python"]},
         "network": {"rdma": {"hcas": ["mlx5_0"]}, "tcp": {"socketIfname": "eth0"}}}})
-    site = contract.PodSite("ns", "0", "p", "1.2.3.4", "c", 1, 2, 3, "/s", "/t", "m", 4, False,
-                            writable=contract.WRITABLE_ENV)
-    names = {n for role in contract.ROLES for mode in ("rdma", "tcp") for n in contract.pod_env(j, role, mode, site)}
-    unreserved = {n for n in names if not n.startswith(podtemplate.RESERVED_ENV_PREFIX)} - set(contract.WRITABLE_ENV)
+    site = PodSite("ns", "0", "p", "1.2.3.4", "c", 1, 2, 3, "/s", "/t", "m", 4, False,
+                            writable=WRITABLE_ENV)
+    names = {n for role in ROLES for mode in ("rdma", "tcp") for n in pod_env(j, role, mode, site)}
+    unreserved = {n for n in names if not n.startswith(podtemplate.RESERVED_ENV_PREFIX)} - set(WRITABLE_ENV)
     assert unreserved <= set(podtemplate.NETWORK_ENV) | set(podtemplate.TORCHRUN_ENV), unreserved
-    assert set(podtemplate.TORCHRUN_ENV) == set(contract.TORCHRUN_VARS)
+    assert set(podtemplate.TORCHRUN_ENV) == set(TORCHRUN_VARS)
     for name in [*podtemplate.NETWORK_ENV, *podtemplate.TORCHRUN_ENV]:  # the CRD's lists are these
-        with pytest.raises(contract.SpecError, match="podTemplate env may not set"):
-            contract.load_job(job("inference", worker(env=[{"name": name, "value": "1"}])))
-    for name in contract.WRITABLE_ENV:
-        contract.load_job(job("inference", worker(env=[{"name": name, "value": "/models"}])))
-    assert {contract.SPEC_MOUNT, contract.TOKEN_MOUNT, contract.TMP_MOUNT, contract.SHM_MOUNT} <= set(
+        with pytest.raises(SpecError, match="podTemplate env may not set"):
+            load_job(job("inference", worker(env=[{"name": name, "value": "1"}])))
+    for name in WRITABLE_ENV:
+        load_job(job("inference", worker(env=[{"name": name, "value": "/models"}])))
+    assert {SPEC_MOUNT, TOKEN_MOUNT, TMP_MOUNT, SHM_MOUNT} <= set(
         podtemplate.RESERVED_MOUNT_PATHS)

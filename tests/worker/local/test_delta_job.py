@@ -5,13 +5,11 @@ processes with delta versions on, where every inference rank holds the trainers'
 bit after every version while the controller's lines show the bytes saved on the wire."""
 
 import pytest
+from support.jobs import ODD, check_every_version, make_job, run_to_end
 
-from weightsync import job as contract
-from weightsync.job import Delta
+from weightsync.job import Delta, load_job
 from weightsync.plan.job import bases, delta_in_effect
 from weightsync.transport import capabilities_of
-
-from support.jobs import ODD, check_every_version, make_job, run_to_end
 
 ON = Delta(enabled=True, full_every=4)
 
@@ -46,7 +44,7 @@ def test_a_job_with_delta_versions(tmp_path):
     obj = make_job("deltas", config=ODD, trainers=(2, 1), inferences=(2, 1), steps=5, every=1,
                    delta={"enabled": True, "fullEvery": 4}).to_object()
     obj["spec"]["training"]["learningRate"] = 1e-6
-    job = contract.load_job(obj)
+    job = load_job(obj)
     summary, transfers = run_to_end(tmp_path, job)
     assert summary["versions"] == 6 and summary["failed_verifications"] == 0, summary
     assert [t["version"] for t in transfers] == [0, 1, 2, 3, 4, 5]

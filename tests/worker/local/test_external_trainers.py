@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support.jobs import outcome_of
 from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
 from support.waits import until
+
 from weightsync import cli
-from weightsync import job as contract
-from weightsync.job import JoinEnv
+from weightsync.job import API_VERSION, KIND, TORCHRUN_VARS, JoinEnv, load_job
 from weightsync.local.runner import LocalJob, RunFailed
 from weightsync.roles.controller import TRAINER_SILENT_LIMIT
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
@@ -39,7 +38,7 @@ RUN_TIMEOUT = 300
 
 
 def external_job(name, attach_timeout=300, inferences=1, dtype="float16"):
-    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
             "spec": {"model": {"config": CONFIG, "dtype": dtype},
                      "trainer": {"external": True, "replicas": 1, "procsPerPod": 2, "gpusPerProc": 0,
                                  "attachTimeoutSeconds": attach_timeout},
@@ -52,7 +51,7 @@ def start(tmp_path: Path, obj) -> tuple[LocalJob, Path, io.StringIO]:
     (tmp_path / "dump").mkdir()
     progress = io.StringIO()
     join_file = tmp_path / "join.env"
-    local = LocalJob(contract.load_job(obj), tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=progress,
+    local = LocalJob(load_job(obj), tmp_path / "run", {DUMP_DIR_ENV: str(tmp_path / "dump")}, progress=progress,
                      join_env=join_file)
     local.start()
     until("join file", local.offer.written.is_set, 120)
@@ -62,7 +61,7 @@ def start(tmp_path: Path, obj) -> tuple[LocalJob, Path, io.StringIO]:
 def user_env() -> dict[str, str]:
     """The user's shell: nothing of weightsync's, nor of torchrun's, in it."""
     return {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")
-            and k not in contract.TORCHRUN_VARS}
+            and k not in TORCHRUN_VARS}
 
 
 def finish(local: LocalJob):
@@ -127,10 +126,10 @@ def test_wrong_trainers_are_refused_and_one_killed_once_joined_fails_the_job_by_
     job_id = "default/ext-refused"
     controller = (join_file.read_text().split(f"{JoinEnv.CONTROLLER}=")[1]).split()[0]
     assert refused(join_file, tmp_path, **{JoinEnv.TOKEN: "f" * 64}, RANK="0", WORLD_SIZE="2") == (
-        f"weightsync.rendezvous.join.JoinError: the controller at {controller} refused this process: the job token in "
+        f"weightsync.rendezvous.external_rank.JoinError: the controller at {controller} refused this process: the job token in "
         f"WEIGHTSYNC_TOKEN is not job {job_id}'s (or that controller runs another job than WEIGHTSYNC_JOB_ID names)")
     assert refused(join_file, tmp_path, RANK="0", WORLD_SIZE="3") == (
-        f"weightsync.rendezvous.join.JoinError: WORLD_SIZE=3, but job {job_id} has 2 trainer ranks (spec.trainer: "
+        f"weightsync.rendezvous.external_rank.JoinError: WORLD_SIZE=3, but job {job_id} has 2 trainer ranks (spec.trainer: "
         "replicas 1 x procsPerPod 2): start exactly 2 trainer processes")
     # trainer rank 0's process holds before it proves the token (as while it builds its model); a second
     # process claiming rank 0 meanwhile is refused, and the first is the one admitted

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, load_job
 from weightsync.local import memory
-from weightsync.model.flat import FlatLayout
 from weightsync.local.memory import MiB
+from weightsync.model.flat import FlatLayout
 
 
 def job(dtype="bfloat16", trainers=2, gpus=0, bucket=1, delta=False):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "m"},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "m"},
         "spec": {"model": {"config": {"model_type": "gpt2"}, "dtype": dtype},
                  "trainer": {"replicas": trainers, "gpusPerProc": gpus},
                  "inference": {"replicas": 1, "procsPerPod": 3, "gpusPerProc": 0},

@@ -8,10 +8,10 @@ import io
 import sys
 
 import pytest
-
 from support.jobs import summary_of
 from support.user_script import CONFIG, EXAMPLE, example_args
-from weightsync import job as contract
+
+from weightsync.job import API_VERSION, CONTROLLER, INFERENCE, KIND, TRAINER, load_job
 from weightsync.local.runner import LocalJob
 
 pytestmark = pytest.mark.slow  # a whole job as processes: not in `make unit`
@@ -30,8 +30,8 @@ def test_a_templates_env_reaches_the_processes_and_the_rest_is_named(tmp_path):
            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
     template = {"metadata": {"labels": {"team": "rl"}},
                 "spec": {"priorityClassName": "high", "containers": [{"name": "worker", "env": env}]}}
-    job = contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "tpl"},
+    job = load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "tpl"},
         "spec": {"model": {"config": CONFIG},
                  "trainer": {"gpusPerProc": 0, "command": [sys.executable, "-c", SCRIPT],
                              "args": [str(tmp_path), EXAMPLE, *example_args(tmp_path, "--steps", "2", "--publish-every", "2")],
@@ -41,11 +41,11 @@ def test_a_templates_env_reaches_the_processes_and_the_rest_is_named(tmp_path):
     progress = io.StringIO()
     local = LocalJob(job, tmp_path / "run", progress=progress)
     for pod in local.pods:
-        has = pod.role != contract.CONTROLLER
+        has = pod.role != CONTROLLER
         assert (pod.env.get("NCCL_DEBUG"), pod.env.get("HF_HOME") == hf) == (("WARN", True) if has else (None, False)), pod.name
         assert "HF_TOKEN" not in pod.env
     lines = progress.getvalue().splitlines()
-    for role in (contract.TRAINER, contract.INFERENCE):
+    for role in (TRAINER, INFERENCE):
         assert (f"weightsync: spec.{role}.podTemplate env HF_TOKEN: valueFrom (secretKeyRef) needs Kubernetes to "
                 f"resolve it; the local {role} processes run without it") in lines
         for path in ("metadata.labels", "spec.priorityClassName"):

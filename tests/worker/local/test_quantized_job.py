@@ -9,13 +9,12 @@ import io
 
 import pytest
 import torch
+from support.jobs import as_bytes, make_job, outcome_of
 
-from weightsync import job as contract
+from weightsync.job import Model, load_job
 from weightsync.local.runner import LocalJob
 from weightsync.model.build import meta_layout
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV
-
-from support.jobs import as_bytes, make_job, outcome_of
 
 pytestmark = pytest.mark.slow  # a whole job as processes: not in `make unit`
 
@@ -30,9 +29,9 @@ def test_fp8_versions_reach_the_builtin_engine_dequantized_bit_for_bit_and_a_cor
     obj = make_job("fp8", config=LLAMA, trainers=(2, 1), steps=6, every=2,
                    delta={"enabled": True, "fullEvery": 10}).to_object()
     obj["spec"]["model"]["quantization"] = "fp8"
-    job = contract.load_job(obj)
+    job = load_job(obj)
     layout = meta_layout(job.model)
-    plain = meta_layout(contract.Model(config=LLAMA))
+    plain = meta_layout(Model(config=LLAMA))
     assert 0.5 < layout.payload_bytes / plain.payload_bytes < 0.8  # the embeddings and norms stay bfloat16
     scale = next(s for s in layout.slots if s.name == SCALE)
     dump = tmp_path / "dump"

@@ -16,6 +16,7 @@ import time
 
 from support import waits
 from support.jobs import make_job
+
 from weightsync.job import Env
 from weightsync.local.runner import LocalJob, say_once_up
 

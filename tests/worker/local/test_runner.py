@@ -14,12 +14,22 @@ import socket
 import time
 
 import pytest
+from support.jobs import (
+    ODD,
+    assert_nothing_left,
+    check_every_version,
+    make_job,
+    pids_of,
+    run_to_end,
+    start,
+    store_of,
+    wait_key,
+)
 
-from weightsync import job as contract
-from weightsync.rendezvous.protocol import Keys
+from weightsync.job import Env
 from weightsync.local import kubelet
 from weightsync.local.runner import LocalJob, RunFailed
-from support.jobs import ODD, assert_nothing_left, check_every_version, make_job, pids_of, run_to_end, start, store_of, wait_key
+from weightsync.rendezvous.protocol import Keys
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -89,7 +99,7 @@ def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path, monkey
     local = LocalJob(job, tmp_path / "run", progress=io.StringIO())
     wrong = tmp_path / "wrong-token"
     wrong.write_text("not-the-job-token-at-all")
-    local.pods[2].env[contract.Env.TOKEN_FILE] = str(wrong)  # the inference pod
+    local.pods[2].env[Env.TOKEN_FILE] = str(wrong)  # the inference pod
     local.start()
     try:
         with pytest.raises(RunFailed, match="inference rank 0 failed the job token proof"):

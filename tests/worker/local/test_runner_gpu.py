@@ -2,7 +2,6 @@
 on one GPU shared by all the job's processes, and the NCCL transport between GPUs. Skipped, with
 the reason, on machines without enough CUDA GPUs."""
 import pytest
-
 from support.jobs import ODD, check_every_version, make_job, run_to_end
 
 

@@ -19,8 +19,8 @@ import pytest
 from support import waits
 from support.jobs import assert_nothing_left, make_job, store_of, wait_key
 
-from weightsync.local import kubelet
 from weightsync.job import LIVENESS, Env
+from weightsync.local import kubelet
 from weightsync.local.runner import LocalJob, RunFailed
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`

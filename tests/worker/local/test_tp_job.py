@@ -22,18 +22,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from support import SUPPORT
 import torch
-
-from weightsync import job as contract
-from weightsync.job import Model
-from weightsync.model.build import build, layout_of, logits, prompt
-from weightsync.runtime.faults import DUMP_DIR_ENV
-from weightsync.local.runner import LocalJob
-from weightsync.roles.tp import needs_of
-
+from support import SUPPORT
 from support.jobs import as_bytes, summary_of
+
+from weightsync.job import API_VERSION, INFERENCE, KIND, Model, load_job
+from weightsync.local.runner import LocalJob
+from weightsync.model.build import build, layout_of, logits, prompt
+from weightsync.roles.tp_engine import needs_of
+from weightsync.runtime.faults import DUMP_DIR_ENV
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -57,8 +54,8 @@ VERSIONS = STEPS // EVERY + 1
 
 
 def tp_job(name, config, dtype, out: Path, inference: dict):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": config, "dtype": dtype},
                  "trainer": {"replicas": 2, "procsPerPod": 2, "gpusPerProc": 0,
                              "command": [sys.executable, "-m", "torch.distributed.run", SCRIPT],
@@ -85,7 +82,7 @@ def test_fsdp2_trainers_to_tp2_and_tp1_replicas(tmp_path, config, dtype, inferen
     reference = build(Model(config=config, dtype=dtype), dtype=dtype, load_weights=False)
     layout = layout_of(reference, dtype)
     assert len(layout.slots) < len(reference.state_dict()) or not config.get("tie_word_embeddings")
-    ranks = range(job.layout.world_size(contract.INFERENCE))
+    ranks = range(job.layout.world_size(INFERENCE))
     groups = {r: job.layout.tp_group(r) for r in ranks}
     assert sorted(len(g) for g in set(groups.values())) == [1, 2]
     needs = {}  # rank -> tensor -> the boxes it holds (two of a packed gate/up stack: its share of each)

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.vllm import LLAMA
 
-from weightsync import job as contract
+from weightsync.job import Lora, Model, SpecError
 from weightsync.model.build import build
 from weightsync.model.lora import Adapter, adapter_layout, add_adapters, merged
 from weightsync.publisher.sources import local_tensors, sources_of
 
-from support.vllm import LLAMA
-
 
 def model_spec(rank=4, alpha=8, targets=("q_proj", "v_proj")):
-    lora = contract.Lora(rank=rank, alpha=alpha, target_modules=tuple(targets))
-    return contract.Model(config=LLAMA, dtype="float32", lora=lora)
+    lora = Lora(rank=rank, alpha=alpha, target_modules=tuple(targets))
+    return Model(config=LLAMA, dtype="float32", lora=lora)
 
 
 def test_the_adapter_layout_is_pefts_names_and_shapes_over_the_base():
@@ -63,12 +62,12 @@ def test_a_model_whose_adapter_is_not_the_specs_is_refused_on_one_line(carried, 
     model = build(spec, dtype="float32")
     if carried is not None:
         add_adapters(model, carried)
-    with pytest.raises(contract.SpecError) as err:
+    with pytest.raises(SpecError) as err:
         sources_of(model, "float32", Adapter.of(spec))
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
 def test_targets_no_layer_has_are_refused_naming_the_layers_there_are():
-    with pytest.raises(contract.SpecError, match="no linear layer of the model is named qkv; its linear layers are named "
+    with pytest.raises(SpecError, match="no linear layer of the model is named qkv; its linear layers are named "
                                                  "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
         adapter_layout(model_spec(targets=("qkv",)))

@@ -15,13 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from weightsync import job as contract
-from weightsync.local.runner import LocalJob
-
+from support.jobs import assert_nothing_left
 from support.vllm import vllm_python as find_vllm_python
 
-from support.jobs import assert_nothing_left
+from weightsync.job import Env, load_job
+from weightsync.local.runner import LocalJob
 
 pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make unit`
 
@@ -46,13 +44,13 @@ def short_job(out: Path):
         args[args.index(flag) + 1] = value
     trainer.update(command=[sys.executable, str(EXAMPLE / "grpo.py")], args=args)
     spec["spec"]["inference"]["replicas"] = 1
-    return contract.load_job(spec), int(args[args.index("--group") + 1])
+    return load_job(spec), int(args[args.index("--group") + 1])
 
 
 def test_the_rl_example_learns_from_rollouts_of_delivered_versions(tmp_path, vllm_python):
     out = tmp_path / "out"
     job, group = short_job(out)
-    local = LocalJob(job, tmp_path / "run", {contract.Env.VLLM_PYTHON: vllm_python, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    local = LocalJob(job, tmp_path / "run", {Env.VLLM_PYTHON: vllm_python, "VLLM_CPU_KVCACHE_SPACE": "1"},
                      progress=io.StringIO())
     local.start()
     try:

@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from support.tiers import first_in_unit
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.tiers import first_in_unit
 
 from weightsync.model.flat import FlatLayout, fill_range, range_views
-from weightsync.plan.segments import make_plan
 from weightsync.plan.holders import Holdings, plan_by_holder
+from weightsync.plan.segments import make_plan
 from weightsync.publisher.sources import local_tensors, sources_of, version_name
 
 # Sizes that 2, 3 and 4 ranks do not divide: vocab 101, 2 KV heads of 12, intermediate 70.

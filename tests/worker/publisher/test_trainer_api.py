@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from weightsync import job as contract
-from weightsync.runtime.faults import DUMP_DIR_ENV
-from weightsync.local.runner import LocalJob, RunFailed
-
 from support.jobs import outcome_of
 from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
+
+from weightsync.job import API_VERSION, KIND, SpecError, WorkerContext, load_job
+from weightsync.local.runner import LocalJob, RunFailed
+from weightsync.runtime.faults import DUMP_DIR_ENV
 
 RUN_TIMEOUT = 300
 
@@ -29,8 +28,8 @@ pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `mak
 
 
 def command_job(name, command, args=(), trainers=(1, 1), inferences=(1, 1), dtype="bfloat16", **trainer):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": CONFIG, "dtype": dtype},
                  "trainer": {"replicas": trainers[0], "procsPerPod": trainers[1], "gpusPerProc": 0,
                              "command": list(command), "args": list(args), **trainer},
@@ -134,9 +133,9 @@ def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected)
     from weightsync.publisher.sync import rank_of
 
     job = command_job("ranks", ["torchrun"], trainers=(2, 2))
-    ctx = contract.WorkerContext(job, 2, "trainer", "127.0.0.1", "127.0.0.1", 1, 1, "tcp", b"x" * 16, False)
+    ctx = WorkerContext(job, 2, "trainer", "127.0.0.1", "127.0.0.1", 1, 1, "tcp", b"x" * 16, False)
     assert rank_of(ctx, {"LOCAL_RANK": "1", "RANK": "3", "WORLD_SIZE": "4"}) == 3
-    with pytest.raises(contract.SpecError) as err:
+    with pytest.raises(SpecError) as err:
         rank_of(ctx, env)
     assert expected in str(err.value)
 

@@ -18,15 +18,15 @@ from support.faulty import Faulty
 from support.jobs import assert_nothing_left
 from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, load_job
 from weightsync.publisher.sync import Resumed
 
 pytestmark = pytest.mark.slow  # whole jobs as processes: not in `make unit`
 
 
 def resuming_job(tmp_path, name: str):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": CONFIG, "dtype": "bfloat16"},
                  "trainer": {"replicas": 2, "gpusPerProc": 0, "command": [sys.executable, EXAMPLE],
                              "args": example_args(tmp_path, "--checkpoint", str(tmp_path / "checkpoint")),

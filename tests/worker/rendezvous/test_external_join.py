@@ -1,4 +1,4 @@
-"""An external rank's way in (rendezvous/join.py) against a real controller's store in this
+"""An external rank's way in (rendezvous/external_rank.py) against a real controller's store in this
 process: it reads the job the controller published, signed, and builds its context from it; a
 wrong token, a wrong job id, a controller that is not there, a forged job, a role the job's own
 pods hold and a rank outside the job are each refused with one line that says what to fix; a
@@ -8,9 +8,8 @@ import socket
 
 import pytest
 
-from weightsync import job as contract
-from weightsync.job import Join, join_env
-from weightsync.rendezvous.join import JoinError, fetch_job, joined_context
+from weightsync.job import API_VERSION, KIND, Join, join_env, load_job
+from weightsync.rendezvous.external_rank import JoinError, fetch_job, joined_context
 from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Keys, Member, Restarted
 from weightsync.rendezvous.roster import Host, RankFailed
@@ -19,7 +18,7 @@ TOKEN = b"0123456789abcdef-job-token"
 
 
 def make_job(external=True, name="joined"):
-    return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+    return load_job({"apiVersion": API_VERSION, "kind": KIND,
                               "metadata": {"name": name, "namespace": "team"},
                               "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2}},
                                        "trainer": {"external": external, "replicas": 2},

@@ -6,7 +6,6 @@ while they wait, the controller says which ranks joined and which are missing, a
 waits for. (The same with real processes: tests/worker/local/test_join_faults.py.)"""
 import re
 import threading
-
 from functools import partial
 
 import pytest

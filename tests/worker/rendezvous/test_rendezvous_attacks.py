@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
 from support.jobs import ODD, assert_nothing_left, make_job, store_of, wait_key
 from support.store import record_session, recv_all
-from weightsync import job as contract
+
+from weightsync.job import Env
 from weightsync.local.runner import LocalJob
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.table import StoreRefused
@@ -65,8 +65,8 @@ def test_without_the_token_a_running_job_cannot_be_read_written_or_filled(tmp_pa
     try:
         legit = store_of(local)
         wait_key(legit, "plan/mac")
-        port = int(local.pods[0].env[contract.Env.STORE_PORT])
-        token = Path(local.pods[0].env[contract.Env.TOKEN_FILE]).read_bytes().strip()
+        port = int(local.pods[0].env[Env.STORE_PORT])
+        token = Path(local.pods[0].env[Env.TOKEN_FILE]).read_bytes().strip()
         controller = local.pods[0].proc.pid
         before = rss_kib(controller)
 

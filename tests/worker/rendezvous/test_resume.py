@@ -7,7 +7,6 @@ is sent drops the round (its receivers leave it); one that stops once it is sent
 two versions. (With real processes and the example script's checkpoint:
 tests/worker/publisher/test_trainer_resume.py.)"""
 import threading
-
 from functools import partial
 
 import pytest
@@ -15,7 +14,7 @@ from support import roster
 from support.roster import make_host
 
 from weightsync.job import Layout, reasons
-from weightsync.rendezvous.joining import TrainersRestart
+from weightsync.rendezvous.join_phase import TrainersRestart
 from weightsync.rendezvous.messages import RankInfo, SentReport
 from weightsync.rendezvous.protocol import Dropped, Keys, Resuming
 from weightsync.rendezvous.resume import resume

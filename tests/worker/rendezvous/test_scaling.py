@@ -6,7 +6,6 @@ and the ranks of pods scaled away leave without failing the round on its way. Th
 pods: tests/e2e/test_e2e.py."""
 import threading
 import time
-
 from functools import partial
 
 import pytest

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
 from support.store import record_session, recv_all
 from support.waits import until
+
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
-from weightsync.rendezvous.store.wire import (CODES, ERROR as CODES_ERROR, HELLO, OK, PROOF, VERDICT, handshake_macs,
-                                              pack, read_frame, seal)
+from weightsync.rendezvous.store.wire import CODES, HELLO, OK, PROOF, VERDICT, handshake_macs, pack, read_frame, seal
+from weightsync.rendezvous.store.wire import ERROR as CODES_ERROR
 from weightsync.transport.sockets import recv_exact
 
 TOKEN = b"0123456789abcdef0123456789abcdef"

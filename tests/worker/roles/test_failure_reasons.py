@@ -7,7 +7,7 @@ import pytest
 from weightsync.job import reasons
 from weightsync.job.errors import JobFailed, TimedOut, failure_of
 from weightsync.model.flat import LayoutMismatch
-from weightsync.rendezvous.joining import RankFailed, TrainersRestart
+from weightsync.rendezvous.join_phase import RankFailed, TrainersRestart
 from weightsync.rendezvous.protocol import ProofError
 from weightsync.rendezvous.store.table import StoreError, StoreFull, StoreRefused, StoreTimeout
 

@@ -11,12 +11,11 @@ import signal
 
 import pytest
 import torch
+from support.jobs import as_bytes, make_job
+from support.waits import until
 
 from weightsync.local.runner import LocalJob
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
-
-from support.jobs import as_bytes, make_job
-from support.waits import until
 
 pytestmark = pytest.mark.slow  # a whole job as processes: not in `make unit`
 

@@ -5,12 +5,11 @@ same base weights, and its logits are the trainer's."""
 from __future__ import annotations
 
 import pytest
+from support.jobs import check_every_version, make_job, run_to_end
 
-from weightsync import job as contract
+from weightsync.job import load_job
 from weightsync.model.build import meta_layout
 from weightsync.model.lora import adapter_layout
-
-from support.jobs import check_every_version, make_job, run_to_end
 
 pytestmark = pytest.mark.slow  # a whole job as processes: not in `make unit`
 
@@ -22,7 +21,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
 def test_lora_versions_carry_the_adapter_alone_and_inference_runs_the_trainers_adapter(tmp_path):
     obj = make_job("lora-builtin", config=LLAMA, inferences=(2, 1)).to_object()
     obj["spec"]["model"]["lora"] = {"rank": 4, "alpha": 16, "targetModules": ["q_proj", "v_proj", "down_proj"]}
-    job = contract.load_job(obj)
+    job = load_job(obj)
     summary, transfers = run_to_end(tmp_path, job)
     adapter = adapter_layout(job.model).total_bytes
     assert summary["failed_verifications"] == 0 and summary["versions"] == 3

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, load_job
 from weightsync.roles.records import Reporter
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def job(name="reported", namespace="default"):
-    return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+    return load_job({"apiVersion": API_VERSION, "kind": KIND,
                               "metadata": {"name": name, "namespace": namespace},
                               "spec": {"model": {"config": {"model_type": "gpt2"}}}})
 

@@ -69,6 +69,7 @@ def test_without_the_handler_pid_one_ignores_sigterm():
 
 def test_a_worker_pod_as_pid_one_answers_its_probes_and_ends_on_sigterm(tmp_path):
     from support.health import DEADLINE, answer, until, worker_env
+
     from weightsync.job import READINESS, Env
 
     env = worker_env(tmp_path, ordinal=0)  # the controller's pod: ready once its rendezvous is up

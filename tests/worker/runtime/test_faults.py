@@ -24,10 +24,9 @@ import torch
 from support.faulty import Faulty, wait_for_line
 from support.jobs import ODD, as_bytes, assert_nothing_left, make_job
 
-from weightsync import job as contract
-
-from weightsync.rendezvous.protocol import versions
+from weightsync.job import load_job
 from weightsync.local.runner import RunFailed
+from weightsync.rendezvous.protocol import versions
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -170,7 +169,7 @@ def test_an_inference_rank_away_past_its_grace_is_dropped_and_taken_back_when_it
     obj = make_job("dropped", config=ODD, dtype="float32", trainers=(2, 1), inferences=(2, 1), steps=8,
                    every=1).to_object()
     obj["spec"]["inference"].update(minAvailable=1, awayGraceSeconds=3)
-    job = contract.load_job(obj)
+    job = load_job(obj)
     faulty = Faulty(tmp_path, job, "trainer-0-before-ready-v1")
     (faulty.pause / "trainer-0-before-ready-v6.arm").touch()
     victim = faulty.pod("inference", 1)

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support.health import DEADLINE, answer, until, worker_env
-from weightsync import job as contract
-from weightsync.job import LIVENESS, READINESS
+
+from weightsync.job import LIVENESS, READINESS, Env, Probe
 from weightsync.runtime import health
 
 
@@ -79,7 +78,7 @@ def test_readyz_waits_for_every_rank_and_healthz_fails_while_one_is_stopped(pod)
 
 def test_only_the_two_paths_are_served(pod):
     _, port, _, _ = pod
-    other = contract.Probe("/metrics", 5, 2, 1)
+    other = Probe("/metrics", 5, 2, 1)
     assert answer(port, other) == (False, "HTTP 404: no such endpoint; this serves /healthz and /readyz")
 
 
@@ -150,7 +149,7 @@ def test_a_stopped_controller_pod_answers_no_probe(tmp_path):
     """The controller pod: ready once its rendezvous is up; while its process is stopped, a probe
     gets no answer within its timeout, as the kubelet's would not."""
     env = worker_env(tmp_path, ordinal=0)
-    port = int(env[contract.Env.HEALTH_PORT])
+    port = int(env[Env.HEALTH_PORT])
     proc = start_worker(tmp_path, env)
     try:
         until("the controller pod ready", lambda: answer(port, READINESS)[0] or proc.poll() is not None)
@@ -185,7 +184,7 @@ def test_a_stopped_rank_process_fails_its_pods_liveness(tmp_path):
     """A trainer pod with two rank processes (no controller to join, so they wait, alive): either
     of them stopped fails the pod's /healthz, naming that rank; the pod's own process still answers."""
     env = worker_env(tmp_path, ordinal=1, procs=2)
-    port = int(env[contract.Env.HEALTH_PORT])
+    port = int(env[Env.HEALTH_PORT])
     proc = start_worker(tmp_path, env)
     try:
         ranks = until("two rank processes", lambda: (lambda c: c if len(c) == 2 else None)(rank_processes(proc.pid)))

@@ -5,6 +5,7 @@ started as a vLLM server or a training command starts theirs; a taken port refus
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -13,16 +14,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
-
 from support.health import worker_env
+
 from weightsync.job import Env, reasons
 from weightsync.runtime import health, metrics
 from weightsync_operator.metrics import OperatorMetrics

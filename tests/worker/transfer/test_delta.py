@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from support.tiers import first_in_unit
+from support.transfer_peer import layout_of, plan_of
 
-from weightsync.transfer import delta
-from weightsync.transfer.delta import RECORD, LastSent, PatchError, Patcher, apply_patch
 from weightsync.model.flat import ITEMSIZE
 from weightsync.plan.segments import Bucket, make_plan
+from weightsync.transfer import delta
+from weightsync.transfer.delta import RECORD, LastSent, Patcher, PatchError, apply_patch
 from weightsync.transport.checksum import CHUNK
-
-
-from support.transfer_peer import layout_of, plan_of
-from support.tiers import first_in_unit
 
 MIB = 1 << 20
 

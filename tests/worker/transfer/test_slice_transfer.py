@@ -11,16 +11,12 @@ import sys
 import time
 
 import pytest
-
+import torch.distributed as dist
+from support import SUPPORT, slice_peer
 from support.tiers import first_in_unit
 
-from support import SUPPORT
-import torch.distributed as dist
-
-from weightsync.plan.sliced import LocalLayout, SlicedPlan, needs_everything
 from weightsync.model.flat import FlatLayout
-
-from support import slice_peer
+from weightsync.plan.sliced_plan import LocalLayout, SlicedPlan, needs_everything
 
 PEER = SUPPORT / "slice_peer.py"
 

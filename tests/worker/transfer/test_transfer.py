@@ -16,17 +16,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.tiers import first_in_unit
+from support.transfer import ODD, TOKEN, send_and_check
+from support.transfer_peer import layout_of, plan_of
+from support.waits import until
 
 from weightsync.model.flat import FlatLayout
 from weightsync.plan.segments import make_plan
 from weightsync.transfer.receive import VersionReceiver
 from weightsync.transfer.send import VersionSender
 from weightsync.transport import TransferError, make_transport
-
-from support.transfer_peer import layout_of, plan_of
-from support.waits import until
-from support.transfer import ODD, TOKEN, send_and_check
-from support.tiers import first_in_unit
 
 
 @pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", first_in_unit([
@@ -204,7 +203,8 @@ def test_idle_connections_cost_no_thread_and_the_trainer_still_delivers(ranks, s
     stays where it was, its memory barely moves, every idle connection is closed (the excess at
     once, the rest after the handshake timeout), and the trainer (this process) connects and
     delivers a version while they are held."""
-    from support.transfer_peer import version_tensors, parse_shapes
+    from support.transfer_peer import parse_shapes, version_tensors
+
     from weightsync.transport import door
 
     shapes = ODD

@@ -9,13 +9,11 @@ import threading
 import time
 
 import pytest
+from support.tiers import first_in_unit
+from support.transfer import ODD, send_and_check
 
 from weightsync.runtime.faults import CORRUPT_ENV
 from weightsync.transport import nccl
-
-from support.transfer import ODD, send_and_check
-from support.tiers import first_in_unit
-
 
 
 class Backend:

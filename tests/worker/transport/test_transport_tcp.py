@@ -11,9 +11,8 @@ import time
 import pytest
 import xxhash
 
-from weightsync.transport import TransferError, make_transport
+from weightsync.transport import TransferError, make_transport, sockets, wire
 from weightsync.transport.base import Filling
-from weightsync.transport import sockets, wire
 from weightsync.transport.checksum import CHUNK
 
 TOKEN = b"0123456789abcdef-job-token"
@@ -473,8 +472,8 @@ def a_patch(base: bytes, new: bytes, base_version: int) -> bytes:
     """A real patch of `new` against `base` (delta.py), as a trainer makes it."""
     import numpy as np
 
-    from weightsync.transfer.delta import LastSent
     from weightsync.plan.segments import Bucket
+    from weightsync.transfer.delta import LastSent
 
     last = LastSent([Bucket(0, 0, 0, len(base))], 2)
     last.encoder(0, None).add(0, np.frombuffer(base, dtype=np.uint8))

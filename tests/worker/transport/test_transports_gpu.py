@@ -9,13 +9,23 @@ import subprocess
 import sys
 
 import pytest
-
-from support import SUPPORT
 import torch
 import torch.distributed as dist
+from support import SUPPORT
 
-from weightsync.transport import (Capabilities, RankContext, TransportUnavailable, capabilities_of, ipc, make_transport,
-                                  nccl, options_for, resolve_transport, tcp, uccl)
+from weightsync.transport import (
+    Capabilities,
+    RankContext,
+    TransportUnavailable,
+    capabilities_of,
+    ipc,
+    make_transport,
+    nccl,
+    options_for,
+    resolve_transport,
+    tcp,
+    uccl,
+)
 
 PEER = SUPPORT / "transfer_peer.py"
 TOKEN = b"test-job-token-0123456789"

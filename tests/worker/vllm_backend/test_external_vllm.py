@@ -32,17 +32,24 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from weightsync import job as contract
-from weightsync.local.runner import LocalJob
-from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
-
 import torch
-
-from support.external_vllm import EXAMPLE, LLAMA, SERVER_ARGS, UP_TIMEOUT, ExternalServer, assert_served_bit_for_bit, fused, \
-    read_join_file, vllm_python
+from support.external_vllm import (
+    EXAMPLE,
+    LLAMA,
+    SERVER_ARGS,
+    UP_TIMEOUT,
+    ExternalServer,
+    assert_served_bit_for_bit,
+    fused,
+    read_join_file,
+    vllm_python,
+)
 from support.jobs import as_bytes
 from support.waits import until
+
+from weightsync.job import API_VERSION, KIND, TORCHRUN_VARS, Model, load_job
+from weightsync.local.runner import LocalJob
+from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 
 pytestmark = pytest.mark.slow  # whole jobs and vLLM servers as processes: not in `make unit`
 
@@ -51,8 +58,8 @@ RUN_TIMEOUT = 900.0
 
 
 def external_job(name: str, steps: int = 4, trainers_external: bool = False):
-    return contract.load_job({
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": name},
+    return load_job({
+        "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": LLAMA, "dtype": "bfloat16"},
                  "trainer": {"replicas": 1, "gpusPerProc": 0, "external": trainers_external},
                  "inference": {"replicas": 1, "gpusPerProc": 0, "engine": "vllm", "external": True,
@@ -105,7 +112,7 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
 
         refused = {
             "full": ExternalServer(python, job.model, job.name, join, tmp_path / "full.log"),
-            "other": ExternalServer(python, contract.Model(config=OTHER, dtype="bfloat16"), job.name, join,
+            "other": ExternalServer(python, Model(config=OTHER, dtype="bfloat16"), job.name, join,
                                     tmp_path / "other.log"),
             "no-url": ExternalServer(python, job.model, job.name, join, tmp_path / "no-url.log", url=None),
         }
@@ -174,7 +181,7 @@ def test_both_roles_external_the_users_torchrun_into_the_users_vllm_server(tmp_p
         server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
         script = [EXAMPLE, "--config", json.dumps(LLAMA), "--steps", "4", "--publish-every", "2",
                   "--save", str(tmp_path / "final.pt")]
-        shell = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_") and k not in contract.TORCHRUN_VARS}
+        shell = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_") and k not in TORCHRUN_VARS}
         command = (f"set -a; . {shlex.quote(str(tmp_path / 'join.env'))}; set +a; exec {shlex.quote(sys.executable)} "
                    f"-m torch.distributed.run --standalone --nproc-per-node 1 {shlex.join(script)}")
         trainers = subprocess.Popen(["bash", "-c", command], env=shell, cwd=tmp_path, stdout=subprocess.PIPE,

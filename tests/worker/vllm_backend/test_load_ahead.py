@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from support.vllm import LLAMA, as_bytes, shards
 from support.vllm import vllm_python as find_vllm_python
 

@@ -24,13 +24,24 @@ import urllib.request
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-
-from weightsync import job as contract
+from support.vllm import (
+    LLAMA,
+    PROMPT,
+    PlainServer,
+    VllmRun,
+    as_bytes,
+    checker,
+    completion,
+    free_port,
+    fused,
+    generate,
+    save_checkpoint,
+    vllm_job,
+)
+from support.vllm import vllm_python as find_vllm_python
 from support.waits import until
 
-from support.vllm import (LLAMA, PROMPT, PlainServer, VllmRun, as_bytes, checker, completion, free_port, fused,
-                          generate, save_checkpoint, vllm_job)
-from support.vllm import vllm_python as find_vllm_python
+from weightsync.job import Env, load_job
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -114,7 +125,7 @@ def check_metrics(run: VllmRun, serving: int) -> None:
     """The vLLM servers' workers count into their pod's /metrics (the version each rank serves),
     and the controller times each version's stall in the servers."""
     for pod in (p for p in run.local.pods if p.role == "inference"):
-        url = f"http://127.0.0.1:{pod.env[contract.Env.HEALTH_PORT]}/metrics"
+        url = f"http://127.0.0.1:{pod.env[Env.HEALTH_PORT]}/metrics"
         until(f"{pod.name} serving version {serving} in its metrics", lambda url=url, pod=pod: all(
             metrics_of(url).get(("weightsync_serving_version", str(r))) == serving for r in pod.ranks), 60)
     until(f"the controller's stalls of versions 0..{serving}", lambda: metrics_of(run.local.metrics_url).get(
@@ -130,7 +141,7 @@ def test_delta_versions_are_loaded_into_vllm_bit_for_bit(tmp_path, vllm_python):
     obj = vllm_job("vllm-delta", trainers=1, servers=1, steps=3, every=1).to_object()
     obj["spec"]["training"]["learningRate"] = 1e-6  # as in RL fine-tuning: a few percent of the elements change
     obj["spec"]["transfer"]["delta"] = {"enabled": True, "fullEvery": 10}
-    run = VllmRun(tmp_path, contract.load_job(obj), vllm_python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
+    run = VllmRun(tmp_path, load_job(obj), vllm_python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
     plain = None
     try:
         run.reach("trainer-0-before-go-v2")

@@ -24,13 +24,24 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from support.vllm import (
+    LLAMA,
+    PlainServer,
+    VllmRun,
+    as_bytes,
+    boxes,
+    checker,
+    completion,
+    free_port,
+    save_checkpoint,
+    shards,
+    vllm_job,
+    vllm_python,
+)
 
 from weightsync.model.build import meta_layout
-from weightsync.plan.sliced import LocalLayout
-from weightsync.plan.slices import Box, RankSlices, Slice
-
-from support.vllm import (LLAMA, PlainServer, VllmRun, as_bytes, boxes, checker, completion, free_port, save_checkpoint,
-                          shards, vllm_job, vllm_python)
+from weightsync.plan.boxes import Box, RankSlices, Slice
+from weightsync.plan.sliced_plan import LocalLayout
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 

@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+
 from weightsync.model.flat import FlatLayout, fill_range
 from weightsync.plan.segments import make_plan
 from weightsync.transfer.receive import VersionReceiver

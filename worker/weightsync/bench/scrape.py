@@ -21,7 +21,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightsync.bench.shards import run_wrap
+from weightsync.bench.fsdp import run_wrap
 from weightsync.job import Env
 from weightsync.runtime.health import METRICS_PATH
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.model.markov import MarkovTokens, rank_generator
-from weightsync.model.flat import FlatLayout, fill_range, torch_dtype, views
 from weightsync.model.build import parameters, train_step
+from weightsync.model.flat import FlatLayout, fill_range, torch_dtype, views
+from weightsync.model.markov import MarkovTokens, rank_generator
 
 
 @dataclass

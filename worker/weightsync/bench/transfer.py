@@ -33,13 +33,15 @@ import statistics
 import sys
 import tempfile
 import time
+
 from weightsync.bench.chart import chart
+from weightsync.bench.fsdp import main as shards_bench
 from weightsync.bench.netns import Links, rate_bits, unavailable
-from weightsync.bench.rank import build_model, run
+from weightsync.bench.rank_process import build_model, run
 from weightsync.bench.scrape import main as scrape_bench
-from weightsync.bench.shards import main as shards_bench
 from weightsync.bench.trained import train
-from weightsync.bench.vllm import STEP as VLLM_STEP, main as vllm_bench
+from weightsync.bench.vllm import STEP as VLLM_STEP
+from weightsync.bench.vllm import main as vllm_bench
 from weightsync.model.flat import FlatLayout, cast_name
 from weightsync.plan.segments import make_plan
 

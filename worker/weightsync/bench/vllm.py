@@ -44,7 +44,7 @@ from pathlib import Path
 
 import weightsync
 from weightsync.bench.chart import vllm_chart
-from weightsync.job import API_VERSION, Env, KIND, Model, WorkerContext, load_job
+from weightsync.job import API_VERSION, KIND, Env, Model, WorkerContext, load_job
 from weightsync.local import ports as leases
 from weightsync.local.runner import LocalJob, check_vllm_python
 from weightsync.model.build import build, parameters

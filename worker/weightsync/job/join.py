@@ -2,7 +2,7 @@
 (spec.trainer.external, spec.inference.external): three environment variables, the same in a
 cluster (the operator's Secret "<job>-join", for envFrom) and on one machine (`weightsync run
 --join-env FILE` writes them to FILE). The joiner gets no spec file and no token file: it reads the
-job from the controller's store once it has proven the token there (rendezvous/join.py), so the
+job from the controller's store once it has proven the token there (rendezvous/external_rank.py), so the
 three variables are all it has to carry and they cannot disagree with the job.
 
 Here: their names (JoinEnv), their values for a job (join_env) and their parsing (Join), each

@@ -307,7 +307,7 @@ class WorkerContext:
     def from_join(cls, join: Join, job: Job, role: str, rank: int, *, network_mode: str,
                   data_port: int = DATA_PORT) -> "WorkerContext":
         """The context of an external rank (job/join.py): a process the user started, which read
-        `job` from the controller's store (rendezvous/join.py) instead of mounted files. Its
+        `job` from the controller's store (rendezvous/external_rank.py) instead of mounted files. Its
         ordinal is the one of the pod that would hold `rank` had weightsync started it (the
         controller counts ranks, not pods); it dials out from its address on the route to the
         controller unless WEIGHTSYNC_POD_IP names another."""

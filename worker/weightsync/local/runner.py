@@ -31,15 +31,31 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Mapping
 
-
-from weightsync.job import (CONTROLLER, DATA_PORT, INFERENCE, MASTER_PORTS, ROLES, SPEC_KEY, TOKEN_KEY, TORCHRUN_VARS,
-                            TRAINER, Env, Job, dump_document,
-                            PodSite, ValueFrom, external_roles, load_job, pod_env, states)
-from weightsync.local.external import JoinOffer, join_path_problem
+from weightsync.job import (
+    CONTROLLER,
+    DATA_PORT,
+    INFERENCE,
+    MASTER_PORTS,
+    ROLES,
+    SPEC_KEY,
+    TOKEN_KEY,
+    TORCHRUN_VARS,
+    TRAINER,
+    Env,
+    Job,
+    PodSite,
+    ValueFrom,
+    dump_document,
+    external_roles,
+    load_job,
+    pod_env,
+    states,
+)
 from weightsync.local import ports
-from weightsync.local.ports import LOOPBACK
+from weightsync.local.external import JoinOffer, join_path_problem
 from weightsync.local.kubelet import Kubelet, Pod, tail
 from weightsync.local.memory import shortfall
+from weightsync.local.ports import LOOPBACK
 from weightsync.model.build import check_fits, meta_layout
 from weightsync.model.config import served_config
 from weightsync.runtime.health import METRICS_PATH

@@ -13,10 +13,17 @@ import copy
 import torch
 
 from weightsync.job import Model, SpecError
-from weightsync.model.flat import FlatLayout, torch_dtype
 from weightsync.model.config import config_of
-from weightsync.model.quant import (check_quantizable, dequantize, format_of, quantize, quantize_layout, quantized_names,
-                                    scales_of)
+from weightsync.model.flat import FlatLayout, torch_dtype
+from weightsync.model.quant import (
+    check_quantizable,
+    dequantize,
+    format_of,
+    quantize,
+    quantize_layout,
+    quantized_names,
+    scales_of,
+)
 
 # The fixed input inference ranks generate from, and that tests compare logits on.
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, Union
 
 from weightsync.model.flat import ALIGN, FlatLayout, TensorSlot
+from weightsync.plan.boxes import GlobalTensor, Placement, Slicing, chunk_bounds, dim_chunks
 from weightsync.plan.segments import Bucket, Plan
-from weightsync.plan.slices import GlobalTensor, Placement, Slicing, chunk_bounds, dim_chunks
 
 ShardDim = Union[int, Callable[[GlobalTensor], int]]
 

@@ -33,10 +33,10 @@ from typing import Callable, Mapping, Sequence
 
 from weightsync.job import INFERENCE, Delta, Layout
 from weightsync.model.flat import FlatLayout
-from weightsync.plan.segments import Plan, make_plan
+from weightsync.plan.boxes import RankSlices
 from weightsync.plan.holders import Holdings, plan_by_holder
-from weightsync.plan.sliced import SlicedPlan, needs_everything
-from weightsync.plan.slices import RankSlices
+from weightsync.plan.segments import Plan, make_plan
+from weightsync.plan.sliced_plan import SlicedPlan, needs_everything
 
 
 def inference_needs(job: Layout, layout: FlatLayout, slices_of: Callable[[int], RankSlices]) -> tuple[RankSlices, ...] | None:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from weightsync.plan.boxes import Box, Slicing
 from weightsync.plan.linktime import greedy_order
 from weightsync.plan.segments import size_text as _size
-from weightsync.plan.slices import Box, Slicing
 
 # A replica set cuts its pieces to at most 1/BALANCE_GRAIN of a member's share, so that where
 # its cuts fall costs at most that much balance.

@@ -5,7 +5,7 @@ its parameters become global tensors in the transfer dtype, the trainer side is 
 the FSDP degree is less than the trainer GPUs, DDP at degree 1), the inference side replicas of
 TP degree k sliced by the model's own transformers TP plan, or of expert-parallel degree e (a
 mixture of experts served as vLLM serves it with --enable-expert-parallel: each GPU holds e-th of
-the routed experts, whole, and the rest by the TP plan; plan/tp.py). The same planner the controller runs
+the routed experts, whole, and the rest by the TP plan; plan/tp_needs.py). The same planner the controller runs
 then assigns every piece to a sender, the assignment is checked (every receiver gets exactly its
 bytes of every tensor), and linktime simulates its order on one NIC per rank.
 """
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightsync.job import SpecError
+from weightsync.model.config import expert_count
+from weightsync.plan.boxes import GlobalTensor
 from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
 from weightsync.plan.linktime import WINDOW, simulate
 from weightsync.plan.pieces import assign_pieces, check_assignment
 from weightsync.plan.segments import size_text
-from weightsync.plan.slices import GlobalTensor
-from weightsync.model.config import expert_count
-from weightsync.plan.tp import ONE_EXPERT, STACKED_EXPERTS, check_heads, tp_needs
+from weightsync.plan.tp_needs import ONE_EXPERT, STACKED_EXPERTS, check_heads, tp_needs
 
 JITTER, JITTER_RUNS = 1e-3, 3
 

@@ -25,7 +25,14 @@ import torch
 
 from weightsync.model.flat import FlatLayout
 from weightsync.model.lora import Adapter
-from weightsync.model.quant import Format, check_quantizable, format_of, quantize_layout, quantized_names, quantized_tensors
+from weightsync.model.quant import (
+    Format,
+    check_quantizable,
+    format_of,
+    quantize_layout,
+    quantized_names,
+    quantized_tensors,
+)
 from weightsync.plan.holders import Holdings
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and FSDP1's wrapper; torch.compile's

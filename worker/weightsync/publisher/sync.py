@@ -41,18 +41,18 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from weightsync.runtime import health
 from weightsync.job import TRAINER, Env, Job, Join, JoinEnv, SpecError, WorkerContext, states
+from weightsync.model.lora import Adapter
 from weightsync.plan.job import delta_in_effect
+from weightsync.publisher.peers import Links
+from weightsync.publisher.sources import Sources, local_tensors, sources_of
+from weightsync.rendezvous.external_rank import JoinError, joined_context
+from weightsync.rendezvous.messages import Round, SentReport
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Resuming, who
+from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point, tamper_hook
 from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
-from weightsync.publisher.peers import Links
-from weightsync.rendezvous.join import JoinError, joined_context
-from weightsync.rendezvous.messages import Round, SentReport
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Resuming, who
-from weightsync.publisher.sources import Sources, local_tensors, sources_of
-from weightsync.model.lora import Adapter
 from weightsync.transfer.send import SentVersion, VersionSender
 
 

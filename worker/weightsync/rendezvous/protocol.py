@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
 from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.job.token import mac, same
-from weightsync.plan.sliced import plan_from_json
+from weightsync.plan.sliced_plan import plan_from_json
 from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused, StoreTimeout
@@ -165,7 +165,7 @@ class Keys:
     VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
     PLAN, PLAN_MAC = "plan", "plan/mac"  # controller: the plan, HMAC'd with the token
     # controller: the defaulted job (Job.to_object(), its resolved network mode as an annotation)
-    # that external ranks read instead of a spec file (rendezvous/join.py), HMAC'd with the token
+    # that external ranks read instead of a spec file (rendezvous/external_rank.py), HMAC'd with the token
     JOB, JOB_MAC = "job", "job/mac"
     END = "end"  # controller: the job is over {"state", "reason", "message"}
     CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)

@@ -26,7 +26,7 @@ import time
 from typing import Callable, Protocol
 
 from weightsync.job import TRAINER, reasons
-from weightsync.rendezvous.joining import PROGRESS_EVERY, RankFailed, named
+from weightsync.rendezvous.join_phase import PROGRESS_EVERY, RankFailed, named
 from weightsync.rendezvous.messages import Admission
 from weightsync.rendezvous.protocol import Keys, who
 

@@ -6,7 +6,7 @@ started again under the same name and ordinal. So an inference rank that vanishe
 the job: it is "away" and the versions go on to the others; when its process starts again it
 joins anew (a fresh challenge for its new attempt, a new endpoint), waits, and is taken back at
 the next round, which it receives in full and verifies before it serves. A rank away for longer
-than `away_limit` fails the job. The same holds while the ranks join (joining.py): the
+than `away_limit` fails the job. The same holds while the ranks join (join_phase.py): the
 controller admits each rank's latest start, so an inference pod killed while it loads its model
 joins with its next start, and the first round takes it back. Trainers do not come back: a
 trainer that restarts, or goes silent, fails the job, while the ranks join as later (the built-in
@@ -32,10 +32,9 @@ from weightsync.job.errors import TimedOut
 from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
-from weightsync.rendezvous.joining import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
+from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
 from weightsync.rendezvous.parking import Parking
-from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING, WAITING, Seat
 from weightsync.rendezvous.protocol import (
     HEARTBEAT,
     Channel,
@@ -49,6 +48,7 @@ from weightsync.rendezvous.protocol import (
     ranks_of,
     who,
 )
+from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING, WAITING, Seat
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
@@ -128,7 +128,7 @@ class Host(Channel, Parking):
 
     def publish_job(self, job: Job, network_mode: str) -> None:
         """The defaulted job and its resolved network mode, signed: what an external rank reads
-        instead of the spec file a pod mounts (rendezvous/join.py). Before any rank is admitted."""
+        instead of the spec file a pod mounts (rendezvous/external_rank.py). Before any rank is admitted."""
         obj = job.to_object()
         obj["metadata"]["annotations"] = {ANNOTATION_NETWORK_MODE: network_mode}
         text = json.dumps(obj, sort_keys=True)
@@ -147,7 +147,7 @@ class Host(Channel, Parking):
 
     def admit(self, timeout: float, external: Mapping[str, Deadline] | None = None,
               every: float = PROGRESS_EVERY) -> dict[tuple[str, int], Admission]:
-        """Wait for every rank's proof; return {(role, rank): what it published} (joining.py)."""
+        """Wait for every rank's proof; return {(role, rank): what it published} (join_phase.py)."""
         return Joining(self, timeout, external or {}, every).run()
 
     def started_again(self, role: str, rank: int) -> int | None:

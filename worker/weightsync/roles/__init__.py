@@ -13,8 +13,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Mapping
 
-from weightsync.job import CONTROLLER, INFERENCE, TRAINER, SpecError, WorkerContext
-from weightsync.job import logline
+from weightsync.job import CONTROLLER, INFERENCE, TRAINER, SpecError, WorkerContext, logline
 from weightsync.job.logline import say
 from weightsync.rendezvous.protocol import who
 from weightsync.roles import command, controller, vllm_server

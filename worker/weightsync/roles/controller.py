@@ -1,5 +1,5 @@
 """The controller (ordinal 0): hosts the rendezvous, computes the plan once (by holder when the
-trainers hold shards: shards.py), says "go" for every version once every trainer rank is ready
+trainers hold shards: plan/holders.py), says "go" for every version once every trainer rank is ready
 with it, checks that every inference rank applied exactly what the trainers sent, and reports.
 The trainers decide how many versions there are (the built-in trainer as spec.training says, a
 user's script as it publishes): the job's versions end once every trainer rank closed.
@@ -33,11 +33,11 @@ from weightsync.model.build import meta_layout
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import bases, delta_in_effect, inference_needs, make_job_plan
-from weightsync.plan.sliced import needs_from_json
+from weightsync.plan.sliced_plan import needs_from_json
 from weightsync.rendezvous.claims import Claims
+from weightsync.rendezvous.join_phase import TrainersRestart
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, update_proof, who
-from weightsync.rendezvous.joining import TrainersRestart
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Deadline, Host
 from weightsync.rendezvous.store.table import StoreError

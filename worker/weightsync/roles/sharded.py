@@ -1,7 +1,7 @@
 """An inference rank of a tensor-parallel model replica (spec.inference.tensorParallel or
 tensorParallelSizes above 1).
 
-It holds one shard of its replica's model (tp.py: transformers' own TP plan over the
+It holds one shard of its replica's model (tp_engine.py: transformers' own TP plan over the
 replica's processes) and declares, when it joins, the slices of the version it needs; the
 controller plans over slices and it receives only those, into a staging buffer of its local
 layout, verified against its own digest (inbound.py). The generation loop copies a verified
@@ -16,10 +16,10 @@ import torch
 
 from weightsync.job import INFERENCE, WorkerContext
 from weightsync.model.build import greedy, logits, prompt
-from weightsync.plan.sliced import needs_to_json
+from weightsync.plan.sliced_plan import needs_to_json
 from weightsync.rendezvous.protocol import Member, who
 from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, serving_model
-from weightsync.roles.tp import TensorParallel, load, local_shards, needs_of
+from weightsync.roles.tp_engine import TensorParallel, load, local_shards, needs_of
 from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating
 from weightsync.runtime.inbound import GenerationHandover

@@ -20,7 +20,7 @@ sets it in its own processes or through LocalJob's extra environment.
                  tests/support/transfer_peer.py, tests/worker/vllm_backend/test_vllm_engine.py,
                  tests/worker/local/test_quantized_job.py).
   IDLE_ENV       generating(): the built-in engines generate nothing between versions
-                 (`weightsync bench --fsdp`, bench/shards.py).
+                 (`weightsync bench --fsdp`, bench/fsdp.py).
 
 Torch-free: the controller's pause point needs no torch, and dump() imports it when it runs.
 """

@@ -23,7 +23,7 @@ from weightsync.model import flat
 from weightsync.plan.holders import Holdings
 from weightsync.plan.interface import TransferBucket, TransferPlan
 from weightsync.plan.segments import Bucket
-from weightsync.plan.sliced import Part, SliceBucket, SlicedPlan
+from weightsync.plan.sliced_plan import Part, SliceBucket, SlicedPlan
 from weightsync.transport.checksum import CHUNK
 
 

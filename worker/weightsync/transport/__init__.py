@@ -11,8 +11,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from weightsync.transport.base import (Capabilities, RankContext, Receiver, Sender, TransferError, Transport,
-                                       TransportUnavailable)
+from weightsync.transport.base import (
+    Capabilities,
+    RankContext,
+    Receiver,
+    Sender,
+    TransferError,
+    Transport,
+    TransportUnavailable,
+)
 
 # Each transport's module and class, imported when first asked for (none of them imports torch or
 # a transport's own library before it is built).

@@ -25,11 +25,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.transport import wire
-from weightsync.transport.base import (Capabilities, Filling, RankContext, Transport, TransportUnavailable,
-                                       cuda_unavailable_reason)
+from weightsync.transport.base import (
+    Capabilities,
+    Filling,
+    RankContext,
+    Transport,
+    TransportUnavailable,
+    cuda_unavailable_reason,
+)
 from weightsync.transport.checksum import bucket_checksum
-from weightsync.transport.sockets import recv_exact, send_all
 from weightsync.transport.landing import Landing
+from weightsync.transport.sockets import recv_exact, send_all
 from weightsync.transport.tcp import TcpReceiver, TcpSender
 from weightsync.transport.wire import ADVERT, WRITTEN
 

@@ -56,9 +56,21 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from weightsync.job.token import mac, same
-from weightsync.transport.base import (Capabilities, Filling, RankContext, Receiver, Sender, Tally, TransferError,
-                                       Transport, TransportUnavailable, bounded, cuda_unavailable_reason, each_peer,
-                                       settle)
+from weightsync.transport.base import (
+    Capabilities,
+    Filling,
+    RankContext,
+    Receiver,
+    Sender,
+    Tally,
+    TransferError,
+    Transport,
+    TransportUnavailable,
+    bounded,
+    cuda_unavailable_reason,
+    each_peer,
+    settle,
+)
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.ledger import Ledger
 from weightsync.transport.wire import DATA, END

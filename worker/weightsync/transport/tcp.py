@@ -37,14 +37,34 @@ from typing import Any, Callable, Mapping, Sequence
 import xxhash
 
 from weightsync.transport import wire
-from weightsync.transport.base import (Capabilities, Filling, Patcher, RankContext, Receiver, Sender, Tally,
-                                       TransferError, Transport, each_peer, settle)
+from weightsync.transport.base import (
+    Capabilities,
+    Filling,
+    Patcher,
+    RankContext,
+    Receiver,
+    Sender,
+    Tally,
+    TransferError,
+    Transport,
+    each_peer,
+    settle,
+)
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.door import Door
 from weightsync.transport.landing import Landing
 from weightsync.transport.ledger import Ledger
-from weightsync.transport.sockets import (ByteCursor, client_handshake, dial, hang_up, parse_endpoint,
-                                          recv_exact, recv_into_all, send_all, tune)
+from weightsync.transport.sockets import (
+    ByteCursor,
+    client_handshake,
+    dial,
+    hang_up,
+    parse_endpoint,
+    recv_exact,
+    recv_into_all,
+    send_all,
+    tune,
+)
 from weightsync.transport.wire import DATA, END, KIND_NAMES, NEED, PATCH, TRAILER
 
 log = logging.getLogger("weightsync.transport")

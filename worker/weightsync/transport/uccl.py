@@ -44,11 +44,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsync.transport import wire
-from weightsync.transport.base import (Capabilities, Filling, RankContext, TransferError, Transport,
-                                       TransportUnavailable, bounded, cuda_unavailable_reason)
+from weightsync.transport.base import (
+    Capabilities,
+    Filling,
+    RankContext,
+    TransferError,
+    Transport,
+    TransportUnavailable,
+    bounded,
+    cuda_unavailable_reason,
+)
 from weightsync.transport.checksum import bucket_checksum
-from weightsync.transport.sockets import client_handshake, recv_exact, send_all
 from weightsync.transport.landing import Landing
+from weightsync.transport.sockets import client_handshake, recv_exact, send_all
 from weightsync.transport.tcp import TcpReceiver, TcpSender
 from weightsync.transport.wire import ADVERT, WRITTEN
 

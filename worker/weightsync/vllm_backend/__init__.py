@@ -7,7 +7,7 @@ module: vLLM imports it in its workers, where it is created. It checks the vLLM 
 a vLLM without the weight-transfer API, or one whose engine interface changed, is refused with
 what to do, not left to fail at the first update.
 
-A server the user started joins a job by itself (join.py): register() checks its join variables
+A server the user started joins a job by itself (place.py): register() checks its join variables
 first, so that one that cannot join is refused with one line before vLLM loads the model.
 
 Importing this package imports nothing of vLLM or torch (control.py, the controller's client of

@@ -33,8 +33,11 @@ from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
-from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload, get_layerwise_info,
-                                                               initialize_layerwise_reload)
+from vllm.model_executor.model_loader.reload.layerwise import (
+    finalize_layerwise_reload,
+    get_layerwise_info,
+    initialize_layerwise_reload,
+)
 from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
 
 # what a module keeps in tables of its own; the rest of its attributes are shared with the shadow

@@ -35,21 +35,29 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 from weightsync.job import INFERENCE
 from weightsync.job.token import same
+from weightsync.model.build import meta_layout
+from weightsync.model.config import config_of, expert_count
 from weightsync.model.flat import torch_dtype, views
 from weightsync.model.quant import VLLM_METHOD, format_of
-from weightsync.plan.sliced import LocalLayout, needs_everything, needs_to_json
-from weightsync.runtime.inbound import receive_rounds
-from weightsync.model.build import meta_layout
-from weightsync.runtime.faults import dump, dumping, pause_point
-from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
+from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_json
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
+from weightsync.runtime.faults import dump, dumping, pause_point
+from weightsync.runtime.inbound import receive_rounds
+from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.control import Session
-from weightsync.model.config import config_of, expert_count
-from weightsync.vllm_backend.shards import (UnsupportedLayer, check_experts, cpu_packed, pack_experts, presharded,
-                                            split_experts, worker_needs, worker_parts)
-from weightsync.vllm_backend.join import joining, place_of
+from weightsync.vllm_backend.place import joining, place_of
+from weightsync.vllm_backend.shards import (
+    UnsupportedLayer,
+    check_experts,
+    cpu_packed,
+    pack_experts,
+    presharded,
+    split_experts,
+    worker_needs,
+    worker_parts,
+)
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
 
@@ -72,7 +80,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if joining() is not None:  # a server the user started joins as vLLM constructs it (join.py)
+        if joining() is not None:  # a server the user started joins as vLLM constructs it (place.py)
             self.init_transfer_engine(WeightsyncInitInfo())
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:

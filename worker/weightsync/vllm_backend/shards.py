@@ -55,13 +55,18 @@ import torch
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
-                                               QKVParallelLinear, RowParallelLinear)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from weightsync.model.flat import FlatLayout
-from weightsync.plan.slices import Box, RankSlices, Slice
+from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.vllm_backend import TESTED_VLLM
 
 QKV_SHARDS = ("q", "k", "v")

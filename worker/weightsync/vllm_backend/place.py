@@ -6,7 +6,7 @@ process gave it. A worker of a server the user started (spec.inference.external)
 variables instead (job/join.py) and WEIGHTSYNC_VLLM_SERVER, the server's URL as the controller
 reaches it (vLLM's configuration holds no address of its HTTP server, so nothing can stand in for
 it). It joins when vLLM constructs the engine, once the model is loaded: it reads the job from the
-controller's store (rendezvous/join.py), checks the layout of the model it serves (Hugging Face
+controller's store (rendezvous/external_rank.py), checks the layout of the model it serves (Hugging Face
 names, shapes, dtype) against spec.model, claims its rank with that layout (rendezvous/claims.py:
 the controller refuses another model than the trainers', the same server twice, a full job), and
 is then admitted as a pod's worker is. Nobody calls the server's init route for it, and every
@@ -29,7 +29,7 @@ from weightsync.job.join import Join
 from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
-from weightsync.rendezvous.join import JoinError, joined_context
+from weightsync.rendezvous.external_rank import JoinError, joined_context
 from weightsync.rendezvous.protocol import Channel, Keys, ProofError
 from weightsync.vllm_backend import joining
 

@@ -4,8 +4,8 @@ flat buffer."""
 import pytest
 import torch
 
-from weightsync.model import build as model
 from weightsync.job import Model, SpecError
+from weightsync.model import build as model
 from weightsync.model.flat import views
 
 CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,

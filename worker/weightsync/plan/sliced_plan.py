@@ -32,11 +32,11 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 from weightsync.model.flat import ALIGN, ITEMSIZE, FlatLayout
+from weightsync.plan.boxes import Box, GlobalTensor, RankSlices, Slice, Slicing
 from weightsync.plan.holders import Holdings, rows_of
 from weightsync.plan.interface import TransferPlan
 from weightsync.plan.pieces import PieceAssignment, assign_pieces
 from weightsync.plan.segments import Plan, size_text
-from weightsync.plan.slices import Box, GlobalTensor, RankSlices, Slice, Slicing
 
 
 def global_tensors(layout: FlatLayout) -> tuple[GlobalTensor, ...]:

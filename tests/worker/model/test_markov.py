@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from weightsync.job import Model
-from weightsync.model import markov as data, build as model
+from weightsync.model import build as model
+from weightsync.model import markov as data
 
 
 def test_batches_are_walks_on_the_chain_and_reproducible():

@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from support.cli import in_process as weightsync
 
+from weightsync.plan.boxes import Box, GlobalTensor, Slicing, chunk_bounds, join
 from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
 from weightsync.plan.linktime import greedy_order, simulate
 from weightsync.plan.pieces import assign_pieces, check_assignment
-from weightsync.plan.slices import Box, GlobalTensor, Slicing, chunk_bounds, join
-from weightsync.plan.tp import check_heads, tp_boxes, tp_needs
-
-from support.cli import in_process as weightsync
+from weightsync.plan.tp_needs import check_heads, tp_boxes, tp_needs
 
 LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=130, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
@@ -235,7 +234,7 @@ def test_the_plan_from_what_ranks_publish_equals_the_plan_from_the_layouts():
 def test_holdings_that_miss_or_overlap_are_refused_with_the_tensor_named():
     t = [GlobalTensor("w", (8, 4), "float32")]
     needs = tp_needs(t, {}, 1)
-    from weightsync.plan.slices import RankSlices, Slice
+    from weightsync.plan.boxes import RankSlices, Slice
 
     gap = Slicing.from_ranks(t, [RankSlices(0, (Slice("w", Box((0, 0), (3, 4))),)),
                                  RankSlices(1, (Slice("w", Box((4, 0), (8, 4))),))], 2)

@@ -3,12 +3,12 @@ weights, more trainers than tensors, JSON, and the table `weightsync plan` print
 
 import pytest
 
-from weightsync import job as contract
+from weightsync.job import API_VERSION, KIND, load_job
 from weightsync.model.flat import ALIGN, FlatLayout
 from weightsync.plan.holders import Holdings, plan_by_holder
 from weightsync.plan.interface import TransferBucket, TransferPlan
 from weightsync.plan.segments import Plan, make_plan
-from weightsync.plan.sliced import SlicedPlan, needs_everything
+from weightsync.plan.sliced_plan import SlicedPlan, needs_everything
 
 
 def layout(shapes, dtype="float32"):
@@ -133,7 +133,7 @@ def test_table_shows_every_trainer_and_the_balance():
 def test_job_plan_uses_the_jobs_ranks_dtype_and_bucket_size():
     from weightsync.cli import job_plan
 
-    job = contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "p"},
+    job = load_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "p"},
                              "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64,
                                                            "n_head": 2, "vocab_size": 500}, "dtype": "bfloat16"},
                                       "trainer": {"replicas": 2, "procsPerPod": 2},

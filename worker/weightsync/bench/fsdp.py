@@ -29,9 +29,10 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+
 import weightsync
 from weightsync.bench.chart import fsdp_chart
-from weightsync.bench.rank import proc_status, reset_peak_rss
+from weightsync.bench.rank_process import proc_status, reset_peak_rss
 from weightsync.job import API_VERSION, KIND, WorkerContext, load_job
 from weightsync.local.runner import LocalJob
 from weightsync.model.build import build
@@ -54,7 +55,7 @@ def bench_job(wrap: str, dtype: str, trainers: int, inferences: int, versions: i
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": f"bench-{wrap}"},
         "spec": {"model": {"config": MODEL, "dtype": dtype},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0,
-                             "command": [sys.executable, "-m", "weightsync.bench.shards", wrap, str(versions), str(out)],
+                             "command": [sys.executable, "-m", "weightsync.bench.fsdp", wrap, str(versions), str(out)],
                              "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
                  "inference": {"replicas": inferences, "gpusPerProc": 0},
                  "transfer": {"transport": "tcp", "bucketMB": bucket_mb, "timeoutSeconds": 300},

@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from weightsync.model.config import expert_count
 from weightsync.model.flat import FlatLayout, torch_dtype
-from weightsync.plan.sliced import LocalLayout, global_tensors
-from weightsync.plan.slices import RankSlices
-from weightsync.plan.tp import check_heads, tp_needs
+from weightsync.plan.boxes import RankSlices
+from weightsync.plan.sliced_plan import LocalLayout, global_tensors
+from weightsync.plan.tp_needs import check_heads, tp_needs
 
 
 def tp_plan_of(model) -> dict:

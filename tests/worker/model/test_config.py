@@ -2,8 +2,8 @@
 checkpoint directories that are not one are refused on one line; sizes are checked after defaults."""
 import pytest
 
-from weightsync.model import build as model
 from weightsync.job import Model, SpecError
+from weightsync.model import build as model
 from weightsync.model.config import config_of, known_keys
 
 GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 16}

@@ -3,25 +3,24 @@ for jobs whose trainers hold FSDP2 shards and whose inference replicas mix tenso
 import pytest
 import torch
 import yaml
+from support.cli import in_process as weightsync
 
-from weightsync import job as contract
 from weightsync.cli import job_plan
+from weightsync.job import API_VERSION, KIND, Job, load_job
 from weightsync.model.flat import FlatLayout
+from weightsync.plan.holders import Holdings
 from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
 from weightsync.plan.segments import Plan
-from weightsync.plan.holders import Holdings
-from weightsync.plan.sliced import SlicedPlan, needs_everything
+from weightsync.plan.sliced_plan import SlicedPlan, needs_everything
 from weightsync.transport import capabilities_of
-
-from support.cli import in_process as weightsync
 
 # vocab 1001 and intermediate 700 do not split evenly over 4 trainer ranks or 2 TP ranks
 CONFIG = {"model_type": "llama", "vocab_size": 1001, "hidden_size": 256, "intermediate_size": 700,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def job(inference: dict) -> contract.Job:
-    return contract.load_job({"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "tp"},
+def job(inference: dict) -> Job:
+    return load_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "tp"},
                               "spec": {"model": {"config": CONFIG, "dtype": "bfloat16"},
                                        "trainer": {"replicas": 2, "procsPerPod": 2},
                                        "inference": inference, "transfer": {"bucketMB": 1}}})
@@ -84,7 +83,7 @@ def test_a_job_of_mixed_tensor_parallel_degrees_is_planned_over_slices():
 
 def test_plan_prints_every_sender_and_receiver_of_a_tensor_parallel_job(tmp_path):
     path = tmp_path / "tp.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "tp"},
+    path.write_text(yaml.safe_dump({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "tp"},
                                     "spec": {"model": {"config": CONFIG, "dtype": "bfloat16"},
                                              "trainer": {"replicas": 2, "procsPerPod": 2},
                                              "inference": {"replicas": 3, "tensorParallelSizes": [2, 1]}}}))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
-from weightsync.plan.slices import GlobalTensor, Placement, Slicing, dim_chunks, strided_chunks
+from weightsync.plan.boxes import GlobalTensor, Placement, Slicing, dim_chunks, strided_chunks
 
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output"}
 ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input"}

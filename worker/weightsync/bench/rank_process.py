@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+
 from weightsync.bench.netns import enter
 from weightsync.bench.trained import TrainedVersions
 from weightsync.model.flat import FlatLayout, fill_range, views
