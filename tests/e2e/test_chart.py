@@ -45,6 +45,24 @@ def test_an_install_without_watched_namespaces_is_refused_with_what_to_fix(helm,
     assert proc.returncode != 0 and "watchNamespaces must list the namespaces" in proc.stderr
 
 
+def test_a_cluster_without_admission_policies_is_refused_unless_the_user_opts_out(helm):
+    """Kubernetes 1.27-1.29 serve no ValidatingAdmissionPolicy v1: the chart refuses to install
+    there, saying what to do, and installs without the policies only when told to, saying so."""
+    proc = helm("template", "x", str(CHART), "--kube-version", "1.29.4", check=False)
+    assert proc.returncode != 0 and "serves no ValidatingAdmissionPolicy" in proc.stderr, proc.stderr
+    assert "set admissionPolicy.create=false" in proc.stderr
+    # The cluster's own answer (what helm install asks) counts over the version.
+    served = helm("template", "x", str(CHART), "--kube-version", "1.29.4", "--api-versions",
+                  "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy").stdout
+    assert "kind: ValidatingAdmissionPolicyBinding" in served
+    proc = helm("template", "x", str(CHART), "--kube-version", "1.29.4", "--set", "admissionPolicy.create=false")
+    assert "ValidatingAdmissionPolicy" not in proc.stdout
+    # What the install then says (helm prints the NOTES; a server-side dry run renders them).
+    notes = " ".join(helm("install", "x", str(CHART), "--dry-run=server", "--namespace", "default",
+                          "--set", "admissionPolicy.create=false").stdout.split())
+    assert "NOT ENFORCED (admissionPolicy.create=false)" in notes and "the host network" in notes, notes
+
+
 def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster):
     release_ns = new_namespace(cluster, "ops")
     watched = [new_namespace(cluster, "jobs"), new_namespace(cluster, "jobs")]
@@ -58,7 +76,7 @@ def test_the_rendered_chart_passes_a_server_side_dry_run(helm, cluster):
         assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "Secret", "Deployment",
                                 "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
                                 "RoleBinding", "RoleBinding", *["ValidatingAdmissionPolicy",
-                                                                 "ValidatingAdmissionPolicyBinding"] * 2])
+                                                                 "ValidatingAdmissionPolicyBinding"] * 4])
         # Rights in the watched namespaces only: one RoleBinding of the jobs' ClusterRole in each.
         bindings = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["kind"] == "ClusterRole"]
         assert sorted(b["metadata"]["namespace"] for b in bindings) == sorted(watched)

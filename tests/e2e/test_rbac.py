@@ -14,10 +14,12 @@ import pytest
 import yaml
 from controlplane import wait_for
 from e2e_harness import install, leftovers, new_namespace
+from support.kueue_harness import Kueue
 from support.operator_harness import Namespace, Operator  # noqa: E402
 
-from weightsync.job import GROUP, LABEL_JOB, PLURAL  # noqa: E402
-from weightsync_operator import tokens  # noqa: E402
+from weightsync.job import API_VERSION, CONTROLLER, GROUP, KIND, LABEL_JOB, PLURAL, TRAINER  # noqa: E402
+from weightsync_operator import queueing, render, tokens  # noqa: E402
+from weightsync_operator.reconcile import load  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -140,6 +142,8 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         assert refused(as_operator("patch", "configmap", "unrelated", "-n", watched, "--type=merge", "-p",
                                    '{"data":{"a":"c"}}'), "ValidatingAdmissionPolicy", "children of a WeightTransferJob")
 
+        the_policy_follows_each_jobs_spec(cluster, as_operator, watched, tmp_path)
+
         # With exactly these rights, as the chart's pod runs it, the operator runs a job and puts
         # back a deleted Secret with the job's token; a job outside its namespaces is not its business.
         config = yaml.safe_load(Path(cluster.kubeconfig).read_text())
@@ -189,3 +193,108 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
     finally:
         helm("uninstall", release, "--namespace", release_ns, "--ignore-not-found", check=False)
         cluster.delete_namespaces(release_ns, watched, other)
+
+
+def the_policy_follows_each_jobs_spec(cluster, as_operator, namespace: str, tmp_path: Path) -> None:
+    """What the operator may write for a job depends on that job's spec, which it cannot change:
+    the host network only for a job that asks, root and IPC_LOCK only for RDMA, no capability
+    beyond, Services on no node's or outside address, the Workload in the job's own queue. Each
+    write is a server-side dry run as the operator, of the objects the operator itself renders."""
+    Kueue(cluster, tmp_path / "kueue").install_crds()  # the Workload's kind, served (Kueue itself need not run)
+    jobs = Namespace(cluster, namespace)
+    rdma = {"trainer": {"replicas": 1}, "network": {"mode": "rdma"}}
+    jobs.apply_job("plain", rdma, labels={queueing.QUEUE_LABEL: "lq"})
+    jobs.apply_job("hostnet", {**rdma, "network": {"mode": "rdma", "rdma": {"hostNetwork": True}}})
+    jobs.apply_job("sockets", {"trainer": {"replicas": 1}, "network": {"mode": "tcp"}})
+    owned = {}
+    for name in ("plain", "hostnet", "sockets"):
+        stored = jobs.job(name)
+        job = load(stored)
+        owner = {"apiVersion": API_VERSION, "kind": KIND, "name": name,
+                 "uid": stored["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+        owned[name] = job, owner
+
+    def rendered(name: str, mode: str, kind: str = "StatefulSet") -> dict:
+        job, owner = owned[name]
+        (obj,) = [o for o in render.children(job, mode, "t" * 32) if o["kind"] == kind
+                  and o["metadata"]["name"] in (job.child_name(TRAINER), job.service_name)]
+        obj["metadata"]["ownerReferences"] = [owner]
+        return obj
+
+    def write(obj: dict):
+        return as_operator("create", "--dry-run=server", "-f", "-", input=json.dumps(obj))
+
+    def pod(obj: dict) -> dict:
+        return obj["spec"]["template"]["spec"]
+
+    # The job that asked: its trainers on the host network, root with IPC_LOCK and nothing more.
+    asked = rendered("hostnet", "rdma")
+    assert pod(asked)["hostNetwork"] is True
+    assert pod(asked)["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    accepted = write(asked)
+    assert accepted.returncode == 0, accepted.stderr
+    raw = json.loads(json.dumps(asked))
+    pod(raw)["containers"][0]["securityContext"]["capabilities"]["add"].append("NET_RAW")
+    assert refused(write(raw), "ValidatingAdmissionPolicy", "drop ALL capabilities and add none but IPC_LOCK")
+    # The runtime's default capabilities (NET_RAW among them), root, on the host network: refused
+    # even for the job that asked.
+    default_caps = json.loads(json.dumps(asked))
+    del pod(default_caps)["containers"][0]["securityContext"]["capabilities"]
+    assert refused(write(default_caps), "ValidatingAdmissionPolicy", "drop ALL capabilities")
+    # A job that did not ask gets no host network, and no host port off it.
+    sneaked = rendered("plain", "rdma")
+    assert write(sneaked).returncode == 0
+    pod(sneaked).update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
+    assert refused(write(sneaked), "ValidatingAdmissionPolicy", "use the host network only for a job whose spec asks")
+    ported = rendered("plain", "rdma")
+    pod(ported)["containers"][0]["ports"][0]["hostPort"] = 2222
+    assert refused(write(ported), "ValidatingAdmissionPolicy", "open a host port only on the host network")
+    # Nor does a tcp job's pod run as root or add a capability.
+    tcp = rendered("sockets", "tcp")
+    assert write(tcp).returncode == 0
+    root = rendered("sockets", "rdma")  # what an rdma render gives: root with IPC_LOCK
+    assert refused(write(root), "ValidatingAdmissionPolicy", "of a tcp job run as non-root")
+    # The owner is the job its label names, by uid.
+    stolen = rendered("hostnet", "rdma")
+    stolen["metadata"]["ownerReferences"][0]["uid"] = owned["plain"][1]["uid"]
+    assert refused(write(stolen), "ValidatingAdmissionPolicy", "owned by that very job")
+
+    # Services: ClusterIP only, on no outside address or node port.
+    service = rendered("plain", "rdma", kind="Service")
+    assert write(service).returncode == 0
+    for change in ({"externalIPs": ["203.0.113.7"]}, {"type": "NodePort", "clusterIP": None},
+                   {"type": "LoadBalancer", "clusterIP": None}):
+        exposed = json.loads(json.dumps(service))
+        exposed["spec"].update({k: v for k, v in change.items() if v is not None})
+        if "clusterIP" in change:
+            del exposed["spec"]["clusterIP"]
+        assert refused(write(exposed), "ValidatingAdmissionPolicy", "of type ClusterIP, with no externalIPs"), change
+
+    # The Workload: the job's own name, queue and pod sets, of the shape the job's pods take.
+    job, owner = owned["plain"]
+    templates = {r: render.pod_template(job, r, "rdma") for r in (CONTROLLER, TRAINER)}
+    workload = queueing.workload(job, "lq", templates)
+    workload["metadata"]["ownerReferences"] = [owner]
+    accepted = write(workload)
+    assert accepted.returncode == 0, accepted.stderr
+    elsewhere = json.loads(json.dumps(workload))
+    elsewhere["spec"]["queueName"] = "the-fast-lane"
+    assert refused(write(elsewhere), "ValidatingAdmissionPolicy", "in the LocalQueue and of the priority class")
+    host = json.loads(json.dumps(workload))
+    host["spec"]["podSets"][1]["template"]["spec"]["hostNetwork"] = True
+    assert refused(write(host), "ValidatingAdmissionPolicy", "use the host network only for a job whose spec asks")
+    renamed = json.loads(json.dumps(workload))
+    renamed["metadata"]["name"] = "plain-other"
+    assert refused(write(renamed), "ValidatingAdmissionPolicy", "Workload <job>-wtj")
+
+    # The job itself: annotations yes (kopf's state, the operator's decisions), spec and labels no.
+    def patch(body: dict):
+        return as_operator("patch", PLURAL, "plain", "-n", namespace, "--type=merge", "--dry-run=server",
+                           "-p", json.dumps(body))
+
+    assert patch({"metadata": {"annotations": {"weightsync.io/x": "y"}}}).returncode == 0
+    assert refused(patch({"spec": {"network": {"rdma": {"hostNetwork": True}}}}), "ValidatingAdmissionPolicy",
+                   "changes neither a job's spec nor its labels")
+    assert refused(patch({"metadata": {"labels": {queueing.QUEUE_LABEL: "the-fast-lane"}}}),
+                   "ValidatingAdmissionPolicy", "changes neither a job's spec nor its labels")
+    jobs.kubectl("delete", PLURAL, "plain", "hostnet", "sockets", "--wait=true")

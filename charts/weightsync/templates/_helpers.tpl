@@ -53,3 +53,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - source_labels: [__meta_kubernetes_pod_name]
   target_label: pod
 {{- end -}}
+
+{{/* "true" where the cluster serves ValidatingAdmissionPolicy v1 (Kubernetes 1.30+): helm install
+and upgrade ask the cluster; `helm template` knows it from --api-versions or --kube-version. */}}
+{{- define "weightsync.admissionPolicyServed" -}}
+{{- if or (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) -}}
+true
+{{- end -}}
+{{- end -}}
