@@ -78,6 +78,24 @@ class ExternalServer:
         os.killpg(self.proc.pid, 9)
         self.proc.wait(30)
 
+    def kill_api_server(self) -> None:
+        """Only the server's own process (vLLM's API server) killed, as the kernel's OOM killer or a
+        crash takes one process: its engine core and workers are left to end with it."""
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def all_gone(self) -> bool:
+        """Whether no process of the server's process group runs any more (an orphan that ended is
+        a zombie until whoever adopted it reaps it)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended while we looked
+                continue
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # its process group, and not a zombie
+                return False
+        return True
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)

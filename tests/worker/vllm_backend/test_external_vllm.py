@@ -4,9 +4,10 @@ vLLM's OpenAI-compatible server (its CPU build) itself with the variables of FIL
 weightsync as its weight-transfer backend; nobody calls the server afterwards but the controller.
 
 What is checked: the server's worker joins by itself as vLLM builds it, and every version it serves
-is the trainer's, bit for bit; after the job it goes on serving the last one. Killed in the middle
-of loading a version (its server paused), the version goes on without it; started again under its
-URL, it rejoins and receives the next version in full. With both roles
+is the trainer's, bit for bit; after the job it goes on serving the last one. Its API server process
+alone killed in the middle of loading a version (its server paused), its engine core and worker
+end with it, and the version goes on without it; started again under its URL, it rejoins and
+receives the next version in full. With both roles
 external (the user's torchrun of examples/train_with_weightsync.py as the trainers, `weightsync run`
 runs the controller alone) the last version the server serves is the script's final weights. While
 the job runs,
@@ -138,7 +139,11 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
 
         (pause / "trainer-0-before-ready-v1.release").touch()
         reach(pause, "inference-0-loading-v3", local)  # the server paused for version 3's load
-        server.kill()
+        # only its API server process killed: its engine core and worker, which beat for the rank,
+        # end with it at once, so the controller takes the server for gone (not for a live server
+        # that failed the load, which would fail the job)
+        server.kill_api_server()
+        until("the server's engine core and worker ending with its API server", server.all_gone, 10)
         controller_log = local.pods[0].log
         until("the controller counting the killed server away",
               lambda: "inference rank 0 is away" in controller_log.read_text(errors="replace"), 60)

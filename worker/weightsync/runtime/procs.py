@@ -1,6 +1,6 @@
 """How weightsync stops the processes it starts and says how they ended, in one place: a pod's
 rank processes, the trainer pod's command, the vLLM server, and the local runner's pods (and, in
-them, that no child outlives its parent).
+them, that no child outlives its parent, nor a vLLM server's engine and workers their server).
 
 Every stop is the kubelet's: SIGTERM, then SIGKILL to whatever outlasts its grace, and the
 process reaped. The graces are seconds between the two signals: STOP_GRACE for a process that
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.process import BaseProcess
 
@@ -83,6 +85,26 @@ def exit_status(code: int) -> str:
     if code == -signal.SIGKILL:
         return "was probably out of memory (killed by SIGKILL)"
     return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def die_with(pid: int) -> bool:
+    """This process gets SIGKILL once process `pid` (an ancestor, not necessarily its parent) has
+    ended, from a thread of its own that waits on the process's pidfd: at once, not when a
+    poll comes round. False where the system has no pidfd (Linux before 5.3, other systems)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name=f"weightsync-die-with-{pid}", daemon=True).start()
+    return True
 
 
 def die_with_parent(parent: int) -> None:

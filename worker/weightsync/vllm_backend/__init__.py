@@ -10,22 +10,33 @@ what to do, not left to fail at the first update.
 A server the user started joins a job by itself (place.py): register() checks its join variables
 first, so that one that cannot join is refused with one line before vLLM loads the model.
 
+A server's engine core and workers end with its API server (follow_server): the controller takes
+a server that stopped answering for gone only once its workers' heartbeats stop, and workers that
+outlived their server would beat on for seconds with nothing left to load through.
+
 Importing this package imports nothing of vLLM or torch (control.py, the controller's client of
 the servers' control routes, is plain HTTP).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 
 from weightsync.job import SpecError
 from weightsync.job.join import Join, JoinEnv
+from weightsync.runtime.procs import die_with
 
 BACKEND = "weightsync"
 TESTED_VLLM = "0.32.0"  # the release the tests run against
 # What engine.py implements and calls; a vLLM that lacks any is not one this backend works with.
 NEEDED = ("init_transfer_engine", "start_weight_update", "receive_weights", "finish_weight_update", "shutdown",
           "parse_update_info")
+
+
+SERVER_PID = "WEIGHTSYNC_VLLM_SERVER_PID"  # set by follow_server in the API server, read in its engine and workers
+_following = 0  # the pid of the process whose thread follows the server (a forked child has another)
 
 
 class IncompatibleVllm(RuntimeError):
@@ -70,6 +81,25 @@ def joining(environ=os.environ) -> tuple[Join, str] | None:
     return join, url.rstrip("/")
 
 
+def follow_server(environ=os.environ) -> None:
+    """In vLLM's API server (the process that runs the server: no multiprocessing parent), note
+    its pid in the environment its engine core and workers inherit; in those (vLLM starts them with
+    multiprocessing), end this process with SIGKILL as soon as that server process has ended
+    (runtime/procs.die_with). Called where vLLM loads the plugin and where it builds the engine (a
+    forked worker loads no plugin), once per process."""
+    global _following
+    if multiprocessing.parent_process() is None:
+        environ[SERVER_PID] = str(os.getpid())
+        return
+    pid = int(environ.get(SERVER_PID) or 0)
+    if not pid or _following == os.getpid():
+        return
+    _following = os.getpid()
+    if not die_with(pid):
+        print(f"weightsync: this system cannot watch vLLM's API server (pid {pid}, no pidfd): where it dies "
+              "alone, this process outlives it", file=sys.stderr, flush=True)
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point."""
     check_vllm()
@@ -77,6 +107,7 @@ def register() -> None:
         joining()
     except SpecError as e:  # the server's start ends here, with the line alone
         raise SystemExit(f"weightsync: {'; '.join(e.problems)}") from None
+    follow_server()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM runs plugins once per process; be safe

@@ -45,6 +45,7 @@ from weightsync.runtime.faults import dump, dumping, pause_point
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
+from weightsync.vllm_backend import follow_server
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.control import Session
 from weightsync.vllm_backend.place import joining, place_of
@@ -80,6 +81,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        follow_server()  # this worker, which beats for its rank, ends with its server
         if joining() is not None:  # a server the user started joins as vLLM constructs it (place.py)
             self.init_transfer_engine(WeightsyncInitInfo())
 
