@@ -21,8 +21,10 @@ import torch
 
 from support.jobs import assert_nothing_left
 from weightsync.job import API_VERSION, KIND, Env, load_job
+from weightsync.job.token import read_token
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
@@ -121,9 +123,16 @@ class VllmRun:
     def log(self, ordinal: int) -> str:
         return self.local.pods[ordinal].log.read_text(errors="replace")
 
+    @property
+    def key(self) -> str:
+        """The job's control key: what its servers' control routes ask of a caller."""
+        return control_key(read_token(self.local.token_file), self.job.identity)
 
-def post(server: str, route: str, body: dict, timeout: float = 120.0) -> dict:
-    request = urllib.request.Request(server + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+def post(server: str, route: str, body: dict, timeout: float = 120.0, key: str | None = None) -> dict:
+    """`key`: the job's control key, which a job's server asks of its control routes (VllmRun.key)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(server + route, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -151,9 +160,11 @@ def generate(server: str, job_name: str, tokens: int = 8) -> dict:
     return got["choices"][0]
 
 
-def checker(server: str, action: str, baseline: dict | None = None) -> dict:
-    """vLLM's weight checker (VLLM_SERVER_DEV_MODE): checksum, reset or compare every worker's parameters."""
-    return post(server, "/weight_checker", {"action": action, **({"baseline": baseline} if baseline else {})})
+def checker(server: str, action: str, baseline: dict | None = None, key: str | None = None) -> dict:
+    """vLLM's weight checker (VLLM_SERVER_DEV_MODE): checksum, reset or compare every worker's
+    parameters; a job's server answers it only with the job's control key."""
+    return post(server, "/weight_checker", {"action": action, **({"baseline": baseline} if baseline else {})},
+                key=key)
 
 
 def free_port() -> int:
@@ -264,7 +275,8 @@ class PlainServer:
         from weightsync.roles.vllm_server import server_command, server_env
 
         cmd = server_command(python, Model(path=str(checkpoint), dtype=dtype), "plain", tuple(SERVER_ARGS),
-                             "127.0.0.1", port, tensor_parallel=tp, cpu=True, expert_parallel=expert_parallel)
+                             "127.0.0.1", port, tensor_parallel=tp, cpu=True, expert_parallel=expert_parallel,
+                             guarded=False)
         cmd = [a for a in cmd if a != "--weight-transfer-config" and not a.startswith('{"backend"')]
         env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1"}
         self.url = f"http://127.0.0.1:{port}"

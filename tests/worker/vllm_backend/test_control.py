@@ -2,7 +2,8 @@
 in the test that answers as vLLM's routes do and writes down what it was asked: the calls of one
 update in their order, the per-call timings it returns, a server resumed when the load fails, and
 the slowest server's timings over several, and an update into a session its workers kept open from
-the version before (no start, and the label set without closing it). No vLLM here: the tests in test_vllm_engine.py drive
+the version before (no start, and the label set without closing it), the job's control key on
+every call, and a server whose control routes answer anyone. No vLLM here: the tests in test_vllm_engine.py drive
 real servers."""
 
 from __future__ import annotations
@@ -20,15 +21,24 @@ class Routes:
     """An HTTP server on a free port: every request's path and body, in order; `failing` answers
     500; `dropping` closes the connection without an answer, as a server killed mid-call does."""
 
-    def __init__(self, failing: str | None = None, dropping: str | None = None):
+    def __init__(self, failing: str | None = None, dropping: str | None = None, guarded: str | None = None):
         self.calls: list[tuple[str, dict | None]] = []
+        self.keys: list[str | None] = []  # each call's Authorization header
         routes = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - a control route that changes nothing, as guard.py answers it
+                ok = guarded is None or self.headers.get("Authorization") == f"Bearer {guarded}"
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
             def do_POST(self):  # noqa: N802 - http.server's name
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 routes.calls.append((self.path, body))
+                routes.keys.append(self.headers.get("Authorization"))
                 if dropping and self.path.startswith(dropping):
                     self.close_connection = True
                     return
@@ -55,8 +65,8 @@ class Routes:
 def routes():
     made = []
 
-    def make(failing: str | None = None, dropping: str | None = None) -> Routes:
-        made.append(Routes(failing, dropping))
+    def make(failing: str | None = None, dropping: str | None = None, guarded: str | None = None) -> Routes:
+        made.append(Routes(failing, dropping, guarded))
         return made[-1]
 
     yield make
@@ -148,3 +158,17 @@ def test_the_slowest_takes_each_calls_longest_over_the_servers_that_made_it():
     assert UpdateTimes.slowest([b]).to_json() == {"pause": 0.3, "update": 0.2, "version": 0.01, "resume": 0.004,
                                                   "stall": 0.3}
     assert UpdateTimes.slowest([]) == UpdateTimes(0.0, None, 0.0, None, None, 0.0, 0.0)
+
+
+def test_every_call_carries_the_jobs_control_key_and_a_server_open_to_clients_is_told(routes):
+    server = routes()
+    Server(server.url, key="k3y").update(3, "proof", 30)
+    assert server.keys and set(server.keys) == {"Bearer k3y"}, server.keys
+    # a server the user started without weightsync's middleware answers a control route to anyone;
+    # the probe asks without the key, whoever asks
+    assert Server(server.url, key="k3y").open_to_clients()
+    assert not Server(routes(guarded="k3y").url, key="k3y").open_to_clients()
+    gone = routes()
+    gone.close()
+    with pytest.raises(Unreachable):
+        Server(gone.url).open_to_clients()

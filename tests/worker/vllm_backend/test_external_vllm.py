@@ -49,7 +49,9 @@ from support.jobs import as_bytes
 from support.waits import until
 
 from weightsync.job import API_VERSION, KIND, TORCHRUN_VARS, Model, load_job
+from weightsync.job.join import JoinEnv
 from weightsync.local.runner import LocalJob
+from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 
 pytestmark = pytest.mark.slow  # whole jobs and vLLM servers as processes: not in `make unit`
@@ -105,10 +107,13 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         servers.append(server)
         reach(pause, "trainer-0-before-ready-v1", local)
         server.serving(0)
-        request = urllib.request.Request(server.url + "/init_weight_transfer_engine", b'{"init_info": {}}',
-                                         {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError):  # there is nothing to call: it joined as vLLM built it
-            urllib.request.urlopen(request, timeout=60)
+        key = control_key(join[JoinEnv.TOKEN].encode(), join[JoinEnv.JOB_ID])
+        for bearer in (None, key):  # a client is refused; the job's key reaches the worker, which has nothing to do
+            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {bearer}"} if bearer else {})}
+            request = urllib.request.Request(server.url + "/init_weight_transfer_engine", b'{"init_info": {}}', headers)
+            with pytest.raises(urllib.error.HTTPError) as answered:  # it joined as vLLM built it
+                urllib.request.urlopen(request, timeout=60)
+            assert (answered.value.code == 401) == (bearer is None), answered.value.code
         assert "joined job default/ext-vllm when its server started: there is nothing to initialize" in server.text()
 
         refused = {

@@ -7,7 +7,9 @@ servers serve; the others in the pause): after every version the parameters vLLM
 read in its worker (fused qkv_proj and gate_up_proj included, read back through the CPU build's
 repacked GEMM kernels where it leaves the parameter empty), equal the trainer's weights bit for
 bit; a greedy completion through the OpenAI API changes with the version, and vLLM's generate
-route names the version of every token; a version loaded ahead is not served before its pause; a
+route names the version of every token; a client, which has no control key, is refused every
+control route (relabel, reset, pause, collective_rpc) and the server serves on what it did, while
+the controller's own calls load every version; a version loaded ahead is not served before its pause; a
 request in flight while a version is loaded completes on one version, and no request after a
 load uses KV blocks cached before it; delta versions arrive bit for bit, and
 vLLM's own weight checker sees a reset restored by the next delta version; a version whose
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import pytest
@@ -35,8 +38,10 @@ from support.vllm import (
     free_port,
     fused,
     generate,
+    post,
     save_checkpoint,
     vllm_job,
+    weight_version,
 )
 from support.vllm import vllm_python as find_vllm_python
 from support.waits import until
@@ -72,6 +77,8 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                 seen.setdefault(version, []).append(tokens)
             if version == 1:
                 check_metrics(run, serving=1)
+                for server, tokens in zip(run.servers, seen[1]):
+                    check_strangers_refused(server, job.name, tokens, version=1)
             if version == 1:  # server 0 caches the long prompt's blocks on version 1
                 completion(run.servers[0], job.name, LONG_PROMPT)
             else:  # a load clears them: server 0 answers on version 2 as server 1, which never saw the prompt
@@ -114,6 +121,20 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
     assert seen[1][0] != seen[2][0], "the greedy completion did not change with the version"
 
 
+def check_strangers_refused(server: str, job_name: str, tokens: list[int], version: int) -> None:
+    """A client of the server, which has no control key, cannot relabel the version it serves,
+    zero its weights or pause it: each call is refused, and the server serves on what it did."""
+    for route, body in (("/update_weight_version", {"new_version": "999"}), ("/weight_checker", {"action": "reset"}),
+                        ("/pause", {}), ("/collective_rpc", {"method": "reload_weights"})):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(server, route, body, timeout=60)
+        assert refused.value.code == 401, f"{route} answered {refused.value.code} to a client"
+        assert "answered only to job default/vllm-job's controller" in refused.value.read().decode(), route
+    assert weight_version(server) == str(version)
+    choice = generate(server, job_name)
+    assert choice["token_ids"] == tokens and choice["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
+
+
 def metrics_of(url: str) -> dict[tuple[str, str], float]:
     """{(sample name, its rank label or ""): value} of one scrape of a pod's /metrics."""
     with urllib.request.urlopen(url, timeout=30) as response:
@@ -147,13 +168,13 @@ def test_delta_versions_are_loaded_into_vllm_bit_for_bit(tmp_path, vllm_python):
         run.reach("trainer-0-before-go-v2")
         server = run.servers[0]
         run.serving(server, 1)
-        held = checker(server, "checksum")["checksums"]
-        checker(server, "reset")
-        zeroed = checker(server, "checksum")["checksums"]
+        held = checker(server, "checksum", key=run.key)["checksums"]
+        checker(server, "reset", key=run.key)
+        zeroed = checker(server, "checksum", key=run.key)["checksums"]
         run.release("trainer-0-before-go-v2")
         run.reach("trainer-0-before-go-v3")
         run.serving(server, 2)
-        loaded = checker(server, "checksum")["checksums"]
+        loaded = checker(server, "checksum", key=run.key)["checksums"]
         run.release("trainer-0-before-go-v3")
         end = run.finish()
         v1, v2 = (torch.load(run.dump / f"trainer-0-v{v}.pt")["tensors"] for v in (1, 2))

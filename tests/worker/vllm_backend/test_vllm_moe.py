@@ -88,7 +88,7 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
         run.reach(PAUSE)
         server = run.servers[0]
         run.serving(server, 1)
-        served = checker(server, "checksum")["checksums"]
+        served = checker(server, "checksum", key=run.key)["checksums"]
         if not expert_parallel:
             out.tokens = completion(server, job.name)
         run.release(PAUSE)

@@ -81,14 +81,14 @@ def tp_run(tmp_path_factory) -> TpRun:
     try:
         run.reach("trainer-0-before-go-v2")  # version 1 is served; the trainers hold version 2 back
         out.tokens[1] = [completion(s, job.name) for s in served(run, 1)]
-        out.held = {s: checker(s, "checksum")["checksums"] for s in run.servers}
+        out.held = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
         for s in run.servers:
-            assert checker(s, "reset") == {"status": "reset"}
-        out.reset = {s: checker(s, "checksum")["checksums"] for s in run.servers}
+            assert checker(s, "reset", key=run.key) == {"status": "reset"}
+        out.reset = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
         run.release("trainer-0-before-go-v2")
         run.reach("trainer-0-before-go-v3")  # version 2 is served
         out.tokens[2] = [completion(s, job.name) for s in served(run, 2)]
-        out.loaded = {s: checker(s, "checksum")["checksums"] for s in run.servers}
+        out.loaded = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
         run.release("trainer-0-before-go-v3")
         out.end = run.finish()
         # plain vLLM servers of both sizes on version 2, saved as a checkpoint

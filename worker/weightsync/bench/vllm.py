@@ -128,7 +128,8 @@ def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> 
         logs = [open(Path(folder) / f"server-{i}.log", "w") for i in range(servers)]  # noqa: SIM115 - closed below
         # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
         args = (*SERVER_ARGS, "--skip-tokenizer-init")
-        procs = [subprocess.Popen(server_command(python, Model(path=str(first), dtype="bfloat16"), "bench", args, "127.0.0.1", p),
+        procs = [subprocess.Popen(server_command(python, Model(path=str(first), dtype="bfloat16"), "bench", args, "127.0.0.1", p,
+                                                 guarded=False),
                                   env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"},
                                   stdout=log, stderr=subprocess.STDOUT) for p, log in zip(ports, logs)]
         urls = [Server(f"http://127.0.0.1:{p}") for p in ports]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from weightsync.job import INFERENCE, TRAINER, Job, external_roles, join_env
+from weightsync.vllm_backend.guard import MIDDLEWARE
 
 STORE_WAIT = 300.0  # seconds for the controller's store to accept connections
 POLL = 0.2  # seconds between two looks at the store, and at the controller's log
@@ -66,7 +67,8 @@ def how_to_join(job: Job, path: Path) -> str:
     if INFERENCE in external_roles(job):
         servers = job.layout.world_size(INFERENCE)
         parts.append(f"its {servers} vLLM server(s) with the variables of {path}, WEIGHTSYNC_VLLM_SERVER set to each "
-                     "server's URL and --weight-transfer-config '{\"backend\": \"weightsync\"}'")
+                     "server's URL, --weight-transfer-config '{\"backend\": \"weightsync\"}' and --middleware "
+                     f"{MIDDLEWARE}")
     return (f"job {job.name} waits for you to start {' and '.join(parts)} within "
             f"{job.trainer.attach_timeout_seconds}s (spec.trainer.attachTimeoutSeconds)")
 

@@ -307,9 +307,16 @@ def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
 
 
 def update_proof(token: bytes, job: str, version: int) -> str:
-    """What the controller sends with its request that a vLLM server load `version`: a server's
-    control routes are open to whoever reaches its port, its loads only to the job's controller."""
+    """What the controller sends with its request that a vLLM server load `version`: a load
+    proves the job's token even where a server's control routes were open to its clients."""
     return mac(token, b"vllm-update", job, str(version), lengths=LENGTHS).hex()
+
+
+def control_key(token: bytes, job: str) -> str:
+    """The bearer key of a vLLM server's control routes (vllm_backend/guard.py): the controller
+    and the pod's own process send it, a server of the job compares it; a key, not the token,
+    so that what crosses the wire opens those routes and nothing else."""
+    return mac(token, b"vllm-control", job, lengths=LENGTHS).hex()
 
 
 class Member(Channel):

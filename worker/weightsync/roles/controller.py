@@ -37,7 +37,7 @@ from weightsync.plan.sliced_plan import needs_from_json
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.join_phase import TrainersRestart
 from weightsync.rendezvous.messages import Admission, RankInfo, Round, SentReport
-from weightsync.rendezvous.protocol import HEARTBEAT, Keys, update_proof, who
+from weightsync.rendezvous.protocol import HEARTBEAT, Keys, control_key, update_proof, who
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Deadline, Host
 from weightsync.rendezvous.store.table import StoreError
@@ -51,6 +51,7 @@ from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests, reference_for
 from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
+from weightsync.vllm_backend.guard import MIDDLEWARE
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 # a trainer's: its silence fails the job (an inference rank's only makes it away until it rejoins),
@@ -294,6 +295,7 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
     staging = time.monotonic() - began
     pause_point(CONTROLLER, 0, "staged", rnd.version)
     proof = update_proof(ctx.token, ctx.job.identity, rnd.version)
+    key = control_key(ctx.token, ctx.job.identity)
     seats = {r: host.seats[r] for r in staged}
     # one update per server: a tensor-parallel server's workers are several ranks, and vLLM's update
     # has every worker load its own staged version; {server: its ranks}, named by the first
@@ -307,9 +309,12 @@ def _load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float)
 
     def load(rank: int) -> UpdateTimes | Unreachable:
         try:
-            server = Server(seats[rank].info.server)
+            server = Server(seats[rank].info.server, key)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
+                if server.open_to_clients():  # its control routes, which relabel and reset, would be any client's
+                    raise ControlError(f"{server.url} answers its control routes to any client: start it with "
+                                       f"--middleware {MIDDLEWARE} (docs/jobs.md, vLLM)")
             workers = servers[server.url]
             return server.update(rnd.version, proof, timeout, Session.of([staged[r] for r in workers]))
         except Unreachable as e:

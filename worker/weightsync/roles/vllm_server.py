@@ -27,12 +27,13 @@ from typing import Mapping, Sequence
 
 from weightsync.job import INFERENCE, Env, Model, WorkerContext, states
 from weightsync.model.config import served_config
-from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
+from weightsync.rendezvous.protocol import Channel, Keys, connect_store, control_key, who
 from weightsync.runtime import health
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.vllm_backend import BACKEND
 from weightsync.vllm_backend.control import ControlError, Server
+from weightsync.vllm_backend.guard import MIDDLEWARE
 from weightsync.vllm_backend.logs import logging_env
 
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -52,10 +53,10 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
     cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port, tensor_parallel=tp, cpu=cpu,
                          expert_parallel=vllm.expert_parallel)
     env = {**os.environ, **server_env(tp, cpu, os.environ), **logging_env(os.environ),
-           Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes
+           Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes (to the job's key)
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
-    server = Server(url)
+    server = Server(url, control_key(ctx.token, ctx.job.identity))
     channel = None
     try:
         server.wait_up(JOIN_TIMEOUT, alive=lambda: proc.poll() is None)
@@ -81,11 +82,14 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
 
 
 def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int, *,
-                   tensor_parallel: int = 1, cpu: bool = True, expert_parallel: bool = False) -> list[str]:
+                   tensor_parallel: int = 1, cpu: bool = True, expert_parallel: bool = False,
+                   guarded: bool = True) -> list[str]:
     """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM), its
     weights sharded over `tensor_parallel` workers, a mixture of experts's experts by expert
-    (`expert_parallel`) rather than within each. Its module, not the `vllm serve` command, which
-    needs a distribution named vllm (vLLM's CPU build is vllm-cpu)."""
+    (`expert_parallel`) rather than within each, its control routes answered only to the job's
+    controller (`guarded`: vllm_backend/guard.py; a server of no job, as the benchmark's, is not).
+    Its module, not the `vllm serve` command, which needs a distribution named vllm (vLLM's CPU
+    build is vllm-cpu)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
     # refused here, before any server starts, where vLLM would not build a causal LM or cannot split the experts
     config = served_config(model, (tensor_parallel,) if expert_parallel else ())
@@ -103,6 +107,8 @@ def server_command(python: str, model: Model, name: str, args: tuple[str, ...], 
             cmd += ["--distributed-executor-backend", "mp"]
     if expert_parallel:
         cmd += ["--enable-expert-parallel"]
+    if guarded:
+        cmd += ["--middleware", MIDDLEWARE]
     return cmd + ["--dtype", model.dtype, "--host", host, "--port", str(port), "--served-model-name", name,
                   "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
 

@@ -1,9 +1,10 @@
 """Driving a vLLM server's weight update over its HTTP control routes, with a deadline on every call.
 
 vLLM loads weights only between two scheduler steps, through its engine's control routes (served
-when VLLM_SERVER_DEV_MODE=1), inside a weight-update session that start_weight_update opens and
-finish_weight_update closes. weightsync's engine changes nothing at either end (it loads in place,
-the case vLLM's API leaves those two calls empty for), so a server serves on with a session open,
+when VLLM_SERVER_DEV_MODE=1, and by a job's server only to the job's control key: guard.py),
+inside a weight-update session that start_weight_update opens and finish_weight_update closes.
+weightsync's engine changes nothing at either end (it loads in place, the case vLLM's API leaves
+those two calls empty for), so a server serves on with a session open,
 and its workers keep it open from one version to the next: a version then takes one call of its
 workers, the load, as vLLM's own disk reload does. Each of their calls costs more than its answer
 on a busy machine: a vLLM worker busy-polls its message queue for a second after every call it
@@ -32,10 +33,11 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
 RESUME_TIMEOUT = 10.0  # seconds a resume may take at least, even past the update's deadline
+UNGUARDED_PROBE = "/get_world_size"  # a control route that changes nothing (Server.open_to_clients)
 
 
 class ControlError(RuntimeError):
@@ -74,11 +76,16 @@ class Session:
 @dataclass(frozen=True)
 class Server:
     url: str  # http://host:port
+    # the job's control key (rendezvous/protocol.control_key), sent as the bearer of every call: a
+    # job's server answers its control routes to nothing else (guard.py)
+    key: str | None = field(default=None, repr=False)
 
     def call(self, route: str, body: dict | None, timeout: float, method: str = "POST") -> dict:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + route, data=data, method=method,
-                                         headers={"Content-Type": "application/json"} if data is not None else {})
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.key is not None:
+            headers["Authorization"] = f"Bearer {self.key}"
+        request = urllib.request.Request(self.url + route, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 text = response.read().decode()
@@ -112,6 +119,18 @@ class Server:
             if time.monotonic() > deadline:
                 raise Unreachable(f"the vLLM server at {self.url} did not come up within {timeout:.0f}s")
             time.sleep(UP_POLL)
+
+    def open_to_clients(self, timeout: float = 10.0) -> bool:
+        """Whether the server answers a control route to a caller without the job's key (one of
+        the user's started without weightsync's middleware, guard.py), asked of a control route
+        that changes nothing (GET /get_world_size). Unreachable where it does not answer."""
+        try:
+            Server(self.url).call(UNGUARDED_PROBE, None, timeout, method="GET")
+        except Unreachable:
+            raise
+        except ControlError:  # refused (401), or no such route (no VLLM_SERVER_DEV_MODE): closed to clients
+            return False
+        return True
 
     def init_transfer(self, timeout: float) -> None:
         self.call("/init_weight_transfer_engine", {"init_info": {}}, timeout)

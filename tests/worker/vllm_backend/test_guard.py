@@ -1,0 +1,86 @@
+"""The middleware a job's vLLM server runs its requests through (vllm_backend/guard.py), driven as
+vLLM's API server drives it, without vLLM: a client's route passes with no key, a control route
+only with the job's control key (401 without one, 403 with another), and nothing of a refused
+request reaches the server. (Against a real server: test_vllm_engine.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from weightsync.job.join import JoinEnv
+from weightsync.rendezvous.protocol import control_key
+from weightsync.vllm_backend.guard import CLIENT_ROUTES, ControlGuard, job_key
+
+TOKEN = b"t" * 32
+JOB = "default/demo"
+KEY = control_key(TOKEN, JOB)
+JOIN = {JoinEnv.CONTROLLER: "127.0.0.1:29700", JoinEnv.JOB_ID: JOB, JoinEnv.TOKEN: TOKEN.decode()}
+
+
+def ask(guard: ControlGuard, path: str, key: str | None = None, root: str = "", kind: str = "http") -> tuple[dict, bool]:
+    """(what the guard answered, or {} where it passed the request on; whether the server got it)."""
+    reached, sent = [], []
+
+    async def server(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    guard.app = server
+    headers = [(b"content-type", b"application/json")] + ([(b"authorization", f"Bearer {key}".encode())] if key else [])
+    scope = {"type": kind, "method": "POST", "path": root + path, "root_path": root, "headers": headers}
+    asyncio.run(guard(scope, receive, send))
+    if not sent:
+        return {}, bool(reached)
+    if kind == "websocket":
+        return sent[0], bool(reached)
+    return {"status": sent[0]["status"], **json.loads(sent[1]["body"])["error"]}, bool(reached)
+
+
+@pytest.fixture()
+def guard() -> ControlGuard:
+    return ControlGuard(None, JOIN)
+
+
+@pytest.mark.parametrize("path", ["/update_weight_version", "/weight_checker", "/collective_rpc", "/pause", "/resume",
+                                  "/sleep", "/update_weights", "/init_weight_transfer_engine", "/reset_prefix_cache",
+                                  "/scale_elastic_ep", "/v1/load_lora_adapter", "/pause/", "//pause", "/nowhere"])
+def test_a_control_route_answers_only_the_jobs_control_key(guard, path):
+    said, reached = ask(guard, path)
+    assert (said["status"], reached) == (401, False)
+    assert said["message"].startswith(f"POST {path} is a control route of this vLLM server, answered only to job "
+                                      f"{JOB}'s controller, and the request carried no control key")
+    said, reached = ask(guard, path, key=control_key(b"o" * 32, JOB))
+    assert (said["status"], reached) == (403, False)
+    assert "carried a control key that is not this job's" in said["message"]
+    assert ask(guard, path, key=KEY) == ({}, True)
+
+
+@pytest.mark.parametrize("path", sorted(CLIENT_ROUTES) + ["/v1/responses/resp-1", "/v1/responses/resp-1/cancel"])
+def test_clients_keep_their_routes_without_a_key(guard, path):
+    assert ask(guard, path) == ({}, True)
+
+
+def test_the_route_is_the_one_the_server_routes_by(guard):
+    # behind a root path (vLLM's --root-path) the route is what follows it
+    assert ask(guard, "/v1/completions", root="/api") == ({}, True)
+    assert ask(guard, "/pause", root="/api")[0]["status"] == 401
+    assert ask(guard, "/pause", key=KEY, root="/api") == ({}, True)
+    # a websocket to a control route is closed before the server sees it
+    assert ask(guard, "/pause", kind="websocket") == ({"type": "websocket.close", "code": 1008}, False)
+
+
+def test_a_server_of_no_job_answers_its_control_routes_to_no_one():
+    guard = ControlGuard(None, {})
+    said, reached = ask(guard, "/pause", key=KEY)
+    assert (said["status"], reached) == (403, False)
+    assert "answered only to no one (this server belongs to no weightsync job)" in said["message"]
+    assert ask(guard, "/v1/completions") == ({}, True)
+    assert job_key(JOIN) == (JOB, KEY) and job_key({}) is None
