@@ -4,15 +4,16 @@ on loopback with the tests' token, the Members that join it, and what a rank pub
 from __future__ import annotations
 
 from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import Member
 from weightsync.rendezvous.roster import Host
 
 TOKEN = b"0123456789abcdef-job-token"
 
 
-def make_host(layout, job: str, said: list[str], **limits) -> Host:
-    """A controller's Host for `job` whose lines go to `said`."""
-    return Host(0, TOKEN, layout, say=said.append, address="127.0.0.1", job=job, **limits)
+def make_host(layout, job: str, said: list[str], **policy) -> Host:
+    """A controller's Host for `job` whose lines go to `said`; `policy`: its Policy's fields."""
+    return Host(0, TOKEN, layout, Policy(**policy), say=said.append, address="127.0.0.1", job=job)
 
 
 def member(host: Host, role: str, rank: int, job: str) -> Member:

@@ -28,7 +28,7 @@ def test_nothing_to_draw_is_said_in_one_line(tmp_path):
 
 
 def record(number: int, **change) -> str:
-    """A controller's log line with the record of a delivered version (as roles/records.py writes it)."""
+    """A controller's log line with the record of a delivered version (as roles/controller/records.py writes it)."""
     fields = {"event": "transfer", "version": number, "step": number, "bytes": 4_000_000, "wireBytes": 1_000_000,
               "seconds": 0.5 + (number % 7) / 10, "transport": "tcp", "inference_ranks": 2, "stall_seconds": 0.01}
     return f"2026-11-28T10:00:00Z [controller] {json.dumps({**fields, **change})}\n"

@@ -31,7 +31,7 @@ from support.waits import until
 from weightsync import cli
 from weightsync.job import API_VERSION, KIND, TORCHRUN_VARS, JoinEnv, load_job
 from weightsync.local.runner import LocalJob, RunFailed
-from weightsync.roles.controller import TRAINER_SILENT_LIMIT
+from weightsync.roles.controller.driver import TRAINER_SILENT_LIMIT
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
 
 RUN_TIMEOUT = 300

@@ -18,7 +18,7 @@ from support.jobs import assert_nothing_left, check_every_version, make_job, out
 from weightsync.job import reasons
 from weightsync.local.runner import LocalJob, RunFailed
 from weightsync.rendezvous.protocol import Keys
-from weightsync.roles.controller import TRAINER_SILENT_LIMIT
+from weightsync.roles.controller.driver import TRAINER_SILENT_LIMIT
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
 
 pytestmark = pytest.mark.slow  # whole jobs as processes: not in `make unit`

@@ -10,6 +10,7 @@ import pytest
 from weightsync.job import Layout
 from weightsync.publisher.peers import Links
 from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import Keys, Member, ProofError
 from weightsync.rendezvous.roster import Host
 
@@ -23,7 +24,8 @@ def trainer():
     """A job whose inference ranks 0 and 1 are one server's workers (A) and rank 2 another's (B),
     admitted with its plan published; its trainer rank's links to them."""
     layout = Layout(trainers=1, trainer_procs=1, inferences=3, inference_procs=1)
-    host = Host(0, TOKEN, layout, silent_limit=5, away_limit=60, say=lambda m: None, address="127.0.0.1", job=JOB)
+    host = Host(0, TOKEN, layout, Policy(silent_limit=5, away_limit=60), say=lambda m: None, address="127.0.0.1",
+                job=JOB)
 
     def join(role, rank, info):
         m = Member("127.0.0.1", host.store.port, TOKEN, role, rank, timeout=10, job=JOB)

@@ -8,9 +8,10 @@ import socket
 
 import pytest
 
-from weightsync.job import API_VERSION, KIND, Join, join_env, load_job
+from weightsync.job import API_VERSION, KIND, Join, external_roles, join_env, load_job
 from weightsync.rendezvous.external_rank import JoinError, fetch_job, joined_context
 from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import Keys, Member, Restarted
 from weightsync.rendezvous.roster import Host, RankFailed
 
@@ -25,9 +26,9 @@ def make_job(external=True, name="joined"):
                                        "transfer": {"timeoutSeconds": 42}}})
 
 
-def serve(job):
-    host = Host(0, TOKEN, job.layout, silent_limit=2, away_limit=60, say=lambda m: None, address="127.0.0.1",
-                job=job.identity)
+def serve(job, say=lambda m: None):
+    host = Host(0, TOKEN, job.layout, Policy(silent_limit=2, away_limit=60, external=frozenset(external_roles(job))),
+                say=say, address="127.0.0.1", job=job.identity)
     host.publish_job(job, "rdma")
     return host
 
@@ -101,10 +102,8 @@ def test_a_second_process_claiming_a_live_external_trainers_rank_is_refused_and_
     """Before the holder proved the token (it still builds its model): the holder is the one admitted."""
     for external in (True, False):
         job = make_job(external=external)
-        host = serve(job)
-        host.external = {"trainer"} if external else set()
         said = []
-        host.say = said.append
+        host = serve(job, said.append)
         try:
             first = Member("127.0.0.1", host.store.port, TOKEN, "trainer", 0, timeout=10, job=job.identity)
             assert first.arrive() == 1

@@ -36,6 +36,14 @@ def host(said):
     host.store.close()
 
 
+@pytest.fixture()
+def resuming(said):
+    """A Host whose trainers resume (spec.trainer.resumes)."""
+    host = make_host(TWO, JOB, said, silent_limit=8.0, away_limit=60.0, resumable=True)
+    yield host
+    host.store.close()
+
+
 member = partial(roster.member, job=JOB)
 
 
@@ -55,8 +63,8 @@ def started(host):
     return members
 
 
-def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_resumes(host, said):
-    host.resumable = True
+def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_resumes(resuming, said):
+    host = resuming
     old = started(host)
     old[("trainer", 0)].set(Keys.ready(2, 0), {"step": 20})  # ready with version 2 when its peer went
     again = member(host, "trainer", 1)
@@ -88,8 +96,8 @@ def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_r
     again.check_end()  # the processes of the new starts wait on
 
 
-def test_trainers_that_do_not_start_again_fail_the_job_naming_them(host):
-    host.resumable = True
+def test_trainers_that_do_not_start_again_fail_the_job_naming_them(resuming):
+    host = resuming
     started(host)
     member(host, "trainer", 1).arrive(resumes=True)
     host.last_watch = 0.0
@@ -128,8 +136,8 @@ def ready_round(host, members, version: int):
     return host.start_round(version)
 
 
-def test_a_trainer_that_stops_before_the_round_is_sent_stops_it_and_its_receivers_leave_it(host):
-    host.resumable = True
+def test_a_trainer_that_stops_before_the_round_is_sent_stops_it_and_its_receivers_leave_it(resuming):
+    host = resuming
     members = started(host)
     rnd = ready_round(host, members, 1)
     members[("trainer", 0)].set(Keys.sent(1, 0, 0), SentReport(bytes=8, seconds=0.1).to_json())
@@ -149,8 +157,8 @@ def test_a_trainer_that_stops_before_the_round_is_sent_stops_it_and_its_receiver
     assert not host.has(Keys.dropped(1))
 
 
-def test_a_trainer_that_stops_once_the_round_is_sent_is_seen_at_the_next_version(host):
-    host.resumable = True
+def test_a_trainer_that_stops_once_the_round_is_sent_is_seen_at_the_next_version(resuming):
+    host = resuming
     members = started(host)
     rnd = ready_round(host, members, 1)
     for t in (0, 1):

@@ -17,8 +17,8 @@ from weightsync.job import Layout
 from weightsync.rendezvous.messages import Peer, Round
 from weightsync.rendezvous.protocol import Keys
 from weightsync.rendezvous.roster import JOINING, PARKED, SERVING, WAITING, RankFailed
-from weightsync.roles.receivers import Receivers
-from weightsync.roles.scaling import ScaleWatch
+from weightsync.roles.controller.receivers import Receivers
+from weightsync.roles.controller.scaling import ScaleWatch
 
 JOB = "default/scaling"
 THREE = Layout(trainers=1, trainer_procs=1, inferences=3, inference_procs=1)  # maxReplicas 3

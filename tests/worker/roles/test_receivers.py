@@ -10,7 +10,7 @@ from weightsync.job import VERSION
 from weightsync.job.schema import openapi_schema, schema_problems, unknown_fields
 from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Seat
-from weightsync.roles.receivers import LIST_LIMIT, Receivers, counts, states
+from weightsync.roles.controller.receivers import LIST_LIMIT, Receivers, counts, states
 
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 

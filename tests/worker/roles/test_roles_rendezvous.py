@@ -11,6 +11,7 @@ import pytest
 from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
 from weightsync.rendezvous import protocol as rendezvous
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport
+from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
 from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Host, RankFailed
 
@@ -21,8 +22,8 @@ TWO = Layout(trainers=2, trainer_procs=1, inferences=2, inference_procs=1)
 
 
 def make_host(layout=LAYOUT, silent_limit=1.5, away_limit=60.0, min_available=None, say=lambda m: None):
-    return Host(0, TOKEN, layout, silent_limit=silent_limit, away_limit=away_limit, say=say,
-                address="127.0.0.1", job=JOB, min_available=min_available)
+    return Host(0, TOKEN, layout, Policy(silent_limit=silent_limit, away_limit=away_limit, min_available=min_available),
+                say=say, address="127.0.0.1", job=JOB)
 
 
 @pytest.fixture()
@@ -411,7 +412,7 @@ def test_trainers_that_publish_different_versions_fail_the_job_naming_them():
 def test_a_trainer_that_attached_another_model_is_the_rank_blamed_not_the_inference_rank():
     from weightsync.model.build import build, layout_of, meta_layout
     from weightsync.model.flat import LayoutMismatch
-    from weightsync.roles.controller import same_models
+    from weightsync.roles.controller.planning import same_models
 
     job = load_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": "models"},
                     "spec": {"model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.job import API_VERSION, KIND, load_job
-from weightsync.roles.records import Reporter
+from weightsync.roles.controller.records import Reporter
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -22,7 +22,7 @@ from weightsync.vllm_backend.guard import MIDDLEWARE
 
 STORE_WAIT = 300.0  # seconds for the controller's store to accept connections
 POLL = 0.2  # seconds between two looks at the store, and at the controller's log
-# the controller's lines about external ranks (roles/controller.py, rendezvous/roster.py)
+# the controller's lines about external ranks (roles/controller/, rendezvous/roster.py)
 ADMISSION_MARKS = ("ranks are external", "(external, at ", "waiting for the ranks to join", "did not join within",
                    "a second process claimed", "claimed inference rank", "refused the vLLM server", "takes over replica")
 

@@ -22,6 +22,7 @@ from weightsync.job import INFERENCE, TRAINER, reasons
 from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.messages import Admission
+from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
 
 PROGRESS_EVERY = 5.0  # seconds between two lines, while the ranks join, about the ones still missing
@@ -88,8 +89,7 @@ class Host(Protocol):
     beats: dict
     claims: Claims | None
     last_watch: float  # when the ranks' starts and heartbeats were last looked at
-    silent_limit: float
-    away_limit: float
+    policy: Policy
 
     def say(self, line: str) -> None: ...
 
@@ -190,9 +190,9 @@ class Joining:
                 why = f"no heartbeat for {silent:.0f}s {when} (its process died, froze, or lost the network)"
                 if role == TRAINER:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
-                if silent > host.away_limit:
-                    raise RankFailed(f"{who(role, rank)} did not start again within {host.away_limit:.0f}s after it "
+                if silent > host.policy.away_limit:
+                    raise RankFailed(f"{who(role, rank)} did not start again within {host.policy.away_limit:.0f}s after it "
                                      f"went silent while joining", reasons.RANK_LOST)
-                notes[(role, rank)] = f"is silent: {why}; waiting for it to start again (within {host.away_limit:.0f}s)"
+                notes[(role, rank)] = f"is silent: {why}; waiting for it to start again (within {host.policy.away_limit:.0f}s)"
             elif notes.get((role, rank), "").startswith("is silent"):
                 del notes[(role, rank)]  # it beats again

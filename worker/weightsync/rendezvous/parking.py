@@ -62,7 +62,7 @@ class Parking:
         seat = self.seats[rank]
         if seat.state != PARKED or not seat.endpoint:
             return False
-        if self.silent_for(INFERENCE, rank, time.monotonic()) > self.silent_limit:
+        if self.silent_for(INFERENCE, rank, time.monotonic()) > self.policy.silent_limit:
             return False
         seat.state, seat.since = WAITING, time.monotonic()
         self.say(f"{who(INFERENCE, rank)} is back in the job (its pod was scaled up to again before it went); it "

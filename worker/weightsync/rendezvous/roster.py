@@ -35,6 +35,7 @@ from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
 from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
 from weightsync.rendezvous.parking import Parking
+from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import (
     HEARTBEAT,
     Channel,
@@ -75,22 +76,13 @@ class Beat:
 class Host(Channel, Parking):
     """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
 
-    def __init__(self, port: int, token: bytes, layout: Layout, silent_limit: float, away_limit: float,
-                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str,
-                 min_available: int | None = None, running: int | None = None,
-                 trainer_silent_limit: float | None = None):
+    def __init__(self, port: int, token: bytes, layout: Layout, policy: Policy,
+                 say: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True), *, address: str, job: str):
         super().__init__(host_store(address, port, token, job, len(ranks_of(layout))))
-        self.token, self.layout, self.say = token, layout, say
-        self.silent_limit, self.away_limit = silent_limit, away_limit
-        # a silent trainer rank fails the job, where a silent inference rank is only away until it
-        # rejoins: trainers may have a longer limit (a step or a checkpoint that holds the CPU)
-        self.trainer_silent_limit = silent_limit if trainer_silent_limit is None else trainer_silent_limit
-        # inference ranks the job cannot go on without (spec.inference.minAvailable): None, all
-        # the ranks of the pods it runs
-        self.min_available = min_available
+        self.token, self.layout, self.say, self.policy = token, layout, say, policy
         self.ranks = ranks_of(layout)
         # the inference ranks of the pods it runs (spec.inference.replicas'); the rest are parked
-        self.running = layout.world_size(INFERENCE) if running is None else running
+        self.running = layout.world_size(INFERENCE) if policy.running is None else policy.running
         self.wanted: int | None = None  # the running ranks as last read from the job, where it can be scaled
         self.parked = set(range(self.running, layout.world_size(INFERENCE)))
         # a parked rank has not started: its first start is one more than none
@@ -103,14 +95,15 @@ class Host(Channel, Parking):
         self.in_round: dict[int, int] = {}  # receivers of the current round: {rank: attempt}
         self.round: Round | None = None  # the current round
         self.cut: set[int] = set()  # receivers of the current round counted away during it
+        # what a rank that rejoins the running job must match (the plan's model, transport and
+        # slices): given with the plan (publish_plan)
         self.check_rejoin: Callable[[int, str, RankInfo], None] = lambda rank, meta, info: None
-        self.external: set[str] = set()  # the roles whose ranks the user starts (spec.<role>.external)
-        # a trainer rank that stops is resumed from (spec.trainer.resumes: the user's script, which
-        # keeps its own checkpoint) instead of failing the job; {trainer rank: the start it runs}
-        self.resumable = False
+        self.published = False  # the plan: the ranks joined, and the versions may start
+        # where the trainers resume (policy.resumable): {trainer rank: the start it runs}
         self.trainers_run: dict[int, int] = {}
         self.resumes = 0  # the times they resumed
-        self.claims: Claims | None = None  # external vLLM servers: their workers claim inference ranks (claims.py)
+        # external vLLM servers: their workers claim inference ranks (claims.py)
+        self.claims = Claims(layout, job, self.trainer_layout, say) if INFERENCE in policy.external else None
         self.failures_seen = 0
         self.deferred = False  # a trainer rank's failure seen while only the inference ranks were checked
         self.beats: dict[tuple[str, int], Beat] = {}
@@ -120,9 +113,15 @@ class Host(Channel, Parking):
                 self.set(Keys.nonce(role, rank, 1), secrets.token_hex(16))
 
     @property
+    def resuming(self) -> bool:
+        """Whether a trainer rank that stops is resumed from (policy.resumable) rather than failing
+        the job: once the plan is published; while the ranks join, a trainer that stops fails it."""
+        return self.policy.resumable and self.published
+
+    @property
     def needed(self) -> int:
         """Inference ranks the job cannot go on without: minAvailable, or every running one."""
-        return self.running if self.min_available is None else self.min_available
+        return self.running if self.policy.min_available is None else self.policy.min_available
 
     # ------------------------------------------------------------ admission
 
@@ -163,7 +162,13 @@ class Host(Channel, Parking):
         """The starts of the rank seen so far: its attempt's, or a refused later one's."""
         return max(self.attempts[(role, rank)], self.refused.get((role, rank), 0))
 
-    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, RankInfo] | None = None) -> None:
+    def publish_plan(self, plan_json: str, endpoints: Mapping[int, str], infos: Mapping[int, RankInfo] | None = None,
+                     check_rejoin: Callable[[int, str, RankInfo], None] | None = None) -> None:
+        """The plan and the endpoints the ranks joined at; `check_rejoin(rank, meta, info)`: what a
+        rank that rejoins the running job must match (it raises where the rank does not)."""
+        if check_rejoin is not None:
+            self.check_rejoin = check_rejoin
+        self.published = True
         text = json.dumps({"plan": plan_json})
         self.set(Keys.PLAN, text)
         self.set(Keys.PLAN_MAC, plan_mac(self.token, text))
@@ -282,7 +287,7 @@ class Host(Channel, Parking):
                     del pending[r]
             if not pending:
                 return got
-            self.check_ranks(trainers=not self.resumable)  # sent: the round needs them no more
+            self.check_ranks(trainers=not self.resuming)  # sent: the round needs them no more
             if time.monotonic() - start > timeout:
                 raise TimedOut(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
@@ -306,7 +311,7 @@ class Host(Channel, Parking):
                 return False
             if any(self.store.add(Keys.beat(INFERENCE, r), 0) >= beats[r] + 2 for r in ranks):
                 return False
-            self.check_ranks(trainers=not self.resumable)  # sent: as in _collect
+            self.check_ranks(trainers=not self.resuming)  # sent: as in _collect
             time.sleep(BACK_POLL)
 
     def holding(self, version: int, applied: Iterable[int]) -> None:
@@ -375,7 +380,7 @@ class Host(Channel, Parking):
             if seat is not None and (seat.state in (AWAY, JOINING) or (seat.state == DROPPED and seat.late)):
                 if seat.state in (JOINING, DROPPED):  # a start that joins late is taken back all the same
                     self._readmit(rank)
-                if seat.state in (AWAY, JOINING) and now - seat.since > self.away_limit:
+                if seat.state in (AWAY, JOINING) and now - seat.since > self.policy.away_limit:
                     self._drop(rank)
                 continue
             if (seat is not None and seat.state in (DROPPED, PARKED)) or (role == TRAINER and not trainers):
@@ -383,7 +388,7 @@ class Host(Channel, Parking):
             silent = self.silent_for(role, rank, now)
             if silent > self.limit_for(role):
                 why = f"no heartbeat for {silent:.0f}s (its process died, froze, or lost the network)"
-                if seat is None and self.resumable:
+                if seat is None and self.resuming:
                     raise TrainersRestart(f"{who(role, rank)} is silent: {why}")
                 if seat is None:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
@@ -395,12 +400,12 @@ class Host(Channel, Parking):
         which was refused (it refuses itself: Sync._restarted), and the job goes on with the
         process that holds the rank, joined or still joining: an external trainer never resumes,
         so that is its first start."""
-        if TRAINER in self.external and self.silent_for(TRAINER, rank, now) <= self.trainer_silent_limit:
+        if TRAINER in self.policy.external and self.silent_for(TRAINER, rank, now) <= self.policy.trainer_silent:
             self.refused[(TRAINER, rank)], self.attempts[(TRAINER, rank)] = started, 1
             self.say(f"a second process claimed {who(TRAINER, rank)} (start {started}) while the one that holds it "
                      "is alive; it was refused, and the job goes on")
             return
-        if self.resumable:
+        if self.resuming:
             raise TrainersRestart(f"{who(TRAINER, rank)} started again (start {started})")
         raise RankFailed(f"{who(TRAINER, rank)} restarted (its process started again, start {started}); trainers "
                          "do not rejoin a running job", reasons.TRAINER_RESTARTED)
@@ -464,7 +469,7 @@ class Host(Channel, Parking):
         if stopped is None:
             return RankFailed(f"{who(role, rank)} failed: {message}")
         (srole, srank), how = stopped
-        if srole == TRAINER and self.resumable:
+        if srole == TRAINER and self.resuming:
             return TrainersRestart(f"{who(srole, srank)} stopped ({how}), and {who(role, rank)} failed with it: {message}")
         return RankFailed(f"{who(srole, srank)} stopped first ({how}); then {who(role, rank)} failed: {message}",
                           reasons.TRAINER_RESTARTED if srole == TRAINER and "started again" in how
@@ -477,7 +482,7 @@ class Host(Channel, Parking):
         if seat.state in (SERVING, WAITING):
             seat.state, seat.since = AWAY, time.monotonic()
             self.say(f"{who(INFERENCE, rank)} is away: {why}; the job goes on without it until it rejoins "
-                     f"(within {self.away_limit:.0f}s)")
+                     f"(within {self.policy.away_limit:.0f}s)")
             if self.in_round.get(rank) == seat.attempt:
                 self._cut(rank)
 
@@ -487,13 +492,13 @@ class Host(Channel, Parking):
         was joining with joins), else RankFailed."""
         remaining = sum(1 for r, s in self.seats.items() if r != rank and s.state not in (DROPPED, PARKED))
         if remaining < self.needed:
-            raise RankFailed(f"{who(INFERENCE, rank)} did not come back within {self.away_limit:.0f}s after it went "
+            raise RankFailed(f"{who(INFERENCE, rank)} did not come back within {self.policy.away_limit:.0f}s after it went "
                              f"away, and the job needs {self.needed} inference ranks "
                              f"(spec.inference.minAvailable) with {remaining} left", reasons.RANK_LOST)
         seat = self.seats[rank]
         seat.late = seat.state == JOINING
         seat.state, seat.since = DROPPED, time.monotonic()
-        self.say(f"{who(INFERENCE, rank)} dropped: away for more than {self.away_limit:.0f}s; the job goes on with "
+        self.say(f"{who(INFERENCE, rank)} dropped: away for more than {self.policy.away_limit:.0f}s; the job goes on with "
                  f"{remaining} inference ranks (it needs {self.needed}, spec.inference.minAvailable) and takes it "
                  f"back {'once its start joins, or ' if seat.late else ''}if its process starts again")
 
@@ -562,4 +567,4 @@ class Host(Channel, Parking):
 
     def limit_for(self, role: str) -> float:
         """Seconds without a heartbeat after which a rank of `role` counts as silent."""
-        return self.trainer_silent_limit if role == TRAINER else self.silent_limit
+        return self.policy.trainer_silent if role == TRAINER else self.policy.silent_limit

@@ -48,7 +48,7 @@ def exposition(registry: CollectorRegistry) -> tuple[bytes, str]:
 
 
 class ControllerMetrics:
-    """The controller's figures of the job, updated where it reports each version (roles/records.py)
+    """The controller's figures of the job, updated where it reports each version (roles/controller/records.py)
     and its end, in a registry of their own."""
 
     def __init__(self):

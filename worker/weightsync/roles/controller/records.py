@@ -5,7 +5,7 @@ starts (status.controller), the inference ranks' rejoins (status.rejoins) and th
 (Env.REPORT_TO_KUBERNETES is "1") through the Kubernetes API (a merge patch of the status
 subresource, with the controller pod's ServiceAccount), else into Env.STATUS_FILE when set (the
 local runner's stand-in for the status). The controller reads its starts back from there: one that
-started again must not silently run the job anew (controller.py).
+started again must not silently run the job anew (driver.py).
 
 A transfer's bytes are the bytes delivered: the version's size times the number of inference
 ranks; seconds run from the controller's "go" to the last inference rank running on the new
