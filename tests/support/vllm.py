@@ -52,10 +52,11 @@ def vllm_python() -> str:
 
 
 def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
-             ahead: bool = False, dtype: str = "bfloat16", expert_parallel: bool = False, **inference):
+             ahead: bool = False, dtype: str = "bfloat16", expert_parallel: bool = False, quantization: str | None = None,
+             **inference):
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
-        "spec": {"model": {"config": config, "dtype": dtype},
+        "spec": {"model": {"config": config, "dtype": dtype, **({"quantization": quantization} if quantization else {})},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
                                "vllm": {"args": SERVER_ARGS, "loadAhead": ahead, "expertParallel": expert_parallel},
@@ -249,14 +250,19 @@ def _vocab_rows(vocab: int, tp: int) -> int:
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
 
 
-def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path) -> Path:
-    """A Hugging Face checkpoint directory: config.json and model.safetensors."""
+def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path, quantization: str | None = None) -> Path:
+    """A Hugging Face checkpoint directory: config.json and model.safetensors; quantized (the
+    tensors a quantized version holds, and the format's quantization_config) with `quantization`."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from weightsync.model.quant import FORMATS, quantization_config
+
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
+    if quantization is not None:
+        cfg["quantization_config"] = quantization_config(FORMATS[quantization])
     model_type = cfg.pop("model_type")
     # the architecture vLLM builds: the causal LM, as weightsync names it for its own servers
     AutoConfig.for_model(model_type, architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]],

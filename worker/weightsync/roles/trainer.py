@@ -15,6 +15,7 @@ from weightsync.job import TRAINER, WorkerContext, states
 from weightsync.model.build import as_served, build, check_fits, logits, parameters, prompt, train_step, vocab_size
 from weightsync.model.lora import add_adapters
 from weightsync.model.markov import MarkovTokens, rank_generator
+from weightsync.publisher.sources import local_tensors
 from weightsync.publisher.sync import Sync, attach
 from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
 from weightsync.roles.common import device_for
@@ -79,7 +80,7 @@ class BuiltIn:
                 log(self.me, f"version {version} at step {step}{loss_text}: sent {sent.bytes} bytes in {sent.seconds:.4f}s "
                              f"({sent.wire_bytes} bytes on the wire)")
                 if dumping():
-                    self._dump(model, version, job.model.dtype, device)
+                    self._dump(model, version, job.model.dtype, device, sync)
             if dist.is_initialized():
                 dist.destroy_process_group()
         return states.SUCCEEDED  # close() raised JobEnded otherwise
@@ -103,7 +104,10 @@ class BuiltIn:
         dist.all_reduce(total)
         return total.item() / dist.get_world_size()
 
-    def _dump(self, model, version: int, dtype: str, device) -> None:
+    def _dump(self, model, version: int, dtype: str, device, sync: Sync) -> None:
         cast = as_served(model, dtype, self.ctx.job.model.quantization)
         tensors = {n: p.detach().cpu() for n, p in parameters(cast)}
-        dump(TRAINER, self.rank, version, tensors, logits(cast, prompt(cast, device)).cpu())
+        sent = None
+        if self.ctx.job.model.quantization is not None:  # the quantized tensors, as sent
+            sent = {n: t.cpu() for n, t in zip(sync.sources.layout.names, local_tensors(model, sync.sources))}
+        dump(TRAINER, self.rank, version, tensors, logits(cast, prompt(cast, device)).cpu(), sent)

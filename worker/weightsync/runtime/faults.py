@@ -106,11 +106,12 @@ def dumping() -> bool:
     return bool(os.environ.get(DUMP_DIR_ENV))
 
 
-def dump(role: str, rank: int, version: int, tensors: dict, logits) -> None:
-    """DUMP_DIR_ENV: save this rank's tensors of a version and its logits on the prompt."""
+def dump(role: str, rank: int, version: int, tensors: dict, logits, sent: dict | None = None) -> None:
+    """DUMP_DIR_ENV: save this rank's tensors of a version and its logits on the prompt (and a
+    trainer's of a quantized version, the tensors it sent: `sent`)."""
     import torch
 
-    torch.save({"tensors": tensors, "logits": logits},
+    torch.save({"tensors": tensors, "logits": logits, **({"sent": sent} if sent is not None else {})},
                os.path.join(os.environ[DUMP_DIR_ENV], f"{role}-{rank}-v{version}.pt"))
 
 

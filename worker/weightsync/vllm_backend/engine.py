@@ -104,6 +104,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.layout = meta_layout(ctx.job.model)
         self.group = ctx.job.layout.tp_group(self.rank)
         needs = self._needs()
+        keep_onednn_scales(self.model)
         self.local = None if needs is None else LocalLayout.of(self.layout, needs)
         # one staging buffer; with delta versions a second, holding the version loaded (the base);
         # a worker of a job whose receivers hold slices gets every version whole, into its local layout
@@ -345,6 +346,31 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def shutdown(self) -> None:
         pass  # the receiving thread ends with the job
+
+
+def keep_onednn_scales(model: torch.nn.Module) -> int:
+    """vLLM's CPU int8 kernel (oneDNN, CPUInt8ScaledMMLinearKernel) prepacks a layer's weight into
+    a handler that reads the weight's scales from the tensor it was made with, by address. A
+    layerwise reload makes that handler from the reload's own tensors and then copies them into
+    the layer's and drops them, so the handler reads freed memory (vLLM's own reload_weights from
+    disk does the same: its greedy tokens change while its weight checker sees no difference).
+    Each such kernel keeps the tensors its handler was last made with, so the handler reads
+    the scales it was made from. Returns the kernels it keeps tensors for."""
+    count = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "scheme", None), "kernel", None)
+        make = getattr(kernel, "process_weights_for_onednn", None)
+        if make is None or getattr(make, "keeps_tensors", False):
+            continue
+
+        def keeping(layer, make=make, kernel=kernel):
+            make(layer)
+            kernel.weightsync_kept = {n: t for n, t in layer.named_parameters(recurse=False)}
+
+        keeping.keeps_tensors = True
+        kernel.process_weights_for_onednn = keeping
+        count += 1
+    return count
 
 
 def unpacked(weight: torch.Tensor, experts) -> torch.Tensor:
