@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--inference", default="8xTP16", help="inference replicas x TP degree (default 8xTP16), and "
                       "for a mixture of experts served with expert parallelism x EP degree (2xTP8xEP8, 4xEP32)")
     plan.add_argument("--nic", default="400gbit", help="NIC rate per GPU, each way (default 400gbit)")
-    plan.add_argument("--dtype", default="bfloat16", help="transfer dtype (default bfloat16)")
+    plan.add_argument("--dtype", default="bfloat16", help="transfer dtype (default bfloat16); with --simulate also fp8 or "
+                      "int8: the linear layers' weights quantized with their scales, the rest bfloat16")
     plan.add_argument("--bucket-mb", type=int, default=64, help="largest piece in MiB (default 64)")
     sub.add_parser("bench", help="transfer benchmark (weightsync bench --help for its options)", add_help=False)
     sub.add_parser("report", help="a job's versions as one PNG timeline, from its controller's log "
@@ -154,7 +155,7 @@ def job_plan(job, fsdp: int | None = None):
     from weightsync.transport import capabilities_of, resolve_transport
 
     model = build(job.model, dtype="float32", device="meta", load_weights=False)
-    layout = layout_of(model, job.model.dtype)
+    layout = layout_of(model, job.model.dtype, job.model.quantization)
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
     try:
         ep = job.inference.runs_vllm and job.inference.vllm.expert_parallel
@@ -175,20 +176,22 @@ def job_plan(job, fsdp: int | None = None):
 
 def _simulate(args) -> int:
     from weightsync.model.flat import ITEMSIZE
+    from weightsync.model.quant import FORMATS
 
     try:
         if args.job is not None:
             raise ValueError("give either a job file or --simulate MODEL, not both")
-        if args.dtype not in ITEMSIZE:
-            raise ValueError(f"--dtype {args.dtype!r}: use one of {', '.join(ITEMSIZE)}")
+        quantization = args.dtype if args.dtype in FORMATS else None  # its weights quantized, the rest bfloat16
+        if args.dtype not in ITEMSIZE and quantization is None:
+            raise ValueError(f"--dtype {args.dtype!r}: use one of {', '.join([*ITEMSIZE, *FORMATS])}")
         if args.bucket_mb < 1:
             raise ValueError(f"--bucket-mb {args.bucket_mb}: give at least 1")
         from weightsync.plan.simulate import Topology, parse_inference, report, run
 
         replicas, tp, ep = parse_inference(args.inference)
         bits = nic_bits(args.nic)
-        topo = Topology(args.trainers, args.fsdp or args.trainers, replicas, tp, bits, args.dtype,
-                        args.bucket_mb << 20, args.fsdp_dim, ep)
+        topo = Topology(args.trainers, args.fsdp or args.trainers, replicas, tp, bits,
+                        "bfloat16" if quantization else args.dtype, args.bucket_mb << 20, args.fsdp_dim, ep, quantization)
         result = run(args.simulate, topo)
     except ValueError as e:
         print(f"weightsync plan: {e}", file=sys.stderr)

@@ -336,6 +336,28 @@ def test_simulate_with_expert_parallelism_states_each_gpus_share_of_the_experts(
     assert dp.returncode == 0 and "1 replicas x TP1xEP8 = 8 GPUs" in dp.stdout and "(0.1250)" in dp.stdout, dp.stderr
 
 
+def test_simulate_in_fp8_plans_the_quantized_weights_and_their_scales_the_experts_placed_with_their_scales(tmp_path):
+    from weightsync.plan.simulate import Topology, global_tensors, meta_model, model_config, run
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**MOE, "n_routed_experts": 8, "moe_intermediate_size": 256}))
+    tensors = {t.name: t for t in global_tensors(meta_model(model_config(str(config))),
+                                                  Topology(4, 4, 1, 1, 1e9, ep=8, quantization="fp8"))}
+    stacks = [n for n in tensors if n.endswith(".experts.gate_up_proj") or n.endswith(".experts.down_proj")]
+    assert stacks and all(tensors[n].dtype == "float8_e4m3fn" for n in stacks)
+    assert tensors[stacks[0] + "_scale_inv"].shape == (8, 4, 1) and tensors[stacks[0] + "_scale_inv"].dtype == "float32"
+    assert tensors["model.embed_tokens.weight"].dtype == "bfloat16" and "lm_head.weight_scale_inv" not in tensors
+    bf16 = weightsync("plan", "--simulate", str(config), "--trainers", "4", "--inference", "1xEP8", "--bucket-mb", "1")
+    fp8 = weightsync("plan", "--simulate", str(config), "--trainers", "4", "--inference", "1xEP8", "--bucket-mb", "1",
+                     "--dtype", "fp8")
+    assert fp8.returncode == 0 and "with fp8 linear weights and their float32 scales" in fp8.stdout, fp8.stderr
+    assert "(0.1250)" in fp8.stdout, fp8.stdout  # each GPU: its eighth of the experts, scales included
+    assert bf16.returncode == 0, bf16.stderr
+    busiest = [run(str(config), Topology(4, 4, 1, 1, 1e9, bucket_bytes=1 << 20, ep=8, quantization=q))["busiest_receiver_bytes"]
+               for q in (None, "fp8")]
+    assert busiest[1] < 0.75 * busiest[0], busiest  # the norms, routers and embeddings stay bfloat16
+
+
 @pytest.mark.parametrize("inference, values, message", [
     ("2xTP4xEP2", {"n_routed_experts": 8}, "the expert-parallel degree 2 must be a multiple of the TP degree 4"),
     ("1xEP3", {"n_routed_experts": 8}, "divide the model's 8 routed experts"),

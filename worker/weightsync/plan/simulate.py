@@ -20,6 +20,7 @@ from pathlib import Path
 
 from weightsync.job import SpecError
 from weightsync.model.config import expert_count
+from weightsync.model.quant import format_of, quantized_names
 from weightsync.plan.boxes import GlobalTensor
 from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
 from weightsync.plan.linktime import WINDOW, simulate
@@ -66,6 +67,7 @@ class Topology:
     bucket_bytes: int = 64 << 20
     fsdp_dim: str = "0"  # "0": fully_shard's default; "auto": dim 1 where dim 0 does not split evenly
     ep: int = 0         # expert-parallel degree of each replica (its GPUs); 0: none
+    quantization: str | None = None  # fp8 or int8: the linear layers' weights quantized, with their scales
 
     def __post_init__(self):
         if self.trainers < 1 or self.fsdp < 1 or self.trainers % self.fsdp:
@@ -123,6 +125,21 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
+def global_tensors(model, topo: Topology) -> list[GlobalTensor]:
+    """The model's parameters as the version's tensors: in topo.dtype, or quantized as a quantized
+    job sends them (model/quant.py: each linear weight in the format's dtype, then its scales)."""
+    fmt = format_of(topo.quantization)
+    names = quantized_names(model) if fmt is not None else set()
+    out = []
+    for n, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if n in names:
+            out += [GlobalTensor(n, shape, fmt.dtype), GlobalTensor(fmt.scale_name(n), fmt.scale_shape(shape), "float32")]
+        else:
+            out.append(GlobalTensor(n, shape, topo.dtype))
+    return out
+
+
 def run(name: str, topo: Topology) -> dict:
     """Plan `name` on `topo`; the figures `weightsync plan --simulate` prints ("plan": the
     pieces.PieceAssignment)."""
@@ -137,7 +154,7 @@ def run(name: str, topo: Topology) -> dict:
     experts = expert_count(config)
     if topo.ep and not experts:
         raise ValueError(f"--inference: {name} has no experts to place with expert parallelism; drop the EP degree")
-    tensors = [GlobalTensor(n, tuple(p.shape), topo.dtype) for n, p in model.named_parameters()]
+    tensors = global_tensors(model, topo)
     built = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -173,9 +190,10 @@ def report(r: dict, topo: Topology) -> str:
     hsdp = topo.trainers // topo.fsdp
     kind = "FSDP2" if hsdp == 1 else ("DDP" if topo.fsdp == 1 else f"HSDP {hsdp} x FSDP2")
     shape = f"TP{topo.tp}" + (f"xEP{topo.ep}" if topo.ep else "")
+    quantized = f" with {topo.quantization} linear weights and their float32 scales" if topo.quantization else ""
     lines = [
         f"model: {r['model']}: {r['parameters'] / 1e9:.1f}B parameters in {r['tensors']} tensors, "
-        f"{size_text(r['version_bytes'])} as {topo.dtype} (built on the meta device in {r['build_seconds']:.1f} s)",
+        f"{size_text(r['version_bytes'])} as {topo.dtype}{quantized} (built on the meta device in {r['build_seconds']:.1f} s)",
         f"trainers: {topo.trainers} GPUs, {kind} degree {topo.fsdp} (shard dim {topo.fsdp_dim}); "
         f"inference: {topo.replicas} replicas x {shape} = {topo.replicas * topo.replica_gpus} GPUs; "
         f"one {topo.nic_bits / 1e9:g} Gb/s NIC per GPU, full duplex",

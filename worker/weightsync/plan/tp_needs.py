@@ -79,7 +79,7 @@ def tp_boxes(t: GlobalTensor, style: str | None, tp: int) -> list[tuple]:
 
 
 # a routed expert's tensors: a stack of every expert (transformers 5), or one expert's (experts.<e>.)
-STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(_bias)?$")
+STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(_bias|_scale_inv|_scale)?$")
 ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
