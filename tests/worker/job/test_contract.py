@@ -178,6 +178,8 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
       "inference": {"engine": "vllm"}}, "demo", "spec.model.lora with spec.inference.engine vllm needs spec.model.path"),
     ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
       "inference": {"replicas": 2, "tensorParallel": 2}}, "demo", "spec.model.lora is served by whole model replicas only"),
+    ({"model": {"path": "/m", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
+      "inference": {"engine": "vllm", "vllm": {"loadAhead": True}}}, "demo", "spec.model.lora's versions are an adapter"),
     ({"model": {"path": "/m", "quantization": "int8", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}}},
      "demo", "set spec.model.lora or spec.model.quantization, not both"),
     ({"training": {"learningRate": float("nan")}}, "demo", "spec.training.learningRate: nan is not a finite number"),

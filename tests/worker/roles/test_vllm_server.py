@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.job import Model, SpecError
+from weightsync.job import Lora, Model, SpecError
 from weightsync.model.config import served_config
-from weightsync.roles.vllm_server import OMP_BIND, server_command, server_env
+from weightsync.roles.vllm_server import OMP_BIND, lora_args, lora_env, server_command, server_env
+from weightsync.vllm_backend import lora_problem
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128, "max_position_embeddings": 64}
@@ -85,3 +86,14 @@ def test_a_checkpoint_keeps_its_architecture_and_must_name_a_causal_lm(tmp_path)
         served_config(checkpoint(tmp_path / "classifier", architectures=["LlamaForSequenceClassification"]))
     with pytest.raises(SpecError, match='names no architecture.*"architectures": \\["LlamaForCausalLM"\\]'):
         served_config(checkpoint(tmp_path / "none"))
+
+
+def test_a_lora_jobs_server_serves_the_adapter_and_one_that_cannot_is_refused_on_one_line():
+    lora = Lora(rank=12, alpha=24.0, target_modules=("q_proj",), name="tuned")
+    assert lora_args(lora, ()) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "1"]
+    assert lora_args(lora, ("--enable-lora", "--max-lora-rank=32")) == ["--max-loras", "1"]
+    assert lora_env(Model(path="/m", lora=lora)) == {"WEIGHTSYNC_VLLM_LORA": "tuned", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    with pytest.raises(SpecError, match=r"--max-lora-rank 8 is below the adapter's rank 12 .*--max-lora-rank 16$"):
+        lora_args(lora, ("--max-lora-rank", "8"))
+    assert "was started without LoRA: start it with --enable-lora --max-lora-rank 16" in lora_problem(lora, False, None)
+    assert lora_problem(lora, True, 16) is None

@@ -72,6 +72,7 @@ class Env:
     # another environment than weightsync's own; in a vLLM image, the image's)
     VLLM_SERVER = JoinEnv.VLLM_SERVER
     VLLM_PYTHON = "WEIGHTSYNC_VLLM_PYTHON"
+    VLLM_LORA = "WEIGHTSYNC_VLLM_LORA"  # the name a vLLM server serves spec.model.lora's adapter under
     VLLM_PORT = "WEIGHTSYNC_VLLM_PORT"  # `weightsync run`: a local pod's own port (in a cluster, spec.inference.vllm.port)
 
 

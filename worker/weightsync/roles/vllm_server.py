@@ -10,6 +10,8 @@ slices: vLLM is started with --tensor-parallel-size N, and on CPU with its multi
 executor and one set of the pod's cores per worker (VLLM_CPU_OMP_THREADS_BIND, unless the pod's
 environment sets it), and its log lines in the job's shape (vllm_backend/logs.py). The pod is ready
 once the server serves a version weightsync delivered.
+A server of a LoRA job (spec.model.lora) is started with --enable-lora and serves the adapter
+under spec.model.lora.name (vllm_backend/adapter.py).
 The controller drives every update itself (control.py). When the job ends this process stops the
 server. When the server dies first the pod exits: the controller, which no longer hears the
 workers' heartbeats, counts the ranks away, and the pod's next start brings new workers that
@@ -25,13 +27,13 @@ import sys
 import tempfile
 from typing import Mapping, Sequence
 
-from weightsync.job import INFERENCE, Env, Model, WorkerContext, states
+from weightsync.job import INFERENCE, Env, Lora, Model, SpecError, WorkerContext, states
 from weightsync.model.config import served_config
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, control_key, who
 from weightsync.runtime import health
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
-from weightsync.vllm_backend import BACKEND
+from weightsync.vllm_backend import BACKEND, lora_problem, max_lora_rank
 from weightsync.vllm_backend.control import ControlError, Server
 from weightsync.vllm_backend.guard import MIDDLEWARE
 from weightsync.vllm_backend.logs import logging_env
@@ -52,7 +54,7 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
     cpu = ctx.job.inference.gpus_per_proc == 0
     cmd = server_command(python, ctx.job.model, ctx.job.name, vllm.args, ctx.pod_ip, port, tensor_parallel=tp, cpu=cpu,
                          expert_parallel=vllm.expert_parallel)
-    env = {**os.environ, **server_env(tp, cpu, os.environ), **logging_env(os.environ),
+    env = {**os.environ, **server_env(tp, cpu, os.environ), **logging_env(os.environ), **lora_env(ctx.job.model),
            Env.VLLM_SERVER: url, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode serves the control routes (to the job's key)
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
@@ -109,8 +111,35 @@ def server_command(python: str, model: Model, name: str, args: tuple[str, ...], 
         cmd += ["--enable-expert-parallel"]
     if guarded:
         cmd += ["--middleware", MIDDLEWARE]
+    if model.lora is not None:
+        cmd += lora_args(model.lora, args)
     return cmd + ["--dtype", model.dtype, "--host", host, "--port", str(port), "--served-model-name", name,
                   "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
+
+
+def lora_args(lora: Lora, args: tuple[str, ...]) -> list[str]:
+    """What a server of a LoRA job adds to its command (spec.model.lora): LoRA, one adapter at a
+    time, of a rank that holds the adapter's; refused on one line where spec.inference.vllm.args
+    set a --max-lora-rank below it."""
+    given = {a.partition("=")[0]: a for a in args if a.startswith("--")}
+    out = [] if "--enable-lora" in given else ["--enable-lora"]
+    if "--max-lora-rank" in given:
+        at = list(args).index(given["--max-lora-rank"])
+        value = given["--max-lora-rank"].partition("=")[2] or (args[at + 1] if at + 1 < len(args) else "")
+        problem = lora_problem(lora, True, int(value)) if value.isdigit() else None
+        if problem is not None:
+            raise SpecError([f"spec.inference.vllm.args: {problem}"])
+    else:
+        out += ["--max-lora-rank", str(max_lora_rank(lora.rank))]
+    return out + ([] if "--max-loras" in given else ["--max-loras", "1"])
+
+
+def lora_env(model: Model) -> dict[str, str]:
+    """A LoRA job's server: the name it serves the adapter under (vllm_backend/adapter.py), and vLLM's
+    switch that has it ask resolvers for a name it does not know."""
+    if model.lora is None:
+        return {}
+    return {Env.VLLM_LORA: model.lora.name, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 def server_env(tensor_parallel: int, cpu: bool, environ: Mapping[str, str]) -> dict[str, str]:

@@ -14,6 +14,10 @@ A server's engine core and workers end with its API server (follow_server): the 
 a server that stopped answering for gone only once its workers' heartbeats stop, and workers that
 outlived their server would beat on for seconds with nothing left to load through.
 
+A server of a job whose versions are a LoRA adapter (spec.model.lora) serves it under one name
+(WEIGHTSYNC_VLLM_LORA in its environment): register() adds a LoRA resolver (adapter.py) that
+answers that name with an adapter loaded from the versions weightsync delivered, never from disk.
+
 Importing this package imports nothing of vLLM or torch (control.py, the controller's client of
 the servers' control routes, is plain HTTP).
 """
@@ -24,7 +28,7 @@ import multiprocessing
 import os
 import sys
 
-from weightsync.job import SpecError
+from weightsync.job import Env, Lora, SpecError
 from weightsync.job.join import Join, JoinEnv
 from weightsync.runtime.procs import die_with
 
@@ -38,9 +42,28 @@ NEEDED = ("init_transfer_engine", "start_weight_update", "receive_weights", "fin
 SERVER_PID = "WEIGHTSYNC_VLLM_SERVER_PID"  # set by follow_server in the API server, read in its engine and workers
 _following = 0  # the pid of the process whose thread follows the server (a forked child has another)
 
+# The ranks vLLM's --max-lora-rank takes (vllm.config.lora.MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 class IncompatibleVllm(RuntimeError):
     pass
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM takes that holds an adapter of `rank`."""
+    return next(r for r in MAX_LORA_RANKS if r >= rank)
+
+
+def lora_problem(lora: Lora, enabled: bool, max_rank: int | None) -> str | None:
+    """Why a vLLM server (LoRA enabled or not, its --max-lora-rank) cannot serve the job's adapter; None if it can."""
+    if not enabled:
+        return (f"this job's versions are a LoRA adapter of rank {lora.rank} (spec.model.lora), and this vLLM server "
+                f"was started without LoRA: start it with --enable-lora --max-lora-rank {max_lora_rank(lora.rank)}")
+    if max_rank is not None and max_rank < lora.rank:
+        return (f"this vLLM server's --max-lora-rank {max_rank} is below the adapter's rank {lora.rank} "
+                f"(spec.model.lora.rank): start it with --max-lora-rank {max_lora_rank(lora.rank)}")
+    return None
 
 
 def check_vllm() -> str:
@@ -112,3 +135,7 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM runs plugins once per process; be safe
         WeightTransferEngineFactory.register_engine(BACKEND, "weightsync.vllm_backend.engine", "WeightsyncEngine")
+    if os.environ.get(Env.VLLM_LORA):  # the server's API process resolves the adapter's name (adapter.py)
+        from weightsync.vllm_backend.adapter import register_resolver
+
+        register_resolver(os.environ[Env.VLLM_LORA])

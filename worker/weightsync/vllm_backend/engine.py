@@ -21,10 +21,14 @@ a verified version of the declared layout does not) fails the job naming the ser
 A quantized job's versions (spec.model.quantization) are the quantized checkpoint's tensors, weights
 and scales, which the same reload loads and processes for vLLM's quantized kernels; a server that
 quantizes otherwise (or online) than the job says is refused at init.
+Where versions are a LoRA adapter (spec.model.lora) a version replaces the adapter the server
+serves under its name (adapter.py), and the base weights, loaded by vLLM from spec.model.path,
+stay as they are.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -33,11 +37,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from weightsync.job import INFERENCE
+from weightsync.job import INFERENCE, Env
 from weightsync.job.token import same
 from weightsync.model.build import meta_layout
 from weightsync.model.config import config_of, expert_count
 from weightsync.model.flat import torch_dtype, views
+from weightsync.model.lora import adapter_layout
 from weightsync.model.quant import VLLM_METHOD, format_of
 from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_json
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
@@ -45,7 +50,8 @@ from weightsync.runtime.faults import dump, dumping, pause_point
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
-from weightsync.vllm_backend import follow_server
+from weightsync.vllm_backend import follow_server, lora_problem
+from weightsync.vllm_backend.adapter import Adapters
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.control import Session
 from weightsync.vllm_backend.place import joining, place_of
@@ -101,9 +107,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         local_rank = self.parallel_config.rank
         self.rank = self.place.rank
         self.me = who(INFERENCE, self.rank)
-        self.layout = meta_layout(ctx.job.model)
+        lora = ctx.job.model.lora
         self.group = ctx.job.layout.tp_group(self.rank)
-        needs = self._needs()
+        if lora is None:
+            self.layout, self.adapters = meta_layout(ctx.job.model), None
+            needs = self._needs()
+        else:  # versions are the adapter alone: the base weights are the checkpoint's, loaded by vLLM
+            self.layout, self.adapters, needs = adapter_layout(ctx.job.model), self._adapters(lora), None
         keep_onednn_scales(self.model)
         self.local = None if needs is None else LocalLayout.of(self.layout, needs)
         # one staging buffer; with delta versions a second, holding the version loaded (the base);
@@ -121,9 +131,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         # vLLM's update session: opened by start_weight_update, kept open from one version to the
         # next (control.py), closed by finish_weight_update or by a failed update (vLLM's worker
         # closes it then); a LoRA server's is closed after every load: that is where vLLM
-        # invalidates its LoRA state after the base weights changed
+        # invalidates its LoRA state after the base weights changed (adapter versions leave them be)
         self.session = False
-        self.keep_session = getattr(self.vllm_config, "lora_config", None) is None
+        self.keep_session = getattr(self.vllm_config, "lora_config", None) is None or self.adapters is not None
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
         member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
@@ -226,6 +236,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         start = time.monotonic()
         if prepared is not None:
             commit(prepared, self.model_config, swap=self.swap)
+        elif self.adapters is not None:
+            self.adapters.replace(self._tensors(buffer))
         else:
             self.load(buffer)
         if self.device.type == "cuda":
@@ -236,9 +248,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             log(self.me, f"committed version {version} into vLLM in {seconds:.3f}s ({how}; loaded ahead, while it "
                          f"served, in {prepared.seconds:.3f}s)")
         else:
-            log(self.me, f"loaded version {version} into vLLM in {seconds:.3f}s")
+            what = f"the LoRA adapter {self.ctx.job.model.lora.name}" if self.adapters is not None else "version"
+            log(self.me, f"loaded {what} of version {version} into vLLM in {seconds:.3f}s")
         if dumping():
-            dump(INFERENCE, self.rank, version, served_parameters(self.model), None)
+            served = dict(self.adapters.tensors) if self.adapters is not None else served_parameters(self.model)
+            dump(INFERENCE, self.rank, version, served, None)
         with self.cond:
             self.loaded, self.staged, self.load_seconds = version, None, seconds
             if self.prepared is not None:
@@ -249,6 +263,17 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
 
     def finish_weight_update(self) -> None:
         self.session = False  # nothing else: the reload is finished in receive_weights
+
+    def _adapters(self, lora) -> Adapters:
+        """The adapter this server serves, refused on one line where the server cannot serve it."""
+        config = getattr(self.vllm_config, "lora_config", None)
+        problem = lora_problem(lora, config is not None, getattr(config, "max_lora_rank", None))
+        if problem is None and os.environ.get(Env.VLLM_LORA) != lora.name:
+            problem = (f"this job serves its LoRA adapter as {lora.name} (spec.model.lora.name): start the vLLM server "
+                       f"with {Env.VLLM_LORA}={lora.name} and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment")
+        if problem is not None:
+            raise ValueError(f"{self.me}: {problem}")
+        return Adapters(self.model, lora, config)
 
     def _needs(self):
         """What this worker needs of a version (plan.slices.RankSlices), or None where every
