@@ -56,7 +56,7 @@ class ShardedInference:
 
     def run(self) -> str:
         member = self.member
-        model, layout, device = serving_model(self.ctx, member, self.local_rank)
+        model, layout, device, _ = serving_model(self.ctx, member, self.local_rank)  # no LoRA here: the CRD refuses it with TP
         try:
             needs = needs_of(model, layout, self.group, self.rank)
         except ValueError as e:
