@@ -16,8 +16,9 @@ rank is the pod's only one, or the one torchrun's LOCAL_RANK picks of the pod's 
 
 attach() joins the job: it publishes the version's layout (the model's parameter names, as its
 Hugging Face checkpoint names them, and global shapes, cast to spec.model.dtype: they must be the
-model the inference ranks build from spec.model) and, for FSDP2, the rows this rank holds; then it
-waits for the controller's plan. publish() says this rank is ready with the next version, waits
+model the inference ranks build from spec.model; with spec.model.lora, the names and shapes of the
+model's LoRA adapter alone, checked against the spec: model/lora.py) and, for FSDP2, the rows this
+rank holds; then it waits for the controller's plan. publish() says this rank is ready with the next version, waits
 for the controller's go (which comes once every trainer rank is ready), sends this rank's share
 straight from its parameters or its local shards (never a gathered tensor) and returns the
 figures. close() says this rank publishes no more: the controller ends the job once every trainer
