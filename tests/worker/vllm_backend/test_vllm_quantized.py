@@ -50,7 +50,7 @@ def served_like_a_plain_server(tmp_path: Path, vllm_python: str, quantization: s
         for version in (0, 1):  # the trainer holds the next version back while the test asks
             run.reach(f"trainer-0-before-go-v{version + 1}")
             run.serving(server, version)
-            held[version] = checker(server, "checksum")["checksums"]
+            held[version] = checker(server, "checksum", key=run.key)["checksums"]
             tokens[version] = completion(server, job.name)
             run.release(f"trainer-0-before-go-v{version + 1}")
         end = run.finish()
