@@ -41,10 +41,10 @@ def test_wrapper_prefixes_are_dropped_and_tied_weights_listed_once():
     assert local_tensors(model, sources)[0] is not None
 
 
-def sent_by(model, dtype: str, rank: int, world: int):
+def sent_by(model, dtype: str, rank: int, world: int, quantization: str | None = None):
     """What this rank holds of `model` (sources_of) and the bytes it fills into each of its buckets
     (offset -> bytes), planned over every rank's holdings as the controller plans them."""
-    sources = sources_of(model, dtype)
+    sources = sources_of(model, dtype, quantization=quantization)
     params = local_tensors(model, sources)
     everyone = [None] * world
     dist.all_gather_object(everyone, sources.holdings.to_json())  # what the controller gets in the join
@@ -178,3 +178,56 @@ def test_expert_parallel_ranks_on_a_2d_mesh_send_only_their_experts_and_together
             assert torch.equal(data, reference[offset:offset + data.numel()]), f"rank {r}, bytes at {offset}"
             sent += data.numel()
     assert sent == layout.payload_bytes  # every byte of every tensor, once
+
+
+def _fsdp_quantized_rank(rank: int, world: int, init: str, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        model = tiny_model()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+        def gathered(*_a, **_k):
+            raise AssertionError("a DTensor was gathered")
+
+        DTensor.full_tensor = gathered
+        DTensor.redistribute = gathered
+        sources, filled = sent_by(model, "bfloat16", rank, world, "int8")
+        try:
+            sources_of(model, "bfloat16", quantization="fp8")
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        torch.save({"filled": filled, "layout": sources.layout.to_json(), "refused": refused},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes: `make test`
+def test_fsdp2_ranks_quantize_their_own_rows_into_the_whole_quantized_version(tmp_path):
+    """int8 per channel: each rank quantizes only the rows it holds, and together they send the
+    bytes of the whole model quantized; fp8 blocks of 128 rows that a rank's shard cuts are refused."""
+    from weightsync.model.build import layout_of
+
+    world = 2
+    mp.start_processes(_fsdp_quantized_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
+                       start_method="spawn")
+    model = tiny_model()
+    layout = layout_of(model, "bfloat16", "int8")
+    whole = sources_of(model, "bfloat16", quantization="int8")
+    reference = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    fill_range(layout, local_tensors(model, whole), 0, layout.total_bytes, reference)
+    sent = 0
+    for r in range(world):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert FlatLayout.from_json(got["layout"]) == layout
+        for offset, data in got["filled"].items():
+            assert torch.equal(data, reference[offset:offset + data.numel()]), f"rank {r}, bytes at {offset}"
+            sent += data.numel()
+        assert "cut its 128x128 blocks" in got["refused"] and "\n" not in got["refused"], got["refused"]
+    assert sent == layout.payload_bytes
