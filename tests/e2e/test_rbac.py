@@ -10,6 +10,7 @@ import json
 import uuid
 from pathlib import Path
 
+import kubernetes
 import pytest
 import yaml
 from controlplane import wait_for
@@ -19,6 +20,7 @@ from support.operator_harness import Namespace, Operator  # noqa: E402
 
 from weightsync.job import API_VERSION, CONTROLLER, GROUP, KIND, LABEL_JOB, PLURAL, TRAINER  # noqa: E402
 from weightsync_operator import queueing, render, tokens  # noqa: E402
+from weightsync_operator.kube import ApiError, Kube  # noqa: E402
 from weightsync_operator.reconcile import load  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -142,7 +144,7 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         assert refused(as_operator("patch", "configmap", "unrelated", "-n", watched, "--type=merge", "-p",
                                    '{"data":{"a":"c"}}'), "ValidatingAdmissionPolicy", "children of a WeightTransferJob")
 
-        the_policy_follows_each_jobs_spec(cluster, as_operator, watched, tmp_path)
+        the_policy_follows_each_jobs_spec(cluster, as_operator, token, watched, tmp_path)
 
         # With exactly these rights, as the chart's pod runs it, the operator runs a job and puts
         # back a deleted Secret with the job's token; a job outside its namespaces is not its business.
@@ -195,7 +197,7 @@ def test_the_operator_account_runs_jobs_and_can_do_nothing_else(helm, cluster, t
         cluster.delete_namespaces(release_ns, watched, other)
 
 
-def the_policy_follows_each_jobs_spec(cluster, as_operator, namespace: str, tmp_path: Path) -> None:
+def the_policy_follows_each_jobs_spec(cluster, as_operator, token: str, namespace: str, tmp_path: Path) -> None:
     """What the operator may write for a job depends on that job's spec, which it cannot change:
     the host network only for a job that asks, root and IPC_LOCK only for RDMA, no capability
     beyond, Services on no node's or outside address, the Workload in the job's own queue. Each
@@ -286,6 +288,43 @@ def the_policy_follows_each_jobs_spec(cluster, as_operator, namespace: str, tmp_
     renamed = json.loads(json.dumps(workload))
     renamed["metadata"]["name"] = "plain-other"
     assert refused(write(renamed), "ValidatingAdmissionPolicy", "Workload <job>-wtj")
+    # Its status: the operator finishes it or gives its quota back, and never admits it; it
+    # deletes it only while it holds no quota.
+    made = as_operator("create", "-f", "-", input=json.dumps(workload))
+    assert made.returncode == 0, made.stderr
+    name = workload["metadata"]["name"]
+
+    # The operator's own calls, with its token.
+    config = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    config["users"][0]["user"] = {"token": token}
+    (tmp_path / "workloads.kubeconfig").write_text(yaml.safe_dump(config))
+    kube = Kube(kubernetes.config.new_client_from_config(config_file=str(tmp_path / "workloads.kubeconfig")))
+
+    def stored() -> dict:
+        return json.loads(cluster.kubectl("get", "workloads.kueue.x-k8s.io", name, "-n", namespace, "-o", "json").stdout)
+
+    admitted = {"clusterQueue": "cq", "podSetAssignments": [
+        {"name": role, "count": 1, "flavors": {}, "resourceUsage": {}} for role in (CONTROLLER, TRAINER)]}
+    reserved = {"type": queueing.QUOTA_RESERVED, "status": "True", "reason": "QuotaReserved", "message": "m",
+                "lastTransitionTime": "2026-11-28T00:00:00Z"}
+    with pytest.raises(ApiError, match="admits none and reserves no quota"):
+        kube.patch_status(stored(), {"admission": admitted, "conditions": [reserved]})
+    reserve = cluster.kubectl("patch", "workloads.kueue.x-k8s.io", name, "-n", namespace, "--subresource=status",
+                                    "--type=merge", "-p", json.dumps({"status": {"admission": admitted,
+                                                                                 "conditions": [reserved]}}))
+    assert reserve.returncode == 0  # as Kueue reserves quota
+    with pytest.raises(ApiError, match="only while they hold no quota"):
+        kube.delete(queueing.API_VERSION, queueing.WORKLOAD, namespace, name)
+    kube.patch_status(stored(), queueing.quota_returned(stored(), "2026-11-28T00:01:00Z"))  # the quota given back
+    kube.delete(queueing.API_VERSION, queueing.WORKLOAD, namespace, name)
+
+    # Events: about jobs only.
+    event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "e.1", "namespace": namespace},
+             "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": "someone", "namespace": namespace},
+             "reason": "Hello", "message": "m", "type": "Normal"}
+    assert refused(write(event), "ValidatingAdmissionPolicy", "Events about WeightTransferJobs only")
+    event["involvedObject"] = {"apiVersion": API_VERSION, "kind": KIND, "name": "plain", "namespace": namespace}
+    assert write(event).returncode == 0
 
     # The job itself: annotations yes (kopf's state, the operator's decisions), spec and labels no.
     def patch(body: dict):
