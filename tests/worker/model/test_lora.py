@@ -71,3 +71,16 @@ def test_targets_no_layer_has_are_refused_naming_the_layers_there_are():
     with pytest.raises(SpecError, match="no linear layer of the model is named qkv; its linear layers are named "
                                                  "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
         adapter_layout(model_spec(targets=("qkv",)))
+
+
+def test_the_adapter_is_found_under_the_prefixes_peft_and_wrappers_add():
+    """PeftModel holds the model as base_model.model (its layers then named base_model.model.model.
+    layers...), DDP as module: the adapter's layers are found by the base model's names all the same."""
+    spec = model_spec()
+    model = add_adapters(build(spec, dtype="float32"), spec.lora)
+    inner, outer = torch.nn.Module(), torch.nn.Module()
+    inner.model = model
+    outer.base_model = inner
+    names = [n for n, _ in Adapter.of(spec).tensors(outer)]
+    assert names == adapter_layout(spec).names
+    assert names[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
