@@ -53,7 +53,7 @@ from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Re
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point, tamper_hook
 from weightsync.runtime.metrics import rank_counters
-from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, report_failure, transport_for, wait_for_the_end
+from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, join_job, log, report_failure, wait_for_the_end
 from weightsync.transfer.send import SentVersion, VersionSender
 
 
@@ -103,9 +103,9 @@ class Sync:
             adapter = Adapter.of(ctx.job.model) if ctx.job.model.lora is not None else None
             self.sources: Sources = sources_of(model, ctx.job.model.dtype, adapter, ctx.job.model.quantization)
             device = self.sources.device
-            name, why, self.sender = transport_for(ctx, self.member, TRAINER, rank, device)
             holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}
-            self.member.join(ctx.pod_ip, self.sources.layout.to_json(), info(ctx, name, why, device, **holds), JOIN_TIMEOUT)
+            joined = join_job(ctx, self.member, TRAINER, rank, device, self.sources.layout.to_json(), **holds)
+            name, why, self.sender = joined.transport, joined.why, joined.end
             if ctx.job.trainer.resumes:
                 self.member.watch_resumes()
             plan, endpoints = self.member.plan(JOIN_TIMEOUT)

@@ -23,7 +23,7 @@ from weightsync.roles.sharded import ShardedInference
 from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating, pause_point
 from weightsync.runtime.inbound import GenerationHandover
-from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, transport_for
+from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log
 from weightsync.transfer.receive import VersionReceiver, settle_heap
 
 
@@ -84,10 +84,11 @@ class Inference:
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         # the weights the model was built with are dropped here
         gens = Generations(params, buffers, layout, self.ctx.job.model.quantization)
-        name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
-        endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
-        pause_point(INFERENCE, self.rank, "joining", 0)  # its start counted, its model built, not joined yet
-        attempt = member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device), JOIN_TIMEOUT)
+        # `before`: its start counted, its model built, not joined yet
+        joined = join_job(self.ctx, member, INFERENCE, self.rank, device, layout.to_json(),
+                          port=self.ctx.data_port + self.local_rank,
+                          before=lambda: pause_point(INFERENCE, self.rank, "joining", 0))
+        name, why, receiver, endpoint, attempt = joined.transport, joined.why, joined.end, joined.endpoint, joined.attempt
         plan, _ = member.plan(JOIN_TIMEOUT)
         again = f" (start {attempt}: rejoining the running job)" if attempt > 1 else ""
         log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; {plan.bytes_for(self.rank)} "

@@ -23,7 +23,7 @@ from weightsync.roles.tp_engine import TensorParallel, load, local_shards, needs
 from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating
 from weightsync.runtime.inbound import GenerationHandover
-from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, info, log, transport_for
+from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, join_job, log
 from weightsync.transfer.receive import VersionReceiver, settle_heap
 
 
@@ -64,11 +64,10 @@ class ShardedInference:
         tp = TensorParallel(member.client().store, self.group, self.rank, device, self.transfer.timeout)
         try:
             tp.shard(model)
-            name, why, receiver = transport_for(self.ctx, member, INFERENCE, self.rank, device)
-            endpoint = receiver.listen(self.ctx.pod_ip, self.ctx.data_port + self.local_rank)
-            attempt = member.join(endpoint, layout.to_json(), info(self.ctx, name, why, device, needs=needs_to_json(needs)),
-                                  JOIN_TIMEOUT)
-            if attempt > 1:
+            joined = join_job(self.ctx, member, INFERENCE, self.rank, device, layout.to_json(),
+                              port=self.ctx.data_port + self.local_rank, needs=needs_to_json(needs))
+            name, why, receiver, endpoint = joined.transport, joined.why, joined.end, joined.endpoint
+            if joined.attempt > 1:
                 raise Expected("a rank of a tensor-parallel replica cannot rejoin its running replica (the replica's "
                                "process group is gone); the job fails instead")
             plan, _ = member.plan(JOIN_TIMEOUT)

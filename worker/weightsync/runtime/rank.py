@@ -10,6 +10,8 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.job.logline import say
@@ -17,6 +19,7 @@ from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, Resuming, connect_store, who
 from weightsync.runtime import health
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
+from weightsync.transport.base import Receiver, Sender
 
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
@@ -104,6 +107,37 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
                                options=options_for(name, context))
     end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)
     return name, why, end
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A rank that joined the job: its end of the transport and what it told the controller."""
+
+    transport: str  # the transport's name
+    why: str  # why that one (resolve_transport's words)
+    end: Sender | Receiver  # a trainer's Sender, an inference rank's Receiver
+    endpoint: str  # where the trainers reach an inference rank (it listens there); a trainer's pod address
+    attempt: int  # the start it joined with (above 1: its process started again)
+
+
+def join_job(ctx: WorkerContext, member: Member, role: str, rank: int, device, layout: str, *, port: int = 0,
+             before: Callable[[], None] = lambda: None, **more) -> Joined:
+    """A rank's start-up, the one every kind of rank runs (a built-in trainer or inference rank, a
+    rank of a tensor-parallel replica, a vLLM server's worker, a user's training script): its end of
+    the job's transport (an inference rank's receiver listening on the pod's address and `port`),
+    then its join with its layout (`layout`, as JSON) and what it tells the controller about itself
+    (`more`: RankInfo's other fields), proving the job token. `before` runs just before the join (a
+    pause point of the fault tests). A rank that cannot join leaves no end of the transport open.
+    The plan comes next, when the rank is ready to wait for it (Member.plan)."""
+    name, why, end = transport_for(ctx, member, role, rank, device)
+    try:
+        endpoint = end.listen(ctx.pod_ip, port) if role == INFERENCE else ctx.pod_ip
+        before()
+        attempt = member.join(endpoint, layout, info(ctx, name, why, device, **more), JOIN_TIMEOUT)
+    except BaseException:
+        end.close()
+        raise
+    return Joined(name, why, end, endpoint, attempt)
 
 
 def info(ctx: WorkerContext, transport: str, why: str, device, **more) -> RankInfo:

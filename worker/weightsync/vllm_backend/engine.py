@@ -48,7 +48,7 @@ from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.runtime.faults import dump, dumping, pause_point
 from weightsync.runtime.inbound import receive_rounds
-from weightsync.runtime.rank import JOIN_TIMEOUT, info, log, report_failure, transport_for
+from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 from weightsync.vllm_backend import follow_server, lora_problem
 from weightsync.vllm_backend.adapter import Adapters
@@ -139,13 +139,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
                         job=ctx.job.identity)
         member.arrive()
-        name, why, receiver = transport_for(ctx, member, INFERENCE, self.rank, self.device)
-        endpoint = receiver.listen(ctx.pod_ip, ctx.data_port + local_rank if ctx.data_port else 0)
         extra = {} if needs is None else {"needs": needs_to_json(needs)}
-        member.join(endpoint, self.layout.to_json(), info(ctx, name, why, self.device, engine="vllm",
-                                                         server=self.place.server, **extra), JOIN_TIMEOUT)
-        self.member, self.receiver = member, receiver
-        log(self.me, f"vLLM worker on {self.device}, {name} transport ({why}); listening on {endpoint}")
+        joined = join_job(ctx, member, INFERENCE, self.rank, self.device, self.layout.to_json(),
+                          port=ctx.data_port + local_rank if ctx.data_port else 0, engine="vllm",
+                          server=self.place.server, **extra)
+        self.member, self.receiver = member, joined.end
+        log(self.me, f"vLLM worker on {self.device}, {joined.transport} transport ({joined.why}); listening on "
+                     f"{joined.endpoint}")
         self.thread = threading.Thread(target=self._rounds, name="weightsync-receive", daemon=True)
         self.thread.start()
 
