@@ -84,3 +84,22 @@ def test_the_adapter_is_found_under_the_prefixes_peft_and_wrappers_add():
     names = [n for n, _ in Adapter.of(spec).tensors(outer)]
     assert names == adapter_layout(spec).names
     assert names[0] == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def test_a_model_peft_wrapped_publishes_the_tensors_peft_saves():
+    """A model wrapped by PEFT itself (get_peft_model, as TRL wraps it): the version's names,
+    shapes and bytes are those of PEFT's own adapter state dict (what adapter_model.safetensors
+    holds, and vLLM loads), and another rank in PEFT's config is refused on one line."""
+    peft = pytest.importorskip("peft", reason="PEFT is a dev dependency (pyproject.toml): make setup installs it")
+    spec = model_spec()
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(build(spec, dtype="float32"), config)
+    sources = sources_of(model, "float32", Adapter.of(spec))
+    saved = peft.get_peft_model_state_dict(model)
+    assert sources.layout.names == list(saved)
+    for tensor, (name, want) in zip(local_tensors(model, sources), saved.items()):
+        assert torch.equal(tensor.reshape(want.shape), want), name
+    other = peft.get_peft_model(build(spec, dtype="float32"), peft.LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(SpecError, match="spec.model.lora.rank: 4, but the model's adapter on .* has rank 8"):
+        sources_of(other, "float32", Adapter.of(spec))
