@@ -90,7 +90,8 @@ def test_a_model_peft_wrapped_publishes_the_tensors_peft_saves():
     """A model wrapped by PEFT itself (get_peft_model, as TRL wraps it): the version's names,
     shapes and bytes are those of PEFT's own adapter state dict (what adapter_model.safetensors
     holds, and vLLM loads), and another rank in PEFT's config is refused on one line."""
-    peft = pytest.importorskip("peft", reason="PEFT is a dev dependency (pyproject.toml): make setup installs it")
+    import peft  # a dev dependency (pyproject.toml), as TRL brings it to a trainer
+
     spec = model_spec()
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -100,6 +101,7 @@ def test_a_model_peft_wrapped_publishes_the_tensors_peft_saves():
     assert sources.layout.names == list(saved)
     for tensor, (name, want) in zip(local_tensors(model, sources), saved.items()):
         assert torch.equal(tensor.reshape(want.shape), want), name
-    other = peft.get_peft_model(build(spec, dtype="float32"), peft.LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    eight = peft.LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    other = peft.get_peft_model(build(spec, dtype="float32"), eight)
     with pytest.raises(SpecError, match="spec.model.lora.rank: 4, but the model's adapter on .* has rank 8"):
         sources_of(other, "float32", Adapter.of(spec))
