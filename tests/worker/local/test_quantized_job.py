@@ -51,4 +51,6 @@ def test_fp8_versions_reach_the_builtin_engine_dequantized_bit_for_bit_and_a_cor
         # within bfloat16's rounding: the trainer's copy cast to bfloat16 casts Llama's rotary
         # inv_freq buffer too, which the inference model, built in bfloat16, keeps in float32
         torch.testing.assert_close(got["logits"], want["logits"], atol=0.02, rtol=0.02)
-    assert [(t["version"], t["deltaRanks"]) for t in local.transfers] == [(0, 0), (1, 1), (2, 1)]  # deltas of the quantized bytes
+    delivered = [(t["version"], t["deltaRanks"]) for t in local.transfers if t.get("inference_ranks", 1)]
+    assert delivered == [(0, 0), (1, 1), (2, 1)]  # deltas of the quantized bytes; version 3 reached no rank
+    # (the controller may close version 3's round, with no rank, before the failure reaches it)

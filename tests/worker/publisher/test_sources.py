@@ -61,23 +61,37 @@ def sent_by(model, dtype: str, rank: int, world: int, quantization: str | None =
     return sources, filled
 
 
+def never_gathered() -> None:
+    """In a rank's process: any DTensor gathered from here on fails the test (publishing reads a
+    rank's own shards and nothing else)."""
+    from torch.distributed.tensor import DTensor
+
+    def gathered(*_a, **_k):
+        raise AssertionError("a DTensor was gathered")
+
+    DTensor.full_tensor = gathered
+    DTensor.redistribute = gathered
+
+
+def fsdp_tiny_model():
+    """tiny_model with FSDP2 over each layer and the whole, in a rank's process, never gathered."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    never_gathered()
+    return model
+
+
 def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        model = tiny_model()
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-
-        def gathered(*_a, **_k):
-            raise AssertionError("a DTensor was gathered")
-
-        DTensor.full_tensor = gathered
-        DTensor.redistribute = gathered
+        model = fsdp_tiny_model()
         sources, filled = sent_by(model, dtype, rank, world)
         mesh = init_device_mesh("cpu", (world,))
         refused = None
@@ -134,7 +148,7 @@ def _ep_rank(rank: int, world: int, init: str, out: str) -> None:
     Shard(0) over ep and again Shard(0) over fsdp, every other parameter replicated over ep and
     Shard(0) over fsdp."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
@@ -146,11 +160,7 @@ def _ep_rank(rank: int, world: int, init: str, out: str) -> None:
                     continue
                 placements = [Shard(0), Shard(0)] if p.dim() == 3 else [Replicate(), Shard(0)]
                 module._parameters[name] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, placements))
-
-        def gathered(*_a, **_k):
-            raise AssertionError("a DTensor was gathered")
-
-        DTensor.full_tensor = gathered
+        never_gathered()
         sources, filled = sent_by(model, "float32", rank, world)
         torch.save({"filled": filled, "holdings": sources.holdings.to_json()}, os.path.join(out, f"rank{rank}.pt"))
     finally:
@@ -181,21 +191,9 @@ def test_expert_parallel_ranks_on_a_2d_mesh_send_only_their_experts_and_together
 
 
 def _fsdp_quantized_rank(rank: int, world: int, init: str, out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        model = tiny_model()
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-
-        def gathered(*_a, **_k):
-            raise AssertionError("a DTensor was gathered")
-
-        DTensor.full_tensor = gathered
-        DTensor.redistribute = gathered
+        model = fsdp_tiny_model()
         sources, filled = sent_by(model, "bfloat16", rank, world, "int8")
         try:
             sources_of(model, "bfloat16", quantization="fp8")

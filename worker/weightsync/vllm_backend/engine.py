@@ -248,8 +248,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             log(self.me, f"committed version {version} into vLLM in {seconds:.3f}s ({how}; loaded ahead, while it "
                          f"served, in {prepared.seconds:.3f}s)")
         else:
-            what = f"the LoRA adapter {self.ctx.job.model.lora.name}" if self.adapters is not None else "version"
-            log(self.me, f"loaded {what} of version {version} into vLLM in {seconds:.3f}s")
+            what = f"the LoRA adapter {self.ctx.job.model.lora.name} of " if self.adapters is not None else ""
+            log(self.me, f"loaded {what}version {version} into vLLM in {seconds:.3f}s")
         if dumping():
             served = dict(self.adapters.tensors) if self.adapters is not None else served_parameters(self.model)
             dump(INFERENCE, self.rank, version, served, None)
