@@ -15,7 +15,7 @@ from support.roster import make_host
 
 from weightsync.job import Layout, reasons
 from weightsync.rendezvous.join_phase import TrainersRestart
-from weightsync.rendezvous.messages import RankInfo, SentReport
+from weightsync.rendezvous.messages import Applied, RankInfo, SentReport
 from weightsync.rendezvous.protocol import Dropped, Keys, Resuming
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import RankFailed
@@ -87,8 +87,8 @@ def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_r
     assert got == [{0: 2, 1: 2}]
     assert not host.has(Keys.ready(2, 0)), "a ready of an earlier start would let the version go too soon"
     where = zero.resumed(timeout=5)
-    assert (where["version"], where["delivered"], where["step"], where["resumes"]) == (2, 1, 10, 1)
-    assert again.resumed(timeout=5)["attempts"] == {"0": 2, "1": 2}
+    assert (where.version, where.delivered, where.step, where.resumes) == (2, 1, 10, 1)
+    assert again.resumed(timeout=5).attempts == {0: 2, 1: 2}
     assert host.resumes == 1 and host.trainers_run == {0: 2, 1: 2}
     assert "trainer rank 1 is back (start 2, at 127.0.0.1:2001)" in said
     assert any(line.startswith("the trainers resume: ") and "to start again (" in line
@@ -168,7 +168,7 @@ def test_a_trainer_that_stops_once_the_round_is_sent_is_seen_at_the_next_version
     member(host, "trainer", 1).arrive(resumes=True)
     members[("inference", 0)].set(Keys.applied(1, 0, 1), {"digest": "d"})
     host.last_watch = 0.0
-    assert host.collect_applied(rnd, timeout=10) == {0: {"digest": "d"}}  # the round ends as sent
+    assert host.collect_applied(rnd, timeout=10) == {0: Applied("d")}  # the round ends as sent
     with pytest.raises(TrainersRestart, match="trainer rank 1 stopped .its process started again., and trainer rank 0 "
                                               "failed with it"):
         host.next_version(2)

@@ -10,7 +10,7 @@ import pytest
 
 from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
 from weightsync.rendezvous import protocol as rendezvous
-from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport
+from weightsync.rendezvous.messages import Admission, Applied, Peer, RankInfo, Round, SentReport
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
 from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Host, RankFailed
@@ -169,7 +169,7 @@ def test_receivers_a_trainer_lost_are_away_and_not_in_the_next_round():
     host.collect_sent(rnd, timeout=5)
     assert host.seats[1].state == AWAY
     host.set(Keys.applied(0, 0, 1), {"digest": "d"})
-    assert host.collect_applied(rnd, timeout=5) == {0: {"digest": "d"}}  # the round goes on without it
+    assert host.collect_applied(rnd, timeout=5) == {0: Applied("d")}  # the round goes on without it
     assert host.start_round(1).receivers == (0,)
 
 
@@ -375,25 +375,19 @@ def test_a_receiver_silent_during_a_round_is_cut_and_the_sending_trainers_hear_o
     assert rnd.receivers == (0,) and not host.has(Keys.cut(1))
 
 
-def close(m, after: int) -> None:
-    """A trainer rank's close(): after which version, then the count."""
-    m.set(Keys.closed(m.rank), str(after))
-    m.store.add(Keys.CLOSED, 1)
-
-
 def test_the_versions_end_once_every_trainer_closed_and_go_on_while_all_are_ready():
     host, members = started()
     trainers = [members[("trainer", t)] for t in range(2)]
     for m in trainers:
         m.set(Keys.ready(0, m.rank), "1")
     assert host.next_version(0) is True
-    close(trainers[0], 0)
+    trainers[0].closing(0)
     result = []
     waiter = threading.Thread(target=lambda: result.append(host.next_version(1)))
     waiter.start()
     waiter.join(1.0)
     assert waiter.is_alive(), "one trainer rank closed, the other may still publish: the controller waits"
-    close(trainers[1], 0)
+    trainers[1].closing(0)
     waiter.join(10)
     assert result == [False]
 
@@ -401,7 +395,7 @@ def test_the_versions_end_once_every_trainer_closed_and_go_on_while_all_are_read
 def test_trainers_that_publish_different_versions_fail_the_job_naming_them():
     host, members = started()
     trainers = [members[("trainer", t)] for t in range(2)]
-    close(trainers[0], 0)
+    trainers[0].closing(0)
     trainers[1].set(Keys.ready(1, 1), "1")
     with pytest.raises(RankFailed, match=r"trainer rank 0 closed after version 0, but trainer rank 1 is ready for "
                                          r"version 1: every trainer rank must publish the same versions") as err:

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from weightsync.rendezvous.messages import Staged
 from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
 
 
@@ -109,11 +110,14 @@ def test_a_session_opened_to_be_kept_is_opened_as_the_server_pauses_and_left_ope
 
 
 def test_a_servers_session_is_open_and_kept_only_where_every_worker_says_so():
-    both = [Session.record(True, True), Session.record(True, True)]
-    assert Session.of(both) == Session(open=True, keep=True)
-    assert Session.of([Session.record(True, True), Session.record(False, True)]) == Session(open=False, keep=True)
-    assert Session.of([Session.record(False, False)]) == Session()
-    assert Session.of([{"digest": "abc"}]) == Session()  # a worker that says nothing of it: open one, close it
+    def staged(opened: bool, keep: bool) -> Staged:
+        return Staged("abc", session_open=opened, keep_session=keep)
+
+    assert Session.of([staged(True, True), staged(True, True)]) == Session(open=True, keep=True)
+    assert Session.of([staged(True, True), staged(False, True)]) == Session(open=False, keep=True)
+    assert Session.of([staged(False, False)]) == Session()
+    # a worker that says nothing of it: open one, close it
+    assert Session.of([Staged.from_json('{"digest": "abc"}')]) == Session()
     assert Session.of([]) == Session()
 
 

@@ -141,7 +141,7 @@ class Sync:
         version = self.version + 1
         try:
             pause_point(TRAINER, self.rank, "before-ready", version)
-            self.member.set(Keys.ready(version, self.rank), {"step": step})
+            self.member.ready(version, step)
             pause_point(TRAINER, self.rank, "before-go", version)
             # the go comes once the previous version is done (its deadline is the controller's), or
             # after a resume, whose previous version may have been dropped on its way
@@ -172,8 +172,7 @@ class Sync:
         if self.closed:
             return
         try:
-            self.member.set(Keys.closed(self.rank), str(self.version))
-            self.member.store.add(Keys.CLOSED, 1)
+            self.member.closing(self.version)
             end = self._send_final_again()
         except BaseException as e:
             if not isinstance(e, JobEnded):
@@ -215,9 +214,7 @@ class Sync:
         """A torch.distributed Store on the job's own rendezvous (only the job's ranks, proving its
         token, reach it), its keys under `prefix`: for init_process_group(store=..., rank=...,
         world_size=...) among the trainer ranks where torchrun's store is not wanted."""
-        import torch.distributed as dist
-
-        return dist.PrefixStore(prefix, self.member.client().store)
+        return self.member.c10d_store(prefix)
 
     # ------------------------------------------------------------ sending
 
@@ -246,7 +243,7 @@ class Sync:
         """After the last version: send it again whenever the controller says so, until the end."""
         if self.version < 0:
             end = self.member.wait_for_end()
-            return JobEnded(end["state"], end["message"])
+            return JobEnded(end.state, end.message)
         again = 1
         while True:
             try:
@@ -282,11 +279,11 @@ class Sync:
         """This process started again: wait until every trainer rank is back, then go on from the
         version the controller says comes next."""
         where = self.member.resumed(timeout)
-        self.version = where["version"] - 1
-        self.resumed = Resumed(where["delivered"], where["step"], where["version"])
-        last = f"version {where['delivered']} (step {where['step']})" if where["delivered"] is not None else "none"
+        self.version = where.version - 1
+        self.resumed = Resumed(where.delivered, where.step, where.version)
+        last = f"version {where.delivered} (step {where.step})" if where.delivered is not None else "none"
         log(self.me, f"resumed (start {self.member.attempt}): the last version delivered is {last}; the next is "
-                     f"version {where['version']}")
+                     f"version {where.version}")
 
     def _fail(self, error: BaseException, trace: bool = True) -> None:
         """Report the failure naming this rank, and wait (a bounded time) for the controller to end
@@ -310,9 +307,9 @@ class Sync:
         self._leave()
 
     def _restarted(self, error: Restarted) -> None:
-        if self.member.has(Keys.END):  # a pod started again after its job ended: nothing to do
-            end = self.member.get_json(Keys.END)
-            raise JobEnded(end["state"], f"{self.me} started again after the job ended: {end['message']}")
+        end = self.member.end()
+        if end is not None:  # a pod started again after its job ended: nothing to do
+            raise JobEnded(end.state, f"{self.me} started again after the job ended: {end.message}")
         if self.ctx.job.trainer.external:  # refused at once: the job goes on with the process that holds the rank
             world = self.ctx.job.layout.world_size(TRAINER)
             raise Restarted(f"{self.me} of job {self.ctx.job.identity} is taken (this is its start {self.member.attempt}): "
@@ -338,7 +335,7 @@ def attach(model, *, rank: int | None = None, context: WorkerContext | None = No
                             "the file `weightsync run --join-env FILE` writes on one machine), or run the script as "
                             "spec.trainer.command in the job's own trainer pods")
         context, channel = joined_context(join, TRAINER, lambda job, _: external_rank(job, os.environ, rank))
-        channel.store.close()
+        channel.close()
         rank = external_rank(context.job, os.environ, rank)
     ctx = context or WorkerContext.from_environ()
     if ctx.role != TRAINER:

@@ -3,7 +3,7 @@
 Each is a frozen dataclass with its JSON written and read in one place (to_json, from_json), so a
 reader knows the shape of what a rank publishes and of what the controller reads back, and a field
 added is added on both sides at once. JSON object keys are strings: the ranks and offsets that key
-these messages are ints again once read. The store keys they live under are in protocol.Keys.
+these messages are ints again once read. The store keys they live under are in keys.Keys.
 """
 
 from __future__ import annotations
@@ -127,3 +127,144 @@ def _keyed(by_int: Mapping[int, Any]) -> dict[str, Any]:
 
 def _unkeyed(by_str: Mapping[str, Any]) -> dict[int, Any]:
     return {int(k): v for k, v in by_str.items()}
+
+
+@dataclass(frozen=True)
+class End:
+    """The controller's end of the job (Keys.END), which every rank waits for or checks: its state
+    (job.states), the reason of a failure, and the line that says why."""
+
+    state: str
+    message: str = ""
+    reason: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"state": self.state, "reason": self.reason, "message": self.message})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> End:
+        obj = json.loads(text)
+        return cls(obj["state"], obj.get("message", ""), obj.get("reason", ""))
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A trainer rank is ready to send a version (Keys.ready), at this training step (None: its
+    script did not say): the controller checks that every trainer rank says the same."""
+
+    step: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Ready:
+        """A value that is no such object (a bare "1") says no step, as a ready without one."""
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return cls()
+        return cls(obj.get("step")) if isinstance(obj, dict) else cls()
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where the trainers resume (Keys.RESUME), published once the controller took every trainer
+    rank back: the next version, the last delivered and its step (None before the first), and the
+    start of each trainer rank it took back (a rank finds its own start there)."""
+
+    resumes: int  # the resumes begun so far (Keys.RESUMING)
+    version: int  # the next version
+    delivered: int | None = None
+    step: int | None = None
+    attempts: Mapping[int, int] = field(default_factory=dict)  # {trainer rank: its start}
+
+    def to_json(self) -> str:
+        return json.dumps({"resumes": self.resumes, "version": self.version, "delivered": self.delivered,
+                           "step": self.step, "attempts": _keyed(self.attempts)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ResumePoint:
+        obj = json.loads(text)
+        return cls(obj["resumes"], obj["version"], obj["delivered"], obj["step"], _unkeyed(obj["attempts"]))
+
+
+@dataclass(frozen=True)
+class Applied:
+    """An inference rank received, verified and switched to a version (Keys.applied): its digest,
+    which the controller checks, and where its seconds went, for the round's record."""
+
+    digest: str
+    seconds: float | None = None  # receiving
+    patched: int = 0  # buckets applied as patches on its base
+    refused: int = 0  # patches it could not apply (the trainers sent those buckets whole)
+    why_refused: str | None = None  # the first of them
+    verify_seconds: float | None = None  # waiting for the reference digest and comparing
+    load_seconds: float | None = None  # the engine's load (None: an engine that loads nothing)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Applied:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A vLLM worker received and verified a version and waits for its server to load it
+    (Keys.staged): its digest, whether its weight-update session is open and kept open
+    (vllm_backend.control.Session), and with loadAhead how long its shadow load took."""
+
+    digest: str
+    session_open: bool = False
+    keep_session: bool = False
+    prepare_seconds: float | None = None  # loadAhead only
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Staged:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a round's receivers check their digest against (Keys.ref): the version's digest, or
+    over slices each receiver's own digest (a JSON object), as transfer.receive.reference_digests
+    makes them."""
+
+    digest: str | None = None  # the whole version's
+    receivers: Mapping[int, str] = field(default_factory=dict)  # over slices: {receiver: its digest}
+
+    @classmethod
+    def made(cls, digests: str | Mapping[int, str]) -> Reference:
+        return cls(digests) if isinstance(digests, str) else cls(receivers=dict(digests))
+
+    def of(self, receiver: int) -> str | None:
+        """The digest `receiver` must have (None: over slices, not in the round)."""
+        return self.digest if self.digest is not None else self.receivers.get(receiver)
+
+    def to_json(self) -> str:
+        return self.digest if self.digest is not None else json.dumps(_keyed(self.receivers), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Reference:
+        text = text.decode() if isinstance(text, bytes) else text
+        return cls(receivers=_unkeyed(json.loads(text))) if text.startswith("{") else cls(text)
+
+
+@dataclass(frozen=True)
+class PublishedPlan:
+    """The transfer plan as the controller publishes it once every rank joined (Keys.PLAN, signed
+    under Keys.PLAN_MAC): the plan's own JSON (plan.sliced_plan.plan_from_json reads it)."""
+
+    plan: str
+
+    def to_json(self) -> str:
+        return json.dumps({"plan": self.plan})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> PublishedPlan:
+        return cls(json.loads(text)["plan"])

@@ -1,8 +1,8 @@
 """The rendezvous protocol through the controller's store (store/: only the job's processes,
-proving the job's token, can read or write it): the keys, and a rank's side of it (the messages
-under the keys are typed in messages.py).
+proving the job's token, can read or write it): a rank's side of it (the keys are named in
+keys.py, the messages under them typed in messages.py).
 
-Every key is named by Keys below. A rank joins with an attempt number (1, then one more each time
+Every key is named by Keys (keys.py). A rank joins with an attempt number (1, then one more each time
 its process starts again): the controller issues a fresh challenge per attempt, the rank proves
 the job token over it and what it publishes, and only then is it admitted. Each sending of a
 version is a Round that the controller announces with the go: which inference ranks receive it
@@ -25,7 +25,17 @@ from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
 from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.job.token import mac, same
 from weightsync.plan.sliced_plan import plan_from_json
-from weightsync.rendezvous.messages import Peer, RankInfo, Round, peers_from_json
+from weightsync.rendezvous.keys import Keys
+from weightsync.rendezvous.messages import (
+    End,
+    Peer,
+    PublishedPlan,
+    RankInfo,
+    Ready,
+    ResumePoint,
+    Round,
+    peers_from_json,
+)
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused, StoreTimeout
 
@@ -125,6 +135,29 @@ class Channel:
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
+    def end(self) -> End | None:
+        """The controller's end of the job, None while it runs."""
+        return End.from_json(self.store.get(Keys.END)) if self.has(Keys.END) else None
+
+    def starts(self, role: str, rank: int) -> int:
+        """How many times (role, rank)'s process started (Keys.join; 0: not yet)."""
+        return self.store.add(Keys.join(role, rank), 0)
+
+    def resumes(self) -> int:
+        """How many times the trainers began to resume from their checkpoint (Keys.RESUMING)."""
+        return self.store.add(Keys.RESUMING, 0)
+
+    def verification_failed(self) -> None:
+        """Count a version that failed verification (Keys.VERIFY_FAILURES)."""
+        self.store.add(Keys.VERIFY_FAILURES, 1)
+
+    def verification_failures(self) -> int:
+        return self.store.add(Keys.VERIFY_FAILURES, 0)
+
+    def close(self) -> None:
+        """Close this client's connection to the store."""
+        self.store.close()
+
     def rank_failed(self, role: str, rank: int, message: str) -> None:
         """Tell the controller why (role, rank) gave up: its reason, then the counter it watches."""
         self.set(Keys.failed(role, rank), message)
@@ -155,121 +188,6 @@ class Channel:
             if deadline is not None and time.monotonic() >= deadline:
                 missing = [k for k in keys if not self.store.check([k])]
                 raise TimedOut(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
-
-
-class Keys:
-    """Every key of the rendezvous (role is "trainer" or "inference", rank the rank within it).
-    The controller deletes a version's keys but its record (done) two versions later (Host.forget)."""
-
-    FAILURES = "failures"  # counter: failures reported (failed/<role>/<rank> says whose)
-    VERIFY_FAILURES = "verify_failures"  # counter: versions that failed verification
-    PLAN, PLAN_MAC = "plan", "plan/mac"  # controller: the plan, HMAC'd with the token
-    # controller: the defaulted job (Job.to_object(), its resolved network mode as an annotation)
-    # that external ranks read instead of a spec file (rendezvous/external_rank.py), HMAC'd with the token
-    JOB, JOB_MAC = "job", "job/mac"
-    END = "end"  # controller: the job is over {"state", "reason", "message"}
-    CLOSED = "closed"  # counter: trainer ranks that closed (closed/<rank> says after which version)
-    LATEST = "latest"  # controller: the last version it said go for (its first sending)
-    RESUMING = "resuming"  # counter: the times the trainers began to resume from their checkpoint
-    # controller: where the trainers resumed, last {"resumes", "version" (the next one), "delivered"
-    # (the last delivered, or None), "step" (its step), "attempts" {trainer rank: its start}}
-    RESUME = "resume"
-
-    @staticmethod
-    def join(role: str, rank: int) -> str:
-        """rank: a counter, its attempt number (above 1: its process started again)."""
-        return f"join/{role}/{rank}"
-
-    @staticmethod
-    def nonce(role: str, rank: int, attempt: int) -> str:
-        """controller: a fresh random challenge for that attempt."""
-        return f"nonce/{role}/{rank}/{attempt}"
-
-    @staticmethod
-    def published(what: str, role: str, rank: int, attempt: int) -> str:
-        """rank: its "endpoint", "meta" (FlatLayout json), "info" (RankInfo) and "proof" (HMAC of
-        the nonce and the other three) for that attempt."""
-        return f"{what}/{role}/{rank}/{attempt}"
-
-    @staticmethod
-    def peers(epoch: int) -> str:
-        """controller: the inference ranks' endpoints as of `epoch` (0 at the plan; one more per
-        rejoin), and .../mac its HMAC."""
-        return f"peers/{epoch}"
-
-    @staticmethod
-    def ready(version: int, rank: int) -> str:
-        """trainer: ready to send `version`."""
-        return f"ready/{version}/{rank}"
-
-    @staticmethod
-    def closed(rank: int) -> str:
-        """trainer: it publishes no more versions; the value is the last it published (-1: none)."""
-        return f"closed/{rank}"
-
-    @staticmethod
-    def go(version: int, again: int = 0) -> str:
-        """controller: a Round (json); again > 0 sends the final version once more, to ranks that
-        rejoined after it went out."""
-        return f"go/{version}" if not again else f"go/{version}/again/{again}"
-
-    @staticmethod
-    def sent(version: int, again: int, rank: int) -> str:
-        """trainer: its report of the round (SentReport)."""
-        return f"sent/{version}/{rank}" if not again else f"sent/{version}/again/{again}/{rank}"
-
-    @staticmethod
-    def cut(version: int, again: int = 0) -> str:
-        """controller: the receivers of a round it counted away while the round was on its way
-        (json list); trainers stop sending to them at once instead of waiting out their timeout."""
-        return f"cut/{version}" if not again else f"cut/{version}/again/{again}"
-
-    @staticmethod
-    def dropped(version: int) -> str:
-        """controller: why it dropped that version while it was on its way (a trainer rank stopped
-        and the trainers resume); its receivers take none of it and wait for the next."""
-        return f"dropped/{version}"
-
-    @staticmethod
-    def ref(version: int) -> str:
-        """controller: the digest of `version` from all trainers' checksums."""
-        return f"ref/{version}"
-
-    @staticmethod
-    def applied(version: int, rank: int, attempt: int) -> str:
-        """inference: received, verified and switched to `version` (in that attempt)."""
-        return f"applied/{version}/{rank}/{attempt}"
-
-    @staticmethod
-    def staged(version: int, rank: int, attempt: int) -> str:
-        """inference (vLLM): received and verified `version`, waiting for the controller to have
-        its server load it (then applied)."""
-        return f"staged/{version}/{rank}/{attempt}"
-
-    @staticmethod
-    def welcome(rank: int, attempt: int) -> str:
-        """controller: the Round a rejoined inference rank receives first."""
-        return f"welcome/{rank}/{attempt}"
-
-    @staticmethod
-    def done(version: int, again: int = 0) -> str:
-        """controller: the round's record."""
-        return f"done/{version}" if not again else f"done/{version}/again/{again}"
-
-    @staticmethod
-    def failed(role: str, rank: int) -> str:
-        """any rank: why it gave up (the FAILURES counter goes up with it)."""
-        return f"failed/{role}/{rank}"
-
-    @staticmethod
-    def beat(role: str, rank: int) -> str:
-        """any rank: a counter bumped every HEARTBEAT seconds."""
-        return f"beat/{role}/{rank}"
-
-    @staticmethod
-    def bye(role: str, rank: int) -> str:
-        """any rank: saw the end; the controller may go."""
-        return f"bye/{role}/{rank}"
 
 
 def ranks_of(layout: Layout) -> list[tuple[str, int]]:
@@ -342,6 +260,16 @@ class Member(Channel):
         """Another client of the same store, for another thread."""
         return Channel(connect_store(*self.address))
 
+    def c10d_store(self, prefix: str | None = None):
+        """Another client of the same store as a torch.distributed Store, its keys under `prefix`
+        where given: for what takes a Store object (a process group, a transport's handshake)."""
+        store = connect_store(*self.address)
+        if prefix is None:
+            return store
+        import torch.distributed as dist
+
+        return dist.PrefixStore(prefix, store)
+
     @contextmanager
     def cuts(self, rnd: Round, on_cut: Callable[[int], None], every: float = CUT_POLL) -> Iterator[None]:
         """While the body sends `rnd`: each receiver the controller counts away meanwhile
@@ -370,9 +298,9 @@ class Member(Channel):
             thread.join()
 
     def check_end(self) -> None:
-        if self.has(Keys.END):
-            end = self.get_json(Keys.END)
-            raise JobEnded(end["state"], end["message"])
+        end = self.end()
+        if end is not None:
+            raise JobEnded(end.state, end.message)
         if self.role == TRAINER:
             self.check_resuming()
 
@@ -384,10 +312,10 @@ class Member(Channel):
     def say(self, message: str) -> None:
         logline.say(self.name, message)
 
-    def wait_for_end(self) -> dict:
-        """Wait for the controller's end of the job: {"state", "message"}."""
+    def wait_for_end(self) -> End:
+        """Wait for the controller's end of the job."""
         self.wait([Keys.END], "the end of the job")
-        return self.get_json(Keys.END)
+        return End.from_json(self.get(Keys.END))
 
     def arrive(self, resumes: bool = False) -> int:
         """Count this process's start (at once, before anything slow: the controller learns of
@@ -400,11 +328,11 @@ class Member(Channel):
                             "rejoin a running job: the built-in trainer keeps no checkpoint to resume from")
         return attempt
 
-    def resumed(self, timeout: float) -> dict:
-        """A trainer rank that started again: where the trainers resume ({"version": the next one,
-        "delivered", "step"}), once the controller took every trainer rank back (Keys.RESUME)."""
+    def resumed(self, timeout: float) -> ResumePoint:
+        """A trainer rank that started again: where the trainers resume, once the controller took
+        every trainer rank back (Keys.RESUME)."""
         def taken() -> bool:
-            return self.has(Keys.RESUME) and self.get_json(Keys.RESUME)["attempts"].get(str(self.rank)) == self.attempt
+            return self.has(Keys.RESUME) and self.resume_point().attempts.get(self.rank) == self.attempt
 
         deadline = time.monotonic() + timeout
         while not taken():
@@ -416,17 +344,30 @@ class Member(Channel):
             except TimeoutError:
                 pass
             time.sleep(0.05)
-        return self.get_json(Keys.RESUME)
+        return self.resume_point()
+
+    def resume_point(self) -> ResumePoint:
+        return ResumePoint.from_json(self.get(Keys.RESUME))
 
     def watch_resumes(self) -> None:
         """From now on, this trainer rank's waits end (Resuming) once the trainers begin to resume
         again: a process of an earlier start must end so that it starts again with the others."""
-        self.resumes_seen = self.store.add(Keys.RESUMING, 0)
+        self.resumes_seen = self.resumes()
 
     def check_resuming(self) -> None:
-        if self.resumes_seen is not None and self.store.add(Keys.RESUMING, 0) > self.resumes_seen:
+        if self.resumes_seen is not None and self.resumes() > self.resumes_seen:
             raise Resuming(f"{self.name}: the job's trainers resume from their checkpoint (a trainer rank started again); "
                            "this process ends so that it starts again and resumes with them")
+
+    def ready(self, version: int, step: int | None) -> None:
+        """A trainer rank: ready to send `version`, at training step `step`."""
+        self.set(Keys.ready(version, self.rank), Ready(step).to_json())
+
+    def closing(self, last: int) -> None:
+        """A trainer rank: it publishes no more versions, the last it published being `last`
+        (-1: none); the controller counts the trainer ranks that closed."""
+        self.set(Keys.closed(self.rank), str(last))
+        self.store.add(Keys.CLOSED, 1)
 
     def join(self, endpoint: str, meta: str, about: RankInfo, timeout: float) -> int:
         """Publish endpoint, layout and what the rank tells about itself, proving the job token over
@@ -451,7 +392,7 @@ class Member(Channel):
         if not same(self.get(Keys.PLAN_MAC).decode(), plan_mac(self.token, text)):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, "
                              "or a wrong token file)")
-        return plan_from_json(json.loads(text)["plan"]), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+        return plan_from_json(PublishedPlan.from_json(text).plan), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
     def peers(self, epoch: int, timeout: float) -> dict[int, Peer]:
         """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""

@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 
 from weightsync.job import TRAINER, reasons
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, RankFailed, named
-from weightsync.rendezvous.messages import Admission
+from weightsync.rendezvous.messages import Admission, ResumePoint
 from weightsync.rendezvous.protocol import Keys, who
 
 POLL = 0.05  # seconds between looks at the trainers' starts and proofs
@@ -97,8 +97,7 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
     for t in range(trainers):
         host.beats.pop((TRAINER, t), None)  # their silence counts from now
     host.trainers_run, host.resumes = back, resumes
-    host.set(Keys.RESUME, {"resumes": resumes, "version": version, "delivered": delivered, "step": step,
-                           "attempts": {str(t): a for t, a in back.items()}})
+    host.set(Keys.RESUME, ResumePoint(resumes, version, delivered, step, back).to_json())
     return back
 
 

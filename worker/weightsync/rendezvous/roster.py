@@ -33,7 +33,19 @@ from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
-from weightsync.rendezvous.messages import Admission, Peer, RankInfo, Round, SentReport, peers_to_json
+from weightsync.rendezvous.messages import (
+    Admission,
+    Applied,
+    End,
+    Peer,
+    PublishedPlan,
+    RankInfo,
+    Ready,
+    Round,
+    SentReport,
+    Staged,
+    peers_to_json,
+)
 from weightsync.rendezvous.parking import Parking
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import (
@@ -54,14 +66,6 @@ from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING,
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
-
-def _step(ready: bytes) -> int | None:
-    """The training step a trainer rank said it is ready with (Keys.ready), None if it said none."""
-    try:
-        return json.loads(ready).get("step")
-    except (ValueError, AttributeError):
-        return None
-
 
 class _AllClosed(Exception):
     """Every trainer rank closed: there is no next version."""
@@ -169,7 +173,7 @@ class Host(Channel, Parking):
         if check_rejoin is not None:
             self.check_rejoin = check_rejoin
         self.published = True
-        text = json.dumps({"plan": plan_json})
+        text = PublishedPlan(plan_json).to_json()
         self.set(Keys.PLAN, text)
         self.set(Keys.PLAN_MAC, plan_mac(self.token, text))
         now = time.monotonic()
@@ -241,7 +245,7 @@ class Host(Channel, Parking):
                       check=check)
         except _AllClosed:
             return False
-        steps = {t: step for t in range(trainers) if (step := _step(self.get(Keys.ready(version, t)))) is not None}
+        steps = {t: step for t in range(trainers) if (step := Ready.from_json(self.get(Keys.ready(version, t))).step) is not None}
         if len(set(steps.values())) > 1:
             told = ", ".join(f"{who(TRAINER, t)} at step {s}" for t, s in steps.items())
             raise RankFailed(f"the trainer ranks publish version {version} at different steps ({told}): every trainer "
@@ -260,28 +264,28 @@ class Host(Channel, Parking):
                 self._lost(r, f"{who(TRAINER, t)} lost it while sending {rnd.name}: {why}")
         return reports
 
-    def collect_applied(self, rnd: Round, timeout: float) -> dict[int, dict]:
+    def collect_applied(self, rnd: Round, timeout: float) -> dict[int, Applied]:
         """{inference rank: what it applied} from every receiver of the round that is still there;
         one that vanished meanwhile is away, and the round goes on without it. Where the trainers
         resume, a trainer rank that stops now (every byte of the round sent) is seen at the next
         version, between two versions, and the round goes on."""
-        return self._collect(rnd, Keys.applied, "apply", timeout)
+        return self._collect(rnd, Keys.applied, Applied.from_json, "apply", timeout)
 
-    def collect_staged(self, rnd: Round, timeout: float) -> dict[int, dict]:
+    def collect_staged(self, rnd: Round, timeout: float) -> dict[int, Staged]:
         """{inference rank: its digest} from every receiver of the round still there that has the
         version received and verified, waiting for its vLLM server to load it."""
-        return self._collect(rnd, Keys.staged, "receive and verify", timeout)
+        return self._collect(rnd, Keys.staged, Staged.from_json, "receive and verify", timeout)
 
-    def _collect(self, rnd: Round, key_of, what: str, timeout: float) -> dict[int, dict]:
+    def _collect(self, rnd: Round, key_of, read, what: str, timeout: float) -> dict:
         pending = dict(self.in_round)
-        got: dict[int, dict] = {}
+        got = {}
         start = time.monotonic()
         pause = 0.0005
         while True:
             for r, attempt in list(pending.items()):
                 key = key_of(rnd.version, r, attempt)
                 if self.has(key):
-                    got[r] = self.get_json(key)
+                    got[r] = read(self.get(key))
                     del pending[r]
                 elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING:
                     del pending[r]
@@ -542,7 +546,7 @@ class Host(Channel, Parking):
     # ------------------------------------------------------------ the end
 
     def end(self, state: str, message: str, reason: str = "") -> None:
-        self.set(Keys.END, {"state": state, "reason": reason, "message": message})
+        self.set(Keys.END, End(state, message, reason).to_json())
 
     def wait_byes(self, timeout: float) -> list[str]:
         """Wait (a bounded time) for every rank that can still answer (not away, not silent) to

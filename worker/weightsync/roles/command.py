@@ -36,6 +36,7 @@ import time
 from functools import partial
 
 from weightsync.job import MASTER_PORT, MASTER_PORTS, TRAINER, WorkerContext, master_addr, states, torchrun_env
+from weightsync.rendezvous.messages import End
 from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
 from weightsync.runtime.health import PodHealth
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
@@ -56,8 +57,8 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     for slot in slots:  # alive while this process runs; the command's ranks beat to the controller
         slot.start()
     channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
-    resumes = channel.store.add(Keys.RESUMING, 0)  # the trainers' resumes begun before this command
-    started = {r: channel.store.add(Keys.join(TRAINER, r), 0) for r in ranks}  # its ranks' starts before it
+    resumes = channel.resumes()  # the trainers' resumes begun before this command
+    started = {r: channel.starts(TRAINER, r) for r in ranks}  # its ranks' starts before it
     port = int(os.environ.get("MASTER_PORT") or MASTER_PORT)
     env = {**torchrun_env(ctx.job, ctx.ordinal, os.environ.get("MASTER_ADDR") or master_addr(ctx.job), port), **os.environ}
     if ctx.job.trainer.resumes:  # the resume's own port
@@ -76,7 +77,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     deadline = time.monotonic() + ctx.job.trainer.attach_timeout_seconds
     code, end, gone = None, None, False
     while code is None:
-        if end is not None and end["state"] == states.SUCCEEDED:
+        if end is not None and end.state == states.SUCCEEDED:
             succeeded.set()
         if end is not None or gone:  # only the command is left to wait for
             try:
@@ -101,7 +102,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
             stop(proc, grace=STOP_GRACE)
             proc.wait()
             return 1
-        if end is not None and end["state"] != states.SUCCEEDED and code is None:
+        if end is not None and end.state != states.SUCCEEDED and code is None:
             log(me, "the job failed: stopping the command")
             stop(proc, grace=STOP_GRACE)  # torchrun passes the SIGTERM on to its workers
         elif late and time.monotonic() > deadline and code is None:
@@ -114,8 +115,8 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     resuming = False
     if end is None and not gone:
         try:
-            end = channel.get_json(Keys.END) if channel.has(Keys.END) else None
-            resuming = end is None and ctx.job.trainer.resumes and channel.store.add(Keys.RESUMING, 0) > resumes
+            end = channel.end()
+            resuming = end is None and ctx.job.trainer.resumes and channel.resumes() > resumes
         except (OSError, ConnectionError, RuntimeError) as e:
             log(me, f"lost the controller's store ({e}) as the command exited")
             gone = True
@@ -131,24 +132,24 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
                                             f"(sync.close()): {command}", channel)
         log(me, f"the command {how}" + (f" before {', '.join(who(TRAINER, r) for r in open_ranks)} closed" if open_ranks else ""))
     elif gone:  # close() returns only once the job succeeded: a command that exits 0 after it is done
-        end = {"state": states.SUCCEEDED if code == 0 else states.FAILED}
+        end = End(states.SUCCEEDED if code == 0 else states.FAILED)
     return _end(ctx, channel, me, code, end)
 
 
 def _behind_a_resume(ctx: WorkerContext, channel: Channel, resumes: int, started: dict[int, int]) -> bool:
     """Whether the trainers began to resume after the command started while one of its ranks has
     not arrived yet (it may wait in the rendezvous of the processes that are going)."""
-    if not ctx.job.trainer.resumes or channel.store.add(Keys.RESUMING, 0) <= resumes:
+    if not ctx.job.trainer.resumes or channel.resumes() <= resumes:
         return False
-    return any(channel.store.add(Keys.join(TRAINER, r), 0) <= before for r, before in started.items())
+    return any(channel.starts(TRAINER, r) <= before for r, before in started.items())
 
 
-def _wait_end(channel: Channel, timeout: float) -> dict | None:
+def _wait_end(channel: Channel, timeout: float) -> End | None:
     try:
         channel.wait([Keys.END], "the end of the job", timeout)
     except TimeoutError:
         return None
-    return channel.get_json(Keys.END)
+    return channel.end()
 
 
 class Watch:
@@ -161,7 +162,7 @@ class Watch:
     def not_attached(self) -> list[int]:
         for r in self.ranks:
             if r not in self.attached:
-                attempt = self.channel.store.add(Keys.join(TRAINER, r), 0)
+                attempt = self.channel.starts(TRAINER, r)
                 if attempt and self.channel.has(Keys.published("proof", TRAINER, r, attempt)):
                     self.attached.add(r)
                     if len(self.attached) == len(self.ranks):
@@ -170,11 +171,11 @@ class Watch:
         return [r for r in self.ranks if r not in self.attached]
 
 
-def _end(ctx: WorkerContext, channel: Channel, me: str, code: int | None, end: dict | None = None) -> int:
+def _end(ctx: WorkerContext, channel: Channel, me: str, code: int | None, end: End | None = None) -> int:
     """The command is over: wait (bounded) for the job's end, then stay in a cluster."""
     if end is None:
         end = wait_for_the_end(channel, me)
-    state = end["state"] if end else states.FAILED
+    state = end.state if end else states.FAILED
     linger(ctx, me)
     return states.exit_code(state) if code == 0 else 1
 

@@ -102,7 +102,7 @@ class Inference:
             mover.join(timeout=5.0)
             member.stop_heartbeat()
             receiver.close()
-        return gens.end["state"]
+        return gens.end.state
 
     def _generate(self, model, gens: Generations, device) -> None:
         """Generate from the fixed prompt with whatever version is active; switch between generations."""

@@ -61,7 +61,7 @@ class ShardedInference:
             needs = needs_of(model, layout, self.group, self.rank)
         except ValueError as e:
             raise Expected(f"tensor-parallel degree {len(self.group)} (spec.inference): {e}") from None
-        tp = TensorParallel(member.client().store, self.group, self.rank, device, self.transfer.timeout)
+        tp = TensorParallel(member.c10d_store(), self.group, self.rank, device, self.transfer.timeout)
         try:
             tp.shard(model)
             joined = join_job(self.ctx, member, INFERENCE, self.rank, device, layout.to_json(),
@@ -89,7 +89,7 @@ class ShardedInference:
                 receiver.close()
         finally:
             tp.close()
-        return gens.end["state"]
+        return gens.end.state
 
     def _generate(self, model, tp: TensorParallel, layout, local, gens: ShardedGenerations, device) -> None:
         """Generate with whatever version the replica runs, in lockstep with the replica's other ranks."""

@@ -165,7 +165,7 @@ def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str)
     while True:
         try:
             channel.wait([Keys.END], "the end of the job", WATCH_EVERY)
-            return channel.get_json(Keys.END)["state"]
+            return channel.end().state
         except TimeoutError:
             pass
         if proc.poll() is not None:

@@ -23,12 +23,12 @@ import time
 from typing import Protocol
 
 from weightsync.job import INFERENCE, Job
-from weightsync.rendezvous.messages import Round
+from weightsync.rendezvous.messages import Applied, End, Reference, Round
 from weightsync.rendezvous.protocol import HEARTBEAT, Dropped, FellBehind, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import Expected, log
-from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, reference_for
+from weightsync.transfer.receive import ReceivedVersion, VersionReceiver
 from weightsync.transport.base import ChecksumMismatch, TransferError
 
 # seconds a rank whose receive failed waits for the controller to say whether a trainer rank
@@ -68,7 +68,7 @@ class GenerationHandover:
     def __init__(self):
         self.version: int | None = None  # the version the model runs on
         self.staged: int | None = None
-        self.end: dict | None = None
+        self.end: End | None = None
         self.error: BaseException | None = None
         self.cond = threading.Condition()
 
@@ -81,7 +81,7 @@ class GenerationHandover:
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.staged is None or self.error is not None)
 
-    def finish(self, end: dict | None = None, error: BaseException | None = None) -> None:
+    def finish(self, end: End | None = None, error: BaseException | None = None) -> None:
         with self.cond:
             self.end, self.error = end, error
             self.cond.notify_all()
@@ -105,9 +105,9 @@ class GenerationHandover:
         return thread
 
 
-def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: Handover) -> dict:
-    """Take every round the controller announces until the job ends; returns its end
-    ({"state", "message"}). Raises VerificationError, StartAgain, or what the transfer raised."""
+def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: Handover) -> End:
+    """Take every round the controller announces until the job ends; returns its end. Raises
+    VerificationError, StartAgain, or what the transfer raised."""
     rank, me = receiver.rank, who(INFERENCE, receiver.rank)
     transfer = job.transfer
     timeout = transfer.timeout
@@ -121,7 +121,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
         try:
             rnd = member.round(version, again)
         except JobEnded as e:
-            return {"state": e.state, "message": str(e)}
+            return End(e.state, str(e))
         except FellBehind as e:
             raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
         if rank not in rnd.receivers:
@@ -152,14 +152,14 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
             try:
                 member.wait([Keys.ref(version)], f"the reference digest of version {version}", timeout,
                             member.behind(version, Keys.ref(version)))
-                reference = reference_for(member.seen(Keys.ref(version), version).decode(), rank)
+                reference = Reference.from_json(member.seen(Keys.ref(version), version)).of(rank)
             except FellBehind as e:
                 raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
             except Dropped as dropped:
                 log(me, f"{dropped}; {rnd.name} is left unverified here; the model stays on the version it serves")
                 continue
             if got.digest != reference:
-                member.store.add(Keys.VERIFY_FAILURES, 1)
+                member.verification_failed()
                 counters.checksum_failed()
                 sent = (reference or "nothing for this rank")[:16]
                 raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
@@ -170,8 +170,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
         # seconds: receiving; verify_seconds: waiting for the reference digest and comparing;
         # load_seconds: the engine's load (the controller's round record shows the three)
         member.set(Keys.applied(version, rank, member.attempt),
-                   {"digest": got.digest, "seconds": got.seconds, "patched": got.patched, "refused": len(got.refused),
-                    "why_refused": got.refused[0] if got.refused else None, "verify_seconds": round(verified, 6),
-                    "load_seconds": None if loaded is None else round(loaded, 6)})
+                   Applied(got.digest, got.seconds, got.patched, len(got.refused), got.refused[0] if got.refused else None,
+                           round(verified, 6), None if loaded is None else round(loaded, 6)).to_json())
     raise AssertionError("unreachable")
 

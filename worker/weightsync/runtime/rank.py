@@ -15,7 +15,7 @@ from typing import Callable
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.job.logline import say
-from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.messages import End, RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, Resuming, connect_store, who
 from weightsync.runtime import health
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
@@ -61,12 +61,12 @@ def report_failure(ctx: WorkerContext, role: str, rank: int, message: str, chann
         return False
 
 
-def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT, check=None) -> dict | None:
+def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT, check=None) -> End | None:
     """After a failure: wait (at most `timeout`) for the controller to end the job; its end
     record, or None. `check` runs meanwhile, and what it raises ends the wait (Resuming)."""
     try:
         channel.wait([Keys.END], "the controller to end the job", timeout, check)
-        return channel.get_json(Keys.END)
+        return channel.end()
     except Resuming:
         raise
     except TimeoutError:
@@ -102,7 +102,7 @@ def transport_for(ctx: WorkerContext, member: Member, role: str, rank: int, devi
     name, why = resolve_transport(ctx.job.transfer.transport, ctx.network_mode, ctx.colocated)
     layout = ctx.job.layout
     context = RankContext(layout.world_size(TRAINER), layout.world_size(INFERENCE), device,
-                          lambda: member.client().store)
+                          member.c10d_store)
     transport = make_transport(name, token=ctx.token, timeout=ctx.job.transfer.timeout,
                                options=options_for(name, context))
     end = transport.receiver(rank) if role == INFERENCE else transport.sender(rank)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import struct
 import time
 from dataclasses import dataclass, field
@@ -37,25 +36,15 @@ def version_digest(checksums: dict[int, int]) -> str:
     return h.hexdigest()
 
 
-def reference_digests(plan: TransferPlan, sent: list, receivers) -> str:
-    """What the controller publishes as a round's reference, from the trainers' reports of what
-    they sent (each with checksums {offset: xxh3_64}, or over slices receiver_checksums {receiver:
-    {offset: xxh3_64}}, as SentVersion has them): the version's digest, or over slices a JSON
-    object of every receiver's own digest."""
+def reference_digests(plan: TransferPlan, sent: list, receivers) -> str | dict[int, str]:
+    """What the controller publishes as a round's reference (rendezvous.messages.Reference), from
+    the trainers' reports of what they sent (each with checksums {offset: xxh3_64}, or over slices
+    receiver_checksums {receiver: {offset: xxh3_64}}, as SentVersion has them): the version's
+    digest, or over slices {receiver: its own digest}."""
     if not plan.sliced:
         return version_digest({o: c for s in sent for o, c in s.checksums.items()})
-    digests = {}
-    for r in receivers:
-        sums = {o: c for s in sent for o, c in s.receiver_checksums.get(r, {}).items()}
-        digests[str(r)] = version_digest(sums)
-    return json.dumps(digests, sort_keys=True)
-
-
-def reference_for(reference: str, receiver: int) -> str | None:
-    """Inference rank `receiver`'s digest in what reference_digests() made (None: not in the round)."""
-    if not reference.startswith("{"):
-        return reference
-    return json.loads(reference).get(str(receiver))
+    return {r: version_digest({o: c for s in sent for o, c in s.receiver_checksums.get(r, {}).items()})
+            for r in receivers}
 
 
 def settle_heap() -> None:

@@ -35,6 +35,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 
+from weightsync.rendezvous.messages import Staged
+
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
 RESUME_TIMEOUT = 10.0  # seconds a resume may take at least, even past the update's deadline
 UNGUARDED_PROBE = "/get_world_size"  # a control route that changes nothing (Server.open_to_clients)
@@ -59,18 +61,11 @@ class Session:
     open: bool = False
     keep: bool = False
 
-    OPEN, KEEP = "session_open", "keep_session"  # the keys of a worker's staged record that say so
-
     @classmethod
-    def of(cls, staged: list[dict]) -> Session:
+    def of(cls, staged: list[Staged]) -> Session:
         """A server's session from its workers' staged records."""
-        return cls(open=bool(staged) and all(s.get(cls.OPEN) for s in staged),
-                   keep=bool(staged) and all(s.get(cls.KEEP) for s in staged))
-
-    @classmethod
-    def record(cls, opened: bool, keep: bool) -> dict[str, bool]:
-        """What a worker's staged record says of its session."""
-        return {cls.OPEN: opened, cls.KEEP: keep}
+        return cls(open=bool(staged) and all(s.session_open for s in staged),
+                   keep=bool(staged) and all(s.keep_session for s in staged))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from weightsync.model.flat import torch_dtype, views
 from weightsync.model.lora import adapter_layout
 from weightsync.model.quant import VLLM_METHOD, format_of
 from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_json
+from weightsync.rendezvous.messages import Staged
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.runtime.faults import dump, dumping, pause_point
 from weightsync.runtime.inbound import receive_rounds
@@ -53,7 +54,6 @@ from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle
 from weightsync.vllm_backend import follow_server, lora_problem
 from weightsync.vllm_backend.adapter import Adapters
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
-from weightsync.vllm_backend.control import Session
 from weightsync.vllm_backend.place import joining, place_of
 from weightsync.vllm_backend.shards import (
     UnsupportedLayer,
@@ -158,7 +158,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self._check_plan(plan)
             settle_heap()
             end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job, self)
-            log(self.me, f"the job ended: {end['message']}")
+            log(self.me, f"the job ended: {end.message}")
             if self.place.external:  # a pod's server process says goodbye for it; here nobody else does
                 member.bye()
         except BaseException as e:  # noqa: BLE001 - the controller fails the job naming this rank
@@ -186,17 +186,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         returns the seconds the load took. With loadAhead the version is loaded into a shadow of
         the model first, while vLLM serves on (the staged record says how long that took)."""
         # a session closed after every load is reported closed: its finish may still be on its way
-        staged = {"digest": got.digest, **Session.record(self.session and self.keep_session, self.keep_session)}
+        opened = bool(self.session and self.keep_session)
         first = self.loaded is None  # only this thread's offers lead to loads
         prepared = None
         if self.ahead:
             began = time.monotonic()
             prepared = prepare(self.model, self.model_config, self._tensors(self.staging()), presharded, self.spares)
             prepared.seconds = time.monotonic() - began
-            staged["prepare_seconds"] = round(prepared.seconds, 6)
+        staged = Staged(got.digest, session_open=opened, keep_session=self.keep_session,
+                        prepare_seconds=None if prepared is None else round(prepared.seconds, 6))
         with self.cond:
             self.staged, self.prepared = version, prepared
-        self.member.set(Keys.staged(version, self.rank, self.member.attempt), staged)
+        self.member.set(Keys.staged(version, self.rank, self.member.attempt), staged.to_json())
         while True:
             with self.cond:
                 if self.cond.wait_for(lambda: self.loaded == version, STAGED_CHECK):

@@ -30,7 +30,7 @@ from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
 from weightsync.rendezvous.external_rank import JoinError, joined_context
-from weightsync.rendezvous.protocol import Channel, Keys, ProofError
+from weightsync.rendezvous.protocol import Channel, ProofError
 from weightsync.vllm_backend import joining
 
 CLAIM_TIMEOUT = 300.0  # seconds for the controller to answer a claim (it answers between two of its steps)
@@ -74,15 +74,15 @@ def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout
                             "config or checkpoint) in spec.model.dtype (--dtype)") from None
 
         def ended() -> None:
-            if channel.has(Keys.END):
-                raise JoinError(f"job {job.identity} ended before this server could join: "
-                                f"{channel.get_json(Keys.END)['message']}")
+            end = channel.end()
+            if end is not None:
+                raise JoinError(f"job {job.identity} ended before this server could join: {end.message}")
 
         claimed.append(claim(channel, Claim(url, worker, workers, layout.to_json()), CLAIM_TIMEOUT, ended))
         return claimed[0]
 
     ctx, channel = joined_context(join, INFERENCE, rank_of)
-    channel.store.close()
+    channel.close()
     return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], url, external=True)
 
 

@@ -30,7 +30,7 @@ from weightsync.job.errors import JobFailed, failure_of
 from weightsync.job.states import FAILED, SUCCEEDED
 from weightsync.plan.job import bases, delta_in_effect
 from weightsync.rendezvous.join_phase import Deadline, TrainersRestart
-from weightsync.rendezvous.messages import Round, SentReport
+from weightsync.rendezvous.messages import Applied, Reference, Round, SentReport
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, control_key, update_proof, who
 from weightsync.rendezvous.resume import resume
@@ -44,7 +44,7 @@ from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import ControllerMetrics
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
-from weightsync.transfer.receive import reference_digests, reference_for
+from weightsync.transfer.receive import reference_digests
 from weightsync.transport import capabilities_of
 from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
 from weightsync.vllm_backend.guard import MIDDLEWARE
@@ -230,15 +230,15 @@ class Controller:
             raise RoundDropped(rnd, e) from None
         sent_at = time.monotonic()
         pause_point(CONTROLLER, 0, "verifying", rnd.version)
-        reference = reference_digests(plan, sent, rnd.receivers)
+        reference = Reference.made(reference_digests(plan, sent, rnd.receivers))
         carried = any(s.checksums or s.receiver_checksums for s in sent)  # nothing: the round reached no one
         if not host.has(Keys.ref(rnd.version)):
             if carried:  # the first sending that reached a rank: what its receivers, and every repeat, check
-                host.set(Keys.ref(rnd.version), reference)
+                host.set(Keys.ref(rnd.version), reference.to_json())
         else:
-            first = host.get(Keys.ref(rnd.version)).decode()
+            first = Reference.from_json(host.get(Keys.ref(rnd.version)))
             for r in rnd.receivers:
-                was, now = reference_for(first, r), reference_for(reference, r)
+                was, now = first.of(r), reference.of(r)
                 if was is not None and was != now:
                     raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not "
                                     f"the {was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
@@ -248,14 +248,14 @@ class Controller:
         applied = host.collect_applied(rnd, timeout)
         seconds = time.monotonic() - start
         for r, got in sorted(applied.items()):
-            want = reference_for(reference, r) or ""
-            if got["digest"] != want:
-                host.store.add(Keys.VERIFY_FAILURES, 1)
-                raise JobFailed(f"{who(INFERENCE, r)} applied version {rnd.version} with digest {got['digest'][:16]}, "
+            want = reference.of(r) or ""
+            if got.digest != want:
+                host.verification_failed()
+                raise JobFailed(f"{who(INFERENCE, r)} applied version {rnd.version} with digest {got.digest[:16]}, "
                                 f"but the trainers sent {want[:16]}", reasons.VERIFICATION_FAILED)
-            if got.get("refused"):
-                self.say(f"{who(INFERENCE, r)} could not apply {got['refused']} patch(es) of {rnd.name} "
-                         f"({got['why_refused']}); the trainers sent those buckets whole")
+            if got.refused:
+                self.say(f"{who(INFERENCE, r)} could not apply {got.refused} patch(es) of {rnd.name} "
+                         f"({got.why_refused}); the trainers sent those buckets whole")
         host.holding(rnd.version, applied)
         self.metrics.states(counts(states(host.seats, rnd.version)))
         if rnd.again or host.rejoins():
@@ -327,7 +327,7 @@ class Controller:
                 self.say(f"the vLLM server of {who(INFERENCE, rank)} stopped answering while it loaded {rnd.name} "
                          f"({got}) and its ranks went away: {rnd.name} goes on without them")
         times = [t for t in loads.values() if isinstance(t, UpdateTimes)]
-        ahead = [got["prepare_seconds"] for got in staged.values() if got.get("prepare_seconds") is not None]
+        ahead = [got.prepare_seconds for got in staged.values() if got.prepare_seconds is not None]
         return ServerLoads(staging, max(ahead) if ahead else None, UpdateTimes.slowest(times))
 
     def resume(self, version: int, why: TrainersRestart) -> None:
@@ -373,7 +373,7 @@ class Controller:
             self.say(f"could not tell the ranks that the job ended: {e}")
         host.wait_byes(5.0)  # as for success: the ranks see the end before the pods go
         self.reporter.completion(FAILED, message, len(self.reached), reason=reason,
-                                 failed_verifications=host.store.add(Keys.VERIFY_FAILURES, 0),
+                                 failed_verifications=host.verification_failures(),
                                  final_loss=rounded(self.loss))
         linger(self.ctx, ME)
         return 1
@@ -388,7 +388,7 @@ class ServerLoads:
     slowest: UpdateTimes  # each call's and the stall's longest over the servers
 
 
-def phases(transfer: float, verify: float, loads: ServerLoads | None, applied: dict[int, dict],
+def phases(transfer: float, verify: float, loads: ServerLoads | None, applied: dict[int, Applied],
            after: float) -> dict[str, float]:
     """Where a round's seconds went (the round record's phases): the transfer (go to every
     trainer's report), the reference digest, with vLLM servers the staging, each control call,
@@ -399,7 +399,7 @@ def phases(transfer: float, verify: float, loads: ServerLoads | None, applied: d
         if loads.prepare is not None:
             phases["prepare"] = loads.prepare
         phases.update(loads.slowest.to_json())
-        engine = [got["load_seconds"] for got in applied.values() if got.get("load_seconds") is not None]
+        engine = [got.load_seconds for got in applied.values() if got.load_seconds is not None]
         if engine:
             phases["load"] = max(engine)
     phases["applied"] = after
