@@ -1,8 +1,10 @@
 """The worker's layers, checked: a package imports only packages below it (in the order a version
 travels, from the job contract up to the command), never one above it, not even inside a function;
 no two modules import each other, directly or around a loop; no module a reader cannot hold in
-mind; and the operator imports the job contract alone. Imports inside a function are kept for
-heavy optional dependencies (torch, vLLM, uccl, ...), never for weightsync's own modules."""
+mind; the operator imports the job contract alone; and nothing outside rendezvous/ reaches into
+the store client of a rendezvous object, which has a verb for what is asked of it. Imports inside
+a function are kept for heavy optional dependencies (torch, vLLM, uccl, ...), never for
+weightsync's own modules."""
 
 from __future__ import annotations
 
@@ -164,3 +166,32 @@ def test_no_job_phase_is_spelled_outside_the_job_contract():
         wrong += [f"{path.relative_to(ROOT)}:{node.lineno} spells {node.value!r}" for node in ast.walk(tree)
                   if isinstance(node, ast.Constant) and node.value in phases and id(node) not in allowed]
     assert not wrong, "job phases spelled outside weightsync/job/states.py:\n" + "\n".join(wrong)
+
+
+# `.store` attributes outside rendezvous/ that are no rendezvous object's store client, each with
+# its reason: (module, the expression whose .store it is).
+OWN_STORES = {
+    # the nccl transport's own torch store, handed to it in its options (NcclOptions.store)
+    ("weightsync.transport.nccl", "options"), ("weightsync.transport.nccl", "self"),
+    ("weightsync.transport.nccl", "self.t"),
+    # the benchmark's barrier over the case's own TCPStore, which no rendezvous is part of
+    ("weightsync.bench.rank_process", "self"),
+}
+
+
+def test_nothing_outside_the_rendezvous_reaches_into_its_store():
+    """The rendezvous objects (Channel, Member, Host) say what they do with their store in verbs
+    (end, resumes, starts, verification_failed, c10d_store, close, ...): a module that reached into
+    `.store` would write keys and values that rendezvous/ no longer knows of. A method named store
+    that is called (Sync.store(), the trainer's torch store) is a verb of its own."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name.startswith("weightsync.rendezvous"):
+            continue
+        tree = ast.parse(path.read_text())
+        called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+        wrong += [f"{path.relative_to(ROOT)}:{node.lineno} reads {ast.unparse(node)}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr == "store" and id(node) not in called
+                  and (name, ast.unparse(node.value)) not in OWN_STORES]
+    assert not wrong, "modules outside rendezvous/ that reach into a store client (give the rendezvous a verb):\n" + \
+        "\n".join(wrong)
