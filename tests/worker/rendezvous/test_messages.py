@@ -14,6 +14,8 @@ from weightsync.rendezvous.messages import (
     Round,
     SentReport,
     Staged,
+    cut_from_json,
+    cut_to_json,
     peers_from_json,
     peers_to_json,
 )
@@ -93,3 +95,7 @@ def test_the_published_plan_carries_the_plans_own_json():
     published = PublishedPlan('{"kind": "slices"}')
     assert PublishedPlan.from_json(published.to_json()) == published
     assert json.loads(published.to_json()) == {"plan": '{"kind": "slices"}'}
+
+
+def test_the_receivers_cut_off_come_back_in_rank_order():
+    assert cut_to_json({3, 1}) == "[1, 3]" and cut_from_json(cut_to_json({3, 1})) == [1, 3]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,16 @@ def peers_to_json(peers: Mapping[int, Peer]) -> str:
 
 def peers_from_json(text: str | bytes) -> dict[int, Peer]:
     return {int(r): Peer(p["endpoint"], p["attempt"]) for r, p in json.loads(text).items()}
+
+
+def cut_to_json(receivers: Iterable[int]) -> str:
+    """The receivers of a round the controller counted away while it was on its way (Keys.cut),
+    in rank order."""
+    return json.dumps(sorted(receivers))
+
+
+def cut_from_json(text: str | bytes) -> list[int]:
+    return [int(r) for r in json.loads(text)]
 
 
 @dataclass(frozen=True)

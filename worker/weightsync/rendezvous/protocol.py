@@ -34,6 +34,7 @@ from weightsync.rendezvous.messages import (
     Ready,
     ResumePoint,
     Round,
+    cut_from_json,
     peers_from_json,
 )
 from weightsync.rendezvous.store.server import StoreServer
@@ -138,6 +139,11 @@ class Channel:
     def end(self) -> End | None:
         """The controller's end of the job, None while it runs."""
         return End.from_json(self.store.get(Keys.END)) if self.has(Keys.END) else None
+
+    def cut_off(self, rnd: Round) -> list[int]:
+        """The receivers of `rnd` the controller counted away while it was on its way (Keys.cut)."""
+        key = Keys.cut(rnd.version, rnd.again)
+        return cut_from_json(self.store.get(key)) if self.has(key) else []
 
     def starts(self, role: str, rank: int) -> int:
         """How many times (role, rank)'s process started (Keys.join; 0: not yet)."""
@@ -276,12 +282,12 @@ class Member(Channel):
         (Keys.cut) is handed to on_cut once, from a thread with a store client of its own."""
         if self._watcher is None:
             self._watcher = self.client()
-        watcher, key, stop, seen = self._watcher, Keys.cut(rnd.version, rnd.again), threading.Event(), set()
+        watcher, stop, seen = self._watcher, threading.Event(), set()
 
         def watch() -> None:
             while not stop.wait(every):
                 try:
-                    cut = watcher.get_json(key) if watcher.has(key) else []
+                    cut = watcher.cut_off(rnd)
                 except Exception:  # noqa: BLE001 - the controller is gone; the sending thread finds out on its own
                     return
                 for r in cut:
@@ -464,8 +470,7 @@ class Member(Channel):
         """Whether the controller went on without this inference rank in round `rnd`: it cut it off
         (the trainers stopped sending to it), or it is at a later version already, which it only
         is once every receiver of the round applied it or was counted away."""
-        cut = Keys.cut(rnd.version, rnd.again)
-        if self.has(cut) and self.rank in self.get_json(cut):
+        if self.rank in self.cut_off(rnd):
             return True
         latest = self.latest()
         return latest is not None and latest > rnd.version

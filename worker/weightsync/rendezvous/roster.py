@@ -44,6 +44,7 @@ from weightsync.rendezvous.messages import (
     Round,
     SentReport,
     Staged,
+    cut_to_json,
     peers_to_json,
 )
 from weightsync.rendezvous.parking import Parking
@@ -515,7 +516,7 @@ class Host(Channel, Parking):
         vanished may leave their sends to it hanging (no reset ever comes) until their timeout."""
         if self.round is not None and rank in self.in_round and rank not in self.cut:
             self.cut.add(rank)
-            self.set(Keys.cut(self.round.version, self.round.again), sorted(self.cut))
+            self.set(Keys.cut(self.round.version, self.round.again), cut_to_json(self.cut))
 
     def _restarted(self, rank: int, attempt: int) -> None:
         seat = self.seats.get(rank)
