@@ -26,6 +26,13 @@ mean reward, staleness, the rollouts' versions, the trainer's version) and redra
 Run it as a job's spec.trainer.command (examples/rl/job.yaml) or by hand with the job's join
 environment (examples/rl/external-job.yaml). The model is the job's spec.model.config, passed as
 --config (examples/rl/model/config.json: the same config, as the servers started by hand load it).
+
+With --lora RANK (examples/rl/lora-job.yaml, whose spec.model.lora says the same) the policy is a
+frozen base checkpoint plus a PEFT LoRA adapter on every linear layer of the transformer, and only
+the adapter trains: each version is the adapter alone, and the rollouts name the adapter
+(--lora-name, spec.model.lora.name), so the servers run them on its newest version. The servers
+and the trainer load the same base from --base, the job's spec.model.path, which --save-base DIR
+writes first (a random Llama of --config, in bfloat16, the job's dtype).
 """
 
 from __future__ import annotations
@@ -48,14 +55,22 @@ import weightsync
 
 MARK = 1  # the prompts' first token: "name the token for"
 FIRST_KEY = 2  # the keys k are the tokens FIRST_KEY .. FIRST_KEY + prompts - 1
+# the LoRA variant's targets: every linear layer of a Llama's transformer layer (spec.model.lora.targetModules)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The adapter cannot touch the output head or the final norm, so how sure the policy can become of
+# an answer is bounded by the frozen head's scale: at transformers' initializer_range of 0.02 an
+# answer's probability stays below about 0.2. The LoRA variant's base is drawn at 0.05: its first
+# samples still spread over the vocabulary, and the adapter can make an answer's probability
+# approach 1.
+LORA_BASE_INIT = 0.05
 REQUEST_TIMEOUT = 120.0  # seconds for one generate request (the server may be loading a version)
 SERVING_TIMEOUT = 300.0  # seconds for every server to serve the first version published
 
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True,
-                        help="the job's spec.model.config: JSON, or a config.json file (a Llama, random init)")
+    parser.add_argument("--config", help="the job's spec.model.config: JSON, or a config.json file (a Llama, random "
+                                         "init); with --lora the model is --base's")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--prompts", type=int, default=8, help="distinct prompts, all of them every step")
     parser.add_argument("--group", type=int, default=64, help="samples per prompt (GRPO's group)")
@@ -63,9 +78,22 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.2, help="the importance ratio's clip range (PPO's epsilon)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="rl-out", help="folder for metrics.jsonl and reward.png")
+    lora = parser.add_argument_group("LoRA", "train a PEFT LoRA adapter over a frozen base (examples/rl/lora-job.yaml)")
+    lora.add_argument("--lora", type=int, metavar="RANK", help="the adapter's rank (spec.model.lora.rank)")
+    lora.add_argument("--lora-alpha", type=int, help="spec.model.lora.alpha (default: twice the rank)")
+    lora.add_argument("--lora-name", default="adapter", help="spec.model.lora.name: what the rollouts ask the servers for")
+    lora.add_argument("--base", help="the base checkpoint, the job's spec.model.path")
+    lora.add_argument("--save-base", metavar="DIR",
+                      help="write the LoRA variant's base checkpoint (a random Llama of --config) to DIR and exit")
     args = parser.parse_args()
     if args.prompts < 1 or args.group < 2 or args.steps < 1:
         parser.error("--steps and --prompts must be at least 1, --group at least 2 (advantages compare a group)")
+    if args.config is None and (args.lora is None or args.save_base):
+        parser.error("--config is needed: the job's spec.model.config (or, with --lora, --base alone)")
+    if args.lora is not None and (args.lora < 1 or args.base is None):
+        parser.error("--lora RANK needs a rank of at least 1 and --base, the job's spec.model.path")
+    if args.lora_alpha is None and args.lora is not None:
+        args.lora_alpha = 2 * args.lora
     return args
 
 
@@ -108,10 +136,11 @@ def post(url: str, body: dict) -> dict:
         raise RuntimeError(f"{url} answered {e.code}: {e.read().decode(errors='replace')[:500]}") from None
 
 
-def sample(server: str, task: Task, i: int, group: int) -> list[Rollout]:
-    """`group` answers to prompt i from one server, each with its logprob and weight version."""
+def sample(server: str, task: Task, i: int, group: int, adapter: str | None = None) -> list[Rollout]:
+    """`group` answers to prompt i from one server, each with its logprob and weight version; on
+    the LoRA adapter served under the name `adapter` where one is given, else on the whole model."""
     got = post(server + "/inference/v1/generate", {
-        "token_ids": task.prompt(i),
+        **({"model": adapter} if adapter else {}), "token_ids": task.prompt(i),
         "sampling_params": {"n": group, "temperature": 1.0, "max_tokens": 1, "logprobs": 0, "ignore_eos": True}})
     rollouts = []
     for choice in got["choices"]:
@@ -144,6 +173,30 @@ def wait_until_serving(servers: tuple[str, ...], version: int) -> None:
                 raise TimeoutError(f"{server} did not serve version {version} within {SERVING_TIMEOUT:.0f}s "
                                    f"(it serves {served!r})")
             time.sleep(0.2)
+
+
+def read_config(config: str) -> dict:
+    return json.loads(Path(config).read_text() if config.endswith(".json") else config)
+
+
+def save_base(config: dict, seed: int, folder: Path) -> None:
+    """The LoRA variant's base checkpoint: a random Llama of `config`, drawn at LORA_BASE_INIT, in
+    bfloat16 (the job's spec.model.dtype), with config.json: what the servers and --base load."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**config, "initializer_range": LORA_BASE_INIT}))
+    model.to(torch.bfloat16).save_pretrained(folder)
+
+
+def policy(args: argparse.Namespace) -> torch.nn.Module:
+    """The model to train: the whole random Llama of --config, or (--lora) the base checkpoint with
+    a PEFT LoRA adapter whose parameters alone require gradients."""
+    if args.lora is None:
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**read_config(args.config)))
+    import peft  # pip install 'weightsync[examples]'
+
+    base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+    return peft.get_peft_model(base, peft.LoraConfig(r=args.lora, lora_alpha=args.lora_alpha,
+                                                     target_modules=list(LORA_TARGETS)))
 
 
 def policy_loss(model, task: Task, rollouts: list[Rollout], advantages: torch.Tensor, clip: float):
@@ -196,14 +249,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     args = arguments()
+    if args.save_base:
+        save_base(read_config(args.config), args.seed, Path(args.save_base))
+        print(f"the LoRA variant's base checkpoint is in {args.save_base}", flush=True)
+        return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
         raise SystemExit(f"this example trains on one trainer rank (spec.trainer: replicas 1, procsPerPod 1); "
                          f"WORLD_SIZE is {world}")
     torch.manual_seed(args.seed)
-    config = json.loads(Path(args.config).read_text() if args.config.endswith(".json") else args.config)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model = policy(args).train()
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     task = Task.make(args.prompts, model.config.vocab_size, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -220,11 +276,14 @@ def main() -> None:
         servers = sync.servers()
         if not servers:
             raise SystemExit("the job's inference ranks serve no HTTP: set spec.inference.engine: vllm")
-        print(f"vLLM servers: {', '.join(servers)}; {args.prompts} prompts x {args.group} samples a step", flush=True)
+        adapter = args.lora_name if args.lora is not None else None
+        print(f"vLLM servers: {', '.join(servers)}; {args.prompts} prompts x {args.group} samples a step"
+              + (f" on the LoRA adapter {adapter!r}" if adapter else ""), flush=True)
         wait_until_serving(servers, 0)
         for step in range(args.steps):
             started = time.monotonic()
-            batches = pool.map(lambda i: sample(servers[i % len(servers)], task, i, args.group), range(args.prompts))
+            batches = pool.map(lambda i: sample(servers[i % len(servers)], task, i, args.group, adapter),
+                               range(args.prompts))
             rollouts = [r for batch in batches for r in batch]
             rewards = torch.tensor([task.reward(r.prompt, r.answer) for r in rollouts])
             loss, ratio = policy_loss(model, task, rollouts, advantages_of(rewards, args.group), args.clip)
