@@ -53,10 +53,9 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 	$(VENV)/bin/weightsync run examples/tcp-job.yaml
 
 .PHONY: test
-# 0: one process. TEST_WORKERS=2: two pytest-xdist workers, scheduled by module (tests/conftest.py:
-# the modules of cluster tests in one unit, every other module in its own), which on 2 cores can
-# starve the real pods beside whole jobs (docs/testing.md).
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, scheduled in lanes (tests/conftest.py: the real pods' modules in one,
+# the other cluster modules in another, beside them; then every other module whole); 0: one process.
+TEST_WORKERS ?= 2
 test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, local control plane, real pods, end to end)
 	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS)  # the slowest, to keep the whole inside its time
 

@@ -193,6 +193,7 @@ class ControlPlane:
         self.ca_file = self.dir / "pki" / "ca.crt"
         self.timings: dict[str, float] = {}
         self._procs: dict[str, subprocess.Popen] = {}
+        self.terminating: set[str] = set()  # namespaces deleted and not yet waited for (delete_namespaces)
         state = self.dir / "state.json"
         self._state = json.loads(state.read_text()) if state.exists() else {}
 
@@ -265,10 +266,30 @@ class ControlPlane:
                   lambda: self._exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"), timeout)
 
     def delete_namespaces(self, *names: str, timeout: float = 180) -> None:
-        """Deletes namespaces and waits until they are gone, with everything in them, so that no
-        later test (nor an operator it runs) meets what an earlier one left behind."""
-        self.kubectl("delete", "namespace", "--ignore-not-found", "--wait=true", f"--timeout={int(timeout)}s", *names,
-                     timeout=timeout + 30)
+        """Deletes namespaces with everything in them. What could still act there (the category
+        `all`: pods, their controllers, Services, the project's jobs, each job's children removed
+        first by its foreground deletion) is deleted and waited for here, while whatever removes
+        finalizers (an operator, Kueue) still runs, so that no later test meets it. The namespaces
+        themselves go on in the background: Kubernetes' namespace controller waits a fixed 5 s
+        before it starts on any, and `wait_namespaces_gone` waits for all of them at once."""
+        for name in names:
+            self.kubectl("delete", "all", "--all", "--namespace", name, "--ignore-not-found", "--cascade=foreground",
+                         "--wait=true", f"--timeout={int(timeout)}s", timeout=timeout + 30)
+        self.kubectl("delete", "namespace", "--ignore-not-found", "--wait=false", *names)
+        self.terminating.update(names)
+
+    def wait_namespaces_gone(self, timeout: float = 180) -> None:
+        """Until every namespace `delete_namespaces` deleted is gone; on timeout, says which and
+        what is left in them."""
+        waiting = sorted(self.terminating)
+        try:
+            wait_for(f"namespaces {', '.join(waiting)} gone",
+                     lambda: not any(self._exists(f"/api/v1/namespaces/{n}") for n in waiting), timeout)
+        except TimeoutError:
+            left = {n: self.kubectl("get", "all,events", "--namespace", n, "-o", "name", check=False).stdout.split()
+                    for n in waiting if self._exists(f"/api/v1/namespaces/{n}")}
+            raise ClusterError(f"namespaces not gone after {timeout:.0f}s, with what is left in them: {left}") from None
+        self.terminating.difference_update(waiting)
 
     def add_node(self, name: str, gpus: int = 0, rdma: int = 0, labels: dict | None = None,
                  wait: bool = True, timeout: float = 60, **resources) -> dict:
