@@ -34,22 +34,39 @@ class Faulty:
     def pod(self, role: str, rank: int):
         return next(p for p in self.local.pods if p.role == role and rank in p.ranks)
 
-    def strike(self, target, sig: int, *more) -> float:
-        """Start the job (followed by `weightsync run`'s loop on a thread, which restarts and
-        probes pods), wait for the pause point, send `sig` to the target pod's processes (and to
-        `more` pods', at once), let the paused rank go on; returns when it struck."""
-        self.local.start()
-        self.follower.start()
-        deadline = time.monotonic() + REACH_TIMEOUT
-        while not (self.pause / f"{self.point}.reached").exists():
-            assert time.monotonic() < deadline, f"the job did not reach {self.point} within {REACH_TIMEOUT:.0f}s"
-            assert self.follower.is_alive(), f"the job ended before {self.point}: {self.outcome}"
-            time.sleep(0.02)
+    def strike(self, target, sig: int, *more, point: str | None = None) -> float:
+        """Send `sig` to the target pod's processes (and to `more` pods', at once) once a rank
+        holds at `point` (by default the one the job was made with, which the first strike starts
+        the job for, followed by `weightsync run`'s loop on a thread, which restarts and probes
+        pods), then let the paused rank go on; returns when it struck. A later point is armed here
+        if it is not yet: a rank looks for armed points as it reaches them."""
+        point = point or self.point
+        if not self.follower.is_alive() and not self.outcome:
+            self.local.start()
+            self.follower.start()
+        self.arm(point)
+        self.reach(point)
         for pod in (target, *more):
             os.killpg(pod.proc.pid, sig)
         struck = time.monotonic()
-        (self.pause / f"{self.point}.release").touch()
+        self.release(point)
         return struck
+
+    def arm(self, point: str) -> None:
+        """Hold the rank that reaches `point` there until `release(point)`."""
+        if not (self.pause / f"{point}.reached").exists():
+            (self.pause / f"{point}.arm").touch()
+
+    def reach(self, point: str) -> None:
+        """Until a rank holds at `point`."""
+        deadline = time.monotonic() + REACH_TIMEOUT
+        while not (self.pause / f"{point}.reached").exists():
+            assert time.monotonic() < deadline, f"the job did not reach {point} within {REACH_TIMEOUT:.0f}s"
+            assert self.follower.is_alive(), f"the job ended before {point}: {self.outcome}"
+            time.sleep(0.02)
+
+    def release(self, point: str) -> None:
+        (self.pause / f"{point}.release").touch()
 
     def _follow(self) -> None:
         try:
@@ -72,13 +89,14 @@ class Faulty:
         return json.loads((self.local.workdir / "status.json").read_text())
 
 
-def wait_for_line(path: Path, text: str, timeout: float, running: Faulty | None = None) -> float:
-    """When `text` appeared in the log at `path`; fails past `timeout`, or once the `running` job ended."""
+def wait_for_line(path: Path, text: str, timeout: float, running: Faulty | None = None, count: int = 1) -> float:
+    """When `text` appeared (the `count`-th time) in the log at `path`; fails past `timeout`, or
+    once the `running` job ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ended = running is not None and not running.follower.is_alive()  # before the read: a last line counts
-        if path.exists() and text in path.read_text(errors="replace"):
+        if path.exists() and path.read_text(errors="replace").count(text) >= count:
             return time.monotonic()
         assert not ended, f"the job ended before {text!r}: {running.outcome}"
         time.sleep(0.05)
-    raise AssertionError(f"{text!r} did not appear in {path.name} within {timeout:.0f}s")
+    raise AssertionError(f"{text!r} did not appear {count} time(s) in {path.name} within {timeout:.0f}s")

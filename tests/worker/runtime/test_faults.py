@@ -52,34 +52,73 @@ def check_applied_versions(dump: Path, job) -> dict[int, list[int]]:
     return applied
 
 
-INFERENCE_FAULTS = [
-    # (pause point, signal): the victim is inference rank 1 in every case
-    ("trainer-0-mid-send-v1", signal.SIGKILL),  # mid-bucket: its buckets half received
-    ("inference-1-verifying-v1", signal.SIGKILL),  # received, before the digest check
-    ("trainer-0-before-go-v1", signal.SIGKILL),  # between versions, before the go
-    ("trainer-0-mid-send-v2", signal.SIGKILL),  # the final version: it gets it again once back
-    ("trainer-0-mid-send-v1", signal.SIGSTOP),  # frozen mid-bucket: the liveness probe restarts it
+INFERENCE_KILLS = [
+    # where inference rank 1 is killed (SIGKILL), in one job, a version after another
+    "trainer-0-mid-send-v1",  # mid-bucket: its buckets half received
+    "inference-1-verifying-v2",  # received, before the digest check
+    "trainer-0-before-go-v3",  # between versions, before the go
+    "trainer-0-mid-send-v4",  # the final version: it gets it again once back
 ]
 
 
-@pytest.mark.parametrize("point,sig", INFERENCE_FAULTS, ids=[f"{p}-{signal.Signals(s).name}" for p, s in INFERENCE_FAULTS])
-def test_an_inference_rank_that_dies_or_freezes_rejoins_and_the_job_succeeds(tmp_path, point, sig):
-    job = fault_job("inference-fault")
-    faulty = Faulty(tmp_path, job, point)
+def test_an_inference_rank_killed_at_each_point_of_a_version_rejoins_every_time_and_the_job_succeeds(tmp_path):
+    """One job, one kill per version: before each next version the trainers hold (an armed
+    before-ready point) until the killed rank rejoined, so that every kill finds it back and
+    receiving; the pod is restarted after the kubelet's back-off each time."""
+    job = make_job("inference-kills", config=ODD, dtype="float32", trainers=(2, 1), inferences=(2, 1), steps=8,
+                   every=2)  # versions 0..4
+    faulty = Faulty(tmp_path, job, INFERENCE_KILLS[0])
+    controller = faulty.local.pods[0]
+    try:
+        for n, point in enumerate(INFERENCE_KILLS, start=1):
+            version = int(point.rsplit("-v", 1)[1])
+            held = f"trainer-0-before-ready-v{version + 1}"
+            if n < len(INFERENCE_KILLS):
+                faulty.arm(held)  # the next version waits for the rank to be back
+            struck = faulty.strike(faulty.pod("inference", 1), signal.SIGKILL, point=point)
+            away = wait_for_line(controller.log, "inference rank 1 is away", 120, faulty, count=n)
+            back = wait_for_line(controller.log, "inference rank 1 rejoined", 180, faulty, count=n)
+            print(f"{point} SIGKILL: away after {away - struck:.1f}s, rejoined after {back - struck:.1f}s")
+            if n < len(INFERENCE_KILLS):
+                faulty.arm(INFERENCE_KILLS[n])
+                faulty.reach(held)
+                faulty.release(held)
+        summary = faulty.end()
+    finally:
+        faulty.local.stop()
+    assert summary["failed_verifications"] == 0
+    assert faulty.status()["rejoins"]["inference"] >= len(INFERENCE_KILLS)
+    assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 5
+    # every inference rank current on the final version; the victim since it came back, later than the survivor
+    ranks = faulty.status()["receivers"]["ranks"]
+    assert [(r["state"], r["version"]) for r in ranks] == [("current", 4), ("current", 4)]
+    assert ranks[1]["since"] > ranks[0]["since"], ranks
+    applied = check_applied_versions(faulty.dump, job)
+    assert applied[0] == [0, 1, 2, 3, 4]  # the survivor missed nothing
+    # versions 1 to 3 each lost it on the way (it was back, receiving, when the next kill came:
+    # verifying version 2 means it had all of it); the final version it got again once back
+    assert applied[1] == [0, 4], applied
+    assert faulty.log(faulty.pod("inference", 1)).count("taken back at") >= len(INFERENCE_KILLS) - 1
+    assert_nothing_left(faulty.local)
+
+
+def test_an_inference_rank_frozen_mid_version_is_restarted_by_its_liveness_probe_rejoins_and_the_job_succeeds(
+        tmp_path):
+    job = fault_job("inference-frozen")
+    faulty = Faulty(tmp_path, job, "trainer-0-mid-send-v1")
     victim = faulty.pod("inference", 1)
     controller = faulty.local.pods[0]
     try:
-        struck = faulty.strike(victim, sig)
+        struck = faulty.strike(victim, signal.SIGSTOP)
         away = wait_for_line(controller.log, "inference rank 1 is away", 120)
         back = wait_for_line(controller.log, "inference rank 1 rejoined", 180)
         summary = faulty.end()
     finally:
         faulty.local.stop()
-    print(f"{point} {signal.Signals(sig).name}: away after {away - struck:.1f}s, rejoined after {back - struck:.1f}s")
+    print(f"frozen mid-version: away after {away - struck:.1f}s, rejoined after {back - struck:.1f}s")
     assert summary["failed_verifications"] == 0
     assert faulty.status()["rejoins"]["inference"] >= 1
     assert faulty.status()["completion"]["state"] == "Succeeded" and faulty.status()["completion"]["versions"] == 3
-    # every inference rank current on the final version; the victim since it came back, later than the survivor
     ranks = faulty.status()["receivers"]["ranks"]
     assert [(r["state"], r["version"]) for r in ranks] == [("current", 2), ("current", 2)]
     assert ranks[1]["since"] > ranks[0]["since"], ranks
