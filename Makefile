@@ -81,9 +81,9 @@ binaries: ## Build the local control plane's binaries once: etcd, Kubernetes 1.3
 # (a first build downloads Debian and PyPI's torch: several GB, a quarter of an hour). Without root
 # this says why the real-pod tests will skip, and builds nothing.
 .PHONY: node-images
-node-images: setup binaries ## Install the real node's Debian packages and build the operator and worker images into its cache (root)
+node-images: setup binaries ## Install the real node's Debian packages, build the operator and worker images and load them into its image store (root)
 	@bash hack/node/install-packages.sh
-	@$(PY) hack/node/images.py
+	@$(PY) hack/node/node.py images
 
 .PHONY: bench
 bench: setup ## Transfer benchmark: planned M-to-N over TCP vs. gloo broadcast vs. raw sockets

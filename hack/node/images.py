@@ -270,23 +270,3 @@ def out_of_space(root: Path, error: Exception) -> OSError:
     return OSError(f"the disk of the real node's image store ({root}) is full ({free / gib:.1f} GiB free): free disk "
                    f"space there (old test folders in {Path(tempfile.gettempdir()) / 'pytest-of-*'}, other "
                    f"containers' images) and run the tests again; containerd said: {error}")
-
-
-def main() -> int:
-    """Builds the images into the cache (what `make node-images` runs before the tests)."""
-    why = unavailable()
-    if why:
-        print(f"images: not built, so the real-pod tests will skip: {why}", file=sys.stderr)
-        return 0
-    sys.path.insert(0, str(HERE.parent / "cluster"))
-    from controlplane import find_binaries
-
-    started = time.monotonic()
-    with Docker(NODE_CACHE / "docker") as docker:
-        build(docker, Images.default(), find_binaries()["coredns"])
-    print(f"images: ready in {time.monotonic() - started:.0f}s", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,6 +17,7 @@ How it fits on one machine, and why:
 - One node per machine (a lock): containerd's image store, the bridge and the kubelet's port are
   the machine's.
 
+    python hack/node/node.py images                 # build the images into the node's store (make node-images)
     python hack/node/node.py up --dir .cluster      # after controlplane.py up --dir .cluster
     python hack/node/node.py down --dir .cluster
 """
@@ -31,6 +32,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from string import Template
@@ -119,6 +121,58 @@ def remove_kubelet_chains() -> None:
             for chain in chains:
                 run(tool, "-t", table, "-F", chain)
                 run(tool, "-t", table, "-X", chain)
+
+
+def take_node_lock(name: str = NODE_NAME):
+    """The machine's one real node: its lock file, held open (and locked) by the caller, or a
+    NodeError that says which node holds it."""
+    lock = open(LOCK, "w")  # noqa: SIM115 - held open while the node runs: it is the lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        lock.close()
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise NodeError(f"another real node runs on this machine (its tests hold {LOCK})") from None
+        raise
+    # `make cluster-up` leaves its node running after its process exits, lock released.
+    needle = f"--hostname-override={name}".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (proc / "cmdline").read_bytes().split(b"\0"):
+                lock.close()
+                raise NodeError(f"a real node's kubelet runs on this machine (pid {proc.name}; "
+                                "`make cluster-down` stops the one `make cluster-up` started)")
+        except OSError:
+            pass
+    return lock
+
+
+def prepare_images(log=None) -> float:
+    """Builds the images and loads them into the node's image store (in the cache), so that a
+    node's start finds them there: what `make node-images` runs before the tests, where a build
+    has no test's time limit to fit in and no test waits on it. A containerd of its own runs on
+    that store meanwhile, under the node's lock; returns the seconds it took."""
+    log = log or sys.stderr
+    started = time.monotonic()
+    images = images_mod.Images.default()
+    with take_node_lock(), tempfile.TemporaryDirectory(prefix="weightsync-images-") as state:
+        containerd = Containerd(images_mod.NODE_CACHE / "containerd", Path(state) / "containerd")
+        containerd.root.mkdir(parents=True, exist_ok=True)
+        containerd.state.mkdir()
+        config = Path(state) / "containerd.toml"
+        config.write_text(containerd.config(images.pause))
+        with open(Path(state) / "containerd.log", "ab") as out:
+            proc = subprocess.Popen(["containerd", f"--config={config}"], stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        try:
+            wait_for("the image store's containerd", lambda: run(
+                "ctr", f"--address={containerd.socket}", "version", check=False).returncode == 0, 30)
+            with images_mod.Docker(images_mod.NODE_CACHE / "docker", log) as docker:
+                ids = images_mod.build(docker, images, find_binaries(log)["coredns"], log)
+                images_mod.load(docker, ids, containerd, images_mod.NODE_CACHE / "loaded.json", log)
+        finally:
+            stop_group(proc)
+    return time.monotonic() - started
 
 
 class Containerd:
@@ -228,26 +282,7 @@ class RealNode:
         return self
 
     def _take_lock(self) -> None:
-        self._lock = open(LOCK, "w")  # noqa: SIM115 - held open while the node runs: it is the lock
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            self._lock.close()
-            self._lock = None
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise NodeError(f"another real node runs on this machine (its tests hold {LOCK})") from None
-            raise
-        # `make cluster-up` leaves its node running after its process exits, lock released.
-        needle = f"--hostname-override={self.name}".encode()
-        for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                if needle in (proc / "cmdline").read_bytes().split(b"\0"):
-                    self._lock.close()
-                    self._lock = None
-                    raise NodeError(f"a real node's kubelet runs on this machine (pid {proc.name}; "
-                                    "`make cluster-down` stops the one `make cluster-up` started)")
-            except OSError:
-                pass
+        self._lock = take_node_lock(self.name)
 
     def _prepare(self) -> None:
         """Directories, credentials, configuration files, the bridge and its firewall rules."""
@@ -503,9 +538,16 @@ class RealNode:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=("up", "down"))
+    parser.add_argument("action", choices=("up", "down", "images"))
     parser.add_argument("--dir", default=".cluster", help="the control plane's directory (default: .cluster)")
     args = parser.parse_args(argv)
+    if args.action == "images":
+        why = unavailable()
+        if why:
+            print(f"images: not built, so the real-pod tests will skip: {why}", file=sys.stderr)
+            return 0
+        print(f"images: built and in the node's image store in {prepare_images():.0f}s", file=sys.stderr)
+        return 0
     cluster = ControlPlane(args.dir)
     node = RealNode(cluster, cluster.dir / "node", detached=True)
     if args.action == "up":
