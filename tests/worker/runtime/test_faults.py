@@ -153,11 +153,14 @@ def test_every_inference_rank_killed_at_once_mid_version_rejoins_and_the_job_suc
 
 
 FROZEN_BRIEFLY = [
-    # (pause point, what the woken rank says): frozen between versions (version 1 not announced:
+    # (pause point, what the woken rank may say): frozen between versions (version 1 not announced:
     # a trainer is not ready), it waits for a round that will never be announced again; frozen
-    # mid-version, the trainers hung up on it meanwhile
-    ("trainer-0-before-ready-v1", "without this rank"),
-    ("trainer-0-mid-send-v1", "the controller counted this rank away meanwhile"),
+    # mid-version, the trainers hung up on it meanwhile, and it finds so either while it reads the
+    # rest of the version or, where the loopback's buffers held all of it, when it then waits for
+    # the version's reference, which the controller forgot: which one depends on how much the
+    # kernel buffered before the trainers hung up, not on the test
+    ("trainer-0-before-ready-v1", ("without this rank",)),
+    ("trainer-0-mid-send-v1", ("the controller counted this rank away meanwhile", "without this rank")),
 ]
 # a version far larger than the loopback's socket buffers: a rank frozen mid-version has most of it
 # still to read when it wakes, from trainers that hung up on it meanwhile
@@ -193,7 +196,7 @@ def test_an_inference_rank_frozen_briefly_while_versions_go_on_notices_it_fell_b
     finally:
         faulty.local.stop()
     print(f"frozen for {resumed - struck:.1f}s: rejoined {back - resumed:.1f}s after it woke")
-    assert said in faulty.log(victim), faulty.log(victim)[-3000:]
+    assert any(words in faulty.log(victim) for words in said), faulty.log(victim)[-3000:]
     assert summary["failed_verifications"] == 0 and faulty.status()["completion"]["state"] == "Succeeded"
     applied = check_applied_versions(faulty.dump, job)
     assert applied[0] == list(range(9)) and applied[1][-1] == 8
