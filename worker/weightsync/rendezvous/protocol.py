@@ -140,6 +140,12 @@ class Channel:
         """The controller's end of the job, None while it runs."""
         return End.from_json(self.store.get(Keys.END)) if self.has(Keys.END) else None
 
+    def wait_for_end(self, timeout: float | None = None, check: Callable[[], None] | None = None,
+                     what: str = "the end of the job") -> End:
+        """Wait for the controller's end of the job (TimeoutError past `timeout`; `check` as for wait)."""
+        self.wait([Keys.END], what, timeout, check)
+        return End.from_json(self.get(Keys.END))
+
     def cut_off(self, rnd: Round) -> list[int]:
         """The receivers of `rnd` the controller counted away while it was on its way (Keys.cut)."""
         key = Keys.cut(rnd.version, rnd.again)
@@ -317,11 +323,6 @@ class Member(Channel):
 
     def say(self, message: str) -> None:
         logline.say(self.name, message)
-
-    def wait_for_end(self) -> End:
-        """Wait for the controller's end of the job."""
-        self.wait([Keys.END], "the end of the job")
-        return End.from_json(self.get(Keys.END))
 
     def arrive(self, resumes: bool = False) -> int:
         """Count this process's start (at once, before anything slow: the controller learns of

@@ -146,10 +146,9 @@ def _behind_a_resume(ctx: WorkerContext, channel: Channel, resumes: int, started
 
 def _wait_end(channel: Channel, timeout: float) -> End | None:
     try:
-        channel.wait([Keys.END], "the end of the job", timeout)
+        return channel.wait_for_end(timeout)
     except TimeoutError:
         return None
-    return channel.end()
 
 
 class Watch:

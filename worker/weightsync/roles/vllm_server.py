@@ -164,8 +164,7 @@ def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str)
     ready = False
     while True:
         try:
-            channel.wait([Keys.END], "the end of the job", WATCH_EVERY)
-            return channel.end().state
+            return channel.wait_for_end(WATCH_EVERY).state
         except TimeoutError:
             pass
         if proc.poll() is not None:

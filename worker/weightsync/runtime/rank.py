@@ -65,8 +65,7 @@ def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT, ch
     """After a failure: wait (at most `timeout`) for the controller to end the job; its end
     record, or None. `check` runs meanwhile, and what it raises ends the wait (Resuming)."""
     try:
-        channel.wait([Keys.END], "the controller to end the job", timeout, check)
-        return channel.end()
+        return channel.wait_for_end(timeout, check, "the controller to end the job")
     except Resuming:
         raise
     except TimeoutError:
