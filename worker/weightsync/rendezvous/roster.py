@@ -273,7 +273,7 @@ class Host(Channel, Parking):
         return self._collect(rnd, Keys.applied, Applied.from_json, "apply", timeout)
 
     def collect_staged(self, rnd: Round, timeout: float) -> dict[int, Staged]:
-        """{inference rank: its digest} from every receiver of the round still there that has the
+        """{inference rank: its staged record} from every receiver of the round still there that has the
         version received and verified, waiting for its vLLM server to load it."""
         return self._collect(rnd, Keys.staged, Staged.from_json, "receive and verify", timeout)
 
