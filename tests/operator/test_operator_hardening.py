@@ -185,17 +185,27 @@ def test_deleted_children_come_back_with_the_same_token(operator, ns):
     assert ns.status("keep")["phase"] == "Running"
 
 
-def test_a_secret_that_cannot_hold_the_same_token_fails_the_job(ns):
+def test_a_secret_that_cannot_hold_the_same_token_fails_the_job(cluster, operator, ns):
     ns.apply_job("lost", TCP)
     ns.wait_children("lost")
-    # The job's record of its token no longer matches what the operator can produce (as when its
-    # key was replaced): a new token would lock out every running rank.
-    ns.kubectl("annotate", PLURAL, "lost", f"{ANNOTATION_TOKEN_SHA256}=0000", "--overwrite")
-    ns.kubectl("delete", "secret", "lost-token")
-    failed = ns.wait_phase("lost", "Failed")
-    cond = {c["type"]: c for c in failed["conditions"]}["ChildrenCreated"]
-    assert cond["reason"] == "TokenLost" and "Secret lost-token" in cond["message"]
-    assert ns.get("secret", "lost-token") is None
+    # The operator's token key is replaced and the job's Secret deleted while no operator runs (done
+    # while one runs, a reconcile under way with the old key would rightly put the Secret back): a
+    # new token would lock out every running rank.
+    operator.stop()
+    try:
+        operator.env[tokens.KEY_SECRET_ENV] = f"another-key-{ns.name}"
+        ns.kubectl("delete", "secret", "lost-token")
+        operator.start()
+        failed = ns.wait_phase("lost", "Failed")
+        cond = {c["type"]: c for c in failed["conditions"]}["ChildrenCreated"]
+        assert cond["reason"] == "TokenLost" and "Secret lost-token" in cond["message"]
+        assert ns.get("secret", "lost-token") is None
+    finally:
+        operator.stop()
+        del operator.env[tokens.KEY_SECRET_ENV]
+        cluster.kubectl("delete", "secret", f"another-key-{ns.name}", "-n", tokens.key_location()[0],
+                        "--ignore-not-found")
+        operator.start()
 
 
 def test_a_namespace_being_deleted_is_not_reported_as_missing_rights(cluster, operator, ns, monkeypatch):
