@@ -5,7 +5,8 @@ again, the other trainer's process ends as the trainers resume, both load the la
 the job goes on: the version numbers strictly increase and go on from the last one delivered,
 every version is verified on every inference rank, and the final one equals the weights the
 script saved. A trainer killed while a version is on its way drops that version (no inference rank
-takes any of it) and the trainers resume the same way."""
+takes any of it) and the trainers resume the same way. Both in one job: a kill of each kind, one
+after the other."""
 
 from __future__ import annotations
 
@@ -36,53 +37,40 @@ def resuming_job(tmp_path, name: str):
                  "network": {"mode": "tcp"}}})
 
 
-def test_a_trainer_killed_between_versions_resumes_from_the_checkpoint_and_the_job_succeeds(tmp_path):
+def test_a_trainer_killed_mid_version_then_between_versions_resumes_each_time_and_the_job_succeeds(tmp_path):
+    """One job, trainer pod 1 killed twice: first while its share of version 1 is half sent
+    (version 1 is dropped, and the trainers resume from step 0's checkpoint and publish step 3 as
+    version 2), then between versions 2 and 3 (versions 0 and 2 delivered, step 3 saved: they
+    resume from step 3's checkpoint). Each resume is the other's outcome too: the job goes on."""
     job = resuming_job(tmp_path, "resume")
-    faulty = Faulty(tmp_path, job, "trainer-1-before-ready-v2")  # versions 0 and 1 delivered, step 3 saved
+    faulty = Faulty(tmp_path, job, "trainer-1-mid-send-v1")  # its share of version 1 half sent
     try:
-        struck = faulty.strike(faulty.pod("trainer", 1), signal.SIGKILL)
+        faulty.strike(faulty.pod("trainer", 1), signal.SIGKILL)
+        struck = faulty.strike(faulty.pod("trainer", 1), signal.SIGKILL, point="trainer-1-before-ready-v3")
         summary = faulty.end()
         took = time.monotonic() - struck
     finally:
         faulty.local.stop()
-    print(f"killed before version 2: the job succeeded {took:.1f}s later")
+    print(f"killed before version 3: the job succeeded {took:.1f}s later")
     assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
     records = [(t["version"], t["step"]) for t in faulty.local.transfers]
-    assert records == [(0, 0), (1, 3), (2, 6)], records  # on from the last delivered, the steps as published
-    check_final_version(tmp_path, job, 3)
-    status = faulty.status()
-    assert status["rejoins"]["trainer"] == 1, status
-    controller = faulty.log(faulty.local.pods[0])
-    assert "the trainers resume from their checkpoint (resume 1); the inference ranks serve version 1" in controller
-    assert "every trainer rank resumed; version 2 comes next" in controller
-    for rank in (0, 1):
-        log = faulty.log(faulty.pod("trainer", rank))
-        assert "resumed (start 2): the last version delivered is version 1 (step 3); the next is version 2" in log, log
-    assert f"resumed from the checkpoint of step 3; {Resumed(1, 3, 2)}" in faulty.log(faulty.pod("trainer", 0))
-    assert_nothing_left(faulty.local)
-
-
-def test_a_trainer_killed_while_a_version_is_on_its_way_drops_it_and_the_job_resumes_and_succeeds(tmp_path):
-    job = resuming_job(tmp_path, "resume-mid")
-    faulty = Faulty(tmp_path, job, "trainer-1-mid-send-v1")  # its share of version 1 half sent
-    try:
-        faulty.strike(faulty.pod("trainer", 1), signal.SIGKILL)
-        summary = faulty.end()
-    finally:
-        faulty.local.stop()
-    assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
-    records = [(t["version"], t["step"]) for t in faulty.local.transfers]
-    # version 1 dropped; the trainers resume from step 0's checkpoint and publish step 3 as version 2
+    # version 1 dropped; on from the last delivered, the steps as published
     assert records == [(0, 0), (2, 3), (3, 6)], records
     check_final_version(tmp_path, job, [0, 2, 3])
     for rank in (0, 1):
         assert not (tmp_path / "dump" / f"inference-{rank}-v1.pt").exists(), "a dropped version was switched to"
+    assert faulty.status()["rejoins"]["trainer"] == 2, faulty.status()
     controller = faulty.log(faulty.local.pods[0])
     assert "while version 1 was on its way: version 1 is dropped" in controller, controller[-3000:]
     assert "every trainer rank resumed; version 2 comes next" in controller
+    assert "the trainers resume from their checkpoint (resume 2); the inference ranks serve version 2" in controller
+    assert "every trainer rank resumed; version 3 comes next" in controller
     for rank in (0, 1):
         log = faulty.log(faulty.pod("inference", rank))
         assert "version 1 was dropped on its way" in log and "the model stays on the version it serves" in log, log
-    assert f"resumed from the checkpoint of step 0; {Resumed(0, 0, 2)}" in faulty.log(faulty.pod("trainer", 0))
-    assert faulty.status()["rejoins"]["trainer"] == 1
+        log = faulty.log(faulty.pod("trainer", rank))
+        assert "resumed (start 3): the last version delivered is version 2 (step 3); the next is version 3" in log, log
+    trainer = faulty.log(faulty.pod("trainer", 0))
+    assert f"resumed from the checkpoint of step 0; {Resumed(0, 0, 2)}" in trainer
+    assert f"resumed from the checkpoint of step 3; {Resumed(2, 3, 3)}" in trainer
     assert_nothing_left(faulty.local)
