@@ -25,7 +25,7 @@ from weightsync.job.token import read_token
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 from weightsync.rendezvous.protocol import control_key
-from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV
+from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -69,14 +69,17 @@ def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2,
 class VllmRun:
     """A vLLM job running as local processes, followed in a thread, with pause points armed."""
 
-    def __init__(self, tmp_path: Path, job, python: str, pauses=(), corrupt: int | None = None):
+    def __init__(self, tmp_path: Path, job, python: str, pauses=(), corrupt: int | None = None,
+                 pause_limit: float | None = None):
+        """`pause_limit`: how long a rank holds at a point the test has not released (faults.PAUSE_LIMIT
+        by default), for a test that holds one while vLLM servers start."""
         self.dump, self.pause = tmp_path / "dump", tmp_path / "pause"
         self.dump.mkdir()
         self.pause.mkdir()
         for point in pauses:
             (self.pause / f"{point}.arm").touch()
         env = {DUMP_DIR_ENV: str(self.dump), PAUSE_DIR_ENV: str(self.pause), Env.VLLM_PYTHON: python,
-               **SERVER_ENV}
+               **SERVER_ENV, **({PAUSE_LIMIT_ENV: str(pause_limit)} if pause_limit else {})}
         if corrupt is not None:
             env[CORRUPT_ENV] = str(corrupt)
         self.job = job
@@ -102,6 +105,14 @@ class VllmRun:
 
     def release(self, point: str) -> None:
         (self.pause / f"{point}.release").touch()
+
+    def up(self, server: str) -> None:
+        """Wait until the server answers (it names the version it serves: vLLM's "default" before any)."""
+        deadline = time.monotonic() + REACH_TIMEOUT
+        while weight_version(server) is None:
+            assert self.end is None, f"the job ended before {server} answered: {self.end}"
+            assert time.monotonic() < deadline, f"{server} did not answer within {REACH_TIMEOUT:.0f}s"
+            time.sleep(0.1)
 
     def serving(self, server: str, version: int) -> None:
         """Wait until the server says it serves `version` (its loads follow the trainers' sends)."""

@@ -12,8 +12,10 @@ vLLM shards them (tests/support/vllm.py states that layout independently of the 
 back through the CPU build's repacked GEMM kernels, which every load fills again (the model is in
 float32, which vLLM's CPU build repacks on any x86 CPU); both servers
 answer the same greedy tokens; vLLM's own weight checker (/weight_checker) sees the weights a reset
-zeroed restored by the next version, equal to those of plain vLLM servers of both sizes that
-loaded that version from a checkpoint.
+zeroed restored by the next version, equal to what vLLM itself loaded from that version's
+checkpoint. The job's model is that checkpoint (spec.model.path), so each server starts as a plain
+vLLM server of its size on it (vLLM's own load from disk, checksummed before weightsync loads
+anything) and the trainers' version 0 holds its weights: one vLLM start per size, not two.
 """
 
 from __future__ import annotations
@@ -26,20 +28,20 @@ import pytest
 import torch
 from support.vllm import (
     LLAMA,
-    PlainServer,
+    REACH_TIMEOUT,
     VllmRun,
     as_bytes,
     boxes,
     checker,
     completion,
-    free_port,
     save_checkpoint,
     shards,
     vllm_job,
     vllm_python,
 )
 
-from weightsync.model.build import meta_layout
+from weightsync.job import Model, load_job
+from weightsync.model.build import build, meta_layout
 from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.plan.sliced_plan import LocalLayout
 
@@ -55,7 +57,8 @@ ONEDNN_FALLBACK = "Failed to create oneDNN linear, fallback to torch linear"  # 
 # parameter) on any x86 CPU, oneDNN's float32 matmul needing only AVX2; in bfloat16 it repacks only
 # where the CPU has AVX512-BF16, and keeps the weights as they are elsewhere
 DTYPE = "float32"
-VERSIONS = 4  # 0..3: steps 6, every 2
+VERSIONS = 3  # 0..2: steps 4, every 2
+TRAINERS = ("trainer-0", "trainer-1")
 
 
 @dataclass
@@ -63,47 +66,50 @@ class TpRun:
     run: VllmRun
     end: dict
     tokens: dict[int, list[list[int]]] = field(default_factory=dict)  # version -> each server's greedy tokens
-    held: dict[str, dict] = field(default_factory=dict)  # version 1's checksums per server
+    plain: dict[str, dict] = field(default_factory=dict)  # each server's checksums as vLLM loaded the checkpoint
     reset: dict[str, dict] = field(default_factory=dict)  # right after the reset
-    loaded: dict[str, dict] = field(default_factory=dict)  # once version 2 was loaded after the reset
-    plain: dict[int, dict] = field(default_factory=dict)  # plain servers on version 2: tp size -> checksums
+    loaded: dict[str, dict] = field(default_factory=dict)  # once version 0 was loaded after the reset
 
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory) -> TpRun:
     python = vllm_python()
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=6, config=MQA, tensorParallelSizes=list(SIZES),
-                   dtype=DTYPE)
-    run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
+    # the job's model is a checkpoint: its servers start as plain vLLM servers on it (vLLM's own
+    # load from disk), and the trainers start from it, so that version 0 holds its weights
+    base = build(Model(config=MQA, dtype=DTYPE), dtype=DTYPE, seed=3)
+    checkpoint = save_checkpoint(dict(base.state_dict()), MQA, tmp / "checkpoint")
+    obj = vllm_job("vllm-tp", trainers=2, servers=2, steps=4, config=MQA, tensorParallelSizes=list(SIZES),
+                   dtype=DTYPE).to_object()
+    obj["spec"]["model"] = {"path": str(checkpoint), "dtype": DTYPE}
+    obj["spec"]["inference"]["vllm"]["args"] += ["--skip-tokenizer-init"]  # the checkpoint has no tokenizer
+    job = load_job(obj)
+    # the trainers hold version 0 (the servers loaded nothing of the job's yet) while the servers start
+    run = VllmRun(tmp, job, python, pauses=[f"{t}-before-ready-v0" for t in TRAINERS] +
+                  ["trainer-0-before-go-v1", "trainer-0-before-go-v2"], pause_limit=REACH_TIMEOUT)
     out = TpRun(run, {})
-    plains = []
     try:
-        run.reach("trainer-0-before-go-v2")  # version 1 is served; the trainers hold version 2 back
-        out.tokens[1] = [completion(s, job.name) for s in served(run, 1)]
-        out.held = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
+        for t in TRAINERS:
+            run.reach(f"{t}-before-ready-v0")
+        for s in run.servers:
+            run.up(s)
+        out.tokens[-1] = [completion(s, job.name) for s in run.servers]
+        out.plain = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
         for s in run.servers:
             assert checker(s, "reset", key=run.key) == {"status": "reset"}
         out.reset = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
-        run.release("trainer-0-before-go-v2")
-        run.reach("trainer-0-before-go-v3")  # version 2 is served
-        out.tokens[2] = [completion(s, job.name) for s in served(run, 2)]
+        for t in TRAINERS:
+            run.release(f"{t}-before-ready-v0")
+        run.reach("trainer-0-before-go-v1")  # version 0 is served; the trainers hold version 1 back
+        out.tokens[0] = [completion(s, job.name) for s in served(run, 0)]
         out.loaded = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
-        run.release("trainer-0-before-go-v3")
+        run.release("trainer-0-before-go-v1")
+        run.reach("trainer-0-before-go-v2")  # version 1 is served
+        out.tokens[1] = [completion(s, job.name) for s in served(run, 1)]
+        run.release("trainer-0-before-go-v2")
         out.end = run.finish()
-        # plain vLLM servers of both sizes on version 2, saved as a checkpoint
-        tensors = torch.load(run.dump / "trainer-0-v2.pt")["tensors"]
-        checkpoint = save_checkpoint(tensors, MQA, tmp / "checkpoint-v2")
-        plains = [PlainServer(python, checkpoint, free_port(), tp, tmp / f"plain-tp{tp}.log", DTYPE) for tp in SIZES]
-        for tp, plain in zip(SIZES, plains):
-            plain.wait_up()
-            out.plain[tp] = checker(plain.url, "checksum")["checksums"]
-            assert checker(plain.url, "compare", out.loaded[run.servers[SIZES.index(tp)]]) == \
-                {"match": True, "mismatches": []}, "vLLM's own compare of the loaded weights with the plain server's"
     finally:
         run.local.stop()
-        for plain in plains:
-            plain.stop()
     return out
 
 
@@ -158,7 +164,8 @@ def test_a_tp_worker_receives_only_its_share_as_planned(tp_run):
 def test_the_tp2_and_tp1_servers_answer_the_same_greedy_tokens(tp_run):
     for version, answers in tp_run.tokens.items():
         assert answers[0] == answers[1], f"version {version}: TP 2 answered {answers[0]}, TP 1 {answers[1]}"
-    assert tp_run.tokens[1] != tp_run.tokens[2], "the greedy completion did not change with the version"
+    assert tp_run.tokens[0] == tp_run.tokens[-1], "version 0 answered otherwise than vLLM's own load of its checkpoint"
+    assert tp_run.tokens[0] != tp_run.tokens[1], "the greedy completion did not change with the version"
 
 
 def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):
@@ -168,17 +175,19 @@ def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):
         errors="replace")]
     assert not unpacked, f"vLLM's CPU build kept the linear weights unpacked in {unpacked}: {ONEDNN_FALLBACK!r}"
     for server, tp in zip(servers, SIZES):
-        held, reset, loaded, plain = tp_run.held[server], tp_run.reset[server], tp_run.loaded[server], tp_run.plain[tp]
-        assert sorted(held) == sorted(plain), f"TP {tp}: other parameters than a plain server's"
-        assert all(k.startswith(tuple(f"dp0:pp0:pcp0:tp{i}:" for i in range(tp))) for k in held)
-        zeroed = [k for k in held if reset[k] != held[k]]
+        plain, reset, loaded = tp_run.plain[server], tp_run.reset[server], tp_run.loaded[server]
+        assert all(k.startswith(tuple(f"dp0:pp0:pcp0:tp{i}:" for i in range(tp))) for k in plain)
+        zeroed = [k for k in plain if reset[k] != plain[k]]
         assert any(k.endswith("embed_tokens.weight") for k in zeroed) and any("norm" in k for k in zeroed), \
             f"TP {tp}: the reset changed only {zeroed}"
-        assert loaded == plain, f"TP {tp}: after the reset, version 2 differs from a plain server's in " \
+        assert sorted(loaded) == sorted(plain), f"TP {tp}: other parameters than vLLM's own load"
+        # version 0 is the checkpoint's weights: loaded after the reset, it is what vLLM itself
+        # loaded from the checkpoint when the server started
+        assert loaded == plain, f"TP {tp}: after the reset, version 0 differs from vLLM's own load of it in " \
                                 f"{sorted(k for k in plain if loaded.get(k) != plain[k])}"
-        assert loaded != held, "version 2 checksums as version 1"
+        assert loaded != reset, "the version did not restore what the reset zeroed"
         # vLLM's CPU build repacked the linear layers' weights for its GEMM kernels, leaving the
         # parameters empty: every load went through the processing that repacks them again (the
         # dumps above read the repacked kernels back)
-        repacked = [k for k in held if held[k] == EMPTY and k.endswith("_proj.weight")]
+        repacked = [k for k in loaded if loaded[k] == EMPTY and k.endswith("_proj.weight")]
         assert len(repacked) == 4 * MQA["num_hidden_layers"] * tp, f"TP {tp}: repacked only {repacked}"
