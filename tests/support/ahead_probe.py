@@ -1,16 +1,18 @@
 """Run by the vLLM environment's Python (tests/worker/vllm_backend/test_load_ahead.py): vLLM's
-engine in this process (its CPU build, no engine-core process), a small Llama with the config in
-argv[1] (JSON), and a few versions loaded ahead (vllm_backend/ahead.py), each prepared on a thread
-of its own while vLLM generates (the prepare held once its loaders wrote the shadow, until vLLM
-answered), then committed: copied into the served tensors in even versions, swapped with them in
-odd ones (as on an eager CPU worker), so that each way follows the other. Prints one JSON line
-per version: whether the served parameters were still the previous version's after the prepare,
-and the greedy tokens before, during and after; saves the version (checkpoint names) and what
-vLLM serves after the commit in the folder argv[2], for the test to compare."""
+engine in this process (its CPU build, no engine-core process), a small Llama for each config in
+argv[1] (JSON: {name: config}, one engine after the other, so that vLLM is imported once), and a
+few versions loaded ahead (vllm_backend/ahead.py), each prepared on a thread of its own while vLLM
+generates (the prepare held once its loaders wrote the shadow, until vLLM answered), then
+committed: copied into the served tensors in even versions, swapped with them in odd ones (as on
+an eager CPU worker), so that each way follows the other. Prints one JSON line per config and
+version: whether the served parameters were still the previous version's after the prepare, and
+the greedy tokens before, during and after; saves the version (checkpoint names) and what vLLM
+serves after the commit in the folder argv[2]/<name>, for the test to compare."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -24,6 +26,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from weightsync.vllm_backend.ahead import commit, prepare  # noqa: E402
@@ -32,7 +35,16 @@ from weightsync.vllm_backend.engine import served_parameters  # noqa: E402
 VERSIONS = 4
 
 
-def main(config: dict, out: str) -> int:
+def main(configs: dict[str, dict], out: str) -> int:
+    for name, config in configs.items():
+        (Path(out) / name).mkdir(parents=True, exist_ok=True)
+        probe(name, config, Path(out) / name)  # its engine dropped with its frame
+        gc.collect()
+        cleanup_dist_env_and_memory()  # the next engine starts as the first did
+    return 0
+
+
+def probe(name: str, config: dict, out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="weightsync-ahead-") as folder:
         (Path(folder) / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
         llm = LLM(model=folder, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True,
@@ -76,11 +88,11 @@ def main(config: dict, out: str) -> int:
             swap = version % 2 == 1
             commit(box["prepared"], model_config, swap=swap)
             spares = box["prepared"].clones  # the next version loads into them, as the engine has it
-            torch.save(weights, Path(out) / f"v{version}-version.pt")
-            torch.save({n: t.contiguous() for n, t in served_parameters(model).items()}, Path(out) / f"v{version}-served.pt")
-            print(json.dumps({"version": version, "swap": swap, "unchanged_after_prepare": unchanged, "before": before,
-                              "during": during, "after_prepare": after_prepare, "after": tokens()}), flush=True)
-    return 0
+            torch.save(weights, out / f"v{version}-version.pt")
+            torch.save({n: t.contiguous() for n, t in served_parameters(model).items()}, out / f"v{version}-served.pt")
+            print(json.dumps({"config": name, "version": version, "swap": swap, "unchanged_after_prepare": unchanged,
+                              "before": before, "during": during, "after_prepare": after_prepare, "after": tokens()}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,26 @@ pytestmark = pytest.mark.slow  # vLLM's engine in a process of its own
 PROBE = Path(__file__).resolve().parents[2] / "support" / "ahead_probe.py"
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
-def test_a_version_loaded_ahead_is_served_only_once_committed_version_after_version(tied, tmp_path):
-    config = {**LLAMA, "tie_word_embeddings": tied}
+CONFIGS = {"untied": {**LLAMA, "tie_word_embeddings": False}, "tied-embeddings": {**LLAMA, "tie_word_embeddings": True}}
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> tuple[Path, list[dict], str]:
+    """One probe for both models (vLLM imported once): its folder, its rows, its output."""
+    out = tmp_path_factory.mktemp("ahead")
     # -P: not the probe's folder first on the path, where support/vllm.py would shadow vllm
-    done = subprocess.run([find_vllm_python(), "-P", str(PROBE), json.dumps(config), str(tmp_path)], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([find_vllm_python(), "-P", str(PROBE), json.dumps(CONFIGS), str(out)], capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["version"] for r in rows] == [0, 1, 2, 3], done.stdout
+    return out, [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stdout
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_version_loaded_ahead_is_served_only_once_committed_version_after_version(name, probed):
+    config, (folder, rows, stdout) = CONFIGS[name], probed
+    tmp_path = folder / name
+    rows = [r for r in rows if r["config"] == name]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3], stdout
     assert [r["swap"] for r in rows] == [False, True, False, True]  # committed by copies and by swaps, in turn
     for row in rows:
         v = row["version"]
