@@ -39,6 +39,7 @@ from e2e_harness import (
     restricted,
     running,
     show_logs,
+    small,
 )
 from kubernetes.utils import parse_quantity
 
@@ -211,57 +212,24 @@ def test_tcp_example_runs_in_real_pods_to_succeeded(cluster, real_node, helm, na
     wait_for("nothing of the chart left", lambda: not chart_leftovers(cluster, release, ops), 120)
 
 
-def test_a_deleted_inference_pod_comes_back_and_rejoins_the_running_job(cluster, real_node, helm, namespace, chart,
-                                                                          operator_from_chart, tmp_path):
-    """A user (or a node drain) deletes an inference pod mid-job: its StatefulSet starts it again
-    under the same name and ordinal, it rejoins, and the job still ends Succeeded with every
-    version verified, the rejoin shown in the job's status."""
-    job = fast(example("tcp-job.yaml"))
-    job["metadata"]["name"] = name = "rejoin"
-    job["spec"]["training"].update(steps=12)
-    loaded = load_job(job, namespace)
-    spec, layout = loaded.spec, loaded.layout
-    versions = 1 + spec["training"]["steps"] // spec["transfer"]["everySteps"]
-    victim = f"{name}-{INFERENCE}-{layout.first_ordinal(INFERENCE)}"
-    logs = LogFollower(cluster, namespace, tmp_path / "logs")
-
-    with operator_from_chart(chart[1], chart[0]) as operator:
-        apply(cluster, namespace, job)
-        progress = following(cluster, namespace, name, operator, logs)
-
-        try:
-            wait_for(f"{name} to deliver version 1",
-                     lambda: (((get_job(cluster, namespace, name).get("status") or {}).get("transfer") or {})
-                              .get("version", -1) >= 1),
-                     300, interval=1, failed=progress)
-            first_uid = job_pods(cluster, namespace, name)[victim]["metadata"]["uid"]
-            cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
-            wait_for(f"{victim} back as a new pod", lambda: (job_pods(cluster, namespace, name).get(victim) or {}).get(
-                "metadata", {}).get("uid") not in (None, first_uid), 120, failed=progress)
-            done = finished(cluster, namespace, name, progress)
-        finally:
-            show_logs(logs)
-    status = assert_succeeded(cluster, namespace, done, logs)
-    assert status["rejoins"][INFERENCE] >= 1, json.dumps(status, indent=1)
-    assert status["completion"]["versions"] == versions
-    # every inference rank, the one that came back included, ends on the final version, verified
-    (controller,) = [n for n in logs.procs if n.endswith(f"-{CONTROLLER}-0")]
-    assert "rejoined" in logs.text(controller), logs.text(controller)[-3000:]
-    assert f"switched to version {versions - 1} (digest verified)" in logs.text(victim)
-
-
-def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, real_node, helm, namespace, chart,
-                                                                   operator_from_chart, tmp_path):
-    """spec.inference.maxReplicas 3, two inference pods at first: `kubectl scale wtj` to 3 starts a
-    third pod, whose rank joins the running job and serves once a version is verified on it; then
-    to 1 removes two, and the versions go on to the one left without a failure. The trainers train
-    until the job is deleted (steps 0)."""
-    job = fast(example("tcp-job.yaml"))
+def test_a_running_jobs_inference_pods_come_back_when_deleted_and_scale_up_and_down_in_real_pods(
+        cluster, real_node, helm, namespace, chart, operator_from_chart, tmp_path):
+    """spec.inference.maxReplicas 3, two inference pods at first; the trainers train until the job
+    is deleted (steps 0). Once version 1 is delivered, a user (or a node drain) deletes the first
+    inference pod while `kubectl scale wtj` to 3 starts a third: the StatefulSet starts the deleted
+    one again under its name and ordinal and its rank rejoins (the job's status counts the rejoin),
+    the third's rank joins the running job, and each serves once a version is verified on it. Then
+    to 1 removes the two others, and the versions go on to the one that came back without a failure.
+    (A job that ends Succeeded after a pod of it was deleted: the user's trainers' test below.)"""
+    job = small(example("tcp-job.yaml"), steps=0)
     job["metadata"]["name"] = name = "elastic"
-    job["spec"]["training"].update(steps=0)
     job["spec"]["inference"].update(replicas=2, maxReplicas=3)
+    # Its trainers never stop: capped at a quarter of a core each, they leave the node's cores to the
+    # pods that start beside them (a version still comes every few seconds).
+    job["spec"]["trainer"]["resources"]["limits"] = {"cpu": "250m"}
     layout = load_job(job, namespace).layout
-    new = f"{name}-{INFERENCE}-{layout.first_ordinal(INFERENCE) + 2}"
+    first = layout.first_ordinal(INFERENCE)
+    victim, new = f"{name}-{INFERENCE}-{first}", f"{name}-{INFERENCE}-{first + 2}"
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
 
     def status() -> dict:
@@ -270,6 +238,15 @@ def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, r
     def receivers() -> dict:
         return status().get("receivers") or {}
 
+    def state(pod: str) -> list[str]:
+        return [r["state"] for r in receivers().get("ranks", []) if r["pod"] == pod]
+
+    def since_its_last_start(pod: str) -> str:
+        """What the pod's last container said, once its log holds a second start (the pod came back)."""
+        starts = logs.text(pod).split("] on cpu, ")
+        return starts[-1] if len(starts) > 2 else ""
+
+    switched = re.compile(r"switched to version \d+ \(digest verified\)")
     with operator_from_chart(chart[1], chart[0]) as operator:
         apply(cluster, namespace, job)
         progress = following(cluster, namespace, name, operator, logs)
@@ -277,27 +254,35 @@ def test_a_running_jobs_inference_pods_scale_up_and_down_in_real_pods(cluster, r
             wait_for(f"{name} to deliver version 1", lambda: (status().get("transfer") or {}).get("version", -1) >= 1,
                      300, interval=1, failed=progress)
             assert receivers()["total"] == 2
+            first_uid = job_pods(cluster, namespace, name)[victim]["metadata"]["uid"]
+            cluster.kubectl("delete", "pod", victim, "-n", namespace, "--wait=false")
             cluster.kubectl("scale", PLURAL, name, "-n", namespace, "--replicas=3")
-            wait_for("the new rank current", lambda: [r["state"] for r in receivers().get("ranks", [])
-                                                      if r["pod"] == new] == ["current"], 240, interval=1,
-                     failed=progress)
+            wait_for(f"{victim} back as a new pod", lambda: (job_pods(cluster, namespace, name).get(victim) or {}).get(
+                "metadata", {}).get("uid") not in (None, first_uid), 120, failed=progress)
+            # a rank that rejoined is current again only once it verified a version after its rejoin
+            wait_for(f"{victim}'s rank rejoined and current, and the new rank current", lambda: (
+                (status().get("rejoins") or {}).get(INFERENCE, 0) >= 1
+                and state(victim) == ["current"] and state(new) == ["current"]), 240, interval=1, failed=progress)
             assert receivers()["total"] == 3
-            # its line comes once the version generated, after the status says current: before its pod goes
-            switched = re.compile(r"switched to version \d+ \(digest verified\)")
-            wait_for(f"{new} to say it switched", lambda: switched.search(logs.text(new)), 120, interval=1,
-                     failed=progress)
+            # each one's line comes once the version generated, after the status says current
+            wait_for(f"{victim} (since it came back) and {new} to say they switched", lambda: (
+                switched.search(since_its_last_start(victim)) and switched.search(logs.text(new))), 120, interval=1,
+                failed=progress)
             reached = status()["transfer"]["version"]
             cluster.kubectl("scale", PLURAL, name, "-n", namespace, "--replicas=1")
             wait_for("one rank left, and a version more", lambda: receivers().get("total") == 1 and
                      status()["transfer"]["version"] > reached, 240, interval=1, failed=progress)
             assert status()["phase"] == "Running" and receivers()["ranks"][0]["state"] == "current"
+            assert receivers()["ranks"][0]["pod"] == victim
         finally:
-            show_logs(logs)
-            # it trains until deleted: its pods go before the next test, which needs the node's cores
+            # It trains until deleted: its pods go before the next test, which needs the node's cores,
+            # and before its logs are shown, whose streams end as its containers do.
             cluster.kubectl("delete", PLURAL, name, "-n", namespace, "--wait=false", check=False)
             wait_for(f"{name}'s pods gone", lambda: not job_pods(cluster, namespace, name), 120)
+            show_logs(logs)
     (controller,) = [n for n in logs.procs if n.endswith(f"-{CONTROLLER}-0")]
     said = logs.text(controller)
+    assert re.search(rf"inference rank 0 rejoined \(start \d+, pod {victim},", said), said[-3000:]
     assert "inference rank 2 joined the running job (start 1" in said, said[-3000:]
     assert "inference rank 1 leaves the job: its pod was scaled away" in said, said[-3000:]
     assert "taken in at version" in logs.text(new)
@@ -307,17 +292,18 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
                                                               operator_from_chart, tmp_path):
     """examples/pvc-job.yaml: spec.model.path inside a volume the pod templates mount, as a
     cluster holds its checkpoints: its claim bound to a hostPath PersistentVolume on the real node,
-    holding a checkpoint of the tcp example's model whose weights only it has (all zero). The
-    trainers start from it: version 0, verified on every inference rank, generates only token 0, as
-    zero weights do (random ones would not)."""
+    holding a checkpoint of a small GPT-2 whose weights only it has (all zero). The trainers start
+    from it: version 0, verified on every inference rank, generates only token 0, as zero weights do
+    (random ones would not)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from weightsync.model.config import config_of
 
     job = fast(example("pvc-job.yaml"))
+    job["spec"]["training"].update(seqLen=32)  # what the small model's 32 positions hold
     name = job["metadata"]["name"]
-    model = load_job(example("tcp-job.yaml"), namespace).model  # the same model, from its config
+    model = load_job(small(example("tcp-job.yaml")), namespace).model  # the checkpoint's model, from its config
     folder = Path(tempfile.mkdtemp(prefix="weightsync-pv-"))  # outside pytest's 0700 folders: the pods read it
     try:
         checkpoint = AutoModelForCausalLM.from_config(config_of(model))
@@ -425,7 +411,7 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
     pod, the Secret as its environment), whose ranks join the job and deliver every version. The
     WeightTransferJob's deletion takes what the operator made, never the user's Job."""
     job, trainers = example("external-trainers-job.yaml"), example("external-trainers-batchjob.yaml")
-    name, steps, every = job["metadata"]["name"], 6, 3
+    name, steps, every = job["metadata"]["name"], 3, 3
     (container,) = trainers["spec"]["template"]["spec"]["containers"]
     assert container["envFrom"] == [{"secretRef": {"name": f"{name}-join"}}]
     assert container["image"] == f"ghcr.io/weightsync/worker:{weightsync.__version__}"  # what the chart defaults to

@@ -15,12 +15,12 @@ from e2e_harness import (
     apply,
     assert_succeeded,
     example,
-    fast,
     finished,
     following,
     get_job,
     job_pods,
     show_logs,
+    small,
 )
 from support.kueue_harness import running
 
@@ -59,7 +59,7 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster,
     queue = quota_for_one_job(cluster, namespace)
     jobs = []
     for name in ("first", "second"):
-        job = fast(example("tcp-job.yaml"))
+        job = small(example("tcp-job.yaml"))  # what is queued is what counts, not the model nor the steps
         job["metadata"]["name"] = name
         job["metadata"]["labels"] = {QUEUE: "lq"}
         jobs.append(job)
