@@ -27,6 +27,8 @@ MAX_UNITS = 14
 LAZY = {
     "weightsync.cli": "each subcommand loads what it runs: `weightsync --help` and `weightsync plan` load no torch",
     "weightsync.roles": "each role loads its own program: the controller's pod loads no torch",
+    "weightsync.roles.controller.planning": "spec.model is built (torch) only to name the rank whose model is wrong: "
+                                            "the controller's pod loads no torch",
     "weightsync.transport": "nccl and uccl load their libraries (torch.distributed's NCCL, uccl) only when chosen",
     "weightsync.model.flat": "the native cast is an optional build (the operator installs without a compiler)",
     "weightsync.rendezvous.protocol": "the store's client is torch.distributed's Store: the controller and roster load no torch",

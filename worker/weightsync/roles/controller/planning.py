@@ -9,7 +9,6 @@ from typing import Callable, Mapping
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, external_roles, reasons
 from weightsync.job.errors import JobFailed
-from weightsync.model.build import meta_layout
 from weightsync.model.flat import FlatLayout, LayoutMismatch
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import inference_needs, make_job_plan
@@ -100,6 +99,8 @@ def same_models(job: Job, admitted: Admitted) -> FlatLayout:
         except LayoutMismatch as e:
             differs = f"{who(role, rank)} holds a different model than trainer rank 0: {e}"
             try:
+                from weightsync.model.build import meta_layout  # torch: only to tell which model is wrong
+
                 spec = meta_layout(job.model)
             except Exception as why:  # noqa: BLE001 - the blame cannot be narrowed; the mismatch still fails the job
                 raise LayoutMismatch(f"{differs} (spec.model cannot be built here to tell which is wrong: {why})") from None
