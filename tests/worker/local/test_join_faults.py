@@ -27,8 +27,8 @@ REACH = 240.0  # seconds for the pods to come up on a loaded machine
 RUN = 240.0  # seconds for the whole job (a hang fails the test here, naming what it waited for)
 
 
-def joining_job(name: str):
-    return make_job(name, trainers=(2, 1), inferences=(2, 1), steps=2, every=1)  # versions 0, 1, 2
+def joining_job(name: str, trainers: int, inferences: int):
+    return make_job(name, trainers=(trainers, 1), inferences=(inferences, 1), steps=2, every=1)  # versions 0, 1, 2
 
 
 def pod_of(local: LocalJob, role: str, rank: int):
@@ -36,7 +36,7 @@ def pod_of(local: LocalJob, role: str, rank: int):
 
 
 def test_an_inference_rank_killed_while_the_ranks_join_joins_again_and_receives_every_version(tmp_path):
-    job = joining_job("killed-joining")
+    job = joining_job("killed-joining", trainers=1, inferences=2)  # the other inference rank joins meanwhile
     dump, pause = tmp_path / "dump", tmp_path / "pause"
     dump.mkdir()
     pause.mkdir()
@@ -61,12 +61,12 @@ def test_an_inference_rank_killed_while_the_ranks_join_joins_again_and_receives_
 
 
 def test_a_trainer_killed_while_the_ranks_join_fails_the_job_naming_it(tmp_path):
-    """Trainer rank 1 killed once it joined, while inference rank 1 still loads its model: the job
+    """Trainer rank 1 killed once it joined, while inference rank 0 still loads its model: the job
     fails within the trainers' silence limit, naming trainer rank 1, not the rank still joining."""
-    job = joining_job("trainer-killed-joining")
+    job = joining_job("trainer-killed-joining", trainers=2, inferences=1)
     pause = tmp_path / "pause"
     pause.mkdir()
-    (pause / "inference-1-joining-v0.arm").touch()  # holds the join open until the job ends
+    (pause / "inference-0-joining-v0.arm").touch()  # holds the join open until the job ends
     local = LocalJob(job, tmp_path / "run", {PAUSE_DIR_ENV: str(pause)}, progress=io.StringIO())
     local.start()
     pod = pod_of(local, "trainer", 1)
@@ -74,7 +74,7 @@ def test_a_trainer_killed_while_the_ranks_join_fails_the_job_naming_it(tmp_path)
     try:
         proof = Keys.published("proof", "trainer", 1, 1)
         waits.until("trainer rank 1 to join", lambda: store.check([proof]), REACH, every=0.01)
-        waits.until("inference rank 1 to hold before it joins", (pause / "inference-1-joining-v0.reached").exists, REACH)
+        waits.until("inference rank 0 to hold before it joins", (pause / "inference-0-joining-v0.reached").exists, REACH)
         os.killpg(pod.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
     finally:
