@@ -107,7 +107,9 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,dtype", first_in_unit([(2, "bfloat16"), (3, "float32"), (4, "float16")]))
+# two casts, and shards of uneven rows (101 over 3 ranks: 34, 34, 33); Shard(0) rows sent uncast
+# (float32) are the expert-parallel test's below, on a 2-D mesh of four ranks
+@pytest.mark.parametrize("world,dtype", first_in_unit([(2, "bfloat16"), (3, "float16")]))
 def test_fsdp2_ranks_send_only_their_shards_and_together_the_whole_version(tmp_path, world, dtype):
     mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dtype), nprocs=world,
                        start_method="spawn")

@@ -238,33 +238,27 @@ def test_delta_versions_of_fsdp_shards_patch_buckets_that_bundle_runs(ranks, sto
     assert wire(sent, 2) < plan.version_bytes * 2 / 10
 
 
-def test_a_rank_whose_base_differs_gets_the_buckets_whole(ranks, store):  # noqa: F811
-    """Inference rank 1's copy of version 1 differs from the trainers': it refuses every patch of
-    version 2, and the same version arrives whole and verified; rank 0 is patched as usual."""
-    bases = [{0: None, 1: None}, {0: 1, 1: 1}]
-    results, sent = run_versions(ranks, store, 2, 2, "bfloat16", bases, spoil=(1,))
-    plan = make_plan(layout_of(SHAPES, "bfloat16"), 2, 2, BUCKET)
+def test_a_rank_whose_base_differs_or_that_holds_nothing_gets_the_buckets_whole(ranks, store):  # noqa: F811
+    """Version 2 to three inference ranks: rank 0 holds version 1 and is patched as usual; rank 1's
+    copy of version 1 differs from the trainers': it refuses every patch of version 2, and the same
+    version arrives whole and verified; rank 2 is new at version 2 (the controller names no base
+    for it): its buckets go whole, none refused."""
+    bases = [{0: None, 1: None, 2: None}, {0: 1, 1: 1, 2: None}]
+    results, sent = run_versions(ranks, store, 2, 3, "bfloat16", bases, spoil=(1,))
+    plan = make_plan(layout_of(SHAPES, "bfloat16"), 2, 3, BUCKET)
     assert results[(2, 0)]["patched"] == len(plan.buckets) and not results[(2, 0)]["refused"]
     assert results[(2, 1)]["patched"] == 0 and len(results[(2, 1)]["refused"]) == len(plan.buckets)
     assert all("differs from the sender's" in reason for reason in results[(2, 1)]["refused"])
-    assert wire(sent, 2) > plan.version_bytes, "rank 1's buckets were re-sent whole"
+    assert results[(2, 2)]["patched"] == 0 and not results[(2, 2)]["refused"]
+    # rank 1's buckets re-sent whole and rank 2's sent whole, beside the patches (2% changed) of
+    # ranks 0 and 1: rank 2 was sent no patch first
+    assert 2 * plan.version_bytes < wire(sent, 2) < 2.2 * plan.version_bytes
 
 
-def test_a_rank_that_holds_nothing_gets_the_version_whole(ranks, store):  # noqa: F811
-    """Inference rank 1 is new at version 2 (the controller names no base for it): its buckets
-    go whole, while rank 0, which holds version 1, gets patches."""
-    bases = [{0: None, 1: None}, {0: 1, 1: None}]
-    results, sent = run_versions(ranks, store, 1, 2, "bfloat16", bases)
-    plan = make_plan(layout_of(SHAPES, "bfloat16"), 1, 2, BUCKET)
-    assert results[(2, 0)]["patched"] == len(plan.buckets)
-    assert results[(2, 1)]["patched"] == 0 and not results[(2, 1)]["refused"]
-    assert plan.version_bytes < wire(sent, 2) < plan.version_bytes * 1.1
-
-
-@pytest.mark.parametrize("dtype", first_in_unit(["bfloat16", "float32"]))
-def test_a_version_where_everything_changed_costs_the_whole_bytes(ranks, store, dtype):  # noqa: F811
+def test_a_version_where_everything_changed_costs_the_whole_bytes(ranks, store):  # noqa: F811
+    # bfloat16; a float32 bucket where everything changed: test_a_bucket_where_everything_changed_goes_whole
     bases = [{0: None, 1: None}, {0: 1, 1: 1}]
-    results, sent = run_versions(ranks, store, 2, 2, dtype, bases, change=1.0)
-    plan = make_plan(layout_of(SHAPES, dtype), 2, 2, BUCKET)
+    results, sent = run_versions(ranks, store, 2, 2, "bfloat16", bases, change=1.0)
+    plan = make_plan(layout_of(SHAPES, "bfloat16"), 2, 2, BUCKET)
     assert wire(sent, 2) == plan.version_bytes * 2
     assert all(results[(2, i)]["patched"] == 0 and not results[(2, i)]["refused"] for i in range(2))

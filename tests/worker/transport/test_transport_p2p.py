@@ -52,11 +52,11 @@ def wait_for_key(keys, key: str, timeout: float = 60, ranks=None) -> float:
 
 
 @pytest.mark.parametrize("trainers,inferences,dtype,shapes,bucket", first_in_unit([
+    # the frames carry bytes, whatever the dtype (the sender's cast or not is test_transfer.py's, the
+    # same for every transport): several trainers to several inference ranks in many small buckets
+    # that cut tensors, and one to one, a bucket that ends where a tensor does
     (2, 3, "float16", ODD, 256),
     (1, 1, "float32", "64x64,10", 4096),
-    (1, 1, "bfloat16", ODD, 1024),
-    (2, 2, "float32", ODD, 512),
-    (2, 2, "bfloat16", ODD, 4096),
 ]))
 def test_versions_arrive_bit_for_bit_over_point_to_point(p2p, ranks, store, trainers, inferences, dtype, shapes, bucket):
     send_and_check(ranks(trainers, inferences, shapes, dtype, bucket, 3, env=p2p.env), store, trainers, inferences, 3,
