@@ -37,13 +37,13 @@ from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV
 RUN_TIMEOUT = 300
 
 
-def external_job(name, attach_timeout=300, inferences=1, dtype="float16"):
+def external_job(name, attach_timeout=300, inferences=1, dtype="float16", timeout=60):
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
             "spec": {"model": {"config": CONFIG, "dtype": dtype},
                      "trainer": {"external": True, "replicas": 1, "procsPerPod": 2, "gpusPerProc": 0,
                                  "attachTimeoutSeconds": attach_timeout},
                      "inference": {"replicas": inferences, "procsPerPod": 1, "gpusPerProc": 0},
-                     "transfer": {"bucketMB": 1, "transport": "tcp", "timeoutSeconds": 60},
+                     "transfer": {"bucketMB": 1, "transport": "tcp", "timeoutSeconds": timeout},
                      "network": {"mode": "tcp"}}}
 
 
@@ -98,6 +98,9 @@ def test_the_users_fsdp2_torchrun_joins_as_the_jobs_trainers(tmp_path):
 
 
 ATTACH = 75  # seconds: spec.trainer.attachTimeoutSeconds of the job the refused trainers try to join
+# seconds: its spec.transfer.timeoutSeconds, under TRAINER_SILENT_LIMIT, which makes the trainers'
+# silence limit that (no version is sent in that job, and no trainer trains: only joins and a kill)
+SILENT = 10
 REFUSED = """
 import torch, weightsync
 weightsync.attach(torch.nn.Linear(2, 2))
@@ -122,7 +125,8 @@ def refused(join_file: Path, tmp_path: Path, **change) -> str:
 def test_wrong_trainers_are_refused_and_one_killed_once_joined_fails_the_job_by_name(tmp_path):
     # the refusals below must all come before the attach deadline: four Python processes that import
     # torch, which take a few seconds each on two busy cores
-    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=ATTACH))
+    assert SILENT < TRAINER_SILENT_LIMIT
+    local, join_file, progress = start(tmp_path, external_job("ext-refused", attach_timeout=ATTACH, timeout=SILENT))
     job_id = "default/ext-refused"
     controller = (join_file.read_text().split(f"{JoinEnv.CONTROLLER}=")[1]).split()[0]
     assert refused(join_file, tmp_path, **{JoinEnv.TOKEN: "f" * 64}, RANK="0", WORLD_SIZE="2") == (
@@ -160,7 +164,7 @@ def test_wrong_trainers_are_refused_and_one_killed_once_joined_fails_the_job_by_
     assert completion["state"] == "Failed" and completion["reason"] == "RankSilent", completion
     assert completion["message"].startswith("trainer rank 0 is silent: no heartbeat for ") and \
         "after it joined, while the others join" in completion["message"], completion
-    assert completion["versions"] == 0 and took < TRAINER_SILENT_LIMIT + 15, (took, completion)
+    assert completion["versions"] == 0 and took < SILENT + 15, (took, completion)
     assert list((tmp_path / "dump").iterdir()) == []  # nothing was sent, nothing applied
     first.communicate(timeout=60)
     told = progress.getvalue()
