@@ -10,13 +10,15 @@ end with it, and the version goes on without it; started again under its URL, it
 receives the next version in full. With both roles
 external (the user's torchrun of examples/train_with_weightsync.py as the trainers, `weightsync run`
 runs the controller alone) the last version the server serves is the script's final weights. While
-the job runs,
-servers that cannot join exit, each with its one line in its log, and none of them receives or
-loads anything: one more server than the job has ranks for, a server of another model, and one
-without WEIGHTSYNC_VLLM_SERVER (refused before vLLM loads the model). The other refusals (the same
-server again, a wrong token) take the same way out of the server; their decisions and lines are
-tested without vLLM (rendezvous/test_claims.py, test_external_join.py), each vLLM start here costing
-a minute of the machine.
+the job runs, servers that cannot join exit, each with its one line in its log, and none of them
+receives or loads anything: a server of another model (its worker refuses itself, having read the
+job) and one without WEIGHTSYNC_VLLM_SERVER (refused before vLLM loads the model); and the claim
+of one more server than the job has ranks for, posted through the job's store as a worker posts it,
+is refused by the running controller, which says so in its log and in `weightsync run`'s progress.
+A refused claim (a full job, the same server again) takes the same way out of the server as
+another model (vllm_backend/place.py); the other refusals' decisions and lines are tested without
+vLLM (rendezvous/test_claims.py, test_external_join.py), each vLLM start here costing a minute of
+the machine.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from support.external_vllm import (
     UP_TIMEOUT,
     ExternalServer,
     assert_served_bit_for_bit,
+    free_port,
     fused,
     read_join_file,
     vllm_python,
@@ -49,8 +52,11 @@ from support.jobs import as_bytes
 from support.waits import until
 
 from weightsync.job import API_VERSION, KIND, TORCHRUN_VARS, Model, load_job
-from weightsync.job.join import JoinEnv
+from weightsync.job.join import Join, JoinEnv
 from weightsync.local.runner import LocalJob
+from weightsync.model.build import meta_layout
+from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
+from weightsync.rendezvous.external_rank import fetch_job
 from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 
@@ -78,6 +84,19 @@ def reach(pause: Path, point: str, local: LocalJob) -> None:
         assert local.completion is None, f"the job ended before {point}: {local.completion}"
         assert time.monotonic() < deadline, f"{point} was not reached within {RUN_TIMEOUT:.0f}s"
         time.sleep(0.1)
+
+
+def claim_refused(join: dict[str, str], job, url: str) -> str:
+    """Why the running job's controller refuses the claim a worker of a vLLM server at `url`, of
+    the job's model, posts (vllm_backend/place.py), made here through the job's store with the join
+    variables; the refusal takes the server's way out that another model's takes (place_of)."""
+    _, channel = fetch_job(Join.from_environ(join))
+    try:
+        with pytest.raises(ClaimRefused) as refused:
+            claim(channel, Claim(url, 0, 1, meta_layout(job.model).to_json()), RUN_TIMEOUT)
+    finally:
+        channel.close()
+    return str(refused.value)
 
 
 def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_saying_why(tmp_path):
@@ -117,15 +136,16 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         assert "joined job default/ext-vllm when its server started: there is nothing to initialize" in server.text()
 
         refused = {
-            "full": ExternalServer(python, job.model, job.name, join, tmp_path / "full.log"),
             "other": ExternalServer(python, Model(config=OTHER, dtype="bfloat16"), job.name, join,
                                     tmp_path / "other.log"),
             "no-url": ExternalServer(python, job.model, job.name, join, tmp_path / "no-url.log", url=None),
         }
         servers += refused.values()
+        beyond = f"http://127.0.0.1:{free_port()}"  # one server more than the job has: its worker's claim
+        assert claim_refused(join, job, beyond) == (
+            f"job default/ext-vllm is full: its 1 inference servers (spec.inference.replicas) have joined "
+            f"({server.url}) and are there; a server joins only in place of one that stopped")
         lines = {
-            "full": "cannot join job default/ext-vllm: job default/ext-vllm is full: its 1 inference servers "
-                    f"(spec.inference.replicas) have joined ({server.url}) and are there",
             "other": "cannot join job default/ext-vllm: this server serves another model than job default/ext-vllm: "
                      "tensor #",
             "no-url": "weightsync: WEIGHTSYNC_VLLM_SERVER is not set: a vLLM server that joins job default/ext-vllm "
@@ -138,7 +158,7 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         assert "Loading weights took" not in refused["no-url"].text(), "refused only after vLLM loaded the model"
         controller = local.pods[0].log.read_text(errors="replace")
         assert f"the vLLM server at {server.url} claimed inference rank 0" in controller
-        assert f"refused the vLLM server at {refused['full'].url}: job default/ext-vllm is full" in controller
+        assert f"refused the vLLM server at {beyond}: job default/ext-vllm is full" in controller
         until("weightsync run showing the claims", lambda: "refused the vLLM server" in progress.getvalue(), 10)
         assert f"the vLLM server at {server.url} claimed inference rank 0" in progress.getvalue()
 
