@@ -8,19 +8,22 @@ module.
   tensor-parallel size 2 with expert parallelism (spec.inference.vllm.expertParallel): each worker
   holds 4 of the 8 experts whole and nothing of the other 4.
 
-Both models come as inline configs without `architectures`: vLLM serves them as causal LMs (the
-architecture weightsync names), not as pooling models. The trainers' checkpoint holds the
-experts as transformers does, one tensor of every expert per projection.
+Each job's model is a checkpoint of its model (spec.model.path), the experts one tensor each as
+published checkpoints name them (vLLM's loaders of both models read them, transformers stacks them
+into one tensor of every expert per projection for the trainer): the server starts on it as vLLM
+alone would, loading it from disk itself, and the trainer starts from it, so that version 0 is
+its weights.
 
 What is checked after each version: every worker's parameters equal the trainer's bytes as vLLM
 lays them out (stated here independently of the backend: every parameter of qwen2_moe, the expert
 layers of the DeepSeek-shaped model, whose MLA vLLM fuses and derives its own way); each worker
-receives exactly the slices that layout gives it, half of the routed experts' bytes; on the last
-version, vLLM's own weight checker finds the weights equal to those of a plain vLLM server of the
-same shape that loaded the trainer's checkpoint from disk, and (tensor parallelism) both answer
-the same greedy tokens. The expert-parallel server is compared by weights alone: vLLM 0.32's CPU
-fused-MoE kernel crashes at the first generation under expert parallelism
-(csrc/cpu/cpu_fused_moe.cpp), with or without weightsync.
+receives exactly the slices that layout gives it, half of the routed experts' bytes. Before any
+version the server's weights, as vLLM loaded them from the checkpoint, are checksummed and then
+zeroed by vLLM's weight checker; once version 0 is loaded, vLLM's own compare finds them equal to
+that load from disk, and (tensor parallelism) the server answers the same greedy tokens as it did
+then. The expert-parallel server is compared by weights alone: vLLM 0.32's CPU fused-MoE kernel
+crashes at the first generation under expert parallelism (csrc/cpu/cpu_fused_moe.cpp), with or
+without weightsync.
 """
 
 from __future__ import annotations
@@ -32,19 +35,19 @@ import pytest
 import torch
 from support.vllm import (
     LLAMA,
-    PlainServer,
+    REACH_TIMEOUT,
     VllmRun,
     as_bytes,
     checker,
     completion,
-    free_port,
     save_checkpoint,
     shards,
     vllm_job,
     vllm_python,
 )
 
-from weightsync.model.build import meta_layout
+from weightsync.job import Model, load_job
+from weightsync.model.build import build, meta_layout
 from weightsync.model.flat import ITEMSIZE
 from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.plan.sliced_plan import LocalLayout
@@ -62,8 +65,9 @@ DEEPSEEK = {**BASE, "model_type": "deepseek_v3", "num_key_value_heads": 4, "inte
             "qk_nope_head_dim": 64, "v_head_dim": 64, "n_group": 1, "topk_group": 1}
 TP = 2
 DTYPE = "float32"  # repacked by vLLM's CPU build on any x86 CPU, and read back through its kernels
-VERSIONS = 3  # 0..2: steps 4, every 2
-PAUSE = "trainer-0-before-go-v2"  # version 1 is served; the trainer holds version 2 back
+VERSIONS = 2  # 0..1: steps 2, every 2
+HOLD = "trainer-0-before-ready-v0"  # the servers hold what vLLM loaded from the checkpoint; no version yet
+PAUSE = "trainer-0-before-go-v1"  # version 0 is served; the trainer holds version 1 back
 
 
 @dataclass
@@ -72,38 +76,47 @@ class MoeRun:
     config: dict
     expert_parallel: bool
     end: dict = field(default_factory=dict)
-    tokens: list[int] | None = None  # the server's greedy tokens on version 1
-    plain_tokens: list[int] | None = None  # a plain server's, on version 1 from disk
-    compare: dict = field(default_factory=dict)  # vLLM's compare of the served version 1 with the plain server's
+    tokens: list[int] | None = None  # the server's greedy tokens on version 0
+    plain_tokens: list[int] | None = None  # its tokens as vLLM loaded the checkpoint, before any version
+    compare: dict = field(default_factory=dict)  # vLLM's compare of version 0, loaded after a reset, with its own load
 
 
 def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
+    """The job's model is a checkpoint (the experts one tensor each, as published checkpoints hold
+    them): its server starts as vLLM alone would on it (its own load from disk, checksummed before
+    weightsync loads anything), and the trainer starts from it, so that version 0 holds its weights."""
     python = vllm_python()
-    job = vllm_job(name, trainers=1, servers=1, steps=4, config=config, tensorParallel=TP, dtype=DTYPE,
-                   expert_parallel=expert_parallel)
-    run = VllmRun(tmp, job, python, pauses=[PAUSE])
+    base = build(Model(config=config, dtype=DTYPE), dtype=DTYPE, seed=3)
+    # its parameters, what the trainer sends (not DeepSeek's e_score_correction_bias buffer, which
+    # vLLM's loader of this config does not take)
+    checkpoint = save_checkpoint(one_per_expert({n: p.detach() for n, p in base.named_parameters()}), config,
+                                 tmp / "checkpoint")
+    obj = vllm_job(name, trainers=1, servers=1, steps=2, config=config, tensorParallel=TP, dtype=DTYPE,
+                   expert_parallel=expert_parallel).to_object()
+    obj["spec"]["model"] = {"path": str(checkpoint), "dtype": DTYPE}
+    obj["spec"]["inference"]["vllm"]["args"] += ["--skip-tokenizer-init"]  # the checkpoint has no tokenizer
+    run = VllmRun(tmp, load_job(obj), python, pauses=[HOLD, PAUSE], pause_limit=REACH_TIMEOUT)
     out = MoeRun(run, config, expert_parallel)
-    plain = None
     try:
-        run.reach(PAUSE)
+        run.reach(HOLD)
         server = run.servers[0]
-        run.serving(server, 1)
-        served = checker(server, "checksum", key=run.key)["checksums"]
+        run.up(server)
         if not expert_parallel:
-            out.tokens = completion(server, job.name)
+            out.plain_tokens = completion(server, name)
+        own = checker(server, "checksum", key=run.key)["checksums"]
+        assert checker(server, "reset", key=run.key) == {"status": "reset"}
+        zeroed = checker(server, "checksum", key=run.key)["checksums"]
+        assert zeroed != own, "the reset changed no checksum"
+        run.release(HOLD)
+        run.reach(PAUSE)
+        run.serving(server, 0)
+        out.compare = checker(server, "compare", own, key=run.key)
+        if not expert_parallel:
+            out.tokens = completion(server, name)
         run.release(PAUSE)
         out.end = run.finish()
-        tensors = torch.load(run.dump / "trainer-0-v1.pt")["tensors"]
-        checkpoint = save_checkpoint(one_per_expert(tensors), config, tmp / "checkpoint-v1")
-        plain = PlainServer(python, checkpoint, free_port(), TP, tmp / "plain.log", DTYPE, expert_parallel=expert_parallel)
-        plain.wait_up()
-        out.compare = checker(plain.url, "compare", served)
-        if not expert_parallel:
-            out.plain_tokens = completion(plain.url, "plain")
     finally:
         run.local.stop()
-        if plain is not None:
-            plain.stop()
     return out
 
 
@@ -260,10 +273,10 @@ def test_each_worker_receives_only_its_share_half_of_the_routed_experts(which, r
 
 
 @pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
-def test_vllms_weight_checker_finds_the_weights_of_a_server_that_loaded_them_from_disk(which, request):
+def test_vllms_weight_checker_finds_the_weights_vllm_loaded_from_disk(which, request):
     moe: MoeRun = request.getfixturevalue(which)
     assert moe.compare == {"match": True, "mismatches": []}, moe.compare
 
 
-def test_the_tensor_parallel_server_answers_as_a_plain_server_of_the_same_version(tp_moe):
+def test_the_tensor_parallel_server_answers_as_vllms_own_load_of_the_same_version(tp_moe):
     assert tp_moe.tokens is not None and tp_moe.tokens == tp_moe.plain_tokens, (tp_moe.tokens, tp_moe.plain_tokens)
