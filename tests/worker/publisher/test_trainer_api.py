@@ -1,9 +1,11 @@
 """The trainer API from a user's own script, run as spec.trainer.command by `weightsync run` (local
-processes on loopback, each pod with its environment): examples/train_with_weightsync.py with DDP
-(plain python, one rank per pod) and with FSDP2 under torchrun (two pods of two ranks, shards of
-uneven sizes); every version is verified by digest on the inference ranks, and the final version
-there equals, bit for bit, the final weights the script saved. A command that exits non-zero, one
-that never attaches, and one that fails after attaching fail the job naming the rank."""
+processes on loopback, each pod with its environment): examples/train_with_weightsync.py with FSDP2
+under torchrun (two pods of two ranks, shards of uneven sizes); every version is verified by digest
+on the inference ranks, and the final version there equals, bit for bit, the final weights the
+script saved. With DDP (plain python, one rank per pod, each sending from its replica) the same
+script runs in test_trainer_resume.py, whose job checks that beside its resumes. A command that
+exits non-zero, one that never attaches, and one that fails after attaching fail the job naming the
+rank."""
 
 from __future__ import annotations
 
@@ -47,17 +49,6 @@ def run(tmp_path: Path, job) -> tuple[LocalJob, dict | RunFailed]:
 
 def status(local: LocalJob) -> dict:
     return json.loads((local.workdir / "status.json").read_text())
-
-
-def test_a_users_ddp_script_publishes_every_version_through_the_api(tmp_path):
-    job = command_job("user-ddp", [sys.executable, EXAMPLE], example_args(tmp_path), trainers=(2, 1), inferences=(2, 1))
-    local, summary = run(tmp_path, job)
-    assert not isinstance(summary, RunFailed), summary
-    assert summary["versions"] == 3 and summary["failed_verifications"] == 0 and summary["restarts"] == {}
-    assert [t["step"] for t in local.transfers] == [0, 3, 6]
-    check_final_version(tmp_path, job, 3)
-    log = local.pods[1].log.read_text()
-    assert "from its replica" in log and "step 6: version 2" in log
 
 
 def test_a_users_fsdp2_script_under_torchrun_sends_each_ranks_own_shard(tmp_path):

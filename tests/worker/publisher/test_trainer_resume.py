@@ -70,7 +70,9 @@ def test_a_trainer_killed_mid_version_then_between_versions_resumes_each_time_an
         assert "version 1 was dropped on its way" in log and "the model stays on the version it serves" in log, log
         log = faulty.log(faulty.pod("trainer", rank))
         assert "resumed (start 3): the last version delivered is version 2 (step 3); the next is version 3" in log, log
+        assert "from its replica" in log, log  # DDP: each rank sends its share from its replica
     trainer = faulty.log(faulty.pod("trainer", 0))
+    assert "step 6: version 3" in trainer, trainer
     assert f"resumed from the checkpoint of step 0; {Resumed(0, 0, 2)}" in trainer
     assert f"resumed from the checkpoint of step 3; {Resumed(2, 3, 3)}" in trainer
     assert_nothing_left(faulty.local)
