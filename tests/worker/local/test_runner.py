@@ -2,8 +2,8 @@
 pod's files and environment): after every version each inference rank holds the trainers'
 weights bit for bit and computes the same logits as the trainer's model cast to the same dtype;
 the loss goes down; bad tokens are refused; no pod restarts on the way, and no process is left
-behind (test_runner_restarts.py: how pods that die or freeze are restarted; test_faults.py: what
-the job does then)."""
+behind (test_runner_restarts.py: how pods that die or freeze are restarted, and how every process
+stays up after the end in a cluster; test_faults.py: what the job does then)."""
 from __future__ import annotations
 
 import io
@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import time
 
 import pytest
 from support.jobs import (
@@ -34,14 +33,6 @@ from weightsync.rendezvous.protocol import Keys
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
 
-def test_one_to_one_float32_odd_sizes(tmp_path):
-    job = make_job("one-to-one", config=ODD, dtype="float32", steps=4, every=2)
-    summary, transfers = run_to_end(tmp_path, job)
-    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
-    assert summary["bytes_per_version"] == transfers[0]["version_bytes"] > 2 << 20
-    assert check_every_version(tmp_path / "dump", job) == 3
-
-
 def test_two_to_one_bfloat16_and_the_loss_goes_down(tmp_path):
     job = make_job("two-to-one", trainers=(2, 1), steps=20, every=5)
     summary, transfers = run_to_end(tmp_path, job)
@@ -62,10 +53,11 @@ def test_two_to_three_bfloat16_with_several_processes_per_pod(tmp_path):
         assert "leaked" not in log.read_text(), log
 
 
-def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_applied(tmp_path):
+def test_one_to_one_float32_odd_sizes_and_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_applied(
+        tmp_path):
     from weightsync.transport.wire import ANSWER, CHALLENGE, DATA, HEADER, MAGIC
 
-    job = make_job("wrong-token", steps=4, every=2)
+    job = make_job("wrong-token", config=ODD, dtype="float32", steps=4, every=2)
     local = start(tmp_path, job)
     try:
         store = store_of(local)
@@ -86,8 +78,10 @@ def test_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_appli
         summary = local.wait(timeout=240)
     finally:
         local.stop()
-    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0 and summary["restarts"] == {}
+    assert summary["bytes_per_version"] == local.transfers[0]["version_bytes"] > 2 << 20
     assert check_every_version(tmp_path / "dump", job) == 3
+    assert_nothing_left(local)
     assert "refused connection" in (local.workdir / "logs" / f"{job.pod_name(2)}.log").read_text()
 
 
@@ -116,30 +110,6 @@ def test_how_a_process_ended_is_said_in_words():
     assert exit_status(-signal.SIGKILL) == "was probably out of memory (killed by SIGKILL)"
     assert exit_status(-signal.SIGTERM) == "was killed by signal SIGTERM"
     assert exit_status(3) == "exited with code 3"
-
-
-def test_in_a_cluster_every_process_stays_up_after_the_end_until_sigterm(tmp_path):
-    # In a pod an exiting process is restarted, so after the job's end every rank and the
-    # controller wait for the operator to scale them down.
-    job = make_job("lingering", steps=2, every=2)
-    local = LocalJob(job, tmp_path / "run", {"KUBERNETES_SERVICE_HOST": "127.0.0.1"}, progress=io.StringIO())
-    local.start()
-    try:
-        assert local.follow(timeout=240)["state"] == "Succeeded"
-        store = store_of(local)
-        # the completion comes once every rank has seen the end: after it the operator removes the
-        # pods, the controller's store with them
-        assert store.check(["bye/trainer/0", "bye/inference/0"])
-        still = time.monotonic() + 1.0
-        while time.monotonic() < still:
-            assert [p.proc.poll() for p in local.pods] == [None] * 3
-            time.sleep(0.05)
-        for pod in local.pods:
-            pod.proc.send_signal(signal.SIGTERM)
-        assert [pod.proc.wait(30) for pod in local.pods] == [0, 0, 0]
-    finally:
-        local.stop()
-    assert_nothing_left(local)
 
 
 def test_sigint_stops_every_process(tmp_path):
