@@ -224,8 +224,9 @@ def test_a_running_jobs_inference_pods_come_back_when_deleted_and_scale_up_and_d
     job = small(example("tcp-job.yaml"), steps=0)
     job["metadata"]["name"] = name = "elastic"
     job["spec"]["inference"].update(replicas=2, maxReplicas=3)
-    # Its trainers never stop: capped at a quarter of a core each, they leave the node's cores to the
-    # pods that start beside them (a version still comes every few seconds).
+    # Its one trainer never stops: capped at a quarter of a core, it leaves the node's cores to the
+    # pods that start beside it (a version still comes every few seconds).
+    job["spec"]["trainer"].update(replicas=1)
     job["spec"]["trainer"]["resources"]["limits"] = {"cpu": "250m"}
     layout = load_job(job, namespace).layout
     first = layout.first_ordinal(INFERENCE)

@@ -1,7 +1,7 @@
 """Kueue in real pods: the chart's operator (in its pod, with the chart's RBAC) and the real Kueue
-controller admit two tcp example jobs whose CPU exceeds the ClusterQueue's quota one after the
-other, each whole and never half-started, and both train, transfer and end Succeeded on the real
-node."""
+controller admit two tcp jobs (the tcp example with one pod of each role and a small model) whose
+CPU exceeds the ClusterQueue's quota one after the other, each whole and never half-started, and
+both train, transfer and end Succeeded on the real node."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from e2e_harness import (
 )
 from support.kueue_harness import running
 
+from weightsync.job import load_job
+
 pytestmark = pytest.mark.cluster
 
 QUEUE = "kueue.x-k8s.io/queue-name"
@@ -37,8 +39,8 @@ def kueue(cluster, tmp_path_factory):
 
 
 def quota_for_one_job(cluster, namespace: str) -> str:
-    """A ClusterQueue whose CPU holds one fast tcp example (2 x 200m trainers, 2 x 200m inference
-    ranks) but not two, and the LocalQueue `lq` in the job's namespace."""
+    """A ClusterQueue whose CPU holds one queued job (a 300m trainer and a 300m inference rank) but
+    not two, and the LocalQueue `lq` in the job's namespace."""
     name = f"e2e-{uuid.uuid4().hex[:6]}"
     for obj in (
         {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": name}, "spec": {}},
@@ -59,7 +61,11 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster,
     queue = quota_for_one_job(cluster, namespace)
     jobs = []
     for name in ("first", "second"):
-        job = small(example("tcp-job.yaml"))  # what is queued is what counts, not the model nor the steps
+        # What is queued is what counts, not the model, the steps nor how many pods: one of each role.
+        job = small(example("tcp-job.yaml"))
+        for role in ("trainer", "inference"):
+            job["spec"][role]["replicas"] = 1
+            job["spec"][role]["resources"]["requests"]["cpu"] = "300m"
         job["metadata"]["name"] = name
         job["metadata"]["labels"] = {QUEUE: "lq"}
         jobs.append(job)
@@ -68,7 +74,8 @@ def test_two_jobs_beyond_the_quota_run_one_after_the_other_in_real_pods(cluster,
         with operator_from_chart(chart[1], chart[0]) as operator:
             progress = following(cluster, namespace, "first", operator, logs)
             apply(cluster, namespace, jobs[0])
-            wait_for("the first job's pods", lambda: len(job_pods(cluster, namespace, "first")) == 5, 120,
+            pods = load_job(jobs[0], namespace).layout.pods
+            wait_for("the first job's pods", lambda: len(job_pods(cluster, namespace, "first")) == pods, 120,
                      failed=progress)
             apply(cluster, namespace, jobs[1])
 
