@@ -303,6 +303,8 @@ def test_the_model_from_a_persistent_volume_claim_in_real_pods(cluster, real_nod
 
     job = fast(example("pvc-job.yaml"))
     job["spec"]["training"].update(seqLen=32)  # what the small model's 32 positions hold
+    for role in ("trainer", "inference"):  # where the model comes from is what counts: one pod of each role
+        job["spec"][role]["replicas"] = 1
     name = job["metadata"]["name"]
     model = load_job(small(example("tcp-job.yaml")), namespace).model  # the checkpoint's model, from its config
     folder = Path(tempfile.mkdtemp(prefix="weightsync-pv-"))  # outside pytest's 0700 folders: the pods read it
@@ -419,6 +421,7 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
     args = container["args"]
     args[args.index("--steps") + 1], args[args.index("--publish-every") + 1] = str(steps), str(every)
     container["resources"]["requests"]["cpu"] = job["spec"]["inference"]["resources"]["requests"]["cpu"] = "200m"
+    job["spec"]["inference"]["replicas"] = 1  # the trainers are what is tested here
     versions, user_job = 1 + steps // every, trainers["metadata"]["name"]
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)  # the user's Job as written passes it too
