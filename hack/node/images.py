@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,8 +173,9 @@ def binary_image(docker: Docker, work: Path, tag: str, binary: Path, name: str, 
     docker.import_tree(tree, tag, f'ENTRYPOINT ["/{name}"]', *changes)
 
 
-def build(docker: Docker, images: Images, coredns: Path, log=None) -> dict[str, str]:
-    """Builds whatever is missing or out of date; returns tag -> image ID for every image."""
+def build(docker: Docker, images: Images, coredns: Callable[[], Path], log=None) -> dict[str, str]:
+    """Builds whatever is missing or out of date; returns tag -> image ID for every image. CoreDNS's
+    binary is asked for last, when its image is missing: it may still be building beside this."""
     log = log or sys.stderr
     with tempfile.TemporaryDirectory(prefix="weightsync-images-") as tmp:
         work = Path(tmp)
@@ -185,14 +187,14 @@ def build(docker: Docker, images: Images, coredns: Path, log=None) -> dict[str, 
         if not docker.has(PAUSE_IMAGE):
             subprocess.run(["gcc", "-O2", "-static", "-o", str(work / "pause.bin"), str(HERE / "pause.c")], check=True)
             binary_image(docker, work, PAUSE_IMAGE, work / "pause.bin", "pause")
+        # The project's images, from its Dockerfiles as they are; the layer cache makes an unchanged
+        # source tree a no-op.
+        print("images: the operator and worker images (docker build)", file=log, flush=True)
+        docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.operator"), "-t", images.operator, str(ROOT))
+        docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.worker"), "--build-arg",
+               f"BASE_IMAGE={PYTORCH_BASE}", "-t", images.worker, str(ROOT))
         if not docker.has(COREDNS_IMAGE):
-            binary_image(docker, work, COREDNS_IMAGE, coredns, "coredns", "USER 65532:65532")
-    # The project's images, from its Dockerfiles as they are; the layer cache makes an unchanged
-    # source tree a no-op.
-    print("images: the operator and worker images (docker build)", file=log, flush=True)
-    docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.operator"), "-t", images.operator, str(ROOT))
-    docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.worker"), "--build-arg",
-           f"BASE_IMAGE={PYTORCH_BASE}", "-t", images.worker, str(ROOT))
+            binary_image(docker, work, COREDNS_IMAGE, coredns(), "coredns", "USER 65532:65532")
     prune(docker, log)
     return {tag: docker.image_id(tag) for tag in images.all()}
 

@@ -168,7 +168,7 @@ def prepare_images(log=None) -> float:
             wait_for("the image store's containerd", lambda: run(
                 "ctr", f"--address={containerd.socket}", "version", check=False).returncode == 0, 30)
             with images_mod.Docker(images_mod.NODE_CACHE / "docker", log) as docker:
-                ids = images_mod.build(docker, images, find_binaries(log)["coredns"], log)
+                ids = images_mod.build(docker, images, lambda: find_binaries(log, ("coredns",))["coredns"], log)
                 images_mod.load(docker, ids, containerd, images_mod.NODE_CACHE / "loaded.json", log)
         finally:
             stop_group(proc)
@@ -254,7 +254,7 @@ class RealNode:
 
             t = time.monotonic()
             with images_mod.Docker(self.cache / "docker", log) as docker:
-                ids = images_mod.build(docker, self.images, binaries["coredns"], log)
+                ids = images_mod.build(docker, self.images, lambda: binaries["coredns"], log)
                 images_mod.load(docker, ids, self.containerd, self.cache / "loaded.json", log)
             self.timings["images"] = time.monotonic() - t
 
