@@ -53,13 +53,18 @@ def vllm_python() -> str:
 
 def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
              ahead: bool = False, dtype: str = "bfloat16", expert_parallel: bool = False, quantization: str | None = None,
-             **inference):
+             checkpoint: Path | None = None, lora: dict | None = None, **inference):
+    """The job's model is `config`, or the checkpoint's folder (save_checkpoint's, without a
+    tokenizer): its servers then start as plain vLLM servers on it, vLLM's own load from disk."""
+    model = {"path": str(checkpoint)} if checkpoint else {"config": config}
+    model.update(dtype=dtype, **({"quantization": quantization} if quantization else {}), **({"lora": lora} if lora else {}))
+    args = SERVER_ARGS + (["--skip-tokenizer-init"] if checkpoint else [])
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
-        "spec": {"model": {"config": config, "dtype": dtype, **({"quantization": quantization} if quantization else {})},
+        "spec": {"model": model,
                  "trainer": {"replicas": trainers, "gpusPerProc": 0},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
-                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead, "expertParallel": expert_parallel},
+                               "vllm": {"args": args, "loadAhead": ahead, "expertParallel": expert_parallel},
                                **inference},
                  "training": {"steps": steps, "batchSize": 4, "seqLen": 32, "learningRate": 1e-2},
                  "transfer": {"everySteps": every, "bucketMB": 1, "transport": "tcp", "timeoutSeconds": 120},
@@ -177,6 +182,18 @@ def checker(server: str, action: str, baseline: dict | None = None, key: str | N
     parameters; a job's server answers it only with the job's control key."""
     return post(server, "/weight_checker", {"action": action, **({"baseline": baseline} if baseline else {})},
                 key=key)
+
+
+def checksums_then_reset(run: VllmRun, servers: list[str]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Each server's checksums as they are (what it loaded), then after vLLM's reset of its weights:
+    what the next version loaded must restore, and a proof that the reset changed them."""
+    held = {s: checker(s, "checksum", key=run.key)["checksums"] for s in servers}
+    for s in servers:
+        assert checker(s, "reset", key=run.key) == {"status": "reset"}
+    zeroed = {s: checker(s, "checksum", key=run.key)["checksums"] for s in servers}
+    for s in servers:
+        assert zeroed[s] != held[s], f"{s}: the reset changed no checksum"
+    return held, zeroed
 
 
 def free_port() -> int:

@@ -34,6 +34,7 @@ from support.vllm import (
     VllmRun,
     as_bytes,
     checker,
+    checksums_then_reset,
     completion,
     free_port,
     fused,
@@ -172,9 +173,7 @@ def test_delta_versions_are_loaded_bit_for_bit_and_a_corrupted_version_never_is(
         run.reach("trainer-0-before-go-v2")
         server = run.servers[0]
         run.serving(server, 1)
-        held = checker(server, "checksum", key=run.key)["checksums"]
-        checker(server, "reset", key=run.key)
-        zeroed = checker(server, "checksum", key=run.key)["checksums"]
+        held, zeroed = (each[server] for each in checksums_then_reset(run, [server]))
         run.release("trainer-0-before-go-v2")
         run.reach("trainer-0-before-go-v3")
         run.serving(server, 2)

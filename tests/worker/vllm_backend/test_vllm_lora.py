@@ -36,10 +36,9 @@ def test_lora_versions_replace_the_adapter_vllm_serves_and_leave_the_base_model_
     python = find_vllm_python()
     base = build(contract.Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
     checkpoint = save_checkpoint(dict(base.state_dict()), LLAMA, tmp_path / "base")
-    obj = vllm_job("vllm-lora", trainers=1, servers=1, steps=6, dtype="float32").to_object()  # versions 0..3
-    obj["spec"]["model"] = {"path": str(checkpoint), "dtype": "float32", "lora": LORA}
+    obj = vllm_job("vllm-lora", trainers=1, servers=1, steps=6, dtype="float32", checkpoint=checkpoint,
+                   lora=LORA).to_object()  # versions 0..3
     obj["spec"]["training"]["learningRate"] = 3e-2
-    obj["spec"]["inference"]["vllm"]["args"] += ["--skip-tokenizer-init"]  # the checkpoint has no tokenizer
     job = contract.load_job(obj)
     run = VllmRun(tmp_path, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
     base_tokens = tokens_with(base)

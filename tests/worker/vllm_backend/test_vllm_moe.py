@@ -39,6 +39,7 @@ from support.vllm import (
     VllmRun,
     as_bytes,
     checker,
+    checksums_then_reset,
     completion,
     save_checkpoint,
     shards,
@@ -46,7 +47,7 @@ from support.vllm import (
     vllm_python,
 )
 
-from weightsync.job import Model, load_job
+from weightsync.job import Model
 from weightsync.model.build import build, meta_layout
 from weightsync.model.flat import ITEMSIZE
 from weightsync.plan.boxes import Box, RankSlices, Slice
@@ -91,11 +92,9 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
     # vLLM's loader of this config does not take)
     checkpoint = save_checkpoint(one_per_expert({n: p.detach() for n, p in base.named_parameters()}), config,
                                  tmp / "checkpoint")
-    obj = vllm_job(name, trainers=1, servers=1, steps=2, config=config, tensorParallel=TP, dtype=DTYPE,
-                   expert_parallel=expert_parallel).to_object()
-    obj["spec"]["model"] = {"path": str(checkpoint), "dtype": DTYPE}
-    obj["spec"]["inference"]["vllm"]["args"] += ["--skip-tokenizer-init"]  # the checkpoint has no tokenizer
-    run = VllmRun(tmp, load_job(obj), python, pauses=[HOLD, PAUSE], pause_limit=REACH_TIMEOUT)
+    job = vllm_job(name, trainers=1, servers=1, steps=2, checkpoint=checkpoint, tensorParallel=TP, dtype=DTYPE,
+                   expert_parallel=expert_parallel)
+    run = VllmRun(tmp, job, python, pauses=[HOLD, PAUSE], pause_limit=REACH_TIMEOUT)
     out = MoeRun(run, config, expert_parallel)
     try:
         run.reach(HOLD)
@@ -103,10 +102,7 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
         run.up(server)
         if not expert_parallel:
             out.plain_tokens = completion(server, name)
-        own = checker(server, "checksum", key=run.key)["checksums"]
-        assert checker(server, "reset", key=run.key) == {"status": "reset"}
-        zeroed = checker(server, "checksum", key=run.key)["checksums"]
-        assert zeroed != own, "the reset changed no checksum"
+        own = checksums_then_reset(run, [server])[0][server]
         run.release(HOLD)
         run.reach(PAUSE)
         run.serving(server, 0)

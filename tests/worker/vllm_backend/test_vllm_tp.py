@@ -33,6 +33,7 @@ from support.vllm import (
     as_bytes,
     boxes,
     checker,
+    checksums_then_reset,
     completion,
     save_checkpoint,
     shards,
@@ -40,7 +41,7 @@ from support.vllm import (
     vllm_python,
 )
 
-from weightsync.job import Model, load_job
+from weightsync.job import Model
 from weightsync.model.build import build, meta_layout
 from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.plan.sliced_plan import LocalLayout
@@ -79,11 +80,8 @@ def tp_run(tmp_path_factory) -> TpRun:
     # load from disk), and the trainers start from it, so that version 0 holds its weights
     base = build(Model(config=MQA, dtype=DTYPE), dtype=DTYPE, seed=3)
     checkpoint = save_checkpoint(dict(base.state_dict()), MQA, tmp / "checkpoint")
-    obj = vllm_job("vllm-tp", trainers=2, servers=2, steps=4, config=MQA, tensorParallelSizes=list(SIZES),
-                   dtype=DTYPE).to_object()
-    obj["spec"]["model"] = {"path": str(checkpoint), "dtype": DTYPE}
-    obj["spec"]["inference"]["vllm"]["args"] += ["--skip-tokenizer-init"]  # the checkpoint has no tokenizer
-    job = load_job(obj)
+    job = vllm_job("vllm-tp", trainers=2, servers=2, steps=4, checkpoint=checkpoint, tensorParallelSizes=list(SIZES),
+                   dtype=DTYPE)
     # the trainers hold version 0 (the servers loaded nothing of the job's yet) while the servers start
     run = VllmRun(tmp, job, python, pauses=[f"{t}-before-ready-v0" for t in TRAINERS] +
                   ["trainer-0-before-go-v1", "trainer-0-before-go-v2"], pause_limit=REACH_TIMEOUT)
@@ -94,10 +92,7 @@ def tp_run(tmp_path_factory) -> TpRun:
         for s in run.servers:
             run.up(s)
         out.tokens[-1] = [completion(s, job.name) for s in run.servers]
-        out.plain = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
-        for s in run.servers:
-            assert checker(s, "reset", key=run.key) == {"status": "reset"}
-        out.reset = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
+        out.plain, out.reset = checksums_then_reset(run, run.servers)
         for t in TRAINERS:
             run.release(f"{t}-before-ready-v0")
         run.reach("trainer-0-before-go-v1")  # version 0 is served; the trainers hold version 1 back
