@@ -3,11 +3,12 @@
 - Host bytes: xxh3_64, over byte views, in chunks of CHUNK bytes so that each chunk is hashed
   while it is still in cache (the sender while it sends or casts, the receiver while it lands
   them).
-- GPU bytes (the nccl and uccl transports, whose both ends hold the range in GPU memory):
-  ws64, computed on the GPU by a few elementwise kernels and one reduction, on whatever stream is
-  current, with no copy to the host. xxh3 is sequential and would need every byte on the host.
-  ws64 is defined on the bytes alone, so the CPU computes the same value (device_checksum on a
-  host tensor), which is how the tests pin it.
+- GPU bytes (the nccl, uccl and ipc transports, whose both ends hold the range in GPU memory):
+  ws64, computed on the GPU in one pass over the bytes (ws64_fused below, a Triton kernel), on
+  whatever stream is current, with no copy to the host. xxh3 is sequential and would need every
+  byte on the host. ws64 is defined on the bytes alone, so the CPU computes the same value
+  (device_checksum on a host tensor: torch's elementwise kernels and one reduction), which is how
+  the tests pin it.
 
 It sits below the transports and transfer.py, which all hash the same bytes the same way.
 
@@ -21,6 +22,7 @@ the sum, and the sum is the same in any order of addition (a GPU reduction's ord
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -90,10 +92,14 @@ def _mix(z):
 
 
 def device_checksum(data):
-    """ws64 (see above) of a tensor's bytes, computed on its device on the current stream.
-    Returns a 0-dim int64 tensor there (int() of it waits for that stream only; & U64 makes
-    it the unsigned value that ranges carry)."""
+    """ws64 (see above) of a tensor's bytes, computed on its device on the current stream: on a
+    GPU by the fused kernel, on the CPU as the definition reads. Returns a 0-dim int64 tensor
+    there (int() of it waits for that stream only; & U64 makes it the unsigned value that ranges
+    carry)."""
     import torch
+
+    if data.device.type == "cuda":
+        return ws64_fused(data)
 
     raw = data.detach().reshape(-1).view(torch.uint8)
     n = raw.numel()
@@ -111,3 +117,55 @@ def device_checksum(data):
         total += _mix(position.add_(part)).sum()
     total += _signed64(n * GOLDEN % (1 << 64))
     return _mix(total.view(1)).view(())
+
+
+# ws64 in one pass: the definition's torch form above runs a dozen elementwise kernels over the
+# words and one reduction, each reading and writing the whole range, many times a read of the
+# bytes on a GPU. Each program of the kernel reads its block of bytes once, assembles the
+# little-endian words in registers (the last one zero-padded; any start address, as the range is
+# read as bytes), mixes each with its position and sums the block; the per-block sums (64 Ki for
+# 1 GiB) are then added and finalized. Addition mod 2^64 is the same in any order, so the value is
+# the definition's. Triton compiles it for the GPU a tensor is on; on a CPU tensor it runs in
+# Triton's interpreter (TRITON_INTERPRET=1 before its first use), which is how the tests check its
+# logic where no GPU is.
+BLOCK_WORDS = 2048  # words a program reads (16 KiB)
+
+
+@functools.cache
+def _kernel():
+    """The kernel, made at its first use (so that TRITON_INTERPRET, read then, can be set by a
+    caller first). Its constants come as constexpr arguments: a kernel reads no other globals."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_sums(raw, sums, n, block_words: tl.constexpr, golden: tl.constexpr, mix0: tl.constexpr,
+                   mix1: tl.constexpr):
+        block = tl.program_id(0).to(tl.int64)
+        word = block * block_words + tl.arange(0, block_words).to(tl.int64)  # the words' positions, from 0
+        byte = word[:, None] * 8 + tl.arange(0, 8).to(tl.int64)[None, :]
+        b = tl.load(raw + byte, mask=byte < n, other=0).to(tl.uint64)  # past the end: the zero padding
+        w = tl.sum(b << (tl.arange(0, 8).to(tl.uint64) * 8)[None, :], axis=1)  # little-endian words
+        z = w + (word.to(tl.uint64) + 1) * golden
+        z = (z ^ (z >> 30)) * mix0
+        z = (z ^ (z >> 27)) * mix1
+        z = z ^ (z >> 31)
+        z = tl.where(word * 8 < n, z, tl.zeros_like(z))  # only the words the bytes fill, some partly
+        tl.store(sums + block, tl.sum(z, axis=0).to(tl.int64, bitcast=True))
+
+    return block_sums
+
+
+def ws64_fused(data):
+    """ws64 of a tensor's bytes as a 0-dim int64 tensor on its device, like device_checksum,
+    computed by the fused kernel on the current stream."""
+    import torch
+
+    raw = data.detach().reshape(-1).view(torch.uint8)
+    n = raw.numel()
+    blocks = -(-n // (8 * BLOCK_WORDS))
+    sums = torch.zeros(max(blocks, 1), dtype=torch.int64, device=raw.device)
+    if blocks:
+        _kernel()[(blocks,)](raw, sums, n, block_words=BLOCK_WORDS, golden=GOLDEN, mix0=MIX[0], mix1=MIX[1])
+    total = sums.sum().view(1) + _signed64(n * GOLDEN % (1 << 64))
+    return _mix(total).view(())
