@@ -37,7 +37,10 @@ fi
 # uccl 0.1.1's engine links CUDA 12's runtime, which a CUDA 13 image lacks: the carried one
 export LD_LIBRARY_PATH="$PWD/.gpu/cuda12/nvidia/cuda_runtime/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 $V -c 'import weightsync, transformers, xxhash, pytest, torch; print("weightsync from", weightsync.__file__)'
-# the host cast's C extension, built for this Python where it has a compiler and headers
+# the host cast's C extension, built for this Python where it has a compiler and headers; Triton
+# builds its kernels' launcher with the same compiler (ws64 on the GPU is a Triton kernel)
+command -v gcc >/dev/null || command -v clang >/dev/null \
+  || echo "no C compiler here: Triton cannot build its launcher, so ws64 on the GPU (and every test that moves GPU bytes) will fail"
 $V setup.py -q build_ext --inplace 2>&1 | tail -3
 $V -c 'from weightsync.model.flat import cast_name; print("host float32 -> bfloat16 cast:", cast_name())'
 
