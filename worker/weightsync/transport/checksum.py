@@ -115,8 +115,12 @@ def device_checksum(data):
         position = torch.arange(first + 1, first + 1 + part.numel(), dtype=torch.int64, device=raw.device)
         position *= _signed64(GOLDEN)
         total += _mix(position.add_(part)).sum()
-    total += _signed64(n * GOLDEN % (1 << 64))
-    return _mix(total.view(1)).view(())
+    return _finish(total, n)
+
+
+def _finish(total, n: int):
+    """ws64 from the sum of the mixed words (an int64 tensor) and the length in bytes."""
+    return _mix((total + _signed64(n * GOLDEN % (1 << 64))).view(1)).view(())
 
 
 # ws64 in one pass: the definition's torch form above runs a dozen elementwise kernels over the
@@ -126,15 +130,15 @@ def device_checksum(data):
 # read as bytes), mixes each with its position and sums the block; the per-block sums (64 Ki for
 # 1 GiB) are then added and finalized. Addition mod 2^64 is the same in any order, so the value is
 # the definition's. Triton compiles it for the GPU a tensor is on; on a CPU tensor it runs in
-# Triton's interpreter (TRITON_INTERPRET=1 before its first use), which is how the tests check its
-# logic where no GPU is.
+# Triton's interpreter (in a process where TRITON_INTERPRET=1 was set before Triton's first
+# import), which is how the tests check its logic where no GPU is.
 BLOCK_WORDS = 2048  # words a program reads (16 KiB)
 
 
 @functools.cache
 def _kernel():
-    """The kernel, made at its first use (so that TRITON_INTERPRET, read then, can be set by a
-    caller first). Its constants come as constexpr arguments: a kernel reads no other globals."""
+    """The kernel, made at its first use: Triton is imported only where a GPU checksum is asked
+    for. Its constants come as constexpr arguments: a kernel reads no other globals."""
     import triton
     import triton.language as tl
 
@@ -167,5 +171,4 @@ def ws64_fused(data):
     sums = torch.zeros(max(blocks, 1), dtype=torch.int64, device=raw.device)
     if blocks:
         _kernel()[(blocks,)](raw, sums, n, block_words=BLOCK_WORDS, golden=GOLDEN, mix0=MIX[0], mix1=MIX[1])
-    total = sums.sum().view(1) + _signed64(n * GOLDEN % (1 << 64))
-    return _mix(total).view(())
+    return _finish(sums.sum(), n)
