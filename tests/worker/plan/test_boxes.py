@@ -108,10 +108,20 @@ def test_fsdp2_holdings_are_what_fully_shard_keeps_on_each_rank(world):
 @pytest.mark.parametrize("values,tp", [(LLAMA, 2), (QWEN2, 2), (MOE, 2), (MOE, 4)],
                          ids=["llama-gqa-tp2", "qwen2-bias-tp2", "moe-packed-tp2", "moe-packed-tp4"])
 def test_tp_slices_are_what_transformers_shards_on_each_rank(values, tp):
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    from transformers.distributed.tensor_parallel import (
+        ALL_PARALLEL_STYLES,
+        TensorParallelLayer,
+        apply_tensor_parallelism,
+    )
 
     ref = build(values, device="cpu")
     full = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    plan = ref._expand_parallel_plan(ref._tp_plan)
+    # what transformers' own plan shards: each parameter it names with a style that splits it (the
+    # base layer's shard_param keeps a parameter whole on every rank, e.g. a per-tensor scale)
+    planned = {n for n, style in plan.items()
+               if n in full and type(ALL_PARALLEL_STYLES[style]).shard_param is not TensorParallelLayer.shard_param}
+    assert planned, f"transformers' plan shards nothing of {values['model_type']}: {ref._tp_plan}"
     needs = tp_needs(tensors_of(ref, "float32"), ref._tp_plan, tp)
     sharded_somewhere = set()
     for rank in range(tp):
@@ -126,12 +136,8 @@ def test_tp_slices_are_what_transformers_shards_on_each_rank(values, tp):
             assert n in boxes, f"rank {rank} needs nothing of {n}"
             assert torch.equal(local[n], region(t, boxes[n])), (rank, n, boxes[n])
             if local[n].shape != t.shape:
-                sharded_somewhere.add(n.rsplit(".", 2)[-2])
-    if values is MOE:  # the packed gate_up_proj and row-wise 3-d down_proj of the experts; MLA attention is whole
-        assert {"experts", "down_proj", "embed_tokens", "lm_head"} <= sharded_somewhere
-        assert "q_b_proj" not in sharded_somewhere
-    else:
-        assert {"q_proj", "k_proj", "o_proj", "down_proj", "embed_tokens", "lm_head"} <= sharded_somewhere
+                sharded_somewhere.add(n)
+    assert sharded_somewhere == planned, (sorted(sharded_somewhere ^ planned), "sharded, or planned, not both")
 
 
 def test_tp_slices_of_gqa_projections_and_strided_row_slices():

@@ -183,13 +183,27 @@ def test_an_answer_larger_than_the_sockets_buffer_arrives_whole_and_probes_still
     body, _ = metrics.exposition(registry)
     assert len(body) > 4 * 1024 * 1024
     pod = health.PodHealth(["controller"])
+    # The rank beats as a rank's thread does, so that liveness asks only whether the server still
+    # answers: building this answer may take longer than STALE_AFTER on a loaded machine, and a
+    # rank that never stamped in that time is rightly no longer alive.
+    rank, stop = pod.rank(0), threading.Event()
+
+    def beat_until_stopped():
+        while not stop.wait(health.BEAT):
+            rank.stamp()
+
+    beat = threading.Thread(target=beat_until_stopped)
+    beat.start()
     pod.serve("127.0.0.1", 0, registry)
     try:
         port = pod.server.server_address[1]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{health.METRICS_PATH}", timeout=30) as response:
             assert response.read() == body
-        assert health.probe("127.0.0.1", port, health.LIVENESS)[0]
+        alive, why = health.probe("127.0.0.1", port, health.LIVENESS)
+        assert alive, why
     finally:
+        stop.set()
+        beat.join()
         pod.close()
 
 

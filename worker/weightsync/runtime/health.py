@@ -107,12 +107,16 @@ class RankHealth:
         of this process; ready() from now on marks this rank ready."""
         global _mine
         _mine = self
-        self._stamps[self.index] = time.monotonic()
+        self.stamp()
         threading.Thread(target=self._beat, name="health-beat", daemon=True).start()
+
+    def stamp(self) -> None:
+        """A sign of life now."""
+        self._stamps[self.index] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes
 
     def _beat(self) -> None:
         while True:
-            self._stamps[self.index] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all processes
+            self.stamp()
             time.sleep(BEAT)
 
     def ready(self) -> None:

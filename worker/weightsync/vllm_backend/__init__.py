@@ -10,6 +10,12 @@ what to do, not left to fail at the first update.
 A server the user started joins a job by itself (place.py): register() checks its join variables
 first, so that one that cannot join is refused with one line before vLLM loads the model.
 
+On a CPU with AMX tiles, register() asks Linux for the tile state (allow_amx_tiles) in each of
+vLLM's processes: vLLM's CPU build runs its bfloat16 attention and MoE kernels on AMX tiles, chosen
+by the CPU's flags alone, and never asks; a process that uses a tile without asking dies of
+SIGILL. Only oneDNN asks, before its own AMX kernels, so whether a server lived depended on which
+kernel its shapes ran first.
+
 A server's engine core and workers end with its API server (follow_server): the controller takes
 a server that stopped answering for gone only once its workers' heartbeats stop, and workers that
 outlived their server would beat on for seconds with nothing left to load through.
@@ -123,9 +129,32 @@ def follow_server(environ=os.environ) -> None:
               "alone, this process outlives it", file=sys.stderr, flush=True)
 
 
+def allow_amx_tiles() -> bool:
+    """On a CPU with AMX tiles, ask Linux for this process's tile state (arch_prctl
+    ARCH_REQ_XCOMP_PERM, through torch's own request); a process forked from this one inherits it,
+    one started anew asks again when it loads the plugin. True once granted; False on a CPU without
+    tiles, or on a GPU server. Where Linux refuses, it says what follows, and vLLM goes on: a model
+    whose kernels need no tiles still serves."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if torch.cpu._init_amx():
+        return True
+    print("weightsync: this CPU has AMX tiles, and Linux refused this process their state (arch_prctl "
+          "ARCH_REQ_XCOMP_PERM; Linux 5.16 or later grants it where the hypervisor enables the tiles): "
+          "vLLM's bfloat16 attention and MoE kernels will die of SIGILL", file=sys.stderr, flush=True)
+    return False
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point."""
     check_vllm()
+    allow_amx_tiles()
     try:
         joining()
     except SpecError as e:  # the server's start ends here, with the line alone
