@@ -178,6 +178,8 @@ def test_the_dev_environment_is_its_lock():
                       "`make setup` installs the lock, `make lock` writes a new one"
 
 
-def test_the_test_nodes_torch_is_the_locks():
+def test_the_test_nodes_base_image_is_the_locks():
     base = (ROOT / "hack/node/pytorch-base.Dockerfile").read_text()
-    assert f"torch=={locked('dev.lock')['torch']}" in base, "hack/node/pytorch-base.Dockerfile installs another torch"
+    pins = locked("dev.lock")
+    for name in ("torch", "packaging"):
+        assert f"{name}=={pins[name]}" in base, f"hack/node/pytorch-base.Dockerfile installs another {name}"
