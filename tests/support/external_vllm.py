@@ -16,7 +16,8 @@ from support.vllm import LLAMA, free_port, vllm_python  # noqa: F401 - the tests
 from weightsync.job import Model
 from weightsync.roles.vllm_server import server_command
 
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_with_weightsync.py")
+# a trainer written against vLLM's own trainer API, with weightsync's init info
+VLLM_API_EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "integrations" / "vllm_trainer_api.py")
 # vLLM's CPU backend: head size 64 (LLAMA), a small share of memory, a small KV cache (the env below)
 SERVER_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4")
 UP_TIMEOUT = 600.0  # seconds: a vLLM server starts in about 1-2 minutes on 2 busy cores

@@ -8,8 +8,10 @@ is the trainer's, bit for bit; after the job it goes on serving the last one. It
 alone killed in the middle of loading a version (its server paused), its engine core and worker
 end with it, and the version goes on without it; started again under its URL, it rejoins and
 receives the next version in full. With both roles
-external (the user's torchrun of examples/train_with_weightsync.py as the trainers, `weightsync run`
-runs the controller alone) the last version the server serves is the script's final weights. While
+external (the user's torchrun of examples/integrations/vllm_trainer_api.py as the trainers, two
+FSDP2 ranks written against vLLM's own trainer API with weightsync's init info; `weightsync run`
+runs the controller alone) each rank sends half of every version, and the last version the server
+serves is the script's final weights. While
 the job runs, servers that cannot join exit, each with its one line in its log, and none of them
 receives or loads anything: a server of another model (its worker refuses itself, having read the
 job) and one without WEIGHTSYNC_VLLM_SERVER (refused before vLLM loads the model); and the claim
@@ -26,9 +28,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shlex
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -37,10 +39,10 @@ from pathlib import Path
 import pytest
 import torch
 from support.external_vllm import (
-    EXAMPLE,
     LLAMA,
     SERVER_ARGS,
     UP_TIMEOUT,
+    VLLM_API_EXAMPLE,
     ExternalServer,
     assert_served_bit_for_bit,
     free_port,
@@ -66,11 +68,11 @@ OTHER = {**LLAMA, "intermediate_size": 384}  # another model: its MLP's shapes d
 RUN_TIMEOUT = 900.0
 
 
-def external_job(name: str, steps: int = 4, trainers_external: bool = False):
+def external_job(name: str, steps: int = 4, trainers_external: bool = False, trainers: int = 1):
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": LLAMA, "dtype": "bfloat16"},
-                 "trainer": {"replicas": 1, "gpusPerProc": 0, "external": trainers_external},
+                 "trainer": {"replicas": trainers, "gpusPerProc": 0, "external": trainers_external},
                  "inference": {"replicas": 1, "gpusPerProc": 0, "engine": "vllm", "external": True,
                                "vllm": {"args": list(SERVER_ARGS)}},
                  "training": {"steps": steps, "batchSize": 4, "seqLen": 32, "learningRate": 1e-2},
@@ -196,9 +198,12 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     assert "taken back at version 5" in back.text()
 
 
-def test_both_roles_external_the_users_torchrun_into_the_users_vllm_server(tmp_path):
+def test_both_roles_external_a_trainer_on_vllms_own_api_into_the_users_vllm_server(tmp_path):
+    """The user's torchrun of examples/integrations/vllm_trainer_api.py, two FSDP2 ranks written
+    against vLLM's trainer API alone (WeightTransferTrainerFactory, HTTPVLLMWeightSyncClient,
+    ModuleSource) with weightsync's init info: each rank sends its own half of every version."""
     python = vllm_python()
-    job = external_job("ext-both", trainers_external=True)
+    job = external_job("ext-both", trainers_external=True, trainers=2)
     dump = tmp_path / "dump"
     dump.mkdir()
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump)}, progress=io.StringIO(),
@@ -209,11 +214,11 @@ def test_both_roles_external_the_users_torchrun_into_the_users_vllm_server(tmp_p
         local.start()
         join = read_join_file(tmp_path / "join.env")
         server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
-        script = [EXAMPLE, "--config", json.dumps(LLAMA), "--steps", "4", "--publish-every", "2",
-                  "--save", str(tmp_path / "final.pt")]
+        script = [VLLM_API_EXAMPLE, "--config", json.dumps(LLAMA), "--steps", "4", "--send-every", "2",
+                  "--server", server.url, "--save", str(tmp_path / "final.pt")]
         shell = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_") and k not in TORCHRUN_VARS}
-        command = (f"set -a; . {shlex.quote(str(tmp_path / 'join.env'))}; set +a; exec {shlex.quote(sys.executable)} "
-                   f"-m torch.distributed.run --standalone --nproc-per-node 1 {shlex.join(script)}")
+        command = (f"set -a; . {shlex.quote(str(tmp_path / 'join.env'))}; set +a; exec {shlex.quote(python)} "
+                   f"-m torch.distributed.run --standalone --nproc-per-node 2 {shlex.join(script)}")
         trainers = subprocess.Popen(["bash", "-c", command], env=shell, cwd=tmp_path, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
         summary = local.wait(RUN_TIMEOUT)
@@ -227,6 +232,9 @@ def test_both_roles_external_the_users_torchrun_into_the_users_vllm_server(tmp_p
         if server is not None:
             server.stop()
         local.stop()
+    shares = {int(rank): int(sent) / int(total) for rank, sent, total in
+              re.findall(r"trainer rank (\d+)\] attached on cpu.*; sends (\d+) of (\d+) bytes per version", out)}
+    assert sorted(shares) == [0, 1] and all(0.35 < share < 0.65 for share in shares.values()), (shares, out[-3000:])
     saved = fused({name: t.to(torch.bfloat16) for name, t in torch.load(tmp_path / "final.pt").items()})
     got = torch.load(dump / "inference-0-v2.pt")["tensors"]
     assert sorted(got) == sorted(saved)

@@ -165,6 +165,16 @@ class Sync:
         return Published(version, step, sent.bytes, sent.seconds, sent.wire_bytes,
                          len(rnd.receivers) - len(sent.lost), dict(sent.lost))
 
+    def wait_done(self, version: int, timeout: float | None = None) -> None:
+        """Wait until the controller finished `version`: every inference rank holds it, verified
+        (every vLLM server serves it). Raises weightsync.JobEnded if the job ended meanwhile."""
+        self.member.wait_for(Keys.done(version), f"every inference rank to hold version {version}",
+                             self.timeout if timeout is None else timeout)
+
+    def fail(self, error: BaseException) -> None:
+        """This rank cannot go on: report `error` as its failure, which ends the job."""
+        self._fail(error)
+
     def close(self) -> None:
         """This rank publishes no more versions. Waits for the end of the job, sending the last
         version again to inference ranks that come back for it meanwhile; raises
