@@ -1,5 +1,8 @@
 """The job contract: CRD defaults, local validation, the ordinal layout and pod settings."""
 
+import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -380,16 +383,44 @@ def test_a_job_file_whose_aliases_explode_is_refused_before_anything_expands_it(
 def test_a_job_file_larger_than_an_object_can_be_is_refused_without_reading_it_whole(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("# " + "x" * (1 << 20) + "\n")
-    with pytest.raises(SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
+    limit = "more than the 1 MiB (1048576 bytes) that one WeightTransferJob YAML file may be (as the API server takes an object)"
+    with pytest.raises(SpecError, match=re.escape(f"job.yaml: 1.0 MiB (1048579 bytes), {limit}")):
         load_job(path)
     with open(path, "wb") as f:
         f.truncate(1 << 40)  # a terabyte (sparse): read whole, it would not fit in memory
-    with pytest.raises(SpecError, match="more than 1048576 bytes; a job file is at most 1048576"):
+    with pytest.raises(SpecError, match=re.escape(f"job.yaml: 1024 GiB (1099511627776 bytes), {limit}")):
         load_job(path)
     with pytest.raises(SpecError) as err:  # endless, and no file
         load_job("/dev/zero")
-    assert str(err.value) == ("invalid WeightTransferJob: /dev/zero: not a regular file (a device or a socket); give "
+    assert str(err.value) == ("invalid WeightTransferJob: /dev/zero: not a regular file (a character device); give "
                               "the path of one WeightTransferJob YAML file")
+
+
+def test_a_named_pipe_is_refused_at_once_not_waited_on(tmp_path):
+    """open() of a pipe waits for a writer that never comes: refused before it is opened."""
+    path = tmp_path / "job.yaml"
+    os.mkfifo(path)
+    began = time.monotonic()
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert time.monotonic() - began < 5
+    assert str(err.value) == (f"invalid WeightTransferJob: {path}: not a regular file (a named pipe); give the path of "
+                              "one WeightTransferJob YAML file")
+
+
+@pytest.mark.parametrize("content, line", [
+    ("[" * 520_000 + "]" * 520_000, 1),  # under 1 MiB
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, 1),
+    ("".join(" " * i + "a:\n" for i in range(300)) + " " * 300 + "1\n", 100),  # by indentation
+])
+def test_a_job_nested_deeper_than_any_job_is_refused_on_one_line(tmp_path, content, line):
+    """PyYAML builds a document recursively: without the bound, Python's RecursionError."""
+    path = tmp_path / "job.yaml"
+    path.write_text(content)
+    with pytest.raises(SpecError) as err:
+        load_job(path)
+    assert str(err.value) == (f"invalid WeightTransferJob: {path}: nested deeper than 100 levels at line {line}; a job "
+                              "is a few levels deep: write it without the extra nesting")
 
 
 def test_an_integer_too_long_for_python_to_read_is_refused_in_one_line(tmp_path):

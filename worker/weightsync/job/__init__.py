@@ -9,6 +9,8 @@ from it. No torch, no Kubernetes client.
 - pod: what a pod receives (pod_env(), ports, mounts, probes) and the WorkerContext read back;
 - schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks;
 - yamlfile, errors: a job file read as kubectl reads it, within bounds, and SpecError;
+- files: what every reader of a person's file checks first (a regular file of a bounded size, an
+  output that can be written, nesting depth, lines of any length);
 - token: the job's secret, read and proven (one HMAC for every proof of it);
 - join: what a process the user started needs to join as an external rank (three variables);
 - states: the phases of a job, the types of its conditions, the states it ends in;

@@ -1,18 +1,19 @@
-"""Reading a job file as kubectl reads it, within bounds: its size, and the size its aliases
-expand to (an object that walks the job, the schema's checks or a copy, would otherwise expand a
-few lines of nested aliases into gigabytes before any refusal).
+"""Reading a job file as kubectl reads it, within bounds: a regular file (files.py), its size,
+its depth, and the size its aliases expand to (an object that walks the job, the schema's checks
+or a copy, would otherwise expand a few lines of nested aliases into gigabytes before any
+refusal, and PyYAML builds a document recursively, so that a deep one ends in a RecursionError).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import stat
 from typing import Any
 
 import yaml
 
 from weightsync.job.errors import SpecError
+from weightsync.job.files import MAX_DEPTH, FileProblem, read_regular
 
 # A job file's bounds: the API server takes objects of about this size, and a job's YAML with
 # its aliases expanded is a few thousand values.
@@ -20,9 +21,28 @@ MAX_FILE_BYTES = 1 << 20
 MAX_EXPANDED_NODES = 100_000
 
 
+class TooDeep(yaml.YAMLError):
+    """A document nested deeper than MAX_DEPTH levels (PyYAML builds it recursively)."""
+
+
 class KubectlLoader(yaml.SafeLoader):
     """YAML as kubectl reads it: `1e-5` is a number there (Go's YAML, like YAML 1.2), while
-    PyYAML's YAML 1.1 makes it a string that the schema would then refuse."""
+    PyYAML's YAML 1.1 makes it a string that the schema would then refuse. A document nested
+    deeper than MAX_DEPTH levels is refused as it is read (TooDeep), before PyYAML's recursion
+    (and everything that walks the job after it) reaches Python's limit."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise TooDeep(f"nested deeper than {MAX_DEPTH} levels at line {mark.line + 1}; a job is a few "
+                              "levels deep: write it without the extra nesting")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
 
 KUBECTL_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
@@ -45,8 +65,8 @@ def dump_document(obj: Any) -> str:
 
 def read_document(path: str | os.PathLike, kind: str) -> Any:
     """The one YAML document of a file holding a `kind`, or a SpecError that says what is wrong
-    with the file: it is missing, too large, a directory or a device, not YAML (with the line),
-    aliased past MAX_EXPANDED_NODES, or holds several documents."""
+    with the file: it is missing, too large, not a regular file, not YAML (with the line), nested
+    deeper than MAX_DEPTH, aliased past MAX_EXPANDED_NODES, or holds several documents."""
     text = _read_bounded(path, kind)
     loader = KubectlLoader(text)
     try:
@@ -57,6 +77,8 @@ def read_document(path: str | os.PathLike, kind: str) -> Any:
             document = loader.construct_document(node)
             if document is not None:
                 documents.append(document)
+    except TooDeep as e:
+        raise SpecError([f"{path}: {e}"]) from None
     except yaml.YAMLError as e:
         raise SpecError([f"{path}: not valid YAML{_yaml_problem(e)}"]) from None
     except SpecError:
@@ -73,27 +95,12 @@ def read_document(path: str | os.PathLike, kind: str) -> Any:
 
 
 def _read_bounded(path: str | os.PathLike, kind: str) -> str:
-    """The file's text, reading at most MAX_FILE_BYTES + 1 bytes of it (a larger file is refused
-    without reading the rest); a directory, a device or a socket is refused (a pipe, as a shell's
-    <(...) gives, is read within the same bound)."""
+    """The file's text: a regular file of at most MAX_FILE_BYTES, refused otherwise before it is
+    read (files.read_regular: a named pipe would hang the command, a device never end)."""
     try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if stat.S_ISDIR(mode):
-                raise SpecError([f"{path}: is a directory; give the path of one {kind} YAML file"])
-            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-                raise SpecError([f"{path}: not a regular file (a device or a socket); give the path of one {kind} "
-                                 "YAML file"])
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise SpecError([f"{path}: no such file"]) from None
-    except IsADirectoryError:
-        raise SpecError([f"{path}: is a directory; give the path of one {kind} YAML file"]) from None
-    except OSError as e:
-        raise SpecError([f"{path}: cannot be read: {e.strerror}"]) from None
-    if len(data) > MAX_FILE_BYTES:
-        raise SpecError([f"{path}: more than {MAX_FILE_BYTES} bytes; a job file is at most {MAX_FILE_BYTES} "
-                         "(as the API server takes an object)"])
+        data = read_regular(path, MAX_FILE_BYTES, f"one {kind} YAML file", "as the API server takes an object")
+    except FileProblem as e:
+        raise SpecError([str(e)]) from None
     try:
         return data.decode()
     except UnicodeDecodeError:
