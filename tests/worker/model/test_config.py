@@ -1,5 +1,10 @@
-"""spec.model as a transformers config: unknown keys, wrong types, unknown model types and
-checkpoint directories that are not one are refused on one line; sizes are checked after defaults."""
+"""spec.model as a transformers config: unknown keys, wrong types, unknown model types,
+checkpoint directories that are not one and config.json files that no config is (too large, nested
+too deep, a pipe) are refused on one line, with a reason; sizes are checked after defaults."""
+import json
+import os
+import time
+
 import pytest
 
 from weightsync.job import Model, SpecError
@@ -81,3 +86,63 @@ def test_a_checkpoint_with_impossible_sizes(tmp_path):
     saved.save_pretrained(tmp_path)
     message = refusal(Model(path=str(tmp_path)))
     assert f"spec.model.path ({tmp_path}/config.json).n_layer: -1 must be a positive integer" in message
+
+
+def checkpoint(tmp_path):
+    """A checkpoint directory whose config.json the test writes."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    return tmp_path / "config.json"
+
+
+def test_a_config_json_larger_than_any_config_is_refused_with_its_size_before_it_is_read(tmp_path):
+    """One of 300 MB took a minute and 2 GB before a refusal that gave no reason."""
+    with open(checkpoint(tmp_path), "wb") as f:
+        f.truncate(300 << 20)  # sparse: read, it would take the memory
+    began = time.monotonic()
+    message = refusal(Model(path=str(tmp_path)))
+    assert time.monotonic() - began < 5
+    assert message == (f"invalid WeightTransferJob: spec.model.path: {tmp_path}/config.json: 300 MiB (314572800 bytes), "
+                       "more than the 16 MiB (16777216 bytes) that a transformers config.json may be (a model's "
+                       "config.json is a few KiB: point at the checkpoint's own)")
+
+
+@pytest.mark.parametrize("text", ["[" * 520_000 + "]" * 520_000, '{"a":' * 100_000 + "1" + "}" * 100_000])
+def test_a_config_json_nested_too_deep_is_refused_on_one_line(tmp_path, text):
+    checkpoint(tmp_path).write_text(text)
+    assert refusal(Model(path=str(tmp_path))) == (f"invalid WeightTransferJob: spec.model.path: {tmp_path}/config.json: "
+                                                  "nested deeper than 100 levels; a config.json is a few levels deep")
+
+
+def test_a_config_json_that_is_a_pipe_or_a_loop_is_refused_not_waited_on(tmp_path):
+    config = checkpoint(tmp_path)
+    os.mkfifo(config)
+    assert "config.json: not a regular file (a named pipe)" in refusal(Model(path=str(tmp_path)))
+    config.unlink()
+    config.symlink_to("config.json")
+    assert "config.json: a loop of symbolic links" in refusal(Model(path=str(tmp_path)))
+
+
+def test_an_error_without_a_message_still_gives_a_reason(tmp_path, monkeypatch):
+    import transformers
+
+    checkpoint(tmp_path).write_text(json.dumps({"model_type": "gpt2"}))
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", out_of_memory)
+    assert refusal(Model(path=str(tmp_path))).endswith(f"transformers cannot read {tmp_path}/config.json: MemoryError")
+    assert str(SpecError([""])) == "invalid WeightTransferJob: refused without a reason (a bug in weightsync)"
+
+
+def test_simulate_reads_a_config_json_within_the_same_bounds(tmp_path):
+    from weightsync.plan.simulate import model_config
+
+    config = tmp_path / "config.json"
+    config.write_text("[" * 1000 + "]" * 1000)
+    with pytest.raises(ValueError, match=f"^--simulate: {config}: nested deeper than 100 levels"):
+        model_config(str(tmp_path))
+    config.unlink()
+    os.mkfifo(config)
+    with pytest.raises(ValueError, match=r"not a regular file \(a named pipe\)"):
+        model_config(str(config))

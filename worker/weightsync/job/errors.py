@@ -18,7 +18,9 @@ class SpecError(ValueError):
     printed by the CLI and becomes a condition's message in a cluster)."""
 
     def __init__(self, problems: list[str]):
-        self.problems = [re.sub(r"\s*\n\s*", " ", p) for p in problems]
+        # a problem that came out empty (an error without a message, quoted) still says there is one
+        self.problems = [re.sub(r"\s*\n\s*", " ", p).strip() or "refused without a reason (a bug in weightsync)"
+                         for p in problems] or ["refused without a reason (a bug in weightsync)"]
         super().__init__("invalid WeightTransferJob: " + "; ".join(self.problems))
 
 

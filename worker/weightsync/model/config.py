@@ -6,8 +6,10 @@ keys under `model_type: bert` build bert-base), and its own errors are many line
 model_type lists all 800 of them). Here unknown keys are refused with the key transformers knows
 that is closest, values of the wrong type with the type the config class declares, an unknown
 model_type with a short list of choices, and a model.path that is not a checkpoint directory
-before transformers takes it for a hub repository id. The resolved config (defaults included)
-then goes through the same size checks the job contract applies to the config as written.
+before transformers takes it for a hub repository id; its config.json is read within bounds
+(read_config_json: a file of 300 MB took a minute and 2 GB, one nested a million levels deep
+ended in a RecursionError). The resolved config (defaults included) then goes through the same
+size checks the job contract applies to the config as written.
 
 Worker and CLI only: this imports transformers (the operator checks sizes through the contract).
 """
@@ -18,11 +20,13 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
 from weightsync.job import Model, SpecError
+from weightsync.job.files import FileProblem, json_depth_problem, read_regular
 from weightsync.job.schema import choices, did_you_mean
 from weightsync.job.sizes import ALIASES, size_problems
 from weightsync.model.quant import VLLM_METHOD, format_of, quantization_config
@@ -31,6 +35,9 @@ WHERE = "spec.model.config"
 # Shown first when model_type is unknown, where this transformers has them.
 COMMON_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "opt")
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+# A checkpoint's config.json is a few KiB; the largest, with per-layer quantization lists, a few
+# hundred. A larger one is refused before it is read (one of 300 MB took a minute and 2 GB).
+MAX_CONFIG_BYTES = 16 << 20
 
 
 def config_of(model: Model):
@@ -131,22 +138,42 @@ def from_path(path: str):
                          "weights, at this path in every pod; `weightsync run` reads it on this machine)"])
     if not directory.is_dir():
         raise SpecError([f"{where}: {path} is a file; give the checkpoint directory (config.json plus weights)"])
-    if not (directory / "config.json").is_file():
+    if not os.path.lexists(directory / "config.json"):
         raise SpecError([f"{where}: {path} has no config.json, so it is not a transformers checkpoint directory "
                          "(save one with model.save_pretrained(DIRECTORY))"])
     if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise SpecError([f"{where}: {path} has config.json but no weights ({' or '.join(WEIGHT_FILES)})"])
     try:
-        settings = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise SpecError([f"{where}: {path}/config.json cannot be read as JSON: {_one_line(e)}"]) from None
-    if not isinstance(settings, dict):
-        raise SpecError([f"{where}: {path}/config.json is not a JSON object"])
+        settings = read_config_json(directory / "config.json")
+    except FileProblem as e:
+        raise SpecError([f"{where}: {e}"]) from None
     _config_class(settings.get("model_type"), f"{where} ({path}/config.json): model_type")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - as in from_mapping
         raise SpecError([f"{where}: transformers cannot read {path}/config.json: {_one_line(e)}"]) from None
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The settings of a transformers config.json, read within bounds (job/files.py: a regular
+    file of at most MAX_CONFIG_BYTES, nested at most MAX_DEPTH levels), or FileProblem saying on
+    one line what is wrong with it."""
+    data = read_regular(path, MAX_CONFIG_BYTES, "a transformers config.json",
+                        "a model's config.json is a few KiB: point at the checkpoint's own")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise FileProblem(f"{path}: not a text file (JSON is UTF-8 text)") from None
+    deep = json_depth_problem(text)
+    if deep:
+        raise FileProblem(f"{path}: {deep}; a config.json is a few levels deep")
+    try:
+        settings = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise FileProblem(f"{path} cannot be read as JSON: {_one_line(e)}") from None
+    if not isinstance(settings, dict):
+        raise FileProblem(f"{path} is not a JSON object")
+    return settings
 
 
 def known_keys(config_class) -> set[str]:
@@ -228,6 +255,8 @@ def _hint(value: Any, annotation: Any) -> str:
     return ""
 
 
-def _one_line(error: Exception) -> str:
-    text = " ".join(str(error).split())
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line of at most 300 characters; its type where it has none
+    (a MemoryError has no message)."""
+    text = " ".join(str(error).split()) or type(error).__name__
     return text if len(text) <= 300 else text[:297] + "..."

@@ -12,14 +12,15 @@ bytes of every tensor), and linktime simulates its order on one NIC per rank.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from weightsync.job import SpecError
-from weightsync.model.config import expert_count
+from weightsync.job.files import FileProblem
+from weightsync.model.config import expert_count, from_mapping, read_config_json
 from weightsync.model.quant import format_of, quantized_names
 from weightsync.plan.boxes import GlobalTensor
 from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
@@ -107,12 +108,14 @@ def model_config(name: str):
     path = Path(name)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ValueError(f"--simulate {name!r}: not a built-in model ({', '.join(MODELS)}) and no config.json there")
-    from weightsync.model.config import from_mapping
-
     try:
-        return from_mapping(json.loads(path.read_text()))
+        settings = read_config_json(path)
+    except FileProblem as e:
+        raise ValueError(f"--simulate: {e}") from None
+    try:
+        return from_mapping(settings)
     except (SpecError, ValueError) as e:
         raise ValueError(f"--simulate {name}: {e}") from None
 
