@@ -34,6 +34,24 @@ def checkpoint_without_config(tmp_path: Path) -> str:
     return dump(example(**{"model.config": None, "model.path": str(tmp_path / "ckpt")}))
 
 
+def checkpoint_whose_config(write):
+    """A job on a checkpoint directory whose config.json `write(path)` makes."""
+    def content(tmp_path: Path) -> str:
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"")
+        write(tmp_path / "ckpt" / "config.json")
+        return dump(example(**{"model.config": None, "model.path": str(tmp_path / "ckpt")}))
+    return content
+
+
+def sparse(size: int):
+    def write(path: Path) -> None:
+        with open(path, "wb") as f:
+            f.truncate(size)  # takes no disk; read whole, it would take the memory
+    return write
+
+
+LORA_ELSEWHERE = dump(example(**{"model.lora": {"rank": 4, "alpha": 8, "targetModules": ["lm_head", "nonexistent_proj"]}}))
 GOOD = EXAMPLE.read_text()
 
 # (id, the job file's content or a function of tmp_path giving it, command, words the message must hold)
@@ -66,6 +84,19 @@ ROWS = [
     ("missing-path", dump(example(**{"model.config": None, "model.path": "/nonexistent/model"})), "run",
      ["spec.model.path", "/nonexistent/model does not exist", "checkpoint directory"]),
     ("path-without-config", checkpoint_without_config, "run", ["spec.model.path", "no config.json"]),
+    ("job-file-a-pipe", "FIFO", "plan",
+     ["not a regular file (a named pipe)", "give the path of one WeightTransferJob YAML file"]),
+    ("job-file-a-pipe-run", "FIFO", "run", ["not a regular file (a named pipe)"]),
+    ("job-nested-too-deep", "[" * 520_000 + "]" * 520_000, "run", ["nested deeper than 100 levels", "line 1"]),
+    ("job-nested-too-deep-map", '{"a":' * 100_000 + "1" + "}" * 100_000, "plan", ["nested deeper than 100 levels"]),
+    ("config-json-300-mb", checkpoint_whose_config(sparse(300 << 20)), "run",
+     ["spec.model.path", "config.json: 300 MiB (314572800 bytes), more than the 16 MiB"]),
+    ("config-json-nested-too-deep", checkpoint_whose_config(lambda p: p.write_text("[" * 520_000 + "]" * 520_000)), "plan",
+     ["spec.model.path", "config.json: nested deeper than 100 levels"]),
+    ("config-json-a-pipe", checkpoint_whose_config(os.mkfifo), "run", ["config.json: not a regular file (a named pipe)"]),
+    ("lora-target-missing", LORA_ELSEWHERE, "run",
+     ["spec.model.lora.targetModules: nonexistent_proj names no linear layer", "its linear layers are named lm_head"]),
+    ("lora-target-missing-plan", LORA_ELSEWHERE, "plan", ["nonexistent_proj names no linear layer"]),
     ("too-big-for-memory", dump(config(vocab_size=4_000_000, n_embd=4096, n_layer=1)), "run",
      ["needs at least", "GiB", "MemAvailable", "2 trainer processes", "AdamW", "make spec.model smaller"]),
 ]
@@ -90,6 +121,8 @@ def job_file(tmp_path: Path, content) -> Path:
     job = tmp_path / "job.yaml"
     if content == "DIRECTORY":
         job.mkdir()
+    elif content == "FIFO":  # opened, it waits for a writer: the command would hang
+        os.mkfifo(job)
     else:
         job.write_text(content(tmp_path) if callable(content) else content)
     return job

@@ -150,11 +150,14 @@ def job_plan(job, fsdp: int | None = None):
     the model's own TP plan, over the transport its ranks would choose on this machine."""
     from weightsync.job import INFERENCE, TRAINER
     from weightsync.model.build import build, layout_of
+    from weightsync.model.lora import check_targets
     from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
     from weightsync.roles.tp_engine import needs_of
     from weightsync.transport import capabilities_of, resolve_transport
 
     model = build(job.model, dtype="float32", device="meta", load_weights=False)
+    if job.model.lora is not None:
+        check_targets(model, job.model.lora)
     layout = layout_of(model, job.model.dtype, job.model.quantization)
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
     try:

@@ -67,10 +67,17 @@ def test_a_model_whose_adapter_is_not_the_specs_is_refused_on_one_line(carried, 
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
-def test_targets_no_layer_has_are_refused_naming_the_layers_there_are():
-    with pytest.raises(SpecError, match="no linear layer of the model is named qkv; its linear layers are named "
-                                                 "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
-        adapter_layout(model_spec(targets=("qkv",)))
+@pytest.mark.parametrize("targets, missing", [
+    (("qkv",), "qkv names"),
+    (("q_proj", "nonexistent_proj"), "nonexistent_proj names"),  # one that matches does not hide one that does not
+    (("c_attn", "q_proj", "qkv"), "c_attn, qkv name"),
+])
+def test_targets_no_layer_has_are_refused_naming_the_layers_there_are(targets, missing):
+    with pytest.raises(SpecError) as err:
+        adapter_layout(model_spec(targets=targets))
+    assert str(err.value) == (f"invalid WeightTransferJob: spec.model.lora.targetModules: {missing} no linear layer of "
+                              "the model (LlamaForCausalLM); its linear layers are named down_proj, gate_proj, k_proj, "
+                              "lm_head, o_proj, q_proj, up_proj, v_proj: name only those")
 
 
 def test_the_adapter_is_found_under_the_prefixes_peft_and_wrappers_add():

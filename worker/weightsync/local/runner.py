@@ -58,6 +58,7 @@ from weightsync.local.memory import shortfall
 from weightsync.local.ports import LOOPBACK
 from weightsync.model.build import check_fits, meta_layout
 from weightsync.model.config import served_config
+from weightsync.model.lora import adapter_layout
 from weightsync.runtime.health import METRICS_PATH
 from weightsync.runtime.procs import exit_status
 from weightsync.transport.nccl import shared_gpu_env
@@ -405,6 +406,8 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     job = source if isinstance(source, Job) else load_job(source)
     join_env = None if join_env is None else Path(join_env)
     check_join_env(job, join_env)
+    if job.model.lora is not None:
+        adapter_layout(job.model)  # an adapter on layers the model has not (built on the meta device)
     if job.inference.runs_vllm and not job.inference.external:
         # what vLLM would build of the model, and how it splits its experts, refused before anything starts
         served_config(job.model, job.inference.model_replicas if job.inference.vllm.expert_parallel else ())

@@ -47,15 +47,24 @@ def target_layers(model: torch.nn.Module, lora: Lora) -> list[tuple[str, int, in
     return out
 
 
+def check_targets(model: torch.nn.Module, lora: Lora) -> None:
+    """Refuse, on one line, a target module (spec.model.lora.targetModules) that names no linear
+    layer of the base `model` (built on the meta device, this costs no weights), naming the
+    linear layers there are: found here, not by the trainer once every process has started."""
+    linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in lora.target_modules if t not in linear]
+    if missing:
+        which = f"{', '.join(missing)} name{'s' if len(missing) == 1 else ''}"
+        raise SpecError([f"spec.model.lora.targetModules: {which} no linear layer of the model "
+                         f"({type(model).__name__}); its linear layers are named {', '.join(linear) or '(none)'}: "
+                         "name only those"])
+
+
 def adapter_shapes(model: torch.nn.Module, lora: Lora) -> list[tuple[str, tuple[int, int]]]:
     """The adapter's tensors over a base model: (name, shape), in version order."""
-    layers = target_layers(model, lora)
-    if not layers:
-        linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise SpecError([f"spec.model.lora.targetModules: no linear layer of the model is named "
-                         f"{', '.join(lora.target_modules)}; its linear layers are named {', '.join(linear)}"])
+    check_targets(model, lora)
     shapes = []
-    for name, fan_in, fan_out in layers:
+    for name, fan_in, fan_out in target_layers(model, lora):
         a, b = tensor_names(name)
         shapes += [(a, (lora.rank, fan_in)), (b, (fan_out, lora.rank))]
     return shapes
