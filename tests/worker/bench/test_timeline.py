@@ -2,6 +2,7 @@
 (`weightsync run --logs`), and clear refusals where there is nothing to draw."""
 
 import json
+import os
 import subprocess
 import time
 
@@ -60,6 +61,44 @@ def test_lines_that_only_look_like_records_are_passed_over_and_an_unwritable_out
     out = report(str(log), "--out", str(tmp_path / "absent" / "t.png"))
     assert out.returncode == 1 and out.stderr.startswith("weightsync report: cannot write ") and \
         out.stderr.count("\n") == 1, out.stderr
+
+
+def test_a_line_longer_than_any_record_is_passed_over_unheld_and_said_once(tmp_path):
+    log = tmp_path / "demo-controller-0.log"
+    with open(log, "w") as f:
+        f.write(record(0))
+        f.write('{"event": "transfer", "pad": "' + "x" * (3 << 20) + '"}\n')  # 3 MiB on one line
+        f.write(record(1))
+        f.write("y" * (2 << 20) + "\n")
+        f.write(record(2))
+    png = tmp_path / "t.png"
+    out = report(str(log), "--out", str(png))
+    assert out.returncode == 0 and "3 versions from" in out.stdout and png.read_bytes().startswith(PNG), out.stderr
+    assert out.stderr == (f"weightsync report: {log}: passed over 2 line(s) longer than 1 MiB (the first: line 2); a "
+                          "controller's records are a few hundred bytes\n")
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda p: os.mkfifo(p), "not a regular file (a named pipe); name a file to write"),
+    (lambda p: os.symlink(p.name, p), "a loop of symbolic links; name a file to write"),
+    (lambda p: p.mkdir(), "is a directory; name a file in it"),
+])
+def test_an_out_that_cannot_be_written_is_refused_before_the_log_is_read(tmp_path, make, says):
+    """Once it said "cannot write ...: None", after reading the whole log."""
+    log = tmp_path / "demo-controller-0.log"
+    log.write_text(record(0) + record(1, seconds="fast"))  # read, this log would be refused for its line 2
+    png = tmp_path / "t.png"
+    make(png)
+    out = report(str(log), "--out", str(png))
+    assert (out.returncode, out.stderr) == (1, f"weightsync report: cannot write {png}: {says}\n")
+
+
+def test_a_log_that_is_a_pipe_is_refused_not_waited_on(tmp_path):
+    (tmp_path / "logs").mkdir()
+    os.mkfifo(tmp_path / "logs" / "demo-controller-0.log")
+    out = report(str(tmp_path), "--out", str(tmp_path / "t.png"))
+    assert out.returncode == 1 and out.stderr == (f"weightsync report: {tmp_path}/logs/demo-controller-0.log: not a "
+                                                  "regular file (a named pipe); give the path of a controller's log\n")
 
 
 def test_twenty_thousand_versions_are_drawn_in_buckets(tmp_path):

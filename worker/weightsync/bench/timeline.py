@@ -9,7 +9,9 @@ bytes delivered against bytes on the wire (where delta versions sent less); and 
 ranks each version reached. Past MAX_BARS versions, consecutive versions are drawn in buckets (the
 mean seconds and bytes, the longest stall, the fewest ranks reached), so that an endless job's log
 still makes one readable picture. A log that is not a controller's, or a record that is not one
-of its own, is refused in one line that names the line.
+of its own, is refused in one line that names the line. A line longer than any record (a
+gigabyte of output on one line) is passed over without being held, and an --out that cannot be
+written is refused before the log is read.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightsync.bench.chart import pyplot, save
+from weightsync.job.files import FileProblem, bounded_lines, check_regular, output_problem, reason, size_text
 
 MARK = '{"event": '
 MAX_BARS = 400  # versions drawn one by one; more are drawn in buckets of consecutive versions
 MAX_TICKS = 20  # version numbers written under the last panel
+MAX_LINE = 1 << 20  # bytes of a log line read; a longer one is no record of a controller's
 
 
 class ReportError(SystemExit):
@@ -80,11 +84,17 @@ def controller_log(path: Path) -> Path:
 
 def read(path: Path) -> list[Delivered]:
     """Every version the log records as delivered, in order (a version sent again to a rank that
-    rejoined counts again: it is a round of its own)."""
-    out = []
+    rejoined counts again: it is a round of its own). A line longer than MAX_LINE is passed over
+    unread (a controller's record is a few hundred bytes), said once on stderr."""
+    out, long = [], []
     try:
-        with open(path, errors="replace") as f:
-            for number, line in enumerate(f, 1):
+        check_regular(path, None, "a controller's log")
+        with open(path, "rb") as f:
+            for number, raw in bounded_lines(f, MAX_LINE):
+                if raw is None:
+                    long.append(number)
+                    continue
+                line = raw.decode(errors="replace")
                 at = line.find(MARK)
                 if at < 0:
                     continue
@@ -99,8 +109,13 @@ def read(path: Path) -> list[Delivered]:
                 except ValueError as e:
                     raise ReportError(f"{path}, line {number}: a transfer record that is not a controller's ({e}); "
                                       "give the log of a weightsync controller, as written") from None
+    except FileProblem as e:
+        raise ReportError(str(e)) from None
     except OSError as e:
-        raise ReportError(f"{path} cannot be read: {e.strerror}") from None
+        raise ReportError(f"{path} cannot be read: {reason(e)}") from None
+    if long:
+        print(f"weightsync report: {path}: passed over {len(long)} line(s) longer than {size_text(MAX_LINE)} (the first: "
+              f"line {long[0]}); a controller's records are a few hundred bytes", file=sys.stderr)
     return out
 
 
@@ -151,7 +166,7 @@ def draw(delivered: list[Delivered], title: str, path: str | Path) -> Path:
     try:
         return save(plt, fig, f"{title}: {len(delivered)} versions over {transports}", path)
     except OSError as e:
-        raise ReportError(f"cannot write {path}: {e.strerror}") from None
+        raise ReportError(f"cannot write {path}: {reason(e)}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -161,6 +176,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.out.endswith(".png"):
         parser.error(f"--out: {args.out!r} does not end in .png")
+    problem = output_problem(args.out)
+    if problem:  # said before the log is read, not after
+        raise ReportError(f"cannot write {args.out}: {problem}")
     log = controller_log(Path(args.log))
     versions = read(log)
     if not versions:
