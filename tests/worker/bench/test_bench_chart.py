@@ -4,8 +4,10 @@ where it cannot be honoured. The --vllm and --fsdp pictures are drawn here from 
 functions put together: those benchmarks take minutes, and their figures are theirs to measure."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 from support.cli import in_process
@@ -30,12 +32,23 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args,problem", [
     (("--chart", "report.svg"), "'report.svg' does not end in .png"),
-    (("--chart", "/no/such/folder/report.png"), "the folder /no/such/folder does not exist"),
-    (("--fsdp", "--chart", "/no/such/folder/report.png"), "the folder /no/such/folder does not exist"),
+    (("--chart", "/no/such/folder/report.png"),
+     "cannot write /no/such/folder/report.png: the folder /no/such/folder does not exist"),
+    (("--fsdp", "--chart", "/no/such/folder/report.png"),
+     "cannot write /no/such/folder/report.png: the folder /no/such/folder does not exist"),
+    (("--chart", "{tmp}/loop.png"), "cannot write {tmp}/loop.png: a loop of symbolic links; name a file to write"),
+    (("--vllm", sys.executable, "--chart", "{tmp}/loop.png"), "cannot write {tmp}/loop.png: a loop of symbolic links"),
+    (("--chart", "{tmp}/pipe.png"), "cannot write {tmp}/pipe.png: not a regular file (a named pipe)"),
+    (("--chart", "{tmp}/folder.png"), "cannot write {tmp}/folder.png: is a directory; name a file in it"),
 ])
-def test_a_chart_that_cannot_be_drawn_is_refused_before_the_run(args, problem):
-    out = in_process("bench", *args)
-    assert out.returncode == 2 and f"--chart: {problem}" in out.stderr, out.stderr
+def test_a_chart_that_cannot_be_drawn_is_refused_before_the_run(tmp_path, args, problem):
+    os.symlink("loop.png", tmp_path / "loop.png")  # a link to itself: once found only after the whole run
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "folder.png").mkdir()
+    began = time.monotonic()
+    out = in_process("bench", *(a.format(tmp=tmp_path) for a in args))
+    assert out.returncode == 2 and f"--chart: {problem.format(tmp=tmp_path)}" in out.stderr, out.stderr
+    assert time.monotonic() - began < 10, "the benchmark ran before --chart was checked"
 
 
 @pytest.mark.slow  # a real transfer benchmark (about 40 s on 2 cores)

@@ -42,6 +42,7 @@ from weightsync.bench.scrape import main as scrape_bench
 from weightsync.bench.trained import train
 from weightsync.bench.vllm import STEP as VLLM_STEP
 from weightsync.bench.vllm import main as vllm_bench
+from weightsync.job.files import output_problem
 from weightsync.model.flat import FlatLayout, cast_name
 from weightsync.plan.segments import make_plan
 
@@ -376,9 +377,9 @@ def chart_problem(path: str) -> str | None:
     """Why --chart cannot be honoured, found before anything runs, or None."""
     if not path.endswith(".png"):
         return f"{path!r} does not end in .png"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"the folder {parent} does not exist"
+    problem = output_problem(path)  # a loop of links, a folder or a pipe there, no folder: said before the run
+    if problem:
+        return f"cannot write {path}: {problem}"
     try:
         import matplotlib  # noqa: F401 - drawn at the end; missing, the run would be lost
     except ImportError:
