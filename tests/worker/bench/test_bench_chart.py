@@ -47,7 +47,8 @@ def test_a_chart_that_cannot_be_drawn_is_refused_before_the_run(tmp_path, args, 
     (tmp_path / "folder.png").mkdir()
     began = time.monotonic()
     out = in_process("bench", *(a.format(tmp=tmp_path) for a in args))
-    assert out.returncode == 2 and f"--chart: {problem.format(tmp=tmp_path)}" in out.stderr, out.stderr
+    assert out.returncode == 2 and out.stderr.startswith(f"weightsync bench: --chart: {problem.format(tmp=tmp_path)}")
+    assert out.stderr.count("\n") == 1, out.stderr
     assert time.monotonic() - began < 10, "the benchmark ran before --chart was checked"
 
 

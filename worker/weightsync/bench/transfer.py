@@ -295,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chart: --scrape prints a table only")
     if args.chart:
         problem = chart_problem(args.chart)
-        if problem:
-            parser.error(f"--chart: {problem}")
+        if problem:  # the path, not the arguments: one line, without the usage
+            print(f"weightsync bench: --chart: {problem}", file=sys.stderr)
+            return 2
     if args.step is not None and not args.vllm:
         parser.error("--step: only the --vllm bench waits between versions")
     if args.vllm:
