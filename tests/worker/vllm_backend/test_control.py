@@ -22,7 +22,8 @@ class Routes:
     """An HTTP server on a free port: every request's path and body, in order; `failing` answers
     500; `dropping` closes the connection without an answer, as a server killed mid-call does."""
 
-    def __init__(self, failing: str | None = None, dropping: str | None = None, guarded: str | None = None):
+    def __init__(self, failing: str | None = None, dropping: str | None = None, guarded: str | None = None,
+                 unrouted: bool = False):
         self.calls: list[tuple[str, dict | None]] = []
         self.keys: list[str | None] = []  # each call's Authorization header
         routes = self
@@ -30,7 +31,7 @@ class Routes:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - a control route that changes nothing, as guard.py answers it
                 ok = guarded is None or self.headers.get("Authorization") == f"Bearer {guarded}"
-                self.send_response(200 if ok else 401)
+                self.send_response(401 if not ok else 404 if unrouted else 200)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"{}")
@@ -66,8 +67,9 @@ class Routes:
 def routes():
     made = []
 
-    def make(failing: str | None = None, dropping: str | None = None, guarded: str | None = None) -> Routes:
-        made.append(Routes(failing, dropping, guarded))
+    def make(failing: str | None = None, dropping: str | None = None, guarded: str | None = None,
+             unrouted: bool = False) -> Routes:
+        made.append(Routes(failing, dropping, guarded, unrouted))
         return made[-1]
 
     yield make
@@ -172,6 +174,10 @@ def test_every_call_carries_the_jobs_control_key_and_a_server_open_to_clients_is
     # the probe asks without the key, whoever asks
     assert Server(server.url, key="k3y").open_to_clients()
     assert not Server(routes(guarded="k3y").url, key="k3y").open_to_clients()
+    # a server without the probe's route (404) is no guarded one: the middleware answers any
+    # keyless request for a route not a client's with 401, before vLLM routes it
+    assert Server(routes(unrouted=True).url, key="k3y").open_to_clients()
+    assert not Server(routes(guarded="k3y", unrouted=True).url, key="k3y").open_to_clients()
     gone = routes()
     gone.close()
     with pytest.raises(Unreachable):

@@ -51,7 +51,10 @@ def guard() -> ControlGuard:
 
 @pytest.mark.parametrize("path", ["/update_weight_version", "/weight_checker", "/collective_rpc", "/pause", "/resume",
                                   "/sleep", "/update_weights", "/init_weight_transfer_engine", "/reset_prefix_cache",
-                                  "/scale_elastic_ep", "/v1/load_lora_adapter", "/pause/", "//pause", "/nowhere"])
+                                  "/scale_elastic_ep", "/v1/load_lora_adapter", "/pause/", "//pause", "/nowhere",
+                                  # dot segments resolve to the route they name, whatever prefix they start with
+                                  "/v1/responses/../../pause", "/v1/responses/x/../../../update_weights",
+                                  "/v1/responses/./../../v1/load_lora_adapter", "/health/../collective_rpc"])
 def test_a_control_route_answers_only_the_jobs_control_key(guard, path):
     said, reached = ask(guard, path)
     assert (said["status"], reached) == (401, False)

@@ -43,7 +43,12 @@ UNGUARDED_PROBE = "/get_world_size"  # a control route that changes nothing (Ser
 
 
 class ControlError(RuntimeError):
-    """A control call failed or ran out of time; the message names the server and the route."""
+    """A control call failed or ran out of time; the message names the server and the route,
+    `status` the HTTP status the server answered (None where it answered none)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class Unreachable(ControlError):
@@ -86,7 +91,7 @@ class Server:
                 text = response.read().decode()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
-            raise ControlError(f"{self.url}{route} answered {e.code}: {detail}") from None
+            raise ControlError(f"{self.url}{route} answered {e.code}: {detail}", e.code) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # TimeoutError is an OSError
             reason = getattr(e, "reason", e)
             if isinstance(reason, TimeoutError):
@@ -116,15 +121,17 @@ class Server:
             time.sleep(UP_POLL)
 
     def open_to_clients(self, timeout: float = 10.0) -> bool:
-        """Whether the server answers a control route to a caller without the job's key (one of
-        the user's started without weightsync's middleware, guard.py), asked of a control route
-        that changes nothing (GET /get_world_size). Unreachable where it does not answer."""
+        """Whether the server lacks weightsync's middleware (guard.py), asked without the job's key
+        of a control route that changes nothing (GET /get_world_size). Only the middleware's 401
+        says it is there: it answers a keyless request for any route not a client's so, before
+        vLLM routes it, while a server without it answers (200), or has no such route (404: a vLLM
+        without that route, or without VLLM_SERVER_DEV_MODE). Unreachable where it does not answer."""
         try:
             Server(self.url).call(UNGUARDED_PROBE, None, timeout, method="GET")
         except Unreachable:
             raise
-        except ControlError:  # refused (401), or no such route (no VLLM_SERVER_DEV_MODE): closed to clients
-            return False
+        except ControlError as e:
+            return e.status != 401
         return True
 
     def init_transfer(self, timeout: float) -> None:

@@ -58,7 +58,23 @@ def route_path(scope: Scope) -> str:
     return path
 
 
+def resolved(path: str) -> str:
+    """`path` with its empty, `.` and `..` segments resolved, as a server or a proxy that
+    normalizes paths would route it: /v1/responses/../../pause is /pause, whatever route's prefix
+    it starts with."""
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/" + "/".join(parts) + ("/" if path.endswith("/") and parts else "")
+
+
 def is_client_route(path: str) -> bool:
+    """Whether a client may call `path`, judged by the path it resolves to."""
+    path = resolved(path)
     return path in CLIENT_ROUTES or path.startswith(CLIENT_PREFIXES)
 
 
