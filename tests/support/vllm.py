@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
+from weightsync.vllm_backend.guard import sign
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
 LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
@@ -147,9 +149,10 @@ class VllmRun:
 
 
 def post(server: str, route: str, body: dict, timeout: float = 120.0, key: str | None = None) -> dict:
-    """`key`: the job's control key, which a job's server asks of its control routes (VllmRun.key)."""
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(server + route, json.dumps(body).encode(), headers)
+    """`key`: the job's control key, which signs a request to a job's server's control routes (VllmRun.key)."""
+    signed = {"Authorization": "Bearer " + sign(key, "POST", urlsplit(server).path + route)} if key else {}
+    request = urllib.request.Request(server + route, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                                 **signed})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 

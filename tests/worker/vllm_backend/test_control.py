@@ -16,6 +16,15 @@ import pytest
 
 from weightsync.rendezvous.messages import Staged
 from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
+from weightsync.vllm_backend.guard import sign
+
+
+def signed_by(header: str | None, key: str, method: str, target: str) -> bool:
+    """Whether an Authorization header is a request to `target` signed with `key` (guard.sign)."""
+    if not header or header.count(".") != 3:
+        return False
+    _, stamp, nonce, _ = header.removeprefix("Bearer ").split(".")
+    return header == "Bearer " + sign(key, method, target, now=int(stamp), nonce=nonce)
 
 
 class Routes:
@@ -30,7 +39,7 @@ class Routes:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - a control route that changes nothing, as guard.py answers it
-                ok = guarded is None or self.headers.get("Authorization") == f"Bearer {guarded}"
+                ok = guarded is None or signed_by(self.headers.get("Authorization"), guarded, "GET", self.path)
                 self.send_response(401 if not ok else 404 if unrouted else 200)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
@@ -169,7 +178,9 @@ def test_the_slowest_takes_each_calls_longest_over_the_servers_that_made_it():
 def test_every_call_carries_the_jobs_control_key_and_a_server_open_to_clients_is_told(routes):
     server = routes()
     Server(server.url, key="k3y").update(3, "proof", 30)
-    assert server.keys and set(server.keys) == {"Bearer k3y"}, server.keys
+    assert len(server.keys) == len(server.calls) == 5, server.keys
+    assert all(signed_by(key, "k3y", "POST", path) for key, (path, _) in zip(server.keys, server.calls)), server.keys
+    assert len(set(server.keys)) == 5, "a signed request is good once: each carries a nonce of its own"
     # a server the user started without weightsync's middleware answers a control route to anyone;
     # the probe asks without the key, whoever asks
     assert Server(server.url, key="k3y").open_to_clients()

@@ -61,6 +61,7 @@ from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
 from weightsync.rendezvous.external_rank import fetch_job
 from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
+from weightsync.vllm_backend.guard import sign
 
 pytestmark = pytest.mark.slow  # whole jobs and vLLM servers as processes: not in `make unit`
 
@@ -130,7 +131,8 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         server.serving(0)
         key = control_key(join[JoinEnv.TOKEN].encode(), join[JoinEnv.JOB_ID])
         for bearer in (None, key):  # a client is refused; the job's key reaches the worker, which has nothing to do
-            headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {bearer}"} if bearer else {})}
+            signed = {"Authorization": "Bearer " + sign(bearer, "POST", "/init_weight_transfer_engine")} if bearer else {}
+            headers = {"Content-Type": "application/json", **signed}
             request = urllib.request.Request(server.url + "/init_weight_transfer_engine", b'{"init_info": {}}', headers)
             with pytest.raises(urllib.error.HTTPError) as answered:  # it joined as vLLM built it
                 urllib.request.urlopen(request, timeout=60)

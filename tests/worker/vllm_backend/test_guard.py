@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
 from weightsync.job.join import JoinEnv
 from weightsync.rendezvous.protocol import control_key
-from weightsync.vllm_backend.guard import CLIENT_ROUTES, ControlGuard, job_key
+from weightsync.vllm_backend.guard import CLIENT_ROUTES, WINDOW, ControlGuard, job_key, sign
 
 TOKEN = b"t" * 32
 JOB = "default/demo"
@@ -20,8 +21,10 @@ KEY = control_key(TOKEN, JOB)
 JOIN = {JoinEnv.CONTROLLER: "127.0.0.1:29700", JoinEnv.JOB_ID: JOB, JoinEnv.TOKEN: TOKEN.decode()}
 
 
-def ask(guard: ControlGuard, path: str, key: str | None = None, root: str = "", kind: str = "http") -> tuple[dict, bool]:
-    """(what the guard answered, or {} where it passed the request on; whether the server got it)."""
+def ask(guard: ControlGuard, path: str, key: str | None = None, root: str = "", kind: str = "http",
+        bearer: str | None = None) -> tuple[dict, bool]:
+    """(what the guard answered, or {} where it passed the request on; whether the server got it).
+    `key` signs the request (guard.sign); `bearer` is sent as it is instead."""
     reached, sent = [], []
 
     async def server(scope, receive, send):
@@ -34,8 +37,12 @@ def ask(guard: ControlGuard, path: str, key: str | None = None, root: str = "", 
         sent.append(message)
 
     guard.app = server
-    headers = [(b"content-type", b"application/json")] + ([(b"authorization", f"Bearer {key}".encode())] if key else [])
-    scope = {"type": kind, "method": "POST", "path": root + path, "root_path": root, "headers": headers}
+    bearer = sign(key, "POST", root + path) if key else bearer
+    headers = [(b"content-type", b"application/json")] + ([(b"authorization", f"Bearer {bearer}".encode())]
+                                                          if bearer else [])
+    where, _, query = (root + path).partition("?")
+    scope = {"type": kind, "method": "POST", "path": where, "query_string": query.encode(), "root_path": root,
+             "headers": headers}
     asyncio.run(guard(scope, receive, send))
     if not sent:
         return {}, bool(reached)
@@ -87,3 +94,18 @@ def test_a_server_of_no_job_answers_its_control_routes_to_no_one():
     assert "answered only to no one (this server belongs to no weightsync job)" in said["message"]
     assert ask(guard, "/v1/completions") == ({}, True)
     assert job_key(JOIN) == (JOB, KEY) and job_key({}) is None
+
+
+def test_a_signed_request_opens_its_own_route_once_within_its_window(guard):
+    """The control key never crosses the wire: a captured request is good for nothing later."""
+    bearer = sign(KEY, "POST", "/pause")
+    assert ask(guard, "/pause", bearer=bearer) == ({}, True)
+    said, reached = ask(guard, "/pause", bearer=bearer)
+    assert (said["status"], reached) == (403, False) and "carried a request answered before (a replay)" in said["message"]
+    said, _ = ask(guard, "/collective_rpc", bearer=sign(KEY, "POST", "/pause"))  # another route's signature
+    assert said["status"] == 403 and "a signature of another request" in said["message"]
+    said, _ = ask(guard, "/pause", bearer=sign(KEY, "POST", "/pause", now=time.time() - WINDOW - 5))
+    assert said["status"] == 403 and "from this server's clock (more than 120s" in said["message"]
+    said, _ = ask(guard, "/pause", bearer=KEY)  # the key itself, as a bearer
+    assert said["status"] == 403 and "a bearer that is not a signed control request" in said["message"]
+    assert ask(guard, "/pause?mode=wait", bearer=sign(KEY, "POST", "/pause"))[0]["status"] == 403  # the query is signed

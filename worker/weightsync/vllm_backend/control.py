@@ -34,8 +34,10 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
 
 from weightsync.rendezvous.messages import Staged
+from weightsync.vllm_backend.guard import sign
 
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
 RESUME_TIMEOUT = 10.0  # seconds a resume may take at least, even past the update's deadline
@@ -76,15 +78,15 @@ class Session:
 @dataclass(frozen=True)
 class Server:
     url: str  # http://host:port
-    # the job's control key (rendezvous/protocol.control_key), sent as the bearer of every call: a
-    # job's server answers its control routes to nothing else (guard.py)
+    # the job's control key (rendezvous/protocol.control_key), which signs every call (guard.sign):
+    # a job's server answers its control routes to nothing else (guard.py)
     key: str | None = field(default=None, repr=False)
 
     def call(self, route: str, body: dict | None, timeout: float, method: str = "POST") -> dict:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
         if self.key is not None:
-            headers["Authorization"] = f"Bearer {self.key}"
+            headers["Authorization"] = "Bearer " + sign(self.key, method, urlsplit(self.url).path + route)
         request = urllib.request.Request(self.url + route, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:

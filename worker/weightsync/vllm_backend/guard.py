@@ -6,11 +6,20 @@ only with VLLM_SERVER_DEV_MODE=1, which weightsync needs, and on the port its cl
 anyone who reaches it: a client could relabel a request in flight or zero the weights of a
 verified version. ControlGuard, an ASGI middleware that vLLM's API server installs from its own
 `--middleware` argument (the pod's server command has it; a server the user starts is told to
-add it), answers every route that is not a client's only to a request that carries the job's
-control key (rendezvous/protocol.control_key: an HMAC of the job's token) as its bearer; others
-get 401 (no key) or 403 (another key) and reach nothing. The clients' routes are named here
+add it), answers every route that is not a client's only to a request signed with the job's control key
+(rendezvous/protocol.control_key: an HMAC of the job's token); others get 401 (no bearer) or 403
+(another key, an old or replayed request) and reach nothing. The clients' routes are named here
 (CLIENT_ROUTES), and everything else is a control route: a route a newer vLLM adds is closed
-until it is named.
+until it is named. A path is judged by the route it resolves to (resolved): dot segments do not
+smuggle a control route behind a client's prefix.
+
+The key itself never crosses the wire, which is plain HTTP inside the cluster: each request's
+bearer is an HMAC of its method, its path and query, its time and a nonce (sign). The guard takes
+it within WINDOW seconds of its own clock and once, so a captured request opens nothing later:
+replayed, it is refused as answered before; held back and sent in the original's place within the
+window, it does what the original would have done, on the route the original named, and nothing
+else (its body is not signed: a load still needs the version's proof, which the worker checks).
+A server of several API processes (--api-server-count) keeps a nonce cache in each.
 
 Plain ASGI, standard library only: the API server is vLLM's, and the tests drive the middleware
 without it.
@@ -18,8 +27,12 @@ without it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
+import time
 from typing import Awaitable, Callable, Mapping
 
 from weightsync.job import Env, WorkerContext
@@ -44,6 +57,9 @@ CLIENT_ROUTES = frozenset({
     "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
 })
 CLIENT_PREFIXES = ("/v1/responses/",)  # /v1/responses/{id} and its /cancel
+
+SCHEME = "ws1"  # a signed bearer: ws1.<unix seconds>.<nonce>.<HMAC-SHA256 hex>
+WINDOW = 120.0  # seconds either side of the server's clock within which a signed request is taken
 
 Scope = dict
 App = Callable[[Scope, Callable, Callable], Awaitable[None]]
@@ -91,27 +107,66 @@ def job_key(environ: Mapping[str, str] = os.environ) -> tuple[str, str] | None:
     return ctx.job.identity, control_key(ctx.token, ctx.job.identity)
 
 
+def _mac(key: str, stamp: str, nonce: str, method: str, target: str) -> str:
+    return hmac.new(key.encode(), f"{stamp}.{nonce}.{method.upper()} {target}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: str, method: str, target: str, now: float | None = None, nonce: str | None = None) -> str:
+    """The bearer of one control request to `target` (its path and query, as sent) with `method`,
+    signed with the job's control key at `now` (the time, by default)."""
+    stamp = str(int(time.time() if now is None else now))
+    nonce = nonce or secrets.token_hex(12)
+    return f"{SCHEME}.{stamp}.{nonce}.{_mac(key, stamp, nonce, method, target)}"
+
+
+def _target(scope: Scope) -> str:
+    """The request's path and query as the client sent them (what it signed)."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    return (path + (b"?" + query if query else b"")).decode("latin-1")
+
+
 class ControlGuard:
     """The API server's outermost middleware: a request for a route that is not a client's passes
-    only with `Authorization: Bearer <the job's control key>`."""
+    only with `Authorization: Bearer <sign(the job's control key, its method, its path)>`."""
 
     def __init__(self, app: App, environ: Mapping[str, str] = os.environ) -> None:
         self.app = app
         found = job_key(environ)
         self.job, self.key = found if found is not None else (None, None)
+        self._seen: dict[str, float] = {}  # nonce -> its stamp, for WINDOW seconds either side
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket") or is_client_route(route_path(scope)):
             return await self.app(scope, receive, send)
         given = _bearer(scope)
-        if given is not None and self.key is not None and same(given.encode(), self.key.encode()):
+        why = "no control key" if given is None else self._refusal(given, scope)
+        if why is None:
             return await self.app(scope, receive, send)
-        await self._refuse(scope, send, 401 if given is None else 403)
+        await self._refuse(scope, send, 401 if given is None else 403, why)
 
-    async def _refuse(self, scope: Scope, send: Callable, status: int) -> None:
+    def _refusal(self, given: str, scope: Scope, now: float | None = None) -> str | None:
+        """Why a signed bearer does not open this request (None where it does)."""
+        if self.key is None:
+            return "a control key, and this server has none"
+        scheme, stamp, nonce, mac = (given.split(".") + ["", "", "", ""])[:4]
+        if scheme != SCHEME or not stamp.isdigit() or not nonce or not mac:
+            return "a bearer that is not a signed control request"
+        if not same(mac.encode(), _mac(self.key, stamp, nonce, scope.get("method", "GET"), _target(scope)).encode()):
+            return "a control key that is not this job's, or a signature of another request"
+        now = time.time() if now is None else now
+        if abs(now - int(stamp)) > WINDOW:
+            return (f"a request signed {now - int(stamp):+.0f}s from this server's clock (more than {WINDOW:.0f}s: "
+                    "an old request, or clocks apart)")
+        if nonce in self._seen:
+            return "a request answered before (a replay)"
+        self._seen = {n: t for n, t in self._seen.items() if abs(now - t) <= WINDOW}
+        self._seen[nonce] = int(stamp)
+        return None
+
+    async def _refuse(self, scope: Scope, send: Callable, status: int, why: str) -> None:
         route = f"{scope.get('method', 'WEBSOCKET')} {route_path(scope)}"
         owner = f"job {self.job}'s controller" if self.job else "no one (this server belongs to no weightsync job)"
-        why = "no control key" if status == 401 else "a control key that is not this job's"
         message = (f"{route} is a control route of this vLLM server, answered only to {owner}, and the request "
                    f"carried {why}; clients keep the generation routes (/v1/completions, /v1/chat/completions, "
                    "/inference/v1/generate, ...), /v1/models, /health, /metrics, /version and /weight_info")
