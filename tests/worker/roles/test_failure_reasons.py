@@ -46,3 +46,29 @@ def test_failures_stay_what_their_callers_catch():
     assert isinstance(StoreTimeout("x"), TimeoutError) and isinstance(StoreTimeout("x"), StoreError)
     assert isinstance(StoreFull("x"), StoreError) and isinstance(RankFailed("x"), RuntimeError)
     assert isinstance(ProofError("x"), RuntimeError) and isinstance(TimedOut("x"), TimeoutError)
+
+
+@pytest.mark.parametrize("error", [KeyError("meta"), AttributeError("'NoneType' object has no attribute 'version'")])
+def test_an_error_the_controller_does_not_expect_ends_the_job_as_a_bug_not_as_a_restart(monkeypatch, error):
+    """Controller.run ends the job through fail() (ControllerError, its traceback in the log) for
+    any exception of its steps, where one that escaped would restart the controller's pod."""
+    from types import SimpleNamespace
+
+    from support.cli import EXAMPLE
+
+    from weightsync.job import load_job
+    from weightsync.roles.controller import driver
+
+    controller = object.__new__(driver.Controller)
+    controller.ctx = SimpleNamespace(job=load_job(EXAMPLE), pod_ip="127.0.0.1", store_port=0)
+    controller.host, controller.external, controller.scale = SimpleNamespace(running=1), {}, None
+    ended = []
+    monkeypatch.setattr(driver.Controller, "say", lambda self, message: None)
+    monkeypatch.setattr(driver.Controller, "fail", lambda self, e: ended.append(failure_of(e)) or 1)
+
+    def versions(self):
+        raise error
+
+    monkeypatch.setattr(driver.Controller, "versions", versions)
+    assert controller.run(1, {}) == 1
+    assert [reason for reason, _ in ended] == [reasons.CONTROLLER_ERROR], ended

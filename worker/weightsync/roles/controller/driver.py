@@ -146,8 +146,8 @@ class Controller:
                      f"{limit.seconds:.0f}s ({limit.setting})")
         try:
             self.versions()
-        except (JobFailed, TimeoutError, ValueError, StoreError) as e:  # a ValueError or StoreError of a bug too
-            return self.fail(e)
+        except Exception as e:  # noqa: BLE001 - the job's failures with their reasons; anything else is a bug
+            return self.fail(e)  # (ControllerError, its traceback in the log), never a restarted controller
         finally:
             if self.scale is not None:
                 self.scale.stop()
