@@ -145,7 +145,7 @@ class ControlGuard:
             return await self.app(scope, receive, send)
         await self._refuse(scope, send, 401 if given is None else 403, why)
 
-    def _refusal(self, given: str, scope: Scope, now: float | None = None) -> str | None:
+    def _refusal(self, given: str, scope: Scope) -> str | None:
         """Why a signed bearer does not open this request (None where it does)."""
         if self.key is None:
             return "a control key, and this server has none"
@@ -154,7 +154,7 @@ class ControlGuard:
             return "a bearer that is not a signed control request"
         if not same(mac.encode(), _mac(self.key, stamp, nonce, scope.get("method", "GET"), _target(scope)).encode()):
             return "a control key that is not this job's, or a signature of another request"
-        now = time.time() if now is None else now
+        now = time.time()
         if abs(now - int(stamp)) > WINDOW:
             return (f"a request signed {now - int(stamp):+.0f}s from this server's clock (more than {WINDOW:.0f}s: "
                     "an old request, or clocks apart)")

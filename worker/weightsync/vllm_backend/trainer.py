@@ -116,11 +116,6 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         published = self.sync.publish(step, loss)
         self.sync.wait_done(published.version)
 
-    @property
-    def version(self) -> int:
-        """The last version sent (-1: none yet): the servers' weight_version once send_weights returned."""
-        return self.sync.version
-
     def shutdown(self) -> None:
         """This rank sends no more versions: waits for the job's end (Sync.close)."""
         self.sync.close()
