@@ -4,6 +4,8 @@ Every rank derives the same plan from the same arguments: the trainers hold dim-
 tensors (torch.chunk's split over --shard ranks, --replicas copies of that), the inference ranks
 are replicas of the TP degrees in --tp (each rank needing what tpslices gives it under a TP plan
 with column-, row- and packed styles), or with --random-needs each a random box of every tensor.
+With --quantize int8 the version is quantized (model/quant.py): the projections' weights int8, each
+followed by its float32 per-row scales, which every rank holds and needs as its weight's rows.
 Trainers send from their local rows only (a copy of those rows, nothing else of the tensor) through
 VersionSender over TCP; inference ranks receive through VersionReceiver into a buffer of their local
 layout and check every slot against torch slicing of the full tensors cast to the dtype, bit for
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.model.flat import FlatLayout, byte_view, torch_dtype
+from weightsync.model.quant import format_of, quantize_layout, quantized_tensors
 from weightsync.plan.boxes import Box, RankSlices, Slice, Slicing, chunk_bounds, join
 from weightsync.plan.holders import Holdings
 from weightsync.plan.sliced_plan import SlicedPlan, global_tensors
@@ -54,9 +57,15 @@ TP_PLAN = {
 }
 
 
-def full_tensors(version):
+QUANTIZED = ["layers.0.q_proj.weight", "layers.0.o_proj.weight", "layers.0.gate_up_proj.weight",
+             "layers.0.down_proj.weight", "layers.0.row.weight"]
+
+
+def full_tensors(version, layout=None, fmt=None):
+    """The version's whole tensors (of the quantized `layout`, with `fmt`: quantized, with scales)."""
     g = torch.Generator().manual_seed(4321)
-    return [torch.randn(shape, generator=g) * (1 + version) + version for _, shape in TENSORS]
+    full = [torch.randn(shape, generator=g) * (1 + version) + version for _, shape in TENSORS]
+    return full if fmt is None else quantized_tensors(layout, fmt, full)
 
 
 def random_needs(layout, receivers, seed):
@@ -78,14 +87,17 @@ def random_needs(layout, receivers, seed):
 
 def make(args):
     layout = FlatLayout.from_shapes(TENSORS, args.dtype)
+    fmt = format_of(args.quantize)
+    if fmt is not None:
+        layout = quantize_layout(layout, QUANTIZED, fmt)
     tensors = global_tensors(layout)
-    # rank = replica * shard + shard index, as holdings.sharded numbers them
+    # rank = replica * shard + shard index, as holdings.sharded numbers them (a weight's scales: its rows)
     holdings = tuple(Holdings(tuple(chunk_bounds(s.shape[0], args.shard)[t % args.shard] for s in layout.slots))
                      for t in range(args.shard * args.replicas))
     if args.random_needs is not None:
         needs = random_needs(layout, args.inferences, args.random_needs)
     else:
-        parts: list[Slicing] = [tp_needs(tensors, TP_PLAN, int(tp)) for tp in args.tp.split(",")]
+        parts: list[Slicing] = [tp_needs(tensors, TP_PLAN, int(tp), fmt=fmt) for tp in args.tp.split(",")]
         slicing = join(*parts)
         needs = [slicing.of_rank(r) for r in range(slicing.world)]
     return layout, SlicedPlan(layout, holdings, tuple(needs), args.bucket)
@@ -101,6 +113,7 @@ def main():
     p.add_argument("--random-needs", type=int, default=None, help="seed: every receiver needs random boxes")
     p.add_argument("--inferences", type=int, default=0, help="receivers, with --random-needs")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantize", default=None, help="int8: the projections' weights quantized, with their scales")
     p.add_argument("--bucket", type=int, default=256)
     p.add_argument("--versions", type=int, default=2)
     p.add_argument("--store-port", type=int, required=True)
@@ -118,9 +131,15 @@ def main():
         store.set(f"connected/trainer/{args.rank}", "1")
         mover = VersionSender(sender, plan, args.rank)
         rows = plan.holdings[args.rank].rows
+        fmt = format_of(args.quantize)
+        if fmt is not None:  # the rows of the unquantized tensors, which this rank quantizes (row by row)
+            held = dict(zip(layout.names, rows))
+            rows = [held[name] for name, _ in TENSORS]
         for v in range(1, args.versions + 1):
             # this rank's rows only, as FSDP2 keeps them: a separate tensor, nothing else of the full one
             local = [t[a:b].clone() for t, (a, b) in zip(full_tensors(v), rows)]
+            if fmt is not None:
+                local = quantized_tensors(layout, fmt, local)
             sent = mover.send(v, local)
             store.set(f"sums/{v}/{args.rank}", json.dumps({str(r): {str(o): c for o, c in by.items()}
                                                            for r, by in sent.receiver_checksums.items()}))
@@ -133,17 +152,18 @@ def main():
     local_layout = plan.local_of(args.rank)
     staging = torch.zeros(plan.bytes_for(args.rank), dtype=torch.uint8)
     incoming = VersionReceiver(receiver, plan, args.rank)
-    dtype = torch_dtype(args.dtype)
+    fmt = format_of(args.quantize)
     for v in range(1, args.versions + 1):
         try:
             got = incoming.receive(v, staging, args.timeout)
         except TransferError as e:
             store.set(f"result/{v}/{args.rank}", json.dumps({"error": str(e)}))
             sys.exit(4)
-        full = full_tensors(v)
+        full = full_tensors(v, layout, fmt)
         bad = []
         for s in local_layout.slots:
-            want = full[s.tensor].to(dtype)[tuple(slice(a, b) for a, b in zip(s.box.start, s.box.stop))].contiguous()
+            box = tuple(slice(a, b) for a, b in zip(s.box.start, s.box.stop))
+            want = full[s.tensor].to(torch_dtype(s.dtype))[box].contiguous()
             if not torch.equal(byte_view(want), staging[s.offset:s.offset + s.nbytes]):
                 bad.append(f"{s.name}{s.box}")
         sums = {}

@@ -162,7 +162,8 @@ def job_plan(job, fsdp: int | None = None):
     holdings = fsdp_holdings(layout, job.layout.world_size(TRAINER), fsdp or 1)
     try:
         ep = job.inference.runs_vllm and job.inference.vllm.expert_parallel
-        needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r, ep))
+        needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r, ep,
+                                                                          job.model.quantization))
     except ValueError as e:
         if not job.inference.runs_vllm:
             raise

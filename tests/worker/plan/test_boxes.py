@@ -364,6 +364,60 @@ def test_simulate_in_fp8_plans_the_quantized_weights_and_their_scales_the_expert
     assert busiest[1] < 0.75 * busiest[0], busiest  # the norms, routers and embeddings stay bfloat16
 
 
+# a Llama whose TP2 slices hold whole 128x128 blocks (head size 128); at TP4 gate_proj's 192 rows
+# per rank cut them
+FP8_LLAMA = dict(model_type="llama", num_hidden_layers=1, hidden_size=512, intermediate_size=768, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("fmt, values", [("int8", LLAMA), ("fp8", FP8_LLAMA)])
+def test_a_quantized_weights_scales_follow_its_tp_slices(fmt, values):
+    """Every rank needs the scales of exactly the box it needs of the weight: the per-row int8 scales
+    of its rows (all of them for a row-parallel weight), the fp8 blocks its box covers."""
+    from weightsync.model.quant import FORMATS
+    from weightsync.plan.simulate import Topology, global_tensors
+
+    f = FORMATS[fmt]
+    model = build(values)
+    tensors = global_tensors(model, Topology(2, 2, 1, 2, 1e9, quantization=fmt))
+    needs = tp_needs(tensors, model._tp_plan, 2, fmt=f)
+    boxes = {t.name: p for t, p in zip(needs.tensors, needs.placements)}
+    per_rank = {r: {s.tensor: s.box for s in needs.of_rank(r).slices} for r in range(2)}
+    scales = [t for t in tensors if f.weight_of(t.name) in boxes]
+    assert scales and all(t.dtype == "float32" for t in scales)
+    for t in scales:
+        weight = next(w for w in tensors if w.name == f.weight_of(t.name))
+        for r in range(2):
+            w = per_rank[r][weight.name]
+            start, stop = f.scale_bounds(weight.name, weight.shape, w.start, w.stop)
+            assert per_rank[r][t.name] == Box(start, stop), (t.name, r)
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    # rank 1: q_proj's rows from the middle on, so its scales from the middle row (int8) or block (fp8)
+    assert per_rank[1][q + f.scale_suffix].start[0] == {"int8": 32, "fp8": 2}[fmt]
+    assert len(boxes[o + f.scale_suffix].boxes) == (1 if fmt == "int8" else 2)  # int8: every rank all of o_proj's rows
+    check_assignment(assign_pieces(sharded(tensors, 2), needs, 1 << 20), needs)
+
+
+def test_an_fp8_tp_slice_that_cuts_a_block_is_refused_on_one_line_naming_the_weight(tmp_path):
+    from weightsync.model.quant import FORMATS
+    from weightsync.plan.simulate import Topology, global_tensors
+
+    model = build(FP8_LLAMA)
+    tensors = global_tensors(model, Topology(2, 2, 1, 4, 1e9, quantization="fp8"))
+    with pytest.raises(ValueError) as e:
+        tp_needs(tensors, model._tp_plan, 4, fmt=FORMATS["fp8"])
+    assert "\n" not in str(e.value) and "rows [0, 192) of model.layers.0.mlp.gate_proj.weight [768, 512]" in str(e.value)
+    assert "cut its 128x128 blocks" in str(e.value) and "tensor-parallel rank 0 of 4" in str(e.value)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(FP8_LLAMA))
+    planned = weightsync("plan", "--simulate", str(config), "--trainers", "2", "--inference", "2xTP2", "--bucket-mb", "1",
+                         "--dtype", "fp8")
+    assert planned.returncode == 0 and "every receiver gets exactly its bytes" in planned.stdout, planned.stderr
+    refused = weightsync("plan", "--simulate", str(config), "--trainers", "2", "--inference", "1xTP4", "--dtype", "fp8")
+    assert refused.returncode == 2 and "model.layers.0.mlp.gate_proj.weight" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+
+
 @pytest.mark.parametrize("inference, values, message", [
     ("2xTP4xEP2", {"n_routed_experts": 8}, "the expert-parallel degree 2 must be a multiple of the TP degree 4"),
     ("1xEP3", {"n_routed_experts": 8}, "divide the model's 8 routed experts"),

@@ -1,8 +1,10 @@
 """Versions over slices end to end, every rank a real process on loopback (slice_peer.py): trainer
 ranks holding uneven dim-0 shards (FSDP2's split, and HSDP replicas of it) send each inference
 rank only the boxes it needs - column-, row- and packed tensor-parallel slices, or random boxes of
-every tensor - packed from their rows and cast on the way; each inference rank's buffer equals
-torch slicing of the full tensors bit for bit, and its digest the one the trainers' checksums give."""
+every tensor - packed from their rows and cast on the way (a quantized version's int8 weights and
+float32 scales each in their own dtype, the scales following their weights' slices); each inference
+rank's buffer equals torch slicing of the full tensors bit for bit, and its digest the one the
+trainers' checksums give."""
 
 import datetime
 import json
@@ -30,11 +32,12 @@ class Args:
     def __init__(self, **kw):
         self.dtype, self.shard, self.replicas, self.tp, self.random_needs, self.inferences, self.bucket = \
             "float32", 1, 1, "2,1", None, 0, 256
+        self.quantize = None
         self.__dict__.update(kw)
 
     def flags(self):
         out = ["--dtype", self.dtype, "--shard", str(self.shard), "--replicas", str(self.replicas), "--tp", self.tp,
-               "--bucket", str(self.bucket)]
+               "--bucket", str(self.bucket), *(["--quantize", self.quantize] if self.quantize else [])]
         if self.random_needs is not None:
             out += ["--random-needs", str(self.random_needs), "--inferences", str(self.inferences)]
         return out
@@ -74,7 +77,9 @@ def run_ranks(store, args, versions=2, timeout=180):
     Args(dtype="bfloat16", shard=3, replicas=2, bucket=128),  # HSDP: replicas share the sending
     Args(dtype="float16", shard=2, tp="2,2", bucket=4096),
     Args(dtype="bfloat16", shard=3, random_needs=7, inferences=3, bucket=192),  # random boxes: strided in every dim
-], ids=["fsdp4-tp2+tp1-f32", "hsdp3x2-tp2+tp1-bf16", "fsdp2-2xtp2-f16", "fsdp3-random-boxes-bf16"]))
+    Args(dtype="bfloat16", shard=2, quantize="int8", bucket=192),  # int8 weights and float32 scales beside bfloat16
+], ids=["fsdp4-tp2+tp1-f32", "hsdp3x2-tp2+tp1-bf16", "fsdp2-2xtp2-f16", "fsdp3-random-boxes-bf16",
+        "fsdp2-tp2+tp1-int8-with-scales"]))
 def test_slices_arrive_bit_for_bit(store, args):
     versions = 2
     plan = run_ranks(store, args, versions)

@@ -52,6 +52,10 @@ class Format:
     def scale_name(self, name: str) -> str:
         return name + self.scale_suffix
 
+    def weight_of(self, name: str) -> str | None:
+        """The weight whose scales `name` names, or None where it names no scales."""
+        return name[:-len(self.scale_suffix)] if name.endswith(self.scale_suffix) else None
+
     def scale_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         if len(shape) < 2:
             raise ValueError(f"{self.name} quantizes matrices, not a tensor of shape {list(shape)}")
@@ -60,15 +64,35 @@ class Format:
         return (*shape[:-2], -(-shape[-2] // self.block), -(-shape[-1] // self.block))
 
     def scale_rows(self, name: str, shape: Sequence[int], first: int, end: int) -> tuple[int, int]:
-        """The dim-0 rows of the scales that rows [first, end) of weight `name` quantize with; a
-        shard that cuts a block of rows is refused."""
-        if self.block is None or len(shape) > 2 or first == end:
+        """The dim-0 rows of the scales that rows [first, end) of weight `name` quantize with (a
+        trainer rank's shard); a shard that cuts a block of rows is refused."""
+        if first == end or not shape:
             return first, end
-        if first % self.block or (end % self.block and end != shape[0]):
-            raise ValueError(f"spec.model.quantization {self.name}: a trainer rank holds rows [{first}, {end}) of {name} "
-                             f"{list(shape)}, which cut its {self.block}x{self.block} blocks: shard the weights in "
-                             f"multiples of {self.block} rows (or quantize int8)")
-        return first // self.block, -(-end // self.block)
+        start, stop = self.scale_bounds(name, shape, (first, *[0] * (len(shape) - 1)), (end, *shape[1:]))
+        return start[0], stop[0]
+
+    def scale_bounds(self, name: str, shape: Sequence[int], start: Sequence[int], stop: Sequence[int],
+                     holder: str = "a trainer rank", fix: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The box ([start, stop) per dim) of the scales that quantize the box [start, stop) of
+        weight `name` of `shape`: a scale follows its weight. int8: the same rows (and experts), the
+        one column of per-row scales. fp8: the 128x128 blocks the box covers (the last block of a
+        dimension 128 does not divide is the format's padded one). A box that cuts a block is
+        refused on one line naming the weight: `holder` says who would hold it, `fix` what to do
+        (a trainer's default: shard in whole blocks of rows)."""
+        start, stop = tuple(start), tuple(stop)
+        if len(shape) < 2:
+            raise ValueError(f"{name} {list(shape)}: {self.name} quantizes matrices")
+        if self.block is None:
+            return (*start[:-1], 0), (*stop[:-1], 1)
+        out_start, out_stop = list(start), list(stop)
+        for d, what in ((len(shape) - 2, "rows"), (len(shape) - 1, "columns")):
+            a, b = start[d], stop[d]
+            if a % self.block or (b % self.block and b != shape[d]):
+                advice = fix or f"shard the weights in multiples of {self.block} rows (or quantize int8)"
+                raise ValueError(f"spec.model.quantization {self.name}: {holder} holds {what} [{a}, {b}) of {name} "
+                                 f"{list(shape)}, which cut its {self.block}x{self.block} blocks: {advice}")
+            out_start[d], out_stop[d] = a // self.block, -(-b // self.block)
+        return tuple(out_start), tuple(out_stop)
 
 
 FORMATS = {"int8": Format("int8", "int8", "_scale"), "fp8": Format("fp8", "float8_e4m3fn", "_scale_inv", BLOCK)}

@@ -5,7 +5,9 @@ its parameters become global tensors in the transfer dtype, the trainer side is 
 the FSDP degree is less than the trainer GPUs, DDP at degree 1), the inference side replicas of
 TP degree k sliced by the model's own transformers TP plan, or of expert-parallel degree e (a
 mixture of experts served as vLLM serves it with --enable-expert-parallel: each GPU holds e-th of
-the routed experts, whole, and the rest by the TP plan; plan/tp_needs.py). The same planner the controller runs
+the routed experts, whole, and the rest by the TP plan; plan/tp_needs.py). A quantized version
+(--dtype fp8 or int8) is planned with its scales following their weights' slices (an fp8 slice that
+cuts a 128x128 block is refused, naming the weight). The same planner the controller runs
 then assigns every piece to a sender, the assignment is checked (every receiver gets exactly its
 bytes of every tensor), and linktime simulates its order on one NIC per rank.
 """
@@ -163,7 +165,7 @@ def run(name: str, topo: Topology) -> dict:
     t1 = time.perf_counter()
     shard_dim = dim1_where_dim0_is_uneven(topo.fsdp) if topo.fsdp_dim == "auto" else int(topo.fsdp_dim)
     holders = sharded(tensors, topo.fsdp, topo.trainers // topo.fsdp, shard_dim)
-    needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas, topo.ep, experts)
+    needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas, topo.ep, experts, format_of(topo.quantization))
     assignment = assign_pieces(holders, needs, topo.bucket_bytes)
     planned = time.perf_counter() - t1
 

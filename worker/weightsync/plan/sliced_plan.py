@@ -2,8 +2,9 @@
 
 When inference ranks hold tensor-parallel slices, a version is no longer one run of bytes that
 every receiver gets whole. Each inference rank has its own local layout: the boxes it needs (of
-the global tensors), each contiguous in its box's shape, in tensor order and then box order, at
-offsets aligned as flat.FlatLayout aligns them. Its staging buffer is that size, and its typed
+the global tensors), each contiguous in its box's shape and in its tensor's own dtype (a quantized
+version's weights and scales have theirs), in tensor order and then box order, at offsets aligned
+as flat.FlatLayout aligns them. Its staging buffer is that size, and its typed
 views are its local shards. A receiver that needs every tensor whole has exactly the flat layout.
 
 The piece assignment (pieces.assign_pieces) says which trainer rank sends which box to which
@@ -65,6 +66,7 @@ class LocalSlot:
     box: Box  # of the global tensor
     offset: int
     nbytes: int
+    dtype: str  # the tensor's (flat.TensorSlot.dtype)
 
     @property
     def shape(self) -> tuple:
@@ -82,7 +84,6 @@ class LocalLayout:
     @classmethod
     def of(cls, layout: FlatLayout, needs: RankSlices, align: int = ALIGN) -> "LocalLayout":
         index = {s.name: i for i, s in enumerate(layout.slots)}
-        item = ITEMSIZE[layout.dtype]
         order = []
         for s in needs.slices:
             if s.tensor not in index:
@@ -91,8 +92,9 @@ class LocalLayout:
         order.sort(key=lambda x: x[:2])
         slots, offset = [], 0
         for i, _, s in order:
-            nbytes = s.box.numel * item
-            slots.append(LocalSlot(i, s.tensor, s.box, offset, nbytes))
+            dtype = layout.slots[i].dtype
+            nbytes = s.box.numel * ITEMSIZE[dtype]
+            slots.append(LocalSlot(i, s.tensor, s.box, offset, nbytes, dtype))
             offset = -(-(offset + nbytes) // align) * align
         return cls(tuple(slots), offset, layout.dtype)
 
@@ -111,7 +113,7 @@ class LocalLayout:
         `box` must lie inside one box this rank needs."""
         for s in self.slots_of(tensor):
             if s.box.intersect(box) == box:
-                return _runs(s, box, ITEMSIZE[self.dtype])
+                return _runs(s, box, ITEMSIZE[s.dtype])
         raise ValueError(f"tensor #{tensor}: box {box} is not inside any box this rank needs")
 
     @cached_property
@@ -218,25 +220,25 @@ class SlicedPlan:
     @cached_property
     def _buckets(self) -> list[list[SliceBucket]]:
         index = {s.name: i for i, s in enumerate(self.layout.slots)}
-        item = ITEMSIZE[self.layout.dtype]
+        items = [ITEMSIZE[s.dtype] for s in self.layout.slots]
         out = []
         for trainer in range(self.trainers):
             runs: dict[int, list] = {}  # receiver -> [(offset, tensor, box)], receivers in sending order
             for p in self.assignment.pieces_of(trainer):
                 t = index[p.tensor]
                 runs.setdefault(p.receiver, []).extend((o, t, b) for o, b in self.local[p.receiver].runs(t, p.box))
-            streams = [self._pack(trainer, receiver, sorted(rs, key=lambda x: x[0]), item) for receiver, rs in runs.items()]
+            streams = [self._pack(trainer, receiver, sorted(rs, key=lambda x: x[0]), items) for receiver, rs in runs.items()]
             # in turn, one bucket per receiver: consecutive buckets go to different receivers, so
             # that every connection stays busy while the next bucket is packed
             out.append([b for turn in itertools.zip_longest(*streams) for b in turn if b is not None])
         return out
 
-    def _pack(self, trainer: int, receiver: int, runs: list, item: int) -> list[SliceBucket]:
+    def _pack(self, trainer: int, receiver: int, runs: list, items: list[int]) -> list[SliceBucket]:
         local, limit = self.local[receiver], self.bucket_bytes
         out: list[SliceBucket] = []
         start, end, parts = None, None, []
         for offset, t, box in runs:
-            n = box.numel * item
+            n = box.numel * items[t]
             joins = (start is not None and offset >= end and offset + n - start <= limit
                      and (offset == end or local.is_padding(end, offset)))
             if not joins:

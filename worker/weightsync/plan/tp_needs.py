@@ -24,6 +24,11 @@ routed experts are placed as vLLM places them by default (linearly: rank i holds
 [i * E/ep, (i + 1) * E/ep) whole, from a stack of every expert or from one expert's tensors), and
 the rest of the model is sharded by the TP plan over groups of tp ranks (ep / tp of them: data-
 parallel attention where tp < ep).
+
+A quantized version's scales (model/quant.py) follow their weights: a rank needs the scales of the
+box it needs of the weight (its rows' per-row int8 scales; the 128x128 blocks its fp8 box covers),
+whatever the plan says of the scale's own name. An fp8 box that cuts a block is refused, naming
+the weight.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from __future__ import annotations
 import re
 from typing import Mapping, Sequence
 
-from weightsync.plan.boxes import GlobalTensor, Placement, Slicing, dim_chunks, strided_chunks
+from weightsync.model.quant import Format
+from weightsync.plan.boxes import Box, GlobalTensor, Placement, Slicing, dim_chunks, strided_chunks
 
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output"}
 ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input"}
@@ -84,20 +90,30 @@ ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def tp_needs(tensors: Sequence[GlobalTensor], plan: Mapping[str, str], tp: int, replicas: int = 1,
-             ep: int = 0, experts: int = 0) -> Slicing:
+             ep: int = 0, experts: int = 0, fmt: Format | None = None) -> Slicing:
     """`replicas` inference replicas of TP degree `tp`: what each of the replicas * tp ranks needs;
-    with `ep`, replicas of ep ranks whose `experts` routed experts are split by expert."""
+    with `ep`, replicas of ep ranks whose `experts` routed experts are split by expert; with `fmt`,
+    the tensors of a version quantized so (each weight's scales follow its boxes)."""
     if tp < 1 or replicas < 1:
         raise ValueError(f"inference needs tp >= 1 and replicas >= 1 (got tp={tp}, replicas={replicas})")
     size = max(tp, ep)
     if ep and (ep % tp or not experts or experts % ep):
         raise ValueError(f"expert parallelism of degree {ep}: it must be a multiple of the TP degree {tp} and divide "
                          f"the model's {experts} routed experts")
-    cache: dict = {}
+    cache: dict = {}  # key -> (placement, boxes per rank): tensors alike share one placement
     placements = []
+    by_name = {t.name: t for t in tensors}
+    quantized: dict[str, tuple] = {}  # a quantized weight -> (its placement, its boxes per rank): its scales follow
     for t in tensors:
         stacked, one = STACKED_EXPERTS.search(t.name), ONE_EXPERT.search(t.name)
-        if ep and (stacked or one):
+        weight = fmt.weight_of(t.name) if fmt is not None else None
+        if weight in quantized:
+            held, of_weight = quantized[weight]
+            key = ("scales", t.shape, id(held))
+            chunks = None if key in cache else \
+                [tuple(scale_box(fmt, by_name[weight], box, f"tensor-parallel rank {i} of {size}") for box in of_weight[i])
+                 for i in range(size)]
+        elif ep and (stacked or one):
             per = experts // ep
             if stacked:  # rank i: its experts of the stack, whole
                 chunks = [(box,) for box in dim_chunks(t.shape, 0, ep)]
@@ -107,21 +123,33 @@ def tp_needs(tensors: Sequence[GlobalTensor], plan: Mapping[str, str], tp: int, 
         else:
             style = style_of(t.name, plan) if tp > 1 else None
             key = (t.shape, style, t.name.rsplit(".", 1)[-1] == "bias")
-            if key in cache:
-                placements.append(cache[key])
-                continue
-            chunks = tp_boxes(t, style, tp)
-        boxes, ranks = [], []
-        for i in range(size):
-            for box in chunks[i % len(chunks)]:
-                if box is not None:
-                    boxes.append(box)
-                    ranks.append(tuple(g * size + i for g in range(replicas)))
-        placement = _merged(boxes, ranks)
-        if key is not None:
-            cache[key] = placement
+            chunks = None if key in cache else tp_boxes(t, style, tp)
+        if chunks is None:
+            placement, chunks = cache[key]
+        else:
+            chunks = [chunks[i % len(chunks)] for i in range(size)]
+            boxes, ranks = [], []
+            for i in range(size):
+                for box in chunks[i]:
+                    if box is not None:
+                        boxes.append(box)
+                        ranks.append(tuple(g * size + i for g in range(replicas)))
+            placement = _merged(boxes, ranks)
+            if key is not None:
+                cache[key] = placement, chunks
+        if fmt is not None and fmt.scale_name(t.name) in by_name:
+            quantized[t.name] = placement, chunks
         placements.append(placement)
     return Slicing(tuple(tensors), tuple(placements), size * replicas)
+
+
+def scale_box(fmt: Format, weight: GlobalTensor, box: Box, holder: str) -> Box:
+    """The box of `weight`'s scales that quantize `box` of it (model/quant.py: a scale follows its
+    weight), refused on one line where an fp8 box cuts a block."""
+    start, stop = fmt.scale_bounds(weight.name, weight.shape, box.start, box.stop, holder,
+                                   f"choose a tensor-parallel size that leaves every worker whole {fmt.block}x{fmt.block} "
+                                   "blocks of every weight (or quantize int8)")
+    return Box(start, stop)
 
 
 def check_heads(config, plan: Mapping[str, str], tp: int) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from weightsync.model.config import expert_count
 from weightsync.model.flat import FlatLayout, torch_dtype
+from weightsync.model.quant import format_of
 from weightsync.plan.boxes import RankSlices
 from weightsync.plan.sliced_plan import LocalLayout, global_tensors
 from weightsync.plan.tp_needs import check_heads, tp_needs
@@ -40,14 +41,17 @@ def tp_plan_of(model) -> dict:
     return dict(plan)
 
 
-def needs_of(model, layout: FlatLayout, group: range, rank: int, expert_parallel: bool = False) -> RankSlices:
+def needs_of(model, layout: FlatLayout, group: range, rank: int, expert_parallel: bool = False,
+             quantization: str | None = None) -> RankSlices:
     """What inference rank `rank` needs of a version as a rank of the replica `group` (its
     inference ranks, job.Layout.tp_group); with `expert_parallel`, its experts as vLLM places them
-    (a vLLM server's, spec.inference.vllm.expertParallel: `weightsync plan`'s preview)."""
+    (a vLLM server's, spec.inference.vllm.expertParallel: `weightsync plan`'s preview); of a
+    version quantized as `quantization`, each weight's scales with it."""
     plan = tp_plan_of(model)
     check_heads(model.config, plan, len(group))
     ep = len(group) if expert_parallel and len(group) > 1 else 0
-    needs = tp_needs(global_tensors(layout), plan, len(group), ep=ep, experts=expert_count(model.config))
+    needs = tp_needs(global_tensors(layout), plan, len(group), ep=ep, experts=expert_count(model.config),
+                     fmt=format_of(quantization))
     mine = needs.of_rank(rank - group.start)
     return RankSlices(rank, mine.slices)
 

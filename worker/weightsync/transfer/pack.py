@@ -113,7 +113,7 @@ class SlicePacker:
         flat.check_sources(layout, params, held.starts(layout))
         self.params = params
         self.first = [a for a, _ in held.rows]
-        self.dtype = flat.torch_dtype(layout.dtype)
+        self.dtypes = [flat.torch_dtype(s.dtype) for s in layout.slots]  # each tensor's own (a quantized version's)
 
     def views(self, bucket: SliceBucket) -> list[memoryview]:
         raise ValueError("a bucket over slices is packed into a send buffer, never sent from the tensors")
@@ -145,10 +145,11 @@ class SlicePacker:
             index = ((slice(box.start[0] - first, box.stop[0] - first),)
                      + tuple(slice(a, b) for a, b in zip(box.start[1:], box.stop[1:])))
             src = src[index]
+        dtype = self.dtypes[tensor]
         if src.is_contiguous():
-            flat.cast_into(dest, src.reshape(-1), self.dtype)
+            flat.cast_into(dest, src.reshape(-1), dtype)
         else:  # a strided box (row-parallel): one pass that gathers and casts
-            dest.view(self.dtype).view(src.shape).copy_(src)
+            dest.view(dtype).view(src.shape).copy_(src)
 
 
 def _chunks(part: Part):
