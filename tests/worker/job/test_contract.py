@@ -45,7 +45,9 @@ def test_defaults_come_from_the_crd():
     assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800,
                                "external": False}
     assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "tensorParallel": 1, "engine": "builtin",
-                                 "external": False, "awayGraceSeconds": 900}
+                                 "external": False, "awayGraceSeconds": 900, "maxVersionLag": 0}
+    assert load_job(job()).inference.max_version_lag == 0
+    assert load_job(job({"inference": {"maxVersionLag": 2}})).inference.max_version_lag == 2
     assert "command" not in spec["trainer"]  # the built-in trainer
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
     assert spec["transfer"] == {"everySteps": 10, "bucketMB": 64, "verify": "digest", "transport": "auto", "timeoutSeconds": 300,
@@ -138,6 +140,7 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"inference": {"replicas": 3, "tensorParallel": 2}}, "demo",
      "spec.inference: inference replicas x procsPerPod must be a multiple of tensorParallel"),
     ({"inference": {"tensorParallel": 0}}, "demo", "spec.inference.tensorParallel: 0 is less than the minimum of 1"),
+    ({"inference": {"maxVersionLag": -1}}, "demo", "spec.inference.maxVersionLag: -1 is less than the minimum of 0"),
     ({"inference": {"replicas": 2, "procsPerPod": 2, "minAvailable": 5}}, "demo",
      "spec.inference: spec.inference.minAvailable is more than the job's inference ranks"),
     ({"inference": {"minAvailable": 0}}, "demo", "spec.inference.minAvailable: 0 is less than the minimum of 1"),

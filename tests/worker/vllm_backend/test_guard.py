@@ -53,7 +53,12 @@ def ask(guard: ControlGuard, path: str, key: str | None = None, root: str = "", 
 
 @pytest.fixture()
 def guard() -> ControlGuard:
-    return ControlGuard(None, JOIN)
+    """The guard of a server that holds the fleet's version, whose generation routes are open
+    (test_admission.py: those of a server behind it are not)."""
+    guard = ControlGuard(None, JOIN)
+    guard.admission.told(current=0, lag=0, lease=None, now=0.0)
+    guard.admission.labelled(0, now=0.0)
+    return guard
 
 
 @pytest.mark.parametrize("path", ["/update_weight_version", "/weight_checker", "/collective_rpc", "/pause", "/resume",

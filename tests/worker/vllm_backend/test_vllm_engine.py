@@ -11,7 +11,9 @@ route names the version of every token; a client, which has no control key, is r
 control route (relabel, reset, pause, collective_rpc) and the server serves on what it did, while
 the controller's own calls load every version; a version loaded ahead is not served before its pause; a
 request in flight while a version is loaded completes on one version, and no request after a
-load uses KV blocks cached before it; delta versions arrive bit for bit, and
+load uses KV blocks cached before it; a server killed between two versions and restarted answers
+its clients 503 until it holds the fleet's version, and never a token of another, while the other
+server serves on; delta versions arrive bit for bit, and
 vLLM's own weight checker sees a reset restored by the next delta version; in that same job (one
 vLLM start for both) a later version whose bytes were corrupted on the way is never loaded, the
 server goes on serving the one before, and the job fails naming the rank.
@@ -20,9 +22,13 @@ server goes on serving the one before, and the job fails naming the rank.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,12 +93,16 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                     "a server answered from KV blocks cached before the load"
             if version == 1:  # a long request is in flight when version 2 is loaded
                 long, flight = in_flight(run.servers[0], job.name)
+            if version == 2:  # server 1 dies and comes back while the fleet serves version 2
+                restarted = Restart(run, run.servers[1], pod=4)
+                restarted.until_rejoined()
             run.release(f"trainer-0-before-go-v{version + 1}")
             if version == 1:  # version 2 verified and loaded ahead on every worker, no server paused yet
                 run.reach("controller-0-staged-v2")
                 for server, tokens in zip(run.servers, seen[1]):
                     assert completion(server, job.name) == tokens, "a version loaded ahead was served before its pause"
                 run.release("controller-0-staged-v2")
+        restarted.until_admitted()
         flight.join(REACH_TIMEOUT)
         assert len(long["token_ids"]) == 200
         assert long["weight_versions"] == [{"version": "1", "start": 0, "end": 200}], \
@@ -104,8 +114,10 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
     assert end["versions"] == 4 and end["failed_verifications"] == 0, end
     assert all("prepare" in t["phases"] for t in run.local.transfers), "a version was not loaded ahead"
     calls = [set(t["phases"]) for t in run.local.transfers]  # the control calls each version took
-    assert "start" in calls[0] and all({"start", "finish"}.isdisjoint(c) and "version" in c for c in calls[1:]), \
+    assert "start" in calls[0] and all({"start", "finish"}.isdisjoint(c) and "version" in c for c in calls[1:3]), \
         f"vLLM's update session was not opened once and kept from one version to the next: {calls}"
+    assert any("start" in c for c in calls[3:]), f"the restarted server's first version opened no session: {calls}"
+    restarted.check(fleet=3)
     for ordinal in (3, 4):  # the inference pods (after the controller and the two trainer pods)
         assert "committed version 3 into vLLM" in run.log(ordinal) and "loaded ahead" in run.log(ordinal)
         assert "storages swapped" in run.log(ordinal)  # an eager model on the CPU (ahead.py)
@@ -250,3 +262,90 @@ def in_flight(server: str, job_name: str, tokens: int = 200) -> tuple[dict, thre
     flight = threading.Thread(target=rest, daemon=True)
     flight.start()
     return answer, flight
+
+
+class Restart:
+    """One of the job's vLLM servers killed (its API server process, with which its engine and
+    workers end) and started again by its pod, its generation route asked every 0.2 s from the
+    kill on, and the other servers' as well: what each client saw, (seconds since the kill,
+    status or None where nothing answered, the version the answer names)."""
+
+    EVERY = 0.2
+
+    def __init__(self, run: VllmRun, server: str, pod: int):
+        self.run, self.server, self.pod = run, server, pod
+        self.others = [s for s in run.servers if s != server]
+        self.joined = run.log(pod).count("joined the job")
+        self.seen: dict[str, list[tuple[float, int | None, str | None]]] = {s: [] for s in run.servers}
+        self.stop = threading.Event()
+        self.killed = time.monotonic()
+        os.kill(api_server_pid(server), signal.SIGKILL)
+        self.askers = [threading.Thread(target=self._ask, args=(s,), daemon=True) for s in run.servers]
+        for asker in self.askers:
+            asker.start()
+
+    def _ask(self, server: str) -> None:
+        while not self.stop.is_set():
+            self.seen[server].append((time.monotonic() - self.killed, *asked(server, self.run.job.name)))
+            self.stop.wait(self.EVERY)
+
+    def until_rejoined(self) -> None:
+        """Until the pod's new server is up and its workers joined the job again."""
+        until(f"{self.server} restarted and rejoined", lambda: self.run.log(self.pod).count("joined the job") > self.joined,
+              REACH_TIMEOUT)
+
+    def until_admitted(self) -> None:
+        """Until the restarted server answered a client; then the askers stop."""
+        until(f"{self.server} admitted again", lambda: any(s == 200 for _, s, _ in self.seen[self.server]),
+              REACH_TIMEOUT)
+        self.stop.set()
+        for asker in self.askers:
+            asker.join(30)
+
+    def check(self, fleet: int) -> None:
+        """The restarted server answered nothing but refusals until it held `fleet`, then only
+        tokens of `fleet`; the others answered throughout."""
+        seen = self.seen[self.server]
+        first = next(i for i, (_, status, _) in enumerate(seen) if status == 200)
+        refusals = [(t, s, v) for t, s, v in seen[:first] if s is not None]
+        assert refusals and all(s == 503 and v == "none" for _, s, v in refusals), \
+            f"the restarted server answered before it held the fleet's version: {seen[:first]}"
+        assert all(s == 200 and v == str(fleet) for _, s, v in seen[first:]), seen[first:]
+        for other in self.others:
+            assert {(s, v) for _, s, v in self.seen[other]} <= {(200, str(fleet - 1)), (200, str(fleet))}, \
+                f"{other} did not serve on while the other server restarted: {self.seen[other]}"
+        up = refusals[0][0]
+        print(f"restarted vLLM server: up {up:.1f}s after the kill, refused {len(refusals)} requests (503), "
+              f"admitted {seen[first][0]:.1f}s after the kill ({seen[first][0] - up:.1f}s after it answered)")
+
+
+def asked(server: str, job_name: str) -> tuple[int | None, str | None]:
+    """(status, version) of one greedy request to the generate route: the version its tokens name,
+    or the refusal's X-Weightsync-Version; (None, None) where nothing answered."""
+    body = {"model": job_name, "token_ids": PROMPT, "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    request = urllib.request.Request(server + "/inference/v1/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            spans = json.loads(response.read())["choices"][0]["weight_versions"]
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("X-Weightsync-Version")
+    except (urllib.error.URLError, OSError):
+        return None, None
+    versions = {span["version"] for span in spans}
+    return 200, versions.pop() if len(versions) == 1 else ",".join(sorted(versions))
+
+
+def api_server_pid(server: str) -> int:
+    """The vLLM API server process listening on the server's port."""
+    port = server.rsplit(":", 1)[1]
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"vllm.entrypoints.openai.api_server" in argv and b"--port" in argv and \
+                    argv[argv.index(b"--port") + 1] == port.encode():
+                return int(proc.name)
+    raise AssertionError(f"no vLLM API server listens on port {port}")

@@ -277,6 +277,8 @@ class Inference(Pods):
     """Inference ranks the job needs; None: all of them (needed)."""
     away_grace_seconds: int = 900
     """Seconds an inference rank may be away before it is dropped or the job fails."""
+    max_version_lag: int = 0
+    """Versions a vLLM server may be behind the fleet's latest and still serve its clients."""
     max_replicas: int | None = None
     """The most inference pods the job may scale to while it runs (spec.inference.maxReplicas):
     the rendezvous holds a rank for each of them, and `replicas` may change up to it. None:
@@ -333,6 +335,7 @@ class Inference(Pods):
                    vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())),
                              bool(vllm.get("loadAhead", False)), bool(vllm.get("expertParallel", False))),
                    min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
+                   max_version_lag=inference.get("maxVersionLag", 0),
                    max_replicas=inference.get("maxReplicas"),
                    **Pods.common(inference))
 

@@ -9,7 +9,8 @@ pod's model replica, job.Layout) runs N workers, each an inference rank receivin
 slices: vLLM is started with --tensor-parallel-size N, and on CPU with its multiprocessing
 executor and one set of the pod's cores per worker (VLLM_CPU_OMP_THREADS_BIND, unless the pod's
 environment sets it), and its log lines in the job's shape (vllm_backend/logs.py). The pod is ready
-once the server serves a version weightsync delivered.
+while the server is admitted to the job's fleet: it serves a version within
+spec.inference.maxVersionLag of the latest (vllm_backend/admission.py).
 A server of a LoRA job (spec.model.lora) is started with --enable-lora and serves the adapter
 under spec.model.lora.name (vllm_backend/adapter.py).
 The controller drives every update itself (control.py). When the job ends this process stops the
@@ -159,8 +160,8 @@ def server_env(tensor_parallel: int, cpu: bool, environ: Mapping[str, str]) -> d
 
 
 def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str) -> str | None:
-    """Until the job ends (its state) or the server dies (None); the pod turns ready once the
-    server serves a version weightsync delivered."""
+    """Until the job ends (its state) or the server dies (None); the pod is ready while the server
+    is admitted to the job's fleet (it serves a version the fleet accepts: admission.py)."""
     ready = False
     while True:
         try:
@@ -169,15 +170,12 @@ def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str)
             pass
         if proc.poll() is not None:
             return None
-        if not ready:
-            try:
-                version = server.weight_version()
-            except ControlError:
-                version = None
-            if version is not None and version.isdigit():
-                log(me, f"the vLLM server serves version {version}")
-                health.ready()
-                ready = True
+        admitted, said = server.admission()
+        if admitted != ready:
+            log(me, f"the vLLM server serves version {said.get('held')}: ready" if admitted else
+                f"the vLLM server is out of the job's fleet, not ready: {said.get('why', 'it does not answer')}")
+            health.ready(admitted)
+            ready = admitted
 
 
 def _served(server: Server) -> str:

@@ -119,20 +119,21 @@ class RankHealth:
             self.stamp()
             time.sleep(BEAT)
 
-    def ready(self) -> None:
-        self._states[self.index] = READY
+    def ready(self, ready: bool = True) -> None:
+        self._states[self.index] = READY if ready else STARTING
 
 
 _mine: RankHealth | None = None  # this process's rank, once it started
 
 
-def ready() -> None:
+def ready(ready: bool = True) -> None:
     """Tell the pod's readiness probe that this process's rank is ready: for an inference rank,
-    once it runs on a verified version; for a trainer, once it joined the job; for the controller,
-    once its rendezvous is up. In a process that is no rank of a worker pod (a test that drives a
-    role directly) there is no endpoint to tell, and nothing happens."""
+    once it runs on a verified version (a vLLM server's: while it is admitted to the job's fleet,
+    vllm_backend/admission.py); for a trainer, once it joined the job; for the controller, once its
+    rendezvous is up. `ready` False takes it back. In a process that is no rank of a worker pod (a
+    test that drives a role directly) there is no endpoint to tell, and nothing happens."""
     if _mine is not None:
-        _mine.ready()
+        _mine.ready(ready)
 
 
 class PodHealth:

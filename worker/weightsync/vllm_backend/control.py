@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
 from weightsync.rendezvous.messages import Staged
+from weightsync.vllm_backend.admission import ROUTE
 from weightsync.vllm_backend.guard import sign
 
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
@@ -46,11 +47,12 @@ UNGUARDED_PROBE = "/get_world_size"  # a control route that changes nothing (Ser
 
 class ControlError(RuntimeError):
     """A control call failed or ran out of time; the message names the server and the route,
-    `status` the HTTP status the server answered (None where it answered none)."""
+    `status` the HTTP status the server answered (None where it answered none), `body` the start
+    of its answer."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, body: str = ""):
         super().__init__(message)
-        self.status = status
+        self.status, self.body = status, body
 
 
 class Unreachable(ControlError):
@@ -93,7 +95,7 @@ class Server:
                 text = response.read().decode()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
-            raise ControlError(f"{self.url}{route} answered {e.code}: {detail}", e.code) from None
+            raise ControlError(f"{self.url}{route} answered {e.code}: {detail}", e.code, detail) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # TimeoutError is an OSError
             reason = getattr(e, "reason", e)
             if isinstance(reason, TimeoutError):
@@ -135,6 +137,17 @@ class Server:
         except ControlError as e:
             return e.status != 401
         return True
+
+    def admission(self, timeout: float = 2.0) -> tuple[bool, dict]:
+        """Whether the server is admitted to its job's fleet, and what it said (admission.py);
+        (False, {}) where it does not answer."""
+        try:
+            return True, self.call(ROUTE, None, timeout, method="GET")
+        except ControlError as e:
+            try:
+                return False, (json.loads(e.body) if e.status == 503 else {})
+            except ValueError:
+                return False, {}
 
     def init_transfer(self, timeout: float) -> None:
         self.call("/init_weight_transfer_engine", {"init_info": {}}, timeout)

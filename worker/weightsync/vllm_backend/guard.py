@@ -21,6 +21,10 @@ window, it does what the original would have done, on the route the original nam
 else (its body is not signed: a load still needs the version's proof, which the worker checks).
 A server of several API processes (--api-server-count) keeps a nonce cache in each.
 
+The guard also keeps the server out of its job's fleet while it holds no version the fleet accepts
+(admission.py): its generation routes answer 503 (or 409, to a client that asks for a newer
+version) until it does.
+
 Plain ASGI, standard library only: the API server is vLLM's, and the tests drive the middleware
 without it.
 """
@@ -39,6 +43,8 @@ from weightsync.job import Env, WorkerContext
 from weightsync.job.join import Join
 from weightsync.job.token import same
 from weightsync.rendezvous.protocol import control_key
+from weightsync.vllm_backend import admission
+from weightsync.vllm_backend.admission import Admission
 
 MIDDLEWARE = "weightsync.vllm_backend.guard.ControlGuard"  # vLLM's --middleware takes its import path
 
@@ -135,15 +141,86 @@ class ControlGuard:
         found = job_key(environ)
         self.job, self.key = found if found is not None else (None, None)
         self._seen: dict[str, float] = {}  # nonce -> its stamp, for WINDOW seconds either side
+        self.admission = Admission()
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] not in ("http", "websocket") or is_client_route(route_path(scope)):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        path = resolved(route_path(scope))
+        if path == admission.ROUTE and scope["type"] == "http":
+            return await self._admission(scope, send)
+        if is_client_route(path):
+            refused = self._admits(scope, path)
+            if refused is not None:
+                return await self._answer(send, *refused)
             return await self.app(scope, receive, send)
         given = _bearer(scope)
         why = "no control key" if given is None else self._refusal(given, scope)
         if why is None:
+            if path in admission.LABEL_ROUTES or path == admission.LOAD_ROUTE:
+                return await self._watched(path, scope, receive, send)
             return await self.app(scope, receive, send)
         await self._refuse(scope, send, 401 if given is None else 403, why)
+
+    def _admits(self, scope: Scope, path: str) -> tuple[int, str, list] | None:
+        """(status, message, headers) where a client's request must not reach a server out of its
+        job's fleet (admission.py); None where it may, as any request to a server of no job."""
+        if self.key is None or path not in admission.GENERATION_ROUTES or scope["type"] != "http":
+            return None
+        try:
+            floor = admission.min_version(scope.get("headers", ()))
+        except ValueError as e:
+            return 400, str(e), []
+        refused = self.admission.refusal(admission.now(), floor)
+        if refused is None:
+            return None
+        held = "none" if self.admission.held is None else str(self.admission.held)
+        return (*refused, [(b"retry-after", str(admission.RETRY_AFTER).encode()),
+                           (admission.VERSION_HEADER.encode(), held.encode())])
+
+    async def _admission(self, scope: Scope, send: Callable) -> None:
+        """GET: the server's admission, to anyone (200 admitted, 503 not); POST: the controller's
+        word on the fleet's version (signed, as every control route)."""
+        if scope.get("method", "GET") != "GET":
+            given = _bearer(scope)
+            why = "no control key" if given is None else self._refusal(given, scope)
+            if why is not None:
+                return await self._refuse(scope, send, 401 if given is None else 403, why)
+            try:
+                self.admission.told(*admission.told_by(scope.get("query_string") or b""), admission.now())
+            except ValueError as e:
+                return await self._answer(send, 400, str(e), [])
+        said = self.admission.to_json(admission.now()) if self.key is not None else {"admitted": True, "job": None}
+        await _json(send, 200 if said["admitted"] else 503, said)
+
+    async def _watched(self, path: str, scope: Scope, receive: Callable, send: Callable) -> None:
+        """A signed label or load, passed on, and what it did to the version the server holds:
+        a label answered 2xx names it; a load that fails leaves none whole."""
+        chunks, more = [], True
+        while more:  # the control requests' bodies are small JSON objects
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        status: list[int] = []
+
+        async def replay() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def noted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, replay, noted)
+        finally:
+            ok = bool(status) and 200 <= status[0] < 300
+            version = admission.label_of(path, body)
+            if ok and version is not None:
+                self.admission.labelled(version, admission.now())
+            elif path == admission.LOAD_ROUTE and not ok:
+                self.admission.load_failed()
 
     def _refusal(self, given: str, scope: Scope) -> str | None:
         """Why a signed bearer does not open this request (None where it does)."""
@@ -173,12 +250,19 @@ class ControlGuard:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": {"message": message, "code": status}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if status == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await self._answer(send, status, message, [(b"www-authenticate", b"Bearer")] if status == 401 else [])
+
+    @staticmethod
+    async def _answer(send: Callable, status: int, message: str, headers: list) -> None:
+        await _json(send, status, {"error": {"message": message, "code": status}}, headers)
+
+
+async def _json(send: Callable, status: int, said: dict, headers: list = ()) -> None:
+    body = json.dumps(said).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _bearer(scope: Scope) -> str | None:

@@ -36,6 +36,7 @@ from weightsync.rendezvous.protocol import HEARTBEAT, Keys, control_key, update_
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Host
 from weightsync.rendezvous.store.table import StoreError
+from weightsync.roles.controller.admissions import Admissions
 from weightsync.roles.controller.planning import Planned, external_deadlines, make_plan
 from weightsync.roles.controller.receivers import Receivers, counts, states
 from weightsync.roles.controller.records import Reporter
@@ -108,6 +109,7 @@ class Controller:
     reached: set[int]  # the versions verified on at least one inference rank
     loss: float | None  # the trainers' loss as last reported
     last: tuple[int, int | None] | None  # the last version delivered, and its step
+    admissions: Admissions | None  # with vLLM servers: the fleet's version, told to each (admission.py)
 
     def __init__(self, ctx: WorkerContext, reporter: Reporter):
         self.ctx, self.reporter, self.metrics = ctx, reporter, reporter.metrics
@@ -122,6 +124,10 @@ class Controller:
             self.scale = ScaleWatch(self.host, reporter.inference_replicas, ctx.job.inference.ranks_of_pods, self.say)
             self.scale.start()
         self.planned, self.reached, self.loss, self.last = None, set(), None, None
+        self.admissions = None
+        if ctx.job.inference.runs_vllm:
+            self.admissions = Admissions(self.host, control_key(ctx.token, ctx.job.identity),
+                                         ctx.job.inference.max_version_lag, self.say)
 
     def say(self, message: str) -> None:
         log(ME, message)
@@ -144,14 +150,17 @@ class Controller:
         for role, limit in self.external.items():
             self.say(f"the {role} ranks are external: start them with the job's join variables ({limit.how}) within "
                      f"{limit.seconds:.0f}s ({limit.setting})")
+        error = None
         try:
             self.versions()
         except Exception as e:  # noqa: BLE001 - the job's failures with their reasons; anything else is a bug
-            return self.fail(e)  # (ControllerError, its traceback in the log), never a restarted controller
+            error = e  # (ControllerError, its traceback in the log), never a restarted controller
         finally:
             if self.scale is not None:
                 self.scale.stop()
-        return self.succeed()
+            if self.admissions is not None:  # the last word: the servers serve on what they hold
+                self.admissions.end()
+        return self.succeed() if error is None else self.fail(error)
 
     def versions(self) -> None:
         """Admit the ranks, plan, and deliver every version the trainers publish; then the final
@@ -165,6 +174,8 @@ class Controller:
         self.say(f"transport {planned.transport}; plan:\n{planned.plan.table()}")
         self.watch.update(force=True)
         self.watch.start()
+        if self.admissions is not None:
+            self.admissions.start()
         delta_on, why = delta_in_effect(ctx.job.transfer.delta, planned.transport,
                                         capabilities_of(planned.transport).patches, planned.plan.sliced)
         self.say(why)
@@ -278,6 +289,8 @@ class Controller:
         if version not in self.reached:
             self.reached.add(version)
             self.metrics.delivered(version)
+            if self.admissions is not None:
+                self.admissions.delivered(version)
 
     def load_on_servers(self, rnd: Round) -> ServerLoads:
         """Once every receiver of the round has it staged, every vLLM server loads it at once; returns
