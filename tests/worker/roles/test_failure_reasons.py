@@ -2,14 +2,20 @@
 condition shows, and an error that is no failure of the job's (a bug) is reported as a bug, never
 as the user's mistake."""
 
+import urllib.error
+
 import pytest
+import torch
 
 from weightsync.job import reasons
 from weightsync.job.errors import JobFailed, TimedOut, failure_of
 from weightsync.model.flat import LayoutMismatch
 from weightsync.rendezvous.join_phase import RankFailed, TrainersRestart
+from weightsync.rendezvous.messages import RankFailure
 from weightsync.rendezvous.protocol import ProofError
 from weightsync.rendezvous.store.table import StoreError, StoreFull, StoreRefused, StoreTimeout
+from weightsync.runtime.inbound import VerificationError
+from weightsync.transport.base import ChecksumMismatch, TransferError
 
 
 @pytest.mark.parametrize("error, reason", [
@@ -61,7 +67,7 @@ def test_an_error_the_controller_does_not_expect_ends_the_job_as_a_bug_not_as_a_
 
     controller = object.__new__(driver.Controller)
     controller.ctx = SimpleNamespace(job=load_job(EXAMPLE), pod_ip="127.0.0.1", store_port=0)
-    controller.host, controller.external, controller.scale = SimpleNamespace(running=1), {}, None
+    controller.host, controller.external, controller.scale, controller.admissions = SimpleNamespace(running=1), {}, None, None
     ended = []
     monkeypatch.setattr(driver.Controller, "say", lambda self, message: None)
     monkeypatch.setattr(driver.Controller, "fail", lambda self, e: ended.append(failure_of(e)) or 1)
@@ -72,3 +78,21 @@ def test_an_error_the_controller_does_not_expect_ends_the_job_as_a_bug_not_as_a_
     monkeypatch.setattr(driver.Controller, "versions", versions)
     assert controller.run(1, {}) == 1
     assert [reason for reason, _ in ended] == [reasons.CONTROLLER_ERROR], ended
+
+
+@pytest.mark.parametrize("error, reason", [
+    (ChecksumMismatch("trainer rank 0", "bucket 3 of version 2: checksum mismatch"), reasons.CHECKSUM_MISMATCH),
+    (VerificationError("version 2 failed verification"), reasons.VERIFICATION_FAILED),
+    (TransferError("trainer rank 1", "connection reset part-way"), reasons.TRANSPORT_ERROR),
+    (MemoryError("cannot allocate 4 GiB"), reasons.OUT_OF_MEMORY),
+    (torch.OutOfMemoryError("CUDA out of memory"), reasons.OUT_OF_MEMORY),
+    (TimeoutError("no answer within 30s"), reasons.TIMED_OUT),
+    (RankFailed("trainer rank 1 is silent", reasons.RANK_SILENT), reasons.RANK_SILENT),
+    (urllib.error.URLError("refused"), reasons.RANK_FAILED),  # a reason of another kind: not the job's
+    (ValueError("a bug"), reasons.RANK_FAILED),
+])
+def test_a_ranks_failure_travels_as_a_record_with_the_reason_its_error_gives(error, reason):
+    failure = RankFailure.made(error)
+    assert failure == RankFailure(reason, f"{type(error).__name__}: {error}")
+    assert RankFailure.from_json(failure.to_json()) == failure
+    assert RankFailure.made("the trainer command exited") == RankFailure(reasons.RANK_FAILED, "the trainer command exited")

@@ -14,6 +14,7 @@ from weightsync.rendezvous.messages import Admission, Applied, Peer, RankInfo, R
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
 from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Host, RankFailed
+from weightsync.transport.base import ChecksumMismatch
 
 TOKEN = b"0123456789abcdef-job-token"
 JOB = "default/rendezvous"
@@ -292,6 +293,23 @@ def test_a_reported_failure_with_every_rank_alive_is_blamed_on_the_reporter(host
     members[("inference", 0)].fail("the GPU fell off the bus")
     with pytest.raises(RankFailed, match="^inference rank 0 failed: the GPU fell off the bus"):
         host.wait_ranks(["ready/0/0"], "the trainers", timeout=20)
+    for m in members.values():
+        m.stop_heartbeat()
+
+
+def test_a_checksum_mismatch_is_the_reporters_own_failure_counted_as_a_failed_verification():
+    """Bytes changed on the way are no other rank's doing: not blamed on a rank that went quiet
+    as it failed of the same version a moment later, and counted in the job's summary."""
+    host, members = started()
+    for m in members.values():
+        m.start_heartbeat()
+    host.check_ranks()
+    members[("inference", 1)].stop_heartbeat()  # it fails of the same corruption, 18 ms later
+    members[("inference", 0)].fail(ChecksumMismatch("trainer rank 0", "bucket 2 of version 3: checksum mismatch"))
+    with pytest.raises(RankFailed, match="^inference rank 0 failed: ChecksumMismatch: trainer rank 0: bucket 2") as failed:
+        host.wait_ranks(["never"], "nothing", timeout=20)
+    assert failed.value.reason == reasons.CHECKSUM_MISMATCH
+    assert host.verification_failures() == 1
     for m in members.values():
         m.stop_heartbeat()
 

@@ -52,6 +52,12 @@ VERIFICATION_FAILED = _reason("VerificationFailed", "an inference rank applied a
                               "one the trainers sent, or the trainers sent a version again with other bytes")
 SERVER_LOAD_FAILED = _reason("ServerLoadFailed", "a vLLM server did not load a version its rank had received and "
                              "verified")
+CHECKSUM_MISMATCH = _reason("ChecksumMismatch", "bytes reached an inference rank other than their sender "
+                            "checksummed them (the network, the memory or the code between changed them): the "
+                            "version was never loaded")
+TRANSPORT_ERROR = _reason("TransportError", "a rank could not move a version's bytes to or from a peer (a "
+                          "connection refused, reset or closed part-way)")
+OUT_OF_MEMORY = _reason("OutOfMemory", "a rank ran out of host or device memory")
 TIMED_OUT = _reason("TimedOut", "the ranks did not join, send or apply a version within their deadline")
 RANKS_DISAGREE = _reason("RanksDisagree", "the ranks do not make one job: different models or transports, or "
                          "holdings from which the version cannot be planned")

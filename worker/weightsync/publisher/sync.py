@@ -305,7 +305,7 @@ class Sync:
             if trace and not isinstance(error, (Expected, SpecError, KeyboardInterrupt)):
                 traceback.print_exception(error)
             log(self.me, f"failed: {error}")
-            report_failure(self.ctx, TRAINER, self.rank, f"{type(error).__name__}: {error}", self.member)
+            report_failure(self.ctx, TRAINER, self.rank, error, self.member)
             try:
                 wait_for_the_end(self.member, self.me, check=self.member.check_resuming)
             except Resuming as e:

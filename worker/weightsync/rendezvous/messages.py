@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
+from weightsync.job import reasons
+
 
 @dataclass(frozen=True)
 class Round:
@@ -278,3 +280,43 @@ class PublishedPlan:
     @classmethod
     def from_json(cls, text: str | bytes) -> PublishedPlan:
         return cls(json.loads(text)["plan"])
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why a rank gave up, as it reports it to the controller (Keys.failed): the reason the job's
+    status gives (job/reasons.py) and the message that names the particulars. The reason is the
+    error's own where it carries one (a JobFailed's, a transport error's: ChecksumMismatch,
+    TransportError), OutOfMemory and TimedOut for the standard library's and torch's kinds, else
+    RankFailed."""
+
+    reason: str
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> RankFailure:
+        own = getattr(error, "reason", None)  # (urllib's errors have a reason of another kind)
+        if isinstance(own, str) and own in reasons.DESCRIPTIONS:
+            reason = own
+        elif isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":  # torch's
+            reason = reasons.OUT_OF_MEMORY
+        elif isinstance(error, TimeoutError):
+            reason = reasons.TIMED_OUT
+        else:
+            reason = reasons.RANK_FAILED
+        return cls(reason, f"{type(error).__name__}: {error}")
+
+    @classmethod
+    def made(cls, what: RankFailure | BaseException | str) -> RankFailure:
+        """The record of `what`: an error classified (of), or a message of the rank's own words (RankFailed)."""
+        if isinstance(what, RankFailure):
+            return what
+        return cls.of(what) if isinstance(what, BaseException) else cls(reasons.RANK_FAILED, what)
+
+    def to_json(self) -> str:
+        return json.dumps({"reason": self.reason, "message": self.message})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankFailure:
+        obj = json.loads(text)
+        return cls(obj["reason"], obj["message"])

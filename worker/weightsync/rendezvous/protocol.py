@@ -30,6 +30,7 @@ from weightsync.rendezvous.messages import (
     End,
     Peer,
     PublishedPlan,
+    RankFailure,
     RankInfo,
     Ready,
     ResumePoint,
@@ -170,9 +171,9 @@ class Channel:
         """Close this client's connection to the store."""
         self.store.close()
 
-    def rank_failed(self, role: str, rank: int, message: str) -> None:
-        """Tell the controller why (role, rank) gave up: its reason, then the counter it watches."""
-        self.set(Keys.failed(role, rank), message)
+    def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
+        """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
+        self.set(Keys.failed(role, rank), RankFailure.made(failure).to_json())
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
@@ -489,9 +490,9 @@ class Member(Channel):
         self.wait_for(key, "the controller to take this rank back at the next version")
         return Round.from_json(self.get(key))
 
-    def fail(self, message: str) -> None:
+    def fail(self, failure: RankFailure | BaseException | str) -> None:
         """Tell the controller why this rank gives up."""
-        self.rank_failed(self.role, self.rank, message)
+        self.rank_failed(self.role, self.rank, failure)
 
     def bye(self) -> bool:
         """Tell the controller this rank saw the job's end; False where the controller had already

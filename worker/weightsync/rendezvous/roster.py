@@ -39,6 +39,7 @@ from weightsync.rendezvous.messages import (
     End,
     Peer,
     PublishedPlan,
+    RankFailure,
     RankInfo,
     Ready,
     Round,
@@ -449,11 +450,18 @@ class Host(Channel, Parking):
                     if role == TRAINER and not trainers:
                         self.deferred = True
                         continue
-                    raise self._blame(role, rank, self.get(Keys.failed(role, rank)).decode())
+                    raise self._blame(role, rank, RankFailure.from_json(self.get(Keys.failed(role, rank))))
 
-    def _blame(self, role: str, rank: int, message: str) -> RankFailed:
-        """The failure to report when (role, rank) reported `message`: another rank's, if one
-        stopped first (started again, or no heartbeat through the whole window)."""
+    def _blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
+        """The failure to report when (role, rank) reported `failure`, with its reason: another
+        rank's, if one stopped first (started again, or no heartbeat through the whole window).
+        Bytes that changed on the way are no other rank's doing: counted as a failed verification,
+        and blamed on the rank that found them."""
+        message = failure.message
+        if failure.reason in (reasons.CHECKSUM_MISMATCH, reasons.VERIFICATION_FAILED):
+            if failure.reason == reasons.CHECKSUM_MISMATCH:  # (a digest's is counted by the rank that compared it)
+                self.verification_failed()
+            return RankFailed(f"{who(role, rank)} failed: {message}", failure.reason)
         # A rank that never beat cannot have stopped, nor one that reported a failure itself (its
         # pod reports for each rank its command had not ended)
         others = [r for r in self.ranks if r != (role, rank) and not self.has(Keys.failed(*r))]
@@ -466,13 +474,15 @@ class Host(Channel, Parking):
                 if self.store.add(Keys.join(*r), 0) > self.counted(*r):
                     stopped = r, "its process started again"
             if time.monotonic() > deadline:
-                quiet = [r for r in others if self.store.add(Keys.beat(*r), 0) == counts[r]]
+                # (not one that reported a failure meanwhile: it stopped beating as it failed)
+                quiet = [r for r in others if self.store.add(Keys.beat(*r), 0) == counts[r]
+                         and not self.has(Keys.failed(*r))]
                 if quiet:
                     stopped = quiet[0], f"no heartbeat for {BLAME_WINDOW:.0f}s: its process died or froze"
                 break
             time.sleep(0.1)
         if stopped is None:
-            return RankFailed(f"{who(role, rank)} failed: {message}")
+            return RankFailed(f"{who(role, rank)} failed: {message}", failure.reason)
         (srole, srank), how = stopped
         if srole == TRAINER and self.resuming:
             return TrainersRestart(f"{who(srole, srank)} stopped ({how}), and {who(role, rank)} failed with it: {message}")

@@ -47,7 +47,7 @@ def run_rank(ctx: WorkerContext, role: str, rank: int, local_rank: int, body) ->
         if not isinstance(e, Expected):
             traceback.print_exc()
         log(me, f"failed: {e}")
-        member.fail(f"{type(e).__name__}: {e}")
+        member.fail(e)
         # The controller ends the job; until then this process stays, so that the ones that
         # died first are the ones that stand out.
         return _wait_for_the_end(ctx, member, me)

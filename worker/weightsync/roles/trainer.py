@@ -39,7 +39,7 @@ def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
         if not isinstance(e, Expected):
             traceback.print_exc()
         log(me, f"failed: {e}")
-        report_failure(ctx, TRAINER, rank, f"{type(e).__name__}: {e}")  # unless the API did
+        report_failure(ctx, TRAINER, rank, e)  # unless the API did
         state = states.FAILED
     if state != states.SUCCEEDED:
         log(me, "the job failed")

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Protocol
 
-from weightsync.job import INFERENCE, Job
+from weightsync.job import INFERENCE, Job, reasons
 from weightsync.rendezvous.messages import Applied, End, Reference, Round
 from weightsync.rendezvous.protocol import HEARTBEAT, Dropped, FellBehind, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
@@ -38,7 +38,10 @@ VERDICT_WAIT = 8.0 + 8 * HEARTBEAT
 
 
 class VerificationError(Expected):
-    """A version's digest is not the one the trainers sent: it is never applied."""
+    """A version's digest is not the one the trainers sent: it is never applied (counted where
+    it is found)."""
+
+    reason = reasons.VERIFICATION_FAILED
 
 
 class StartAgain(Expected):

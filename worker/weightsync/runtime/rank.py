@@ -15,7 +15,7 @@ from typing import Callable
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.job.logline import say
-from weightsync.rendezvous.messages import End, RankInfo
+from weightsync.rendezvous.messages import End, RankFailure, RankInfo
 from weightsync.rendezvous.protocol import Channel, Keys, Member, Resuming, connect_store, who
 from weightsync.runtime import health
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
@@ -45,16 +45,18 @@ class Expected(RuntimeError):
     """A failure whose message says it all (no traceback)."""
 
 
-def report_failure(ctx: WorkerContext, role: str, rank: int, message: str, channel: Channel | None = None) -> bool:
-    """Tell the controller that `rank` failed and why, unless the job has ended or the rank said
-    why already (its own words are the better ones); True if this reported it. A controller that
-    cannot be reached is logged: the job's deadlines and heartbeats find the rank then."""
+def report_failure(ctx: WorkerContext, role: str, rank: int, failure: RankFailure | BaseException | str,
+                   channel: Channel | None = None) -> bool:
+    """Tell the controller that `rank` failed and why (the error, classified by its kind, or the
+    rank's own words: RankFailure.made), unless the job has ended or the rank said why already (its
+    own words are the better ones); True if this reported it. A controller that cannot be reached
+    is logged: the job's deadlines and heartbeats find the rank then."""
     try:
         channel = channel or Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity,
                                                    REPORT_CONNECT))
         if channel.has(Keys.END) or channel.has(Keys.failed(role, rank)):
             return False
-        channel.rank_failed(role, rank, message)
+        channel.rank_failed(role, rank, failure)
         return True
     except Exception as e:  # noqa: BLE001 - the store is gone or refuses: nothing more to tell
         log(who(role, rank), f"could not report its failure to the controller: {e}")

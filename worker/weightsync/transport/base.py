@@ -21,10 +21,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping, Protocol, Sequence
 
+from weightsync.job import reasons
+
 
 class TransferError(RuntimeError):
     """A version could not be moved. `peer` names the rank at fault ("trainer rank 1",
     "inference rank 0"); the message says what happened."""
+
+    reason: ClassVar[str] = reasons.TRANSPORT_ERROR  # the job's, where a rank fails of it
 
     def __init__(self, peer: str, message: str):
         self.peer, self.message = peer, message
@@ -34,6 +38,8 @@ class TransferError(RuntimeError):
 class ChecksumMismatch(TransferError):
     """Bytes arrived other than their sender checksummed them: changed on the way (a fault of the
     network, the memory or the code between), not a peer that was lost, slow or cut off."""
+
+    reason: ClassVar[str] = reasons.CHECKSUM_MISMATCH
 
 
 class PeersFailed(TransferError):

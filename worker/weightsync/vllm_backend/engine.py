@@ -166,7 +166,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 self.failed = e
                 self.cond.notify_all()
             log(self.me, f"failed: {e}")
-            report_failure(self.ctx, INFERENCE, self.rank, f"{type(e).__name__}: {e}")
+            report_failure(self.ctx, INFERENCE, self.rank, e)
         finally:
             member.stop_heartbeat()
             self.receiver.close()
