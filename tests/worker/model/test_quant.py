@@ -176,3 +176,38 @@ def test_the_checkpoint_config_is_what_vllm_reads():
     assert int8["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
     assert quantization_config(FORMATS["fp8"]) == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                                    "weight_block_size": [128, 128]}
+
+
+def test_a_quantized_checkpoint_builds_its_weights_dequantized_and_a_lora_over_it_travels_unquantized(tmp_path):
+    """spec.model.path holding an int8 checkpoint (what a vLLM server of it serves): the trainers'
+    model is its weights dequantized (q x scale), the rest as stored; with spec.model.lora the
+    versions are the adapter alone, in spec.model.dtype, never quantized."""
+    from support.vllm import save_checkpoint
+
+    from weightsync.job import Lora
+    from weightsync.model.lora import Adapter, add_adapters
+    from weightsync.model.quant import quantized_names
+
+    fmt = FORMATS["int8"]
+    base = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
+    names = quantized_names(base)
+    stored = {}
+    for name, tensor in base.state_dict().items():
+        if name in names:
+            stored[name], stored[fmt.scale_name(name)] = quantize(tensor, fmt)
+        else:
+            stored[name] = tensor
+    folder = save_checkpoint(stored, {**LLAMA, "bos_token_id": 0, "eos_token_id": 0}, tmp_path / "int8", "int8")
+    lora = Lora(rank=4, alpha=8, target_modules=("q_proj", "o_proj"), name="tuned")
+    spec = Model(path=str(folder), dtype="float32", quantization="int8", lora=lora)
+    model = build(spec, dtype="float32")
+    for name, param in model.state_dict().items():
+        want = dequantize(stored[name], stored[fmt.scale_name(name)], fmt, torch.float32) if name in names else stored[name]
+        assert torch.equal(param, want), name
+    add_adapters(model, lora)
+    sources = sources_of(model, "float32", Adapter.of(spec), "int8")
+    assert sources.fmt is None and {s.dtype for s in sources.layout.slots} == {"float32"}
+    assert all(".lora_A." in n or ".lora_B." in n for n in sources.layout.names)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")  # weights, but none this loader reads
+    with pytest.raises(SpecError, match="its safetensors files hold no model.embed_tokens.weight"):
+        build(spec, dtype="float32")

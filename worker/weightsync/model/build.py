@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import torch
 
@@ -42,11 +43,14 @@ def build(model: Model, *, dtype: str = "float32", device: str | torch.device = 
           load_weights: bool = True) -> torch.nn.Module:
     """The causal LM in `dtype` on `device`. From a config: weights drawn from torch's generator
     seeded with `seed`, so every rank that builds it gets the same ones. From a path: the
-    checkpoint's weights, unless load_weights is False (inference ranks, which receive them)."""
+    checkpoint's weights, unless load_weights is False (inference ranks, which receive them); of a
+    quantized checkpoint (spec.model.quantization), its weights dequantized."""
     from transformers import AutoModelForCausalLM
 
     config = config_of(model)
     try:
+        if model.path is not None and load_weights and model.quantization is not None:
+            return _dequantized(model, config, dtype, device)
         if model.path is not None and load_weights:
             loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch_dtype(dtype), local_files_only=True)
             return loaded.to(device)
@@ -55,6 +59,40 @@ def build(model: Model, *, dtype: str = "float32", device: str | torch.device = 
             return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     except (ValueError, OSError) as e:
         raise SpecError([f"spec.model: transformers cannot build a causal LM from it: {e}"]) from None
+
+
+def _dequantized(model: Model, config, dtype: str, device) -> torch.nn.Module:
+    """The model of a quantized checkpoint (spec.model.path holding spec.model.quantization's
+    format: its linear weights quantized, each with its scales), each quantized weight dequantized
+    with its scales (quant.dequantize): the weights a server of that checkpoint computes with, which
+    a LoRA adapter over them (spec.model.lora) trains on, the base fixed. transformers reads such a
+    checkpoint only through the format's own package (compressed-tensors), which a trainer need
+    not have."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    fmt = format_of(model.quantization)
+    stored = {}
+    for file in sorted(Path(model.path).glob("*.safetensors")):
+        stored.update(load_file(str(file)))
+    config = copy.deepcopy(config)
+    config.quantization_config = None  # the model is built unquantized, its weights dequantized below
+    with torch.device(device):
+        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    missing = []
+    with torch.no_grad():
+        for name, param in parameters(built):
+            if name not in stored:
+                missing.append(name)
+            elif fmt.scale_name(name) in stored:
+                param.copy_(dequantize(stored[name], stored[fmt.scale_name(name)], fmt, param.dtype))
+            else:
+                param.copy_(stored[name])
+    if missing:
+        raise SpecError([f"spec.model.path ({model.path}): its safetensors files hold no {missing[0]}"
+                         f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} of the model its config.json "
+                         "describes"])
+    return built
 
 
 def parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

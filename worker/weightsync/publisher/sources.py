@@ -70,13 +70,14 @@ class Sources:
 def sources_of(model: torch.nn.Module, dtype: str, adapter: Adapter | None = None,
                quantization: str | None = None) -> Sources:
     """The version layout of `model`'s parameters cast to `dtype` (of its LoRA adapter's alone,
-    with `adapter`; quantized as `quantization` says), and what this rank holds."""
+    with `adapter`, whose base weights `quantization` describes; else quantized as `quantization`
+    says), and what this rank holds."""
     named = _named(model, adapter)
     if not named:
         raise ValueError("the model has no parameters to publish")
     layout = base = FlatLayout.from_shapes([(n, tuple(p.shape)) for n, p in named], dtype)
     rows = tuple(_rows_held(n, p) for n, p in named)
-    fmt = format_of(quantization)
+    fmt = format_of(quantization) if adapter is None else None  # an adapter travels in `dtype`
     if fmt is not None:
         check_quantizable(model, fmt)
         quantized = {version_name(n) for n in quantized_names(model)}

@@ -105,9 +105,11 @@ class BuiltIn:
         return total.item() / dist.get_world_size()
 
     def _dump(self, model, version: int, dtype: str, device, sync: Sync) -> None:
-        cast = as_served(model, dtype, self.ctx.job.model.quantization)
+        # the version's tensors quantized, unless they are an adapter (over quantized base weights)
+        quantization = self.ctx.job.model.quantization if self.ctx.job.model.lora is None else None
+        cast = as_served(model, dtype, quantization)
         tensors = {n: p.detach().cpu() for n, p in parameters(cast)}
         sent = None
-        if self.ctx.job.model.quantization is not None:  # the quantized tensors, as sent
+        if quantization is not None:  # the quantized tensors, as sent
             sent = {n: t.cpu() for n, t in zip(sync.sources.layout.names, local_tensors(model, sync.sources))}
         dump(TRAINER, self.rank, version, tensors, logits(cast, prompt(cast, device)).cpu(), sent)
