@@ -151,6 +151,7 @@ def job_plan(job, fsdp: int | None = None):
     from weightsync.job import INFERENCE, TRAINER
     from weightsync.model.build import build, layout_of
     from weightsync.model.lora import check_targets
+    from weightsync.model.quant import BlockCut
     from weightsync.plan.job import fsdp_holdings, inference_needs, make_job_plan
     from weightsync.roles.tp_engine import needs_of
     from weightsync.transport import capabilities_of, resolve_transport
@@ -165,7 +166,7 @@ def job_plan(job, fsdp: int | None = None):
         needs = inference_needs(job.layout, layout, lambda r: needs_of(model, layout, job.layout.tp_group(r), r, ep,
                                                                           job.model.quantization))
     except ValueError as e:
-        if not job.inference.runs_vllm:
+        if not job.inference.runs_vllm or isinstance(e, BlockCut):  # vLLM refuses a cut block itself
             raise
         # a vLLM worker reads its slices from vLLM's model when it starts (vllm_backend/shards.py);
         # this preview has only transformers' TP plan, which vLLM's sharding can go beyond

@@ -59,6 +59,7 @@ from weightsync.local.ports import LOOPBACK
 from weightsync.model.build import check_fits, meta_layout
 from weightsync.model.config import served_config
 from weightsync.model.lora import adapter_layout
+from weightsync.roles.tp_engine import check_block_slices
 from weightsync.runtime.health import METRICS_PATH
 from weightsync.runtime.procs import exit_status
 from weightsync.transport.nccl import shared_gpu_env
@@ -411,6 +412,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
     if job.inference.runs_vllm and not job.inference.external:
         # what vLLM would build of the model, and how it splits its experts, refused before anything starts
         served_config(job.model, job.inference.model_replicas if job.inference.vllm.expert_parallel else ())
+        check_block_slices(job)  # fp8 slices that cut a block, named (vLLM would refuse naming no layer)
         extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
     layout = meta_layout(job.model)  # a model transformers cannot build is refused before anything starts
     if job.trainer.external:

@@ -39,6 +39,10 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT8_MAX = 127
 
 
+class BlockCut(ValueError):
+    """A shard or slice of an fp8 weight that cuts its 128x128 blocks (its scales cannot follow it)."""
+
+
 @dataclass(frozen=True)
 class Format:
     """A quantized format: the dtype of its weights, the suffix of its scales' names, its block."""
@@ -89,7 +93,7 @@ class Format:
             a, b = start[d], stop[d]
             if a % self.block or (b % self.block and b != shape[d]):
                 advice = fix or f"shard the weights in multiples of {self.block} rows (or quantize int8)"
-                raise ValueError(f"spec.model.quantization {self.name}: {holder} holds {what} [{a}, {b}) of {name} "
+                raise BlockCut(f"spec.model.quantization {self.name}: {holder} holds {what} [{a}, {b}) of {name} "
                                  f"{list(shape)}, which cut its {self.block}x{self.block} blocks: {advice}")
             out_start[d], out_stop[d] = a // self.block, -(-b // self.block)
         return tuple(out_start), tuple(out_stop)

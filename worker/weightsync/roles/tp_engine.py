@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from weightsync.job import INFERENCE, SpecError
+from weightsync.model.build import build, layout_of
 from weightsync.model.config import expert_count
 from weightsync.model.flat import FlatLayout, torch_dtype
-from weightsync.model.quant import format_of
+from weightsync.model.quant import BlockCut, format_of
 from weightsync.plan.boxes import RankSlices
 from weightsync.plan.sliced_plan import LocalLayout, global_tensors
 from weightsync.plan.tp_needs import check_heads, tp_needs
@@ -54,6 +56,26 @@ def needs_of(model, layout: FlatLayout, group: range, rank: int, expert_parallel
                      fmt=format_of(quantization))
     mine = needs.of_rank(rank - group.start)
     return RankSlices(rank, mine.slices)
+
+
+def check_block_slices(job) -> None:
+    """Refuse, before anything starts, an fp8 job whose tensor-parallel workers would hold slices
+    that cut a 128x128 block of some weight (quant.BlockCut, naming it), as the model's TP plan
+    slices it: a vLLM server refuses to build such a model, naming no layer."""
+    fmt = format_of(job.model.quantization)
+    sizes = sorted({len(job.layout.tp_group(r)) for r in range(job.layout.world_size(INFERENCE))} - {1})
+    if fmt is None or fmt.block is None or not sizes:
+        return
+    model = build(job.model, dtype="float32", device="meta", load_weights=False)
+    layout = layout_of(model, job.model.dtype, job.model.quantization)
+    plan = getattr(model, "_tp_plan", None)
+    for tp in sizes if plan else ():
+        try:
+            tp_needs(global_tensors(layout), dict(plan), tp, fmt=fmt)
+        except BlockCut as e:
+            raise SpecError([str(e)]) from None
+        except ValueError:
+            return  # a slicing the TP plan cannot preview (vLLM's own, as its workers read it, may differ)
 
 
 class TensorParallel:
