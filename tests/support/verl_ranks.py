@@ -13,7 +13,9 @@ actors hand a tiny Llama's state_dict (tied lm_head included) as verl's get_per_
 whole tensors, changed at every step. Before the run, and between its first prepare and
 build_topology, it records what bad input is refused with. It writes one JSON document: the
 refusals, and per update and rollout worker whether what it received is bit for bit what the
-actors handed (cast to the job's dtype), with the engines' metrics and the controller's exit.
+actors handed (cast to the job's dtype), with the engines' metrics; then what each worker said of
+one update more, whose bytes the test has a trainer change on the way (WEIGHTSYNC_TEST_CORRUPT_VERSION),
+and the controller's exit.
 
     python verl_ranks.py JOB.yaml OUT.json STEPS
 """
@@ -75,9 +77,17 @@ def worker(conn, actor: bool, index: int, kwargs: dict, job: dict) -> None:
                 metrics = loop.run_until_complete(engine.send_weights(((n, t) for n, t in sent.items()), global_steps=arg))
                 conn.send(("ok", {"metrics": metrics, "tensors": sent}))
             elif call == "receive_weights":
+                got = {}
+
                 async def take():
-                    return {n: t.clone() async for n, t in engine.receive_weights(global_steps=arg)}
-                conn.send(("ok", {"tensors": loop.run_until_complete(take())}))
+                    async for n, t in engine.receive_weights(global_steps=arg):
+                        got[n] = t.clone()
+                try:
+                    loop.run_until_complete(take())
+                except Exception as e:  # noqa: BLE001 - with how much of the version verl was handed
+                    conn.send(("error", f"{type(e).__name__}: {e} [{len(got)} tensors taken]"))
+                    continue
+                conn.send(("ok", {"tensors": got}))
             elif call == "finalize":
                 conn.send(("ok", engine.finalize()))
             elif call == "close":
@@ -149,10 +159,7 @@ def main(job_path: str, out: str, steps: int) -> None:
         if step == 1:
             refusals["actor_world_size"] = refused(lambda: None, lambda _: engine_cls.build_topology(1, 3, metadata))
             refusals["metadata_count"] = refused(lambda: None, lambda _: engine_cls.build_topology(2, 3, metadata))
-        actor, rollout = engine_cls.build_topology(2, 2, metadata)
-        shares = [{k: v[i] for k, v in actor.items()} for i in range(2)] + \
-                 [{k: v[i] for k, v in rollout.items()} for i in range(2)]
-        workers.call("init_process_group", shares)
+        workers.call("init_process_group", shares_of(*engine_cls.build_topology(2, 2, metadata)))
         moved = move(workers, step)
         workers.call("finalize", [None] * 4)
         sent = moved[0]["tensors"]
@@ -166,11 +173,24 @@ def main(job_path: str, out: str, steps: int) -> None:
                             "dtype": str(dtype), "mismatched": mismatched, "actors_agree": same_actors,
                             "metrics": [moved[0]["metrics"], moved[1]["metrics"]]})
     seconds = time.monotonic() - began
+    # one update more, whose bytes a trainer changes on the way (the test's CORRUPT_ENV names its
+    # version): refused by the rollouts before verl is handed any of it, and the job fails
+    metadata = workers.call("prepare", [None] * 4)
+    workers.call("init_process_group", shares_of(*engine_cls.build_topology(2, 2, metadata)))
+    for i, conn in enumerate(workers.conns):
+        conn.send(("send_weights" if i < 2 else "receive_weights", steps + 1))
+    corrupted = [value if kind == "error" else None for kind, value in (conn.recv() for conn in workers.conns)]
     exits = workers.call("close", [None] * 4)
     about = {"version": verl.__version__, "weight_sync": importlib.util.find_spec("verl.checkpoint_engine.weight_sync")
              is not None}
-    Path(out).write_text(json.dumps({"verl": about, "refusals": refusals, "updates": updates,
+    Path(out).write_text(json.dumps({"verl": about, "refusals": refusals, "updates": updates, "corrupted": corrupted,
                                      "controller_exit": exits[0], "seconds": seconds}, indent=1))
+
+
+def shares_of(actor: dict, rollout: dict) -> list[dict]:
+    """Each worker's init_process_group arguments from build_topology's two dicts of lists, as
+    verl's execute_checkpoint_engine dispatches them: the actors' first."""
+    return [{k: v[i] for k, v in group.items()} for group in (actor, rollout) for i in range(len(next(iter(group.values()))))]
 
 
 def move(workers: Workers, step: int) -> list:

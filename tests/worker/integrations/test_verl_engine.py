@@ -12,9 +12,10 @@ lm_head is listed twice) as whole tensors, as verl's actor gathers them.
 What the rollout workers receive is compared bit for bit with the actors' tensors cast to the
 job's dtype: verl 0.9.1 has no verl.checkpoint_engine.weight_sync (no assert_weight_sync_equal),
 so the comparison is the test's own (checked here against the installed verl). Each update is one
-version verified by digest on every rollout worker (a digest that differs fails the job); both
-actors send a share of it (M to N, not a broadcast from rank 0); the job's controller, run in
-actor rank 0's process, ends it Succeeded. Bad input is refused on one line that says what to
+version verified on every rollout worker; both actors send a share of it (M to N, not a broadcast
+from rank 0). One update more, whose bytes a trainer changes on the way (weightsync's fault hook),
+is refused by every rollout worker before verl is handed a tensor of it, and the job's controller,
+run in actor rank 0's process, fails the job. Bad input is refused on one line that says what to
 fix: each call out of verl's order, a world size that is not the job's, metadata that does not
 match the worker counts, and actor rank 0 without the job. The examples' job is one such a run
 can hold, and their configuration names this engine (those two checks need no verl: `make unit`).
@@ -33,6 +34,7 @@ import yaml
 
 from weightsync.integrations.ranks import check_job
 from weightsync.job import load_job
+from weightsync.runtime.faults import CORRUPT_ENV
 
 slow = pytest.mark.slow  # the run needs verl's environment and costs seconds of verl's import
 
@@ -42,7 +44,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 128,
          "tie_word_embeddings": True}
 STEPS = 3
-RUN_TIMEOUT = 120
+RUN_TIMEOUT = 300  # seconds: about 15 on an idle 2-core machine (verl's import is half of it); a busy one takes 4x
 
 
 def verl_python() -> str:
@@ -73,11 +75,16 @@ def run(tmp_path_factory):
                     "transfer": {"bucketMB": 1, "transport": "tcp", "timeoutSeconds": 60},
                     "network": {"mode": "tcp"}}}
     (tmp / "job.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "WEIGHTSYNC_TOKEN": "verl-test-token-0123456789abcdef", "WEIGHTSYNC_POD_IP": "127.0.0.1"}
+    env = {**os.environ, "WEIGHTSYNC_TOKEN": "verl-test-token-0123456789abcdef", "WEIGHTSYNC_POD_IP": "127.0.0.1",
+           CORRUPT_ENV: str(STEPS)}  # the update after the run's: a trainer changes a byte on the way
     env.pop("WEIGHTSYNC_CONTROLLER", None)
-    done = subprocess.run([python, str(ROOT / "tests" / "support" / "verl_ranks.py"), str(tmp / "job.yaml"),
-                           str(tmp / "out.json"), str(STEPS)], env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT)
+    try:
+        done = subprocess.run([python, str(ROOT / "tests" / "support" / "verl_ranks.py"), str(tmp / "job.yaml"),
+                               str(tmp / "out.json"), str(STEPS)], env=env, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        said = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"verl's workers did not finish within {RUN_TIMEOUT}s; their last lines:\n{said[-6000:]}")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     out = json.loads((tmp / "out.json").read_text())
     out["log"] = done.stdout + done.stderr
@@ -109,8 +116,24 @@ def test_each_update_is_one_version_sent_by_every_actor_to_every_rollout(run):
         assert versions == {step - 1}
         for metrics in first["metrics"]:
             assert metrics["weightsync/receivers"] == 2 and metrics["weightsync/sent_bytes"] > 0
-    assert run["controller_exit"] == 0, run["log"][-4000:]
-    assert f"{STEPS} versions delivered to and verified on 2 inference ranks" in run["log"]
+    # the controller's records: each version delivered to both rollouts, at verl's global step
+    records = [r for r in (json.loads(line) for line in run["log"].splitlines() if line.startswith('{"event": "transfer"'))
+               if r["step"] <= STEPS]
+    assert [(r["version"], r["step"], r["inference_ranks"]) for r in records] == \
+        [(step - 1, step, 2) for step in range(1, STEPS + 1)]
+
+
+@slow
+def test_a_version_whose_bytes_changed_on_the_way_is_never_handed_to_verl_and_fails_the_job(run):
+    actors, rollouts = run["corrupted"][:2], run["corrupted"][2:]
+    for said in rollouts:
+        # its own receive saw the mismatch, or the job's end (the other rollout's report) came first
+        assert said.startswith(("RuntimeError: inference rank", "JobEnded: the job ended (Failed)")), said
+        assert "ChecksumMismatch" in said and said.endswith("[0 tensors taken]"), said
+    for said in actors:  # the job's end, or the version's record first: held by no rollout worker
+        assert said is not None and said.startswith(("JobEnded: the job ended (Failed)",
+                                                      "RuntimeError: version 3 (step 4) is held by 0 of 2")), said
+    assert run["controller_exit"] == 1, run["log"][-4000:]
 
 
 @slow

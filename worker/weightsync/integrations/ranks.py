@@ -14,8 +14,10 @@ that stack. Each piece is weightsync's own machinery put where a framework calls
   frameworks gather them. They are put in spec.model's layout order by name (Names: a tied weight's
   other name and the model's buffers are no tensors of a version; any other name, a tensor missing
   or of another shape is refused, named) and published through weightsync.attach over a module
-  whose parameters they are (NamedTensors). Every trainer rank holds the whole version, so the plan
-  by holder balances its bytes over all of them: each sends its share to every rollout at once.
+  whose parameters they are (NamedTensors). Every trainer rank is handed the whole version, so the
+  plan by holder balances its bytes over all of them: each sends its share to every rollout at
+  once, and keeps of each version only the tensors that share overlaps (the plan is made when
+  the ranks join, before the first version: a rank holds about 1/M of a version, not all of it).
 - Rollout ranks (RolloutRank) are inference ranks whose engine is the framework's: each version is
   received into staging and verified against the trainers' digest by the code every inference rank
   runs (runtime/inbound.py), and only then handed over, as (name, view) pairs; it counts as applied
@@ -31,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -40,14 +42,14 @@ from weightsync.job.join import Join, JoinEnv
 from weightsync.job.token import MIN_BYTES, read_token
 from weightsync.local import ports
 from weightsync.model.build import build, layout_of
-from weightsync.model.flat import FlatLayout, views
+from weightsync.model.flat import FlatLayout, torch_dtype, views
 from weightsync.publisher.sync import Published, Sync, attach
 from weightsync.rendezvous.external_rank import fetch_job
 from weightsync.rendezvous.messages import End, Ready
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, who
 from weightsync.roles.controller import run as run_controller
 from weightsync.runtime.inbound import receive_rounds
-from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure
+from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure, wait_for_the_end
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver
 
 START_WAIT = 60.0  # seconds for the controller's store to accept connections once its thread started
@@ -75,16 +77,16 @@ class Address:
 
 def job_token(token_file: str | None, create: bool = False) -> bytes:
     """The job's token: WEIGHTSYNC_TOKEN's, or the file `token_file`'s, which `create` makes (mode
-    0600, a new token) where it does not exist yet. SpecError, one line, where there is none."""
+    0600, a new token) where it does not exist yet. ValueError, one line, where there is none."""
     text = os.environ.get(JoinEnv.TOKEN, "").strip()
     if text:
         if len(text) < MIN_BYTES:
-            raise SpecError([f"{JoinEnv.TOKEN} is shorter than {MIN_BYTES} bytes: give every process the same long "
-                             "random token (for example `openssl rand -hex 32`)"])
+            raise ValueError(f"{JoinEnv.TOKEN} is shorter than {MIN_BYTES} bytes: give every process the same long "
+                             "random token (for example `openssl rand -hex 32`)")
         return text.encode()
     if not token_file:
-        raise SpecError([f"no job token here: set {JoinEnv.TOKEN} in every worker's environment (the same long random "
-                         "value), or token_file to a path every worker can read"])
+        raise ValueError(f"no job token here: set {JoinEnv.TOKEN} in every worker's environment (the same long random "
+                         "value), or token_file to a path every worker can read")
     path = Path(token_file)
     if create:
         try:
@@ -95,9 +97,13 @@ def job_token(token_file: str | None, create: bool = False) -> bytes:
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
     if not path.is_file():
-        raise SpecError([f"token_file {path} does not exist here: it must be a path every worker reads (shared storage), "
-                         f"or set {JoinEnv.TOKEN} in every worker's environment instead"])
-    return read_token(path)
+        raise ValueError(f"token_file {path} does not exist here: it must be a path every worker reads (shared storage), "
+                         f"or set {JoinEnv.TOKEN} in every worker's environment instead")
+    try:
+        return read_token(path)
+    except SpecError as e:
+        raise ValueError(f"{e.problems[0]}: it must hold the job's token (delete it, and the controller's process "
+                         "writes a new one)") from None
 
 
 def check_job(job: Job) -> None:
@@ -126,7 +132,7 @@ class LocalController:
     def __init__(self, job: Job, token: bytes, host: str | None = None):
         check_job(job)
         host = host or os.environ.get(JoinEnv.POD_IP) or socket.gethostbyname(socket.gethostname())
-        port = ports.lease([1])[0]
+        port = ports.lease([1])[0]  # free here, and leased as `weightsync run` leases its pods' ports
         # no operator here looks at the nodes for RDMA devices: `auto` is tcp, rdma is the spec's word
         mode = "rdma" if job.network.mode == "rdma" else "tcp"
         self.address = Address(host, port, job.identity, mode)
@@ -185,8 +191,11 @@ class Names:
                 first[id(p)] = name
         return cls(layout_of(model, job.model.dtype), tied, frozenset(n for n, _ in model.named_buffers()))
 
-    def order(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """`named` in layout order, each tensor checked against its slot (ValueError naming it)."""
+    def order(self, named: Iterable[tuple[str, torch.Tensor]],
+              keep: Callable[[str], torch.Tensor | None] = lambda name: None) -> list[tuple[str, torch.Tensor]]:
+        """`named` in layout order, each tensor checked against its slot (ValueError naming it).
+        A tensor for which `keep(name)` gives a stand-in is dropped as soon as it was checked, and
+        the stand-in takes its place."""
         slots = {s.name: s for s in self.layout.slots}
         got: dict[str, torch.Tensor] = {}
         given_as: dict[str, str] = {}
@@ -205,12 +214,25 @@ class Names:
             if tuple(tensor.shape) != tuple(slot.shape):
                 raise ValueError(f"{name} is {list(tensor.shape)}, and spec.model's is {list(slot.shape)}: the job's "
                                  "spec.model must be the model the trainers train")
-            got[own], given_as[own] = tensor, name
+            stand_in = keep(own)
+            got[own], given_as[own] = tensor if stand_in is None else stand_in, name
         missing = [n for n in self.layout.names if n not in got]
         if missing:
             raise ValueError(f"{len(missing)} tensor(s) of spec.model were not given, the first {missing[0]}: give every "
                              "tensor of the model in each version")
         return [(n, got[n]) for n in self.layout.names]
+
+    def stand_ins(self, device) -> list[tuple[str, torch.Tensor]]:
+        """A tensor of each slot's shape on `device` that holds one element (zero strides): what a
+        rank passes for the tensors none of whose bytes it sends, which are never read."""
+        one = torch.empty(1, dtype=torch_dtype(self.layout.dtype), device=device)
+        return [(s.name, one.expand(s.shape)) for s in self.layout.slots]
+
+    def touched(self, runs: Iterable[tuple[int, int]]) -> frozenset[str]:
+        """The tensors that the version's byte runs (offset, length) overlap."""
+        runs = list(runs)
+        return frozenset(s.name for s in self.layout.slots
+                         if any(offset < s.offset + s.nbytes and s.offset < offset + length for offset, length in runs))
 
 
 class NamedTensors(torch.nn.Module):
@@ -225,8 +247,8 @@ class NamedTensors(torch.nn.Module):
     def hold(self, named: list[tuple[str, torch.Tensor]]) -> None:
         elsewhere = next((n for n, t in named if t.device != self.device), None)
         if elsewhere is not None:
-            raise ValueError(f"{elsewhere} is on {dict(named)[elsewhere].device}, and the first version was on "
-                             f"{self.device}: give every version on the device of the first")
+            raise ValueError(f"{elsewhere} is on {dict(named)[elsewhere].device}, and this rank sends from {self.device}: "
+                             "give the tensors on the device the engine was made for (its `device` argument)")
         self.named = named
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -234,31 +256,41 @@ class NamedTensors(torch.nn.Module):
 
 
 class TrainerRank:
-    """A trainer rank publishing versions given as (name, tensor) pairs; it joins the job at its
-    first, where it first holds tensors (their device picks the transport)."""
+    """A trainer rank publishing versions given as (name, tensor) pairs of whole tensors. It joins
+    the job at once, on `device`, and then holds of each version only the tensors its share of
+    the plan overlaps (about 1/M of a version); the others are checked and dropped as they come."""
 
-    def __init__(self, ctx: WorkerContext, rank: int):
+    def __init__(self, ctx: WorkerContext, rank: int, device: str):
         self.ctx, self.rank, self.me = ctx, rank, who(TRAINER, rank)
         self.names = Names.of(ctx.job)
-        self.module: NamedTensors | None = None
-        self.sync: Sync | None = None
+        placeholders = self.names.stand_ins(torch.device(device))
+        self.module = NamedTensors(placeholders)
+        self.sync: Sync = attach(self.module, rank=self.rank, context=self.ctx)  # returns once every rank joined
+        runs = self.sync.plan.expected_for(0).get(rank, [])  # every inference rank gets the whole version
+        share = self.names.touched(runs)
+        self.stand_in = {n: t for n, t in placeholders if n not in share}
+        log(self.me, f"holds {len(share)} of {len(placeholders)} tensors of each version (the ones its share overlaps)")
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], step: int | None) -> Published:
         """Send the version as the next one, at `step`, and return once every inference rank holds it."""
-        tensors = self.names.order(named)
-        if self.sync is None:
-            self.module = NamedTensors(tensors)
-            self.sync = attach(self.module, rank=self.rank, context=self.ctx)
-        else:
-            self.module.hold(tensors)
+        self.module.hold(self.names.order(named, self.stand_in.get))
         published = self.sync.publish(step)
-        self.sync.wait_done(published.version)
+        done = self.sync.wait_done(published.version)
+        plan = self.sync.plan
+        held = done["bytes"] // plan.version_bytes  # every inference rank receives the whole version
+        if held != plan.inferences:
+            raise RuntimeError(f"version {published.version} (step {step}) is held by {held} of {plan.inferences} "
+                               "inference ranks: the others failed or left while it was on its way (the job's log "
+                               "names them)")
         return published
 
     def close(self) -> None:
-        """No more versions from this rank: waits for the job's end (Sync.close)."""
-        if self.sync is not None:
+        """No more versions from this rank: waits for the job's end (Sync.close); a job that failed
+        meanwhile was said where it failed (send_weights raised its JobEnded), and is logged here."""
+        try:
             self.sync.close()
+        except JobEnded as e:
+            log(self.me, f"closed: {e}")
 
 
 class RolloutRank:
@@ -286,7 +318,8 @@ class RolloutRank:
         self.thread.start()
 
     def _rounds(self) -> None:
-        """The receiving thread: the plan, then every round until the job ends."""
+        """The receiving thread: the plan, then every round until the job ends. A failure here is
+        handed to the framework at once, and reported: the controller fails the job naming this rank."""
         member = self.member
         try:
             member.start_heartbeat()
@@ -299,11 +332,10 @@ class RolloutRank:
                 self.failed = e
                 self.cond.notify_all()
             log(self.me, f"failed: {e}")
-            report_failure(self.ctx, INFERENCE, self.rank, f"{type(e).__name__}: {e}")
-            member.stop_heartbeat()
-            self.receiver.close()
-            return
-        log(self.me, f"the job ended: {end.message}")
+            report_failure(self.ctx, INFERENCE, self.rank, f"{type(e).__name__}: {e}", member)
+            end = wait_for_the_end(member, self.me)
+        if end is not None:
+            log(self.me, f"the job ended: {end.message}")
         member.bye()
         member.stop_heartbeat()
         self.receiver.close()
@@ -341,7 +373,8 @@ class RolloutRank:
             came = self.cond.wait_for(lambda: self.staged is not None or self.end is not None or self.failed is not None,
                                       timeout)
             if self.failed is not None:
-                raise RuntimeError(f"{self.me} failed and holds no new version: {self.failed}")
+                raise RuntimeError(f"{self.me} failed and holds no new version: {type(self.failed).__name__}: "
+                                   f"{self.failed}")
             if self.end is not None:
                 raise JobEnded(self.end.state, self.end.message)
             if not came:

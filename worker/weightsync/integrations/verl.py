@@ -22,9 +22,10 @@ rollout worker, and finalize() on every worker. weightsync answers each as its o
   rank j; M and N must be the job's, or it refuses on one line. The controller plans the bytes over
   those ranks once they joined, by holder: every actor worker holds the whole version, so each
   sends about 1/M of it, to every rollout worker at once.
-- init_process_group: the first joins (a rollout worker now, an actor worker at its first send,
-  where it first holds tensors, whose device picks the transport); a later one must name the same
-  rank. Buffers are registered once, for the run, as weightsync's ranks keep them.
+- init_process_group: the first joins every worker, on `device`, and returns once all joined and
+  the controller published the plan (as a process group's init does); a later one must name the
+  same rank. Buffers are registered once, for the run, as weightsync's ranks keep them. An actor
+  worker then keeps of each version only the tensors its share of the plan overlaps.
 - send_weights: one version, `global_steps` its step; returns once every rollout worker took it,
   verified, with figures for verl's metrics.
 - receive_weights: the next verified version, refused (and the job failed) where it was published
@@ -82,8 +83,8 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
     bucket_size: verl's update_weights_bucket_megabytes, in bytes (weightsync buckets by the job's
     spec.transfer.bucketMB). is_master: verl's, True on actor rank 0. job: the WeightTransferJob,
     a path or its object (actor rank 0 reads it). token_file: where the job's token is, where
-    WEIGHTSYNC_TOKEN is not set. device: where a rollout worker receives (default cuda where
-    there is one, else cpu)."""
+    WEIGHTSYNC_TOKEN is not set. device: where an actor worker's tensors are and a rollout
+    worker receives (default cuda where there is one, else cpu)."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, job: str | Mapping | None = None,
                  token_file: str | None = None, device: str | None = None) -> None:
@@ -160,7 +161,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         token = job_token(self.token_file)
         ctx = address.context(token, role, rank)
         self.timeout = ctx.job.transfer.timeout
-        self.rank = TrainerRank(ctx, rank) if role == TRAINER else RolloutRank(ctx, rank, self.device)
+        self.rank = (TrainerRank if role == TRAINER else RolloutRank)(ctx, rank, self.device)
         self.topology = (role, rank, address)
         atexit.register(self.close)
         self.state = READY

@@ -165,11 +165,14 @@ class Sync:
         return Published(version, step, sent.bytes, sent.seconds, sent.wire_bytes,
                          len(rnd.receivers) - len(sent.lost), dict(sent.lost))
 
-    def wait_done(self, version: int, timeout: float | None = None) -> None:
+    def wait_done(self, version: int, timeout: float | None = None) -> dict:
         """Wait until the controller finished `version`: every inference rank holds it, verified
-        (every vLLM server serves it). Raises weightsync.JobEnded if the job ended meanwhile."""
+        (every vLLM server serves it), but those that were away or failed meanwhile; returns the
+        controller's record of it (status.transfer's fields: its `bytes` are what the inference
+        ranks that hold it received). Raises weightsync.JobEnded if the job ended meanwhile."""
         self.member.wait_for(Keys.done(version), f"every inference rank to hold version {version}",
                              self.timeout if timeout is None else timeout)
+        return self.member.get_json(Keys.done(version))
 
     def fail(self, error: BaseException) -> None:
         """This rank cannot go on: report `error` as its failure, which ends the job."""
@@ -211,6 +214,12 @@ class Sync:
         """Host or device memory this rank's sending holds: its send buffers (allocated by the
         first version that needs them), plus the last version kept for delta versions."""
         return self.mover.buffer_bytes + self.mover.kept_bytes
+
+    @property
+    def plan(self):
+        """The job's plan as the controller made it (plan/interface.TransferPlan): which bytes of
+        each version this rank sends, to which inference ranks."""
+        return self.mover.plan
 
     def servers(self) -> tuple[str, ...]:
         """The base URLs of the job's vLLM servers (spec.inference.engine vllm), each once, in
