@@ -76,7 +76,9 @@ def run(tmp_path_factory):
                     "network": {"mode": "tcp"}}}
     (tmp / "job.yaml").write_text(yaml.safe_dump(job))
     env = {**os.environ, "WEIGHTSYNC_TOKEN": "verl-test-token-0123456789abcdef", "WEIGHTSYNC_POD_IP": "127.0.0.1",
-           CORRUPT_ENV: str(STEPS)}  # the update after the run's: a trainer changes a byte on the way
+           CORRUPT_ENV: str(STEPS),  # the update after the run's: a trainer changes a byte on the way
+           # as in a pod of a Ray cluster on Kubernetes: the controller on its thread must still end
+           "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
     env.pop("WEIGHTSYNC_CONTROLLER", None)
     try:
         done = subprocess.run([python, str(ROOT / "tests" / "support" / "verl_ranks.py"), str(tmp / "job.yaml"),

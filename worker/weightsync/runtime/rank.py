@@ -85,8 +85,8 @@ def in_cluster(ctx: WorkerContext) -> bool:
 def linger(ctx: WorkerContext, who: str) -> None:
     """After the job's end: in a cluster, wait for the operator to scale the pod down; a pod that a
     Prometheus scrapes then waits (health.FINAL_SCRAPE at most) until its final figures were read once."""
-    if not in_cluster(ctx):
-        return
+    if not in_cluster(ctx) or threading.current_thread() is not threading.main_thread():
+        return  # (a controller on a thread of another program's process, integrations/ranks.py, leaves with it)
     ended = time.monotonic()
     log(who, "the job has ended; waiting for the operator to remove this pod")
     stop = threading.Event()
