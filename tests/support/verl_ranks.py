@@ -39,7 +39,7 @@ from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
 
 BACKEND, MODULE = "weightsync", "weightsync.integrations.verl"
-BUCKET = 1 << 20
+BUCKET = 2 << 20  # verl's update_weights_bucket_megabytes, in bytes: not the job's bucketMB (1)
 
 
 def model_of(job: dict):

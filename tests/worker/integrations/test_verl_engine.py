@@ -123,6 +123,8 @@ def test_each_update_is_one_version_sent_by_every_actor_to_every_rollout(run):
                if r["step"] <= STEPS]
     assert [(r["version"], r["step"], r["inference_ranks"]) for r in records] == \
         [(step - 1, step, 2) for step in range(1, STEPS + 1)]
+    assert ("verl's update_weights_bucket_megabytes (2) is not used: the controller plans every rank's buckets of "
+            "spec.transfer.bucketMB (1)") in run["log"]
 
 
 @slow

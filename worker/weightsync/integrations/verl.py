@@ -20,7 +20,7 @@ rollout worker, and finalize() on every worker. weightsync answers each as its o
   prepare returns RankMetadata, what build_topology needs and nothing secret.
 - build_topology: the M-to-N layout. Actor worker i is trainer rank i, rollout worker j inference
   rank j; M and N must be the job's, or it refuses on one line. The controller plans the bytes over
-  those ranks once they joined, by holder: every actor worker holds the whole version, so each
+  those ranks once they joined, by holder: every actor worker is handed the whole version, so each
   sends about 1/M of it, to every rollout worker at once.
 - init_process_group: the first joins every worker, on `device`, and returns once all joined and
   the controller published the plan (as a process group's init does); a later one must name the
@@ -34,9 +34,10 @@ rollout worker, and finalize() on every worker. weightsync answers each as its o
 - finalize: ends the update; the next must start with prepare. Each call out of this order is
   refused on one line naming the call that comes first.
 
-The run's last version ends the job at process exit: each actor worker closes its rank, each
-rollout worker waits for the end, and actor rank 0 for its controller (atexit, within the job's
-spec.transfer.timeoutSeconds). The token comes from WEIGHTSYNC_TOKEN or `token_file`
+The job ends as the workers' processes exit (atexit, or close() before): each actor worker closes
+its rank, each rollout worker waits for the end, and actor rank 0 for its controller, each within
+the job's spec.transfer.timeoutSeconds. Where Ray kills the workers instead, the job goes with
+them, every version it delivered verified already. The token comes from WEIGHTSYNC_TOKEN or `token_file`
 (ranks.job_token), never from the configuration. verl's bucket_size is not weightsync's: the
 controller plans one bucket size for every rank, spec.transfer.bucketMB.
 
@@ -59,6 +60,8 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from weightsync.integrations.ranks import Address, LocalController, RolloutRank, TrainerRank, job_token
 from weightsync.job import INFERENCE, TRAINER, JoinEnv, load_job
+from weightsync.rendezvous.protocol import who
+from weightsync.runtime.rank import log
 
 BACKEND = "weightsync"
 IDLE, PREPARED, READY, MOVED = "idle", "prepared", "ready", "moved"  # one update's steps, in verl's order
@@ -112,9 +115,9 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             job = load_job(self.job_source)
             self.controller = LocalController(job, job_token(self.token_file, create=True))
             if self.bucket_size != job.transfer.bucket_bytes:
-                print(f"[weightsync] verl's update_weights_bucket_megabytes ({self.bucket_size >> 20}) is not used: "
-                      f"weightsync plans every rank's buckets of spec.transfer.bucketMB ({job.transfer.bucket_mb})",
-                      flush=True)
+                log(who(TRAINER, 0), f"verl's update_weights_bucket_megabytes ({self.bucket_size >> 20}) is not used: "
+                                      f"the controller plans every rank's buckets of spec.transfer.bucketMB "
+                                      f"({job.transfer.bucket_mb})")
         self.state = PREPARED
         if not self.is_master:
             return RankMetadata(master=False)
