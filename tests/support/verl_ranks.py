@@ -15,7 +15,8 @@ build_topology, it records what bad input is refused with. It writes one JSON do
 refusals, and per update and rollout worker whether what it received is bit for bit what the
 actors handed (cast to the job's dtype), with the engines' metrics; then what each worker said of
 one update more, whose bytes the test has a trainer change on the way (WEIGHTSYNC_TEST_CORRUPT_VERSION),
-and the controller's exit.
+and the controller's exit; then the same of a second run, whose rollout workers verl asks for
+another global step than its actors publish.
 
     python verl_ranks.py JOB.yaml OUT.json STEPS
 """
@@ -175,16 +176,27 @@ def main(job_path: str, out: str, steps: int) -> None:
     seconds = time.monotonic() - began
     # one update more, whose bytes a trainer changes on the way (the test's CORRUPT_ENV names its
     # version): refused by the rollouts before verl is handed any of it, and the job fails
-    metadata = workers.call("prepare", [None] * 4)
-    workers.call("init_process_group", shares_of(*engine_cls.build_topology(2, 2, metadata)))
-    for i, conn in enumerate(workers.conns):
-        conn.send(("send_weights" if i < 2 else "receive_weights", steps + 1))
-    corrupted = [value if kind == "error" else None for kind, value in (conn.recv() for conn in workers.conns)]
+    corrupted = failing_update(workers, engine_cls, steps + 1, steps + 1)
     exits = workers.call("close", [None] * 4)
+    # a run of its own whose rollouts verl asks for another global step than the actors publish
+    workers = Workers(job, kwargs)
+    wrong_step = failing_update(workers, engine_cls, 1, 2)
+    wrong_step_exit = workers.call("close", [None] * 4)[0]
     about = {"version": verl.__version__, "weight_sync": importlib.util.find_spec("verl.checkpoint_engine.weight_sync")
              is not None}
     Path(out).write_text(json.dumps({"verl": about, "refusals": refusals, "updates": updates, "corrupted": corrupted,
-                                     "controller_exit": exits[0], "seconds": seconds}, indent=1))
+                                     "controller_exit": exits[0], "wrong_step": wrong_step,
+                                     "wrong_step_exit": wrong_step_exit, "seconds": seconds}, indent=1))
+
+
+def failing_update(workers: Workers, engine_cls, actor_step: int, rollout_step: int) -> list[str | None]:
+    """One update in verl's order, the actors publishing at `actor_step`, the rollouts asked for
+    `rollout_step`; what each worker's send or receive raised (None: nothing)."""
+    metadata = workers.call("prepare", [None] * 4)
+    workers.call("init_process_group", shares_of(*engine_cls.build_topology(2, 2, metadata)))
+    for i, conn in enumerate(workers.conns):
+        conn.send(("send_weights", actor_step) if i < 2 else ("receive_weights", rollout_step))
+    return [value if kind == "error" else None for kind, value in (conn.recv() for conn in workers.conns)]
 
 
 def shares_of(actor: dict, rollout: dict) -> list[dict]:

@@ -15,7 +15,8 @@ so the comparison is the test's own (checked here against the installed verl). E
 version verified on every rollout worker; both actors send a share of it (M to N, not a broadcast
 from rank 0). One update more, whose bytes a trainer changes on the way (weightsync's fault hook),
 is refused by every rollout worker before verl is handed a tensor of it, and the job's controller,
-run in actor rank 0's process, fails the job. Bad input is refused on one line that says what to
+run in actor rank 0's process, fails the job; so does a second run whose rollout workers verl asks
+for another global step than its actors publish. Bad input is refused on one line that says what to
 fix: each call out of verl's order, a world size that is not the job's, metadata that does not
 match the worker counts, and actor rank 0 without the job. The examples' job is one such a run
 can hold, and their configuration names this engine (those two checks need no verl: `make unit`).
@@ -164,3 +165,16 @@ def test_the_examples_job_is_one_verl_workers_can_hold_and_the_fragment_names_th
     engine = fragment["actor_rollout_ref"]["rollout"]["checkpoint_engine"]
     assert engine["backend"] == "weightsync" and importlib.util.find_spec(engine["custom_backend_module"]) is not None
     assert engine["engine_kwargs"]["weightsync"]["job"].endswith("verl-job.yaml")
+
+
+@slow
+def test_a_rollout_asked_for_another_global_step_than_the_actors_sent_refuses_it_and_the_job_fails(run):
+    actors, rollouts = run["wrong_step"][:2], run["wrong_step"][2:]
+    for said in rollouts:  # its own refusal, or the job's end (the other rollout's refusal) first
+        assert said.startswith(("ValueError: version 0 was published at global step 1, and verl asks this rollout "
+                                "worker for global step 2: every actor and rollout worker must update at the same "
+                                "global_steps", "RuntimeError: inference rank")) and said.endswith("[0 tensors taken]"), said
+    assert any(said.startswith("ValueError") for said in rollouts), rollouts
+    for said in actors:
+        assert said is not None and said.startswith(("JobEnded: the job ended (Failed)", "RuntimeError: version 0")), said
+    assert run["wrong_step_exit"] == 1
