@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -73,6 +73,13 @@ class Address:
         job, channel = fetch_job(join)
         channel.close()
         return WorkerContext.from_join(join, job, role, rank, network_mode=self.network_mode)
+
+
+def current(device: torch.device) -> None:
+    """Make a CUDA `device` this thread's current one: CUDA's current device (and with it the
+    current stream) is per thread, and a new thread's is device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def job_token(token_file: str | None, create: bool = False) -> bytes:
@@ -192,35 +199,12 @@ class Names:
         return cls(layout_of(model, job.model.dtype), tied, frozenset(n for n, _ in model.named_buffers()))
 
     def order(self, named: Iterable[tuple[str, torch.Tensor]],
-              keep: Callable[[str], torch.Tensor | None] = lambda name: None) -> list[tuple[str, torch.Tensor]]:
-        """`named` in layout order, each tensor checked against its slot (ValueError naming it).
-        A tensor for which `keep(name)` gives a stand-in is dropped as soon as it was checked, and
-        the stand-in takes its place."""
-        slots = {s.name: s for s in self.layout.slots}
-        got: dict[str, torch.Tensor] = {}
-        given_as: dict[str, str] = {}
+              stand_ins: Mapping[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """`named` in layout order, each tensor checked against its slot (Version.add)."""
+        version = Version(self, stand_ins or {})
         for name, tensor in named:
-            if name in self.buffers:
-                continue
-            own = self.tied.get(name, name)
-            slot = slots.get(own)
-            if slot is None:
-                raise ValueError(f"{name}: spec.model has no such tensor (it has {len(slots)}, the first "
-                                 f"{self.layout.names[0]}): the job's spec.model must be the model the trainers train")
-            if own in got:
-                if given_as[own] == name:
-                    raise ValueError(f"{name} was given twice in one version: give each tensor once")
-                continue  # the same tied weight under its other name
-            if tuple(tensor.shape) != tuple(slot.shape):
-                raise ValueError(f"{name} is {list(tensor.shape)}, and spec.model's is {list(slot.shape)}: the job's "
-                                 "spec.model must be the model the trainers train")
-            stand_in = keep(own)
-            got[own], given_as[own] = tensor if stand_in is None else stand_in, name
-        missing = [n for n in self.layout.names if n not in got]
-        if missing:
-            raise ValueError(f"{len(missing)} tensor(s) of spec.model were not given, the first {missing[0]}: give every "
-                             "tensor of the model in each version")
-        return [(n, got[n]) for n in self.layout.names]
+            version.add(name, tensor)
+        return version.tensors()
 
     def stand_ins(self, device) -> list[tuple[str, torch.Tensor]]:
         """A tensor of each slot's shape on `device` that holds one element (zero strides): what a
@@ -233,6 +217,45 @@ class Names:
         runs = list(runs)
         return frozenset(s.name for s in self.layout.slots
                          if any(offset < s.offset + s.nbytes and s.offset < offset + length for offset, length in runs))
+
+
+class Version:
+    """One version's tensors as a framework hands them over, one at a time, each checked against
+    its slot as it comes (ValueError naming it: a name spec.model has not, another shape, a tensor
+    given twice; then one missing). A tensor with a stand-in (one none of whose bytes this rank
+    sends) is dropped once checked, the stand-in taking its place: the rank holds only its share."""
+
+    def __init__(self, names: Names, stand_ins: Mapping[str, torch.Tensor]):
+        self.names, self.stand_ins = names, stand_ins
+        self.slots = {s.name: s for s in names.layout.slots}
+        self.got: dict[str, torch.Tensor] = {}
+        self.given_as: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        names = self.names
+        if name in names.buffers:
+            return
+        own = names.tied.get(name, name)
+        slot = self.slots.get(own)
+        if slot is None:
+            raise ValueError(f"{name}: spec.model has no such tensor (it has {len(self.slots)}, the first "
+                             f"{names.layout.names[0]}): the job's spec.model must be the model the trainers train")
+        if own in self.got:
+            if self.given_as[own] == name:
+                raise ValueError(f"{name} was given twice in one version: give each tensor once")
+            return  # the same tied weight under its other name
+        if tuple(tensor.shape) != tuple(slot.shape):
+            raise ValueError(f"{name} is {list(tensor.shape)}, and spec.model's is {list(slot.shape)}: the job's "
+                             "spec.model must be the model the trainers train")
+        self.got[own], self.given_as[own] = self.stand_ins.get(own, tensor), name
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the version, in layout order."""
+        missing = [n for n in self.names.layout.names if n not in self.got]
+        if missing:
+            raise ValueError(f"{len(missing)} tensor(s) of spec.model were not given, the first {missing[0]}: give every "
+                             "tensor of the model in each version")
+        return [(n, self.got[n]) for n in self.names.layout.names]
 
 
 class NamedTensors(torch.nn.Module):
@@ -260,20 +283,27 @@ class TrainerRank:
     the job at once, on `device`, and then holds of each version only the tensors its share of
     the plan overlaps (about 1/M of a version); the others are checked and dropped as they come."""
 
-    def __init__(self, ctx: WorkerContext, rank: int, device: str):
+    def __init__(self, ctx: WorkerContext, rank: int, device: torch.device):
         self.ctx, self.rank, self.me = ctx, rank, who(TRAINER, rank)
+        self.device = torch.device(device)
         self.names = Names.of(ctx.job)
-        placeholders = self.names.stand_ins(torch.device(device))
+        placeholders = self.names.stand_ins(self.device)
         self.module = NamedTensors(placeholders)
         self.sync: Sync = attach(self.module, rank=self.rank, context=self.ctx)  # returns once every rank joined
         runs = self.sync.plan.expected_for(0).get(rank, [])  # every inference rank gets the whole version
         share = self.names.touched(runs)
-        self.stand_in = {n: t for n, t in placeholders if n not in share}
+        self.stand_ins = {n: t for n, t in placeholders if n not in share}
         log(self.me, f"holds {len(share)} of {len(placeholders)} tensors of each version (the ones its share overlaps)")
 
-    def publish(self, named: Iterable[tuple[str, torch.Tensor]], step: int | None) -> Published:
-        """Send the version as the next one, at `step`, and return once every inference rank holds it."""
-        self.module.hold(self.names.order(named, self.stand_in.get))
+    def version(self) -> Version:
+        """The next version, to add its tensors to as the framework hands them over."""
+        return Version(self.names, self.stand_ins)
+
+    def publish(self, version: Version, step: int | None) -> Published:
+        """Send `version` as the next one, at `step`, and return once every inference rank holds it.
+        Any thread may call it: a CUDA device is made this thread's current one first."""
+        current(self.device)
+        self.module.hold(version.tensors())
         published = self.sync.publish(step)
         done = self.sync.wait_done(published.version)
         plan = self.sync.plan
@@ -297,7 +327,7 @@ class RolloutRank:
     """An inference rank whose engine is a framework's rollout (inbound.Handover): verified versions
     wait in staging until the framework takes them."""
 
-    def __init__(self, ctx: WorkerContext, rank: int, device: str):
+    def __init__(self, ctx: WorkerContext, rank: int, device: torch.device):
         self.ctx, self.rank, self.me = ctx, rank, who(INFERENCE, rank)
         self.layout = Names.of(ctx.job).layout
         self.buffer = torch.zeros(self.layout.total_bytes, dtype=torch.uint8, device=device)
@@ -322,6 +352,7 @@ class RolloutRank:
         handed to the framework at once, and reported: the controller fails the job naming this rank."""
         member = self.member
         try:
+            current(self.buffer.device)
             member.start_heartbeat()
             plan, _ = member.plan(JOIN_TIMEOUT)
             end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job, self)

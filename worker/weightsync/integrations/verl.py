@@ -99,7 +99,9 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             raise ValueError("engine_kwargs.weightsync.job is not set: actor rank 0 needs the WeightTransferJob file "
                              "(spec.model, spec.transfer, spec.network) of this run")
         self.bucket_size, self.is_master, self.job_source, self.token_file = bucket_size, is_master, job, token_file
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # this process's current one, for every thread
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.state = IDLE
         self.controller: LocalController | None = None
         self.topology: tuple | None = None  # (role, rank, address) of the first init_process_group
@@ -175,11 +177,14 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         if global_steps is not None and self.step is not None and global_steps <= self.step:
             raise ValueError(f"global_steps {global_steps} after {self.step}: each version is one global step, "
                              "later than the last sent")
+        version = rank.version()  # each tensor checked as it comes, and kept only where this rank sends of it
         if hasattr(weights, "__aiter__"):
-            named = [(name, tensor) async for name, tensor in weights]
-        else:  # verl's generators gather each tensor (collectives): walked off the event loop
-            named = await asyncio.to_thread(list, weights)
-        published = await asyncio.to_thread(rank.publish, named, global_steps)
+            async for name, tensor in weights:
+                version.add(name, tensor)
+        else:  # on this thread, as verl's own engines walk it (each tensor's gather is a collective)
+            for name, tensor in weights:
+                version.add(name, tensor)
+        published = await asyncio.to_thread(rank.publish, version, global_steps)
         self.step = global_steps if global_steps is not None else self.step
         self.state = MOVED
         return {"weightsync/version": published.version, "weightsync/sent_bytes": published.bytes,
