@@ -11,13 +11,14 @@ that stack. Each piece is weightsync's own machinery put where a framework calls
   or a file every process reads, created (mode 0600) by the process that runs the controller where
   it does not exist yet. Never an argument, a topology entry or a log line.
 - Trainer ranks (TrainerRank) are handed each version as (name, tensor) pairs of whole tensors, as
-  frameworks gather them. They are put in spec.model's layout order by name (Names: a tied weight's
-  other name and the model's buffers are no tensors of a version; any other name, a tensor missing
-  or of another shape is refused, named) and published through weightsync.attach over a module
-  whose parameters they are (NamedTensors). Every trainer rank is handed the whole version, so the
-  plan by holder balances its bytes over all of them: each sends its share to every rollout at
-  once, and keeps of each version only the tensors that share overlaps (the plan is made when
-  the ranks join, before the first version: a rank holds about 1/M of a version, not all of it).
+  frameworks gather them, one at a time. Each is checked as it comes and put in spec.model's layout
+  order by name (Version: a tied weight's other name and the model's buffers are no tensors of a
+  version; any other name, a tensor missing or of another shape is refused, named), then published
+  through weightsync.attach over a module whose parameters they are (NamedTensors). Every trainer
+  rank is handed the whole version, so the plan by holder balances its bytes over all of them:
+  each sends its share to every rollout at once, and keeps of each version only the tensors that
+  share overlaps (the plan is made when the ranks join, before the first version: a rank holds
+  about 1/M of a version, not all of it).
 - Rollout ranks (RolloutRank) are inference ranks whose engine is the framework's: each version is
   received into staging and verified against the trainers' digest by the code every inference rank
   runs (runtime/inbound.py), and only then handed over, as (name, view) pairs; it counts as applied
