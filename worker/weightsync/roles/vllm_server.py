@@ -41,6 +41,7 @@ from weightsync.vllm_backend.logs import logging_env
 
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
+ASK_TIMEOUT = 30.0  # seconds to reach the controller's store, to ask whether this pod's server joined before
 WATCH_EVERY = 1.0  # seconds between looks at the server's process and the job's end
 
 
@@ -72,8 +73,11 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
                 channel.set(Keys.bye(INFERENCE, r), "1")
             log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
-        report_failure(ctx, INFERENCE, rank, str(e), channel)
         stop(proc, grace=VLLM_STOP_GRACE)
+        if _served_before(ctx, rank, channel):  # a restart that failed: restarted again, as any other
+            log(me, f"{e}; its workers had joined the job before, so the pod starts it again")
+            return 1
+        report_failure(ctx, INFERENCE, rank, str(e), channel)
         return 1
     if state is None:  # the server died while the job ran: its workers' heartbeats stopped with it
         log(me, f"the vLLM server exited with code {proc.returncode}; ending the pod so that it starts again "
@@ -176,6 +180,18 @@ def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str)
                 f"the vLLM server is out of the job's fleet, not ready: {said.get('why', 'it does not answer')}")
             health.ready(admitted)
             ready = admitted
+
+
+def _served_before(ctx: WorkerContext, rank: int, channel: Channel | None) -> bool:
+    """Whether this pod's server had joined the job before this start (its first rank's join
+    counter): a server that cannot come up at its first start fails the job, one that served
+    before is restarted as the pod of any other engine would be."""
+    try:
+        channel = channel or Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity,
+                                                   ASK_TIMEOUT))
+        return channel.starts(INFERENCE, rank) > 0
+    except Exception:  # noqa: BLE001 - no store to ask: the failure is reported as at a first start
+        return False
 
 
 def _served(server: Server) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 
 from weightsync.job import Env, Lora, SpecError
@@ -127,6 +128,23 @@ def follow_server(environ=os.environ) -> None:
     if not die_with(pid):
         print(f"weightsync: this system cannot watch vLLM's API server (pid {pid}, no pidfd): where it dies "
               "alone, this process outlives it", file=sys.stderr, flush=True)
+
+
+def end_server(why: str, environ=os.environ) -> bool:
+    """In a worker of vLLM's server: end the server, its API process first (SIGTERM: vLLM's own
+    shutdown, with which its engine core and workers end), so that it starts again (a pod's server:
+    its pod restarts it) and its workers rejoin the job, as a rank of the built-in engine does.
+    False where the API process is not known (a process vLLM did not start through the plugin)."""
+    pid = int(environ.get(SERVER_PID) or 0)
+    if not pid:
+        return False
+    print(f"weightsync: {why}; ending the vLLM server (API process {pid}) so that it starts again and its workers "
+          "rejoin the job", file=sys.stderr, flush=True)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def allow_amx_tiles() -> bool:

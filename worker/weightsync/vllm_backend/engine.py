@@ -48,10 +48,10 @@ from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_
 from weightsync.rendezvous.messages import Staged
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
 from weightsync.runtime.faults import dump, dumping, pause_point
-from weightsync.runtime.inbound import receive_rounds
+from weightsync.runtime.inbound import StartAgain, receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
-from weightsync.vllm_backend import follow_server, lora_problem
+from weightsync.vllm_backend import end_server, follow_server, lora_problem
 from weightsync.vllm_backend.adapter import Adapters
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.place import joining, place_of
@@ -165,6 +165,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             with self.cond:
                 self.failed = e
                 self.cond.notify_all()
+            if isinstance(e, StartAgain) and end_server(str(e)):  # counted away (frozen, cut off): rejoin
+                return
             log(self.me, f"failed: {e}")
             report_failure(self.ctx, INFERENCE, self.rank, e)
         finally:
