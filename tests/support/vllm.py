@@ -220,7 +220,7 @@ def shards(tensors: dict[str, torch.Tensor], config: dict, tp: int, rank: int) -
     when tp exceeds the KV heads) in one qkv_proj; its rows of gate_proj and of up_proj in one
     gate_up_proj; its columns of o_proj and down_proj; its rows of the vocabulary (padded to a
     multiple of 64, then cut in equal parts, the padding zero) of embed_tokens and lm_head; the
-    rest whole."""
+    rest whole. Of an int8 checkpoint, a weight's per-row scales (`weight_scale`) as its rows."""
     out = {}
     for name, box in boxes({n: tuple(t.shape) for n, t in tensors.items()}, config, tp, rank).items():
         t = tensors[name]
@@ -266,6 +266,8 @@ def boxes(shapes: dict[str, tuple], config: dict, tp: int, rank: int) -> dict[st
         elif ".gate_proj." in name or ".up_proj." in name:
             size = shape[0] // tp
             out[name] = (0, rank * size, (rank + 1) * size)
+        elif (".o_proj." in name or ".down_proj." in name) and name.endswith("_scale"):
+            out[name] = (0, 0, shape[0])  # int8's per-row scales of a row-parallel weight: every row, on every worker
         elif ".o_proj." in name or ".down_proj." in name:
             size = shape[1] // tp
             out[name] = (1, rank * size, (rank + 1) * size)
@@ -279,6 +281,19 @@ def boxes(shapes: dict[str, tuple], config: dict, tp: int, rank: int) -> dict[st
 
 def _vocab_rows(vocab: int, tp: int) -> int:
     return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
+
+
+def save_adapter(tensors: dict[str, torch.Tensor], lora: dict, folder: Path) -> Path:
+    """A PEFT adapter's folder (adapter_config.json, adapter_model.safetensors) of the adapter's
+    tensors in PEFT's saved names, as vLLM loads an adapter from disk."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": lora["rank"], "lora_alpha": lora["alpha"], "target_modules": lora["targetModules"],
+        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    return folder
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path, quantization: str | None = None) -> Path:
@@ -307,15 +322,18 @@ class PlainServer:
     from disk holds."""
 
     def __init__(self, python: str, checkpoint: Path, port: int, tp: int, log: Path, dtype: str = "bfloat16",
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, quantization: str | None = None, lora=None):
+        """`lora` (a job.Lora): LoRA enabled for adapters of its rank, loaded at run time from folders
+        (load_adapter)."""
         from weightsync.job import Model
         from weightsync.roles.vllm_server import server_command, server_env
 
-        cmd = server_command(python, Model(path=str(checkpoint), dtype=dtype), "plain", tuple(SERVER_ARGS),
-                             "127.0.0.1", port, tensor_parallel=tp, cpu=True, expert_parallel=expert_parallel,
-                             guarded=False)
+        model = Model(path=str(checkpoint), dtype=dtype, quantization=quantization, lora=lora)
+        cmd = server_command(python, model, "plain", tuple(SERVER_ARGS), "127.0.0.1", port, tensor_parallel=tp, cpu=True,
+                             expert_parallel=expert_parallel, guarded=False)
         cmd = [a for a in cmd if a != "--weight-transfer-config" and not a.startswith('{"backend"')]
-        env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1"}
+        env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1",
+               **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora is not None else {})}
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self.proc = subprocess.Popen(cmd + ["--skip-tokenizer-init"], env=env, stdout=log.open("w"),
@@ -332,6 +350,13 @@ class PlainServer:
             assert self.proc.poll() is None, f"the plain vLLM server exited: {self.log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"the plain vLLM server did not come up within {timeout:.0f}s"
             time.sleep(0.5)
+
+    def load_adapter(self, name: str, folder: Path) -> None:
+        """vLLM's own adapter loading, from a PEFT adapter's folder, served under `name`."""
+        request = urllib.request.Request(self.url + "/v1/load_lora_adapter", json.dumps(
+            {"lora_name": name, "lora_path": str(folder)}).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120):
+            pass
 
     def stop(self) -> None:
         from weightsync.runtime.procs import VLLM_STOP_GRACE, stop

@@ -52,6 +52,11 @@ def sparse(size: int):
 
 
 LORA_ELSEWHERE = dump(example(**{"model.lora": {"rank": 4, "alpha": 8, "targetModules": ["lm_head", "nonexistent_proj"]}}))
+# fp8 weights at tensor-parallel size 4: gate_proj's 192 rows per worker cut its 128x128 blocks
+FP8_TP4 = dump(example(**{
+    "model.config": {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 512, "intermediate_size": 768,
+                     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128},
+    "model.quantization": "fp8", "inference.engine": "vllm", "inference.tensorParallel": 4, "inference.gpusPerProc": 0}))
 GOOD = EXAMPLE.read_text()
 
 # (id, the job file's content or a function of tmp_path giving it, command, words the message must hold)
@@ -97,6 +102,9 @@ ROWS = [
     ("lora-target-missing", LORA_ELSEWHERE, "run",
      ["spec.model.lora.targetModules: nonexistent_proj names no linear layer", "its linear layers are named lm_head"]),
     ("lora-target-missing-plan", LORA_ELSEWHERE, "plan", ["nonexistent_proj names no linear layer"]),
+    ("fp8-slice-cuts-a-block", FP8_TP4, "run",
+     ["rows [0, 192) of model.layers.0.mlp.gate_proj.weight [768, 512]", "cut its 128x128 blocks"]),
+    ("fp8-slice-cuts-a-block-plan", FP8_TP4, "plan", ["model.layers.0.mlp.gate_proj.weight", "cut its 128x128 blocks"]),
     ("too-big-for-memory", dump(config(vocab_size=4_000_000, n_embd=4096, n_layer=1)), "run",
      ["needs at least", "GiB", "MemAvailable", "2 trainer processes", "AdamW", "make spec.model smaller"]),
 ]

@@ -109,9 +109,13 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"model": {"config": {"model_type": "gpt2"}, "quantization": "int4"}}, "demo",
      "spec.model.quantization: 'int4' is not one of ['int8', 'fp8']"),
     ({"model": {"config": {"model_type": "gpt2"}, "quantization": "int8"}, "inference": {"tensorParallel": 1,
-      "tensorParallelSizes": [2]}}, "demo", "spec.model.quantization needs inference ranks that hold whole versions"),
-    ({"model": {"path": "/m", "quantization": "fp8", "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj"]}}},
-     "demo", "spec.model.lora and spec.model.quantization cannot be combined"),
+      "tensorParallelSizes": [2]}}, "demo",
+     "spec.model.quantization with the built-in engine needs inference ranks that hold whole versions"),
+    ({"model": {"config": {"model_type": "qwen3_moe"}, "quantization": "int8"},
+      "inference": {"tensorParallel": 2, "engine": "vllm", "gpusPerProc": 0, "vllm": {"expertParallel": True}}}, "demo",
+     "spec.model.quantization with spec.inference.vllm.expertParallel is not supported"),
+    ({"model": {"path": "/m", "quantization": "fp8", "lora": {"rank": 8, "alpha": 16, "targetModules": ["q_proj"]}},
+      "inference": {"engine": "vllm"}}, "demo", "spec.model.lora goes over int8 base weights only"),
     ({"transfer": {"verify": "sha"}}, "demo", "spec.transfer.verify"),
     ({"transfer": {"transport": "nccl", "delta": {"enabled": True}}}, "demo", "spec.transfer.delta.enabled needs transport tcp"),
     ({"transfer": {"transport": "uccl", "bucketMB": 4096}}, "demo",
@@ -183,11 +187,10 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
       "inference": {"engine": "vllm"}}, "demo", "spec.model.lora with spec.inference.engine vllm needs spec.model.path"),
     ({"model": {"config": {"model_type": "llama"}, "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
-      "inference": {"replicas": 2, "tensorParallel": 2}}, "demo", "spec.model.lora is served by whole model replicas only"),
-    ({"model": {"path": "/m", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
-      "inference": {"engine": "vllm", "vllm": {"loadAhead": True}}}, "demo", "spec.model.lora's versions are an adapter"),
+      "inference": {"replicas": 2, "tensorParallel": 2}}, "demo",
+     "spec.model.lora with the built-in engine is served by whole model replicas only"),
     ({"model": {"path": "/m", "quantization": "int8", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}}},
-     "demo", "set spec.model.lora or spec.model.quantization, not both"),
+     "demo", "spec.model.lora over quantized base weights needs spec.inference.engine vllm"),
     ({"training": {"learningRate": float("nan")}}, "demo", "spec.training.learningRate: nan is not a finite number"),
     ({"training": {"learningRate": float("inf")}}, "demo", "spec.training.learningRate: inf is not a finite number"),
     ({"training": {"steps": 2 ** 63}}, "demo", "spec.training.steps: 9223372036854775808 does not fit in 64 bits (from "
@@ -201,6 +204,24 @@ def test_invalid_jobs_are_refused_with_what_to_fix(spec, name, expected):
     with pytest.raises(SpecError) as err:
         load_job(job(spec, name=name))
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("model, inference", [
+    ({"config": {"model_type": "llama"}, "quantization": "int8"},
+     {"replicas": 2, "tensorParallel": 2, "engine": "vllm", "gpusPerProc": 0}),
+    ({"config": {"model_type": "llama"}, "quantization": "fp8"},
+     {"replicas": 2, "tensorParallelSizes": [2, 1], "engine": "vllm", "gpusPerProc": 0}),
+    ({"path": "/m", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
+     {"tensorParallel": 2, "engine": "vllm", "gpusPerProc": 0, "vllm": {"loadAhead": True}}),
+    ({"path": "/m", "quantization": "int8", "lora": {"rank": 8, "alpha": 8, "targetModules": ["q_proj"]}},
+     {"tensorParallel": 2, "engine": "vllm", "gpusPerProc": 0}),
+])
+def test_quantized_and_lora_versions_go_to_tensor_parallel_vllm_servers(model, inference):
+    """Quantized weights with their scales, and LoRA adapters (loaded ahead or not, over int8 base
+    weights too), into vLLM servers whose workers each hold their slices."""
+    loaded = load_job(job({"model": model, "inference": inference}))
+    assert loaded.model.quantization == model.get("quantization") and loaded.layout.sliced
+    assert (loaded.model.lora is None) == ("lora" not in model)
 
 
 def test_wrong_kind_is_refused():

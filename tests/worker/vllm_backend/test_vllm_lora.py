@@ -1,29 +1,60 @@
 """A job whose versions are a LoRA adapter (spec.model.lora) served by vLLM (its CPU build), for
-real: one job, one server on a Llama checkpoint, the built-in trainer training the adapter alone.
+real: one job, the built-in trainer training the adapter alone over a Llama checkpoint, and two
+servers on that checkpoint: one of vLLM's tensor parallelism (2 workers) and one of a single
+worker, both loading the adapter ahead (spec.inference.vllm.loadAhead, which leaves an adapter's
+versions as they are: they replace it in place).
 
-What is checked, after versions 1 and 2 (the trainers holding the next one back): requests that
-name the adapter run on the version just delivered (their greedy tokens are those of the
-checkpoint's model with the trainer's adapter of that version, computed by transformers in float32:
-W + alpha / rank B A, as PEFT runs it) and vLLM's generate route names that version; requests on the
-base model give the checkpoint's own tokens, version after version; the adapter changes the greedy
-tokens; the adapter the server holds is the trainer's bit for bit; and every version carries the
-adapter's bytes alone.
+What is checked, after versions 1 and 2 (the trainers holding the next one back): every worker
+received exactly its part of the adapter as vLLM's LoRA layers shard it (of a column-parallel layer
+B's rows, A whole; of a row-parallel one A's columns, B whole), the trainer's bytes, and the TP-1
+worker the whole adapter; requests that name the adapter run on the version just delivered (vLLM's
+generate route names it) and change the greedy tokens; requests on the base model give the
+checkpoint's own tokens, version after version; every version carries the adapter's bytes alone.
+
+Over float32 base weights both servers answer the greedy tokens of the checkpoint's model with the
+trainer's adapter of that version, computed by transformers in float32 (W + alpha / rank B A, as
+PEFT runs it). Over int8 base weights (an int8 checkpoint, compressed-tensors W8A8, which the
+trainer dequantizes) the reference is vLLM itself: a plain server of 2 workers on that checkpoint,
+loading each version's adapter from disk, answers the TP-2 server's tokens and holds its base
+weights (weight checker). vLLM's CPU build serves LoRA over int8 layers only with AMX tiles: its
+oneDNN int8 kernel drops the weight parameter that its LoRA layers read (AttributeError when the
+server starts), so that case runs where the CPU has them (or on a GPU) and is skipped elsewhere,
+saying why.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
-from support.vllm import LLAMA, PROMPT, VllmRun, completion, generate, post, save_checkpoint, vllm_job
+from support.vllm import (
+    LLAMA,
+    PROMPT,
+    PlainServer,
+    VllmRun,
+    boxes,
+    checker,
+    completion,
+    free_port,
+    generate,
+    post,
+    save_adapter,
+    save_checkpoint,
+    vllm_job,
+)
 from support.vllm import vllm_python as find_vllm_python
 
 from weightsync import job as contract
 from weightsync.model.build import build, greedy, meta_layout
 from weightsync.model.lora import PREFIX, adapter_layout, add_adapters
+from weightsync.model.quant import FORMATS, quantize, quantized_names
 
-pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make unit`
+pytestmark = pytest.mark.slow  # a whole job with vLLM servers: not in `make unit`
 
 LORA = {"rank": 8, "alpha": 32, "targetModules": ["q_proj", "v_proj", "o_proj", "down_proj"], "name": "tuned"}
+WORKERS = [(2, 0), (2, 1), (1, 0)]  # (tp size, tp rank) of inference ranks 0, 1 (the TP-2 server) and 2
 
 
 def tokens_with(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> list[int]:
@@ -32,41 +63,125 @@ def tokens_with(model: torch.nn.Module, tensors: dict[str, torch.Tensor] | None 
     return greedy(model, torch.tensor([PROMPT]), 8)
 
 
-def test_lora_versions_replace_the_adapter_vllm_serves_and_leave_the_base_model_alone(tmp_path):
-    python = find_vllm_python()
+def int8_checkpoint(folder):
+    """The tests' Llama (seed 3) quantized to int8 with its per-row scales, as a compressed-tensors checkpoint."""
     base = build(contract.Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
-    checkpoint = save_checkpoint(dict(base.state_dict()), LLAMA, tmp_path / "base")
-    obj = vllm_job("vllm-lora", trainers=1, servers=1, steps=6, dtype="float32", checkpoint=checkpoint,
-                   lora=LORA).to_object()  # versions 0..3
+    names, fmt = quantized_names(base), FORMATS["int8"]
+    tensors = {}
+    for name, tensor in base.state_dict().items():
+        if name in names:
+            tensors[name], tensors[fmt.scale_name(name)] = quantize(tensor, fmt)
+        else:
+            tensors[name] = tensor
+    return save_checkpoint(tensors, LLAMA, folder, "int8")
+
+
+def part_of(name: str, adapter: dict[str, torch.Tensor], tp: int, rank: int) -> torch.Tensor:
+    """What worker `rank` of `tp` holds of adapter tensor `name`: A takes its base weight's columns
+    on this worker, B its rows (the tests' statement of vLLM's base layout, support.vllm.boxes)."""
+    layer = name[len(PREFIX):].rpartition(".lora_")[0]
+    a, b = adapter[f"{PREFIX}{layer}.lora_A.weight"], adapter[f"{PREFIX}{layer}.lora_B.weight"]
+    weight = f"{layer}.weight"
+    dim, start, stop = boxes({weight: (b.shape[0], a.shape[1])}, LLAMA, tp, rank)[weight]
+    if name.endswith(".lora_A.weight"):
+        return a[:, start:stop] if dim == 1 else a
+    return b[start:stop] if dim == 0 else b
+
+
+def int8_lora_runs_here() -> str | None:
+    """Why vLLM cannot serve LoRA over int8 layers here, or None where it can (AMX tiles, or CUDA)."""
+    if torch.cuda.is_available():
+        return None
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    if "amx_tile" in flags.split():
+        return None
+    return ("vLLM's CPU build keeps an int8 layer's weight parameter, which its LoRA layers read, only with AMX tiles "
+            "(its oneDNN int8 kernel drops it), and this CPU has none (no amx_tile in /proc/cpuinfo) and there is no GPU")
+
+
+@pytest.mark.parametrize("base", ["float32", "int8"])
+def test_lora_versions_reach_tensor_parallel_vllm_servers_as_vllm_shards_them(tmp_path, base):
+    why = int8_lora_runs_here() if base == "int8" else None
+    if why is not None:
+        pytest.skip(why)
+    python = find_vllm_python()
+    plain_model = build(contract.Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
+    if base == "int8":
+        checkpoint = int8_checkpoint(tmp_path / "base")
+    else:
+        checkpoint = save_checkpoint(dict(plain_model.state_dict()), LLAMA, tmp_path / "base")
+    obj = vllm_job("vllm-lora", trainers=1, servers=2, steps=6, dtype="float32", checkpoint=checkpoint, lora=LORA,
+                   quantization="int8" if base == "int8" else None, ahead=True,
+                   tensorParallelSizes=[2, 1]).to_object()  # versions 0..3
     obj["spec"]["training"]["learningRate"] = 3e-2
     job = contract.load_job(obj)
     run = VllmRun(tmp_path, job, python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"])
-    base_tokens = tokens_with(base)
-    merged = add_adapters(build(contract.Model(path=str(checkpoint), dtype="float32"), dtype="float32"), job.model.lora)
-    served: list[list[int]] = []
+    merged = add_adapters(build(contract.Model(path=str(checkpoint), dtype="float32"), dtype="float32"), job.model.lora) \
+        if base == "float32" else None
+    base_tokens: dict[str, list[int]] = {}
+    tuned: dict[int, list[list[int]]] = {}
+    checksums = {}
     try:
         for version in (1, 2):
             run.reach(f"trainer-0-before-go-v{version + 1}")
-            server = run.servers[0]
-            run.serving(server, version)
-            trainer = torch.load(tmp_path / "dump" / f"trainer-0-v{version}.pt")["tensors"]
-            tokens = completion(server, "tuned")
-            assert tokens == tokens_with(merged, trainer), f"version {version}: the adapter vLLM serves is not the trainer's"
-            assert generate(server, "tuned")["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
-            assert completion(server, job.name) == base_tokens, f"version {version}: the base model's tokens changed"
-            held = torch.load(tmp_path / "dump" / f"inference-0-v{version}.pt")["tensors"]
-            for name, tensor in held.items():  # PEFT's saved names: the module's own, its adapter key dropped
-                want = trainer[name[len(PREFIX):].replace(".weight", ".default.weight")]
-                assert torch.equal(tensor, want), f"version {version}: {name} is not the trainer's"
-            served.append(tokens)
+            for server in run.servers:
+                run.serving(server, version)
+                base_tokens.setdefault(server, completion(server, job.name))
+                assert completion(server, job.name) == base_tokens[server], f"version {version}: the base model changed"
+                assert generate(server, "tuned")["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
+            tuned[version] = [completion(server, "tuned") for server in run.servers]
+            if merged is not None:
+                trainer = torch.load(tmp_path / "dump" / f"trainer-0-v{version}.pt")["tensors"]
+                want = tokens_with(merged, trainer)
+                assert tuned[version] == [want, want], f"version {version}: the adapter vLLM serves is not the trainer's"
+            checksums[version] = checker(run.servers[0], "checksum", key=run.key)["checksums"]
             run.release(f"trainer-0-before-go-v{version + 1}")
         end = run.finish()
     finally:
         run.local.stop()
     assert end["state"] == "Succeeded", end
-    assert any(tokens != base_tokens for tokens in served), "the adapter never changed the greedy tokens"
+    if merged is not None:
+        checkpoints = tokens_with(plain_model)
+        assert all(tokens == checkpoints for tokens in base_tokens.values()), "the base model is not the checkpoint's"
+    for s, server in enumerate(run.servers):
+        assert any(tuned[v][s] != base_tokens[server] for v in (1, 2)), f"{server}: the adapter never changed the tokens"
+    adapters = {}
+    for version in (1, 2):
+        trainer = torch.load(tmp_path / "dump" / f"trainer-0-v{version}.pt")["tensors"]
+        adapters[version] = {n: trainer[n[len(PREFIX):].replace(".weight", ".default.weight")]
+                             for n in adapter_layout(job.model).names}  # PEFT's saved names
+        for rank, (tp, tp_rank) in enumerate(WORKERS):
+            held = torch.load(tmp_path / "dump" / f"inference-{rank}-v{version}.pt")["tensors"]
+            assert sorted(held) == sorted(adapters[version]), f"inference rank {rank} holds other tensors"
+            for name in adapters[version]:
+                assert torch.equal(held[name], part_of(name, adapters[version], tp, tp_rank)), \
+                    f"version {version}: inference rank {rank} (TP rank {tp_rank} of {tp}) differs in {name}"
+    logs = run.log(2)  # the TP-2 server's pod (ordinal 2; the TP-1 server's is 3)
+    assert "loaded ahead" not in logs + run.log(3)
     adapter = adapter_layout(job.model).total_bytes
-    assert {t["bytes"] for t in run.local.transfers} == {adapter}
+    shares = [int(n) for n in re.findall(rf"tensor-parallel rank \d of 2 .*?: receives (\d+) of {adapter} bytes", logs)]
+    assert len(shares) == 2 and all(n < adapter for n in shares), logs[-2000:]
+    # every version: the adapter's bytes alone, the TP-2 workers' parts and the TP-1 worker's whole
+    assert {(t["version_bytes"], t["bytes"]) for t in run.local.transfers} == {(adapter, adapter + sum(shares))}
     assert adapter * 20 < meta_layout(job.model).total_bytes
-    with pytest.raises(OSError):  # the server is gone with its job
+    with pytest.raises(OSError):  # the servers are gone with their job
         post(run.servers[0], "/v1/completions", {"model": "tuned", "prompt": PROMPT}, timeout=5)
+    if base == "int8":
+        served_like_vllms_own_adapter_load(python, checkpoint, tmp_path, job, adapters, tuned, checksums)
+
+
+def served_like_vllms_own_adapter_load(python, checkpoint, tmp_path, job, adapters, tuned, checksums) -> None:
+    """A plain server of 2 workers on the checkpoint, each version's adapter loaded from disk by
+    vLLM itself: the TP-2 server's tokens, and its base weights."""
+    plain = PlainServer(python, checkpoint, free_port(), 2, tmp_path / "plain.log", dtype="float32",
+                        quantization="int8", lora=job.model.lora)
+    try:
+        plain.wait_up()
+        for version in (1, 2):
+            plain.load_adapter(f"v{version}", save_adapter(adapters[version], LORA, tmp_path / f"adapter-v{version}"))
+            assert completion(plain.url, f"v{version}") == tuned[version][0], \
+                f"version {version}: the TP-2 server's adapter runs otherwise than vLLM's own load of it"
+            assert checker(plain.url, "compare", checksums[version]) == {"match": True, "mismatches": []}, \
+                f"version {version}: the base weights differ from vLLM's own load of the checkpoint"
+    finally:
+        plain.stop()

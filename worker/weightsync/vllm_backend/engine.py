@@ -54,17 +54,12 @@ from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle
 from weightsync.vllm_backend import end_server, follow_server, lora_problem
 from weightsync.vllm_backend.adapter import Adapters
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
+from weightsync.vllm_backend.experts import check_experts, cpu_packed, pack_experts, split_experts
+from weightsync.vllm_backend.lora_shards import adapter_parts, whole_adapter
+from weightsync.vllm_backend.parts import UnsupportedLayer
 from weightsync.vllm_backend.place import joining, place_of
-from weightsync.vllm_backend.shards import (
-    UnsupportedLayer,
-    check_experts,
-    cpu_packed,
-    pack_experts,
-    presharded,
-    split_experts,
-    worker_needs,
-    worker_parts,
-)
+from weightsync.vllm_backend.served import served_parameters
+from weightsync.vllm_backend.shards import presharded, worker_needs, worker_parts
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
 
@@ -111,9 +106,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.group = ctx.job.layout.tp_group(self.rank)
         if lora is None:
             self.layout, self.adapters = meta_layout(ctx.job.model), None
-            needs = self._needs()
         else:  # versions are the adapter alone: the base weights are the checkpoint's, loaded by vLLM
-            self.layout, self.adapters, needs = adapter_layout(ctx.job.model), self._adapters(lora), None
+            self.layout, self.adapters = adapter_layout(ctx.job.model), self._adapters(lora)
+        needs = self._needs()
         keep_onednn_scales(self.model)
         self.local = None if needs is None else LocalLayout.of(self.layout, needs)
         # one staging buffer; with delta versions a second, holding the version loaded (the base);
@@ -122,7 +117,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         staging = self.layout.total_bytes if self.local is None else self.local.total_bytes
         self.buffers = [torch.zeros(staging, dtype=torch.uint8, device=self.device) for _ in range(2 if delta else 1)]
         self.staging_index, self.loaded, self.staged = 0, None, None
-        self.ahead = ctx.job.inference.vllm.load_ahead
+        # an adapter's version replaces the one before in place: there is nothing to load ahead
+        self.ahead = ctx.job.inference.vllm.load_ahead and self.adapters is None
         self.prepared: Prepared | None = None  # with loadAhead: the staged version, loaded into a shadow
         self.spares: dict = {}  # the last prepared version's kernel tensors, the next prepare's
         # a commit swaps storages where the model runs eagerly on the CPU, else copies (ahead.py)
@@ -240,7 +236,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         if prepared is not None:
             commit(prepared, self.model_config, swap=self.swap)
         elif self.adapters is not None:
-            self.adapters.replace(self._tensors(buffer))
+            tensors = self._tensors(buffer)
+            self.adapters.replace(tensors if self.parts is None else whole_adapter(self.local, self.layout, tensors))
         else:
             self.load(buffer)
         if self.device.type == "cuda":
@@ -254,7 +251,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             what = f"the LoRA adapter {self.ctx.job.model.lora.name} of " if self.adapters is not None else ""
             log(self.me, f"loaded {what}version {version} into vLLM in {seconds:.3f}s")
         if dumping():
-            served = dict(self.adapters.tensors) if self.adapters is not None else served_parameters(self.model)
+            # an adapter: the tensors (or the worker's parts of them) it received and loaded
+            served = dict(self._tensors(buffer)) if self.adapters is not None else served_parameters(self.model)
             dump(INFERENCE, self.rank, version, served, None)
         with self.cond:
             self.loaded, self.staged, self.load_seconds = version, None, seconds
@@ -313,7 +311,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             self.parts = None
             return needs_everything(self.layout, self.rank)
         try:
-            self.parts = worker_parts(self.model, self.layout)
+            if self.adapters is not None:
+                self.parts = adapter_parts(self.model, self.layout, self.vllm_config.lora_config)
+            else:
+                self.parts = worker_parts(self.model, self.layout, format_of(self.ctx.job.model.quantization))
         except UnsupportedLayer as e:
             raise ValueError(f"{self.me}: tensor-parallel size {tp}: {e}") from None
         self.loads_as = {(p.tensor, p.box): p.loads_as for p in self.parts if p.loads_as}
@@ -363,9 +364,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         return self._parts(buffer)
 
     def _parts(self, buffer):
-        dtype = torch_dtype(self.layout.dtype)
         for slot in self.local.slots:
-            part = buffer[slot.offset:slot.offset + slot.nbytes].view(dtype).view(slot.shape)
+            part = buffer[slot.offset:slot.offset + slot.nbytes].view(torch_dtype(slot.dtype)).view(slot.shape)
             names = self.loads_as.get((slot.name, slot.box))
             if names:  # experts of one tensor of every expert, loaded as one expert's tensors each (shards.py)
                 yield from zip(names, part.unbind(0))
@@ -383,7 +383,9 @@ def keep_onednn_scales(model: torch.nn.Module) -> int:
     the layer's and drops them, so the handler reads freed memory (vLLM's own reload_weights from
     disk does the same: its greedy tokens change while its weight checker sees no difference).
     Each such kernel keeps the tensors its handler was last made with, so the handler reads
-    the scales it was made from. Returns the kernels it keeps tensors for."""
+    the scales it was made from; where the tests dump what a worker serves (runtime/faults.py),
+    also a copy of the int8 weight the handler was made from, which the handler holds packed and
+    the layer no longer has (served.int8_weight). Returns the kernels it keeps tensors for."""
     count = 0
     for layer in model.modules():
         kernel = getattr(getattr(layer, "scheme", None), "kernel", None)
@@ -392,49 +394,12 @@ def keep_onednn_scales(model: torch.nn.Module) -> int:
             continue
 
         def keeping(layer, make=make, kernel=kernel):
+            loaded = layer.weight.detach().clone() if dumping() else None
             make(layer)
             kernel.weightsync_kept = {n: t for n, t in layer.named_parameters(recurse=False)}
+            kernel.weightsync_loaded = loaded
 
         keeping.keeps_tensors = True
         kernel.process_weights_for_onednn = keeping
         count += 1
     return count
-
-
-def unpacked(weight: torch.Tensor, experts) -> torch.Tensor:
-    """Fused experts' weights as loaded, from the layout vLLM's CPU build packs them in (its
-    grouped-GEMM kernel's; shards.pack_experts): the packing only moves elements, so packing their
-    indices says where each went."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    if weight.dtype != torch.float32 or weight.numel() >= 1 << 24:
-        raise ValueError(f"reading packed experts back needs float32 weights of fewer than 2**24 elements, not "
-                         f"{weight.dtype} {list(weight.shape)}")
-    where = cpu_prepack_moe_weight(torch.arange(weight.numel(), dtype=torch.float32).view(weight.shape), experts.isa)
-    out = torch.empty_like(weight).view(-1)
-    out[where.view(-1).long()] = weight.reshape(-1)
-    return out.view(weight.shape)
-
-
-def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as the model computes with it, for the tests' dumps. vLLM's CPU build
-    repacks a linear layer's weight for its GEMM kernel (oneDNN, or its own small-GEMM kernel) and
-    leaves the parameter empty: such a weight is read back through the layer's own kernel, an
-    identity in and the weight's transpose out, and packed experts are unpacked, so a check sees
-    what vLLM serves."""
-    modules = dict(model.named_modules())
-    out = {}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            tensor = param.detach()
-            module = modules.get(name.rpartition(".")[0])
-            packed = cpu_packed(module) if name.endswith(("w13_weight", "w2_weight")) else None
-            if packed is not None:
-                tensor = unpacked(tensor, packed)
-            if tensor.numel() == 0 and name.endswith(".weight") and hasattr(module, "cpu_linear"):
-                # a replicated layer (a router's gate) has all of its input
-                size = getattr(module, "input_size_per_partition", None) or module.input_size
-                identity = torch.eye(size, dtype=tensor.dtype, device=tensor.device)
-                tensor = module.cpu_linear(identity, tensor, None).t()
-            out[name] = tensor.cpu().clone()
-    return out
