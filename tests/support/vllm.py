@@ -13,6 +13,7 @@ import os
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -165,11 +166,25 @@ def weight_version(server: str) -> str | None:
         return None
 
 
-def completion(server: str, job_name: str, prompt: list[int] = PROMPT) -> list[int]:
-    """A greedy completion through the OpenAI API (token ids in and out: the job's model has no tokenizer)."""
+def completion(server: str, job_name: str, prompt: list[int] = PROMPT, key: str | None = None) -> list[int]:
+    """A greedy completion through the OpenAI API (token ids in and out: the job's model has no tokenizer);
+    `key`, the job's control key, signs it: served whatever the server holds (a client's request is
+    served only while the server holds the fleet's version: vllm_backend/admission.py)."""
     got = post(server, "/v1/completions", {"model": job_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                           "return_token_ids": True})
+                                           "return_token_ids": True}, key=key)
     return got["choices"][0]["token_ids"]
+
+
+def refused_before_version_0(server: str, job_name: str) -> None:
+    """A job's server that holds no version of the job's yet answers a client 503, saying so."""
+    try:
+        completion(server, job_name)
+    except urllib.error.HTTPError as e:
+        said = e.read().decode(errors="replace")
+        assert e.code == 503 and e.headers.get("X-Weightsync-Version") == "none", (e.code, said)
+        assert "holds no version of the job yet" in said, said
+    else:
+        raise AssertionError(f"{server} served a client before it held a version of the job's")
 
 
 def generate(server: str, job_name: str, tokens: int = 8) -> dict:

@@ -153,3 +153,11 @@ def test_only_the_controller_moves_the_fleet_and_a_server_of_no_job_serves_every
     plain = ControlGuard(None, {})
     assert ask(plain, "/v1/completions").reached
     assert ask(plain, admission.ROUTE, method="GET").body == {"admitted": True, "job": None}
+
+
+def test_a_request_signed_with_the_jobs_key_reads_whatever_the_server_holds(clock):
+    """The controller's key may load and reset the weights anyway: it may also read the start-up
+    weights, as a test compares them with vLLM's own load of the checkpoint."""
+    guard = ControlGuard(None, JOIN)
+    assert ask(guard, "/v1/completions", body={"prompt": "hi"}, signed=True).reached
+    assert ask(guard, "/v1/completions", body={"prompt": "hi"}).status == 503

@@ -41,6 +41,7 @@ from support.vllm import (
     checker,
     checksums_then_reset,
     completion,
+    refused_before_version_0,
     save_checkpoint,
     shards,
     vllm_job,
@@ -101,7 +102,8 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
         server = run.servers[0]
         run.up(server)
         if not expert_parallel:
-            out.plain_tokens = completion(server, name)
+            refused_before_version_0(server, name)  # no client is served the start-up weights
+            out.plain_tokens = completion(server, name, key=run.key)
         own = checksums_then_reset(run, [server])[0][server]
         run.release(HOLD)
         run.reach(PAUSE)

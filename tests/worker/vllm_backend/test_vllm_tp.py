@@ -35,6 +35,7 @@ from support.vllm import (
     checker,
     checksums_then_reset,
     completion,
+    refused_before_version_0,
     save_checkpoint,
     shards,
     vllm_job,
@@ -91,7 +92,9 @@ def tp_run(tmp_path_factory) -> TpRun:
             run.reach(f"{t}-before-ready-v0")
         for s in run.servers:
             run.up(s)
-        out.tokens[-1] = [completion(s, job.name) for s in run.servers]
+        for s in run.servers:  # no client is served the start-up weights: the server holds no version of the job's
+            refused_before_version_0(s, job.name)
+        out.tokens[-1] = [completion(s, job.name, key=run.key) for s in run.servers]
         out.plain, out.reset = checksums_then_reset(run, run.servers)
         for t in TRAINERS:
             run.release(f"{t}-before-ready-v0")

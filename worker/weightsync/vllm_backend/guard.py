@@ -164,8 +164,13 @@ class ControlGuard:
 
     def _admits(self, scope: Scope, path: str) -> tuple[int, str, list] | None:
         """(status, message, headers) where a client's request must not reach a server out of its
-        job's fleet (admission.py); None where it may, as any request to a server of no job."""
+        job's fleet (admission.py); None where it may, as any request to a server of no job, and
+        one signed with the job's control key (which may load and reset the weights anyway: it
+        reads what the server holds, whatever that is)."""
         if self.key is None or path not in admission.GENERATION_ROUTES or scope["type"] != "http":
+            return None
+        given = _bearer(scope)
+        if given and self._refusal(given, scope) is None:
             return None
         try:
             floor = admission.min_version(scope.get("headers", ()))
