@@ -3,6 +3,7 @@ signed plan and endpoints, restarts and rejoins, failures, silent ranks and who 
 version schedule."""
 import dataclasses
 import json
+import socket
 import threading
 import time
 
@@ -295,6 +296,23 @@ def test_a_reported_failure_with_every_rank_alive_is_blamed_on_the_reporter(host
         host.wait_ranks(["ready/0/0"], "the trainers", timeout=20)
     for m in members.values():
         m.stop_heartbeat()
+
+
+def test_a_heartbeat_that_failed_once_goes_on_with_a_new_client():
+    """One call that fails (a busy store, a reset connection) must not silence a rank that lives:
+    the rank would be counted away for good, and end itself when the next version comes."""
+    host, members = started()
+    rank = members[("inference", 0)]
+    rank.start_heartbeat()
+    first = rank.beating
+    first.store._sock.shutdown(socket.SHUT_RDWR)  # the heartbeat's connection, reset
+    before = host.store.add(Keys.beat("inference", 0), 0)
+    deadline = time.monotonic() + 20
+    while (rank.beating is first or host.store.add(Keys.beat("inference", 0), 0) <= before + 1) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rank.beating is not first and host.store.add(Keys.beat("inference", 0), 0) > before + 1
+    rank.stop_heartbeat()
 
 
 def test_a_checksum_mismatch_is_the_reporters_own_failure_counted_as_a_failed_verification():

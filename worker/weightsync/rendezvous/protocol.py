@@ -263,6 +263,7 @@ class Member(Channel):
         self.resumes_seen: int | None = None  # a trainer's: the resumes begun when it joined (watch_resumes)
         self.attempt = 0  # set by join(): 1 for the rank's first process, then one more per restart
         self._beat: threading.Event | None = None
+        self.beating: Channel | None = None  # the heartbeat thread's client of the store
         self._watcher: Channel | None = None
 
     @property
@@ -505,15 +506,22 @@ class Member(Channel):
 
     def start_heartbeat(self) -> None:
         stop = self._beat = threading.Event()
-        channel = self.client()
+        channel = self.beating = self.client()  # the heartbeat's own client (another, where one call failed)
         key = Keys.beat(self.role, self.rank)
 
         def beat():
+            failed = None
             while not stop.wait(HEARTBEAT):
                 try:
-                    channel.store.add(key, 1)
-                except Exception:  # noqa: BLE001 - the controller is gone; the main thread finds out on its own
-                    return
+                    self.beating = self.beating or self.client()
+                    self.beating.store.add(key, 1)
+                    failed = None
+                except Exception as e:  # noqa: BLE001 - one call that failed (a busy store, a reset connection)
+                    # must not silence the rank for good: a new client at the next beat; where the
+                    # controller is gone, the main thread finds out on its own
+                    if failed is None:
+                        self.say(f"a heartbeat did not reach the controller ({e}); trying again every {HEARTBEAT:g}s")
+                    failed, self.beating = e, None
 
         channel.store.add(key, 1)
         threading.Thread(target=beat, name="heartbeat", daemon=True).start()
