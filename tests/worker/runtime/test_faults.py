@@ -107,7 +107,10 @@ def test_inference_ranks_killed_at_each_point_of_a_version_rejoin_every_time_and
     # versions 1 to 3 each lost rank 1 on the way (it was back, receiving, when the next kill came:
     # verifying version 2 means it had all of it); the final version it got again once back
     assert applied[1] == [0, 4], applied
-    assert faulty.log(faulty.pod("inference", 1)).count("taken back at") >= kills[1] - 1
+    # every start rejoined the running job; whether a start was taken back before the next kill
+    # struck it (it may be killed in its first handshake with a trainer) is the machine's timing
+    said = faulty.log(faulty.pod("inference", 1))
+    assert said.count("rejoining the running job") == kills[1] and "taken back at version 4" in said, said[-3000:]
     assert_nothing_left(faulty.local)
 
 
