@@ -5,16 +5,22 @@ after every few steps. The backend is the init info's class and nothing else:
     WeightsyncTrainerInitInfo(rank=rank)                          # weightsync: every rank its own rows
     NCCLTrainerInitInfo(rank=rank, master_address=..., master_port=..., world_size=...)  # vLLM's, on GPUs
 
-With weightsync the servers are a job's inference ranks and this script its trainers (both
-external), joined through the job's three variables in the environment:
+With weightsync there is no job file to write. The servers and the trainer share one secret in
+their environment (WEIGHTSYNC_TOKEN, or WEIGHTSYNC_TOKEN_FILE naming a file that holds it), and each
+server runs weightsync's backend behind its guard:
 
-    weightsync run job.yaml --join-env join.env      # the job: spec.trainer.external, spec.inference.engine vllm
-    set -a; . join.env; set +a
-    torchrun --standalone --nproc-per-node 2 vllm_trainer_api.py --config '{"model_type": "llama", ...}' \\
+    export WEIGHTSYNC_TOKEN=$(openssl rand -hex 32)
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port 8000 --weight-transfer-config '{"backend": "weightsync"}' \
+        --middleware weightsync.vllm_backend.guard.ControlGuard       # and another on 8001
+    torchrun --standalone --nproc-per-node 2 vllm_trainer_api.py --config '{"model_type": "llama", ...}' \
         --server http://127.0.0.1:8000 --server http://127.0.0.1:8001
 
-The model must be the one the job's spec.model describes. Every rank calls send_weights(); it
-returns once every server serves the new version, whose number is the servers' weight_version.
+Trainer rank 0 runs the job's controller; each server learns where to join from the trainer's
+init. With a job of your own instead (`weightsync run job.yaml --join-env join.env`, its trainers
+and servers external), source join.env in every process, and the script joins that job.
+
+The model must be the one the servers serve. Every rank calls send_weights(); it returns once
+every server serves the new version, whose number is the servers' weight_version.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,16 +50,21 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--send-every", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--save", help="write the final weights here (rank 0, gathered once at the end)")
+    parser.add_argument("--checkpoints", help="after each send, the weights sent as a Hugging Face checkpoint in "
+                        "DIR/step-N (rank 0; gathered, for comparing with a server that loads it from disk)")
+    parser.add_argument("--min-available", type=int, help="weightsync: the servers' workers the run needs (default all)")
+    parser.add_argument("--away-grace", type=int, help="weightsync: seconds a server may be away before it is dropped "
+                        "(or, below --min-available, the run fails)")
     return parser.parse_args()
 
 
 def init_info(args, rank: int, world: int):
     """The one line that picks the backend."""
     if args.backend == "weightsync":
-        from weightsync.vllm_backend.trainer import WeightsyncTrainerInitInfo  # registers the engine
+        from weightsync.integrations.vllm import WeightsyncTrainerInitInfo  # registers the engine
 
-        return WeightsyncTrainerInitInfo(rank=rank, world_size=world)
+        return WeightsyncTrainerInitInfo(rank=rank, world_size=world, min_available=args.min_available,
+                                         away_grace_seconds=args.away_grace)
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     host, port = args.master.rsplit(":", 1)  # vLLM's nccl engine sends from rank 0 alone, to one server
@@ -66,6 +79,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     torch.manual_seed(0)  # the same initial weights on every rank
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(args.config))).to(device)
+    model.config.architectures = [type(model).__name__]  # what a server built from a checkpoint of it builds
     for module in model.modules():
         if type(module).__name__ in (model._no_split_modules or []):
             fully_shard(module)
@@ -80,9 +94,12 @@ def main() -> None:
     vocab = model.config.vocab_size
     for step in range(args.steps + 1):
         if step % args.send_every == 0 or step == args.steps:
+            began = time.perf_counter()
             engine.send_weights()
             if rank == 0:
-                print(f"step {step}: sent", flush=True)
+                print(f"step {step}: sent in {time.perf_counter() - began:.3f}s", flush=True)
+            if args.checkpoints:
+                save(model, Path(args.checkpoints) / f"step-{step}", rank)
         if step == args.steps:
             break
         tokens = torch.randint(vocab, (4, 32), generator=generator).to(device)
@@ -91,15 +108,22 @@ def main() -> None:
         loss.backward()
         optimizer.step()
     engine.shutdown()
-
-    if args.save:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(weights, args.save)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save(model, folder: Path, rank: int) -> None:
+    """The model's weights as a Hugging Face checkpoint (config.json, model.safetensors), gathered
+    from every rank's shards (a collective: every rank calls it), written by rank 0."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(folder)
+        save_file({name: t.contiguous() for name, t in weights.items()}, str(folder / "model.safetensors"))
+    dist.barrier()
 
 
 if __name__ == "__main__":

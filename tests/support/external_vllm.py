@@ -42,6 +42,8 @@ class ExternalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = server_command(python, model, name, SERVER_ARGS, "127.0.0.1", self.port)
+        if model.path is not None:  # a checkpoint as save_checkpoint writes it, without a tokenizer
+            cmd.append("--skip-tokenizer-init")
         environ = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
         environ.update({"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **join, **(env or {})})
         if url is not None:
@@ -67,6 +69,14 @@ class ExternalServer:
         except OSError:
             return None
 
+    def up(self, timeout: float = UP_TIMEOUT) -> None:
+        """Wait until the server answers (it names the version it serves: vLLM's "default" before any)."""
+        deadline = time.monotonic() + timeout
+        while self.weight_version() is None:
+            assert self.proc.poll() is None, f"the vLLM server at {self.url} exited:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"{self.url} did not answer within {timeout:.0f}s"
+            time.sleep(0.5)
+
     def serving(self, version: int, timeout: float = UP_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while self.weight_version() != str(version):
@@ -79,11 +89,21 @@ class ExternalServer:
         os.killpg(self.proc.pid, 9)
         self.proc.wait(30)
 
-    def kill_api_server(self) -> None:
-        """Only the server's own process (vLLM's API server) killed, as the kernel's OOM killer or a
-        crash takes one process: its engine core and workers are left to end with it."""
-        self.proc.kill()
-        self.proc.wait(30)
+    def kill_engine_core(self) -> int:
+        """Only the server's engine core killed (SIGKILL), as the kernel's OOM killer takes the
+        process that holds the model: its workers end with it, its API server lives on. Its pid."""
+        cores = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except OSError:  # ended while we looked
+                continue
+            if int(fields[1]) == self.proc.pid and b"EngineCore" in cmdline:  # the API server's child, by vLLM's title
+                cores.append(int(stat.parent.name))
+        assert len(cores) == 1, f"the vLLM server at {self.url} has engine cores {cores}"
+        os.kill(cores[0], 9)
+        return cores[0]
 
     def all_gone(self) -> bool:
         """Whether no process of the server's process group runs any more (an orphan that ended is

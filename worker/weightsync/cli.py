@@ -144,7 +144,7 @@ def _plan(args) -> int:
 
 
 def job_plan(job, fsdp: int | None = None):
-    """The plan the controller computes for `job` (contract.Job), from the spec alone: its model
+    """The plan the controller computes for `job` (job.spec.Job), from the spec alone: its model
     built on the meta device, its trainer ranks holding every tensor whole (the built-in trainer,
     DDP) or, with `fsdp`, FSDP2 shards of that degree, and its tensor-parallel ranks the slices of
     the model's own TP plan, over the transport its ranks would choose on this machine."""

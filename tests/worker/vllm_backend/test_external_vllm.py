@@ -4,14 +4,19 @@ vLLM's OpenAI-compatible server (its CPU build) itself with the variables of FIL
 weightsync as its weight-transfer backend; nobody calls the server afterwards but the controller.
 
 What is checked: the server's worker joins by itself as vLLM builds it, and every version it serves
-is the trainer's, bit for bit; after the job it goes on serving the last one. Its API server process
-alone killed in the middle of loading a version (its server paused), its engine core and worker
-end with it, and the version goes on without it; started again under its URL, it rejoins and
-receives the next version in full. With both roles
-external (the user's torchrun of examples/integrations/vllm_trainer_api.py as the trainers, two
-FSDP2 ranks written against vLLM's own trainer API with weightsync's init info; `weightsync run`
-runs the controller alone) each rank sends half of every version, and the last version the server
-serves is the script's final weights. While
+is the trainer's, bit for bit; after the job it goes on serving the last one. Its engine core
+alone killed in the middle of loading a version (its server paused; the OOM killer takes the
+process that holds the model), its worker ends with it, and the version goes on without it at
+once, not when the controller's load call, which the API server holds open, would have timed out;
+the user then ends what is left of the server and starts it again under its URL: it rejoins and
+receives the next version in full, three versions after it went away, and a client asking it
+every 0.2 s from its start is refused (503, naming no version) until it holds the fleet's
+version, then answered only from that version. Without a job file (the user's torchrun of
+examples/integrations/vllm_trainer_api.py, two FSDP2 ranks written against vLLM's own trainer API
+with weightsync's init info, into two vLLM servers started with nothing but a secret shared with
+the trainer): trainer rank 0 runs the job's controller, each server joins at the trainer's init,
+every version is what vLLM's own reload of the trainer's checkpoint from disk holds, each rank
+sends half of it, and a server killed between two sends is counted away. While
 the job runs, servers that cannot join exit, each with its one line in its log, and none of them
 receives or loads anything: a server of another model (its worker refuses itself, having read the
 job) and one without WEIGHTSYNC_VLLM_SERVER (refused before vLLM loads the model); and the claim
@@ -29,7 +34,7 @@ import io
 import json
 import os
 import re
-import shlex
+import secrets
 import subprocess
 import time
 import urllib.error
@@ -37,7 +42,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 from support.external_vllm import (
     LLAMA,
     SERVER_ARGS,
@@ -46,12 +50,13 @@ from support.external_vllm import (
     ExternalServer,
     assert_served_bit_for_bit,
     free_port,
-    fused,
     read_join_file,
     vllm_python,
 )
-from support.jobs import as_bytes
+from support.vllm import checker, completion, post, save_checkpoint
+from support.vllm_asker import Asker, spans
 from support.waits import until
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightsync.job import API_VERSION, KIND, TORCHRUN_VARS, Model, load_job
 from weightsync.job.join import Join, JoinEnv
@@ -66,6 +71,7 @@ from weightsync.vllm_backend.guard import sign
 pytestmark = pytest.mark.slow  # whole jobs and vLLM servers as processes: not in `make unit`
 
 OTHER = {**LLAMA, "intermediate_size": 384}  # another model: its MLP's shapes differ
+NO_JOB = "vllm-trainer"  # the job a trainer with no job file runs (its init info's default name)
 RUN_TIMEOUT = 900.0
 
 
@@ -168,19 +174,25 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
 
         (pause / "trainer-0-before-ready-v1.release").touch()
         reach(pause, "inference-0-loading-v3", local)  # the server paused for version 3's load
-        # only its API server process killed: its engine core and worker, which beat for the rank,
-        # end with it at once, so the controller takes the server for gone (not for a live server
-        # that failed the load, which would fail the job)
-        server.kill_api_server()
-        until("the server's engine core and worker ending with its API server", server.all_gone, 10)
+        # only its engine core killed: its worker, which beats for the rank, ends with it, so the
+        # controller takes the server for gone (not for a live server that failed the load, which
+        # would fail the job), and gives up the load call the API server holds open
+        server.kill_engine_core()
+        killed = time.monotonic()
         controller_log = local.pods[0].log
         until("the controller counting the killed server away",
               lambda: "inference rank 0 is away" in controller_log.read_text(errors="replace"), 60)
         until("version 3 going on without the killed server", lambda: "version 3 goes on without them"
               in controller_log.read_text(errors="replace"), 60)
+        took = time.monotonic() - killed
+        assert took < job.transfer.timeout / 2, f"version 3 went on {took:.0f}s after the engine core died"
+        print(f"engine core killed mid-load: version 3 went on without the server {took:.1f}s later "
+              f"(the load call's deadline: {job.transfer.timeout:.0f}s)")
+        server.stop()  # what is left of it (its API process), as the user's supervisor ends a server whose engine died
         back = ExternalServer(python, job.model, job.name, join, tmp_path / "back.log", url=server.url,
                               port=server.port, env={DUMP_DIR_ENV: str(dump)})
         servers.append(back)
+        client = Asker(back.url, job.name, 0.2)  # a client of the server that joins late, from its start on
         until("the restarted server rejoining",
               lambda: "inference rank 0 rejoined (start 2" in controller_log.read_text(errors="replace"), UP_TIMEOUT)
         (pause / "trainer-0-before-go-v4.release").touch()
@@ -191,6 +203,15 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         assert [t["inference_ranks"] for t in local.transfers] == [1, 1, 1, 0, 0, 1], local.transfers
         assert back.weight_version() == "5", "the server stopped serving the last version at the job's end"
         assert back.proc.poll() is None
+        until("the server that joined late answering its client", client.admitted, 60)
+        client.stop()
+        # three versions after it went away (3 and 4 reached no one): refused, naming no version,
+        # until it held the fleet's version, then only tokens of that version
+        refusals, first = client.refused_until("5")
+        print(f"external server joining late: up {refusals[0][0]:.1f}s after its start, refused {len(refusals)} "
+              f"requests (503), admitted {client.seen[first][0]:.1f}s after its start: "
+              + "; ".join(f"{a:.1f}-{b:.1f}s {'no answer' if st is None else st} {v or ''}".rstrip()
+                          for a, b, st, v in spans(client.seen)))
     finally:
         for s in servers:
             s.stop()
@@ -200,45 +221,92 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     assert "taken back at version 5" in back.text()
 
 
-def test_both_roles_external_a_trainer_on_vllms_own_api_into_the_users_vllm_server(tmp_path):
+def test_a_trainer_on_vllms_own_api_runs_its_own_job_into_two_vllm_servers_with_no_job_file(tmp_path):
     """The user's torchrun of examples/integrations/vllm_trainer_api.py, two FSDP2 ranks written
     against vLLM's trainer API alone (WeightTransferTrainerFactory, HTTPVLLMWeightSyncClient,
-    ModuleSource) with weightsync's init info: each rank sends its own half of every version."""
+    ModuleSource) with weightsync's init info, into two vLLM servers, and no job file: the servers
+    and the trainer share a secret in their environment, trainer rank 0 runs the job's controller,
+    and each server joins at the trainer's init. After each send_weights() both servers hold what
+    vLLM's own reload of that step's checkpoint from disk holds (vLLM's weight checker: server 0,
+    checksummed with the other first, then reloads the checkpoint and compares; the servers start
+    on a checkpoint, so that they have vLLM's loader from disk) and answer its greedy tokens; each
+    rank sent about half of every version. One server killed between two sends: the next version
+    goes on with the other (the run's rules, --min-available 1), and the run ends well."""
     python = vllm_python()
-    job = external_job("ext-both", trainers_external=True, trainers=2)
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump)}, progress=io.StringIO(),
-                     join_env=tmp_path / "join.env")
-    assert [p.role for p in local.pods] == ["controller"]
-    server = trainers = None
+    token = secrets.token_hex(32)
+    secret = {JoinEnv.TOKEN: token}
+    key = control_key(token.encode(), f"default/{NO_JOB}")
+    pause, checkpoints = tmp_path / "pause", tmp_path / "checkpoints"
+    pause.mkdir()
+    for version in (1, 2):  # trainer rank 0 holds before each next version while the test compares
+        (pause / f"trainer-0-before-ready-v{version}.arm").touch()
+    start = save_checkpoint(dict(AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA)).state_dict()), LLAMA,
+                            tmp_path / "start")  # the servers start on other weights than any version
+    model = Model(path=str(start), dtype="bfloat16")
+    servers = [ExternalServer(python, model, NO_JOB, secret, tmp_path / f"server-{i}.log", url=None) for i in range(2)]
+    trainers = None
+    reloads: dict[int, float] = {}
     try:
-        local.start()
-        join = read_join_file(tmp_path / "join.env")
-        server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
+        for server in servers:
+            server.up()
         script = [VLLM_API_EXAMPLE, "--config", json.dumps(LLAMA), "--steps", "4", "--send-every", "2",
-                  "--server", server.url, "--save", str(tmp_path / "final.pt")]
+                  "--server", servers[0].url, "--server", servers[1].url, "--checkpoints", str(checkpoints),
+                  "--min-available", "1", "--away-grace", "10"]
         shell = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_") and k not in TORCHRUN_VARS}
-        command = (f"set -a; . {shlex.quote(str(tmp_path / 'join.env'))}; set +a; exec {shlex.quote(python)} "
-                   f"-m torch.distributed.run --standalone --nproc-per-node 2 {shlex.join(script)}")
-        trainers = subprocess.Popen(["bash", "-c", command], env=shell, cwd=tmp_path, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-        summary = local.wait(RUN_TIMEOUT)
-        out, _ = trainers.communicate(timeout=120)
-        assert trainers.returncode == 0, out
-        assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
-        assert server.weight_version() == "2"
+        shell.update({**secret, PAUSE_DIR_ENV: str(pause), PAUSE_LIMIT_ENV: str(RUN_TIMEOUT)})
+        out = tmp_path / "trainers.log"
+        trainers = subprocess.Popen([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                     *script], env=shell, cwd=tmp_path, stdout=out.open("w"), stderr=subprocess.STDOUT)
+
+        def same_as_a_disk_reload(version: int, step: int, live: list[ExternalServer]) -> None:
+            for server in live:
+                server.serving(version)
+            held = {s.url: checker(s.url, "checksum", key=key)["checksums"] for s in live}
+            answered = {s.url: completion(s.url, NO_JOB, key=key) for s in live}
+            began = time.monotonic()  # then the first server reloads the step's checkpoint as vLLM alone would
+            post(live[0].url, "/collective_rpc", {"method": "reload_weights", "kwargs": {
+                "weights_path": str(checkpoints / f"step-{step}")}}, key=key)
+            reloads[version] = time.monotonic() - began
+            tokens = completion(live[0].url, NO_JOB, key=key)
+            for server in live:
+                assert checker(live[0].url, "compare", held[server.url], key=key) == {"match": True, "mismatches": []}, \
+                    f"version {version}: {server.url} holds other weights than vLLM's reload of step {step} from disk"
+                assert answered[server.url] == tokens, f"version {version}: other greedy tokens"
+
+        for version in (1, 2):
+            reach_point(pause / f"trainer-0-before-ready-v{version}", trainers, out)
+            same_as_a_disk_reload(version - 1, 2 * (version - 1), servers)
+            if version == 2:
+                servers[1].kill()  # gone between two sends
+            (pause / f"trainer-0-before-ready-v{version}.release").touch()
+        trainers.wait(RUN_TIMEOUT)
+        log = out.read_text(errors="replace")
+        assert trainers.returncode == 0, log[-5000:]
+        same_as_a_disk_reload(2, 4, servers[:1])
     finally:
         if trainers is not None and trainers.poll() is None:
             trainers.kill()
-        if server is not None:
+        for server in servers:
             server.stop()
-        local.stop()
+    records = [json.loads(line) for line in log.splitlines() if line.startswith('{"event": "transfer"')]
+    assert [(r["version"], r["inference_ranks"]) for r in records] == [(0, 2), (1, 2), (2, 1)], records
+    assert "version 2 went to 1 of 2 servers' workers" in log and re.search(r"inference rank \d is away", log), log[-5000:]
     shares = {int(rank): int(sent) / int(total) for rank, sent, total in
-              re.findall(r"trainer rank (\d+)\] attached on cpu.*; sends (\d+) of (\d+) bytes per version", out)}
-    assert sorted(shares) == [0, 1] and all(0.35 < share < 0.65 for share in shares.values()), (shares, out[-3000:])
-    saved = fused({name: t.to(torch.bfloat16) for name, t in torch.load(tmp_path / "final.pt").items()})
-    got = torch.load(dump / "inference-0-v2.pt")["tensors"]
-    assert sorted(got) == sorted(saved)
-    for name, tensor in saved.items():
-        assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), f"the server holds other bytes in {name}"
+              re.findall(r"trainer rank (\d+)\] attached on cpu.*; sends (\d+) of (\d+) bytes per version", log)}
+    assert sorted(shares) == [0, 1] and all(0.35 < share < 0.65 for share in shares.values()), (shares, log[-3000:])
+    for server in servers:
+        assert f"the vLLM server at {server.url} claimed inference rank" in log, server.text()[-3000:]
+    # the benchmark: a version's time (the controller's record: sent, verified, loaded into both
+    # servers) against vLLM's own reload of the same weights from disk, on this machine
+    for r in records:
+        print(f"version {r['version']}: {r['seconds']:.3f}s into {r['inference_ranks']} server(s); vLLM's reload "
+              f"of the step's checkpoint from disk: {reloads[r['version']]:.3f}s; ratio "
+              f"{r['seconds'] / reloads[r['version']]:.2f}")
+
+
+def reach_point(point: Path, trainers: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not point.with_suffix(".reached").exists():
+        assert trainers.poll() is None, f"the trainers exited before {point.name}:\n{out.read_text()[-5000:]}"
+        assert time.monotonic() < deadline, f"{point.name} was not reached within {RUN_TIMEOUT:.0f}s"
+        time.sleep(0.1)

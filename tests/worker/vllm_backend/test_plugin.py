@@ -7,11 +7,13 @@ minute of the machine):
   at its first tile instruction. Shown through vLLM's own plugin loader, by reading the process's
   permitted state (arch_prctl ARCH_GET_XCOMP_PERM) before and after, in the process and in a child
   forked from it as vLLM forks its workers.
-- vLLM's trainer-side factory finds weightsync's trainer engine (vllm_backend/trainer.py) by its
+- vLLM's trainer-side factory finds weightsync's trainer engine (integrations/vllm.py) by its
   init info's class once that module is imported, however often; and what cannot work is refused
   on one line before anything joins: a source other than vLLM's ModuleSource, a world size that
-  is not torchrun's, and a process with no job in its environment. (A whole job, two FSDP2 ranks
-  into a vLLM server: test_external_vllm.py.)
+  is not torchrun's, a trainer with no job and no secret to share with its servers, several ranks
+  with no torch.distributed group to find rank 0's controller through, and send_weights() on an
+  engine trainer_init did not make. (Two FSDP2 ranks into two vLLM servers with no job file:
+  test_external_vllm.py; the decisions that need no vLLM: integrations/test_vllm_no_job.py.)
 """
 
 from __future__ import annotations
@@ -60,17 +62,30 @@ def trainer_engine():
     from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    import weightsync.vllm_backend.trainer as trainer
+    import weightsync.integrations.vllm as trainer
     importlib.reload(trainer)  # imported again: registered once, no error
 
-    def refusal(source, **info):
+    def refusal(source, environ={}, **info):
+        os.environ.update(environ)
         try:
             WeightTransferTrainerFactory.trainer_init(trainer.WeightsyncTrainerInitInfo(rank=0, **info),
                                                       client=HTTPVLLMWeightSyncClient("http://127.0.0.1:1"),
                                                       source=source)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
+        finally:
+            for name in environ:
+                del os.environ[name]
         return "accepted"
+
+    def sent_first(model):
+        engine = trainer.WeightsyncTrainerEngine(client=HTTPVLLMWeightSyncClient("http://127.0.0.1:1"),
+                                                 source=ModuleSource(model))
+        try:
+            engine.send_weights()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "sent"
 
     class Listed(WeightSource):
         def metadata(self):
@@ -84,7 +99,9 @@ def trainer_engine():
         "engine": WeightTransferTrainerFactory._registry["weightsync"]().__name__,
         "other source": refusal(Listed()),
         "world": refusal(ModuleSource(model), world_size=3),
-        "no job": refusal(ModuleSource(model)),
+        "no secret": refusal(ModuleSource(model)),
+        "no group": refusal(ModuleSource(model), {"WEIGHTSYNC_TOKEN": "s" * 32}),
+        "send first": sent_first(model),
     }
 
 if __name__ == "__main__":
@@ -125,5 +142,13 @@ def test_the_factory_finds_the_trainer_engine_and_refuses_what_cannot_work(found
                                       "source=ModuleSource(model), not Listed"), engine
     assert engine["world"] == ("ValueError: WeightsyncTrainerInitInfo(world_size=3), but torchrun's WORLD_SIZE=2: "
                                "give the init info the world size this script runs at"), engine
-    assert engine["no job"].startswith("JoinError: weightsync.attach() finds no job in this process's environment: "
-                                       "set WEIGHTSYNC_CONTROLLER"), engine
+    assert engine["no secret"] == (
+        "ValueError: no secret for the servers: set WEIGHTSYNC_TOKEN (or WEIGHTSYNC_TOKEN_FILE, a file holding it) in "
+        "every trainer rank's and every vLLM server's environment, the same long random value (openssl rand -hex 32): "
+        "vLLM's HTTP client sends no credentials, so a server takes only an init proven with it"), engine
+    assert engine["no group"] == ("ValueError: 2 trainer ranks and no torch.distributed group: call init_process_group "
+                                  "(as FSDP2 or DDP needs) before trainer_init, which finds rank 0's controller through "
+                                  "it"), engine
+    assert engine["send first"] == (
+        "RuntimeError: send_weights() before trainer_init(): make the engine with WeightTransferTrainerFactory."
+        "trainer_init(WeightsyncTrainerInitInfo(rank=...), client=..., source=ModuleSource(model)) on every rank"), engine

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from weightsync.job.spec import Job, SpecError
-from weightsync.job.token import MIN_BYTES
+from weightsync.job.token import MIN_BYTES, read_token
 from weightsync.job.topology import INFERENCE, TRAINER
 
 
@@ -28,6 +28,9 @@ class JoinEnv:
     CONTROLLER = "WEIGHTSYNC_CONTROLLER"  # host:port of the controller's rendezvous store
     JOB_ID = "WEIGHTSYNC_JOB_ID"  # namespace/name (Job.identity)
     TOKEN = "WEIGHTSYNC_TOKEN"  # the job's token as text (what the pods' token file holds)
+    # Or the path of a file that holds it (a pod's token file; for a run without a job file, one
+    # every process of the run reads): the secret kept out of the environment's dumps.
+    TOKEN_FILE = "WEIGHTSYNC_TOKEN_FILE"
     # Optional: the address other ranks dial this process at (default: the local address of the
     # route to the controller), and an external vLLM server's own URL as the controller reaches it;
     # a pod of the job gets them too (pod.Env names them from here).
@@ -41,6 +44,27 @@ def join_env(job: Job, controller_host: str, store_port: int, token: bytes) -> d
     host = f"[{controller_host}]" if ":" in controller_host else controller_host
     return {JoinEnv.CONTROLLER: f"{host}:{store_port}", JoinEnv.JOB_ID: job.identity,
             JoinEnv.TOKEN: token.decode()}
+
+
+def shared_token(environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The secret that a trainer running its job's controller itself (no job file, no join
+    variables: vLLM's trainer-side engine) shares with the vLLM servers it drives: WEIGHTSYNC_TOKEN,
+    or the file WEIGHTSYNC_TOKEN_FILE names; None where neither is set. SpecError, one line, where
+    it is too short or the file cannot be read. The value is never printed."""
+    text = environ.get(JoinEnv.TOKEN, "").strip()
+    if text:
+        if len(text) < MIN_BYTES:
+            raise SpecError([f"{JoinEnv.TOKEN} is shorter than {MIN_BYTES} bytes: give the trainer and every vLLM server "
+                             "the same long random secret (for example `openssl rand -hex 32`)"])
+        return text.encode()
+    path = environ.get(JoinEnv.TOKEN_FILE, "").strip()
+    if not path:
+        return None
+    try:
+        return read_token(path)
+    except OSError as e:
+        raise SpecError([f"{JoinEnv.TOKEN_FILE}={path}: {e.strerror or e}; it must name a file this process can read "
+                         "that holds the run's secret"]) from None
 
 
 def external_roles(job: Job) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ class Env:
     STORE_PORT = "WEIGHTSYNC_STORE_PORT"
     DATA_PORT = "WEIGHTSYNC_DATA_PORT"
     SPEC_FILE = "WEIGHTSYNC_SPEC_FILE"
-    TOKEN_FILE = "WEIGHTSYNC_TOKEN_FILE"
+    TOKEN_FILE = JoinEnv.TOKEN_FILE
     NETWORK_MODE = "WEIGHTSYNC_NETWORK_MODE"  # the resolved mode: rdma or tcp
     COLOCATED = "WEIGHTSYNC_COLOCATED"  # "1": every pod on this machine's same GPUs (`weightsync run --share-gpus`)
     REPORT_TO_KUBERNETES = "WEIGHTSYNC_REPORT_TO_KUBERNETES"  # "1": the controller patches job status

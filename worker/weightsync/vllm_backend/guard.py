@@ -21,6 +21,15 @@ window, it does what the original would have done, on the route the original nam
 else (its body is not signed: a load still needs the version's proof, which the worker checks).
 A server of several API processes (--api-server-count) keeps a nonce cache in each.
 
+A server started for a trainer that runs its job's controller itself (vLLM's trainer-side engine
+with no job file: integrations/vllm.py) has no job yet, only the secret it shares with that trainer
+(WEIGHTSYNC_TOKEN, or the file WEIGHTSYNC_TOKEN_FILE names). vLLM's HTTP client sends the trainer's
+init with no header, so the init carries its proof in its body (sign_init: a bearer signed with the
+job's control key over the job's controller and this server's URL); the guard passes an init whose
+proof holds, within its window and once, and refuses any other (401 where the server has no
+secret, 403 where the proof is not its secret's). Once the server's workers took it, the guard
+answers the control routes to that job's controller, as a job's server does from its start.
+
 The guard also keeps the server out of its job's fleet while it holds no version the fleet accepts
 (admission.py): its generation routes answer 503 (or 409, to a client that asks for a newer
 version) until it does.
@@ -39,14 +48,16 @@ import secrets
 import time
 from typing import Awaitable, Callable, Mapping
 
-from weightsync.job import Env, WorkerContext
-from weightsync.job.join import Join
+from weightsync.job import Env, SpecError, WorkerContext
+from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.job.token import same
 from weightsync.rendezvous.protocol import control_key
 from weightsync.vllm_backend import admission
 from weightsync.vllm_backend.admission import Admission
 
 MIDDLEWARE = "weightsync.vllm_backend.guard.ControlGuard"  # vLLM's --middleware takes its import path
+INIT_ROUTE = "/init_weight_transfer_engine"
+INIT_FIELDS = ("job_id", "controller", "server", "proof")  # what a trainer's init tells a server of no job yet
 
 # What a client of the job's server may call (the server is a causal LM with --enable-scale-out):
 # generation, its OpenAI- and Anthropic-style routes and their renderings, tokenization, the
@@ -125,6 +136,25 @@ def sign(key: str, method: str, target: str, now: float | None = None, nonce: st
     return f"{SCHEME}.{stamp}.{nonce}.{_mac(key, stamp, nonce, method, target)}"
 
 
+def init_target(controller: str, server: str) -> str:
+    """What an init's proof signs besides its method: the route, the job's controller (where the
+    server's workers join) and the server's URL (where the controller drives its updates)."""
+    return f"{INIT_ROUTE}?controller={controller}&server={server}"
+
+
+def sign_init(token: bytes, job: str, controller: str, server: str, now: float | None = None) -> str:
+    """The proof a trainer's init carries to a server of no job yet (its init_info's `proof`)."""
+    return sign(control_key(token, job), "POST", init_target(controller, server), now)
+
+
+def init_proven(token: bytes, job: str, controller: str, server: str, proof: str) -> bool:
+    """Whether `proof` is sign_init's for these, made with `token` (a worker's own check: the
+    guard in front of it also holds the proof to its window and to once)."""
+    scheme, stamp, nonce, mac = (proof.split(".") + ["", "", "", ""])[:4]
+    target = init_target(controller, server)
+    return scheme == SCHEME and same(mac.encode(), _mac(control_key(token, job), stamp, nonce, "POST", target).encode())
+
+
 def _target(scope: Scope) -> str:
     """The request's path and query as the client sent them (what it signed)."""
     path = scope.get("raw_path") or scope["path"].encode()
@@ -140,6 +170,12 @@ class ControlGuard:
         self.app = app
         found = job_key(environ)
         self.job, self.key = found if found is not None else (None, None)
+        self.token = None  # a server of no job yet: the secret its trainer's init proves
+        if found is None:
+            try:
+                self.token = shared_token(environ)
+            except SpecError as e:  # the server's start ends here, with the line alone
+                raise SystemExit(f"weightsync: {e.problems[0]}") from None
         self._seen: dict[str, float] = {}  # nonce -> its stamp, for WINDOW seconds either side
         self.admission = Admission()
 
@@ -149,6 +185,8 @@ class ControlGuard:
         path = resolved(route_path(scope))
         if path == admission.ROUTE and scope["type"] == "http":
             return await self._admission(scope, send)
+        if path == INIT_ROUTE and self.token is not None and scope["type"] == "http":
+            return await self._init(scope, receive, send)
         if is_client_route(path):
             refused = self._admits(scope, path)
             if refused is not None:
@@ -198,16 +236,29 @@ class ControlGuard:
         said = self.admission.to_json(admission.now()) if self.key is not None else {"admitted": True, "job": None}
         await _json(send, 200 if said["admitted"] else 503, said)
 
-    async def _watched(self, path: str, scope: Scope, receive: Callable, send: Callable) -> None:
-        """A signed label or load, passed on, and what it did to the version the server holds:
-        a label answered 2xx names it; a load that fails leaves none whole."""
-        chunks, more = [], True
-        while more:  # the control requests' bodies are small JSON objects
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+    async def _init(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        """A trainer's init to a server of no job yet: passed on where its proof holds; the job it
+        names is the server's once the server answered it 2xx."""
+        body = await _body(receive)
+        try:
+            info = json.loads(body or b"{}").get("init_info") or {}
+            job, controller, server, proof = (str(info[f]) for f in INIT_FIELDS)
+        except (ValueError, AttributeError, KeyError):
+            return await self._answer(send, 400, f"{INIT_ROUTE}: weightsync's init names its job, its controller, this "
+                                                 f"server and a proof ({', '.join(INIT_FIELDS)}); this one does not", [])
+        key = control_key(self.token, job)
+        why = self._verify(key, proof, "POST", init_target(controller, server))
+        if why is not None:
+            return await self._answer(send, 403, f"{INIT_ROUTE}: this vLLM server refused the init of job {job}: it "
+                                                 f"carried {why}; give the trainer and this server the same secret "
+                                                 f"({JoinEnv.TOKEN} or {JoinEnv.TOKEN_FILE})", [])
         status: list[int] = []
+        await self._passed(scope, body, send, status)
+        if status and 200 <= status[0] < 300:
+            self.job, self.key = job, key
+
+    async def _passed(self, scope: Scope, body: bytes, send: Callable, status: list[int]) -> None:
+        """Pass a request whose body was read on to the server, noting the status it answers in `status`."""
 
         async def replay() -> dict:
             return {"type": "http.request", "body": body, "more_body": False}
@@ -217,8 +268,15 @@ class ControlGuard:
                 status.append(message["status"])
             await send(message)
 
+        await self.app(scope, replay, noted)
+
+    async def _watched(self, path: str, scope: Scope, receive: Callable, send: Callable) -> None:
+        """A signed label or load, passed on, and what it did to the version the server holds:
+        a label answered 2xx names it; a load that fails leaves none whole."""
+        body = await _body(receive)
+        status: list[int] = []
         try:
-            await self.app(scope, replay, noted)
+            await self._passed(scope, body, send, status)
         finally:
             ok = bool(status) and 200 <= status[0] < 300
             version = admission.label_of(path, body)
@@ -231,10 +289,15 @@ class ControlGuard:
         """Why a signed bearer does not open this request (None where it does)."""
         if self.key is None:
             return "a control key, and this server has none"
+        return self._verify(self.key, given, scope.get("method", "GET"), _target(scope))
+
+    def _verify(self, key: str, given: str, method: str, target: str) -> str | None:
+        """Why `given` is not a bearer signed with `key` for `method` and `target`, within the
+        window and unseen (None where it is one)."""
         scheme, stamp, nonce, mac = (given.split(".") + ["", "", "", ""])[:4]
         if scheme != SCHEME or not stamp.isdigit() or not nonce or not mac:
             return "a bearer that is not a signed control request"
-        if not same(mac.encode(), _mac(self.key, stamp, nonce, scope.get("method", "GET"), _target(scope)).encode()):
+        if not same(mac.encode(), _mac(key, stamp, nonce, method, target).encode()):
             return "a control key that is not this job's, or a signature of another request"
         now = time.time()
         if abs(now - int(stamp)) > WINDOW:
@@ -248,6 +311,10 @@ class ControlGuard:
 
     async def _refuse(self, scope: Scope, send: Callable, status: int, why: str) -> None:
         route = f"{scope.get('method', 'WEBSOCKET')} {route_path(scope)}"
+        if self.job is None and resolved(route_path(scope)) == INIT_ROUTE and self.token is None:
+            return await self._answer(send, status, f"{route}: this vLLM server has no weightsync secret, so it takes "
+                                                    f"no trainer's init: start it with {JoinEnv.TOKEN} (or "
+                                                    f"{JoinEnv.TOKEN_FILE}) set to its trainer's secret", [])
         owner = f"job {self.job}'s controller" if self.job else "no one (this server belongs to no weightsync job)"
         message = (f"{route} is a control route of this vLLM server, answered only to {owner}, and the request "
                    f"carried {why}; clients keep the generation routes (/v1/completions, /v1/chat/completions, "
@@ -268,6 +335,15 @@ async def _json(send: Callable, status: int, said: dict, headers: list = ()) -> 
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _body(receive: Callable) -> bytes:
+    chunks, more = [], True
+    while more:  # the control requests' bodies are small JSON objects
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 def _bearer(scope: Scope) -> str | None:

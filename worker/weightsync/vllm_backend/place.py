@@ -12,6 +12,13 @@ the controller refuses another model than the trainers', the same server twice, 
 is then admitted as a pod's worker is. Nobody calls the server's init route for it, and every
 refusal is one line in the server's log that ends its start. The server's data port is
 WEIGHTSYNC_DATA_PORT where set, else one the system picks.
+
+A server started for a trainer that runs its job's controller itself (vLLM's trainer-side engine
+with no job file) has neither: only the secret it shares with that trainer (job/join.shared_token),
+without which it refuses to start (waits_for_init). It learns its job from vLLM's own handshake,
+the trainer's init (its controller, its job, this server's URL as the controller reaches it, and
+a proof made with the secret: guard.sign_init), and then joins and claims its rank exactly as a
+server with the join variables does; a refusal is the init's answer, one line.
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from weightsync.job import INFERENCE, Env, Job, SpecError, WorkerContext
-from weightsync.job.join import Join
+from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
 from weightsync.rendezvous.external_rank import JoinError, joined_context
 from weightsync.rendezvous.protocol import Channel, ProofError
 from weightsync.vllm_backend import joining
+from weightsync.vllm_backend.guard import init_proven
 
 CLAIM_TIMEOUT = 300.0  # seconds for the controller to answer a claim (it answers between two of its steps)
 
@@ -42,23 +50,65 @@ class Place:
     rank: int
     server: str  # the server's URL, where the controller asks it to load a version
     external: bool  # a server the user started (it says goodbye at the job's end itself)
+    by_init: bool = False  # joined at its trainer's init (a server of no job until then)
 
 
-def place_of(parallel_config, model_config) -> Place:
+def waits_for_init(environ=os.environ) -> None:
+    """A server with no job at its start (neither a pod's contract nor the join variables) waits
+    for a trainer's init, and must hold the secret that init is proven with: JoinError, after one
+    line in the server's log, where it has none."""
+    if environ.get(Env.SPEC_FILE) or joining(environ) is not None:
+        return
+    try:
+        token = shared_token(environ)
+        problem = None if token else (
+            f"this vLLM server runs weightsync's weight-transfer backend with no job: set {JoinEnv.TOKEN} (or "
+            f"{JoinEnv.TOKEN_FILE}, a file holding it) to the secret its trainer has, in the server's environment, "
+            "or the join variables of a job")
+    except SpecError as e:
+        problem = e.problems[0]
+    if problem is not None:
+        print(f"weightsync: {problem}", file=sys.stderr, flush=True)
+        raise JoinError(problem)
+
+
+def init_join(init, environ=os.environ) -> tuple[Join, str]:
+    """The job a trainer's init names (its fields: engine.WeightsyncInitInfo), as join variables
+    would name it, once its proof is seen to be the secret's (JoinError, one line, otherwise)."""
+    token = shared_token(environ)
+    if token is None:
+        raise JoinError(f"this vLLM server has no secret to check its trainer's init with: set {JoinEnv.TOKEN} (or "
+                        f"{JoinEnv.TOKEN_FILE}) in its environment, the trainer's")
+    if not init_proven(token, init.job_id, init.controller, init.server, init.proof):
+        raise JoinError(f"the init of job {init.job_id} is not proven with this server's secret: give the trainer and "
+                        f"the server the same {JoinEnv.TOKEN}")
+    join = Join.from_environ({JoinEnv.CONTROLLER: init.controller, JoinEnv.JOB_ID: init.job_id,
+                              JoinEnv.TOKEN: token.decode(), JoinEnv.POD_IP: environ.get(JoinEnv.POD_IP, ""),
+                              JoinEnv.VLLM_SERVER: init.server})
+    return join, init.server.rstrip("/")
+
+
+def place_of(parallel_config, model_config, init=None) -> Place:
     """This worker's place; for a server the user started, joined as described above (JoinError
-    and the like, after one line in the server's log, where it cannot be)."""
+    and the like, after one line in the server's log, where it cannot be). `init`: the trainer's
+    init (engine.WeightsyncInitInfo), which names the job of a server that has none of its own."""
     worker = parallel_config.rank
-    found = joining()
+    by_init = init is not None and bool(init.controller)
+    try:
+        found = init_join(init) if by_init else joining()
+    except SpecError as e:
+        raise JoinError(e.problems[0]) from None
     if found is None:
         ctx = WorkerContext.from_environ()
         return Place(ctx, ctx.job.layout.ranks_of(ctx.ordinal)[worker], os.environ[Env.VLLM_SERVER], external=False)
     join, url = found
     try:
-        return _claimed(join, url, worker, parallel_config.world_size, served_layout(model_config))
+        place = _claimed(join, url, worker, parallel_config.world_size, served_layout(model_config))
     except (JoinError, ClaimRefused, SpecError, ProofError, TimeoutError) as e:
         problem = "; ".join(e.problems) if isinstance(e, SpecError) else str(e)
         print(f"[vLLM server {url}] cannot join job {join.job_id}: {problem}", file=sys.stderr, flush=True)
         raise JoinError(problem) from None
+    return replace(place, by_init=by_init)
 
 
 def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout) -> Place:
