@@ -7,7 +7,10 @@ committed: copied into the served tensors in even versions, swapped with them in
 an eager CPU worker), so that each way follows the other. Prints one JSON line per config and
 version: whether the served parameters were still the previous version's after the prepare, and
 the greedy tokens before, during and after; saves the version (checkpoint names) and what vLLM
-serves after the commit in the folder argv[2]/<name>, for the test to compare."""
+serves after the commit in the folder argv[2]/<name>, for the test to compare. Before version
+FAILS_AHEAD, another version's load ahead fails after half of its layers (faults.FAIL_LOAD_ENV,
+into the spares the next prepare loads into): its row says whether that raised, and whether vLLM
+served on the previous version, bytes and tokens."""
 
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.distributed import cleanup_dist_env_and_memory  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from weightsync.runtime.faults import FAIL_LOAD_ENV, LoadFault, failing_half  # noqa: E402
 from weightsync.vllm_backend.ahead import commit, prepare  # noqa: E402
 from weightsync.vllm_backend.engine import served_parameters  # noqa: E402
 
 VERSIONS = 4
+FAILS_AHEAD = 2  # before this version, another one's load ahead fails part-way
 
 
 def main(configs: dict[str, dict], out: str) -> int:
@@ -65,6 +70,9 @@ def probe(name: str, config: dict, out: Path) -> None:
             generator = torch.Generator().manual_seed(version)
             weights = {n: (torch.randn(s, generator=generator) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
             before, served_before = tokens(), served_parameters(model)
+            failed = fail_ahead(model, model_config, shapes, spares, version) if version == FAILS_AHEAD else {}
+            if failed:
+                failed["tokens_unchanged"] = tokens() == before
             box: dict = {}
             loaded, answered = threading.Event(), threading.Event()
 
@@ -91,8 +99,27 @@ def probe(name: str, config: dict, out: Path) -> None:
             torch.save(weights, out / f"v{version}-version.pt")
             torch.save({n: t.contiguous() for n, t in served_parameters(model).items()}, out / f"v{version}-served.pt")
             print(json.dumps({"config": name, "version": version, "swap": swap, "unchanged_after_prepare": unchanged,
-                              "before": before, "during": during, "after_prepare": after_prepare, "after": tokens()}),
-                  flush=True)
+                              "before": before, "during": during, "after_prepare": after_prepare, "after": tokens(),
+                              **({"failed_ahead": failed} if failed else {})}), flush=True)
+
+
+def fail_ahead(model, model_config, shapes: dict, spares, version: int) -> dict:
+    """Another version's load ahead, armed to fail after half of its layers: whether it raised
+    LoadFault, and whether what vLLM serves is the same bytes as before."""
+    generator = torch.Generator().manual_seed(1000 + version)
+    weights = {n: (torch.randn(s, generator=generator) * 0.05).to(torch.bfloat16) for n, s in shapes.items()}
+    served_before = {n: t.clone() for n, t in served_parameters(model).items()}
+    os.environ[FAIL_LOAD_ENV] = f"0@{version}"
+    try:
+        prepare(model, model_config, failing_half(list(weights.items()), 0, version),
+                lambda root: contextlib.nullcontext(), spares)
+        raised = None
+    except LoadFault as e:
+        raised = str(e)
+    finally:
+        del os.environ[FAIL_LOAD_ENV]
+    unchanged = all(torch.equal(t, served_before[n]) for n, t in served_parameters(model).items())
+    return {"raised": raised, "served_unchanged": unchanged}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def test_every_reason_is_a_camel_case_word_with_a_description():
 
 def test_the_controllers_reasons_fit_the_status_schema():
     pattern = openapi_schema(VERSION)["properties"]["status"]["properties"]["completion"]["properties"]["reason"]["pattern"]
-    for name in (reasons.RANK_FAILED, reasons.RANK_LOST, reasons.TRAINER_RESTARTED, reasons.CONTROLLER_RESTARTED,
+    for name in (reasons.RANK_FAILED, reasons.RANK_LOST, reasons.TRAINER_STOPPED, reasons.CONTROLLER_RESTARTED,
                  reasons.VERIFICATION_FAILED, reasons.TIMED_OUT, reasons.TOKEN_PROOF_FAILED, reasons.NO_VERSIONS,
                  reasons.CONTROLLER_ERROR):
         assert re.match(pattern, name), name

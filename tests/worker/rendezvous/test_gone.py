@@ -4,6 +4,7 @@ away, which takes silent_limit without a beat from the roster's first look at th
 that look comes; they did not while they beat on, which the roster tells at their second beat,
 without waiting out its bound. (With a real vLLM server killed while it loads a version:
 tests/worker/vllm_backend/test_external_vllm.py.)"""
+import socket
 import threading
 import time
 
@@ -13,6 +14,8 @@ from support.roster import join, make_host
 
 from weightsync.job import Layout
 from weightsync.rendezvous.protocol import Keys
+from weightsync.roles.controller.loads import calls
+from weightsync.vllm_backend.control import ControlError, Server, Unreachable
 
 JOB = "default/gone"
 ONE = Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1)
@@ -70,3 +73,33 @@ def test_a_server_whose_ranks_beat_on_is_alive_at_their_second_beat(host, said):
     assert time.monotonic() - began < 10, "waited out the bound for a rank that beats on"
     assert not any("is away" in line for line in said), said
     beating.join()
+
+
+def test_a_servers_load_call_is_not_waited_for_once_its_ranks_went_away(host, said):
+    """A server whose engine died mid-load: its API process holds the controller's call open (here
+    a port that accepts and never answers) while its workers, dead with the engine, beat no more.
+    The call is given up once the roster counts them away, long before its own deadline."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+
+        def load(u: str):  # as the controller's own: an error is returned, to be judged
+            try:
+                return Server(u).update(1, "proof", 120.0)
+            except ControlError as e:
+                return e
+
+        beat(host, 3, 0.05)  # its workers beat, then die with the engine
+        began = time.monotonic()
+        loads = calls(host, {url: [0]}, load, "version 1")
+        took = time.monotonic() - began
+    assert isinstance(loads[url], Unreachable) and "its workers went away while it loaded version 1" in str(loads[url])
+    assert SILENT <= took < 30, f"the call was given up {took:.1f}s after it began"
+    assert any(line.startswith("inference rank 0 is away: no heartbeat for") for line in said), said
+    assert host.gone([0], within=0.0)  # as the load's judge then finds it
+
+
+def test_a_servers_load_that_answers_is_its_answer(host):
+    answered = ControlError("http://server/update_weights answered 500: no", 500)
+    assert calls(host, {"http://server": [0]}, lambda u: answered, "version 1") == {"http://server": answered}

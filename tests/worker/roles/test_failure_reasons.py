@@ -20,8 +20,8 @@ from weightsync.transport.base import ChecksumMismatch, TransferError
 
 @pytest.mark.parametrize("error, reason", [
     (RankFailed("trainer rank 1 failed: boom"), reasons.RANK_FAILED),
-    (RankFailed("trainer rank 1 is silent", reasons.RANK_SILENT), reasons.RANK_SILENT),
-    (TrainersRestart("trainer rank 0 restarted"), reasons.TRAINER_RESTARTED),
+    (RankFailed("trainer rank 1 is silent", reasons.TRAINER_STOPPED), reasons.TRAINER_STOPPED),
+    (TrainersRestart("trainer rank 0 restarted"), reasons.TRAINER_STOPPED),
     (ProofError("inference rank 2 failed the job token proof"), reasons.TOKEN_PROOF_FAILED),
     (LayoutMismatch("dtype differs"), reasons.RANKS_DISAGREE),
     (StoreFull("the store holds its limit of keys"), reasons.STORE_FULL),
@@ -87,7 +87,7 @@ def test_an_error_the_controller_does_not_expect_ends_the_job_as_a_bug_not_as_a_
     (MemoryError("cannot allocate 4 GiB"), reasons.OUT_OF_MEMORY),
     (torch.OutOfMemoryError("CUDA out of memory"), reasons.OUT_OF_MEMORY),
     (TimeoutError("no answer within 30s"), reasons.TIMED_OUT),
-    (RankFailed("trainer rank 1 is silent", reasons.RANK_SILENT), reasons.RANK_SILENT),
+    (RankFailed("trainer rank 1 is silent", reasons.TRAINER_STOPPED), reasons.TRAINER_STOPPED),
     (urllib.error.URLError("refused"), reasons.RANK_FAILED),  # a reason of another kind: not the job's
     (ValueError("a bug"), reasons.RANK_FAILED),
 ])

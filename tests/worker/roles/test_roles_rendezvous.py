@@ -115,7 +115,7 @@ def test_a_restarted_trainer_is_told_so_and_fails_the_job_naming_it():
         member(host, "trainer", 1).join("x:1", "{}", RankInfo("tcp"), timeout=5)
     with pytest.raises(RankFailed, match="trainer rank 1 restarted") as failed:
         host.wait_ranks(["never"], "nothing", timeout=10)
-    assert failed.value.reason == reasons.TRAINER_RESTARTED
+    assert failed.value.reason == reasons.TRAINER_STOPPED
 
 
 def test_a_restarted_inference_rank_is_away_then_taken_back_at_the_next_round_at_its_new_endpoint():
@@ -272,16 +272,22 @@ def test_a_silent_inference_rank_is_away_a_silent_trainer_fails_the_job():
         m.stop_heartbeat()
 
 
-def test_the_rank_that_stopped_first_is_blamed_not_the_survivor_that_reported():
+@pytest.mark.parametrize("how", ["froze", "started again"])
+def test_the_rank_that_stopped_first_is_blamed_not_the_survivor_that_reported(how):
     host, members = started()
     for m in members.values():
         m.start_heartbeat()
     host.check_ranks()
-    members[("trainer", 1)].stop_heartbeat()  # trainer 1 died; trainer 0 saw its peer vanish
+    members[("trainer", 1)].stop_heartbeat()  # trainer 1 stopped; trainer 0 saw its peer vanish
+    if how == "started again":  # its pod started it again; the new process refuses itself (trainers do not rejoin)
+        with pytest.raises(Restarted):
+            member(host, "trainer", 1).arrive()
     members[("trainer", 0)].fail("gloo: Connection closed by peer")
-    with pytest.raises(RankFailed, match=r"trainer rank 1 stopped first \(no heartbeat .*\); then trainer rank 0 "
-                                         r"failed: gloo: Connection closed by peer"):
+    said = "its process started again" if how == "started again" else "no heartbeat for 4s: its process died or froze"
+    with pytest.raises(RankFailed, match=rf"trainer rank 1 stopped first \({said}\); then trainer rank 0 "
+                                         r"failed: gloo: Connection closed by peer") as e:
         host.wait_ranks(["never"], "nothing", timeout=20)
+    assert e.value.reason == reasons.TRAINER_STOPPED  # as the watch names a trainer's stop, however noticed
     for m in members.values():
         m.stop_heartbeat()
 

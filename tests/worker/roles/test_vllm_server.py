@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from support.waits import until
 
 from weightsync.job import Lora, Model, SpecError
 from weightsync.model.config import served_config
@@ -97,3 +102,64 @@ def test_a_lora_jobs_server_serves_the_adapter_and_one_that_cannot_is_refused_on
         lora_args(lora, ("--max-lora-rank", "8"))
     assert "was started without LoRA: start it with --enable-lora --max-lora-rank 16" in lora_problem(lora, False, None)
     assert lora_problem(lora, True, 16) is None
+
+
+# a server whose engine died: its API process answers, then closes its port and lives on (as vLLM's
+# does while it waits for the requests in flight that its dead engine will never answer)
+DYING = """
+import http.server, json, sys, threading, time
+class Admission(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"held": 3, "current": 3}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Admission)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print(server.server_address[1], flush=True)
+sys.stdin.readline()  # until the test says that the engine died
+server.shutdown()
+server.server_close()
+print("closed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_whose_port_closed_while_its_process_lives_is_ended_as_dead(capsys):
+    from weightsync.rendezvous.protocol import Channel, connect_store
+    from weightsync.rendezvous.store.server import StoreServer
+    from weightsync.roles import vllm_server
+    from weightsync.vllm_backend.control import Server
+
+    token, job = b"0123456789abcdef0123456789abcdef", "default/dead-engine"
+    store = StoreServer("127.0.0.1", 0, token, job)
+    proc = subprocess.Popen([sys.executable, "-c", DYING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        channel = Channel(connect_store("127.0.0.1", store.port, token, job, 10.0))
+        stood = []
+        thread = threading.Thread(target=lambda: stood.append(vllm_server._stand_by(
+            proc, Server(f"http://127.0.0.1:{port}"), channel, "inference rank 0")))
+        thread.start()
+        until("the pod taking its server for admitted", lambda: "serves version 3: ready" in capsys.readouterr().err
+              or stood, 30)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        closed = time.monotonic()
+        assert proc.stdout.readline().strip() == "closed"
+        thread.join(vllm_server.DEAD_AFTER + 30)
+        assert stood == [None], "the pod went on standing by a server with its port closed"
+        took = time.monotonic() - closed
+        assert took >= vllm_server.DEAD_AFTER, f"ended {took:.1f}s after its port closed, before DEAD_AFTER"
+        assert proc.poll() is not None, "the server's process lives on"
+        said = capsys.readouterr().err
+        assert "the vLLM server's process lives on, but its port has been closed for 5s (its engine died): ending it" \
+            in said, said
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        store.close()

@@ -1,13 +1,16 @@
-"""A vLLM server's engine core and workers end with its API server (vllm_backend.follow_server),
+"""A vLLM server's engine core and workers end with its API server, and its workers with their
+engine core (vllm_backend.follow_server),
 shown without vLLM: a process that loads the plugin as vLLM's API server does starts a child as
 vLLM starts its engine core and workers (multiprocessing, spawned as vLLM's CPU build does or
 forked as on GPUs), and only the parent is killed; and a worker counted away by its job (frozen,
 cut off) ends its whole server (vllm_backend.end_server), which then starts again and rejoins.
-(With a real vLLM server killed in the middle of a load: test_external_vllm.py; killed between two
-versions and restarted: test_vllm_engine.py.)"""
+(With a real vLLM server killed between two versions and restarted: test_vllm_engine.py; its
+engine core killed in the middle of a load: test_external_vllm.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -47,42 +50,16 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="this system has no pidfd (Linux 5.3 or later)")
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_the_workers_of_a_server_end_with_its_api_server(tmp_path, method):
-    script = tmp_path / "server.py"
-    script.write_text(SERVER)
-    server = subprocess.Popen([sys.executable, str(script), method], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+@contextlib.contextmanager
+def started(tmp_path, script: str, *args: str, **popen):
+    """`script` run as a server's API process in a session of its own; it and whatever it left are
+    killed at the end, should the test fail."""
+    path = tmp_path / "server.py"
+    path.write_text(script)
+    server = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True, **popen)
     try:
-        worker = int(server.stdout.readline())
-        assert running(worker)
-        server.kill()  # the API server alone
-        server.wait(10)
-        until(f"the {method} worker ending with its server", lambda: not running(worker), 10)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
-        try:
-            os.killpg(server.pid, signal.SIGKILL)  # whatever is left, should the test fail
-        except ProcessLookupError:
-            pass
-
-
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="this system has no pidfd (Linux 5.3 or later)")
-def test_a_worker_counted_away_ends_its_whole_server_so_that_it_starts_again(tmp_path):
-    script = tmp_path / "server.py"
-    script.write_text(SERVER)
-    server = subprocess.Popen([sys.executable, str(script), "spawn", "end"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        worker = int(server.stdout.readline())
-        assert server.wait(30) == -signal.SIGTERM  # vLLM's own shutdown, which its pod or its user restarts
-        until("the worker ending with its server", lambda: not running(worker), 10)
-        said = server.stderr.read()
-        assert "the controller counted this rank away at version 3; ending the vLLM server (API process " \
-               f"{server.pid}) so that it starts again and its workers rejoin the job" in said, said
+        yield server
     finally:
         if server.poll() is None:
             server.kill()
@@ -91,3 +68,61 @@ def test_a_worker_counted_away_ends_its_whole_server_so_that_it_starts_again(tmp
             os.killpg(server.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="this system has no pidfd (Linux 5.3 or later)")
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_the_workers_of_a_server_end_with_its_api_server(tmp_path, method):
+    with started(tmp_path, SERVER, method) as server:
+        worker = int(server.stdout.readline())
+        assert running(worker)
+        server.kill()  # the API server alone
+        server.wait(10)
+        until(f"the {method} worker ending with its server", lambda: not running(worker), 10)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="this system has no pidfd (Linux 5.3 or later)")
+def test_a_worker_counted_away_ends_its_whole_server_so_that_it_starts_again(tmp_path):
+    with started(tmp_path, SERVER, "spawn", "end", stderr=subprocess.PIPE) as server:
+        worker = int(server.stdout.readline())
+        assert server.wait(30) == -signal.SIGTERM  # vLLM's own shutdown, which its pod or its user restarts
+        until("the worker ending with its server", lambda: not running(worker), 10)
+        said = server.stderr.read()
+        assert "the controller counted this rank away at version 3; ending the vLLM server (API process " \
+               f"{server.pid}) so that it starts again and its workers rejoin the job" in said, said
+
+
+ENGINE = """
+import json, multiprocessing, os, sys, time
+from weightsync.vllm_backend import follow_server
+
+def worker(pids):
+    follow_server()
+    pids.put(("worker", os.getpid()))
+    time.sleep(300)
+
+def engine(pids):
+    follow_server()  # vLLM's engine core, whose workers it starts
+    multiprocessing.get_context(sys.argv[1]).Process(target=worker, args=(pids,)).start()
+    pids.put(("engine", os.getpid()))
+    time.sleep(300)
+
+if __name__ == "__main__":
+    follow_server()
+    context = multiprocessing.get_context(sys.argv[1])
+    pids = context.Queue()
+    context.Process(target=engine, args=(pids,)).start()
+    print(json.dumps(dict(pids.get(timeout=60) for _ in range(2))), flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="this system has no pidfd (Linux 5.3 or later)")
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_a_worker_ends_with_its_engine_core_while_the_api_server_lives_on(tmp_path, method):
+    with started(tmp_path, ENGINE, method) as server:
+        pids = json.loads(server.stdout.readline())
+        assert running(pids["worker"]) and running(pids["engine"])
+        os.kill(pids["engine"], signal.SIGKILL)  # the engine core alone, as the OOM killer takes it
+        until(f"the {method} worker ending with its engine core", lambda: not running(pids["worker"]), 10)
+        assert server.poll() is None, "the API server ended too"

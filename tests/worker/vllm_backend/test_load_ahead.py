@@ -2,7 +2,9 @@
 engine: a version prepared while vLLM generates leaves what it serves untouched, and its commit
 makes every tensor vLLM serves (the CPU build's repacked linear weights read back through their
 kernels) the version's, version after version, committed by copies and by storage swaps in turn;
-with untied and with tied embeddings (one tensor two layers share). The probe runs in the vLLM
+with untied and with tied embeddings (one tensor two layers share). A load ahead that fails after
+half of its layers leaves what vLLM serves as it was, and the next version loads whole into the
+second copy it half wrote. The probe runs in the vLLM
 environment (tests/support/ahead_probe.py); the job that loads ahead end to end is in
 test_vllm_engine.py."""
 
@@ -53,5 +55,11 @@ def test_a_version_loaded_ahead_is_served_only_once_committed_version_after_vers
         assert sorted(got) == sorted(want), f"vLLM serves other tensors: {sorted(set(got) ^ set(want))}"
         other = [n for n in want if not torch.equal(as_bytes(got[n]), as_bytes(want[n]))]
         assert other == [], f"version {v} committed, and vLLM serves other bytes in {other}"
+    # a load ahead that failed after half of its layers, before version 2: vLLM served on version 1,
+    # and version 2, prepared into the spares the failed load had half written, is served whole (above)
+    failed = rows[2]["failed_ahead"]
+    assert failed["raised"] and "failed after" in failed["raised"] and "half of its layers" in failed["raised"], failed
+    assert failed["served_unchanged"] and failed["tokens_unchanged"], f"a failed load ahead changed what vLLM serves: {failed}"
+    assert all("failed_ahead" not in r for r in rows if r["version"] != 2)
     answers = [r["after"] for r in rows]
     assert len({tuple(a) for a in answers}) == len(answers), f"the greedy tokens did not change with the version: {answers}"

@@ -16,11 +16,19 @@ zeroed restored by the next version, equal to what vLLM itself loaded from that 
 checkpoint. The job's model is that checkpoint (spec.model.path), so each server starts as a plain
 vLLM server of its size on it (vLLM's own load from disk, checksummed before weightsync loads
 anything) and the trainers' version 0 holds its weights: one vLLM start per size, not two.
+
+In the same job the TP-1 server's load of version 1 fails after half of its layers
+(faults.FAIL_LOAD_ENV; spec.inference.onLoadFailure rollBack, the default): it holds half of two
+versions, still labelled version 0, and answers its clients 503 naming no version, its admission
+saying why, while the TP-2 server serves version 1 and status.receivers counts the failed rank
+behind; version 2 comes to it whole, and from then on both servers answer the same tokens, named
+version 2. Every answer's tokens are checked against the version it names.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -30,6 +38,8 @@ from support.vllm import (
     LLAMA,
     REACH_TIMEOUT,
     VllmRun,
+    admission,
+    answer,
     as_bytes,
     boxes,
     checker,
@@ -40,9 +50,12 @@ from support.vllm import (
     shards,
     vllm_job,
     vllm_python,
+    weight_version,
 )
+from support.waits import until
 
 from weightsync.job import Model
+from weightsync.local.runner import STATUS_FILE
 from weightsync.model.build import build, meta_layout
 from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.plan.sliced_plan import LocalLayout
@@ -53,6 +66,7 @@ pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `mak
 MQA = {**LLAMA, "num_key_value_heads": 1}
 SIZES = (2, 1)  # the servers' tensor-parallel sizes: inference ranks 0, 1 (TP 2) and 2 (TP 1)
 WORKERS = [(2, 0), (2, 1), (1, 0)]  # (tp size, tp rank) of inference ranks 0, 1, 2
+FAILED = 2  # the inference rank (the TP-1 server) whose load of version 1 fails part-way
 EMPTY = hashlib.sha256(b"").hexdigest()  # vLLM's checksum of an empty parameter
 ONEDNN_FALLBACK = "Failed to create oneDNN linear, fallback to torch linear"  # vLLM's line where it cannot repack
 # float32: vLLM's CPU build repacks every linear weight for its GEMM kernels (and empties the
@@ -71,6 +85,11 @@ class TpRun:
     plain: dict[str, dict] = field(default_factory=dict)  # each server's checksums as vLLM loaded the checkpoint
     reset: dict[str, dict] = field(default_factory=dict)  # right after the reset
     loaded: dict[str, dict] = field(default_factory=dict)  # once version 0 was loaded after the reset
+    # what a client's generate request got of each server: version -> [(version named, tokens) or (status, header)]
+    answers: dict[int, list[tuple]] = field(default_factory=dict)
+    labels: dict[int, list[str | None]] = field(default_factory=dict)  # version -> each server's weight_version
+    admissions: dict[int, list[tuple[int, dict]]] = field(default_factory=dict)  # version -> each server's admission
+    receivers: dict = field(default_factory=dict)  # status.receivers while the fleet serves version 1
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +104,8 @@ def tp_run(tmp_path_factory) -> TpRun:
                    dtype=DTYPE)
     # the trainers hold version 0 (the servers loaded nothing of the job's yet) while the servers start
     run = VllmRun(tmp, job, python, pauses=[f"{t}-before-ready-v0" for t in TRAINERS] +
-                  ["trainer-0-before-go-v1", "trainer-0-before-go-v2"], pause_limit=REACH_TIMEOUT)
+                  ["trainer-0-before-go-v1", "trainer-0-before-go-v2", "controller-0-delivered-v2"],
+                  pause_limit=REACH_TIMEOUT, fail_load=f"{FAILED}@1")
     out = TpRun(run, {})
     try:
         for t in TRAINERS:
@@ -101,20 +121,39 @@ def tp_run(tmp_path_factory) -> TpRun:
         run.reach("trainer-0-before-go-v1")  # version 0 is served; the trainers hold version 1 back
         out.tokens[0] = [completion(s, job.name) for s in served(run, 0)]
         out.loaded = {s: checker(s, "checksum", key=run.key)["checksums"] for s in run.servers}
+        out.answers[0] = [answer(s, job.name) for s in run.servers]
         run.release("trainer-0-before-go-v1")
-        run.reach("trainer-0-before-go-v2")  # version 1 is served
-        out.tokens[1] = [completion(s, job.name) for s in served(run, 1)]
+        run.reach("trainer-0-before-go-v2")  # version 1 is served by the TP-2 server; the TP-1 server's load failed
+        # (the trainers may be ready before the controller is done with version 1: its record of the
+        # ranks that hold it comes after every server's load)
+        out.receivers = until("status.receivers after version 1", lambda: receivers_at(run, 1), REACH_TIMEOUT)
+        out.tokens[1] = [completion(s, job.name) for s in served(run, 1, run.servers[:1])]
+        out.answers[1] = [answer(s, job.name) for s in run.servers]
+        out.labels[1] = [weight_version(s) for s in run.servers]
+        out.admissions[1] = [admission(s) for s in run.servers]
         run.release("trainer-0-before-go-v2")
+        run.reach("controller-0-delivered-v2")  # the final version, loaded whole on both servers
+        out.tokens[2] = [completion(s, job.name) for s in served(run, 2)]
+        out.answers[2] = [answer(s, job.name) for s in run.servers]
+        out.admissions[2] = [admission(s) for s in run.servers]
+        run.release("controller-0-delivered-v2")
         out.end = run.finish()
     finally:
         run.local.stop()
     return out
 
 
-def served(run: VllmRun, version: int) -> list[str]:
-    for s in run.servers:
+def served(run: VllmRun, version: int, servers: list[str] | None = None) -> list[str]:
+    for s in servers or run.servers:
         run.serving(s, version)
-    return run.servers
+    return servers or run.servers
+
+
+def receivers_at(run: VllmRun, version: int) -> dict | None:
+    """status.receivers, once it says the latest version any rank holds is `version`."""
+    path = run.local.workdir / STATUS_FILE
+    got = json.loads(path.read_text()).get("receivers", {}) if path.exists() else {}
+    return got if got.get("version") == version else None
 
 
 def test_every_worker_holds_the_trainers_bytes_as_vllm_shards_them(tp_run):
@@ -126,6 +165,9 @@ def test_every_worker_holds_the_trainers_bytes_as_vllm_shards_them(tp_run):
         assert all(torch.equal(as_bytes(t), as_bytes(torch.load(dump / f"trainer-1-v{version}.pt")["tensors"][n]))
                    for n, t in trainer.items()), "the DDP trainers disagree"
         for rank, (tp, tp_rank) in enumerate(WORKERS):
+            if (rank, version) == (FAILED, 1):  # its load failed part-way: it never served version 1
+                assert not (dump / f"inference-{rank}-v{version}.pt").exists()
+                continue
             want = shards(trainer, MQA, tp, tp_rank)
             got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
             assert sorted(got) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
@@ -161,9 +203,40 @@ def test_a_tp_worker_receives_only_its_share_as_planned(tp_run):
 
 def test_the_tp2_and_tp1_servers_answer_the_same_greedy_tokens(tp_run):
     for version, answers in tp_run.tokens.items():
-        assert answers[0] == answers[1], f"version {version}: TP 2 answered {answers[0]}, TP 1 {answers[1]}"
+        assert len(answers) == (1 if version == 1 else 2), (version, answers)
+        assert answers[0] == answers[-1], f"version {version}: TP 2 answered {answers[0]}, TP 1 {answers[-1]}"
     assert tp_run.tokens[0] == tp_run.tokens[-1], "version 0 answered otherwise than vLLM's own load of its checkpoint"
-    assert tp_run.tokens[0] != tp_run.tokens[1], "the greedy completion did not change with the version"
+    firsts = [tp_run.tokens[v][0] for v in range(VERSIONS)]
+    assert firsts[0] != firsts[1] != firsts[2], f"the greedy completion did not change with the version: {firsts}"
+
+
+def test_a_server_whose_load_failed_part_way_serves_no_client_until_the_next_version_loads_whole(tp_run):
+    """Each client's answer names one version, and its tokens are that version's (as the OpenAI
+    route of a server holding it whole answers them); the TP-1 server, whose load of version 1
+    failed after half of its layers, answers 503 and no token until version 2 loaded whole."""
+    run, tp1 = tp_run.run, SIZES.index(1)
+    for version, answers in tp_run.answers.items():
+        for server, got in enumerate(answers):
+            if (server, version) == (tp1, 1):
+                assert got == (503, "none"), f"a server holding half of two versions answered {got}"
+            else:
+                assert got == (str(version), tp_run.tokens[version][0]), (version, server, got)
+    # vLLM's own label still says version 0: the guard, not the label, keeps its clients out
+    assert tp_run.labels[1] == ["1", "0"], tp_run.labels
+    (status, said), refused = tp_run.admissions[1][0], tp_run.admissions[1][tp1]
+    assert status == 200 and said["held"] == 1, said
+    assert refused[0] == 503 and refused[1]["held"] is None and not refused[1]["admitted"], refused
+    assert "its last load failed part-way" in refused[1]["why"], refused
+    assert all(status == 200 and said["held"] == 2 for status, said in tp_run.admissions[2]), tp_run.admissions[2]
+    ranks = {r["rank"]: (r["state"], r.get("version")) for r in tp_run.receivers["ranks"]}
+    assert ranks == {0: ("current", 1), 1: ("current", 1), FAILED: ("behind", None)}, tp_run.receivers
+    records = {t["version"]: t for t in run.local.transfers}
+    assert records[1]["load_failed"] == [FAILED] and records[1]["inference_ranks"] == 2, records[1]
+    assert all("load_failed" not in records[v] for v in (0, 2)), records
+    log = run.log(4)  # the TP-1 server's pod
+    assert "vLLM failed part-way through loading version 1 (LoadFault: the load of version 1 failed after" in log
+    assert "loaded version 2 into vLLM" in log and "loaded version 1 into vLLM" not in log
+    assert f"inference rank {FAILED} failed to load version 1" in run.log(0)
 
 
 def test_vllms_weight_checker_sees_a_reset_restored_by_the_next_version(tp_run):

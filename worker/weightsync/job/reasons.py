@@ -35,14 +35,15 @@ def describe(reason: str) -> str:
 
 RANK_FAILED = _reason("RankFailed", "a trainer or inference rank gave up and said why (the message names the "
                       "rank; where another rank had stopped first, it names that one)")
-RANK_SILENT = _reason("RankSilent", "a trainer rank sent no heartbeat for longer than the silent limit: its "
-                      "process died, froze, or lost the network")
 RANK_LOST = _reason("RankLost", "an inference rank went away (its pod restarting, frozen, or cut off) and did not "
                     "come back within the away limit")
-TRAINER_RESTARTED = _reason("TrainerRestarted", "a trainer rank's process started again after it had joined: the "
-                            "built-in trainer keeps no checkpoint to resume from; a user's script resumes from its "
-                            "checkpoint, but not when its ranks do not start again, nor when an inference rank failed "
-                            "with it")
+# one reason for a trainer rank's stop, however the controller noticed it first (its silence, its
+# process's start again, a peer's failure that its stop explains), which is the machine's timing
+TRAINER_STOPPED = _reason("TrainerStopped", "a trainer rank stopped: its process died, froze or lost the network "
+                          "(no heartbeat past the trainers' silence limit) or started again after it had joined "
+                          "(the message says which); the built-in trainer keeps no checkpoint to resume from, and a "
+                          "user's script that resumes from its checkpoint does not when its ranks do not start again, "
+                          "nor when an inference rank failed with it")
 TRAINERS_DISAGREE = _reason("TrainersDisagree", "the trainer ranks did not publish the same versions: one closed "
                             "while another went on, or closed after another version, or they published one at "
                             "different steps")
@@ -51,7 +52,11 @@ CONTROLLER_RESTARTED = _reason("ControllerRestarted", "the controller started ag
 VERIFICATION_FAILED = _reason("VerificationFailed", "an inference rank applied a version whose digest is not the "
                               "one the trainers sent, or the trainers sent a version again with other bytes")
 SERVER_LOAD_FAILED = _reason("ServerLoadFailed", "a vLLM server did not load a version its rank had received and "
-                             "verified")
+                             "verified, and its workers did not say that their load failed part-way (it refused the "
+                             "call, or ran past the transfer's timeout): what it serves may not be what its label says")
+LOAD_FAILED = _reason("LoadFailed", "an inference rank's engine failed part-way through loading a version it had "
+                      "received and verified (the message names the rank and the error), and "
+                      "spec.inference.onLoadFailure is failJob")
 CHECKSUM_MISMATCH = _reason("ChecksumMismatch", "bytes reached an inference rank other than their sender "
                             "checksummed them (the network, the memory or the code between changed them): the "
                             "version was never loaded")

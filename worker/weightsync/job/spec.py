@@ -240,6 +240,7 @@ class Trainer(Pods):
 
 
 BUILTIN, VLLM = "builtin", "vllm"  # spec.inference.engine
+ROLL_BACK, FAIL_JOB = "rollBack", "failJob"  # spec.inference.onLoadFailure
 VLLM_PORT = 8000  # spec.inference.vllm.port's default: vLLM's own
 
 
@@ -279,6 +280,8 @@ class Inference(Pods):
     """Seconds an inference rank may be away before it is dropped or the job fails."""
     max_version_lag: int = 0
     """Versions a vLLM server may be behind the fleet's latest and still serve its clients."""
+    on_load_failure: str = ROLL_BACK
+    """A load that fails part-way on one rank: rollBack (the job goes on, the rank behind) or failJob."""
     max_replicas: int | None = None
     """The most inference pods the job may scale to while it runs (spec.inference.maxReplicas):
     the rendezvous holds a rank for each of them, and `replicas` may change up to it. None:
@@ -336,6 +339,7 @@ class Inference(Pods):
                              bool(vllm.get("loadAhead", False)), bool(vllm.get("expertParallel", False))),
                    min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
                    max_version_lag=inference.get("maxVersionLag", 0),
+                   on_load_failure=inference.get("onLoadFailure", ROLL_BACK),
                    max_replicas=inference.get("maxReplicas"),
                    **Pods.common(inference))
 

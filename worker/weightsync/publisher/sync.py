@@ -11,7 +11,7 @@
 
 Every trainer rank of the job calls these, in a process of a trainer pod: the operator (or
 `weightsync run`) puts the job's contract in the pod's environment, and attach() reads it there
-(contract.WorkerContext.from_environ), so the script takes no weightsync arguments. Its trainer
+(job.pod.WorkerContext.from_environ), so the script takes no weightsync arguments. Its trainer
 rank is the pod's only one, or the one torchrun's LOCAL_RANK picks of the pod's procsPerPod.
 
 attach() joins the job: it publishes the version's layout (the model's parameter names, as its

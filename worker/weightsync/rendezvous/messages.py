@@ -203,8 +203,9 @@ class ResumePoint:
 
 @dataclass(frozen=True)
 class Applied:
-    """An inference rank received, verified and switched to a version (Keys.applied): its digest,
-    which the controller checks, and where its seconds went, for the round's record."""
+    """An inference rank received, verified and switched to a version (Keys.applied), or failed
+    to load it part-way and says which version it holds instead: its digest, which the controller
+    checks, and where its seconds went, for the round's record."""
 
     digest: str
     seconds: float | None = None  # receiving
@@ -213,9 +214,13 @@ class Applied:
     why_refused: str | None = None  # the first of them
     verify_seconds: float | None = None  # waiting for the reference digest and comparing
     load_seconds: float | None = None  # the engine's load (None: an engine that loads nothing)
+    # the load failed part-way (spec.inference.onLoadFailure rollBack): why, and the version the
+    # engine went back to, loaded whole and verified (None: none; it serves none until the next)
+    load_failed: str | None = None
+    holds: int | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None or k not in ("load_failed", "holds")})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Applied:

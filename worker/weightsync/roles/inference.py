@@ -4,7 +4,9 @@ The model's parameters (or, where versions are a LoRA adapter, its adapter's: mo
 views into one of two flat buffers. A background thread receives
 each new version into the other one (staging) and verifies it; the generation loop switches the
 parameters to it between two generations. A model never runs on half-updated weights, and a
-version that fails verification is never switched to: the old one stays and the rank fails.
+version that fails verification is never switched to: the old one stays and the rank fails. A
+switch that fails part-way puts the parameters back on the buffer of the version the model ran,
+which the receiving thread never writes: the model runs on that version whole again.
 
 Receiving and verifying each round, and rejoining after a restart, are inbound.py's, shared with
 vLLM's workers.
@@ -21,7 +23,16 @@ from weightsync.rendezvous.protocol import Member, who
 from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, run_rank, serving_model
 from weightsync.roles.sharded import ShardedInference
 from weightsync.runtime import health
-from weightsync.runtime.faults import dump, dumping, generating, pause_point
+from weightsync.runtime.faults import (
+    FAIL_LOAD_ENV,
+    LoadFault,
+    dump,
+    dumping,
+    generating,
+    half_of,
+    load_fails,
+    pause_point,
+)
 from weightsync.runtime.inbound import GenerationHandover
 from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log
 from weightsync.transfer.receive import VersionReceiver, settle_heap
@@ -39,15 +50,23 @@ class Generations(GenerationHandover):
     the generation loop switches to it between generations, and only then does the staging
     buffer become the other one."""
 
-    def __init__(self, params: list, buffers: list, layout, quantization: str | None = None):
+    def __init__(self, params: list, buffers: list, layout, quantization: str | None = None, rank: int = 0):
         super().__init__()
         self.params, self.buffers, self.layout, self.quantization = params, buffers, layout, quantization
+        self.rank = rank
+        self.rolled_back: int | None = None  # a version whose switch failed, until the loop said so
         self.views = [views(b, layout) for b in buffers]
         self.active = 0
         self._point()
 
-    def _point(self) -> None:
-        """The parameters onto the active buffer (a quantized version's weights dequantized from it)."""
+    def _point(self, version: int | None = None) -> None:
+        """The parameters onto the active buffer (a quantized version's weights dequantized from it),
+        `version`'s where it is a new one (faults.FAIL_LOAD_ENV may fail that half-way)."""
+        if version is not None and load_fails(self.rank, version):
+            half = half_of(self.layout.names) if self.quantization is None else 0
+            point_at(self.params[:half], self.views[self.active][:half])
+            raise LoadFault(f"the switch to version {version} failed after {half} of its {len(self.params)} "
+                            f"parameters (half of its layers; {FAIL_LOAD_ENV})")
         point_at(self.params, self.views[self.active], self.layout, self.quantization)
 
     def staging(self):
@@ -61,12 +80,21 @@ class Generations(GenerationHandover):
 
     # the generation loop
     def switch(self) -> int | None:
-        """Point the model at the staged version, if one is waiting; returns its number."""
+        """Point the model at the staged version, if one is waiting; returns its number. A switch
+        that fails part-way puts every parameter back on the version the model ran (its buffer is
+        untouched: versions are received into the other one), and the receiving thread hears why."""
         with self.cond:
             if self.staged is None:
                 return None
             self.active = 1 - self.active
-            self._point()
+            try:
+                self._point(self.staged)
+            except Exception as e:  # noqa: BLE001 - handed to the receiving thread (inbound.LoadFailed)
+                self.active = 1 - self.active
+                self._point()
+                self.load_error, self.rolled_back, self.staged = (self.staged, e), self.staged, None
+                self.cond.notify_all()
+                return None
             self.version, self.staged = self.staged, None
             self.cond.notify_all()
             return self.version
@@ -83,7 +111,7 @@ class Inference:
         model, layout, device, params = serving_model(self.ctx, member, self.local_rank)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         # the weights the model was built with are dropped here
-        gens = Generations(params, buffers, layout, self.ctx.job.model.quantization)
+        gens = Generations(params, buffers, layout, self.ctx.job.model.quantization, self.rank)
         # `before`: its start counted, its model built, not joined yet
         joined = join_job(self.ctx, member, INFERENCE, self.rank, device, layout.to_json(),
                           port=self.ctx.data_port + self.local_rank,
@@ -124,8 +152,12 @@ class Inference:
                 log(self.me, f"switched to version {switched}{verified}")
             if gens.end is not None:
                 return
+            failed, gens.rolled_back = gens.rolled_back, None
             if gens.version is not None and generating():
                 tokens = greedy(model, ids, NEW_TOKENS)
                 if switched is not None:
                     log(self.me, f"switched to version {switched}{verified}; version {switched} generates {tokens} "
                                  f"from {ids[0].tolist()}")
+                if failed is not None:
+                    log(self.me, f"the switch to version {failed} failed part-way; back on version {gens.version}, "
+                                 f"which generates {tokens} from {ids[0].tolist()}")

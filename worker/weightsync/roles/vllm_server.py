@@ -16,7 +16,11 @@ under spec.model.lora.name (vllm_backend/adapter.py).
 The controller drives every update itself (control.py). When the job ends this process stops the
 server. When the server dies first the pod exits: the controller, which no longer hears the
 workers' heartbeats, counts the ranks away, and the pod's next start brings new workers that
-rejoin the running job (a server that cannot come up at all fails the job).
+rejoin the running job (a server that cannot come up at all fails the job). A server whose engine
+died is dead too, though its API process may live on for minutes with its port closed (it waits
+for the requests in flight, the controller's load among them, which will never be answered): the
+pod ends a server that leaves its port closed for DEAD_AFTER seconds, which also breaks the
+controller's call, so the fleet goes on without it at once rather than at the call's deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Mapping, Sequence
 
 from weightsync.job import INFERENCE, Env, Lora, Model, SpecError, WorkerContext, states
@@ -35,7 +40,7 @@ from weightsync.runtime import health
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
 from weightsync.vllm_backend import BACKEND, lora_problem, max_lora_rank
-from weightsync.vllm_backend.control import ControlError, Server
+from weightsync.vllm_backend.control import ControlError, Server, Unreachable
 from weightsync.vllm_backend.guard import MIDDLEWARE
 from weightsync.vllm_backend.logs import logging_env
 
@@ -43,6 +48,7 @@ OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 INIT_TIMEOUT = 300.0  # seconds for the worker to join the job (its model is loaded by then)
 ASK_TIMEOUT = 30.0  # seconds to reach the controller's store, to ask whether this pod's server joined before
 WATCH_EVERY = 1.0  # seconds between looks at the server's process and the job's end
+DEAD_AFTER = 5.0  # seconds a server's process may live on with its port closed before the pod ends it
 
 
 def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
@@ -164,9 +170,11 @@ def server_env(tensor_parallel: int, cpu: bool, environ: Mapping[str, str]) -> d
 
 
 def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str) -> str | None:
-    """Until the job ends (its state) or the server dies (None); the pod is ready while the server
-    is admitted to the job's fleet (it serves a version the fleet accepts: admission.py)."""
-    ready = False
+    """Until the job ends (its state) or the server dies (None): its process exits, or lives on
+    with its port closed for DEAD_AFTER seconds (its engine died; this ends it). The pod is ready
+    while the server is admitted to the job's fleet (it serves a version the fleet accepts:
+    admission.py)."""
+    ready, closed_since = False, None
     while True:
         try:
             return channel.wait_for_end(WATCH_EVERY).state
@@ -174,7 +182,17 @@ def _stand_by(proc: subprocess.Popen, server: Server, channel: Channel, me: str)
             pass
         if proc.poll() is not None:
             return None
-        admitted, said = server.admission()
+        try:
+            admitted, said = server.admission()
+            closed_since = None
+        except Unreachable as e:
+            admitted, said = False, {"why": str(e)}
+            closed_since = (closed_since or time.monotonic()) if e.refused else None
+            if closed_since is not None and time.monotonic() - closed_since >= DEAD_AFTER:
+                log(me, f"the vLLM server's process lives on, but its port has been closed for {DEAD_AFTER:.0f}s "
+                        "(its engine died): ending it")
+                stop(proc, grace=DEAD_AFTER)  # its engine is gone: nothing to wait for
+                return None
         if admitted != ready:
             log(me, f"the vLLM server serves version {said.get('held')}: ready" if admitted else
                 f"the vLLM server is out of the job's fleet, not ready: {said.get('why', 'it does not answer')}")

@@ -19,6 +19,10 @@ sets it in its own processes or through LocalJob's extra environment.
                  byte B) (tests/worker/transport/test_transport_p2p.py through
                  tests/support/transfer_peer.py, tests/worker/vllm_backend/test_vllm_engine.py,
                  tests/worker/local/test_quantized_job.py).
+  FAIL_LOAD_ENV  load_fails(), failing_half(): an inference rank's engine fails its load of a
+                 version after half of the model's layers, as a load that fails part-way would
+                 (tests/worker/local/test_load_failure.py, tests/worker/vllm_backend/test_vllm_tp.py,
+                 tests/worker/vllm_backend/test_load_ahead.py through tests/support/ahead_probe.py).
   IDLE_ENV       generating(): the built-in engines generate nothing between versions
                  (`weightsync bench --fsdp`, bench/fsdp.py).
 
@@ -28,6 +32,7 @@ Torch-free: the controller's pause point needs no torch, and dump() imports it w
 from __future__ import annotations
 
 import os
+import re
 import time
 
 # A directory where trainer and inference ranks save, after every version, the version's tensors
@@ -54,6 +59,9 @@ PAUSE_LIMIT_ENV = "WEIGHTSYNC_TEST_PAUSE_LIMIT"
 # "<version>" - trainer ranks flip one byte of the first chunk they send of that version after
 # hashing it, as a bad link would: every receiver must refuse the version.
 CORRUPT_ENV = "WEIGHTSYNC_TEST_CORRUPT_VERSION"
+# "<rank>@<version>[,<rank>@<version>...]" - those inference ranks fail their load of that version
+# after half of the model's layers (LoadFault): the first half of the layers loaded, the rest not.
+FAIL_LOAD_ENV = "WEIGHTSYNC_TEST_FAIL_LOAD"
 # "1" - the built-in engines switch to every verified version and generate nothing, so that a
 # benchmark timing the transfer has no generation competing for the cores (a version then also
 # waits for no generation to end before the model runs on it).
@@ -118,3 +126,41 @@ def dump(role: str, rank: int, version: int, tensors: dict, logits, sent: dict |
 def generating() -> bool:
     """Whether the built-in engines generate between versions (IDLE_ENV: not in benchmarks)."""
     return os.environ.get(IDLE_ENV) != "1"
+
+
+class LoadFault(RuntimeError):
+    """FAIL_LOAD_ENV's failure, raised part-way through a load."""
+
+
+def load_fails(rank: int, version: int) -> bool:
+    """FAIL_LOAD_ENV: whether inference rank `rank`'s load of `version` is to fail part-way."""
+    armed = os.environ.get(FAIL_LOAD_ENV, "")
+    return f"{rank}@{version}" in {a.strip() for a in armed.split(",")}
+
+
+def half_of(names: list[str]) -> int:
+    """How many of a version's tensors (checkpoint names, in order) come before the second half of
+    the model's layers (the numbered blocks, `...layers.3...`, `...h.3...`): the tensors a load that
+    fails after half of the layers has loaded."""
+    layers = [int(m.group(1)) if (m := re.search(r"\.(\d+)\.", name)) else None for name in names]
+    numbered = [n for n in layers if n is not None]
+    if not numbered:
+        return len(names) // 2
+    half = (max(numbered) + 1 + 1) // 2  # layers 0..half-1 load
+    return next((i for i, n in enumerate(layers) if n is not None and n >= half), len(names))
+
+
+def failing_half(named, rank: int, version: int):
+    """`named` ((name, tensor) pairs of a version, as an engine loads them), or where FAIL_LOAD_ENV
+    arms this rank's load of `version` its first half of the layers, then LoadFault."""
+    if not load_fails(rank, version):
+        return named
+    named = list(named)
+    half = half_of([name for name, _ in named])
+
+    def loading():
+        yield from named[:half]
+        raise LoadFault(f"the load of version {version} failed after {half} of its {len(named)} tensors (half of "
+                        f"its layers; {FAIL_LOAD_ENV})")
+
+    return loading()

@@ -5,7 +5,10 @@ The built-in engine (roles/inference.py) and vLLM's workers (vllm/engine.py) dif
 verified version reaches the model: the built-in one points its parameters at the staging buffer
 between two generations, vLLM loads it between two scheduler steps when the controller says so.
 Both take it through the same Handover, so a version that fails verification never reaches either
-and the checks are one piece of code.
+and the checks are one piece of code. So is what follows a load that fails part-way (LoadFailed):
+the engine is back on its last whole version, or serves none, and the rank either says so and
+goes on (spec.inference.onLoadFailure rollBack: the controller counts it behind and sends it the
+next version whole) or fails the job.
 
 A rank whose process started again (its pod restarted) is taken back at the next round, which it
 receives in full. A rank the controller counted away (silent, or cut off by the trainers) while its
@@ -23,6 +26,7 @@ import time
 from typing import Protocol
 
 from weightsync.job import INFERENCE, Job, reasons
+from weightsync.job.spec import FAIL_JOB, ROLL_BACK
 from weightsync.rendezvous.messages import Applied, End, Reference, Round
 from weightsync.rendezvous.protocol import HEARTBEAT, Dropped, FellBehind, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
@@ -42,6 +46,20 @@ class VerificationError(Expected):
     it is found)."""
 
     reason = reasons.VERIFICATION_FAILED
+
+
+class LoadFailed(Expected):
+    """The engine failed part-way through loading a verified version. It never serves half of two
+    versions: `holds` is the version it went back to, loaded whole and verified (None: it holds no
+    whole version, and serves none until the next one loads whole). With spec.inference.onLoadFailure
+    rollBack the rank says so and takes the next round, which it receives whole; with failJob it
+    fails (reason LoadFailed)."""
+
+    reason = reasons.LOAD_FAILED
+
+    def __init__(self, message: str, holds: int | None):
+        super().__init__(message)
+        self.holds = holds
 
 
 class StartAgain(Expected):
@@ -73,16 +91,24 @@ class GenerationHandover:
         self.staged: int | None = None
         self.end: End | None = None
         self.error: BaseException | None = None
+        self.load_error: tuple[int, BaseException] | None = None  # the version whose load failed, and why
         self.cond = threading.Condition()
 
     # the receiving thread
     def offer(self, version: int, got: ReceivedVersion | None = None) -> None:
         """Hand over the version in staging and wait until the model runs on it (nothing is loaded:
-        the model's parameters point at the buffer)."""
+        the model's parameters point at the buffer); LoadFailed where the loop could not switch to
+        it and went back to the version it ran."""
         with self.cond:
             self.staged = version
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.staged is None or self.error is not None)
+            failed, self.load_error = self.load_error, None
+        if failed is not None and failed[0] == version:
+            back = f"the model runs on version {self.version} again" if self.version is not None else \
+                "the model serves no version until one loads whole"
+            raise LoadFailed(f"version {version} failed to load part-way ({type(failed[1]).__name__}: {failed[1]}); "
+                             f"{back}", self.version)
 
     def finish(self, end: End | None = None, error: BaseException | None = None) -> None:
         with self.cond:
@@ -116,7 +142,10 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
     timeout = transfer.timeout
     counters = rank_counters(rank)  # its pod's /metrics
     late = member.joins_late(timeout)
-    first = member.welcome() if late else Round(0)
+    try:
+        first = member.welcome() if late else Round(0)
+    except FellBehind as e:
+        raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
     if late:
         log(me, f"taken {'back' if member.attempt > 1 else 'in'} at {first.name}")
     for version in itertools.count(first.version):  # until the controller ends the job
@@ -168,7 +197,17 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
                 raise VerificationError(f"version {version} failed verification: digest {got.digest[:16]} received, "
                                         f"the trainers sent {sent}; the model stays on the version it runs")
         verified = time.monotonic() - received
-        loaded = engine.offer(version, got)
+        try:
+            loaded = engine.offer(version, got)
+        except LoadFailed as e:
+            if job.inference.on_load_failure == FAIL_JOB:
+                raise
+            log(me, f"{e}; spec.inference.onLoadFailure {ROLL_BACK}: the job goes on, and the next version comes "
+                    "to this rank whole")
+            member.set(Keys.applied(version, rank, member.attempt),
+                       Applied(got.digest, got.seconds, verify_seconds=round(verified, 6), load_failed=str(e),
+                               holds=e.holds).to_json())
+            continue
         counters.serving(version)
         # seconds: receiving; verify_seconds: waiting for the reference digest and comparing;
         # load_seconds: the engine's load (the controller's round record shows the three)

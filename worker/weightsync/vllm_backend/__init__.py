@@ -114,18 +114,22 @@ def joining(environ=os.environ) -> tuple[Join, str] | None:
 def follow_server(environ=os.environ) -> None:
     """In vLLM's API server (the process that runs the server: no multiprocessing parent), note
     its pid in the environment its engine core and workers inherit; in those (vLLM starts them with
-    multiprocessing), end this process with SIGKILL as soon as that server process has ended
-    (runtime/procs.die_with). Called where vLLM loads the plugin and where it builds the engine (a
+    multiprocessing), end this process with SIGKILL as soon as that server process, or this
+    process's own multiprocessing parent (a worker's engine core), has ended (runtime/procs.die_with):
+    a worker whose engine core died (the OOM killer takes the process that holds the model) would
+    otherwise beat on for its rank, in the middle of a load no one will ever use, and its server
+    would not be counted away. Called where vLLM loads the plugin and where it builds the engine (a
     forked worker loads no plugin), once per process."""
     global _following
-    if multiprocessing.parent_process() is None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
         environ[SERVER_PID] = str(os.getpid())
         return
     pid = int(environ.get(SERVER_PID) or 0)
     if not pid or _following == os.getpid():
         return
     _following = os.getpid()
-    if not die_with(pid):
+    if not all([die_with(pid)] + ([die_with(parent.pid)] if parent.pid and parent.pid != pid else [])):
         print(f"weightsync: this system cannot watch vLLM's API server (pid {pid}, no pidfd): where it dies "
               "alone, this process outlives it", file=sys.stderr, flush=True)
 

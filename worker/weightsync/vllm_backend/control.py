@@ -58,7 +58,12 @@ class ControlError(RuntimeError):
 class Unreachable(ControlError):
     """The server gave no answer: it could not be reached, dropped the connection, or ran out of
     time. Its process may be gone (killed, preempted) or frozen, which its ranks' heartbeats tell;
-    a server that answered an error is a ControlError, never this."""
+    a server that answered an error is a ControlError, never this. `refused`: nothing listens on
+    its port (the connection was refused), as opposed to a server that is slow or silent."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ class Server:
             reason = getattr(e, "reason", e)
             if isinstance(reason, TimeoutError):
                 raise Unreachable(f"{self.url}{route} did not answer within {timeout:.0f}s: {reason}") from None
-            raise Unreachable(f"{self.url}{route} could not be reached: {reason or type(e).__name__}") from None
+            raise Unreachable(f"{self.url}{route} could not be reached: {reason or type(e).__name__}",
+                              refused=isinstance(reason, ConnectionRefusedError)) from None
         try:
             return json.loads(text) if text else {}
         except ValueError:
@@ -140,9 +146,11 @@ class Server:
 
     def admission(self, timeout: float = 2.0) -> tuple[bool, dict]:
         """Whether the server is admitted to its job's fleet, and what it said (admission.py);
-        (False, {}) where it does not answer."""
+        Unreachable where it does not answer."""
         try:
             return True, self.call(ROUTE, None, timeout, method="GET")
+        except Unreachable:
+            raise
         except ControlError as e:
             try:
                 return False, (json.loads(e.body) if e.status == 503 else {})

@@ -16,8 +16,12 @@ model runs on). With spec.inference.vllm.loadAhead the same reload runs once the
 into a shadow of the model while vLLM serves on, and the update only copies it in (ahead.py). A
 version that failed verification is never staged, so it cannot be loaded; an
 update call that names a version other than the staged one, or that does not prove the job token,
-changes nothing: every check is done before the reload starts. A load that fails part-way (which
-a verified version of the declared layout does not) fails the job naming the server.
+changes nothing: every check is done before the reload starts. A load that fails part-way (vLLM's
+error, an exception in a loader) leaves the server with some layers of the new version and the
+rest of the old: its API process's guard answers 503 from then on (admission.py), and this worker
+says so (runtime/inbound.LoadFailed): with spec.inference.onLoadFailure rollBack the next version
+comes whole and loads whole, with failJob the job fails. Loaded ahead, a failure touches only the
+second copy: the stage is discarded and the server serves on the version it held.
 A quantized job's versions (spec.model.quantization) are the quantized checkpoint's tensors, weights
 and scales, which the same reload loads and processes for vLLM's quantized kernels; a server that
 quantizes otherwise (or online) than the job says is refused at init.
@@ -47,8 +51,8 @@ from weightsync.model.quant import VLLM_METHOD, format_of
 from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_json
 from weightsync.rendezvous.messages import Staged
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
-from weightsync.runtime.faults import dump, dumping, pause_point
-from weightsync.runtime.inbound import StartAgain, receive_rounds
+from weightsync.runtime.faults import dump, dumping, failing_half, pause_point
+from weightsync.runtime.inbound import LoadFailed, StartAgain, receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle_heap
 from weightsync.vllm_backend import end_server, follow_server, lora_problem
@@ -57,7 +61,7 @@ from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.experts import check_experts, cpu_packed, pack_experts, split_experts
 from weightsync.vllm_backend.lora_shards import adapter_parts, whole_adapter
 from weightsync.vllm_backend.parts import UnsupportedLayer
-from weightsync.vllm_backend.place import joining, place_of
+from weightsync.vllm_backend.place import joining, place_of, waits_for_init
 from weightsync.vllm_backend.served import served_parameters
 from weightsync.vllm_backend.shards import presharded, worker_needs, worker_parts
 
@@ -66,7 +70,14 @@ STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the j
 
 @dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
-    """Nothing: every worker reads the job from its pod's contract (environment and files)."""
+    """Empty for a job's own server and one that joined as it started: the pod's contract or the
+    join variables say everything. A trainer that runs its job's controller itself names its job
+    here, proven with the secret trainer and server share (place.init_join, guard.sign_init)."""
+
+    job_id: str = ""
+    controller: str = ""  # host:port of the job's store
+    server: str = ""  # this server's URL as the controller reaches it
+    proof: str = ""
 
 
 @dataclass
@@ -85,12 +96,18 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         follow_server()  # this worker, which beats for its rank, ends with its server
         if joining() is not None:  # a server the user started joins as vLLM constructs it (place.py)
             self.init_transfer_engine(WeightsyncInitInfo())
+        else:
+            waits_for_init()  # a server of no job yet: refused here without the secret its trainer's init proves
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        if getattr(self, "place", None) is not None and self.place.external:  # joined as vLLM built it
+        joined = getattr(self, "place", None)
+        if joined is not None and joined.external and not joined.by_init:  # joined as vLLM built it
             raise RuntimeError(f"{self.me} joined job {self.ctx.job.identity} when its server started: there is "
                                "nothing to initialize")
-        self.place = place_of(self.parallel_config, self.model_config)
+        if joined is not None and joined.by_init and self.thread.is_alive():
+            raise RuntimeError(f"{self.me} is a rank of job {self.ctx.job.identity} until that job ends: a server takes "
+                               "one trainer's job at a time")
+        self.place = place_of(self.parallel_config, self.model_config, init_info)
         served = getattr(self.model_config, "quantization", None)
         fmt = format_of(self.place.ctx.job.model.quantization)
         if served != (VLLM_METHOD[fmt.name] if fmt is not None else None):
@@ -131,6 +148,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.session = False
         self.keep_session = getattr(self.vllm_config, "lora_config", None) is None or self.adapters is not None
         self.failed: BaseException | None = None
+        self.load_error: BaseException | None = None  # the staged version's load failed part-way
         self.cond = threading.Condition()
         member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, self.rank, JOIN_TIMEOUT,
                         job=ctx.job.identity)
@@ -189,7 +207,13 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         prepared = None
         if self.ahead:
             began = time.monotonic()
-            prepared = prepare(self.model, self.model_config, self._tensors(self.staging()), presharded, self.spares)
+            try:
+                prepared = prepare(self.model, self.model_config,
+                                   failing_half(self._tensors(self.staging()), self.rank, version), presharded, self.spares)
+            except Exception as e:  # noqa: BLE001 - the served copy was never touched: the stage is discarded
+                raise LoadFailed(f"version {version} failed part-way as it was loaded ahead ({type(e).__name__}: {e}); "
+                                 f"the copy vLLM serves was never touched: the stage is discarded, and the server "
+                                 f"serves {self._holding()}", self.loaded) from None
             prepared.seconds = time.monotonic() - began
         staged = Staged(got.digest, session_open=opened, keep_session=self.keep_session,
                         prepare_seconds=None if prepared is None else round(prepared.seconds, 6))
@@ -198,10 +222,21 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         self.member.set(Keys.staged(version, self.rank, self.member.attempt), staged.to_json())
         while True:
             with self.cond:
-                if self.cond.wait_for(lambda: self.loaded == version, STAGED_CHECK):
+                if self.cond.wait_for(lambda: self.loaded == version or self.load_error is not None, STAGED_CHECK):
+                    if self.load_error is not None:
+                        error, self.load_error, self.staged, self.prepared = self.load_error, None, None, None
+                        raise LoadFailed(f"vLLM failed part-way through loading version {version} "
+                                         f"({type(error).__name__}: {error}): the server holds no whole version and "
+                                         "answers its clients 503 until the next version loads whole", None)
                     seconds = self.load_seconds
                     break
             self.member.check_end()  # the job may end (failed elsewhere) before the load
+            if self.member.has(Keys.unloaded(version, self.rank, self.member.attempt)):
+                with self.cond:
+                    self.staged, self.prepared = None, None
+                raise LoadFailed(f"another worker of this server failed to load version {version} ahead, so the "
+                                 f"server does not load it: the stage is discarded, and it serves {self._holding()}",
+                                 self.loaded)
         if first:
             # vLLM serves (it loaded a version): what it made after this engine joined (its
             # profile, KV cache, warm-up) out of the collector's reach too, once. Left in reach,
@@ -233,13 +268,19 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             buffer, prepared = self.buffers[self.staging_index], self.prepared
         pause_point(INFERENCE, self.rank, "loading", version)
         start = time.monotonic()
-        if prepared is not None:
-            commit(prepared, self.model_config, swap=self.swap)
-        elif self.adapters is not None:
-            tensors = self._tensors(buffer)
-            self.adapters.replace(tensors if self.parts is None else whole_adapter(self.local, self.layout, tensors))
-        else:
-            self.load(buffer)
+        try:
+            if prepared is not None:
+                commit(prepared, self.model_config, swap=self.swap)
+            elif self.adapters is not None:
+                tensors = self._tensors(buffer)
+                self.adapters.replace(tensors if self.parts is None else whole_adapter(self.local, self.layout, tensors))
+            else:
+                self.load(buffer, version)
+        except BaseException as e:  # the receiving thread says so (runtime/inbound.LoadFailed); vLLM's answer fails
+            with self.cond:
+                self.load_error = e
+                self.cond.notify_all()
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - start
@@ -262,6 +303,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 self.staging_index = 1 - self.staging_index
             self.cond.notify_all()
 
+    def _holding(self) -> str:
+        return f"version {self.loaded}" if self.loaded is not None else "no version of the job's yet"
+
     def finish_weight_update(self) -> None:
         self.session = False  # nothing else: the reload is finished in receive_weights
 
@@ -277,7 +321,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         return Adapters(self.model, lora, config)
 
     def _needs(self):
-        """What this worker needs of a version (plan.slices.RankSlices), or None where every
+        """What this worker needs of a version (plan.boxes.RankSlices), or None where every
         inference rank of the job gets whole versions; refuses a server whose parallelism is not
         the job's."""
         parallel = self.parallel_config
@@ -343,7 +387,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                      f"{plan.version_bytes} bytes per version ({share:.4f} of a whole version) from "
                      f"{len(plan.expected_for(self.rank))} trainer ranks")
 
-    def load(self, buffer) -> None:
+    def load(self, buffer, version: int | None = None) -> None:
         """The staged version into the model through vLLM's own reload machinery: each layer is
         loaded from the checkpoint-format tensors and processed again as vLLM processes weights
         after loading (fused, repacked for its kernels), then copied into the tensors the model
@@ -352,7 +396,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         initialize_layerwise_reload(self.model)
         with presharded(self.model):
             try:
-                self.model.load_weights(self._tensors(buffer))
+                self.model.load_weights(failing_half(self._tensors(buffer), self.rank, version))
             finally:
                 finalize_layerwise_reload(self.model, self.model_config)
         pack_experts(self.model)

@@ -7,7 +7,7 @@ business: its model maps checkpoint names onto its parameters (the model's hf_to
 q_proj, k_proj and v_proj into qkv_proj as shards "q", "k", "v"; gate_proj and up_proj into
 gate_up_proj as shards 0 and 1), and each layer class narrows what it loads by the worker's tensor
 -parallel rank. This module asks the worker's model, not a table of our own, and turns the answer
-into the slice planner's needs (plan.slices.RankSlices: boxes of the global checkpoint tensors):
+into the slice planner's needs (plan.boxes.RankSlices: boxes of the global checkpoint tensors):
 
 - QKVParallelLinear: the rows of the worker's query heads of q_proj, and of its KV heads of k_proj
   and v_proj, which vLLM replicates when N exceeds the KV heads (several workers then need the

@@ -14,15 +14,14 @@ ControllerRestarted) rather than silently running it again from step 0.
 
 With vLLM servers (spec.inference.engine vllm) the controller also drives each version's load: once
 every receiver has the version received and verified (staged), it asks every server at once to
-load it between two steps (vllm_backend/control.py), and fails the version naming the pod whose
-server does not."""
+load it between two steps (loads.py). A rank whose load failed part-way (any engine) is counted
+behind and receives the next version whole (spec.inference.onLoadFailure rollBack), or has failed
+the job (failJob)."""
 
 from __future__ import annotations
 
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext, reasons
@@ -32,11 +31,12 @@ from weightsync.plan.job import bases, delta_in_effect
 from weightsync.rendezvous.join_phase import Deadline, TrainersRestart
 from weightsync.rendezvous.messages import Applied, Reference, Round, SentReport
 from weightsync.rendezvous.policy import Policy
-from weightsync.rendezvous.protocol import HEARTBEAT, Keys, control_key, update_proof, who
+from weightsync.rendezvous.protocol import Keys, control_key, who
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Host
 from weightsync.rendezvous.store.table import StoreError
 from weightsync.roles.controller.admissions import Admissions
+from weightsync.roles.controller.loads import load_on_servers, phases
 from weightsync.roles.controller.planning import Planned, external_deadlines, make_plan
 from weightsync.roles.controller.receivers import Receivers, counts, states
 from weightsync.roles.controller.records import Reporter
@@ -47,17 +47,12 @@ from weightsync.runtime.metrics import ControllerMetrics
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests
 from weightsync.transport import capabilities_of
-from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
-from weightsync.vllm_backend.guard import MIDDLEWARE
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 # a trainer's: its silence fails the job (an inference rank's only makes it away until it rejoins),
 # so it is given the time a training step or a checkpoint's save may hold a busy machine's CPU
 TRAINER_SILENT_LIMIT = 20.0
 BYE_TIMEOUT = 30.0
-# seconds for an external vLLM server that joined (its model loaded) to serve: vLLM profiles, sizes
-# its KV cache and compiles after the weight-transfer engine is built
-SERVE_TIMEOUT = 900.0
 REPORT_SLACK = 10.0  # seconds for a trainer to report a round after its own deadlines ran out
 
 ME = "controller"
@@ -90,7 +85,8 @@ def policy_of(ctx: WorkerContext, external: dict[str, Deadline]) -> Policy:
     job, timeout = ctx.job, ctx.job.transfer.timeout
     return Policy(silent_limit=min(timeout, SILENT_LIMIT), trainer_silent_limit=min(timeout, TRAINER_SILENT_LIMIT),
                   away_limit=job.inference.away_grace_seconds, min_available=job.inference.min_available,
-                  running=job.inference.running_ranks, external=frozenset(external), resumable=job.trainer.resumes)
+                  running=job.inference.running_ranks, external=frozenset(external), resumable=job.trainer.resumes,
+                  tp_replicas=() if job.inference.runs_vllm else job.layout.tp_groups)
 
 
 class Controller:
@@ -110,6 +106,7 @@ class Controller:
     loss: float | None  # the trainers' loss as last reported
     last: tuple[int, int | None] | None  # the last version delivered, and its step
     admissions: Admissions | None  # with vLLM servers: the fleet's version, told to each (admission.py)
+    load_failed: dict[int, Applied]  # the last round's receivers whose load failed part-way (onLoadFailure rollBack)
 
     def __init__(self, ctx: WorkerContext, reporter: Reporter):
         self.ctx, self.reporter, self.metrics = ctx, reporter, reporter.metrics
@@ -124,7 +121,7 @@ class Controller:
             self.scale = ScaleWatch(self.host, reporter.inference_replicas, ctx.job.inference.ranks_of_pods, self.say)
             self.scale.start()
         self.planned, self.reached, self.loss, self.last = None, set(), None, None
-        self.admissions = None
+        self.admissions, self.load_failed = None, {}
         if ctx.job.inference.runs_vllm:
             self.admissions = Admissions(self.host, control_key(ctx.token, ctx.job.identity),
                                          ctx.job.inference.max_version_lag, self.say)
@@ -203,7 +200,7 @@ class Controller:
                 whole = version
                 continue
             except TrainersRestart as e:  # an inference rank failed, blamed on a trainer that stopped
-                raise JobFailed(f"{e}, while {rnd.name} was on its way", reasons.TRAINER_RESTARTED) from None
+                raise JobFailed(f"{e}, while {rnd.name} was on its way", reasons.TRAINER_STOPPED) from None
             if sent[0].loss is not None:
                 self.loss = sent[0].loss
             if applied:  # a round whose receivers were all away delivered nothing
@@ -215,22 +212,28 @@ class Controller:
             version += 1
         if not version:
             raise JobFailed("every trainer rank closed without publishing a version", reasons.NO_VERSIONS)
-        final, again = version - 1, 0
-        while host.behind(final):  # ranks that came back after the final version
-            host.wait_back(final)
-            if not host.behind(final):  # the last of them was dropped meanwhile
+        # ranks that came back after the final version; not those whose load of it failed (onLoadFailure
+        # rollBack), which wait for a next version, and end the job on the one they hold
+        final, again, failed = version - 1, 0, set(self.load_failed)
+        while [r for r in host.behind(final) if r not in failed]:
+            host.wait_back(final, failed)
+            if not [r for r in host.behind(final) if r not in failed]:  # the last of them was dropped meanwhile
                 break
             again += 1
             rnd = host.start_round(final, again, bases=partial(bases, delta, final, again))
             if self.round(rnd)[1]:
                 self.delivered(final)
+            failed |= set(self.load_failed)
+        if failed:
+            self.say(f"{', '.join(who(INFERENCE, r) for r in sorted(failed))} failed to load the final version "
+                     f"{final} and end the job on the version they hold")
         pause_point(CONTROLLER, 0, "delivered", final)
 
     def round(self, rnd: Round) -> tuple[list[SentReport], int]:
         """One round: wait for the trainers' reports, publish the reference digest, wait for every
         receiver still there to apply it, check the digests; report it. Returns the trainers' reports
         and how many inference ranks applied the version."""
-        host, reporter, timeout = self.host, self.reporter, self.timeout
+        ctx, host, reporter, timeout = self.ctx, self.host, self.reporter, self.timeout
         plan, transport = self.planned.plan, self.planned.transport
         start = time.monotonic()
         # A trainer may spend its timeout dialling a receiver and its timeout again on a send that
@@ -254,7 +257,7 @@ class Controller:
                     raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not "
                                     f"the {was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
         verified_at = time.monotonic()
-        loads = self.load_on_servers(rnd) if self.ctx.job.inference.runs_vllm else None
+        loads = load_on_servers(ctx, host, rnd, timeout, self.say) if ctx.job.inference.runs_vllm else None
         loaded_at = time.monotonic()
         applied = host.collect_applied(rnd, timeout)
         seconds = time.monotonic() - start
@@ -267,6 +270,11 @@ class Controller:
             if got.refused:
                 self.say(f"{who(INFERENCE, r)} could not apply {got.refused} patch(es) of {rnd.name} "
                          f"({got.why_refused}); the trainers sent those buckets whole")
+        self.load_failed = {r: got for r, got in applied.items() if got.load_failed is not None}
+        for r, got in self.load_failed.items():  # onLoadFailure rollBack: behind, and sent the next version whole
+            self.say(f"{who(INFERENCE, r)} failed to load {rnd.name}: {got.load_failed}")
+            host.seats[r].holds = got.holds
+        applied = {r: got for r, got in applied.items() if r not in self.load_failed}
         host.holding(rnd.version, applied)
         self.metrics.states(counts(states(host.seats, rnd.version)))
         if rnd.again or host.rejoins():
@@ -276,6 +284,8 @@ class Controller:
         extra = {"changed": round(changed / compared, 6)} if compared else {}
         if loads is not None:
             extra["stall_seconds"] = round(loads.slowest.stall, 4)
+        if self.load_failed:
+            extra["load_failed"] = sorted(self.load_failed)
         extra["phases"] = phases(sent_at - start, verified_at - sent_at, loads, applied, start + seconds - loaded_at)
         record = reporter.transfer(rnd.version, step, sum(plan.bytes_for(r) for r in applied), seconds, transport,
                                    loss, wire_bytes=sum(s.wire_bytes for s in sent), delta_ranks=len(rnd.bases),
@@ -291,57 +301,6 @@ class Controller:
             self.metrics.delivered(version)
             if self.admissions is not None:
                 self.admissions.delivered(version)
-
-    def load_on_servers(self, rnd: Round) -> ServerLoads:
-        """Once every receiver of the round has it staged, every vLLM server loads it at once; returns
-        how long the staging took and each server's calls. A server that answers that it did not load
-        it fails the job; one that stopped answering goes out of the round if its ranks went away with
-        it (killed, preempted: they rejoin and get the next round in full), else it fails the job."""
-        ctx, host, timeout = self.ctx, self.host, self.timeout
-        began = time.monotonic()
-        staged = host.collect_staged(rnd, timeout)
-        staging = time.monotonic() - began
-        pause_point(CONTROLLER, 0, "staged", rnd.version)
-        proof = update_proof(ctx.token, ctx.job.identity, rnd.version)
-        key = control_key(ctx.token, ctx.job.identity)
-        seats = {r: host.seats[r] for r in staged}
-        # one update per server: a tensor-parallel server's workers are several ranks, and vLLM's update
-        # has every worker load its own staged version; {server: its ranks}, named by the first
-        servers: dict[str, list[int]] = {}
-        for rank in sorted(seats):
-            servers.setdefault(seats[rank].info.server, []).append(rank)
-
-        def failed(rank: int, e: ControlError) -> JobFailed:
-            return JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
-                             f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED)
-
-        def load(rank: int) -> UpdateTimes | Unreachable:
-            try:
-                server = Server(seats[rank].info.server, key)
-                if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
-                    server.wait_up(SERVE_TIMEOUT)
-                    if server.open_to_clients():  # its control routes, which relabel and reset, would be any client's
-                        raise ControlError(f"{server.url} answers its control routes to any client: start it with "
-                                           f"--middleware {MIDDLEWARE} (docs/jobs.md, vLLM)")
-                workers = servers[server.url]
-                return server.update(rnd.version, proof, timeout, Session.of([staged[r] for r in workers]))
-            except Unreachable as e:
-                return e  # judged on this thread, which keeps the roster: its ranks may be gone with it
-            except ControlError as e:
-                raise failed(rank, e) from None
-
-        firsts = [ranks[0] for ranks in servers.values()]
-        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
-            loads = dict(zip(firsts, pool.map(load, firsts)))
-        for rank, got in loads.items():
-            if isinstance(got, Unreachable):
-                if not host.gone(servers[seats[rank].info.server], 2 * host.policy.silent_limit + 2 * HEARTBEAT):
-                    raise failed(rank, ControlError(f"{got}; its workers beat on, so the server is alive")) from None
-                self.say(f"the vLLM server of {who(INFERENCE, rank)} stopped answering while it loaded {rnd.name} "
-                         f"({got}) and its ranks went away: {rnd.name} goes on without them")
-        times = [t for t in loads.values() if isinstance(t, UpdateTimes)]
-        ahead = [got.prepare_seconds for got in staged.values() if got.prepare_seconds is not None]
-        return ServerLoads(staging, max(ahead) if ahead else None, UpdateTimes.slowest(times))
 
     def resume(self, version: int, why: TrainersRestart) -> None:
         """A trainer rank stopped between two versions: every trainer rank starts again, resumes from
@@ -390,33 +349,6 @@ class Controller:
                                  final_loss=rounded(self.loss))
         linger(self.ctx, ME)
         return 1
-
-
-@dataclass(frozen=True)
-class ServerLoads:
-    """How a round's load into the vLLM servers went, as the controller saw it."""
-
-    staging: float  # seconds from the reference digest to every receiver staged (received and verified)
-    prepare: float | None  # with loadAhead, the slowest worker's load into its second copy, before the pause
-    slowest: UpdateTimes  # each call's and the stall's longest over the servers
-
-
-def phases(transfer: float, verify: float, loads: ServerLoads | None, applied: dict[int, Applied],
-           after: float) -> dict[str, float]:
-    """Where a round's seconds went (the round record's phases): the transfer (go to every
-    trainer's report), the reference digest, with vLLM servers the staging, each control call,
-    the workers' own load (the slowest) and the stall; then the wait for every rank's applied."""
-    phases = {"transfer": transfer, "verify": verify}
-    if loads is not None:
-        phases["staging"] = loads.staging
-        if loads.prepare is not None:
-            phases["prepare"] = loads.prepare
-        phases.update(loads.slowest.to_json())
-        engine = [got.load_seconds for got in applied.values() if got.load_seconds is not None]
-        if engine:
-            phases["load"] = max(engine)
-    phases["applied"] = after
-    return {k: round(v, 6) for k, v in phases.items()}
 
 
 def rounded(loss: float | None) -> float | None:
