@@ -105,7 +105,7 @@ def test_trainers_that_do_not_start_again_fail_the_job_naming_them(resuming):
         host.check_ranks()
     with pytest.raises(RankFailed, match=r"trainer ranks 0-1 did not start again within 1s .*attachTimeoutSeconds") as e:
         resume(host, 1, 2, 1, 10, lambda rank, admission: None)
-    assert e.value.reason == reasons.TRAINER_RESTARTED
+    assert e.value.reason == reasons.TRAINER_STOPPED
 
 
 def test_a_trainer_that_starts_again_fails_the_job_where_the_trainers_do_not_resume(host):
@@ -116,7 +116,7 @@ def test_a_trainer_that_starts_again_fails_the_job_where_the_trainers_do_not_res
     host.last_watch = 0.0
     with pytest.raises(RankFailed, match="trainer rank 1 restarted .its process started again, start 2.") as e:
         host.check_ranks()
-    assert not isinstance(e.value, TrainersRestart) and e.value.reason == reasons.TRAINER_RESTARTED
+    assert not isinstance(e.value, TrainersRestart) and e.value.reason == reasons.TRAINER_STOPPED
 
 
 def test_trainer_ranks_ready_at_different_steps_fail_the_job_naming_them(host):

@@ -161,11 +161,11 @@ def test_a_stopped_controller_pod_answers_no_probe(tmp_path):
         got = until("the controller pod ready", ready_or_exited)
         assert proc.poll() is None, (tmp_path / "out.log").read_text()
         assert got == (True, "HTTP 200: ready: controller")
-        os.kill(proc.pid, signal.SIGSTOP)
+        os.killpg(proc.pid, signal.SIGSTOP)  # the whole pod, as a frozen container
         start = time.monotonic()
         assert answer(port) == (False, f"no answer within {LIVENESS.timeout_seconds}s")
         assert time.monotonic() - start >= LIVENESS.timeout_seconds
-        os.kill(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGCONT)
         assert until("an answer once continued", lambda: (got := answer(port))[0] and got)[1].startswith("HTTP 200")
     finally:
         end(proc)

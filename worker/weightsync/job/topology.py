@@ -47,6 +47,12 @@ class Layout:
         return range(inference_rank, inference_rank + 1)
 
     @property
+    def tp_groups(self) -> tuple[range, ...]:
+        """The model replicas of more than one inference rank (tensor-parallel), in rank order."""
+        starts = [sum(self.tensor_parallel[:i]) for i in range(len(self.tensor_parallel))]
+        return tuple(range(s, s + size) for s, size in zip(starts, self.tensor_parallel) if size > 1)
+
+    @property
     def sliced(self) -> bool:
         """Whether some inference rank holds tensor-parallel slices rather than the whole model."""
         return any(size > 1 for size in self.tensor_parallel)

@@ -86,6 +86,9 @@ class Kubelet:
         self.failure: CrashLoop | None = None  # why it gave up on a pod
         self.lock = threading.Lock()  # one look at the pods at a time: tick(), end(), stop()
         self.threads: list[threading.Thread] = []
+        # the liveness probe each pod gets once it started: the operator's (job.LIVENESS); a run that
+        # stops a pod on purpose for longer than that deadline (a fault drill) may set a longer one
+        self.liveness = LIVENESS
 
     def start(self) -> None:
         for pod in self.pods:
@@ -174,7 +177,7 @@ class Kubelet:
             ok, detail = probe(host, port, spec)
             failures = 0 if ok else failures + 1
             if ok and spec is STARTUP:
-                spec = LIVENESS  # started: liveness from now on, its first probe a period later
+                spec = self.liveness  # started: liveness from now on, its first probe a period later
             next_probe += spec.period_seconds
             if failures < spec.failure_threshold:
                 continue

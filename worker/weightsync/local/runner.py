@@ -399,7 +399,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
         progress: IO[str] = sys.stderr, timeout: float | None = None, vllm_python: str | None = None,
         share_gpus: bool = False, join_env: str | os.PathLike | None = None) -> dict:
     """Run a job to its end; returns the summary, raises RunFailed (with the summary so far, when
-    the job started), or before starting anything contract.SpecError or CannotRunHere. The
+    the job started), or before starting anything job.errors.SpecError or CannotRunHere. The
     inference pods of a vLLM job run vLLM with `vllm_python` (this Python by default). With
     `share_gpus` every pod that asks for GPUs gets the same ones (colocated training and
     inference on one GPU). A job with an external role needs `join_env`, the file the variables

@@ -38,7 +38,7 @@ class TrainersRestart(RankFailed):
     """A trainer rank of a script that resumes from its checkpoint stopped (its process started
     again, or went silent): the trainers resume (resume.py); where they cannot, the job fails."""
 
-    reason = reasons.TRAINER_RESTARTED
+    reason = reasons.TRAINER_STOPPED
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class Joining:
                 when = "after it joined, while the others join" if (role, rank) in admitted else "while joining"
                 why = f"no heartbeat for {silent:.0f}s {when} (its process died, froze, or lost the network)"
                 if role == TRAINER:
-                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
+                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.TRAINER_STOPPED)
                 if silent > host.policy.away_limit:
                     raise RankFailed(f"{who(role, rank)} did not start again within {host.policy.away_limit:.0f}s after it "
                                      f"went silent while joining", reasons.RANK_LOST)

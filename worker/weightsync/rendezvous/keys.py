@@ -95,6 +95,24 @@ class Keys:
         return f"staged/{version}/{rank}/{attempt}"
 
     @staticmethod
+    def unloaded(version: int, rank: int, attempt: int) -> str:
+        """controller: the rank's vLLM server does not load `version`, which the rank staged (another
+        of its workers failed to load it ahead): the rank discards it and serves on."""
+        return f"unloaded/{version}/{rank}/{attempt}"
+
+    @staticmethod
+    def away(rank: int, attempt: int) -> str:
+        """controller: why it counted that start of an inference rank away; the start must end, and
+        the rank start again to rejoin (a rank counted away is taken back only as a new start)."""
+        return f"away/{rank}/{attempt}"
+
+    @staticmethod
+    def replica(start: int) -> str:
+        """controller: how many times the built-in tensor-parallel replica whose first inference
+        rank is `start` went away (absent: never); its ranks form their process group under it."""
+        return f"replica/{start}"
+
+    @staticmethod
     def welcome(rank: int, attempt: int) -> str:
         """controller: the Round a rejoined inference rank receives first."""
         return f"welcome/{rank}/{attempt}"

@@ -26,6 +26,14 @@ class Policy:
     # a trainer rank that stops is resumed from (spec.trainer.resumes: the user's script, which keeps
     # its own checkpoint) instead of failing the job
     resumable: bool = False
+    # the built-in engine's tensor-parallel replicas of more than one rank, which go away and are taken
+    # back as a whole: their forward passes are collectives over a process group formed at start-up
+    # (a vLLM server's workers go with their server, which ends them all: vllm_backend)
+    tp_replicas: tuple[range, ...] = ()
+
+    def replica_of(self, rank: int) -> range | None:
+        """The tensor-parallel replica (of more than one rank) inference rank `rank` belongs to."""
+        return next((group for group in self.tp_replicas if rank in group), None)
 
     @property
     def trainer_silent(self) -> float:

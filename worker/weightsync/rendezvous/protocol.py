@@ -436,11 +436,16 @@ class Member(Channel):
         """A check for an inference rank's wait for `key` of round `version`: the job's end, and
         FellBehind once the controller has gone on to a later version and the key is gone (its
         round's keys are deleted two versions on), so that a rank that was frozen or cut off
-        meanwhile does not wait for a key that will never come back."""
+        meanwhile does not wait for a key that will never come back; and FellBehind once the
+        controller counted this start away, whatever it waits for (after the final version no later
+        one comes to tell it, and the controller waits for it to rejoin)."""
         def check() -> None:
             self.check_end()
             if self.role == INFERENCE:
                 self.check_dropped(version)
+                if (why := self.away()) is not None:
+                    raise FellBehind(f"the controller counted this rank away while it waited for {key} of version "
+                                     f"{version} ({why})")
                 latest = self.latest()
                 if latest is not None and latest > version and not self.has(key):
                     raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
@@ -465,6 +470,16 @@ class Member(Channel):
                 return
             time.sleep(CHECK_EVERY)
 
+    def away(self) -> str | None:
+        """Why the controller counted this start of an inference rank away; None where it did not."""
+        key = Keys.away(self.rank, self.attempt)
+        return self.get(key).decode() if self.has(key) else None
+
+    def replica_epoch(self, start: int) -> int:
+        """How many times the controller counted the tensor-parallel replica whose first inference
+        rank is `start` away: its ranks form their process group under that number."""
+        return int(self.get(Keys.replica(start))) if self.has(Keys.replica(start)) else 0
+
     def latest(self) -> int | None:
         """The latest version the controller announced, None before the first."""
         return int(self.get(Keys.LATEST)) if self.has(Keys.LATEST) else None
@@ -488,7 +503,12 @@ class Member(Channel):
         """A rejoined inference rank: the round it receives first (the controller says it at the
         next version, or at once when the trainers are done)."""
         key = Keys.welcome(self.rank, self.attempt)
-        self.wait_for(key, "the controller to take this rank back at the next version")
+
+        def check() -> None:  # counted away again meanwhile (frozen, or its replica went): never taken back
+            self.check_end()
+            if (why := self.away()) is not None:
+                raise FellBehind(f"the controller counted this rank away while it waited to be taken back ({why})")
+        self.wait([key], "the controller to take this rank back at the next version", None, check)
         return Round.from_json(self.get(key))
 
     def fail(self, failure: RankFailure | BaseException | str) -> None:

@@ -87,7 +87,7 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
             raise RankFailed(f"{named(TRAINER, missing)} did not start again within {timeout:.0f}s "
                              "(spec.trainer.attachTimeoutSeconds) to resume the job: every trainer rank must start "
                              "again and attach (with torchrun: --max-restarts, so that it starts its processes again)",
-                             reasons.TRAINER_RESTARTED)
+                             reasons.TRAINER_STOPPED)
         if missing and now - said >= every:
             said = now
             host.say(f"the trainers resume: {named(TRAINER, sorted(back)) if back else 'no trainer rank'} back, "

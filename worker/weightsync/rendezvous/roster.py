@@ -11,7 +11,11 @@ controller admits each rank's latest start, so an inference pod killed while it 
 joins with its next start, and the first round takes it back. Trainers do not come back: a
 trainer that restarts, or goes silent, fails the job, while the ranks join as later (the built-in
 trainer keeps no checkpoint to resume from; see the README). The inference pods of a running job
-may be scaled: the ranks beyond the pods it runs are parked (parking.py).
+may be scaled: the ranks beyond the pods it runs are parked (parking.py). A tensor-parallel
+replica of the built-in engine goes away and comes back as a whole (policy.tp_replicas): its ranks
+compute over a process group formed when they start, which takes back no single rank; so the
+others are counted away with the first (each start learns it, ends and starts again), and the
+replica is taken back once every rank of it joined with its new start, under a new group.
 
 A failure is blamed on the rank that failed first. When a rank reports a failure, the controller
 first looks, for a few heartbeats, for a rank that stopped (its process started again, or its
@@ -32,11 +36,11 @@ from weightsync.job.errors import TimedOut
 from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
+from weightsync.rendezvous.ending import Ending
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
 from weightsync.rendezvous.messages import (
     Admission,
     Applied,
-    End,
     Peer,
     PublishedPlan,
     RankFailure,
@@ -68,7 +72,6 @@ from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING,
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
-
 class _AllClosed(Exception):
     """Every trainer rank closed: there is no next version."""
 
@@ -79,7 +82,7 @@ class Beat:
     seen: float  # when the count last changed
 
 
-class Host(Channel, Parking):
+class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Channel's reads it
     """The controller's side: hosts the store, admits ranks, keeps the roster, watches ranks."""
 
     def __init__(self, port: int, token: bytes, layout: Layout, policy: Policy,
@@ -113,6 +116,7 @@ class Host(Channel, Parking):
         self.failures_seen = 0
         self.deferred = False  # a trainer rank's failure seen while only the inference ranks were checked
         self.beats: dict[tuple[str, int], Beat] = {}
+        self.departures: dict[int, int] = {}  # {a TP replica's first rank: the times it went away} (Keys.replica)
         self.last_watch = 0.0
         for role, rank in self.ranks:
             if self.attempts[(role, rank)]:  # a parked rank's challenge is made when it starts
@@ -289,7 +293,8 @@ class Host(Channel, Parking):
                 if self.has(key):
                     got[r] = read(self.get(key))
                     del pending[r]
-                elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING:
+                elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING or \
+                        self.has(Keys.applied(rnd.version, r, attempt)):  # (staged: its load ahead failed)
                     del pending[r]
             if not pending:
                 return got
@@ -311,7 +316,7 @@ class Host(Channel, Parking):
         beats = {r: self.store.add(Keys.beat(INFERENCE, r), 0) for r in ranks}
         deadline = time.monotonic() + within
         while True:
-            if all(self.seats[r].state != SERVING or self.seats[r].attempt != self.in_round.get(r) for r in ranks):
+            if self.left_round(ranks):
                 return True
             if time.monotonic() > deadline:
                 return False
@@ -319,6 +324,11 @@ class Host(Channel, Parking):
                 return False
             self.check_ranks(trainers=not self.resuming)  # sent: as in _collect
             time.sleep(BACK_POLL)
+
+    def left_round(self, ranks: Iterable[int]) -> bool:
+        """Whether every inference rank of `ranks` left the round on its way, as the roster has it
+        now (counted away, or started again)."""
+        return all(self.seats[r].state != SERVING or self.seats[r].attempt != self.in_round.get(r) for r in ranks)
 
     def holding(self, version: int, applied: Iterable[int]) -> None:
         for r in applied:
@@ -329,11 +339,11 @@ class Host(Channel, Parking):
         the parked)."""
         return [r for r, s in sorted(self.seats.items()) if s.holds != version and s.state not in (DROPPED, PARKED)]
 
-    def wait_back(self, version: int) -> None:
-        """Wait until an inference rank that is away or joining is admitted again, or none that
-        lacks `version` is waited for any more (the roster's away_limit bounds the wait: past it,
-        check_ranks drops the rank or fails the job)."""
-        while not any(s.state == WAITING for s in self.seats.values()) and self.behind(version):
+    def wait_back(self, version: int, skip: Iterable[int] = ()) -> None:
+        """Wait until an inference rank lacking `version` (but those in `skip`) is admitted again, or none is
+        waited for (away_limit bounds it: past it, check_ranks drops the rank or fails the job)."""
+        while (behind := [r for r in self.behind(version) if r not in skip]) and \
+                not any(self.seats[r].state == WAITING for r in behind):
             self.check_ranks()
             time.sleep(BACK_POLL)
 
@@ -349,7 +359,7 @@ class Host(Channel, Parking):
         keys = [Keys.go(version), Keys.ref(version), Keys.cut(version), Keys.dropped(version)]
         keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
         keys += [key(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)
-                 for key in (Keys.staged, Keys.applied)]
+                 for key in (Keys.staged, Keys.applied, Keys.unloaded)]
         if version >= RECORDS_KEPT:  # a record is read by the trainers the version after it, by a bench later
             keys.append(Keys.done(version - RECORDS_KEPT))
         for key in keys:
@@ -397,7 +407,7 @@ class Host(Channel, Parking):
                 if seat is None and self.resuming:
                     raise TrainersRestart(f"{who(role, rank)} is silent: {why}")
                 if seat is None:
-                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.RANK_SILENT)
+                    raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.TRAINER_STOPPED)
                 self._away(rank, why)
 
     def trainer_started(self, rank: int, started: int, now: float) -> None:
@@ -414,7 +424,7 @@ class Host(Channel, Parking):
         if self.resuming:
             raise TrainersRestart(f"{who(TRAINER, rank)} started again (start {started})")
         raise RankFailed(f"{who(TRAINER, rank)} restarted (its process started again, start {started}); trainers "
-                         "do not rejoin a running job", reasons.TRAINER_RESTARTED)
+                         "do not rejoin a running job", reasons.TRAINER_STOPPED)
 
     def trainer_layout(self) -> FlatLayout | None:
         """The layout trainer rank 0 joined with (proven), None before it joined: what an external
@@ -454,7 +464,8 @@ class Host(Channel, Parking):
 
     def _blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
         """The failure to report when (role, rank) reported `failure`, with its reason: another
-        rank's, if one stopped first (started again, or no heartbeat through the whole window).
+        rank's, if one stopped first (started again, or no heartbeat through the whole window: a
+        trainer's stop is TrainerStopped, as the watch names it).
         Bytes that changed on the way are no other rank's doing: counted as a failed verification,
         and blamed on the rank that found them."""
         message = failure.message
@@ -487,19 +498,25 @@ class Host(Channel, Parking):
         if srole == TRAINER and self.resuming:
             return TrainersRestart(f"{who(srole, srank)} stopped ({how}), and {who(role, rank)} failed with it: {message}")
         return RankFailed(f"{who(srole, srank)} stopped first ({how}); then {who(role, rank)} failed: {message}",
-                          reasons.TRAINER_RESTARTED if srole == TRAINER and "started again" in how
-                          else reasons.RANK_FAILED)
+                          reasons.TRAINER_STOPPED if srole == TRAINER else reasons.RANK_FAILED)
 
     # ------------------------------------------------------------ the roster
 
     def _away(self, rank: int, why: str) -> None:
-        seat = self.seats[rank]
+        seat, replica = self.seats[rank], self.policy.replica_of(rank) or range(0)
         if seat.state in (SERVING, WAITING):
+            if replica and all(self.seats[r].state not in (AWAY, JOINING) for r in replica if r != rank):
+                # the first of its replica to go: the group its ranks form when they start again is a new one
+                self.departures[replica.start] = self.departures.get(replica.start, 0) + 1
+                self.set(Keys.replica(replica.start), str(self.departures[replica.start]))
             seat.state, seat.since = AWAY, time.monotonic()
+            self.set(Keys.away(rank, seat.attempt), why)  # a start that is alive learns it from there
             self.say(f"{who(INFERENCE, rank)} is away: {why}; the job goes on without it until it rejoins "
                      f"(within {self.policy.away_limit:.0f}s)")
             if self.in_round.get(rank) == seat.attempt:
                 self._cut(rank)
+            for peer in replica:  # a replica goes as a whole: its process group cannot take back one rank
+                self._away(peer, f"{who(INFERENCE, rank)} of its tensor-parallel replica is away")
 
     def _drop(self, rank: int) -> None:
         """An inference rank away past away_limit: dropped from the versions while at least
@@ -539,10 +556,17 @@ class Host(Channel, Parking):
         self.set(Keys.nonce(INFERENCE, rank, attempt), secrets.token_hex(16))
 
     def _readmit(self, rank: int) -> None:
+        """Take the rank back once its latest start proved the token: a rank of a tensor-parallel
+        replica (policy.tp_replicas) once every rank of the replica did, each with a new start."""
+        members = self.policy.replica_of(rank) or range(rank, rank + 1)
+        proofs = {r: self.proven(INFERENCE, r, seat.attempt) if seat.state == JOINING or (seat.state == DROPPED and seat.late)
+                  else None for r, seat in ((r, self.seats[r]) for r in members)}
+        if all(got is not None for got in proofs.values()):
+            for r, got in proofs.items():
+                self._take_back(r, got)
+
+    def _take_back(self, rank: int, got: Admission) -> None:
         seat = self.seats[rank]
-        got = self.proven(INFERENCE, rank, seat.attempt)
-        if got is None:
-            return
         self.check_rejoin(rank, got.meta, got.info)
         seat.endpoint, seat.state, seat.since, seat.info = got.endpoint, WAITING, time.monotonic(), got.info
         seat.late = False
@@ -553,32 +577,6 @@ class Host(Channel, Parking):
         self.say(f"{who(INFERENCE, rank)} {'joined the running job' if first else 'rejoined'} (start {seat.attempt}, "
                  f"pod {got.info.pod}, at {got.endpoint}); it receives the next round in full and serves once it has "
                  "verified it")
-
-    # ------------------------------------------------------------ the end
-
-    def end(self, state: str, message: str, reason: str = "") -> None:
-        self.set(Keys.END, End(state, message, reason).to_json())
-
-    def wait_byes(self, timeout: float) -> list[str]:
-        """Wait (a bounded time) for every rank that can still answer (not away, not silent) to
-        see the end; returns the ranks that did not."""
-        deadline = time.monotonic() + timeout
-        while True:
-            now = time.monotonic()
-            waiting = [Keys.bye(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k)) and self._answering(r, k, now)]
-            if not waiting or now >= deadline:
-                return [who(r, k) for r, k in self.ranks if not self.has(Keys.bye(r, k))
-                        and not (r == INFERENCE and k in self.seats and self.seats[k].state == PARKED)]
-            try:
-                self.wait(waiting, "every rank to see the end", min(HEARTBEAT, deadline - now))
-            except TimeoutError:
-                pass
-
-    def _answering(self, role: str, rank: int, now: float) -> bool:
-        seat = self.seats.get(rank) if role == INFERENCE else None
-        if seat is not None and seat.state in (AWAY, JOINING, DROPPED, PARKED):
-            return False
-        return self.silent_for(role, rank, now) <= self.limit_for(role)
 
     def limit_for(self, role: str) -> float:
         """Seconds without a heartbeat after which a rank of `role` counts as silent."""

@@ -7,7 +7,7 @@ transformers shards the model over it with the model's own plan (model._tp_plan 
 transformers expands it, apply_tensor_parallelism on a DeviceMesh): the parameters become
 DTensors whose local shards are exactly the boxes plan.tp.tp_needs gives the rank (checked
 against apply_tensor_parallelism in the tests), which is what the rank declares when it joins. A
-received version lands in the rank's local layout (plan.sliced.LocalLayout) and is copied into the
+received version lands in the rank's local layout (plan.sliced_plan.LocalLayout) and is copied into the
 local shards between two generations, at the same generation on every rank of the replica: the
 ranks agree on it with one all-reduce per generation, so no forward pass mixes two versions.
 
@@ -81,11 +81,13 @@ def check_block_slices(job) -> None:
 class TensorParallel:
     """One rank's membership of its replica's process group, over `store` (the job's rendezvous)."""
 
-    def __init__(self, store, group: range, rank: int, device: torch.device, timeout: float):
+    def __init__(self, store, group: range, rank: int, device: torch.device, timeout: float, formed: int = 0):
+        """`formed`: the times the replica went away before (Member.replica_epoch); each group the
+        replica forms has its own keys, which a group formed before cannot have written."""
         self.group, self.rank, self.tp = group, rank, len(group)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore(f"tp/{group.start}/", store), rank=rank - group.start,
-                                world_size=self.tp, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"tp/{group.start}/{formed}/", store),
+                                rank=rank - group.start, world_size=self.tp, timeout=datetime.timedelta(seconds=timeout))
         self.device = device
         self.mesh = DeviceMesh(device.type, list(range(self.tp)))
 
