@@ -10,6 +10,9 @@ Trainers send from their local rows only (a copy of those rows, nothing else of 
 VersionSender over TCP; inference ranks receive through VersionReceiver into a buffer of their local
 layout and check every slot against torch slicing of the full tensors cast to the dtype, bit for
 bit, and their digest against the one computed from the trainers' reported checksums.
+
+One process runs a rank of several such cases, one after the other (--cases): each process start
+imports torch, which costs more than a small case's transfer.
 """
 
 import argparse
@@ -103,10 +106,9 @@ def make(args):
     return layout, SlicedPlan(layout, holdings, tuple(needs), args.bucket)
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
+    """One case's arguments (the transfer's shape, dtype and needs)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["trainer", "inference"], required=True)
-    p.add_argument("--rank", type=int, required=True)
     p.add_argument("--shard", type=int, required=True)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--tp", default="2,1", help="the TP degree of each inference replica")
@@ -115,23 +117,40 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantize", default=None, help="int8: the projections' weights quantized, with their scales")
     p.add_argument("--bucket", type=int, default=256)
+    return p
+
+
+def main():
+    """Every case of --cases (a JSON list of each case's flags), one after the other, each under its
+    own keys in the store, in which this rank takes part (a case of fewer ranks leaves it out): one
+    process per rank for several cases, not one per rank per case."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["trainer", "inference"], required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--cases", required=True, help="a JSON list: each case's flags, as parser() reads them")
     p.add_argument("--versions", type=int, default=2)
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--token", default="test-job-token-0123456789")
     p.add_argument("--timeout", type=float, default=60)
     args = p.parse_args()
+    base = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    for n, flags in enumerate(json.loads(args.cases)):
+        case = parser().parse_args(flags)
+        layout, plan = make(case)
+        if args.rank < (plan.trainers if args.role == "trainer" else plan.inferences):
+            run_case(args, case, layout, plan, dist.PrefixStore(f"case{n}", base))  # keys case{n}/...
 
-    store = dist.TCPStore("127.0.0.1", args.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
-    layout, plan = make(args)
+
+def run_case(args, case, layout, plan, store):
+    """This rank's part of one case: its rows sent, or its slices received and checked."""
     transport = make_transport("tcp", token=args.token.encode(), timeout=args.timeout)
-
+    fmt = format_of(case.quantize)
     if args.role == "trainer":
         sender = transport.sender(args.rank)
         sender.connect({i: store.get(f"endpoint/{i}").decode() for i in range(plan.inferences)})
         store.set(f"connected/trainer/{args.rank}", "1")
         mover = VersionSender(sender, plan, args.rank)
         rows = plan.holdings[args.rank].rows
-        fmt = format_of(args.quantize)
         if fmt is not None:  # the rows of the unquantized tensors, which this rank quantizes (row by row)
             held = dict(zip(layout.names, rows))
             rows = [held[name] for name, _ in TENSORS]
@@ -152,7 +171,6 @@ def main():
     local_layout = plan.local_of(args.rank)
     staging = torch.zeros(plan.bytes_for(args.rank), dtype=torch.uint8)
     incoming = VersionReceiver(receiver, plan, args.rank)
-    fmt = format_of(args.quantize)
     for v in range(1, args.versions + 1):
         try:
             got = incoming.receive(v, staging, args.timeout)

@@ -3,10 +3,12 @@ build, in the environment `make vllm-env` makes) with weightsync as the weight-t
 run as local processes (`weightsync run`'s LocalJob) with pause points and parameter dumps; the
 servers' HTTP routes; a Llama checkpoint's tensors as vLLM holds them, whole or as one
 tensor-parallel worker's shards (the tests' own statement of vLLM's layout, checked against what
-vLLM's workers hold); a plain vLLM server (no weightsync) on a checkpoint."""
+vLLM's workers hold); checkpoints on disk (the tests' Llama in int8 among them); a plain vLLM
+server (no weightsync) on a checkpoint. A client that asks a server over time: vllm_asker.py."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -27,7 +29,7 @@ from weightsync.job.token import read_token
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
 from weightsync.rendezvous.protocol import control_key
-from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
+from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, FAIL_LOAD_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
 
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "weightsync" / "vllm" / "bin" / "python"
@@ -43,6 +45,7 @@ RUN_TIMEOUT = 900.0
 VOCAB_PADDING = 64  # vLLM pads an embedding's vocabulary to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)
 
 
+@functools.cache  # once per test process (a skip is not kept): each asking imports vLLM in a process
 def vllm_python() -> str:
     """The Python that runs vLLM, or the test skips (fails under CI) saying why."""
     python = os.environ.get("WEIGHTSYNC_TEST_VLLM_PYTHON") or str(DEFAULT_VLLM_PYTHON)
@@ -78,9 +81,10 @@ class VllmRun:
     """A vLLM job running as local processes, followed in a thread, with pause points armed."""
 
     def __init__(self, tmp_path: Path, job, python: str, pauses=(), corrupt: int | None = None,
-                 pause_limit: float | None = None):
+                 pause_limit: float | None = None, fail_load: str | None = None):
         """`pause_limit`: how long a rank holds at a point the test has not released (faults.PAUSE_LIMIT
-        by default), for a test that holds one while vLLM servers start."""
+        by default), for a test that holds one while vLLM servers start; `fail_load`: the loads that
+        fail after half of their layers ("RANK@VERSION,...", faults.FAIL_LOAD_ENV)."""
         self.dump, self.pause = tmp_path / "dump", tmp_path / "pause"
         self.dump.mkdir()
         self.pause.mkdir()
@@ -90,6 +94,8 @@ class VllmRun:
                **SERVER_ENV, **({PAUSE_LIMIT_ENV: str(pause_limit)} if pause_limit else {})}
         if corrupt is not None:
             env[CORRUPT_ENV] = str(corrupt)
+        if fail_load is not None:
+            env[FAIL_LOAD_ENV] = fail_load
         self.job = job
         self.local = LocalJob(job, tmp_path / "run", env, progress=io.StringIO())
         self.servers = [f"http://127.0.0.1:{p.env[Env.VLLM_PORT]}" for p in self.local.pods if p.role == "inference"]
@@ -193,6 +199,26 @@ def generate(server: str, job_name: str, tokens: int = 8) -> dict:
                                                   "sampling_params": {"max_tokens": tokens, "temperature": 0,
                                                                       "ignore_eos": True}})
     return got["choices"][0]
+
+
+def answer(server: str, job_name: str) -> tuple[str, list[int]] | tuple[int, str | None]:
+    """What a client gets of vLLM's generate route: (the one weight version its tokens name, the
+    tokens), or where the server refuses it (its status, the X-Weightsync-Version it names)."""
+    try:
+        choice = generate(server, job_name)
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("X-Weightsync-Version")
+    (span,) = choice["weight_versions"]
+    return span["version"], choice["token_ids"]
+
+
+def admission(server: str) -> tuple[int, dict]:
+    """The server's GET /weightsync/admission: (status, what it says)."""
+    try:
+        with urllib.request.urlopen(server + "/weightsync/admission", timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def checker(server: str, action: str, baseline: dict | None = None, key: str | None = None) -> dict:
@@ -330,6 +356,22 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path
                          **cfg).save_pretrained(folder)
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def int8_checkpoint(folder: Path) -> Path:
+    """The tests' Llama (seed 3) quantized to int8 with its per-row scales, as a compressed-tensors checkpoint."""
+    from weightsync.job import Model
+    from weightsync.model.build import build
+    from weightsync.model.quant import FORMATS, quantize, quantized_names
+
+    base, fmt = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3), FORMATS["int8"]
+    names, tensors = quantized_names(base), {}
+    for name, tensor in base.state_dict().items():
+        if name in names:
+            tensors[name], tensors[fmt.scale_name(name)] = quantize(tensor, fmt)
+        else:
+            tensors[name] = tensor
+    return save_checkpoint(tensors, LLAMA, folder, "int8")
 
 
 class PlainServer:

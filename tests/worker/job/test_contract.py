@@ -45,8 +45,11 @@ def test_defaults_come_from_the_crd():
     assert spec["trainer"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "attachTimeoutSeconds": 1800,
                                "external": False}
     assert spec["inference"] == {"replicas": 1, "procsPerPod": 1, "gpusPerProc": 1, "tensorParallel": 1, "engine": "builtin",
-                                 "external": False, "awayGraceSeconds": 900, "maxVersionLag": 0}
+                                 "external": False, "awayGraceSeconds": 900, "maxVersionLag": 0,
+                                 "onLoadFailure": "rollBack"}
     assert load_job(job()).inference.max_version_lag == 0
+    assert load_job(job()).inference.on_load_failure == "rollBack"
+    assert load_job(job({"inference": {"onLoadFailure": "failJob"}})).inference.on_load_failure == "failJob"
     assert load_job(job({"inference": {"maxVersionLag": 2}})).inference.max_version_lag == 2
     assert "command" not in spec["trainer"]  # the built-in trainer
     assert spec["training"]["steps"] == 100 and spec["training"]["learningRate"] == 3.0e-4
@@ -135,6 +138,7 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
      "spec.trainer.attachTimeoutSeconds: 0 is less than"),
     ({"inference": {"command": ["python"]}}, "demo", "spec.inference.command: unknown field"),
     ({"inference": {"engine": "sglang"}}, "demo", "spec.inference.engine: 'sglang' is not one of"),
+    ({"inference": {"onLoadFailure": "retry"}}, "demo", "spec.inference.onLoadFailure: 'retry' is not one of"),
     ({"inference": {"vllm": {"port": 9000}}}, "demo", "spec.inference.vllm needs spec.inference.engine vllm"),
     ({"inference": {"engine": "vllm", "procsPerPod": 2}}, "demo", "every inference pod runs one vLLM server"),
     ({"inference": {"engine": "vllm", "vllm": {"args": ["--max-model-len", "512", "--dtype=float16"]}}}, "demo",

@@ -161,7 +161,7 @@ def test_wrong_trainers_are_refused_and_one_killed_once_joined_fails_the_job_by_
     took = time.monotonic() - killed
     assert isinstance(failure, RunFailed)
     completion = status(local)["completion"]
-    assert completion["state"] == "Failed" and completion["reason"] == "RankSilent", completion
+    assert completion["state"] == "Failed" and completion["reason"] == "TrainerStopped", completion
     assert completion["message"].startswith("trainer rank 0 is silent: no heartbeat for ") and \
         "after it joined, while the others join" in completion["message"], completion
     assert completion["versions"] == 0 and took < SILENT + 15, (took, completion)

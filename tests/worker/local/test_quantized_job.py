@@ -6,6 +6,7 @@ logits within bfloat16's rounding of the trainer's); a scale corrupted on the wa
 bucket's checksum like any byte, and nothing of that version is loaded."""
 
 import io
+import json
 
 import pytest
 import torch
@@ -42,6 +43,8 @@ def test_fp8_versions_reach_the_builtin_engine_dequantized_bit_for_bit_and_a_cor
     local.start()
     end = outcome_of(local, 300)
     assert "ChecksumMismatch" in str(end) and "inference rank 0" in str(end), end
+    completion = json.loads((local.workdir / "status.json").read_text())["completion"]
+    assert completion["reason"] == "ChecksumMismatch", completion  # the rank's own reason, not a generic one
     assert not (dump / "inference-0-v3.pt").exists()  # nothing of it was loaded
     for version in range(3):
         want = torch.load(dump / f"trainer-0-v{version}.pt")

@@ -42,22 +42,14 @@ def test_two_to_one_bfloat16_and_the_loss_goes_down(tmp_path):
     assert summary["final_loss"] == losses[-1] < losses[0] - 0.3, losses
 
 
-def test_two_to_three_bfloat16_with_several_processes_per_pod(tmp_path):
-    # one trainer pod with two processes (DDP inside the pod), one inference pod with three
-    job = make_job("two-to-three", config=ODD, trainers=(1, 2), inferences=(1, 3), steps=2, every=1)
-    summary, _ = run_to_end(tmp_path, job)
-    assert summary["versions"] == 3 and summary["failed_verifications"] == 0
-    assert check_every_version(tmp_path / "dump", job) == 9
-    # CPU ranks do not load triton (torch's CUDA wheels bring it): no "leaked" lines from it at exit
-    for log in (tmp_path / "run" / "logs").glob("*.log"):
-        assert "leaked" not in log.read_text(), log
-
-
-def test_one_to_one_float32_odd_sizes_and_a_connection_with_a_wrong_token_is_refused_and_nothing_it_sent_is_applied(
+def test_two_to_three_float32_odd_sizes_with_several_processes_per_pod_and_a_connection_with_a_wrong_token_is_refused(
         tmp_path):
+    """One trainer pod with two processes (DDP inside the pod), one inference pod with three, tensors
+    of odd sizes that 1 MiB buckets cut through; meanwhile an impostor that connects to an inference
+    rank without the job's token is refused, and nothing it sent is applied."""
     from weightsync.transport.wire import ANSWER, CHALLENGE, DATA, HEADER, MAGIC
 
-    job = make_job("wrong-token", config=ODD, dtype="float32", steps=4, every=2)
+    job = make_job("two-to-three", config=ODD, dtype="float32", trainers=(1, 2), inferences=(1, 3), steps=4, every=2)
     local = start(tmp_path, job)
     try:
         store = store_of(local)
@@ -79,10 +71,15 @@ def test_one_to_one_float32_odd_sizes_and_a_connection_with_a_wrong_token_is_ref
     finally:
         local.stop()
     assert summary["versions"] == 3 and summary["failed_verifications"] == 0 and summary["restarts"] == {}
-    assert summary["bytes_per_version"] == local.transfers[0]["version_bytes"] > 2 << 20
-    assert check_every_version(tmp_path / "dump", job) == 3
+    # the bytes each version moved: the version's, once to each of the three inference ranks
+    assert summary["bytes_per_version"] == 3 * local.transfers[0]["version_bytes"]
+    assert local.transfers[0]["version_bytes"] > 2 << 20
+    assert check_every_version(tmp_path / "dump", job) == 9
     assert_nothing_left(local)
     assert "refused connection" in (local.workdir / "logs" / f"{job.pod_name(2)}.log").read_text()
+    # CPU ranks do not load triton (torch's CUDA wheels bring it): no "leaked" lines from it at exit
+    for log in (tmp_path / "run" / "logs").glob("*.log"):
+        assert "leaked" not in log.read_text(), log
 
 
 def test_a_rank_with_a_wrong_token_file_fails_the_job_naming_it(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """What a trainer rank sends from: a plain or DDP module's parameters under their Hugging Face names,
 and for FSDP2 (fully_shard, gloo ranks on CPU) only each rank's local shard, uneven last shards
-included: the bytes each rank fills for its buckets equal the unsharded model's, and no DTensor is
-ever gathered (full_tensor and redistribute raise in the ranks)."""
+included: the bytes each rank fills for its buckets equal the unsharded model's, quantized (int8)
+too, each rank quantizing only the rows it holds, and no DTensor is ever gathered (full_tensor and
+redistribute raise in the ranks)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def fsdp_tiny_model():
     return model
 
 
-def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
+def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str, quantized: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -101,18 +102,29 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, dtype: str) -> None:
             sources_of(tp, dtype)
         except ValueError as e:
             refused = str(e)
-        torch.save({"filled": filled, "holdings": sources.holdings.to_json(), "layout": sources.layout.to_json(),
-                    "refused": refused}, os.path.join(out, f"rank{rank}.pt"))
+        saved = {"filled": filled, "holdings": sources.holdings.to_json(), "layout": sources.layout.to_json(),
+                 "refused": refused}
+        if quantized:  # the same shards again, each rank quantizing its own rows (int8), and fp8 refused
+            sources, filled = sent_by(model, dtype, rank, world, "int8")
+            try:
+                sources_of(model, dtype, quantization="fp8")
+                refused = None
+            except ValueError as e:
+                refused = str(e)
+            saved["quantized"] = {"filled": filled, "layout": sources.layout.to_json(), "refused": refused}
+        torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 # two casts, and shards of uneven rows (101 over 3 ranks: 34, 34, 33); Shard(0) rows sent uncast
-# (float32) are the expert-parallel test's below, on a 2-D mesh of four ranks
+# (float32) are the expert-parallel test's below, on a 2-D mesh of four ranks; the two ranks in
+# bfloat16 also quantize their shards (check_quantized), sparing two more processes a test of its own
 @pytest.mark.parametrize("world,dtype", first_in_unit([(2, "bfloat16"), (3, "float16")]))
 def test_fsdp2_ranks_send_only_their_shards_and_together_the_whole_version(tmp_path, world, dtype):
-    mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dtype), nprocs=world,
-                       start_method="spawn")
+    quantized = dtype == "bfloat16"
+    mp.start_processes(_fsdp_rank, args=(world, str(tmp_path / "init"), str(tmp_path), dtype, quantized),
+                       nprocs=world, start_method="spawn")
     model = tiny_model()
     layout = FlatLayout.from_named_tensors(model.named_parameters(), dtype)
     reference = torch.zeros(layout.total_bytes, dtype=torch.uint8)
@@ -129,6 +141,8 @@ def test_fsdp2_ranks_send_only_their_shards_and_together_the_whole_version(tmp_p
         assert "Shard(dim=1)" in g["refused"] and "not supported" in g["refused"]
     assert sent == layout.payload_bytes  # every byte of every tensor, once
     assert make_plan(layout, world, 1, 1024).version_bytes == layout.total_bytes
+    if quantized:
+        check_quantized([g["quantized"] for g in got])
 
 
 # a mixture of experts: 6 experts over 2 expert-parallel ranks, each group of 3 again over 2 FSDP ranks (2 and 1)
@@ -192,42 +206,21 @@ def test_expert_parallel_ranks_on_a_2d_mesh_send_only_their_experts_and_together
     assert sent == layout.payload_bytes  # every byte of every tensor, once
 
 
-def _fsdp_quantized_rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        model = fsdp_tiny_model()
-        sources, filled = sent_by(model, "bfloat16", rank, world, "int8")
-        try:
-            sources_of(model, "bfloat16", quantization="fp8")
-            refused = None
-        except ValueError as e:
-            refused = str(e)
-        torch.save({"filled": filled, "layout": sources.layout.to_json(), "refused": refused},
-                   os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.slow  # two processes: `make test`
-def test_fsdp2_ranks_quantize_their_own_rows_into_the_whole_quantized_version(tmp_path):
-    """int8 per channel: each rank quantizes only the rows it holds, and together they send the
+def check_quantized(got: list[dict]) -> None:
+    """int8 per channel: each rank quantized only the rows it holds, and together they sent the
     bytes of the whole model quantized; fp8 blocks of 128 rows that a rank's shard cuts are refused."""
     from weightsync.model.build import layout_of
 
-    world = 2
-    mp.start_processes(_fsdp_quantized_rank, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                       start_method="spawn")
     model = tiny_model()
     layout = layout_of(model, "bfloat16", "int8")
     whole = sources_of(model, "bfloat16", quantization="int8")
     reference = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     fill_range(layout, local_tensors(model, whole), 0, layout.total_bytes, reference)
     sent = 0
-    for r in range(world):
-        got = torch.load(tmp_path / f"rank{r}.pt")
-        assert FlatLayout.from_json(got["layout"]) == layout
-        for offset, data in got["filled"].items():
-            assert torch.equal(data, reference[offset:offset + data.numel()]), f"rank {r}, bytes at {offset}"
+    for r, g in enumerate(got):
+        assert FlatLayout.from_json(g["layout"]) == layout
+        for offset, data in g["filled"].items():
+            assert torch.equal(data, reference[offset:offset + data.numel()]), f"rank {r}, quantized bytes at {offset}"
             sent += data.numel()
-        assert "cut its 128x128 blocks" in got["refused"] and "\n" not in got["refused"], got["refused"]
+        assert "cut its 128x128 blocks" in g["refused"] and "\n" not in g["refused"], g["refused"]
     assert sent == layout.payload_bytes

@@ -4,7 +4,8 @@ rank only the boxes it needs - column-, row- and packed tensor-parallel slices, 
 every tensor - packed from their rows and cast on the way (a quantized version's int8 weights and
 float32 scales each in their own dtype, the scales following their weights' slices); each inference
 rank's buffer equals torch slicing of the full tensors bit for bit, and its digest the one the
-trainers' checksums give."""
+trainers' checksums give. One process per rank runs several cases one after the other (a process
+start costs more than a small case's transfer)."""
 
 import datetime
 import json
@@ -43,16 +44,20 @@ class Args:
         return out
 
 
-def run_ranks(store, args, versions=2, timeout=180):
-    _, plan = slice_peer.make(args)
-    common = ["--store-port", str(store.port), "--versions", str(versions), *args.flags()]
+def run_ranks(store, cases: list[Args], versions=2, timeout=180) -> list[SlicedPlan]:
+    """Every case, one after the other, in one process per rank (as many as the largest case has),
+    `timeout` seconds a case; each case's plan."""
+    timeout *= len(cases)
+    plans = [slice_peer.make(args)[1] for args in cases]
+    common = ["--store-port", str(store.port), "--versions", str(versions),
+              "--cases", json.dumps([args.flags() for args in cases])]
     procs = {}
     try:
-        for i in range(plan.inferences):
+        for i in range(max(plan.inferences for plan in plans)):
             procs[("inference", i)] = subprocess.Popen([sys.executable, str(PEER), "--role", "inference", "--rank", str(i),
                                                         *common],
                                                        stderr=subprocess.PIPE, text=True)
-        for t in range(plan.trainers):
+        for t in range(max(plan.trainers for plan in plans)):
             procs[("trainer", t)] = subprocess.Popen([sys.executable, str(PEER), "--role", "trainer", "--rank", str(t), *common],
                                                      stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout
@@ -69,28 +74,31 @@ def run_ranks(store, args, versions=2, timeout=180):
                 p.kill()
             p.wait()
             p.stderr.close()
-    return plan
+    return plans
 
 
-@pytest.mark.parametrize("args", first_in_unit([
-    Args(dtype="float32", shard=4),  # FSDP2 over 4, uneven rows; a TP2 and a TP1 replica
-    Args(dtype="bfloat16", shard=3, replicas=2, bucket=128),  # HSDP: replicas share the sending
-    Args(dtype="float16", shard=2, tp="2,2", bucket=4096),
-    Args(dtype="bfloat16", shard=3, random_needs=7, inferences=3, bucket=192),  # random boxes: strided in every dim
-    Args(dtype="bfloat16", shard=2, quantize="int8", bucket=192),  # int8 weights and float32 scales beside bfloat16
-], ids=["fsdp4-tp2+tp1-f32", "hsdp3x2-tp2+tp1-bf16", "fsdp2-2xtp2-f16", "fsdp3-random-boxes-bf16",
-        "fsdp2-tp2+tp1-int8-with-scales"]))
-def test_slices_arrive_bit_for_bit(store, args):
+# the first case alone (in `make unit` too), the others in one set of rank processes
+@pytest.mark.parametrize("cases", first_in_unit([
+    [Args(dtype="float32", shard=4)],  # FSDP2 over 4, uneven rows; a TP2 and a TP1 replica
+    [Args(dtype="bfloat16", shard=3, replicas=2, bucket=128),  # HSDP: replicas share the sending
+     Args(dtype="float16", shard=2, tp="2,2", bucket=4096),
+     Args(dtype="bfloat16", shard=3, random_needs=7, inferences=3, bucket=192),  # random boxes: strided in every dim
+     Args(dtype="bfloat16", shard=2, quantize="int8", bucket=192)],  # int8 weights and float32 scales beside bfloat16
+], ids=["fsdp4-tp2+tp1-f32", "hsdp3x2-tp2+tp1-bf16+fsdp2-2xtp2-f16+fsdp3-random-boxes-bf16+fsdp2-tp2+tp1-int8-with-scales"]))
+def test_slices_arrive_bit_for_bit(store, cases):
     versions = 2
-    plan = run_ranks(store, args, versions)
-    for v in range(1, versions + 1):
-        sent = sum(int(store.get(f"bytes/{v}/{t}")) for t in range(plan.trainers))
-        assert sent == sum(plan.sent_bytes(t) for t in range(plan.trainers))
-        for r in range(plan.inferences):
-            res = json.loads(store.get(f"result/{v}/{r}"))
-            assert res["bad"] == [], f"version {v}, inference rank {r}: slots differ from torch slicing: {res['bad']}"
-            assert res["digest"] == res["trainers_digest"]
-            assert res["bytes"] == plan.bytes_for(r)
+    plans = run_ranks(store, cases, versions)
+    for n, (args, plan) in enumerate(zip(cases, plans)):
+        case = " ".join(args.flags())
+        for v in range(1, versions + 1):
+            sent = sum(int(store.get(f"case{n}/bytes/{v}/{t}")) for t in range(plan.trainers))
+            assert sent == sum(plan.sent_bytes(t) for t in range(plan.trainers)), case
+            for r in range(plan.inferences):
+                res = json.loads(store.get(f"case{n}/result/{v}/{r}"))
+                assert res["bad"] == [], \
+                    f"{case}: version {v}, inference rank {r}: slots differ from torch slicing: {res['bad']}"
+                assert res["digest"] == res["trainers_digest"], case
+                assert res["bytes"] == plan.bytes_for(r), case
 
 
 def test_tp_ranks_receive_only_their_slices():

@@ -36,13 +36,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.vllm import (
     LLAMA,
     PROMPT,
-    PlainServer,
     VllmRun,
     as_bytes,
     checker,
     checksums_then_reset,
     completion,
-    free_port,
     fused,
     generate,
     post,
@@ -51,9 +49,11 @@ from support.vllm import (
     weight_version,
 )
 from support.vllm import vllm_python as find_vllm_python
+from support.vllm_asker import asked, spans
 from support.waits import until
 
-from weightsync.job import Env, load_job
+from weightsync.job import Env, Model, load_job
+from weightsync.model.build import build
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -173,16 +173,21 @@ def test_delta_versions_are_loaded_bit_for_bit_and_a_corrupted_version_never_is(
     staged beside the one vLLM serves, and vLLM loads the result. vLLM's own weight checker: after
     its reset zeroed the weights, the next version, which comes as a delta where only some tensors
     changed, restores all of them (the worker loads the whole version it rebuilt, not what changed),
-    equal to a plain vLLM server that loaded that version from a checkpoint. Version 3 (whole:
-    fullEvery 3) has a byte corrupted on the way: the bucket's checksum, which travels with it,
-    refuses it (before the version's digest), it is never loaded, the server goes on serving
+    equal to what vLLM's own reload of that version's checkpoint from disk holds (in the same
+    server: the job's model is a checkpoint, so its server has vLLM's loader from disk). Version 3
+    (whole: fullEvery 3) has a byte corrupted on the way: the bucket's checksum, which travels with
+    it, refuses it (before the version's digest), it is never loaded, the server goes on serving
     version 2, the job fails naming the rank, and version 4 reaches no one."""
-    obj = vllm_job("vllm-delta", trainers=1, servers=1, steps=4, every=1).to_object()  # versions 0..4
+    # the job's model is a checkpoint: its server loads it from disk as a plain vLLM server would,
+    # and can reload a version's checkpoint from disk (a server of a config holds dummy weights);
+    # in float32, as the trainer holds its weights, so that a small step changes some of their bfloat16
+    base = build(Model(config=LLAMA, dtype="bfloat16"), seed=3)
+    start = save_checkpoint(dict(base.state_dict()), LLAMA, tmp_path / "checkpoint")
+    obj = vllm_job("vllm-delta", trainers=1, servers=1, steps=4, every=1, checkpoint=start).to_object()  # versions 0..4
     obj["spec"]["training"]["learningRate"] = 1e-6  # as in RL fine-tuning: a few percent of the elements change
     obj["spec"]["transfer"]["delta"] = {"enabled": True, "fullEvery": 3}
     run = VllmRun(tmp_path, load_job(obj), vllm_python, pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3"],
                   corrupt=3)
-    plain = None
     try:
         run.reach("trainer-0-before-go-v2")
         server = run.servers[0]
@@ -192,18 +197,17 @@ def test_delta_versions_are_loaded_bit_for_bit_and_a_corrupted_version_never_is(
         run.reach("trainer-0-before-go-v3")
         run.serving(server, 2)
         loaded = checker(server, "checksum", key=run.key)["checksums"]
+        # vLLM's own reload of version 2's checkpoint from disk, in the same server: what it holds
+        # then is what a plain server that loaded that checkpoint holds
+        v1, v2 = (torch.load(run.dump / f"trainer-0-v{v}.pt")["tensors"] for v in (1, 2))
+        post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {
+            "weights_path": str(save_checkpoint(v2, LLAMA, tmp_path / "checkpoint-v2"))}}, key=run.key)
+        assert checker(server, "compare", loaded, key=run.key) == {"match": True, "mismatches": []}, \
+            "the version loaded after the reset differs from vLLM's own load of its checkpoint"
         run.release("trainer-0-before-go-v3")
         end = run.finish()
-        v1, v2 = (torch.load(run.dump / f"trainer-0-v{v}.pt")["tensors"] for v in (1, 2))
-        plain = PlainServer(vllm_python, save_checkpoint(v2, LLAMA, tmp_path / "checkpoint-v2"), free_port(), 1,
-                            tmp_path / "plain.log")
-        plain.wait_up()
-        assert checker(plain.url, "compare", loaded) == {"match": True, "mismatches": []}, \
-            "the version loaded after the reset differs from a plain server's"
     finally:
         run.local.stop()
-        if plain is not None:
-            plain.stop()
     # (a corruption, never taken for a rank cut off, which would start again and rejoin)
     assert end["state"] == "Failed", end
     assert end["message"].startswith("inference rank 0 failed: ChecksumMismatch"), end
@@ -328,34 +332,6 @@ class Restart:
             print(f"{'restarted' if server == self.server else 'other'} server {server}: " + "; ".join(
                 f"{a:.1f}-{b:.1f}s {'no answer' if s is None else s} {'' if v is None else 'version ' + v}".rstrip()
                 for a, b, s, v in spans(asked_it)))
-
-
-def spans(seen: list[tuple[float, int | None, str | None]]) -> list[tuple[float, float, int | None, str | None]]:
-    """Runs of the same answer: (from, to, status, version)."""
-    out: list[tuple[float, float, int | None, str | None]] = []
-    for t, status, version in seen:
-        if out and out[-1][2:] == (status, version):
-            out[-1] = (out[-1][0], t, status, version)
-        else:
-            out.append((t, t, status, version))
-    return out
-
-
-def asked(server: str, job_name: str) -> tuple[int | None, str | None]:
-    """(status, version) of one greedy request to the generate route: the version its tokens name,
-    or the refusal's X-Weightsync-Version; (None, None) where nothing answered."""
-    body = {"model": job_name, "token_ids": PROMPT, "sampling_params": {"max_tokens": 4, "temperature": 0}}
-    request = urllib.request.Request(server + "/inference/v1/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            spans = json.loads(response.read())["choices"][0]["weight_versions"]
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("X-Weightsync-Version")
-    except (urllib.error.URLError, OSError):
-        return None, None
-    versions = {span["version"] for span in spans}
-    return 200, versions.pop() if len(versions) == 1 else ",".join(sorted(versions))
 
 
 def api_server_pid(server: str) -> int:
