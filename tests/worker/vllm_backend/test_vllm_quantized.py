@@ -18,9 +18,10 @@ scales; its columns of o_proj and down_proj with every row's scales), and after 
 the trainer's bytes of them as vLLM shards them, read back from its int8 kernel.
 
 fp8 (DeepSeek-V3's 128x128 blocks) needs vLLM's FP8 linear kernel, which its CPU build has only on
-CPUs with AMX tiles, or a GPU: there a job of one server is compared with a plain server that
-loads the same fp8 checkpoints from disk (weights of versions 0 and 1, tokens of version 1, which
-it starts on); it is skipped elsewhere, saying why."""
+CPUs with AMX tiles, or a GPU: there a job of one server, of one worker and of two (each worker
+receiving its rows of the weights with their 128x128 blocks' scales), is compared with a plain
+server of as many workers that loads the same fp8 checkpoints from disk (weights of versions 0 and
+1, tokens of version 1, which it starts on); it is skipped elsewhere, saying why."""
 
 from __future__ import annotations
 
@@ -124,14 +125,22 @@ def test_int8_versions_load_into_tensor_parallel_vllm_as_its_own_checkpoint_load
     assert all(f"tensor-parallel rank {r} of {tp}" in logs for r in range(tp)), "a worker received the whole version"
 
 
-def test_fp8_versions_load_into_vllm_as_its_own_checkpoint_load_would(tmp_path, vllm_python):
-    """A job of one server (versions 0..2): versions 0 and 1 checked against a plain server loading
-    the same fp8 checkpoints from disk, which starts on version 1's (weights and greedy tokens)
-    and then reloads version 0's (weights)."""
+# vLLM's FP8 layers take no tensor-parallel slice that cuts a 128x128 block: at TP 2 each worker's
+# q, k and v rows (and o_proj's and down_proj's columns) are whole blocks of this model
+FP8_TP2 = {**LLAMA, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_versions_load_into_vllm_as_its_own_checkpoint_load_would(tmp_path, vllm_python, tp):
+    """A job of one server (versions 0..2), of one worker and of two: versions 0 and 1 checked
+    against a plain server of as many workers loading the same fp8 checkpoints from disk, which
+    starts on version 1's (weights and greedy tokens) and then reloads version 0's (weights)."""
     why = fp8_runs_here()
     if why is not None:
         pytest.skip(why)
-    job = vllm_job("vllm-fp8", trainers=1, servers=1, steps=4, quantization="fp8")
+    config = LLAMA if tp == 1 else FP8_TP2
+    job = vllm_job(f"vllm-fp8-tp{tp}", trainers=1, servers=1, steps=4, quantization="fp8", config=config,
+                   tensorParallel=tp)
     run = VllmRun(tmp_path, job, vllm_python, pauses=["trainer-0-before-go-v1", "trainer-0-before-go-v2"])
     held, tokens = {}, {}
     try:
@@ -146,13 +155,16 @@ def test_fp8_versions_load_into_vllm_as_its_own_checkpoint_load_would(tmp_path, 
     finally:
         run.local.stop()
     assert end["state"] == "Succeeded" and end["versions"] == 3, end
-    assert "version 2 into vLLM" in run.log(2)  # every version loaded
+    logs = run.log(2)  # the server's pod
+    assert "version 2 into vLLM" in logs  # every version loaded
+    assert tp == 1 or all(f"tensor-parallel rank {r} of {tp}" in logs for r in range(tp)), \
+        "a worker received the whole version"
     assert held[0] != held[1], "version 1 changed no weight vLLM holds"
     sent = {v: torch.load(run.dump / f"trainer-0-v{v}.pt")["sent"] for v in (0, 1)}
     weight = "model.layers.0.self_attn.q_proj.weight"
     assert sent[0][weight].dtype == torch.float8_e4m3fn and sent[0][weight + "_scale_inv"].dtype == torch.float32
-    folders = {v: save_checkpoint(sent[v], LLAMA, tmp_path / f"checkpoint-v{v}", "fp8") for v in (0, 1)}
-    plain = PlainServer(vllm_python, folders[1], free_port(), 1, tmp_path / "plain.log")
+    folders = {v: save_checkpoint(sent[v], config, tmp_path / f"checkpoint-v{v}", "fp8") for v in (0, 1)}
+    plain = PlainServer(vllm_python, folders[1], free_port(), tp, tmp_path / "plain.log")
     try:
         plain.wait_up()
         for version in (1, 0):
