@@ -15,7 +15,8 @@ after version; every version carries the adapter's bytes alone.
 Over float32 base weights the server answers the greedy tokens of the checkpoint's model with the
 trainer's adapter of that version, computed by transformers in float32 (W + alpha / rank B A, as
 PEFT runs it). Over int8 base weights (an int8 checkpoint, compressed-tensors W8A8, which the
-trainer dequantizes) the reference is vLLM itself: a plain server of 2 workers on that checkpoint,
+trainer dequantizes; in bfloat16, as vLLM's AMX int8 kernel takes no float32 activations) the
+reference is vLLM itself: a plain server of 2 workers on that checkpoint,
 loading each version's adapter from disk, answers the TP-2 server's tokens and holds its base
 weights (weight checker). vLLM's CPU build serves LoRA over int8 layers only with AMX tiles: its
 oneDNN int8 kernel drops the weight parameter that its LoRA layers read (AttributeError when the
@@ -98,7 +99,8 @@ def test_lora_versions_reach_tensor_parallel_vllm_servers_as_vllm_shards_them(tm
         checkpoint = int8_checkpoint(tmp_path / "base")
     else:
         checkpoint = save_checkpoint(dict(plain_model.state_dict()), LLAMA, tmp_path / "base")
-    obj = vllm_job("vllm-lora", trainers=1, servers=1, steps=6, dtype="float32", checkpoint=checkpoint, lora=LORA,
+    dtype = "bfloat16" if base == "int8" else "float32"  # vLLM's AMX int8 kernel takes 16-bit activations only
+    obj = vllm_job("vllm-lora", trainers=1, servers=1, steps=6, dtype=dtype, checkpoint=checkpoint, lora=LORA,
                    quantization="int8" if base == "int8" else None, ahead=True,
                    tensorParallelSizes=[2]).to_object()  # versions 0..3
     obj["spec"]["training"]["learningRate"] = 3e-2
@@ -161,7 +163,7 @@ def test_lora_versions_reach_tensor_parallel_vllm_servers_as_vllm_shards_them(tm
 def served_like_vllms_own_adapter_load(python, checkpoint, tmp_path, job, adapters, tuned, checksums) -> None:
     """A plain server of 2 workers on the checkpoint, each version's adapter loaded from disk by
     vLLM itself: the TP-2 server's tokens, and its base weights."""
-    plain = PlainServer(python, checkpoint, free_port(), 2, tmp_path / "plain.log", dtype="float32",
+    plain = PlainServer(python, checkpoint, free_port(), 2, tmp_path / "plain.log", dtype=job.model.dtype,
                         quantization="int8", lora=job.model.lora)
     try:
         plain.wait_up()
