@@ -50,6 +50,7 @@ from weightsync.job import (
     KIND,
     LABEL_JOB,
     LABEL_ROLE,
+    LIVENESS,
     PLURAL,
     POD_INDEX_LABEL,
     ROLES,
@@ -58,6 +59,7 @@ from weightsync.job import (
     TRAINER,
     load_job,
 )
+from weightsync.runtime.faults import PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 
 pytestmark = pytest.mark.cluster
 
@@ -406,13 +408,21 @@ def test_your_own_training_script_runs_as_the_trainers_in_real_pods_and_resumes_
     assert "TP rank 0 of 2" in first, first[-3000:]
 
 
+HELD_MID_SEND = 60  # seconds; the operator's liveness probe gives up on a pod after 20 to 25
+
+
 def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(cluster, real_node, helm, namespace, chart,
                                                                             operator_from_chart, tmp_path):
     """examples/external-trainers-job.yaml and -batchjob.yaml applied together, as a user applies
     them: the operator runs the controller and the inference pods and makes the Secret
     "<job>-join"; the user's batch/v1 Job runs torchrun with the example script (2 ranks in one
     pod, the Secret as its environment), whose ranks join the job and deliver every version. The
-    WeightTransferJob's deletion takes what the operator made, never the user's Job."""
+    WeightTransferJob's deletion takes what the operator made, never the user's Job.
+
+    Trainer rank 0 holds in the middle of sending the last version for HELD_MID_SEND seconds (a
+    test hook in the user's own pod): the inference pod's receive of it lasts longer than its
+    liveness probe's deadline, which must not cost the pod a restart (its probe asks whether the
+    rank's process runs, not whether a version is on its way)."""
     job, trainers = example("external-trainers-job.yaml"), example("external-trainers-batchjob.yaml")
     name, steps, every = job["metadata"]["name"], 3, 3
     (container,) = trainers["spec"]["template"]["spec"]["containers"]
@@ -423,6 +433,16 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
     container["resources"]["requests"]["cpu"] = job["spec"]["inference"]["resources"]["requests"]["cpu"] = "200m"
     job["spec"]["inference"]["replicas"] = 1  # the trainers are what is tested here
     versions, user_job = 1 + steps // every, trainers["metadata"]["name"]
+    assert LIVENESS.period_seconds * LIVENESS.failure_threshold < HELD_MID_SEND
+    assert job["spec"]["transfer"]["timeoutSeconds"] > HELD_MID_SEND + 30
+    # the hook's point armed before torchrun starts (faults.pause_point), in a folder of the pod's own
+    container["command"] = ["sh", "-c", f'touch /pause/trainer-0-mid-send-v{versions - 1}.arm && exec "$0" "$@"',
+                            *container["command"]]
+    container["env"] += [{"name": PAUSE_DIR_ENV, "value": "/pause"},
+                         {"name": PAUSE_LIMIT_ENV, "value": str(HELD_MID_SEND)}]
+    container["volumeMounts"] = [{"name": "pause", "mountPath": "/pause"}]
+    trainers["spec"]["template"]["spec"]["volumes"] = [{"name": "pause", "emptyDir": {}}]
+    restarted: set[str] = set()
     logs = LogFollower(cluster, namespace, tmp_path / "logs")
     restricted(cluster, namespace)  # the user's Job as written passes it too
 
@@ -436,6 +456,7 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
 
         def progress():
             job_progress()
+            restarted.update(p["metadata"]["name"] for p in job_pods(cluster, namespace, name).values() if restarts(p))
             for pod in users_pods():
                 logs.follow(pod)
                 if pod["status"].get("phase") == "Failed":
@@ -453,6 +474,10 @@ def test_trainers_of_your_own_join_through_the_jobs_join_secret_in_real_pods(clu
             show_logs(logs)
     status = assert_succeeded(cluster, namespace, done, logs)
     assert status["completion"]["versions"] == versions and status["transfer"]["transport"] == "tcp"
+    # the last version was on its way for longer than the inference pod's liveness deadline, and
+    # the pod lived through it
+    assert status["transfer"]["version"] == versions - 1 and status["transfer"]["seconds"] >= HELD_MID_SEND, status
+    assert not restarted, f"restarted while a version was on its way: {sorted(restarted)}"
     assert status["replicas"][TRAINER]["summary"] == "external (2 ranks)"
     assert printed_columns(cluster, namespace, name)["TRAINERS"] == "external (2 ranks)"
     (user_pod,) = users_pods()
