@@ -59,12 +59,13 @@ def vllm_python() -> str:
 
 def vllm_job(name: str, trainers: int, servers: int, steps: int, every: int = 2, config: dict = LLAMA,
              ahead: bool = False, dtype: str = "bfloat16", expert_parallel: bool = False, quantization: str | None = None,
-             checkpoint: Path | None = None, lora: dict | None = None, **inference):
+             checkpoint: Path | None = None, lora: dict | None = None, args: tuple[str, ...] = (), **inference):
     """The job's model is `config`, or the checkpoint's folder (save_checkpoint's, without a
-    tokenizer): its servers then start as plain vLLM servers on it, vLLM's own load from disk."""
+    tokenizer): its servers then start as plain vLLM servers on it, vLLM's own load from disk.
+    `args`: more of vLLM's own arguments for its servers."""
     model = {"path": str(checkpoint)} if checkpoint else {"config": config}
     model.update(dtype=dtype, **({"quantization": quantization} if quantization else {}), **({"lora": lora} if lora else {}))
-    args = SERVER_ARGS + (["--skip-tokenizer-init"] if checkpoint else [])
+    args = SERVER_ARGS + (["--skip-tokenizer-init"] if checkpoint else []) + list(args)
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": model,

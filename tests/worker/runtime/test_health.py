@@ -162,6 +162,9 @@ def test_a_stopped_controller_pod_answers_no_probe(tmp_path):
         assert proc.poll() is None, (tmp_path / "out.log").read_text()
         assert got == (True, "HTTP 200: ready: controller")
         os.killpg(proc.pid, signal.SIGSTOP)  # the whole pod, as a frozen container
+        # a stop is delivered, not done, when kill returns: a thread running on another core
+        # answers on until the kernel stops it
+        until("the pod's processes stopped", lambda: group_stopped(proc.pid))
         start = time.monotonic()
         assert answer(port) == (False, f"no answer within {LIVENESS.timeout_seconds}s")
         assert time.monotonic() - start >= LIVENESS.timeout_seconds
@@ -169,6 +172,19 @@ def test_a_stopped_controller_pod_answers_no_probe(tmp_path):
         assert until("an answer once continued", lambda: (got := answer(port))[0] and got)[1].startswith("HTTP 200")
     finally:
         end(proc)
+
+
+def group_stopped(pgid: int) -> bool:
+    """Whether every process of the process group is stopped (state T in /proc/PID/stat)."""
+    states = []
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split() if proc.name.isdigit() else None
+        except OSError:
+            continue
+        if fields and int(fields[2]) == pgid:
+            states.append(fields[0])
+    return bool(states) and all(state == "T" for state in states)
 
 
 def rank_processes(pid: int) -> list[int]:

@@ -67,6 +67,10 @@ DEEPSEEK = {**BASE, "model_type": "deepseek_v3", "num_key_value_heads": 4, "inte
             "qk_nope_head_dim": 64, "v_head_dim": 64, "n_group": 1, "topk_group": 1}
 TP = 2
 DTYPE = "float32"  # repacked by vLLM's CPU build on any x86 CPU, and read back through its kernels
+# vLLM's CPU build prefers its AMX MLA backend where the CPU has AMX tiles, which takes 16-bit
+# weights only (a float32 server dies at its start); its reference MLA backend, the one it picks
+# without AMX, runs float32 on every x86 CPU
+MLA_ARGS = ("--attention-backend", "CPU_MLA")
 VERSIONS = 2  # 0..1: steps 2, every 2
 HOLD = "trainer-0-before-ready-v0"  # the servers hold what vLLM loaded from the checkpoint; no version yet
 PAUSE = "trainer-0-before-go-v1"  # version 0 is served; the trainer holds version 1 back
@@ -94,7 +98,7 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
     checkpoint = save_checkpoint(one_per_expert({n: p.detach() for n, p in base.named_parameters()}), config,
                                  tmp / "checkpoint")
     job = vllm_job(name, trainers=1, servers=1, steps=2, checkpoint=checkpoint, tensorParallel=TP, dtype=DTYPE,
-                   expert_parallel=expert_parallel)
+                   expert_parallel=expert_parallel, args=MLA_ARGS if "kv_lora_rank" in config else ())
     run = VllmRun(tmp, job, python, pauses=[HOLD, PAUSE], pause_limit=REACH_TIMEOUT)
     out = MoeRun(run, config, expert_parallel)
     try:

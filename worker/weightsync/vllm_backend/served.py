@@ -6,7 +6,10 @@ a float linear layer's weight goes into oneDNN (or its small-GEMM kernel), fused
 grouped-GEMM layout: each is read back through the kernel itself (an identity in, the weight out),
 so that a check sees what vLLM serves, not what was handed to its loader. An int8 layer's weight
 goes into a oneDNN handler that holds it (the parameter set to None): the int8 weight the handler
-was made from, after vLLM's loaders and processing, stands for it.
+was made from, after vLLM's loaders and processing, stands for it; on CPUs with AMX tiles vLLM
+packs an int8 weight for its AMX kernel instead (blocks of rows, four bytes of a row together,
+each block's row sums after it), which is unpacked by packing matrices of known values the same
+way (sgl_unpacked).
 """
 
 from __future__ import annotations
@@ -54,9 +57,47 @@ def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[name] = tensor.cpu().clone()
         for path, module in modules.items():
             weight = int8_weight(module)
+            if weight is None and amx_int8(module):
+                weight = sgl_unpacked(module.weight)
             if weight is not None:
                 out[f"{path}.weight" if path else "weight"] = weight
     return out
+
+
+def amx_int8(module: torch.nn.Module) -> bool:
+    """Whether vLLM's CPU int8 kernel of this layer runs its AMX path (the weight packed for it)."""
+    kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+    method = getattr(kernel, "linear_method", None)
+    return getattr(method, "__name__", "") == "_apply_weights_sgl"
+
+
+PLANE_BITS = 7  # bits of an element's index each probe carries (an int8 holds 0..127)
+
+
+def sgl_unpacked(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 weight [out, in] that vLLM's convert_weight_packed made `packed` ([out, in + 4]:
+    the row sums it appends are not the weight's). Where each element went is read from the same
+    packing of probes: one whose rows sum to zero (1, -1, 1, ...: its row sums are zero bytes)
+    finds the weight's bytes among the sums, and the elements' indices, seven bits a probe, find
+    where each went. ValueError where the packing is not a permutation of the weight's bytes plus
+    the sums."""
+    convert = torch.ops._C.convert_weight_packed
+    rows, cols = packed.shape[0], packed.shape[1] - 4
+    count = rows * cols
+    signs = (1 - 2 * (torch.arange(cols) % 2)).to(torch.int8).expand(rows, cols).contiguous()
+    data = convert(signs).reshape(-1).nonzero().reshape(-1)
+    index = torch.arange(count)
+    planes = -(-max(count - 1, 1).bit_length() // PLANE_BITS)
+    where = torch.zeros(data.numel(), dtype=torch.long)
+    for p in range(planes):
+        plane = ((index >> (PLANE_BITS * p)) & ((1 << PLANE_BITS) - 1)).to(torch.int8).view(rows, cols)
+        where |= convert(plane).reshape(-1)[data].long() << (PLANE_BITS * p)
+    if data.numel() != count or where.unique().numel() != count or int(where.max()) >= count:
+        raise ValueError(f"vLLM's AMX int8 packing of a [{rows}, {cols}] weight is not the layout read back here "
+                         f"({data.numel()} of its {packed.numel()} bytes look like the weight's)")
+    out = torch.empty(count, dtype=torch.int8)
+    out[where] = packed.reshape(-1)[data]
+    return out.view(rows, cols)
 
 
 def int8_weight(module: torch.nn.Module) -> torch.Tensor | None:
