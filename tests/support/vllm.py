@@ -12,6 +12,7 @@ import functools
 import io
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -28,6 +29,7 @@ from weightsync.job import API_VERSION, KIND, Env, load_job
 from weightsync.job.token import read_token
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync.model.quant import FORMATS, quantization_config, quantize
 from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, FAIL_LOAD_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
@@ -240,6 +242,13 @@ def checksums_then_reset(run: VllmRun, servers: list[str]) -> tuple[dict[str, di
     return held, zeroed
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (amx_tile in /proc/cpuinfo), without which vLLM's CPU build has
+    neither its FP8 linear kernel nor, on x86, an int8 fused-experts kernel."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
 def free_port() -> int:
     """A loopback port leased to this test process until it ends (weightsync.local.ports)."""
     return ports.lease([1])[0]
@@ -344,8 +353,6 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from weightsync.model.quant import FORMATS, quantization_config
-
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
     if quantization is not None:
@@ -362,16 +369,45 @@ def int8_checkpoint(folder: Path) -> Path:
     """The tests' Llama (seed 3) quantized to int8 with its per-row scales, as a compressed-tensors checkpoint."""
     from weightsync.job import Model
     from weightsync.model.build import build
-    from weightsync.model.quant import FORMATS, quantize, quantized_names
+    from weightsync.model.quant import quantized_names
 
-    base, fmt = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3), FORMATS["int8"]
-    names, tensors = quantized_names(base), {}
-    for name, tensor in base.state_dict().items():
+    base = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
+    return save_checkpoint(quantized(base.state_dict(), quantized_names(base), "int8"), LLAMA, folder, "int8")
+
+
+# a stack of every expert's (transformers' names), or an int8 one's scales
+EXPERT_STACK = re.compile(r"experts\.(gate_up_proj|down_proj)(_scale)?$")
+
+
+def quantized(tensors: dict[str, torch.Tensor], names: set[str], quantization: str) -> dict[str, torch.Tensor]:
+    """The tensors of a quantized checkpoint: each of `names` quantized, followed by its scales."""
+    fmt, out = FORMATS[quantization], {}
+    for name, t in tensors.items():
         if name in names:
-            tensors[name], tensors[fmt.scale_name(name)] = quantize(tensor, fmt)
+            out[name], out[fmt.scale_name(name)] = quantize(t, fmt)
         else:
-            tensors[name] = tensor
-    return save_checkpoint(tensors, LLAMA, folder, "int8")
+            out[name] = t
+    return out
+
+
+def one_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint as the models' published checkpoints name their experts (experts.<e>.gate_proj
+    and so on, one tensor each, an int8 one's scales as experts.<e>.gate_proj.weight_scale), which
+    vLLM's loaders of these models read; transformers stacks them (experts.gate_up_proj), which
+    vLLM's DeepSeek loader does not take."""
+    out = {}
+    for name, t in tensors.items():
+        stack = EXPERT_STACK.search(name)
+        if stack is None:
+            out[name] = t
+            continue
+        stem, tail = name[:stack.start()] + "experts.", "weight" + (stack[2] or "")
+        if stack[1] == "gate_up_proj":
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{stem}{e}.gate_proj.{tail}"], out[f"{stem}{e}.up_proj.{tail}"] = gate, up
+        else:
+            out.update({f"{stem}{e}.down_proj.{tail}": down for e, down in enumerate(t)})
+    return out
 
 
 class PlainServer:

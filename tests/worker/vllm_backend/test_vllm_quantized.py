@@ -25,8 +25,6 @@ server of as many workers that loads the same fp8 checkpoints from disk (weights
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from support.vllm import (
@@ -34,6 +32,7 @@ from support.vllm import (
     REACH_TIMEOUT,
     PlainServer,
     VllmRun,
+    amx_tiles,
     as_bytes,
     checker,
     checksums_then_reset,
@@ -60,10 +59,7 @@ def vllm_python() -> str:
 
 def fp8_runs_here() -> str | None:
     """Why vLLM cannot run FP8 linear layers here, or None where it can (AMX tiles, or CUDA)."""
-    if torch.cuda.is_available():
-        return None
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    if "amx_tile" in flags.split():
+    if torch.cuda.is_available() or amx_tiles():
         return None
     return ("vLLM's CPU build runs FP8 linear layers only with AMX tiles (CPUFp8BlockScaledMMKernel), and this CPU "
             "has none (no amx_tile in /proc/cpuinfo) and there is no GPU")
