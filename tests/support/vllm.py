@@ -12,7 +12,6 @@ import functools
 import io
 import json
 import os
-import re
 import subprocess
 import threading
 import time
@@ -24,12 +23,13 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
+from support.checkpoint_tensors import quantized
 from support.jobs import assert_nothing_left
 from weightsync.job import API_VERSION, KIND, Env, load_job
 from weightsync.job.token import read_token
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
-from weightsync.model.quant import FORMATS, quantization_config, quantize
+from weightsync.model.quant import FORMATS, quantization_config
 from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, FAIL_LOAD_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
@@ -373,41 +373,6 @@ def int8_checkpoint(folder: Path) -> Path:
 
     base = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
     return save_checkpoint(quantized(base.state_dict(), quantized_names(base), "int8"), LLAMA, folder, "int8")
-
-
-# a stack of every expert's (transformers' names), or an int8 one's scales
-EXPERT_STACK = re.compile(r"experts\.(gate_up_proj|down_proj)(_scale)?$")
-
-
-def quantized(tensors: dict[str, torch.Tensor], names: set[str], quantization: str) -> dict[str, torch.Tensor]:
-    """The tensors of a quantized checkpoint: each of `names` quantized, followed by its scales."""
-    fmt, out = FORMATS[quantization], {}
-    for name, t in tensors.items():
-        if name in names:
-            out[name], out[fmt.scale_name(name)] = quantize(t, fmt)
-        else:
-            out[name] = t
-    return out
-
-
-def one_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint as the models' published checkpoints name their experts (experts.<e>.gate_proj
-    and so on, one tensor each, an int8 one's scales as experts.<e>.gate_proj.weight_scale), which
-    vLLM's loaders of these models read; transformers stacks them (experts.gate_up_proj), which
-    vLLM's DeepSeek loader does not take."""
-    out = {}
-    for name, t in tensors.items():
-        stack = EXPERT_STACK.search(name)
-        if stack is None:
-            out[name] = t
-            continue
-        stem, tail = name[:stack.start()] + "experts.", "weight" + (stack[2] or "")
-        if stack[1] == "gate_up_proj":
-            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
-                out[f"{stem}{e}.gate_proj.{tail}"], out[f"{stem}{e}.up_proj.{tail}"] = gate, up
-        else:
-            out.update({f"{stem}{e}.down_proj.{tail}": down for e, down in enumerate(t)})
-    return out
 
 
 class PlainServer:

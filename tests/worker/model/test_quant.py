@@ -182,7 +182,8 @@ def test_a_quantized_checkpoint_builds_its_weights_dequantized_and_a_lora_over_i
     """spec.model.path holding an int8 checkpoint (what a vLLM server of it serves): the trainers'
     model is its weights dequantized (q x scale), the rest as stored; with spec.model.lora the
     versions are the adapter alone, in spec.model.dtype, never quantized."""
-    from support.vllm import quantized, save_checkpoint
+    from support.checkpoint_tensors import quantized
+    from support.vllm import save_checkpoint
 
     from weightsync.job import Lora
     from weightsync.model.lora import Adapter, add_adapters
@@ -213,7 +214,8 @@ def test_a_quantized_mixture_of_experts_checkpoint_with_one_tensor_per_expert_bu
     own, each with its scales (experts.<e>.gate_proj.weight, .weight_scale): the trainers' model
     stacks them dequantized as transformers holds them, and quantizing the stacks again gives the
     checkpoint's bytes (version 0 is the checkpoint)."""
-    from support.vllm import one_per_expert, quantized, save_checkpoint
+    from support.checkpoint_tensors import one_per_expert, quantized
+    from support.vllm import save_checkpoint
 
     from weightsync.model.quant import quantized_names
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from support.checkpoint_tensors import EXPERT_STACK, one_per_expert, quantized
 from support.vllm import (
-    EXPERT_STACK,
     LLAMA,
     REACH_TIMEOUT,
     VllmRun,
@@ -52,9 +52,7 @@ from support.vllm import (
     checker,
     checksums_then_reset,
     completion,
-    one_per_expert,
     post,
-    quantized,
     refused_before_version_0,
     save_checkpoint,
     shards,

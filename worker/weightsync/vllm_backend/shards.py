@@ -23,7 +23,8 @@ into the slice planner's needs (plan.boxes.RankSlices: boxes of the global check
 - a quantized version's scales (spec.model.quantization: int8's weight_scale, fp8's
   weight_scale_inv): the scales of the worker's part of their weight (model/quant.py: its rows'
   per-row scales, or the 128x128 blocks its part covers), loaded by vLLM's quantized layers as
-  they load the weight's part;
+  they load the weight's part; a quantized expert's scales likewise, mapped by the layer's expert
+  mapping as the weight is (whole experts only: expert parallelism, or tensor-parallel size 1);
 - every parameter these layers do not shard (norms, a layer with tensor parallelism disabled):
   the whole tensor.
 
@@ -83,7 +84,7 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout, fmt: Format | None 
                                "vLLM only where each worker holds whole experts: set spec.inference.vllm.expertParallel, "
                                "or serve this model with tensorParallel 1")
     parts, by_tensor, shapes = [], {}, {s.name: tuple(s.shape) for s in layout.slots}
-    of_experts: dict[str, list[Part]] = {}  # an expert tensor -> its parts: its scales' follow them
+    of_experts: dict[str, list[Part]] = {}  # an expert tensor -> its parts, which its scales follow
     for slot in layout.slots:
         if experts:
             found = expert_parts(experts, model, slot.name, tuple(slot.shape))
