@@ -23,11 +23,13 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
+from support.checkpoint_tensors import quantized
 from support.jobs import assert_nothing_left
 from weightsync.job import API_VERSION, KIND, Env, load_job
 from weightsync.job.token import read_token
 from weightsync.local import ports
 from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync.model.quant import FORMATS, quantization_config
 from weightsync.rendezvous.protocol import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, FAIL_LOAD_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
@@ -241,6 +243,13 @@ def checksums_then_reset(run: VllmRun, servers: list[str]) -> tuple[dict[str, di
     return held, zeroed
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (amx_tile in /proc/cpuinfo), without which vLLM's CPU build has
+    neither its FP8 linear kernel nor, on x86, an int8 fused-experts kernel."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
 def free_port() -> int:
     """A loopback port leased to this test process until it ends (weightsync.local.ports)."""
     return ports.lease([1])[0]
@@ -345,8 +354,6 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from weightsync.model.quant import FORMATS, quantization_config
-
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
     if quantization is not None:
@@ -363,16 +370,10 @@ def int8_checkpoint(folder: Path) -> Path:
     """The tests' Llama (seed 3) quantized to int8 with its per-row scales, as a compressed-tensors checkpoint."""
     from weightsync.job import Model
     from weightsync.model.build import build
-    from weightsync.model.quant import FORMATS, quantize, quantized_names
+    from weightsync.model.quant import quantized_names
 
-    base, fmt = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3), FORMATS["int8"]
-    names, tensors = quantized_names(base), {}
-    for name, tensor in base.state_dict().items():
-        if name in names:
-            tensors[name], tensors[fmt.scale_name(name)] = quantize(tensor, fmt)
-        else:
-            tensors[name] = tensor
-    return save_checkpoint(tensors, LLAMA, folder, "int8")
+    base = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
+    return save_checkpoint(quantized(base.state_dict(), quantized_names(base), "int8"), LLAMA, folder, "int8")
 
 
 class PlainServer:

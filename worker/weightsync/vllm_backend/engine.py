@@ -58,7 +58,7 @@ from weightsync.transfer.receive import ReceivedVersion, VersionReceiver, settle
 from weightsync.vllm_backend import end_server, follow_server, lora_problem
 from weightsync.vllm_backend.adapter import Adapters
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
-from weightsync.vllm_backend.experts import check_experts, cpu_packed, pack_experts, split_experts
+from weightsync.vllm_backend.experts import check_experts, cpu_packed, int8_packed, pack_experts, split_experts
 from weightsync.vllm_backend.lora_shards import adapter_parts, whole_adapter
 from weightsync.vllm_backend.parts import UnsupportedLayer
 from weightsync.vllm_backend.place import joining, place_of, waits_for_init
@@ -330,8 +330,9 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             check_experts(self.model)
         except UnsupportedLayer as e:
             raise ValueError(f"{self.me}: {e}") from None
-        if self.ctx.job.inference.vllm.load_ahead and any(cpu_packed(m) for m in self.model.modules()):
-            # the packing (shards.pack_experts) replaces the parameters a commit fills
+        if self.ctx.job.inference.vllm.load_ahead and any(cpu_packed(m) or int8_packed(m, "w13_weight")
+                                                          for m in self.model.modules()):
+            # the packing (experts.pack_experts; the int8 kernel's, made anew) replaces what a commit fills
             raise ValueError(f"{self.me}: spec.inference.vllm.loadAhead: vLLM's CPU build packs a mixture of experts' "
                              "weights again after each load, which a version loaded ahead cannot take: drop loadAhead")
         served = expert_count(getattr(self.model_config, "hf_text_config", None) or self.model_config.hf_config)

@@ -7,7 +7,9 @@ tensor; under tensor parallelism a worker holds every expert's share of the inte
 (the rows of gate_proj and up_proj, the columns of down_proj); under expert parallelism
 (--enable-expert-parallel) it holds whole experts, the ones vLLM's expert placement gives it (its
 expert map), and nothing of the others. Layouts this module does not know (transposed experts,
-the load balancer's redundant experts) are refused at init, naming the layer.
+the load balancer's redundant experts) are refused at init, naming the layer. The scales of
+quantized experts (w13_weight_scale, w2_weight_scale) are mapped by the same expert mapping as their
+weights; which of their rows or blocks a worker takes follows its part of the weight (shards.py).
 
 vLLM's CPU build packs fused experts for its grouped GEMM once, when the model first loads, and
 its reload copies reloaded weights into the packed ones unpacked: pack_experts packs them again
@@ -17,7 +19,7 @@ after every load with the kernel's own step.
 from __future__ import annotations
 
 import torch
-from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt8, CPUUnquantizedExperts
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
 from weightsync.plan.boxes import Box
@@ -69,7 +71,8 @@ def expert_parts(experts: dict, model, name: str, shape: tuple) -> list[Part] | 
     else:
         ids, inner = [hits[0][2]], shape
     stem, _, tail = name.partition(weight_name)
-    tail = tail.lstrip("._") or ("bias" if bias else "weight")
+    # one expert's name for what follows the stack's (gate_up_proj_scale: weight_scale, _bias: bias)
+    tail = "bias" if bias else "weight" + tail if tail.startswith("_") else tail.lstrip(".") or "weight"
     shards = [h[3] for h in hits if h[1] == weight_name]  # gate and up where both stack in one tensor
     names = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
     runs = _runs_of([(e, layer._map_global_expert_id_to_local_expert_id(e)) for e in ids])
@@ -152,6 +155,17 @@ def cpu_packed(layer: torch.nn.Module) -> CPUUnquantizedExperts | None:
     the layer's w13_weight and w2_weight in place when the model first loads (None: another kernel)."""
     experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
     return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+
+
+def int8_packed(module: torch.nn.Module, attr: str) -> bool:
+    """Whether vLLM's CPU build packed this int8 parameter for its AMX kernels when it processed
+    it (convert_weight_packed): fused experts' w13_weight and w2_weight under CPUExpertsInt8, and a
+    linear layer's weight on the int8 kernel's small-GEMM path."""
+    if isinstance(module, RoutedExperts):
+        experts = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
+        return attr in ("w13_weight", "w2_weight") and isinstance(experts, CPUExpertsInt8)
+    kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+    return attr == "weight" and getattr(getattr(kernel, "linear_method", None), "__name__", "") == "_apply_weights_sgl"
 
 
 def check_experts(model: torch.nn.Module) -> None:

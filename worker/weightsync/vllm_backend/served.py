@@ -6,17 +6,19 @@ a float linear layer's weight goes into oneDNN (or its small-GEMM kernel), fused
 grouped-GEMM layout: each is read back through the kernel itself (an identity in, the weight out),
 so that a check sees what vLLM serves, not what was handed to its loader. An int8 layer's weight
 goes into a oneDNN handler that holds it (the parameter set to None): the int8 weight the handler
-was made from, after vLLM's loaders and processing, stands for it; on CPUs with AMX tiles vLLM
-packs an int8 weight for its AMX kernel instead (blocks of rows, four bytes of a row together,
-each block's row sums after it), which is unpacked by packing matrices of known values the same
-way (sgl_unpacked).
+was made from, after vLLM's loaders and processing, stands for it. Where the CPU has AMX tiles, int8
+weights go into its AMX kernels instead (a linear layer's small-GEMM path, fused experts'
+CPUExpertsInt8), packed in place with each output row's compensation after them: they are read
+back from that packing, and the compensation checked against them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from weightsync.vllm_backend.experts import cpu_packed
+from weightsync.vllm_backend.experts import cpu_packed, int8_packed
+
+COMPENSATION = 4  # bytes after each packed int8 row: its int32 compensation, 128 x the row's sum
 
 
 def unpacked(weight: torch.Tensor, experts) -> torch.Tensor:
@@ -34,12 +36,41 @@ def unpacked(weight: torch.Tensor, experts) -> torch.Tensor:
     return out.view(weight.shape)
 
 
+def unpacked_int8(packed: torch.Tensor) -> torch.Tensor:
+    """int8 weights [..., out, in] from the layout vLLM's CPU build packs them in for its AMX int8
+    kernels (convert_weight_packed: the weights moved into its tiles, each row's int32 compensation
+    after them). Weights whose rows sum to zero pack with zero compensation, so where a packing of
+    them is not zero is where the weights went; packing the bytes of each weight's index says which
+    went where. Refused where that is no permutation or a row's compensation is not 128 x its sum."""
+    pack = torch.ops._C.convert_weight_packed
+    *lead, rows, width = packed.shape
+    shape = (*lead, rows, width - COMPENSATION)
+    signs = torch.ones(shape, dtype=torch.int8)
+    signs[..., 1::2] = -1
+    moved = pack(signs).reshape(-1) != 0
+    index = torch.arange(signs.numel(), dtype=torch.int64)
+    where = torch.zeros(int(moved.sum()), dtype=torch.int64)
+    for byte in range(-(-max(index.numel() - 1, 1).bit_length() // 8)):
+        digit = ((index >> 8 * byte) & 0xFF).to(torch.uint8).view(torch.int8).view(shape)
+        where |= pack(digit).reshape(-1)[moved].view(torch.uint8).long() << 8 * byte
+    if where.numel() != index.numel() or where.unique().numel() != index.numel():
+        raise ValueError(f"vLLM's int8 packing of {list(shape)} does not move each weight once")
+    out = torch.empty(index.numel(), dtype=torch.int8)
+    out[where] = packed.reshape(-1)[moved]
+    out = out.view(shape)
+    compensation = packed.reshape(-1)[~moved].contiguous().view(torch.int32).view(*lead, rows)
+    if not torch.equal(compensation, 128 * out.sum(-1, dtype=torch.int32)):
+        raise ValueError(f"vLLM's packed int8 weights {list(shape)} carry a compensation other than their rows' sums")
+    return out
+
+
 def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as the model computes with it, for the tests' dumps. vLLM's CPU build
     repacks a linear layer's weight for its GEMM kernel (oneDNN, or its own small-GEMM kernel) and
     leaves the parameter empty: such a weight is read back through the layer's own kernel, an
     identity in and the weight's transpose out; an int8 layer's weight (held by its oneDNN
-    handler alone) is the one the handler was made from; and packed experts are unpacked."""
+    handler alone) is the one the handler was made from; and packed experts and int8 weights
+    packed for the AMX kernels are unpacked."""
     modules = dict(model.named_modules())
     out = {}
     with torch.no_grad():
@@ -49,6 +80,8 @@ def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             packed = cpu_packed(module) if name.endswith(("w13_weight", "w2_weight")) else None
             if packed is not None:
                 tensor = unpacked(tensor, packed)
+            elif tensor.dtype == torch.int8 and int8_packed(module, name.rpartition(".")[2]):
+                tensor = unpacked_int8(tensor)
             if tensor.numel() == 0 and name.endswith(".weight") and hasattr(module, "cpu_linear"):
                 # a replicated layer (a router's gate) has all of its input
                 size = getattr(module, "input_size_per_partition", None) or module.input_size
@@ -57,47 +90,9 @@ def served_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[name] = tensor.cpu().clone()
         for path, module in modules.items():
             weight = int8_weight(module)
-            if weight is None and amx_int8(module):
-                weight = sgl_unpacked(module.weight)
             if weight is not None:
                 out[f"{path}.weight" if path else "weight"] = weight
     return out
-
-
-def amx_int8(module: torch.nn.Module) -> bool:
-    """Whether vLLM's CPU int8 kernel of this layer runs its AMX path (the weight packed for it)."""
-    kernel = getattr(getattr(module, "scheme", None), "kernel", None)
-    method = getattr(kernel, "linear_method", None)
-    return getattr(method, "__name__", "") == "_apply_weights_sgl"
-
-
-PLANE_BITS = 7  # bits of an element's index each probe carries (an int8 holds 0..127)
-
-
-def sgl_unpacked(packed: torch.Tensor) -> torch.Tensor:
-    """The int8 weight [out, in] that vLLM's convert_weight_packed made `packed` ([out, in + 4]:
-    the row sums it appends are not the weight's). Where each element went is read from the same
-    packing of probes: one whose rows sum to zero (1, -1, 1, ...: its row sums are zero bytes)
-    finds the weight's bytes among the sums, and the elements' indices, seven bits a probe, find
-    where each went. ValueError where the packing is not a permutation of the weight's bytes plus
-    the sums."""
-    convert = torch.ops._C.convert_weight_packed
-    rows, cols = packed.shape[0], packed.shape[1] - 4
-    count = rows * cols
-    signs = (1 - 2 * (torch.arange(cols) % 2)).to(torch.int8).expand(rows, cols).contiguous()
-    data = convert(signs).reshape(-1).nonzero().reshape(-1)
-    index = torch.arange(count)
-    planes = -(-max(count - 1, 1).bit_length() // PLANE_BITS)
-    where = torch.zeros(data.numel(), dtype=torch.long)
-    for p in range(planes):
-        plane = ((index >> (PLANE_BITS * p)) & ((1 << PLANE_BITS) - 1)).to(torch.int8).view(rows, cols)
-        where |= convert(plane).reshape(-1)[data].long() << (PLANE_BITS * p)
-    if data.numel() != count or where.unique().numel() != count or int(where.max()) >= count:
-        raise ValueError(f"vLLM's AMX int8 packing of a [{rows}, {cols}] weight is not the layout read back here "
-                         f"({data.numel()} of its {packed.numel()} bytes look like the weight's)")
-    out = torch.empty(count, dtype=torch.int8)
-    out[where] = packed.reshape(-1)[data]
-    return out.view(rows, cols)
 
 
 def int8_weight(module: torch.nn.Module) -> torch.Tensor | None:

@@ -23,7 +23,8 @@ into the slice planner's needs (plan.boxes.RankSlices: boxes of the global check
 - a quantized version's scales (spec.model.quantization: int8's weight_scale, fp8's
   weight_scale_inv): the scales of the worker's part of their weight (model/quant.py: its rows'
   per-row scales, or the 128x128 blocks its part covers), loaded by vLLM's quantized layers as
-  they load the weight's part;
+  they load the weight's part; a quantized expert's scales likewise, mapped by the layer's expert
+  mapping as the weight is (whole experts only: expert parallelism, or tensor-parallel size 1);
 - every parameter these layers do not shard (norms, a layer with tensor parallelism disabled):
   the whole tensor.
 
@@ -65,7 +66,7 @@ from weightsync.model.flat import FlatLayout
 from weightsync.model.quant import Format
 from weightsync.plan.boxes import Box, RankSlices, Slice
 from weightsync.vllm_backend import TESTED_VLLM
-from weightsync.vllm_backend.experts import check_fed_experts, expert_layers, expert_parts
+from weightsync.vllm_backend.experts import check_fed_experts, expert_layers, expert_parts, split_experts
 from weightsync.vllm_backend.parts import Part, UnsupportedLayer, checkpoint_param, loaded_parameters
 
 QKV_SHARDS = ("q", "k", "v")
@@ -76,15 +77,23 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout, fmt: Format | None 
     version quantized in `fmt`, a weight's scales follow its part (model/quant.py)."""
     modules = dict(model.named_modules())
     experts = expert_layers(model)
-    if experts and fmt is not None:
-        raise UnsupportedLayer(f"spec.model.quantization {fmt.name}: the fused experts of {next(iter(experts))} at "
-                               "tensor-parallel size above 1 (or under expert parallelism): slices of quantized experts "
-                               "and their scales are not read from vLLM; serve this model with tensorParallel 1")
+    split = split_experts(model) if fmt is not None else []
+    if split:
+        raise UnsupportedLayer(f"spec.model.quantization {fmt.name}: vLLM splits the fused experts of {split[0]} by "
+                               "tensor-parallel rank, and slices of quantized experts with their scales are read from "
+                               "vLLM only where each worker holds whole experts: set spec.inference.vllm.expertParallel, "
+                               "or serve this model with tensorParallel 1")
     parts, by_tensor, shapes = [], {}, {s.name: tuple(s.shape) for s in layout.slots}
+    of_experts: dict[str, list[Part]] = {}  # an expert tensor -> its parts, which its scales follow
     for slot in layout.slots:
         if experts:
             found = expert_parts(experts, model, slot.name, tuple(slot.shape))
             if found is not None:
+                weight = fmt.weight_of(slot.name) if fmt is not None else None
+                if weight in of_experts:  # a quantized expert weight's scales: those of each of its parts
+                    found = [_scales_of(fmt, w, s, shapes[weight], f"a vLLM worker ({s.param}, experts {s.shard.local})")
+                             for w, s in _aligned(of_experts[weight], found)]
+                of_experts[slot.name] = found
                 parts.extend(found)
                 continue
         found = target(model, slot.name)
@@ -99,7 +108,8 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout, fmt: Format | None 
             continue
         weight = by_tensor.get(fmt.weight_of(slot.name)) if fmt is not None else None
         if weight is not None:  # the scales of a quantized weight: the rows (or blocks) of its part
-            parts.append(Part(slot.name, param, shard, _scales_box(fmt, weight, shapes[weight.tensor], module)))
+            holder = f"a vLLM worker (tensor-parallel rank {getattr(module, 'tp_rank', 0)} of {getattr(module, 'tp_size', 1)})"
+            parts.append(_scales_of(fmt, weight, Part(slot.name, param, shard, None), shapes[weight.tensor], holder))
             continue
         meta = checkpoint_param(module, attr)
         try:
@@ -114,14 +124,25 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout, fmt: Format | None 
     return parts
 
 
-def _scales_box(fmt: Format, weight: Part, shape: tuple, module) -> Box:
-    """The box of a quantized weight's scales that quantize the worker's part of it, refused on one
-    line where an fp8 part cuts a 128x128 block."""
-    holder = f"a vLLM worker (tensor-parallel rank {getattr(module, 'tp_rank', 0)} of {getattr(module, 'tp_size', 1)})"
+def _scales_of(fmt: Format, weight: Part, scales: Part, shape: tuple, holder: str) -> Part:
+    """`scales` (a part of a quantized weight's scales, as vLLM loads them) with the box that
+    quantizes the worker's part `weight` of the weight (of `shape`), refused on one line where an
+    fp8 part cuts a 128x128 block; none where the worker holds nothing of the weight."""
+    if weight.box is None:
+        return dataclasses.replace(scales, box=None)
     start, stop = fmt.scale_bounds(weight.tensor, shape, weight.box.start, weight.box.stop, holder,
                                    "choose a tensor-parallel size that leaves every worker whole blocks of every "
                                    "weight, or quantize int8")
-    return Box(start, stop)
+    return dataclasses.replace(scales, box=Box(start, stop))
+
+
+def _aligned(weight: list[Part], scales: list[Part]) -> zip:
+    """The parts of a quantized expert weight paired with those of its scales, which vLLM's expert
+    mapping gives the same shards and experts (refused, naming the scales, where it does not)."""
+    if [p.shard for p in weight] != [p.shard for p in scales]:
+        raise UnsupportedLayer(f"{scales[0].tensor}: vLLM loads these scales into other experts or shards "
+                               f"({[p.shard for p in scales]}) than their weight's ({[p.shard for p in weight]})")
+    return zip(weight, scales)
 
 
 def worker_needs(parts: list[Part], rank: int) -> RankSlices:
