@@ -11,6 +11,8 @@
   weightsync bench        transfer benchmark: planned M-to-N over TCP vs. broadcast vs. raw sockets
   weightsync bench --gpu  the GPU data plane: nccl M-to-N vs. broadcast, ipc vs. a device copy,
                           the GPU cast and checksum vs. a device copy
+  weightsync bench --control-plane --ranks N [--model kimi-k2 --inference 4xEP32]
+                          the control plane's cost: the real controller and N simulated ranks
   weightsync bench --chart FILE.png
                           the transfer benchmark, drawn as well
   weightsync report LOG   a job's versions as one PNG timeline, from its controller's log
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from weightsync.bench.timeline import main as report
 
         return report(argv[1:])
+    if argv[:1] == ["bench"] and "--control-plane" in argv:
+        from weightsync.bench.control_plane import main as bench_control_plane
+
+        return bench_control_plane(argv[1:])
     if argv[:1] == ["bench"] and "--gpu" in argv:
         from weightsync.bench.gpu import main as bench_gpu
 

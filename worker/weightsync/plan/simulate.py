@@ -24,7 +24,7 @@ from weightsync.job import SpecError
 from weightsync.job.files import FileProblem
 from weightsync.model.config import expert_count, from_mapping, read_config_json
 from weightsync.model.quant import format_of, quantized_names
-from weightsync.plan.boxes import GlobalTensor
+from weightsync.plan.boxes import GlobalTensor, Slicing
 from weightsync.plan.holders import dim1_where_dim0_is_uneven, sharded
 from weightsync.plan.linktime import WINDOW, simulate
 from weightsync.plan.pieces import assign_pieces, check_assignment
@@ -145,9 +145,22 @@ def global_tensors(model, topo: Topology) -> list[GlobalTensor]:
     return out
 
 
-def run(name: str, topo: Topology) -> dict:
-    """Plan `name` on `topo`; the figures `weightsync plan --simulate` prints ("plan": the
-    pieces.PieceAssignment)."""
+@dataclass(frozen=True)
+class Shapes:
+    """A model's version on a topology, before any plan: its tensors, what each trainer GPU holds
+    and what each inference GPU needs (what `weightsync bench --control-plane`'s ranks join with)."""
+
+    tensors: list  # GlobalTensor, in the model's order
+    experts: int  # routed experts per layer (0: a dense model)
+    holders: Slicing
+    needs: Slicing
+    build_seconds: float  # the meta model and its tensors
+    needs_seconds: float  # the holders and needs
+
+
+def shapes(name: str, topo: Topology) -> Shapes:
+    """The tensors of `name`, held as topo's trainers shard them and needed as its inference replicas
+    slice them; ValueError where the topology cannot serve the model."""
     t0 = time.perf_counter()
     config = model_config(name)
     model = meta_model(config)
@@ -161,13 +174,22 @@ def run(name: str, topo: Topology) -> dict:
         raise ValueError(f"--inference: {name} has no experts to place with expert parallelism; drop the EP degree")
     tensors = global_tensors(model, topo)
     built = time.perf_counter() - t0
-
     t1 = time.perf_counter()
     shard_dim = dim1_where_dim0_is_uneven(topo.fsdp) if topo.fsdp_dim == "auto" else int(topo.fsdp_dim)
     holders = sharded(tensors, topo.fsdp, topo.trainers // topo.fsdp, shard_dim)
     needs = tp_needs(tensors, plan_styles, topo.tp, topo.replicas, topo.ep, experts, format_of(topo.quantization))
-    assignment = assign_pieces(holders, needs, topo.bucket_bytes)
-    planned = time.perf_counter() - t1
+    return Shapes(tensors, experts, holders, needs, built, time.perf_counter() - t1)
+
+
+def run(name: str, topo: Topology) -> dict:
+    """Plan `name` on `topo`; the figures `weightsync plan --simulate` prints ("plan": the
+    pieces.PieceAssignment)."""
+    shaped = shapes(name, topo)
+    tensors, experts, needs = shaped.tensors, shaped.experts, shaped.needs
+    t1 = time.perf_counter()
+    assignment = assign_pieces(shaped.holders, needs, topo.bucket_bytes)
+    planned = time.perf_counter() - t1 + shaped.needs_seconds
+    built = shaped.build_seconds
 
     check_assignment(assignment, needs)
     pairs = assignment.pair_bytes()

@@ -171,6 +171,10 @@ class Channel:
         """Close this client's connection to the store."""
         self.store.close()
 
+    def held(self) -> tuple[int, int | None]:
+        """(keys, bytes) the store holds now; the bytes only in the store's own process (the controller's)."""
+        return self.store.num_keys(), getattr(self.store, "bytes_held", None)
+
     def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
         """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
         self.set(Keys.failed(role, rank), RankFailure.made(failure).to_json())
@@ -395,13 +399,17 @@ class Member(Channel):
     def plan(self, timeout: float):
         """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
         holder of the token."""
+        return plan_from_json(self.plan_text(timeout)), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+
+    def plan_text(self, timeout: float) -> str:
+        """The plan's JSON as the controller published it, checked to come from a holder of the token."""
         self.wait_for(Keys.PLAN_MAC, "the transfer plan (the controller publishes it once every rank joined)", timeout,
                       say=True)
         text = self.get(Keys.PLAN)
         if not same(self.get(Keys.PLAN_MAC).decode(), plan_mac(self.token, text)):
             raise ProofError("the published plan is not signed with this job's token (a store shared by two jobs, "
                              "or a wrong token file)")
-        return plan_from_json(PublishedPlan.from_json(text).plan), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+        return PublishedPlan.from_json(text).plan
 
     def peers(self, epoch: int, timeout: float) -> dict[int, Peer]:
         """{inference rank: Peer} as of `epoch`, checked to come from a holder of the token."""
