@@ -212,7 +212,8 @@ def run(setup: Setup, versions: int, idle: float, directory: str, timeout: float
     exit_file = folder / "exit.json"
     figures["controller_exit"] = json.loads(exit_file.read_text())["exit"] if exit_file.exists() else None
     times = list(sim.times.values())
-    figures["join"] = {"all_joined_seconds": round(max((t.joined or began) for t in times) - began, 3),
+    figures["join"] = {"ranks_joined": sum(1 for t in times if t.joined), "ranks_read_plan": sum(1 for t in times if t.plan_read),
+                       "all_joined_seconds": round(max((t.joined or began) for t in times) - began, 3),
                        "all_read_plan_seconds": round(read_all - began, 3)}
     figures["plan"] = {"bytes_per_rank": max((t.plan_bytes for t in times), default=0),
                        "read_seconds": spread([t.plan_read - t.plan_seen for t in times if t.plan_read]),
@@ -221,7 +222,7 @@ def run(setup: Setup, versions: int, idle: float, directory: str, timeout: float
     rounds = [r for r in records if r.get("event") == "transfer"]
     figures.setdefault("controller", {}).update({
         "join_and_plan_cpu_seconds": round(cpu_planned - cpu_start, 3), **memory,
-        "round_seconds": [r["seconds"] for r in rounds],
+        "rounds": [{k: r.get(k) for k in ("version", "again", "inference_ranks", "seconds")} for r in rounds],
         "completion": next((r for r in records if r.get("event") == "completion"), None)})
     samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
     figures["store"] = {"peak_keys": max(s["keys"] for s in samples), "peak_bytes": max(s["bytes"] for s in samples),
