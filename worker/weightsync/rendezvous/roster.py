@@ -294,8 +294,8 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
                     got[r] = read(self.get(key))
                     del pending[r]
                 elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING or \
-                        self.has(Keys.applied(rnd.version, r, attempt)):  # (staged: its load ahead failed)
-                    del pending[r]
+                        (key_of is not Keys.applied and self.has(Keys.applied(rnd.version, r, attempt))):
+                    del pending[r]  # staged: its load ahead failed (an applied key set meanwhile is read next)
             if not pending:
                 return got
             self.check_ranks(trainers=not self.resuming)  # sent: the round needs them no more
