@@ -169,10 +169,7 @@ class Sim:
     def trainer(self, rank: int) -> None:
         """A trainer rank, as the trainer API publishes: ready, the previous version done, the go,
         its report of the round; then closed, answering repeats of the final version until the end."""
-        info = RankInfo("tcp", "simulated", "cpu", f"sim-trainer-{rank}", holds=self.holds[rank])
-        member, times, error = None, None, None
-        try:
-            member, times = self._joined(TRAINER, rank, info, self.host)
+        def rounds(member) -> None:
             wire = self.wire
             for version in range(self.versions):
                 member.ready(version, version)
@@ -186,26 +183,29 @@ class Sim:
                 rnd = member.round(self.versions - 1, again)  # JobEnded at the end
                 member.set(Keys.sent(rnd.version, rnd.again, rank), wire.sent(rank, rnd, 0.0).to_json())
                 again += 1
-        except BaseException as e:  # noqa: BLE001 - reported to the controller, kept for the harness
-            error = e
-        if member is not None:
-            self._ended(member, times, error)
-        elif error is not None:
-            self.times.setdefault((TRAINER, rank), Timeline()).error = f"{type(error).__name__}: {error}"
+
+        info = RankInfo("tcp", "simulated", "cpu", f"sim-trainer-{rank}", holds=self.holds[rank])
+        self._life(TRAINER, rank, info, self.host, rounds)
 
     def inference(self, rank: int) -> None:
         """An inference rank: every round through receive_rounds, the real ranks' code."""
         info = RankInfo("tcp", "simulated", "cpu", f"sim-inference-{rank}", needs=self.needs[rank])
+        self._life(INFERENCE, rank, info, f"{self.host}:{1 + rank}",
+                   lambda member: receive_rounds(member, _Receiver(rank, self.wire), self.job, _Engine()))
+
+    def _life(self, role: str, rank: int, info: RankInfo, endpoint: str, rounds) -> None:
+        """One simulated rank from its join to its goodbye: `rounds(member)` between, and its error,
+        if any, reported to the controller and kept for the harness."""
         member, times, error = None, None, None
         try:
-            member, times = self._joined(INFERENCE, rank, info, f"{self.host}:{1 + rank}")
-            receive_rounds(member, _Receiver(rank, self.wire), self.job, _Engine())
+            member, times = self._joined(role, rank, info, endpoint)
+            rounds(member)
         except BaseException as e:  # noqa: BLE001 - reported to the controller, kept for the harness
             error = e
         if member is not None:
             self._ended(member, times, error)
         elif error is not None:
-            self.times.setdefault((INFERENCE, rank), Timeline()).error = f"{type(error).__name__}: {error}"
+            self.times.setdefault((role, rank), Timeline()).error = f"{type(error).__name__}: {error}"
 
 
 class _Receiver:
