@@ -27,7 +27,6 @@ saying why.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from support.vllm import (
     PROMPT,
     PlainServer,
     VllmRun,
+    amx_tiles,
     boxes,
     checker,
     completion,
@@ -79,10 +79,7 @@ def part_of(name: str, adapter: dict[str, torch.Tensor], tp: int, rank: int) -> 
 
 def int8_lora_runs_here() -> str | None:
     """Why vLLM cannot serve LoRA over int8 layers here, or None where it can (AMX tiles, or CUDA)."""
-    if torch.cuda.is_available():
-        return None
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    if "amx_tile" in flags.split():
+    if torch.cuda.is_available() or amx_tiles():
         return None
     return ("vLLM's CPU build keeps an int8 layer's weight parameter, which its LoRA layers read, only with AMX tiles "
             "(its oneDNN int8 kernel drops it), and this CPU has none (no amx_tile in /proc/cpuinfo) and there is no GPU")
