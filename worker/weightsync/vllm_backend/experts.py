@@ -72,7 +72,7 @@ def expert_parts(experts: dict, model, name: str, shape: tuple) -> list[Part] | 
         ids, inner = [hits[0][2]], shape
     stem, _, tail = name.partition(weight_name)
     # one expert's name for what follows the stack's (gate_up_proj_scale: weight_scale, _bias: bias)
-    tail = "bias" if bias else "weight" + tail if tail.startswith("_") else tail.lstrip(".") or "weight"
+    tail = "bias" if bias else ("weight" + tail if tail.startswith("_") else tail.lstrip(".") or "weight")
     shards = [h[3] for h in hits if h[1] == weight_name]  # gate and up where both stack in one tensor
     names = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
     runs = _runs_of([(e, layer._map_global_expert_id_to_local_expert_id(e)) for e in ids])
