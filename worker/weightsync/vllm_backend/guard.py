@@ -150,9 +150,18 @@ def sign_init(token: bytes, job: str, controller: str, server: str, now: float |
 def init_proven(token: bytes, job: str, controller: str, server: str, proof: str) -> bool:
     """Whether `proof` is sign_init's for these, made with `token` (a worker's own check: the
     guard in front of it also holds the proof to its window and to once)."""
-    scheme, stamp, nonce, mac = (proof.split(".") + ["", "", "", ""])[:4]
-    target = init_target(controller, server)
-    return scheme == SCHEME and same(mac.encode(), _mac(control_key(token, job), stamp, nonce, "POST", target).encode())
+    return unsigned(control_key(token, job), proof, "POST", init_target(controller, server)) is None
+
+
+def unsigned(key: str, given: str, method: str, target: str) -> str | None:
+    """Why `given` is not a bearer signed with `key` for `method` and `target`, whenever it was
+    signed (None where it is one; the guard holds it to its window and to once besides)."""
+    scheme, stamp, nonce, mac = (given.split(".") + ["", "", "", ""])[:4]
+    if scheme != SCHEME or not stamp.isdigit() or not nonce or not mac:
+        return "a bearer that is not a signed control request"
+    if not same(mac.encode(), _mac(key, stamp, nonce, method, target).encode()):
+        return "a control key that is not this job's, or a signature of another request"
+    return None
 
 
 def _target(scope: Scope) -> str:
@@ -294,11 +303,9 @@ class ControlGuard:
     def _verify(self, key: str, given: str, method: str, target: str) -> str | None:
         """Why `given` is not a bearer signed with `key` for `method` and `target`, within the
         window and unseen (None where it is one)."""
-        scheme, stamp, nonce, mac = (given.split(".") + ["", "", "", ""])[:4]
-        if scheme != SCHEME or not stamp.isdigit() or not nonce or not mac:
-            return "a bearer that is not a signed control request"
-        if not same(mac.encode(), _mac(key, stamp, nonce, method, target).encode()):
-            return "a control key that is not this job's, or a signature of another request"
+        if (why := unsigned(key, given, method, target)) is not None:
+            return why
+        _, stamp, nonce = given.split(".", 3)[:3]
         now = time.time()
         if abs(now - int(stamp)) > WINDOW:
             return (f"a request signed {now - int(stamp):+.0f}s from this server's clock (more than {WINDOW:.0f}s: "
