@@ -366,6 +366,30 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, folder: Path
     return folder
 
 
+def assert_int8_slices(dump: Path, job, config: dict, tp: int, versions) -> dict[int, dict[str, torch.Tensor]]:
+    """After each of `versions`, every worker of the job's one server (`tp` of them) holds the
+    trainer's bytes of its slices of the int8 version, weights and their scales as vLLM shards them,
+    read back from its int8 kernel, and nothing else of it. The versions as the trainer sent them."""
+    from weightsync.model.build import meta_layout
+    from weightsync.model.flat import torch_dtype
+
+    sent = {v: torch.load(dump / f"trainer-0-v{v}.pt")["sent"] for v in versions}
+    dtypes = {s.name: torch_dtype(s.dtype) for s in meta_layout(job.model).slots}  # as sent: the rest cast
+    for version, tensors in sent.items():
+        for rank in range(tp):
+            want = shards({n: t.to(dtypes[n]) for n, t in tensors.items()}, config, tp, rank)
+            got = torch.load(dump / f"inference-{rank}-v{version}.pt")["tensors"]
+            # besides, what the int8 kernel makes of the weights when it processes them (oneDNN's azp_adj)
+            made = {n for n in set(got) - set(want) if n.endswith(".azp_adj")}
+            assert sorted(set(got) - made) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
+            for name, tensor in want.items():
+                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (name, got[name].shape)
+                assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), f"version {version}: worker {rank} in {name}"
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    assert sent[versions[0]][weight].dtype == torch.int8 and sent[versions[0]][weight + "_scale"].dtype == torch.float32
+    return sent
+
+
 def int8_checkpoint(folder: Path) -> Path:
     """The tests' Llama (seed 3) quantized to int8 with its per-row scales, as a compressed-tensors checkpoint."""
     from weightsync.job import Model

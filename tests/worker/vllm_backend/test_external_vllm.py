@@ -16,7 +16,10 @@ examples/integrations/vllm_trainer_api.py, two FSDP2 ranks written against vLLM'
 with weightsync's init info, into two vLLM servers started with nothing but a secret shared with
 the trainer): trainer rank 0 runs the job's controller, each server joins at the trainer's init,
 every version is what vLLM's own reload of the trainer's checkpoint from disk holds, each rank
-sends half of it, and a server killed between two sends is counted away. While
+sends half of it, and a server killed between two sends is counted away. An int8 job
+(spec.model.quantization): a server on the job's int8 checkpoint takes its versions, each worker's
+int8 weights and scales the trainer's bytes, and one of the same model unquantized is refused at
+its worker's init on one line. While
 the job runs, servers that cannot join exit, each with its one line in its log, and none of them
 receives or loads anything: a server of another model (its worker refuses itself, having read the
 job) and one without WEIGHTSYNC_VLLM_SERVER (refused before vLLM loads the model); and the claim
@@ -53,7 +56,16 @@ from support.external_vllm import (
     read_join_file,
     vllm_python,
 )
-from support.vllm import checker, completion, post, save_checkpoint
+from support.vllm import (
+    amx_tiles,
+    assert_int8_slices,
+    checker,
+    completion,
+    int8_checkpoint,
+    post,
+    save_checkpoint,
+    vllm_job,
+)
 from support.vllm_asker import Asker, spans
 from support.waits import until
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -219,6 +231,42 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     assert_served_bit_for_bit(dump, versions=(0, 1, 2, 5))
     assert sorted(p.name for p in dump.glob("inference-*")) == [f"inference-0-v{v}.pt" for v in (0, 1, 2, 5)]
     assert "taken back at version 5" in back.text()
+
+
+def test_a_server_on_the_jobs_int8_checkpoint_takes_its_versions_and_an_unquantized_one_is_refused(tmp_path):
+    """spec.model.quantization int8 with servers the user starts: one on the job's own int8
+    checkpoint (vLLM's load from disk, its compressed-tensors quantization_config) claims its rank
+    with the checkpoint's int8 layout, and after every version holds the trainer's int8 weights and
+    scales, read back from vLLM's int8 kernel. One started at the same time on the same model
+    unquantized is refused on one line before it claims a rank, and receives nothing."""
+    python = vllm_python()
+    dtype = "bfloat16" if amx_tiles() else "float32"  # vLLM's AMX int8 kernel takes 16-bit activations only
+    job = vllm_job("ext-int8", trainers=1, servers=1, steps=4, quantization="int8", dtype=dtype,
+                   checkpoint=int8_checkpoint(tmp_path / "checkpoint"), external=True)  # versions 0..2
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump)}, join_env=tmp_path / "join.env")
+    servers: list[ExternalServer] = []
+    try:
+        local.start()
+        join = read_join_file(tmp_path / "join.env")
+        server = ExternalServer(python, job.model, job.name, join, tmp_path / "server.log", env={DUMP_DIR_ENV: str(dump)})
+        plain = ExternalServer(python, Model(config=LLAMA, dtype=dtype), job.name, join, tmp_path / "plain.log")
+        servers += [server, plain]
+        assert plain.exited() != 0
+        summary = local.wait(RUN_TIMEOUT)
+    finally:
+        for s in servers:
+            s.stop()
+        local.stop()
+    assert summary["versions"] == 3 and summary["failed_verifications"] == 0, summary
+    line = (f"[vLLM server {plain.url}] cannot join job default/ext-int8: the weightsync backend loads the job's "
+            "spec.model.quantization int8 (compressed-tensors) in place; this server serves them unquantized")
+    assert line in plain.text(), plain.text()[-3000:]
+    controller = local.pods[0].log.read_text(errors="replace")
+    assert f"the vLLM server at {server.url} claimed inference rank 0" in controller
+    assert plain.url not in controller, "the unquantized server claimed a rank"
+    assert_int8_slices(dump, job, LLAMA, 1, (0, 1, 2))
 
 
 def test_a_trainer_on_vllms_own_api_runs_its_own_job_into_two_vllm_servers_with_no_job_file(tmp_path):

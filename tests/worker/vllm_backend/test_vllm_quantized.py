@@ -33,7 +33,7 @@ from support.vllm import (
     PlainServer,
     VllmRun,
     amx_tiles,
-    as_bytes,
+    assert_int8_slices,
     checker,
     checksums_then_reset,
     completion,
@@ -41,13 +41,9 @@ from support.vllm import (
     int8_checkpoint,
     post,
     save_checkpoint,
-    shards,
     vllm_job,
 )
 from support.vllm import vllm_python as find_vllm_python
-
-from weightsync.model.build import meta_layout
-from weightsync.model.flat import torch_dtype
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -94,7 +90,7 @@ def test_int8_versions_load_into_tensor_parallel_vllm_as_its_own_checkpoint_load
                     "version 0, loaded over the reset weights, differs from vLLM's own load of its checkpoint"
             run.release(f"trainer-0-before-go-v{version + 1}")
         run.reach(last)
-        sent = {v: torch.load(run.dump / f"trainer-0-v{v}.pt")["sent"] for v in (0, 1)}
+        sent = assert_int8_slices(run.dump, job, LLAMA, tp, (0, 1))
         post(server, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(
             save_checkpoint(sent[1], LLAMA, tmp_path / "checkpoint-v1", "int8"))}}, key=run.key)
         assert checker(server, "compare", held[1], key=run.key) == {"match": True, "mismatches": []}, \
@@ -107,19 +103,6 @@ def test_int8_versions_load_into_tensor_parallel_vllm_as_its_own_checkpoint_load
     assert "version 2 into vLLM" in run.log(2)  # every version loaded
     assert held[0] != held[1], "version 1 changed no weight vLLM holds"
     assert tokens[0] == own_tokens, "version 0 answers other greedy tokens than vLLM's own load of its checkpoint"
-    weight = "model.layers.0.self_attn.q_proj.weight"
-    assert sent[0][weight].dtype == torch.int8 and sent[0][weight + "_scale"].dtype == torch.float32
-    dtypes = {s.name: torch_dtype(s.dtype) for s in meta_layout(job.model).slots}  # as sent: the rest cast
-    for version, tensors in sent.items():  # read back from vLLM's CPU int8 kernel
-        for rank in range(tp):  # each worker: the trainer's bytes of its slices, as vLLM shards and serves them
-            want = shards({n: t.to(dtypes[n]) for n, t in tensors.items()}, LLAMA, tp, rank)
-            got = torch.load(run.dump / f"inference-{rank}-v{version}.pt")["tensors"]
-            # besides, what the int8 kernel makes of the weights when it processes them (oneDNN's azp_adj)
-            made = {n for n in set(got) - set(want) if n.endswith(".azp_adj")}
-            assert sorted(set(got) - made) == sorted(want), f"vLLM holds other tensors: {sorted(set(got) ^ set(want))}"
-            for name, tensor in want.items():
-                assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (name, got[name].shape)
-                assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), f"version {version}: worker {rank} in {name}"
     logs = run.log(2)  # the server's pod
     assert all(f"tensor-parallel rank {r} of {tp}" in logs for r in range(tp)), "a worker received the whole version"
 

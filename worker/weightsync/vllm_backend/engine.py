@@ -47,7 +47,7 @@ from weightsync.model.build import meta_layout
 from weightsync.model.config import config_of, expert_count
 from weightsync.model.flat import torch_dtype, views
 from weightsync.model.lora import adapter_layout
-from weightsync.model.quant import VLLM_METHOD, format_of
+from weightsync.model.quant import format_of
 from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_json
 from weightsync.rendezvous.messages import Staged
 from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
@@ -108,13 +108,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise RuntimeError(f"{self.me} is a rank of job {self.ctx.job.identity} until that job ends: a server takes "
                                "one trainer's job at a time")
         self.place = place_of(self.parallel_config, self.model_config, init_info)
-        served = getattr(self.model_config, "quantization", None)
-        fmt = format_of(self.place.ctx.job.model.quantization)
-        if served != (VLLM_METHOD[fmt.name] if fmt is not None else None):
-            wanted = f"spec.model.quantization {fmt.name} ({VLLM_METHOD[fmt.name]})" if fmt else "unquantized weights"
-            raise ValueError(f"the weightsync backend loads the job's {wanted} in place; this server "
-                             f"{'quantizes them as ' + served if served else 'serves them unquantized'}: serve the job's "
-                             "model as spec.model says")
         ctx = self.ctx = self.place.ctx
         local_rank = self.parallel_config.rank
         self.rank = self.place.rank

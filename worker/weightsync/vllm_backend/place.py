@@ -31,10 +31,11 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import AutoModelForCausalLM
 
-from weightsync.job import INFERENCE, Env, Job, SpecError, WorkerContext
+from weightsync.job import INFERENCE, Env, Job, Model, SpecError, WorkerContext
 from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
+from weightsync.model.quant import VLLM_METHOD, format_of
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
 from weightsync.rendezvous.external_rank import JoinError, joined_context
 from weightsync.rendezvous.protocol import Channel, ProofError
@@ -100,10 +101,13 @@ def place_of(parallel_config, model_config, init=None) -> Place:
         raise JoinError(e.problems[0]) from None
     if found is None:
         ctx = WorkerContext.from_environ()
+        problem = quantization_problem(ctx.job.model, model_config)
+        if problem is not None:
+            raise ValueError(problem)
         return Place(ctx, ctx.job.layout.ranks_of(ctx.ordinal)[worker], os.environ[Env.VLLM_SERVER], external=False)
     join, url = found
     try:
-        place = _claimed(join, url, worker, parallel_config.world_size, served_layout(model_config))
+        place = _claimed(join, url, worker, parallel_config.world_size, model_config)
     except (JoinError, ClaimRefused, SpecError, ProofError, TimeoutError) as e:
         problem = "; ".join(e.problems) if isinstance(e, SpecError) else str(e)
         print(f"[vLLM server {url}] cannot join job {join.job_id}: {problem}", file=sys.stderr, flush=True)
@@ -111,12 +115,16 @@ def place_of(parallel_config, model_config, init=None) -> Place:
     return replace(place, by_init=by_init)
 
 
-def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout) -> Place:
+def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> Place:
     claimed: list[int] = []
 
     def rank_of(job: Job, channel: Channel) -> int:
         """The inference rank the controller gives this worker, once this server is seen to serve
-        the job's model."""
+        the job's model, quantized as the job's versions are."""
+        problem = quantization_problem(job.model, model_config)
+        if problem is not None:
+            raise JoinError(problem)
+        layout = served_layout(model_config)
         try:
             meta_layout(job.model).check_matches(layout, what="this server")
         except LayoutMismatch as e:
@@ -136,12 +144,36 @@ def _claimed(join: Join, url: str, worker: int, workers: int, layout: FlatLayout
     return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], url, external=True)
 
 
+def served_quantization(model_config) -> str | None:
+    """The format (spec.model.quantization's name) of the weights this server serves quantized,
+    as vLLM's model config says (a quantized checkpoint's quantization_config, or --quantization);
+    None where it serves them unquantized, or quantizes them in a way weightsync does not send."""
+    method = getattr(model_config, "quantization", None)
+    return next((name for name, vllm in VLLM_METHOD.items() if vllm == method), None)
+
+
+def quantization_problem(model: Model, model_config) -> str | None:
+    """Why a server whose vLLM model config is `model_config` cannot load the versions of
+    spec.model `model` in place (the line that refuses it), or None where it quantizes its
+    weights as the job's versions are quantized: vLLM's reload of a quantized version processes
+    its tensors for the server's own quantized kernels, so the server must already run them."""
+    served = getattr(model_config, "quantization", None)
+    fmt = format_of(model.quantization)
+    if served == (VLLM_METHOD[fmt.name] if fmt is not None else None):
+        return None
+    wanted = f"spec.model.quantization {fmt.name} ({VLLM_METHOD[fmt.name]})" if fmt else "unquantized weights"
+    how = f"quantizes them as {served}" if served else "serves them unquantized"
+    return (f"the weightsync backend loads the job's {wanted} in place; this server {how}: serve the job's model "
+            "as spec.model says (a quantized checkpoint's own quantization_config, no --quantization of another)")
+
+
 def served_layout(model_config) -> FlatLayout:
     """The layout of the model this server serves, as the trainers send it: the Hugging Face names
-    and shapes of its config's causal LM (what vLLM's load_weights takes), in its --dtype."""
+    and shapes of its config's causal LM (what vLLM's load_weights takes), in its --dtype, its
+    linear layers' weights and their scales where it serves them quantized (served_quantization)."""
     dtype = str(model_config.dtype).removeprefix("torch.")
     if dtype not in ITEMSIZE:
         raise SpecError([f"this server runs the model in {dtype}; serve it in spec.model.dtype (--dtype)"])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config.hf_config), dtype=torch.float32)
-    return layout_of(model, dtype)
+    return layout_of(model, dtype, served_quantization(model_config))
