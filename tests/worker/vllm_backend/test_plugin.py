@@ -9,11 +9,13 @@ minute of the machine):
   forked from it as vLLM forks its workers.
 - vLLM's trainer-side factory finds weightsync's trainer engine (integrations/vllm.py) by its
   init info's class once that module is imported, however often; and what cannot work is refused
-  on one line before anything joins: a source other than vLLM's ModuleSource, a world size that
+  on one line before anything joins: a source that is no vLLM WeightSource, a world size that
   is not torchrun's, a trainer with no job and no secret to share with its servers, several ranks
   with no torch.distributed group to find rank 0's controller through, and send_weights() on an
-  engine trainer_init did not make. (Two FSDP2 ranks into two vLLM servers with no job file:
-  test_external_vllm.py; the decisions that need no vLLM: integrations/test_vllm_no_job.py.)
+  engine trainer_init did not make; a WeightSource that breaks vLLM's contract (held names its
+  metadata lacks, a tensor yielded in another shape, a pass that yields fewer) is refused on one
+  line naming what to fix, and one that keeps it fills the rank's tensors. (Two FSDP2 ranks into
+  two vLLM servers with no job file: test_external_vllm.py; the decisions that need no vLLM: integrations/test_vllm_no_job.py.)
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ def tiles():
 
 def trainer_engine():
     import torch
-    from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
+    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     import weightsync.integrations.vllm as trainer
+    from weightsync.integrations.vllm_source import SourceTensors
     importlib.reload(trainer)  # imported again: registered once, no error
 
     def refusal(source, environ={}, **info):
@@ -87,17 +90,35 @@ def trainer_engine():
             return f"{type(e).__name__}: {e}"
         return "sent"
 
-    class Listed(WeightSource):
+    class Broken(WeightSource):  # breaks vLLM's WeightSource contract as `how` says
+        def __init__(self, how):
+            self.how = how
         def metadata(self):
-            return []
+            return [ParamMeta("w", torch.float32, (2, 2)), ParamMeta("b", torch.float32, (2,))]
+        def held_names(self):
+            return {"w", "x"} if self.how == "held" else None
         def __iter__(self):
-            return iter(())
+            yield "w", torch.zeros(3, 2) if self.how == "shape" else torch.ones(2, 2)
+            if self.how != "short":
+                yield "b", torch.ones(2)
+
+    def filled(how):
+        try:
+            tensors = SourceTensors(Broken(how), "cpu")
+            tensors.fill()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return {n: t.tolist() for n, t in tensors.named_parameters()}
 
     model = torch.nn.Linear(4, 4)
     return {
         "registered": "weightsync" in WeightTransferTrainerFactory._registry,
         "engine": WeightTransferTrainerFactory._registry["weightsync"]().__name__,
-        "other source": refusal(Listed()),
+        "not a source": refusal([model]),
+        "held": filled("held"),
+        "shape": filled("shape"),
+        "short": filled("short"),
+        "whole": filled("whole"),
         "world": refusal(ModuleSource(model), world_size=3),
         "no secret": refusal(ModuleSource(model)),
         "no group": refusal(ModuleSource(model), {"WEIGHTSYNC_TOKEN": "s" * 32}),
@@ -138,8 +159,15 @@ def test_without_amx_tiles_the_plugin_asks_for_nothing(found):
 def test_the_factory_finds_the_trainer_engine_and_refuses_what_cannot_work(found):
     engine = found["trainer"]
     assert engine["registered"] and engine["engine"] == "WeightsyncTrainerEngine", engine
-    assert engine["other source"] == ("TypeError: weightsync's trainer engine sends a module's own parameters: pass "
-                                      "source=ModuleSource(model), not Listed"), engine
+    assert engine["not a source"] == ("TypeError: weightsync's trainer engine sends from a vLLM WeightSource "
+                                      "(ModuleSource(model), or one of your own), not list"), engine
+    assert engine["held"] == ("ValueError: Broken.held_names() names tensors its metadata() does not (x): metadata() "
+                              "describes the whole model on every rank"), engine
+    assert engine["shape"] == ("ValueError: Broken yielded w as [3, 2] torch.float32; its metadata() says [2, 2] "
+                               "torch.float32"), engine
+    assert engine["short"] == ("ValueError: Broken yielded 1 of the 2 tensors this rank holds: one pass of iter(source) "
+                               "yields every tensor metadata() names"), engine
+    assert engine["whole"] == {"w": [[1.0, 1.0], [1.0, 1.0]], "b": [1.0, 1.0]}, engine
     assert engine["world"] == ("ValueError: WeightsyncTrainerInitInfo(world_size=3), but torchrun's WORLD_SIZE=2: "
                                "give the init info the world size this script runs at"), engine
     assert engine["no secret"] == (

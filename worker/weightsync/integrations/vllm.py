@@ -48,7 +48,8 @@ from typing import ClassVar
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import ModuleSource, TrainerInitInfo, TrainerWeightTransferEngine
+from transformers import AutoConfig
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync.integrations.ranks import Address, LocalController
@@ -61,6 +62,7 @@ from weightsync.integrations.vllm_job import (
     trainer_world,
     unguarded,
 )
+from weightsync.integrations.vllm_source import SourceTensors, weights_of
 from weightsync.job import TRAINER, Env, Join, JoinEnv, SpecError
 from weightsync.job.join import shared_token
 from weightsync.publisher.sync import Sync, attach
@@ -83,7 +85,9 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     servers and the other ranks reach rank 0's controller: default WEIGHTSYNC_POD_IP, else this
     machine's address), `min_available` and `away_grace_seconds` (spec.inference's: how many
     servers' workers the run needs, and how long one may be away before it is dropped or the run
-    fails), `timeout_seconds` and `transport` (spec.transfer's). With a job, the job's say."""
+    fails), `timeout_seconds` and `transport` (spec.transfer's), and `config`: the model's Hugging
+    Face config (a transformers config or its dict), where the source is no ModuleSource of a
+    transformers model nor has a `config` of its own. With a job, the job's say."""
 
     backend: ClassVar[str] = BACKEND
     world_size: int | None = None
@@ -95,15 +99,7 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     away_grace_seconds: int | None = None
     timeout_seconds: int | None = None
     transport: str | None = None
-
-
-def _module_of(source) -> object:
-    """The module behind vLLM's ModuleSource: weightsync reads each rank's own parameters (an
-    FSDP2 rank's shards as they are, never gathered), where vLLM's sources yield full tensors."""
-    if not isinstance(source, ModuleSource):
-        raise TypeError(f"weightsync's trainer engine sends a module's own parameters: pass source=ModuleSource(model), "
-                        f"not {type(source).__name__}")
-    return source._module
+    config: object = None
 
 
 def _clients(client) -> list:
@@ -143,9 +139,10 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     init_info_cls = WeightsyncTrainerInitInfo
 
     def __init__(self, *, client, source=None, is_sender: bool = True, sync: Sync | None = None,
-                 controller: LocalController | None = None):
+                 controller: LocalController | None = None, tensors: SourceTensors | None = None):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sync, self.controller = sync, controller
+        self.tensors = tensors  # a WeightSource's tensors, filled from it before each version
 
     @classmethod
     def trainer_init(cls, init_info: WeightsyncTrainerInitInfo, *, client, source=None) -> WeightsyncTrainerEngine:
@@ -153,7 +150,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         a job file, rank 0 runs the job's controller first."""
         if not isinstance(init_info, WeightsyncTrainerInitInfo):
             raise TypeError(f"weightsync's trainer engine takes WeightsyncTrainerInitInfo, not {type(init_info).__name__}")
-        model = _module_of(source)
+        model, tensors = weights_of(source)
         controller = None
         if os.environ.get(Env.SPEC_FILE) or Join.from_environ(os.environ) is not None:
             try:
@@ -168,7 +165,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         except BaseException as e:
             sync.fail(e)
             raise
-        return cls(client=client, source=source, is_sender=init_info.rank == 0, sync=sync, controller=controller)
+        return cls(client=client, source=source, is_sender=init_info.rank == 0, sync=sync, controller=controller,
+                   tensors=tensors)
 
     @classmethod
     def _own_job(cls, info: WeightsyncTrainerInitInfo, model, clients: list) -> tuple[Sync, LocalController | None]:
@@ -236,11 +234,14 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                              "HTTPVLLMWeightSyncClient(url), one per server (or a list of them)")
         if len(set(urls)) != len(urls):
             raise ValueError(f"a server is named twice among the clients ({', '.join(urls)}): one client per server")
-        config = getattr(model, "config", None)
+        config = info.config if info.config is not None else getattr(model, "config", None)
+        if isinstance(config, dict):
+            config = AutoConfig.for_model(**config)
         if config is None or not hasattr(config, "to_diff_dict"):
-            raise ValueError(f"{type(model).__name__} has no transformers config (model.config): weightsync makes the "
-                             "job's model from it, the one the servers serve")
-        device = next(iter(model.parameters())).device
+            raise ValueError(f"{type(model).__name__} has no transformers config (model.config): give "
+                             "WeightsyncTrainerInitInfo(config=...), the model's Hugging Face config: weightsync makes "
+                             "the job's model from it, the one the servers serve")
+        device = next(iter(dict(model.named_parameters()).values())).device
         job = own_job(name=info.name, config=model_config(config), dtype=dtype_of(config, info.dtype), trainers=world,
                       servers=len(urls), tensor_parallel=info.tensor_parallel_size, on_gpu=device.type == "cuda",
                       min_available=info.min_available, away_grace_seconds=info.away_grace_seconds,
@@ -288,6 +289,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             raise RuntimeError("send_weights() before trainer_init(): make the engine with "
                                "WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(rank=...), client=..., "
                                "source=ModuleSource(model)) on every rank")
+        if self.tensors is not None:
+            self.tensors.fill()
         published = self.sync.publish(step, loss)
         done = self.sync.wait_done(published.version)
         plan = self.sync.plan  # the record's bytes are what the workers that hold the version received

@@ -12,6 +12,10 @@ dim-0 shards and replicas (tensor-parallel shards on other dims, partial sums) a
 A job whose versions are a LoRA adapter (spec.model.lora) sends the adapter's tensors alone, named
 and ordered as model/lora.py lays them out, read off the model's LoRA layers (PEFT's or ours).
 
+A producer that yields named tensors rather than a module (vLLM's WeightSource: a Megatron export,
+an expert-parallel or pipeline-parallel trainer's own) is a NamedTensors: the version's every name
+with its global shape, of which the rank holds some whole and the others not at all (no rows).
+
 A quantized version (spec.model.quantization) is made here, each rank quantizing the rows it holds
 on their device at every publish (model/quant.py): the layout is the quantized one, and a rank's
 rows of a weight's scales are those of the rows it holds.
@@ -20,6 +24,7 @@ rows of a weight's scales are those of the rows it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection, Iterator, Sequence
 
 import torch
 
@@ -49,6 +54,25 @@ def version_name(name: str) -> str:
     return name
 
 
+class NamedTensors:
+    """A trainer rank's weights as named tensors: every tensor of the version, in order, with its
+    global shape and dtype (`shapes`), of which this rank holds those `held` names (None: all)
+    whole, in storage of its own on `device` that its producer fills before each publish, and
+    the others not at all (tensors of no rows), as other ranks hold them."""
+
+    def __init__(self, shapes: Sequence[tuple[str, tuple[int, ...], torch.dtype]], held: Collection[str] | None,
+                 device: torch.device | str = "cpu"):
+        self.shapes = {name: tuple(shape) for name, shape, _ in shapes}
+        self.tensors = {name: torch.empty(tuple(shape) if held is None or name in held else (0, *shape[1:]),
+                                          dtype=dtype, device=device) for name, shape, dtype in shapes}
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+    def held(self, name: str) -> bool:
+        return self.tensors[name].shape == self.shapes[name]
+
+
 @dataclass(frozen=True)
 class Sources:
     """What one trainer rank sends from: the version's layout, and what the rank holds of it
@@ -75,7 +99,10 @@ def sources_of(model: torch.nn.Module, dtype: str, adapter: Adapter | None = Non
     named = _named(model, adapter)
     if not named:
         raise ValueError("the model has no parameters to publish")
-    layout = base = FlatLayout.from_shapes([(n, tuple(p.shape)) for n, p in named], dtype)
+    if isinstance(model, NamedTensors) and (adapter is not None or quantization is not None):
+        raise ValueError("a LoRA adapter or a quantized version is read off the model's own modules: publish the "
+                         "module itself, not named tensors")
+    layout = base = FlatLayout.from_shapes([(n, _shape(model, n, p)) for n, p in named], dtype)
     rows = tuple(_rows_held(n, p) for n, p in named)
     fmt = format_of(quantization) if adapter is None else None  # an adapter travels in `dtype`
     if fmt is not None:
@@ -112,7 +139,7 @@ def local_tensors(model: torch.nn.Module, sources: Sources) -> list[torch.Tensor
         first, end = held[name]
         local = _local(p).detach()
         rows = local.shape[0] if local.dim() else 1
-        if tuple(p.shape) != slot.shape or rows != end - first:
+        if _shape(model, name, p) != slot.shape or rows != end - first:
             raise ValueError(f"parameter {name} is not as it was when weightsync.attach() saw it ({list(local.shape)} "
                              f"held of {list(p.shape)}); with FSDP publish between optimizer steps, "
                              "not inside forward or backward")
@@ -128,7 +155,14 @@ def _rows(sources: Sources) -> tuple[tuple[int, int], ...]:
 def _named(model: torch.nn.Module, adapter: Adapter | None = None) -> list[tuple[str, torch.nn.Parameter]]:
     if adapter is not None:
         return adapter.tensors(model)
+    if isinstance(model, NamedTensors):  # the producer's own names
+        return list(model.named_parameters())
     return [(version_name(n), p) for n, p in model.named_parameters()]
+
+
+def _shape(model, name: str, p) -> tuple[int, ...]:
+    """The global shape of the version's tensor `name`, whose parameter (or held tensor) is `p`."""
+    return model.shapes[name] if isinstance(model, NamedTensors) else tuple(p.shape)
 
 
 def _is_dtensor(p) -> bool:
