@@ -11,9 +11,11 @@ route names the version of every token; a client, which has no control key, is r
 control route (relabel, reset, pause, collective_rpc) and the server serves on what it did, while
 the controller's own calls load every version; a version loaded ahead is not served before its pause; a
 request in flight while a version is loaded completes on one version, and no request after a
-load uses KV blocks cached before it; a server killed between two versions and restarted answers
-its clients 503 until it holds the fleet's version, and never a token of another, while the other
-server serves on; delta versions arrive bit for bit, and
+load uses KV blocks cached before it; a server frozen between two versions (SIGSTOP to its API
+server, engine core and workers, for FROZEN seconds) is counted away, ends itself once woken and
+is started again by its pod, rejoining where it used to fail the job: from the freeze on it answers
+its clients nothing or 503 until it holds the fleet's version, and never a token of another, while
+the other server serves on; delta versions arrive bit for bit, and
 vLLM's own weight checker sees a reset restored by the next delta version; in that same job (one
 vLLM start for both) a later version whose bytes were corrupted on the way is never loaded, the
 server goes on serving the one before, and the job fails naming the rank.
@@ -70,12 +72,16 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
     # loaded ahead: every worker loads a verified version into a second copy while it serves
     job = vllm_job("vllm-job", trainers=2, servers=2, steps=6, ahead=True)  # versions 0..3
     run = VllmRun(tmp_path, job, vllm_python,
-                  pauses=["trainer-0-before-go-v2", "trainer-0-before-go-v3", "controller-0-staged-v2",
-                          "controller-0-delivered-v3"])  # the job holds on until the restarted server is admitted
+                  pauses=["trainer-0-before-go-v2", "trainer-0-before-ready-v3", "controller-0-staged-v2",
+                          "controller-0-delivered-v3"],  # the job holds on until the restarted server is admitted
+                  pause_limit=REACH_TIMEOUT)
+    # version 3 is not announced while the trainers hold before it (a trainer is not ready): a
+    # server frozen then waits for a round, and finds the controller's word that it was counted away
+    holds = {1: "trainer-0-before-go-v2", 2: "trainer-0-before-ready-v3"}
     seen: dict[int, list[list[int]]] = {}
     try:
         for version in (1, 2):  # the trainers hold the next version back while the test asks
-            run.reach(f"trainer-0-before-go-v{version + 1}")
+            run.reach(holds[version])
             for server in run.servers:
                 run.serving(server, version)
                 tokens = completion(server, job.name)
@@ -94,10 +100,10 @@ def test_vllm_servers_serve_every_version_bit_for_bit(tmp_path, vllm_python):
                     "a server answered from KV blocks cached before the load"
             if version == 1:  # a long request is in flight when version 2 is loaded
                 long, flight = in_flight(run.servers[0], job.name)
-            if version == 2:  # server 1 dies and comes back while the fleet serves version 2
-                restarted = Restart(run, run.servers[1], pod=4)
+            if version == 2:  # server 1 freezes, ends itself once woken and comes back while the fleet serves version 2
+                restarted = Restart(run, run.servers[1], pod=4, frozen=FROZEN)
                 restarted.until_rejoined()
-            run.release(f"trainer-0-before-go-v{version + 1}")
+            run.release(holds[version])
             if version == 1:  # version 2 verified and loaded ahead on every worker, no server paused yet
                 run.reach("controller-0-staged-v2")
                 for server, tokens in zip(run.servers, seen[1]):
@@ -270,25 +276,38 @@ def in_flight(server: str, job_name: str, tokens: int = 200) -> tuple[dict, thre
     return answer, flight
 
 
+FROZEN = 30.0  # seconds a server is frozen: far past the 8 s of silence after which it is counted away
+
+
 class Restart:
     """One of the job's vLLM servers killed (its API server process, with which its engine and
-    workers end) and started again by its pod, its generation route asked every 0.2 s from the
-    kill on, and the other servers' every 10 s: what each client saw, (seconds since the kill,
-    status or None where nothing answered, the version the answer names)."""
+    workers end), or with `frozen` stopped (SIGSTOP to its API server and every process under it)
+    for that many seconds, and started again by its pod; its generation route asked every 0.2 s
+    from the kill or freeze on, and the other servers' every 10 s: what each client saw, (seconds
+    since the kill, status or None where nothing answered, the version the answer names)."""
 
     EVERY = 0.2
 
-    def __init__(self, run: VllmRun, server: str, pod: int):
-        self.run, self.server, self.pod = run, server, pod
+    def __init__(self, run: VllmRun, server: str, pod: int, frozen: float | None = None):
+        self.run, self.server, self.pod, self.frozen = run, server, pod, frozen
         self.others = [s for s in run.servers if s != server]
         self.joined = run.log(pod).count("joined the job")
         self.seen: dict[str, list[tuple[float, int | None, str | None]]] = {s: [] for s in run.servers}
         self.stop = threading.Event()
         self.killed = time.monotonic()
-        os.kill(api_server_pid(server), signal.SIGKILL)
+        api = api_server_pid(server)
+        tree = [api, *descendants(api)]  # its engine core and workers
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL if frozen is None else signal.SIGSTOP)
         self.askers = [threading.Thread(target=self._ask, args=(s,), daemon=True) for s in run.servers]
         for asker in self.askers:
             asker.start()
+        if frozen is not None:
+            away = run.log(0).count("is away")
+            until(f"{server} counted away while frozen", lambda: run.log(0).count("is away") > away, REACH_TIMEOUT)
+            time.sleep(max(0.0, self.killed + frozen - time.monotonic()))
+            for pid in tree:
+                os.kill(pid, signal.SIGCONT)
 
     def _ask(self, server: str) -> None:
         # the others generate, and a vLLM worker spins a core for a second after each call: seldom
@@ -301,6 +320,7 @@ class Restart:
         """Until the pod's new server is up and its workers joined the job again."""
         until(f"{self.server} restarted and rejoined", lambda: self.run.log(self.pod).count("joined the job") > self.joined,
               REACH_TIMEOUT)
+        self.rejoined = time.monotonic() - self.killed  # the fleet's next version is held back until now
 
     def until_admitted(self) -> None:
         """Until the restarted server answered a client; then the askers stop."""
@@ -317,21 +337,46 @@ class Restart:
         """The restarted server answered nothing but refusals until it held `fleet`, then only
         tokens of `fleet`; the others answered throughout."""
         seen = self.seen[self.server]
-        first = next(i for i, (_, status, _) in enumerate(seen) if status == 200)
-        refusals = [(t, s, v) for t, s, v in seen[:first] if s is not None]
-        assert refusals and all(s == 503 and v == "none" for _, s, v in refusals), \
+        first = next(i for i, (_, status, v) in enumerate(seen) if status == 200 and v == str(fleet))
+        refusals = [(t, s, v) for t, s, v in seen[:first] if s == 503]
+        # woken, the frozen server still holds the fleet's version of then, until it ends itself:
+        # it may serve it (the controller's word reached it again) or refuse as one behind (the
+        # word it had ran out while it was frozen), but only while that version is the fleet's
+        held = {"none"} if self.frozen is None else {"none", str(fleet - 1)}
+        before = {(503, v) for v in held} | ({(200, str(fleet - 1))} if self.frozen is not None else set())
+        assert refusals and all(s is None or ((s, v) in before and (s == 503 or t < self.rejoined))
+                                for t, s, v in seen[:first]), \
             f"the restarted server answered before it held the fleet's version: {seen[:first]}"
         assert all(s == 200 and v == str(fleet) for _, s, v in seen[first:]), seen[first:]
         for other in self.others:
             assert {(s, v) for _, s, v in self.seen[other]} <= {(200, str(fleet - 1)), (200, str(fleet))}, \
                 f"{other} did not serve on while the other server restarted: {self.seen[other]}"
         up = refusals[0][0]
-        print(f"restarted vLLM server: up {up:.1f}s after the kill, refused {len(refusals)} requests (503), "
-              f"admitted {seen[first][0]:.1f}s after the kill ({seen[first][0] - up:.1f}s after it answered)")
+        what = "the kill" if self.frozen is None else f"the freeze ({self.frozen:g}s)"
+        print(f"restarted vLLM server: first refusal {up:.1f}s after {what}, refused {len(refusals)} requests (503), "
+              f"admitted {seen[first][0]:.1f}s after {what} ({seen[first][0] - up:.1f}s after its first refusal)")
         for server, asked_it in self.seen.items():  # what its clients saw, span by span
             print(f"{'restarted' if server == self.server else 'other'} server {server}: " + "; ".join(
                 f"{a:.1f}-{b:.1f}s {'no answer' if s is None else s} {'' if v is None else 'version ' + v}".rstrip()
                 for a, b, s, v in spans(asked_it)))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (vLLM's engine core and workers under its API server)."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = [], [pid]
+    while todo:
+        under = todo.pop()
+        children = [p for p, parent in parents.items() if parent == under]
+        found += children
+        todo += children
+    return found
 
 
 def api_server_pid(server: str) -> int:

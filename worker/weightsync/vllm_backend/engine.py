@@ -224,6 +224,11 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                     seconds = self.load_seconds
                     break
             self.member.check_end()  # the job may end (failed elsewhere) before the load
+            if (why := self.member.away()) is not None:  # frozen or cut off meanwhile: never loaded now
+                with self.cond:
+                    self.staged, self.prepared = None, None
+                raise StartAgain(f"the controller counted this rank away while version {version} waited to be loaded "
+                                 f"({why}); ending this process so that it starts again and rejoins")
             if self.member.has(Keys.unloaded(version, self.rank, self.member.attempt)):
                 with self.cond:
                     self.staged, self.prepared = None, None
