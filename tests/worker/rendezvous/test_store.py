@@ -454,3 +454,29 @@ def test_a_closing_server_answers_the_requests_it_holds(server):
     server.close()
     t.join(30)
     assert len(outcome) == 1 and "wait: the store is closing" in str(outcome[0])
+
+
+def test_a_wait_is_woken_by_its_own_keys_alone_and_leaves_nothing_behind(server):
+    """Each wait is registered under the keys it waits for (a set wakes those waits alone), and
+    unregistered when it ends, however it ends: a job's heartbeats, which are sets, wake no client
+    that waits for something else, and the store holds nothing of a wait once it ended."""
+    ended = []
+    waiting = [threading.Thread(target=lambda k=k: ended.append(server.wait([f"w/{k}", "both"], 30.0) or k))
+               for k in range(20)]
+    for t in waiting:
+        t.start()
+    until("the 20 waits to be registered under their two keys each", lambda: server.waits == 40, 10.0)
+    for beat in range(200):
+        server.add("beat/trainer/0", 1)  # a heartbeat: no wait ends, none is dropped
+    server.set("w/3", b"1")
+    assert server.waits == 40 and ended == []
+    server.set("both", b"1")  # every wait has one of its keys now; w/3's has both
+    until("the wait whose keys are both set to end", lambda: ended == [3], 10.0)
+    for k in range(20):
+        server.set(f"w/{k}", b"1")
+    for t in waiting:
+        t.join(10.0)
+    assert sorted(ended) == list(range(20)) and server.waits == 0
+    with pytest.raises(StoreTimeout):
+        server.wait(["never"], 0.05)  # a wait that times out unregisters too
+    assert server.waits == 0

@@ -87,9 +87,7 @@ class StoreServer(Table):
             return
         self._closed = True
         hang_up(self._listener)
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
+        self.end_waits()
         with self._idle:
             self._idle.wait_for(lambda: self._answering == 0, DRAIN_SECONDS)
             for sock in list(self._open):

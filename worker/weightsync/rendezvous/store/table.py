@@ -73,7 +73,11 @@ class Table:
         self.limits, self.timeout = limits, timeout
         self._data: dict[bytes, bytes] = {}
         self._bytes = 0
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        # Each wait has a condition of its own, under every key it waits for: a set wakes the waits
+        # for its keys alone. One condition for all would wake every waiting client at every set,
+        # and a job's every heartbeat is a set: N ranks waiting, N beats a second, N^2 wake-ups.
+        self._waiting: dict[bytes, set[threading.Condition]] = {}
         self._closing = False
 
     @property
@@ -109,7 +113,8 @@ class Table:
             old = self._data.get(key)
             self._bytes += len(value) + (len(key) + KEY_OVERHEAD if old is None else -len(old))
             self._data[key] = value
-        self._cond.notify_all()
+            for waiter in self._waiting.get(key, ()):
+                waiter.notify()
 
     def _await(self, keys: list[bytes], timeout, what: str) -> None:
         """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
@@ -117,25 +122,58 @@ class Table:
         if not math.isfinite(seconds):  # NaN would make the wait below spin for ever
             raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
         limit = min(max(seconds, 0.0), MAX_WAIT)
-        if not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys), limit):
+        if not self._wait_for(keys, limit):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
         if not all(k in self._data for k in keys):
             raise StoreError(f"{what}: the store is closing (its process is ending)")
 
+    def _wait_for(self, keys: list[bytes], limit: float) -> bool:
+        """Wait, holding the lock, until every key is set or the store closes; False past `limit` seconds."""
+        def there() -> bool:
+            return self._closing or all(k in self._data for k in keys)
+
+        if there():
+            return True
+        waiter = threading.Condition(self._lock)
+        for k in keys:
+            self._waiting.setdefault(k, set()).add(waiter)
+        try:
+            return waiter.wait_for(there, limit)
+        finally:
+            for k in keys:
+                waiters = self._waiting[k]
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiting[k]
+
+    def end_waits(self) -> None:
+        """The store is closing: every wait ends now (and every later one at once)."""
+        with self._lock:
+            self._closing = True
+            for waiters in self._waiting.values():
+                for waiter in waiters:
+                    waiter.notify_all()
+
+    @property
+    def waits(self) -> int:
+        """The waits in progress (each counted once per key it waits for)."""
+        with self._lock:
+            return sum(len(w) for w in self._waiting.values())
+
     def set(self, key, value) -> None:
-        with self._cond:
+        with self._lock:
             self._put([(as_bytes(key), as_bytes(value))])
 
     def get(self, key, timeout=None) -> bytes:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             self._await([key], timeout, "get")
             return self._data[key]
 
     def add(self, key, amount: int) -> int:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             old = self._data.get(key, b"0")
             try:
                 value = int(old) + int(amount)
@@ -145,18 +183,18 @@ class Table:
             return value
 
     def check(self, keys) -> bool:
-        with self._cond:
+        with self._lock:
             return all(as_bytes(k) in self._data for k in keys)
 
     def wait(self, keys, timeout=None) -> None:
-        with self._cond:
+        with self._lock:
             self._await([as_bytes(k) for k in keys], timeout, "wait")
 
     def compare_set(self, key, expected, desired) -> bytes:
         """As TCPStore: set `desired` if the key holds `expected` (or is unset and `expected` is
         empty); return what the key holds afterwards (`expected` if it stays unset)."""
         key, expected, desired = as_bytes(key), as_bytes(expected), as_bytes(desired)
-        with self._cond:
+        with self._lock:
             current = self._data.get(key)
             if (current is None and not expected) or (current is not None and current == expected):
                 self._put([(key, desired)])
@@ -165,7 +203,7 @@ class Table:
 
     def delete_key(self, key) -> bool:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             value = self._data.pop(key, None)
             if value is None:
                 return False
@@ -173,22 +211,22 @@ class Table:
             return True
 
     def num_keys(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._data)
 
     def append(self, key, value) -> None:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             self._put([(key, self._data.get(key, b"") + as_bytes(value))])
 
     def multi_get(self, keys, timeout=None) -> list[bytes]:
         keys = [as_bytes(k) for k in keys]
-        with self._cond:
+        with self._lock:
             self._await(keys, timeout, "multi_get")
             return [self._data[k] for k in keys]
 
     def multi_set(self, keys, values) -> None:
         if len(keys) != len(values):
             raise StoreError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        with self._cond:
+        with self._lock:
             self._put([(as_bytes(k), as_bytes(v)) for k, v in zip(keys, values)])
