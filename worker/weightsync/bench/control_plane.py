@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightsync.bench.chart import control_plane_chart
 from weightsync.bench.sim_ranks import Sim, Wire
 from weightsync.job import API_VERSION, CONTROLLER, INFERENCE, KIND, TRAINER, Job, WorkerContext, load_job
 from weightsync.job.token import MIN_BYTES
@@ -272,33 +273,49 @@ def own_shares(text: str, directory: str) -> list[dict]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="weightsync bench --control-plane", description=__doc__.split("\n\n")[0])
     parser.add_argument("--control-plane", action="store_true", required=True)
-    parser.add_argument("--ranks", type=int, required=True, help="trainer and inference ranks in all")
+    parser.add_argument("--ranks", required=True, help="trainer and inference ranks in all; several, comma-separated, "
+                                                       "run one after the other")
     parser.add_argument("--model", default="kimi-k2", help=f"a model of `plan --simulate` ({', '.join(MODELS)}) or "
                                                           "a config.json path (default kimi-k2)")
     parser.add_argument("--inference", default="4xEP32", help="the inference layout, as `plan --simulate` takes it "
-                                                              "(default 4xEP32); the other ranks are trainers")
+                                                              "(default 4xEP32), one for every --ranks or one each; "
+                                                              "the other ranks are trainers")
     parser.add_argument("--versions", type=int, default=5, help="versions the trainers publish (default 5)")
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of heartbeats alone, measured (default 5)")
+    parser.add_argument("--chart", metavar="FILE.png", help="also draw each cost against the ranks (needs matplotlib)")
     args = parser.parse_args(argv)
-    if args.versions < 1 or args.ranks < 2:
-        parser.error("--versions at least 1, --ranks at least 2")
-    started = time.perf_counter()
     try:
-        built = setup(args.model, args.ranks, args.inference, args.versions)
-    except ValueError as e:
-        print(f"weightsync bench: {e}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="weightsync-control-plane-") as directory:
-        figures = run(built, args.versions, args.idle, directory)
+        sizes = [int(n) for n in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks {args.ranks!r}: give numbers of ranks, comma-separated")
+    layouts = args.inference.split(",")
+    layouts = layouts * len(sizes) if len(layouts) == 1 else layouts
+    if args.versions < 1 or min(sizes) < 2 or len(layouts) != len(sizes):
+        parser.error("--versions at least 1, --ranks at least 2 each, and one --inference layout or one per --ranks")
+    runs = []
+    for ranks, inference in zip(sizes, layouts):
+        print(f"bench: {ranks} ranks, inference {inference} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            built = setup(args.model, ranks, inference, args.versions)
+        except ValueError as e:
+            print(f"weightsync bench: {e}", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="weightsync-control-plane-") as directory:
+            figures = run(built, args.versions, args.idle, directory)
+            if figures["errors"] or figures["controller_exit"] != 0:
+                figures["controller_log"] = (Path(directory) / "controller.log").read_text()[-4000:]
+        layout = built.job.layout
+        runs.append({"ranks": ranks, "inference": inference, "trainers": layout.world_size(TRAINER),
+                     "inference_ranks": layout.world_size(INFERENCE), "setup_seconds": round(built.build_seconds, 2),
+                     "bench_seconds": round(time.perf_counter() - started, 1), **figures})
         if figures["errors"] or figures["controller_exit"] != 0:
-            figures["controller_log"] = (Path(directory) / "controller.log").read_text()[-4000:]
-    layout = built.job.layout
-    report = {"model": args.model, "inference": args.inference, "ranks": args.ranks,
-              "trainers": layout.world_size(TRAINER), "inference_ranks": layout.world_size(INFERENCE),
-              "versions": args.versions, "machine": machine(), "setup_seconds": round(built.build_seconds, 2),
-              "bench_seconds": round(time.perf_counter() - started, 1), **figures}
+            break
+    report = {"model": args.model, "versions": args.versions, "machine": machine(), "runs": runs}
     print(json.dumps(report, indent=2))
-    return 0 if not figures["errors"] and figures["controller_exit"] == 0 else 1
+    if args.chart:
+        print(f"bench: chart in {control_plane_chart(report, args.chart)}", file=sys.stderr, flush=True)
+    return 0 if all(not r["errors"] and r["controller_exit"] == 0 for r in runs) else 1
 
 
 def machine() -> str:
