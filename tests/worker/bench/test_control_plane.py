@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from weightsync.bench.control_plane import run, setup
+from weightsync.bench.control_plane import published_plan, run, setup
 from weightsync.bench.sim_ranks import Wire
 from weightsync.model.flat import FlatLayout
 from weightsync.plan.boxes import Box, RankSlices, Slice
@@ -73,6 +73,8 @@ def test_sixty_four_simulated_ranks_take_three_versions_from_the_real_controller
     # the controller watched every version to its record, and the store answered throughout
     assert len(figures["controller"]["version_wall_seconds"]) == 3
     assert len(figures["store"]["keys_after_each_version"]) == 3 and figures["store"]["peak_keys"] > 64
-    # what the plan costs a rank was measured on a trainer and on an inference rank, each with its share
+    # the plan the ranks read is the one --plan-share builds without a controller; what it costs a rank
+    # was measured on a trainer and on an inference rank, each with its share
+    assert (tmp_path / "plan.json").read_text() == published_plan(built)
     shares = {s["role"]: s for s in figures["plan"]["own_share"]}
     assert shares["trainer"]["share_bytes"] > 0 and shares["inference"]["share_bytes"] > 0

@@ -19,6 +19,7 @@ import json
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
@@ -117,6 +118,15 @@ def connect_store(host: str, port: int, token: bytes, job: str, timeout: float, 
         raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
 
 
+@dataclass(frozen=True)
+class Held:
+    """The store's size and load: its keys, their bytes, the requests its clients made (None where not known)."""
+
+    keys: int
+    bytes: int | None = None
+    requests: int | None = None
+
+
 class Channel:
     """Waiting on keys of one store client, with a callback that may raise while waiting."""
 
@@ -171,9 +181,10 @@ class Channel:
         """Close this client's connection to the store."""
         self.store.close()
 
-    def held(self) -> tuple[int, int | None]:
-        """(keys, bytes) the store holds now; the bytes only in the store's own process (the controller's)."""
-        return self.store.num_keys(), getattr(self.store, "bytes_held", None)
+    def held(self) -> Held:
+        """What the store holds and has served so far (all of it in the store's own process, the
+        controller's; elsewhere the keys alone)."""
+        return Held(self.store.num_keys(), getattr(self.store, "bytes_held", None), getattr(self.store, "requests", None))
 
     def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
         """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
