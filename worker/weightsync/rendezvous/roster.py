@@ -71,6 +71,7 @@ from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING,
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
+COLLECT_WAIT = 0.05  # seconds a collecting round waits for a report before it looks at the roster again
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
 class _AllClosed(Exception):
     """Every trainer rank closed: there is no next version."""
@@ -283,10 +284,12 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
         return self._collect(rnd, Keys.staged, Staged.from_json, "receive and verify", timeout)
 
     def _collect(self, rnd: Round, key_of, read, what: str, timeout: float) -> dict:
+        """Each pending receiver's key, read as it is set: the wait blocks in the store until one of
+        them is (at most COLLECT_WAIT, to keep the roster), never polling every rank's key in a loop,
+        which at a thousand receivers took the CPU the store needs to serve them."""
         pending = dict(self.in_round)
         got = {}
         start = time.monotonic()
-        pause = 0.0005
         while True:
             for r, attempt in list(pending.items()):
                 key = key_of(rnd.version, r, attempt)
@@ -302,8 +305,10 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
             if time.monotonic() - start > timeout:
                 raise TimedOut(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.002)
+            keys = [key_of(rnd.version, r, attempt) for r, attempt in pending.items()]
+            if key_of is not Keys.applied:  # (staged: a load ahead that failed says so as applied)
+                keys += [Keys.applied(rnd.version, r, attempt) for r, attempt in pending.items()]
+            self.store.wait_any(keys, COLLECT_WAIT)
 
     def gone(self, ranks: Iterable[int], within: float) -> bool:
         """Whether every inference rank of `ranks` left the round on its way (counted away, or

@@ -128,10 +128,11 @@ class Table:
         if not all(k in self._data for k in keys):
             raise StoreError(f"{what}: the store is closing (its process is ending)")
 
-    def _wait_for(self, keys: list[bytes], limit: float) -> bool:
-        """Wait, holding the lock, until every key is set or the store closes; False past `limit` seconds."""
+    def _wait_for(self, keys: list[bytes], limit: float, every: bool = True) -> bool:
+        """Wait, holding the lock, until every key is set (not `every`: one of them) or the store
+        closes; False past `limit` seconds."""
         def there() -> bool:
-            return self._closing or all(k in self._data for k in keys)
+            return self._closing or (all if every else any)(k in self._data for k in keys)
 
         if there():
             return True
@@ -146,6 +147,13 @@ class Table:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiting[k]
+
+    def wait_any(self, keys, timeout: float) -> bool:
+        """Wait until one of `keys` is set, at most `timeout` seconds; whether one is. For the store's
+        own process (the controller collecting its ranks' reports), which no client asks it."""
+        keys = [as_bytes(k) for k in keys]
+        with self._lock:
+            return self._wait_for(keys, min(max(timeout, 0.0), MAX_WAIT), every=False) and any(k in self._data for k in keys)
 
     def end_waits(self) -> None:
         """The store is closing: every wait ends now (and every later one at once)."""
