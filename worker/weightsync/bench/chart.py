@@ -188,6 +188,8 @@ def control_plane_chart(report: dict, path: str | Path) -> Path:
     idle.set_title("heartbeats and the store", fontsize=10)
     idle.legend(loc="upper left", fontsize=8)
     store.legend(loc="lower right", fontsize=8)
+    for ax in (join, version):
+        ax.set_yscale("log")  # the costs span orders of magnitude between the sizes
     for ax in (join, version, idle):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ranks, [str(n) for n in ranks])
