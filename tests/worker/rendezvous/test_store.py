@@ -19,6 +19,7 @@ import torch.distributed as dist
 from support.store import record_session, recv_all
 from support.waits import until
 
+from weightsync.rendezvous.protocol import Channel
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
@@ -407,6 +408,7 @@ def test_a_dead_server_is_an_error_at_once(server_process):
 GLOO_RANK = """
 import datetime, sys
 import torch, torch.distributed as dist
+from weightsync.rendezvous.protocol import Channel
 from weightsync.rendezvous.store.client import StoreClient
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 # handed straight to PrefixStore, without a reference of its own
@@ -480,3 +482,15 @@ def test_a_wait_is_woken_by_its_own_keys_alone_and_leaves_nothing_behind(server)
     with pytest.raises(StoreTimeout):
         server.wait(["never"], 0.05)  # a wait that times out unregisters too
     assert server.waits == 0
+
+
+def test_a_peek_reads_several_keys_in_one_request_telling_an_empty_value_from_none(server):
+    c = client(server)
+    c.set("a", b"1")
+    c.set("empty", b"")
+    before = server.requests
+    assert Channel(c).peek(["a", "missing", "empty"]) == [b"1", None, b""]
+    assert server.requests == before + 1
+    assert Channel(server).peek(["a", "missing", "empty"]) == [b"1", None, b""]  # the store's own process alike
+    with pytest.raises(StoreError, match="malformed"):
+        c._call("peek", b"not a list")

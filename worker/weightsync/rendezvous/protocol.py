@@ -41,6 +41,7 @@ from weightsync.rendezvous.messages import (
 )
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused, StoreTimeout
+from weightsync.rendezvous.store.wire import UNSET
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
@@ -68,6 +69,11 @@ class Dropped(RuntimeError):
     """The controller dropped the round this inference rank receives: a trainer rank stopped while
     it was on its way and the trainers resume from their checkpoint. Its bytes are half sent, never
     verified, and the rank goes on to the next version on the weights it serves."""
+
+
+def dropped_on_its_way(version: int, why: bytes) -> Dropped:
+    """What a receiver of `version` raises once the controller dropped it (Keys.dropped says why)."""
+    return Dropped(f"version {version} was dropped on its way: {why.decode()}")
 
 
 class Restarted(RuntimeError):
@@ -146,6 +152,11 @@ class Channel:
 
     def has(self, key: str) -> bool:
         return self.store.check([key])
+
+    def peek(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The keys' values now (None where not set), in one request: a look at several keys that
+        a waiting rank makes every CHECK_EVERY costs the store one request, not one per key."""
+        return [None if v[:1] == UNSET else v[1:] for v in self.store.peek(list(keys))]
 
     def end(self) -> End | None:
         """The controller's end of the job, None while it runs."""
@@ -459,22 +470,28 @@ class Member(Channel):
         controller counted this start away, whatever it waits for (after the final version no later
         one comes to tell it, and the controller waits for it to rejoin)."""
         def check() -> None:
-            self.check_end()
-            if self.role == INFERENCE:
-                self.check_dropped(version)
-                if (why := self.away()) is not None:
-                    raise FellBehind(f"the controller counted this rank away while it waited for {key} of version "
-                                     f"{version} ({why})")
-                latest = self.latest()
-                if latest is not None and latest > version and not self.has(key):
-                    raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
-                                     f"version {latest} without this rank: it was frozen or cut off")
+            if self.role != INFERENCE:
+                self.check_end()
+                return
+            end, dropped, why, latest, there = self.peek([Keys.END, Keys.dropped(version),
+                                                          Keys.away(self.rank, self.attempt), Keys.LATEST, key])
+            if end is not None:
+                ended = End.from_json(end)
+                raise JobEnded(ended.state, ended.message)
+            if dropped is not None:
+                raise dropped_on_its_way(version, dropped)
+            if why is not None:
+                raise FellBehind(f"the controller counted this rank away while it waited for {key} of version "
+                                 f"{version} ({why.decode()})")
+            if latest is not None and int(latest) > version and there is None:
+                raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
+                                 f"version {int(latest)} without this rank: it was frozen or cut off")
         return check
 
     def check_dropped(self, version: int) -> None:
         """Dropped where the controller dropped `version` (a trainer rank stopped mid-way)."""
         if self.has(Keys.dropped(version)):
-            raise Dropped(f"version {version} was dropped on its way: {self.get(Keys.dropped(version)).decode()}")
+            raise dropped_on_its_way(version, self.get(Keys.dropped(version)))
 
     def verdict(self, rnd: Round, timeout: float) -> None:
         """An inference rank whose receive of `rnd` failed in a job whose trainers resume: wait up

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from weightsync.job import reasons
 from weightsync.job.errors import JobFailed, TimedOut
-from weightsync.rendezvous.store.wire import as_bytes
+from weightsync.rendezvous.store.wire import SET, UNSET, as_bytes
 
 MAX_WAIT = 86400.0  # the longest a client may ask the server to wait for keys
 KEY_OVERHEAD = 64  # bytes counted per key on top of its name and value (the table's own cost)
@@ -232,6 +232,12 @@ class Table:
         with self._lock:
             self._await(keys, timeout, "multi_get")
             return [self._data[k] for k in keys]
+
+    def peek(self, keys) -> list[bytes]:
+        """The keys' values as they are now, without waiting, as the wire carries them: SET and the
+        value of a key that is set, UNSET for one that is not (Channel.peek reads them)."""
+        with self._lock:
+            return [UNSET if v is None else SET + v for v in (self._data.get(as_bytes(k)) for k in keys)]
 
     def multi_set(self, keys, values) -> None:
         if len(keys) != len(values):
