@@ -19,7 +19,6 @@ import json
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
@@ -40,13 +39,14 @@ from weightsync.rendezvous.messages import (
     peers_from_json,
 )
 from weightsync.rendezvous.store.server import StoreServer
-from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused, StoreTimeout
+from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused, StoreTimeout
 from weightsync.rendezvous.store.wire import UNSET
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
 CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
+STOPPED_CHECK_EVERY = 1.0  # the same, for a wait that the job's end (its stops) ends at once
 CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
 SAY_EVERY = 5.0  # seconds between two lines of a joining rank that still waits for the controller
 GONE_WAIT = 1.0  # seconds to read a key a wait just saw set, before taking it for deleted meanwhile
@@ -124,15 +124,6 @@ def connect_store(host: str, port: int, token: bytes, job: str, timeout: float, 
         raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
 
 
-@dataclass(frozen=True)
-class Held:
-    """The store's size and load: its keys, their bytes, the requests its clients made (None where not known)."""
-
-    keys: int
-    bytes: int | None = None
-    requests: int | None = None
-
-
 class Channel:
     """Waiting on keys of one store client, with a callback that may raise while waiting."""
 
@@ -203,23 +194,34 @@ class Channel:
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
-             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None) -> None:
+             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None,
+             stops: Iterable[str] = ()) -> None:
         """Wait until every key is set: the store answers as soon as they are (nothing polls).
-        `check` runs every CHECK_EVERY seconds and may raise; `say`, where given, is told every
-        SAY_EVERY seconds that this still waits for `what`; past `timeout` seconds a TimeoutError
-        names `what`."""
-        keys = list(keys)
+        `check` runs every CHECK_EVERY seconds and may raise; with `stops` (keys on which `check`
+        raises: the job's end), it runs as soon as one is set and otherwise every STOPPED_CHECK_EVERY
+        seconds, so that a thousand waiting ranks do not ask the store four times a second each;
+        `say`, where given, is told every SAY_EVERY seconds that this still waits for `what`; past
+        `timeout` seconds a TimeoutError names `what`."""
+        keys, stops = list(keys), list(stops)
         began = told = time.monotonic()
         deadline = None if timeout is None else began + timeout
         while True:
-            step = CHECK_EVERY if deadline is None else min(CHECK_EVERY, max(deadline - time.monotonic(), 0.0))
+            every = STOPPED_CHECK_EVERY if stops else CHECK_EVERY
+            step = every if deadline is None else min(every, max(deadline - time.monotonic(), 0.0))
+            stopped = False
             try:
-                self.store.wait(keys, datetime.timedelta(seconds=step))
-                return
+                if not stops:
+                    self.store.wait(keys, datetime.timedelta(seconds=step))
+                    return
+                if self.store.wait_or(keys, stops, datetime.timedelta(seconds=step)):
+                    return
+                stopped = True
             except TimeoutError:  # not yet (a store that stopped answering fails the next call)
                 pass
             if check:
                 check()
+            if stopped:  # a stop on which `check` did not raise: looked at every CHECK_EVERY from now on
+                stops = []
             if say is not None and time.monotonic() - told >= SAY_EVERY:
                 told = time.monotonic()
                 say(f"still waiting for {what} ({told - began:.0f}s" +
@@ -347,7 +349,8 @@ class Member(Channel):
     def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, say: bool = False) -> None:
         """Wait for `keys` until the job's end; `say`: a line every SAY_EVERY seconds says what
         this rank still waits for (while it joins: a rank that waits silently looks hung)."""
-        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None)
+        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None,
+                  stops=[Keys.END])
 
     def say(self, message: str) -> None:
         logline.say(self.name, message)
@@ -449,7 +452,8 @@ class Member(Channel):
         of a wait for a key that will never come back."""
         key = Keys.go(version, again)
         self.wait([key], f"the controller's go for version {version}", timeout,
-                  self.behind(version, key) if not again else self.check_end)
+                  self.behind(version, key) if not again else self.check_end,
+                  stops=self.stops(version) if not again else [Keys.END])
         return Round.from_json(self.seen(key, version))
 
     def seen(self, key: str, version: int) -> bytes:
@@ -487,6 +491,13 @@ class Member(Channel):
                 raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
                                  f"version {int(latest)} without this rank: it was frozen or cut off")
         return check
+
+    def stops(self, version: int) -> list[str]:
+        """The keys on which behind(version, ...)'s check raises at once (Channel.wait's stops): the
+        job's end, and for an inference rank `version` dropped and this start counted away."""
+        if self.role != INFERENCE:
+            return [Keys.END]
+        return [Keys.END, Keys.dropped(version), Keys.away(self.rank, self.attempt)]
 
     def check_dropped(self, version: int) -> None:
         """Dropped where the controller dropped `version` (a trainer rank stopped mid-way)."""

@@ -199,6 +199,10 @@ class StoreClient(dist.Store):
     def wait(self, keys, timeout=None) -> None:
         self._call("wait", [as_bytes(k) for k in keys], wait=timeout)
 
+    def wait_or(self, keys, stops, timeout=None) -> bool:
+        """Wait until every key is set (True) or one of `stops` is (False); StoreTimeout past `timeout`."""
+        return self._call("wait_or", [as_bytes(k) for k in keys], [as_bytes(k) for k in stops], wait=timeout)
+
     def compare_set(self, key, expected, desired) -> bytes:
         return self._call("compare_set", as_bytes(key), as_bytes(expected), as_bytes(desired))
 

@@ -56,6 +56,15 @@ class Limits:
         return self.value_bytes + (1 << 20)
 
 
+@dataclass(frozen=True)
+class Held:
+    """The store's size and load: its keys, their bytes, the requests its clients made (None where not known)."""
+
+    keys: int
+    bytes: int | None = None
+    requests: int | None = None
+
+
 def as_seconds(timeout) -> float:
     """A timeout given as a timedelta (torch's way) or as seconds, in seconds."""
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
@@ -116,33 +125,36 @@ class Table:
             for waiter in self._waiting.get(key, ()):
                 waiter.notify()
 
-    def _await(self, keys: list[bytes], timeout, what: str) -> None:
-        """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
+    def _await(self, keys: list[bytes], timeout, what: str, stops: list[bytes] = ()) -> None:
+        """Wait, holding the lock, until every key is set, or one of `stops` is; StoreTimeout past
+        `timeout` seconds."""
         seconds = as_seconds(self.timeout if timeout is None else timeout)
         if not math.isfinite(seconds):  # NaN would make the wait below spin for ever
             raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
         limit = min(max(seconds, 0.0), MAX_WAIT)
-        if not self._wait_for(keys, limit):
+        if not self._wait_for(keys, limit, stops=stops):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
-        if not all(k in self._data for k in keys):
+        if not all(k in self._data for k in keys) and not any(k in self._data for k in stops):
             raise StoreError(f"{what}: the store is closing (its process is ending)")
 
-    def _wait_for(self, keys: list[bytes], limit: float, every: bool = True) -> bool:
-        """Wait, holding the lock, until every key is set (not `every`: one of them) or the store
-        closes; False past `limit` seconds."""
+    def _wait_for(self, keys: list[bytes], limit: float, every: bool = True, stops: list[bytes] = ()) -> bool:
+        """Wait, holding the lock, until every key is set (not `every`: one of them), one of `stops`
+        is, or the store closes; False past `limit` seconds."""
         def there() -> bool:
-            return self._closing or (all if every else any)(k in self._data for k in keys)
+            return self._closing or (all if every else any)(k in self._data for k in keys) or \
+                any(k in self._data for k in stops)
 
         if there():
             return True
         waiter = threading.Condition(self._lock)
-        for k in keys:
+        watched = set(keys) | set(stops)
+        for k in watched:
             self._waiting.setdefault(k, set()).add(waiter)
         try:
             return waiter.wait_for(there, limit)
         finally:
-            for k in keys:
+            for k in watched:
                 waiters = self._waiting[k]
                 waiters.discard(waiter)
                 if not waiters:
@@ -189,6 +201,14 @@ class Table:
                 raise StoreError(f"add: {_shown(key)!r} holds {old[:32]!r}, not a number") from None
             self._put([(key, str(value).encode())])
             return value
+
+    def wait_or(self, keys, stops, timeout=None) -> bool:
+        """Wait until every key is set (True), or until one of `stops` is (False): a rank's wait that
+        ends at once on what would end it (the job's end), instead of looking for it every so often."""
+        keys, stops = [as_bytes(k) for k in keys], [as_bytes(k) for k in stops]
+        with self._lock:
+            self._await(keys, timeout, "wait_or", stops)
+            return all(k in self._data for k in keys)
 
     def check(self, keys) -> bool:
         with self._lock:
