@@ -2,13 +2,14 @@
 that stand in for bytes make each receiver's digest the one the controller computes from the
 trainers' reports, and any bucket left out breaks it; a layout larger than the job is refused
 before anything is built; and 64 simulated ranks take a few versions from the real controller, in
-its own process, to the job's end, every round applied and verified on every receiver (the bench's
-timings are its own to report, not a test's to assert)."""
+its own process, to the job's end, every round applied and verified on every receiver, the figures
+drawn as --chart draws them (the bench's timings are its own to report, not a test's to assert)."""
 
 import json
 
 import pytest
 
+from weightsync.bench.chart import control_plane_chart
 from weightsync.bench.control_plane import published_plan, run, setup
 from weightsync.bench.sim_ranks import Wire
 from weightsync.model.flat import FlatLayout
@@ -78,3 +79,6 @@ def test_sixty_four_simulated_ranks_take_three_versions_from_the_real_controller
     assert (tmp_path / "plan.json").read_text() == published_plan(built)
     shares = {s["role"]: s for s in figures["plan"]["own_share"]}
     assert shares["trainer"]["share_bytes"] > 0 and shares["inference"]["share_bytes"] > 0
+    # and --chart draws these figures
+    drawn = control_plane_chart({"model": "a small Llama", "runs": [{"ranks": 64, **figures}]}, tmp_path / "cp.png")
+    assert drawn.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and drawn.stat().st_size > 10_000
