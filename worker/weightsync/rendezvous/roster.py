@@ -38,6 +38,7 @@ from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.ending import Ending
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
+from weightsync.rendezvous.last_word import hear_out
 from weightsync.rendezvous.messages import (
     Admission,
     Applied,
@@ -261,11 +262,13 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
         return True
 
     def collect_sent(self, rnd: Round, timeout: float) -> list[SentReport]:
-        """Every trainer's report of the round; receivers a trainer lost count as away."""
+        """Every trainer's report of the round; receivers a trainer lost count as away, once they
+        had their grace to say why (last_word.py: a receiver that refused corrupted bytes fails the job)."""
         trainers = self.layout.world_size(TRAINER)
         self.wait_ranks([Keys.sent(rnd.version, rnd.again, t) for t in range(trainers)],
                         f"the trainers to send {rnd.name}", timeout)
         reports = [SentReport.from_json(self.get(Keys.sent(rnd.version, rnd.again, t))) for t in range(trainers)]
+        hear_out(self, [r for r in sorted({r for report in reports for r in report.lost}) if not self.left_round([r])])
         for t, report in enumerate(reports):
             for r, why in report.lost.items():
                 self._lost(r, f"{who(TRAINER, t)} lost it while sending {rnd.name}: {why}")
@@ -465,9 +468,9 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
                     if role == TRAINER and not trainers:
                         self.deferred = True
                         continue
-                    raise self._blame(role, rank, RankFailure.from_json(self.get(Keys.failed(role, rank))))
+                    raise self.blame(role, rank, RankFailure.from_json(self.get(Keys.failed(role, rank))))
 
-    def _blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
+    def blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
         """The failure to report when (role, rank) reported `failure`, with its reason: another
         rank's, if one stopped first (started again, or no heartbeat through the whole window: a
         trainer's stop is TrainerStopped, as the watch names it).
