@@ -2,14 +2,15 @@
 that stand in for bytes make each receiver's digest the one the controller computes from the
 trainers' reports, and any bucket left out breaks it; a layout larger than the job is refused
 before anything is built; and 64 simulated ranks take a few versions from the real controller, in
-its own process, to the job's end, every round applied and verified on every receiver (the bench's
-timings are its own to report, not a test's to assert)."""
+its own process, to the job's end, every round applied and verified on every receiver, the figures
+drawn as --chart draws them (the bench's timings are its own to report, not a test's to assert)."""
 
 import json
 
 import pytest
 
-from weightsync.bench.control_plane import run, setup
+from weightsync.bench.chart import control_plane_chart
+from weightsync.bench.control_plane import published_plan, run, setup
 from weightsync.bench.sim_ranks import Wire
 from weightsync.model.flat import FlatLayout
 from weightsync.plan.boxes import Box, RankSlices, Slice
@@ -73,6 +74,11 @@ def test_sixty_four_simulated_ranks_take_three_versions_from_the_real_controller
     # the controller watched every version to its record, and the store answered throughout
     assert len(figures["controller"]["version_wall_seconds"]) == 3
     assert len(figures["store"]["keys_after_each_version"]) == 3 and figures["store"]["peak_keys"] > 64
-    # what the plan costs a rank was measured on a trainer and on an inference rank, each with its share
+    # the plan the ranks read is the one --plan-share builds without a controller; what it costs a rank
+    # was measured on a trainer and on an inference rank, each with its share
+    assert (tmp_path / "plan.json").read_text() == published_plan(built)
     shares = {s["role"]: s for s in figures["plan"]["own_share"]}
     assert shares["trainer"]["share_bytes"] > 0 and shares["inference"]["share_bytes"] > 0
+    # and --chart draws these figures
+    drawn = control_plane_chart({"model": "a small Llama", "runs": [{"ranks": 64, **figures}]}, tmp_path / "cp.png")
+    assert drawn.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and drawn.stat().st_size > 10_000

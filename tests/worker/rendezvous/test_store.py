@@ -19,6 +19,7 @@ import torch.distributed as dist
 from support.store import record_session, recv_all
 from support.waits import until
 
+from weightsync.rendezvous.protocol import Channel
 from weightsync.rendezvous.store.client import StoreClient
 from weightsync.rendezvous.store.server import HANDSHAKE_SECONDS, StoreServer
 from weightsync.rendezvous.store.table import Limits, StoreError, StoreFull, StoreRefused, StoreTimeout
@@ -407,6 +408,7 @@ def test_a_dead_server_is_an_error_at_once(server_process):
 GLOO_RANK = """
 import datetime, sys
 import torch, torch.distributed as dist
+from weightsync.rendezvous.protocol import Channel
 from weightsync.rendezvous.store.client import StoreClient
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 # handed straight to PrefixStore, without a reference of its own
@@ -454,3 +456,41 @@ def test_a_closing_server_answers_the_requests_it_holds(server):
     server.close()
     t.join(30)
     assert len(outcome) == 1 and "wait: the store is closing" in str(outcome[0])
+
+
+def test_a_wait_is_woken_by_its_own_keys_alone_and_leaves_nothing_behind(server):
+    """Each wait is registered under the keys it waits for (a set wakes those waits alone), and
+    unregistered when it ends, however it ends: a job's heartbeats, which are sets, wake no client
+    that waits for something else, and the store holds nothing of a wait once it ended."""
+    ended = []
+    waiting = [threading.Thread(target=lambda k=k: ended.append(server.wait([f"w/{k}", "both"], 30.0) or k))
+               for k in range(20)]
+    for t in waiting:
+        t.start()
+    until("the 20 waits to be registered under their two keys each", lambda: server.waits == 40, 10.0)
+    for beat in range(200):
+        server.add("beat/trainer/0", 1)  # a heartbeat: no wait ends, none is dropped
+    server.set("w/3", b"1")
+    assert server.waits == 40 and ended == []
+    server.set("both", b"1")  # every wait has one of its keys now; w/3's has both
+    until("the wait whose keys are both set to end", lambda: ended == [3], 10.0)
+    for k in range(20):
+        server.set(f"w/{k}", b"1")
+    for t in waiting:
+        t.join(10.0)
+    assert sorted(ended) == list(range(20)) and server.waits == 0
+    with pytest.raises(StoreTimeout):
+        server.wait(["never"], 0.05)  # a wait that times out unregisters too
+    assert server.waits == 0
+
+
+def test_a_peek_reads_several_keys_in_one_request_telling_an_empty_value_from_none(server):
+    c = client(server)
+    c.set("a", b"1")
+    c.set("empty", b"")
+    before = server.requests
+    assert Channel(c).peek(["a", "missing", "empty"]) == [b"1", None, b""]
+    assert server.requests == before + 1
+    assert Channel(server).peek(["a", "missing", "empty"]) == [b"1", None, b""]  # the store's own process alike
+    with pytest.raises(StoreError, match="malformed"):
+        c._call("peek", b"not a list")

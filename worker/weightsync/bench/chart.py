@@ -164,6 +164,41 @@ def fsdp_chart(report: dict, path: str | Path) -> Path:
     return save(plt, fig, f"weightsync bench --fsdp: {report['model']}", path)
 
 
+def control_plane_chart(report: dict, path: str | Path) -> Path:
+    """`weightsync bench --control-plane --chart`: against the job's ranks, the seconds until every
+    rank joined and read the plan, the controller's seconds per version (wall and CPU, median),
+    and what heartbeats and the store cost it (CPU seconds a second, MiB held)."""
+    plt = pyplot("weightsync bench --control-plane --chart")
+    runs = report["runs"]
+    ranks = [r["ranks"] for r in runs]
+    fig, (join, version, idle) = plt.subplots(1, 3, figsize=(14, 4.4))
+    join.plot(ranks, [r["join"]["all_joined_seconds"] for r in runs], "o-", label="every rank joined")
+    join.plot(ranks, [r["join"]["all_read_plan_seconds"] for r in runs], "s-", label="every rank read the plan")
+    join.set_title("joining", fontsize=10)
+    join.set_ylabel("seconds from the first rank's start")
+    for key, what in (("version_wall_seconds", "wall"), ("version_cpu_seconds", "controller CPU")):
+        version.plot(ranks, [sorted(r["controller"][key])[len(r["controller"][key]) // 2] for r in runs], "o-", label=what)
+    version.set_title("the controller per version (median; no bytes move)", fontsize=10)
+    version.set_ylabel("seconds")
+    idle.plot(ranks, [r["heartbeats"]["controller_cpu_per_second"] for r in runs], "o-",
+              label="controller CPU s/s, heartbeats only")
+    store = idle.twinx()
+    store.plot(ranks, [r["store"]["peak_bytes"] / 2**20 for r in runs], "s--", color="#8c564b", label="store, peak MiB")
+    store.set_ylabel("MiB")
+    idle.set_title("heartbeats and the store", fontsize=10)
+    idle.legend(loc="upper left", fontsize=8)
+    store.legend(loc="lower right", fontsize=8)
+    for ax in (join, version):
+        ax.set_yscale("log")  # the costs span orders of magnitude between the sizes
+    for ax in (join, version, idle):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ranks, [str(n) for n in ranks])
+        ax.set_xlabel("ranks (trainer and inference)")
+        if ax is not idle:
+            ax.legend(fontsize=8)
+    return save(plt, fig, f"weightsync bench --control-plane: {report['model']}", path)
+
+
 def save(plt, fig, title: str, path: str | Path) -> Path:
     """`fig`, titled, into the PNG at `path` (the same size of type and resolution in every picture)."""
     fig.suptitle(title, fontsize=10)

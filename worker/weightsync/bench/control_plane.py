@@ -16,9 +16,10 @@ of them, dim 0) and the inference layout of I GPUs (4xEP32 by default). It print
   and one inference rank in seconds and memory;
 - controller: its CPU seconds for the join and the plan, and per version its CPU seconds and wall
   seconds (the rounds move no bytes, so all of it is control), with its round records' own seconds;
-- heartbeats: beats per second and the controller's CPU seconds per second while only they run;
-- store: its keys and bytes held over time, and at the end of each version, and the controller's
-  resident memory.
+- heartbeats: beats per second, and the controller's CPU seconds and the store's requests per
+  second while only they run;
+- store: its keys and bytes held (their peak, and the keys at the end of each version), its
+  requests per second through the versions, and the controller's resident memory.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import multiprocessing
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -38,23 +40,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightsync.bench.chart import control_plane_chart
 from weightsync.bench.sim_ranks import Sim, Wire
 from weightsync.job import API_VERSION, CONTROLLER, INFERENCE, KIND, TRAINER, Job, WorkerContext, load_job
 from weightsync.job.token import MIN_BYTES
 from weightsync.local import ports
 from weightsync.model.config import read_config_json
 from weightsync.model.flat import FlatLayout
+from weightsync.plan.holders import Holdings
 from weightsync.plan.job import fsdp_holdings
 from weightsync.plan.simulate import MODELS, Topology, parse_inference, shapes
-from weightsync.plan.sliced_plan import needs_to_json, plan_from_json
+from weightsync.plan.sliced_plan import SlicedPlan, needs_from_json, needs_to_json, plan_from_json
 from weightsync.rendezvous.protocol import HEARTBEAT, Channel, Keys, connect_store
 from weightsync.roles.controller.driver import Controller
 from weightsync.roles.controller.records import Reporter
 
 HOST = "127.0.0.1"
-SAMPLE_EVERY = 0.25  # seconds between two samples of the store's keys and bytes
+SAMPLE_EVERY = 0.25  # seconds between two samples of the store's keys, bytes and requests
 STACK = 256 << 10  # a simulated rank's thread's stack (and its heartbeat's): a thousand of them fit
 START_WAIT = 120.0  # seconds for the controller's process to listen
+SHARE_LIMIT = 600.0  # seconds one rank's share of the plan is given (plan_share.py)
+SHARE_MEMORY = 8 << 30  # bytes of address space it is given
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,7 @@ def setup(model: str, ranks: int, inference: str, versions: int, dtype: str = "b
 
 def controller_process(job_object: dict, token: bytes, port: int, directory: str) -> None:
     """The job's controller as its pod runs it (roles/controller), its lines in controller.log, its
-    round records in records.jsonl, and its store's keys and bytes sampled into samples.jsonl."""
+    round records in records.jsonl, and its store's keys, bytes and requests sampled into samples.jsonl."""
     folder = Path(directory)
     with open(folder / "controller.log", "w") as log:  # the process's stdout and stderr from now on
         os.dup2(log.fileno(), 1)
@@ -128,8 +134,9 @@ def controller_process(job_object: dict, token: bytes, port: int, directory: str
 def _sample(host: Channel, path: Path) -> None:
     with open(path, "w", buffering=1) as out:
         while True:
-            keys, held = host.held()
-            out.write(json.dumps({"t": time.monotonic(), "keys": keys, "bytes": held}) + "\n")
+            held = host.held()
+            out.write(json.dumps({"t": time.monotonic(), "keys": held.keys, "bytes": held.bytes,
+                                  "requests": held.requests}) + "\n")
             time.sleep(SAMPLE_EVERY)
 
 
@@ -191,12 +198,13 @@ def run(setup: Setup, versions: int, idle: float, directory: str, timeout: float
         figures = {"errors": errors(sim)}
         if planned:
             sim.wire = Wire.of(plan_from_json(sim.plan_text))
-            idle_cpu, idle_wall = cpu_seconds(proc.pid), time.monotonic()
+            idle_cpu, idle_from = cpu_seconds(proc.pid), time.monotonic()
             time.sleep(idle)
-            idle_cpu, idle_wall = cpu_seconds(proc.pid) - idle_cpu, time.monotonic() - idle_wall
+            idle_cpu, idle_to = cpu_seconds(proc.pid) - idle_cpu, time.monotonic()
             figures.update(versions_run(sim, proc.pid, port, token, versions, timeout))
             figures["heartbeats"] = {"per_second": round(len(threads) / HEARTBEAT, 1),
-                                     "controller_cpu_per_second": round(idle_cpu / idle_wall, 4)}
+                                     "controller_cpu_per_second": round(idle_cpu / (idle_to - idle_from), 4),
+                                     "window": (idle_from, idle_to)}
         else:
             sim.go.set()  # a failed join: the ranks' waits end with the job
         memory = memory_mib(proc.pid) if proc.is_alive() else {}
@@ -227,7 +235,18 @@ def run(setup: Setup, versions: int, idle: float, directory: str, timeout: float
     samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
     figures["store"] = {"peak_keys": max(s["keys"] for s in samples), "peak_bytes": max(s["bytes"] for s in samples),
                         **figures.pop("store_at_versions", {})}
+    if "heartbeats" in figures:
+        figures["heartbeats"]["store_requests_per_second"] = request_rate(samples, *figures["heartbeats"].pop("window"))
+        figures["store"]["requests_per_second_in_versions"] = request_rate(samples, *figures.pop("versions_window"))
     return figures
+
+
+def request_rate(samples: list[dict], start: float, end: float) -> float:
+    """The store's requests a second between `start` and `end`, from the samples within."""
+    inside = [s for s in samples if start <= s["t"] <= end]
+    if len(inside) < 2:
+        return 0.0
+    return round((inside[-1]["requests"] - inside[0]["requests"]) / (inside[-1]["t"] - inside[0]["t"]), 1)
 
 
 def versions_run(sim: Sim, pid: int, port: int, token: bytes, versions: int, timeout: float) -> dict:
@@ -237,68 +256,115 @@ def versions_run(sim: Sim, pid: int, port: int, token: bytes, versions: int, tim
     cpu, wall, keys = [], [], []
     try:
         last_cpu, last = cpu_seconds(pid), time.monotonic()
+        started = last
         sim.go.set()
         for version in range(versions):
             watch.wait([Keys.done(version)], f"version {version}", timeout)
             now_cpu, now = cpu_seconds(pid), time.monotonic()
             cpu.append(round(now_cpu - last_cpu, 4))
             wall.append(round(now - last, 4))
-            keys.append(watch.held()[0])
+            keys.append(watch.held().keys)
             last_cpu, last = now_cpu, now
     finally:
         watch.close()
     return {"controller": {"version_cpu_seconds": cpu, "version_wall_seconds": wall},
-            "store_at_versions": {"keys_after_each_version": keys}}
+            "store_at_versions": {"keys_after_each_version": keys}, "versions_window": (started, time.monotonic())}
 
 
 def errors(sim: Sim) -> list[str]:
     return [f"{role} rank {rank}: {t.error}" for (role, rank), t in sorted(sim.times.items()) if t.error]
 
 
-def own_shares(text: str, directory: str) -> list[dict]:
-    """plan_share.py for trainer rank 0 and inference rank 0, each in a process of its own."""
+def own_shares(text: str, directory: str, limit: float = SHARE_LIMIT) -> list[dict]:
+    """plan_share.py for trainer rank 0 and inference rank 0, each in a process of its own, given
+    `limit` seconds each (past it: the seconds it was given, and no figures)."""
     path = Path(directory) / "plan.json"
     path.write_text(text)
     out = []
     for role in (TRAINER, INFERENCE):
-        done = subprocess.run([sys.executable, "-m", "weightsync.bench.plan_share", role, "0", str(path)],
-                              capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run([sys.executable, "-m", "weightsync.bench.plan_share", role, "0", str(path)],
+                                  capture_output=True, text=True, check=False, timeout=limit, preexec_fn=_bounded)
+        except subprocess.TimeoutExpired:
+            out.append({"role": role, "rank": 0, "unfinished_after_seconds": limit, "plan_json_bytes": len(text)})
+            continue
+        if done.returncode and "MemoryError" in done.stderr:
+            out.append({"role": role, "rank": 0, "out_of_memory_gib": SHARE_MEMORY >> 30, "plan_json_bytes": len(text)})
+            continue
         if done.returncode:
             raise RuntimeError(f"the plan's share of {role} rank 0 failed: {done.stderr.strip()[-2000:]}")
         out.append(json.loads(done.stdout))
     return out
 
 
+def _bounded() -> None:
+    """A rank's share of the plan is given SHARE_MEMORY of address space: a plan that needs more
+    says so (MemoryError) instead of taking the machine's memory from everything else on it."""
+    resource.setrlimit(resource.RLIMIT_AS, (SHARE_MEMORY, SHARE_MEMORY))
+
+
+def published_plan(built: Setup) -> str:
+    """The plan's JSON as the controller publishes it for `built`'s ranks (plan.job.make_job_plan's
+    SlicedPlan, without computing it): what every rank reads and derives its share from."""
+    holdings = tuple(Holdings.from_json(h) for h in built.holds)
+    needs = tuple(needs_from_json(r, n) for r, n in enumerate(built.needs))
+    return SlicedPlan(built.layout, holdings, needs, built.job.transfer.bucket_bytes).to_json()
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="weightsync bench --control-plane", description=__doc__.split("\n\n")[0])
     parser.add_argument("--control-plane", action="store_true", required=True)
-    parser.add_argument("--ranks", type=int, required=True, help="trainer and inference ranks in all")
+    parser.add_argument("--ranks", required=True, help="trainer and inference ranks in all; several, comma-separated, "
+                                                       "run one after the other")
     parser.add_argument("--model", default="kimi-k2", help=f"a model of `plan --simulate` ({', '.join(MODELS)}) or "
                                                           "a config.json path (default kimi-k2)")
     parser.add_argument("--inference", default="4xEP32", help="the inference layout, as `plan --simulate` takes it "
-                                                              "(default 4xEP32); the other ranks are trainers")
+                                                              "(default 4xEP32), one for every --ranks or one each; "
+                                                              "the other ranks are trainers")
     parser.add_argument("--versions", type=int, default=5, help="versions the trainers publish (default 5)")
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of heartbeats alone, measured (default 5)")
+    parser.add_argument("--chart", metavar="FILE.png", help="also draw each cost against the ranks (needs matplotlib)")
+    parser.add_argument("--plan-share", action="store_true", help="instead: only what the published plan costs one "
+                        "trainer and one inference rank (tensor-parallel layouts), without the controller and the ranks")
     args = parser.parse_args(argv)
-    if args.versions < 1 or args.ranks < 2:
-        parser.error("--versions at least 1, --ranks at least 2")
-    started = time.perf_counter()
     try:
-        built = setup(args.model, args.ranks, args.inference, args.versions)
-    except ValueError as e:
-        print(f"weightsync bench: {e}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="weightsync-control-plane-") as directory:
-        figures = run(built, args.versions, args.idle, directory)
+        sizes = [int(n) for n in args.ranks.split(",")]
+    except ValueError:
+        parser.error(f"--ranks {args.ranks!r}: give numbers of ranks, comma-separated")
+    layouts = args.inference.split(",")
+    layouts = layouts * len(sizes) if len(layouts) == 1 else layouts
+    if args.versions < 1 or min(sizes) < 2 or len(layouts) != len(sizes):
+        parser.error("--versions at least 1, --ranks at least 2 each, and one --inference layout or one per --ranks")
+    runs = []
+    for ranks, inference in zip(sizes, layouts):
+        print(f"bench: {ranks} ranks, inference {inference} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        try:
+            built = setup(args.model, ranks, inference, args.versions)
+        except ValueError as e:
+            print(f"weightsync bench: {e}", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory(prefix="weightsync-control-plane-") as directory:
+            if args.plan_share:
+                if not built.job.layout.sliced:
+                    parser.error("--plan-share: give a tensor- or expert-parallel --inference layout")
+                plan_text = published_plan(built)
+                runs.append({"ranks": ranks, "inference": inference, "plan": {"own_share": own_shares(plan_text, directory)}})
+                continue
+            figures = run(built, args.versions, args.idle, directory)
+            if figures["errors"] or figures["controller_exit"] != 0:
+                figures["controller_log"] = (Path(directory) / "controller.log").read_text()[-4000:]
+        layout = built.job.layout
+        runs.append({"ranks": ranks, "inference": inference, "trainers": layout.world_size(TRAINER),
+                     "inference_ranks": layout.world_size(INFERENCE), "setup_seconds": round(built.build_seconds, 2),
+                     "bench_seconds": round(time.perf_counter() - started, 1), **figures})
         if figures["errors"] or figures["controller_exit"] != 0:
-            figures["controller_log"] = (Path(directory) / "controller.log").read_text()[-4000:]
-    layout = built.job.layout
-    report = {"model": args.model, "inference": args.inference, "ranks": args.ranks,
-              "trainers": layout.world_size(TRAINER), "inference_ranks": layout.world_size(INFERENCE),
-              "versions": args.versions, "machine": machine(), "setup_seconds": round(built.build_seconds, 2),
-              "bench_seconds": round(time.perf_counter() - started, 1), **figures}
+            break
+    report = {"model": args.model, "versions": args.versions, "machine": machine(), "runs": runs}
     print(json.dumps(report, indent=2))
-    return 0 if not figures["errors"] and figures["controller_exit"] == 0 else 1
+    if args.chart and not args.plan_share:
+        print(f"bench: chart in {control_plane_chart(report, args.chart)}", file=sys.stderr, flush=True)
+    return 0 if all(not r.get("errors") and r.get("controller_exit", 0) == 0 for r in runs) else 1
 
 
 def machine() -> str:

@@ -2,16 +2,16 @@
 what the rank uses of it (a trainer: the buckets it sends; an inference rank: what it receives from
 whom, its local layout, its buffer's size), as the trainer API and the verifying receiver derive
 them. Run in a process of its own (`python -m weightsync.bench.plan_share ROLE RANK FILE`), so
-that its peak memory is the rank's and nothing else's: the simulated ranks of `weightsync bench
+that what it allocates is the rank's and nothing else's: the simulated ranks of `weightsync bench
 --control-plane` share one process and one plan. No torch here, as a rank's planner has none.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
+import tracemalloc
 
 from weightsync.job import TRAINER
 from weightsync.plan.sliced_plan import plan_from_json
@@ -28,13 +28,16 @@ def own_share(text: str, role: str, rank: int) -> int:
 
 
 def measure(text: str, role: str, rank: int) -> dict:
-    """Seconds and peak memory (MiB above what the process held with the plan's text read) of own_share."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """The seconds of own_share, and the peak of what it allocates (MiB, Python's and numpy's
+    allocations as tracemalloc counts them), from a second run: tracing slows it down."""
     start = time.perf_counter()
     nbytes = own_share(text, role, rank)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"role": role, "rank": rank, "seconds": round(seconds, 4), "memory_mib": round((peak - before) / 1024, 1),
+    tracemalloc.start()
+    own_share(text, role, rank)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {"role": role, "rank": rank, "seconds": round(seconds, 4), "memory_mib": round(peak / 2**20, 1),
             "plan_json_bytes": len(text), "share_bytes": nbytes}
 
 

@@ -39,12 +39,14 @@ from weightsync.rendezvous.messages import (
     peers_from_json,
 )
 from weightsync.rendezvous.store.server import StoreServer
-from weightsync.rendezvous.store.table import Limits, StoreError, StoreRefused, StoreTimeout
+from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused, StoreTimeout
+from weightsync.rendezvous.store.wire import UNSET
 
 HEARTBEAT = 1.0  # seconds between heartbeats
 STORE_TIMEOUT = 60.0  # seconds a single store call may block
 CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
 CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
+STOPPED_CHECK_EVERY = 1.0  # the same, for a wait that the job's end (its stops) ends at once
 CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
 SAY_EVERY = 5.0  # seconds between two lines of a joining rank that still waits for the controller
 GONE_WAIT = 1.0  # seconds to read a key a wait just saw set, before taking it for deleted meanwhile
@@ -67,6 +69,11 @@ class Dropped(RuntimeError):
     """The controller dropped the round this inference rank receives: a trainer rank stopped while
     it was on its way and the trainers resume from their checkpoint. Its bytes are half sent, never
     verified, and the rank goes on to the next version on the weights it serves."""
+
+
+def dropped_on_its_way(version: int, why: bytes) -> Dropped:
+    """What a receiver of `version` raises once the controller dropped it (Keys.dropped says why)."""
+    return Dropped(f"version {version} was dropped on its way: {why.decode()}")
 
 
 class Restarted(RuntimeError):
@@ -137,6 +144,11 @@ class Channel:
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
+    def peek(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The keys' values now (None where not set), in one request: a look at several keys that
+        a waiting rank makes every CHECK_EVERY costs the store one request, not one per key."""
+        return [None if v[:1] == UNSET else v[1:] for v in self.store.peek(list(keys))]
+
     def end(self) -> End | None:
         """The controller's end of the job, None while it runs."""
         return End.from_json(self.store.get(Keys.END)) if self.has(Keys.END) else None
@@ -171,9 +183,10 @@ class Channel:
         """Close this client's connection to the store."""
         self.store.close()
 
-    def held(self) -> tuple[int, int | None]:
-        """(keys, bytes) the store holds now; the bytes only in the store's own process (the controller's)."""
-        return self.store.num_keys(), getattr(self.store, "bytes_held", None)
+    def held(self) -> Held:
+        """What the store holds and has served so far (all of it in the store's own process, the
+        controller's; elsewhere the keys alone)."""
+        return Held(self.store.num_keys(), getattr(self.store, "bytes_held", None), getattr(self.store, "requests", None))
 
     def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
         """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
@@ -181,23 +194,34 @@ class Channel:
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
-             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None) -> None:
+             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None,
+             stops: Iterable[str] = ()) -> None:
         """Wait until every key is set: the store answers as soon as they are (nothing polls).
-        `check` runs every CHECK_EVERY seconds and may raise; `say`, where given, is told every
-        SAY_EVERY seconds that this still waits for `what`; past `timeout` seconds a TimeoutError
-        names `what`."""
-        keys = list(keys)
+        `check` runs every CHECK_EVERY seconds and may raise; with `stops` (keys on which `check`
+        raises: the job's end), it runs as soon as one is set and otherwise every STOPPED_CHECK_EVERY
+        seconds, so that a thousand waiting ranks do not ask the store four times a second each;
+        `say`, where given, is told every SAY_EVERY seconds that this still waits for `what`; past
+        `timeout` seconds a TimeoutError names `what`."""
+        keys, stops = list(keys), list(stops)
         began = told = time.monotonic()
         deadline = None if timeout is None else began + timeout
         while True:
-            step = CHECK_EVERY if deadline is None else min(CHECK_EVERY, max(deadline - time.monotonic(), 0.0))
+            every = STOPPED_CHECK_EVERY if stops else CHECK_EVERY
+            step = every if deadline is None else min(every, max(deadline - time.monotonic(), 0.0))
+            stopped = False
             try:
-                self.store.wait(keys, datetime.timedelta(seconds=step))
-                return
+                if not stops:
+                    self.store.wait(keys, datetime.timedelta(seconds=step))
+                    return
+                if self.store.wait_or(keys, stops, datetime.timedelta(seconds=step)):
+                    return
+                stopped = True
             except TimeoutError:  # not yet (a store that stopped answering fails the next call)
                 pass
             if check:
                 check()
+            if stopped:  # a stop on which `check` did not raise: looked at every CHECK_EVERY from now on
+                stops = []
             if say is not None and time.monotonic() - told >= SAY_EVERY:
                 told = time.monotonic()
                 say(f"still waiting for {what} ({told - began:.0f}s" +
@@ -325,7 +349,8 @@ class Member(Channel):
     def wait_for(self, keys: Iterable[str] | str, what: str, timeout: float | None = None, say: bool = False) -> None:
         """Wait for `keys` until the job's end; `say`: a line every SAY_EVERY seconds says what
         this rank still waits for (while it joins: a rank that waits silently looks hung)."""
-        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None)
+        self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None,
+                  stops=[Keys.END])
 
     def say(self, message: str) -> None:
         logline.say(self.name, message)
@@ -427,7 +452,8 @@ class Member(Channel):
         of a wait for a key that will never come back."""
         key = Keys.go(version, again)
         self.wait([key], f"the controller's go for version {version}", timeout,
-                  self.behind(version, key) if not again else self.check_end)
+                  self.behind(version, key) if not again else self.check_end,
+                  stops=self.stops(version) if not again else [Keys.END])
         return Round.from_json(self.seen(key, version))
 
     def seen(self, key: str, version: int) -> bytes:
@@ -448,22 +474,35 @@ class Member(Channel):
         controller counted this start away, whatever it waits for (after the final version no later
         one comes to tell it, and the controller waits for it to rejoin)."""
         def check() -> None:
-            self.check_end()
-            if self.role == INFERENCE:
-                self.check_dropped(version)
-                if (why := self.away()) is not None:
-                    raise FellBehind(f"the controller counted this rank away while it waited for {key} of version "
-                                     f"{version} ({why})")
-                latest = self.latest()
-                if latest is not None and latest > version and not self.has(key):
-                    raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
-                                     f"version {latest} without this rank: it was frozen or cut off")
+            if self.role != INFERENCE:
+                self.check_end()
+                return
+            end, dropped, why, latest, there = self.peek([Keys.END, Keys.dropped(version),
+                                                          Keys.away(self.rank, self.attempt), Keys.LATEST, key])
+            if end is not None:
+                ended = End.from_json(end)
+                raise JobEnded(ended.state, ended.message)
+            if dropped is not None:
+                raise dropped_on_its_way(version, dropped)
+            if why is not None:
+                raise FellBehind(f"the controller counted this rank away while it waited for {key} of version "
+                                 f"{version} ({why.decode()})")
+            if latest is not None and int(latest) > version and there is None:
+                raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
+                                 f"version {int(latest)} without this rank: it was frozen or cut off")
         return check
+
+    def stops(self, version: int) -> list[str]:
+        """The keys on which behind(version, ...)'s check raises at once (Channel.wait's stops): the
+        job's end, and for an inference rank `version` dropped and this start counted away."""
+        if self.role != INFERENCE:
+            return [Keys.END]
+        return [Keys.END, Keys.dropped(version), Keys.away(self.rank, self.attempt)]
 
     def check_dropped(self, version: int) -> None:
         """Dropped where the controller dropped `version` (a trainer rank stopped mid-way)."""
         if self.has(Keys.dropped(version)):
-            raise Dropped(f"version {version} was dropped on its way: {self.get(Keys.dropped(version)).decode()}")
+            raise dropped_on_its_way(version, self.get(Keys.dropped(version)))
 
     def verdict(self, rnd: Round, timeout: float) -> None:
         """An inference rank whose receive of `rnd` failed in a job whose trainers resume: wait up

@@ -38,6 +38,7 @@ from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.ending import Ending
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
+from weightsync.rendezvous.last_word import hear_out
 from weightsync.rendezvous.messages import (
     Admission,
     Applied,
@@ -71,6 +72,7 @@ from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING,
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
 BACK_POLL = 0.02  # seconds between looks for an inference rank that came back
+COLLECT_WAIT = 0.05  # seconds a collecting round waits for a report before it looks at the roster again
 RECORDS_KEPT = 16  # rounds' records (done) kept in the store; older ones are deleted, so an endless job's keys stay bounded
 class _AllClosed(Exception):
     """Every trainer rank closed: there is no next version."""
@@ -260,11 +262,13 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
         return True
 
     def collect_sent(self, rnd: Round, timeout: float) -> list[SentReport]:
-        """Every trainer's report of the round; receivers a trainer lost count as away."""
+        """Every trainer's report of the round; receivers a trainer lost count as away, once they
+        had their grace to say why (last_word.py: a receiver that refused corrupted bytes fails the job)."""
         trainers = self.layout.world_size(TRAINER)
         self.wait_ranks([Keys.sent(rnd.version, rnd.again, t) for t in range(trainers)],
                         f"the trainers to send {rnd.name}", timeout)
         reports = [SentReport.from_json(self.get(Keys.sent(rnd.version, rnd.again, t))) for t in range(trainers)]
+        hear_out(self, [r for r in sorted({r for report in reports for r in report.lost}) if not self.left_round([r])])
         for t, report in enumerate(reports):
             for r, why in report.lost.items():
                 self._lost(r, f"{who(TRAINER, t)} lost it while sending {rnd.name}: {why}")
@@ -283,10 +287,12 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
         return self._collect(rnd, Keys.staged, Staged.from_json, "receive and verify", timeout)
 
     def _collect(self, rnd: Round, key_of, read, what: str, timeout: float) -> dict:
+        """Each pending receiver's key, read as it is set: the wait blocks in the store until one of
+        them is (at most COLLECT_WAIT, to keep the roster), never polling every rank's key in a loop,
+        which at a thousand receivers took the CPU the store needs to serve them."""
         pending = dict(self.in_round)
         got = {}
         start = time.monotonic()
-        pause = 0.0005
         while True:
             for r, attempt in list(pending.items()):
                 key = key_of(rnd.version, r, attempt)
@@ -302,8 +308,10 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
             if time.monotonic() - start > timeout:
                 raise TimedOut(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.002)
+            keys = [key_of(rnd.version, r, attempt) for r, attempt in pending.items()]
+            if key_of is not Keys.applied:  # (staged: a load ahead that failed says so as applied)
+                keys += [Keys.applied(rnd.version, r, attempt) for r, attempt in pending.items()]
+            self.store.wait_any(keys, COLLECT_WAIT)
 
     def gone(self, ranks: Iterable[int], within: float) -> bool:
         """Whether every inference rank of `ranks` left the round on its way (counted away, or
@@ -460,9 +468,9 @@ class Host(Ending, Channel, Parking):  # Ending's end() says the end, where a Ch
                     if role == TRAINER and not trainers:
                         self.deferred = True
                         continue
-                    raise self._blame(role, rank, RankFailure.from_json(self.get(Keys.failed(role, rank))))
+                    raise self.blame(role, rank, RankFailure.from_json(self.get(Keys.failed(role, rank))))
 
-    def _blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
+    def blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
         """The failure to report when (role, rank) reported `failure`, with its reason: another
         rank's, if one stopped first (started again, or no heartbeat through the whole window: a
         trainer's stop is TrainerStopped, as the watch names it).

@@ -183,7 +183,7 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
         if transfer.verify_digest:
             try:
                 member.wait([Keys.ref(version)], f"the reference digest of version {version}", timeout,
-                            member.behind(version, Keys.ref(version)))
+                            member.behind(version, Keys.ref(version)), stops=member.stops(version))
                 reference = Reference.from_json(member.seen(Keys.ref(version), version)).of(rank)
             except FellBehind as e:
                 raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None

@@ -199,6 +199,10 @@ class StoreClient(dist.Store):
     def wait(self, keys, timeout=None) -> None:
         self._call("wait", [as_bytes(k) for k in keys], wait=timeout)
 
+    def wait_or(self, keys, stops, timeout=None) -> bool:
+        """Wait until every key is set (True) or one of `stops` is (False); StoreTimeout past `timeout`."""
+        return self._call("wait_or", [as_bytes(k) for k in keys], [as_bytes(k) for k in stops], wait=timeout)
+
     def compare_set(self, key, expected, desired) -> bytes:
         return self._call("compare_set", as_bytes(key), as_bytes(expected), as_bytes(desired))
 
@@ -213,6 +217,10 @@ class StoreClient(dist.Store):
 
     def multi_get(self, keys) -> list[bytes]:
         return self._call("multi_get", [as_bytes(k) for k in keys])
+
+    def peek(self, keys) -> list[bytes]:
+        """The keys' values now, in one round trip and without waiting (Table.peek's form)."""
+        return self._call("peek", [as_bytes(k) for k in keys])
 
     def multi_set(self, keys, values) -> None:
         self._call("multi_set", [as_bytes(k) for k in keys], [as_bytes(v) for v in values])

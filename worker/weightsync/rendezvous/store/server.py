@@ -74,6 +74,7 @@ class StoreServer(Table):
         # so that connections that never prove the token cannot take what the job's ranks need.
         self._handshaking: collections.OrderedDict[socket.socket, str] = collections.OrderedDict()
         self._authenticated = self._answering = 0
+        self.requests = 0  # the clients' requests answered or being answered: what the store's load is made of
         self._closed = False
         self._refused, self._last_log = 0, 0.0
         threading.Thread(target=self._accept, name="store-accept", daemon=True).start()
@@ -87,9 +88,7 @@ class StoreServer(Table):
             return
         self._closed = True
         hang_up(self._listener)
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
+        self.end_waits()
         with self._idle:
             self._idle.wait_for(lambda: self._answering == 0, DRAIN_SECONDS)
             for sock in list(self._open):
@@ -217,6 +216,7 @@ class StoreServer(Table):
                 return
             with self._lock:
                 self._answering += 1
+                self.requests += 1
             try:
                 status, results = self._dispatch(payload)
                 send_all(sock, [seal(key, b"S", seq, bytes([status]) + pack(results))], time.monotonic() + IO_SECONDS)

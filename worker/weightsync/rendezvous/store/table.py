@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from weightsync.job import reasons
 from weightsync.job.errors import JobFailed, TimedOut
-from weightsync.rendezvous.store.wire import as_bytes
+from weightsync.rendezvous.store.wire import SET, UNSET, as_bytes
 
 MAX_WAIT = 86400.0  # the longest a client may ask the server to wait for keys
 KEY_OVERHEAD = 64  # bytes counted per key on top of its name and value (the table's own cost)
@@ -56,6 +56,15 @@ class Limits:
         return self.value_bytes + (1 << 20)
 
 
+@dataclass(frozen=True)
+class Held:
+    """The store's size and load: its keys, their bytes, the requests its clients made (None where not known)."""
+
+    keys: int
+    bytes: int | None = None
+    requests: int | None = None
+
+
 def as_seconds(timeout) -> float:
     """A timeout given as a timedelta (torch's way) or as seconds, in seconds."""
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
@@ -73,7 +82,11 @@ class Table:
         self.limits, self.timeout = limits, timeout
         self._data: dict[bytes, bytes] = {}
         self._bytes = 0
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        # Each wait has a condition of its own, under every key it waits for: a set wakes the waits
+        # for its keys alone. One condition for all would wake every waiting client at every set,
+        # and a job's every heartbeat is a set: N ranks waiting, N beats a second, N^2 wake-ups.
+        self._waiting: dict[bytes, set[threading.Condition]] = {}
         self._closing = False
 
     @property
@@ -109,33 +122,78 @@ class Table:
             old = self._data.get(key)
             self._bytes += len(value) + (len(key) + KEY_OVERHEAD if old is None else -len(old))
             self._data[key] = value
-        self._cond.notify_all()
+            for waiter in self._waiting.get(key, ()):
+                waiter.notify()
 
-    def _await(self, keys: list[bytes], timeout, what: str) -> None:
-        """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
+    def _await(self, keys: list[bytes], timeout, what: str, stops: list[bytes] = ()) -> None:
+        """Wait, holding the lock, until every key is set, or one of `stops` is; StoreTimeout past
+        `timeout` seconds."""
         seconds = as_seconds(self.timeout if timeout is None else timeout)
         if not math.isfinite(seconds):  # NaN would make the wait below spin for ever
             raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
         limit = min(max(seconds, 0.0), MAX_WAIT)
-        if not self._cond.wait_for(lambda: self._closing or all(k in self._data for k in keys), limit):
+        if not self._wait_for(keys, limit, stops=stops):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
-        if not all(k in self._data for k in keys):
+        if not all(k in self._data for k in keys) and not any(k in self._data for k in stops):
             raise StoreError(f"{what}: the store is closing (its process is ending)")
 
+    def _wait_for(self, keys: list[bytes], limit: float, every: bool = True, stops: list[bytes] = ()) -> bool:
+        """Wait, holding the lock, until every key is set (not `every`: one of them), one of `stops`
+        is, or the store closes; False past `limit` seconds."""
+        def there() -> bool:
+            return self._closing or (all if every else any)(k in self._data for k in keys) or \
+                any(k in self._data for k in stops)
+
+        if there():
+            return True
+        waiter = threading.Condition(self._lock)
+        watched = set(keys) | set(stops)
+        for k in watched:
+            self._waiting.setdefault(k, set()).add(waiter)
+        try:
+            return waiter.wait_for(there, limit)
+        finally:
+            for k in watched:
+                waiters = self._waiting[k]
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiting[k]
+
+    def wait_any(self, keys, timeout: float) -> bool:
+        """Wait until one of `keys` is set, at most `timeout` seconds; whether one is. For the store's
+        own process (the controller collecting its ranks' reports), which no client asks it."""
+        keys = [as_bytes(k) for k in keys]
+        with self._lock:
+            return self._wait_for(keys, min(max(timeout, 0.0), MAX_WAIT), every=False) and any(k in self._data for k in keys)
+
+    def end_waits(self) -> None:
+        """The store is closing: every wait ends now (and every later one at once)."""
+        with self._lock:
+            self._closing = True
+            for waiters in self._waiting.values():
+                for waiter in waiters:
+                    waiter.notify_all()
+
+    @property
+    def waits(self) -> int:
+        """The waits in progress (each counted once per key it waits for)."""
+        with self._lock:
+            return sum(len(w) for w in self._waiting.values())
+
     def set(self, key, value) -> None:
-        with self._cond:
+        with self._lock:
             self._put([(as_bytes(key), as_bytes(value))])
 
     def get(self, key, timeout=None) -> bytes:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             self._await([key], timeout, "get")
             return self._data[key]
 
     def add(self, key, amount: int) -> int:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             old = self._data.get(key, b"0")
             try:
                 value = int(old) + int(amount)
@@ -144,19 +202,27 @@ class Table:
             self._put([(key, str(value).encode())])
             return value
 
+    def wait_or(self, keys, stops, timeout=None) -> bool:
+        """Wait until every key is set (True), or until one of `stops` is (False): a rank's wait that
+        ends at once on what would end it (the job's end), instead of looking for it every so often."""
+        keys, stops = [as_bytes(k) for k in keys], [as_bytes(k) for k in stops]
+        with self._lock:
+            self._await(keys, timeout, "wait_or", stops)
+            return all(k in self._data for k in keys)
+
     def check(self, keys) -> bool:
-        with self._cond:
+        with self._lock:
             return all(as_bytes(k) in self._data for k in keys)
 
     def wait(self, keys, timeout=None) -> None:
-        with self._cond:
+        with self._lock:
             self._await([as_bytes(k) for k in keys], timeout, "wait")
 
     def compare_set(self, key, expected, desired) -> bytes:
         """As TCPStore: set `desired` if the key holds `expected` (or is unset and `expected` is
         empty); return what the key holds afterwards (`expected` if it stays unset)."""
         key, expected, desired = as_bytes(key), as_bytes(expected), as_bytes(desired)
-        with self._cond:
+        with self._lock:
             current = self._data.get(key)
             if (current is None and not expected) or (current is not None and current == expected):
                 self._put([(key, desired)])
@@ -165,7 +231,7 @@ class Table:
 
     def delete_key(self, key) -> bool:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             value = self._data.pop(key, None)
             if value is None:
                 return False
@@ -173,22 +239,28 @@ class Table:
             return True
 
     def num_keys(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._data)
 
     def append(self, key, value) -> None:
         key = as_bytes(key)
-        with self._cond:
+        with self._lock:
             self._put([(key, self._data.get(key, b"") + as_bytes(value))])
 
     def multi_get(self, keys, timeout=None) -> list[bytes]:
         keys = [as_bytes(k) for k in keys]
-        with self._cond:
+        with self._lock:
             self._await(keys, timeout, "multi_get")
             return [self._data[k] for k in keys]
+
+    def peek(self, keys) -> list[bytes]:
+        """The keys' values as they are now, without waiting, as the wire carries them: SET and the
+        value of a key that is set, UNSET for one that is not (Channel.peek reads them)."""
+        with self._lock:
+            return [UNSET if v is None else SET + v for v in (self._data.get(as_bytes(k)) for k in keys)]
 
     def multi_set(self, keys, values) -> None:
         if len(keys) != len(values):
             raise StoreError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        with self._cond:
+        with self._lock:
             self._put([(as_bytes(k), as_bytes(v)) for k, v in zip(keys, values)])

@@ -15,7 +15,8 @@ Wire format (big-endian; this is the one place it is defined)
   is b"C" (requests) or b"S" (responses); the client numbers its requests 1, 2, 3, ... and the
   server answers request k with sequence k. A request's payload is u8 op | arguments, a response's
   u8 status | results, each value tagged: b"b" u32 length | bytes, b"i" i64, b"f" f64, b"?" u8,
-  b"l" u32 count | (u32 length | bytes) per item. A frame out of sequence or with a wrong HMAC
+  b"l" u32 count | (u32 length | bytes) per item; peek answers a list whose items are SET | value or
+  UNSET, one per key asked. A frame out of sequence or with a wrong HMAC
   closes the connection. The handshake's HMACs are over their parts each preceded by its u32
   length, the frames' over the parts as they are (job/token.py).
 """
@@ -39,10 +40,11 @@ MAC_BYTES = 32
 # op code: (name, argument tags)
 OPS = {1: ("set", "bb"), 2: ("get", "bf"), 3: ("add", "bi"), 4: ("check", "l"), 5: ("wait", "lf"),
        6: ("compare_set", "bbb"), 7: ("delete_key", "b"), 8: ("num_keys", ""), 9: ("append", "bb"),
-       10: ("multi_get", "lf"), 11: ("multi_set", "ll")}
+       10: ("multi_get", "lf"), 11: ("multi_set", "ll"), 12: ("peek", "l"), 13: ("wait_or", "llf")}
 CODES = {name: code for code, (name, _) in OPS.items()}
-BLOCKING = {"get", "wait", "multi_get"}  # their last argument is how long the server may wait
+BLOCKING = {"get", "wait", "multi_get", "wait_or"}  # their last argument is how long the server may wait
 OK, ERROR, TIMEOUT, FULL = 0, 1, 2, 3  # a response's status
+SET, UNSET = b"\x01", b"\x00"  # what peek puts before each key's value: set (the value follows), or not set
 
 
 def as_bytes(x: str | bytes) -> bytes:
