@@ -49,6 +49,8 @@ from weightsync.model.config import read_config_json
 from weightsync.model.flat import FlatLayout
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import fsdp_holdings
+from weightsync.plan.rank_plan import RankPlan
+from weightsync.plan.shares import PlanShares, share_out
 from weightsync.plan.simulate import MODELS, Topology, parse_inference, shapes
 from weightsync.plan.sliced_plan import SlicedPlan, needs_from_json, needs_to_json, plan_from_json
 from weightsync.rendezvous.protocol import HEARTBEAT, Channel, Keys, connect_store
@@ -197,7 +199,11 @@ def run(setup: Setup, versions: int, idle: float, directory: str, timeout: float
         cpu_planned = cpu_seconds(proc.pid)
         figures = {"errors": errors(sim)}
         if planned:
-            sim.wire = Wire.of(plan_from_json(sim.plan_text))
+            if sim.shares:  # published in shares: each trainer's buckets from its own
+                trainers = [RankPlan.from_json(sim.plan_text, sim.shares[(TRAINER, t)]) for t in range(len(sim.holds))]
+                sim.wire = Wire.of(trainers[0], trainers)
+            else:
+                sim.wire = Wire.of(plan_from_json(sim.plan_text))
             idle_cpu, idle_from = cpu_seconds(proc.pid), time.monotonic()
             time.sleep(idle)
             idle_cpu, idle_to = cpu_seconds(proc.pid) - idle_cpu, time.monotonic()
@@ -225,7 +231,8 @@ def run(setup: Setup, versions: int, idle: float, directory: str, timeout: float
                        "all_read_plan_seconds": round(read_all - began, 3)}
     figures["plan"] = {"bytes_per_rank": max((t.plan_bytes for t in times), default=0),
                        "read_seconds": spread([t.plan_read - t.plan_seen for t in times if t.plan_read]),
-                       "own_share": own_shares(sim.plan_text, directory) if sim.plan_text else []}
+                       "own_share": own_shares(sim.plan_text, directory, {role: sim.shares.get((role, 0)) for role in
+                                                                          (TRAINER, INFERENCE)}) if sim.plan_text else []}
     records = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines() if line.startswith("{")]
     rounds = [r for r in records if r.get("event") == "transfer"]
     figures.setdefault("controller", {}).update({
@@ -275,15 +282,20 @@ def errors(sim: Sim) -> list[str]:
     return [f"{role} rank {rank}: {t.error}" for (role, rank), t in sorted(sim.times.items()) if t.error]
 
 
-def own_shares(text: str, directory: str, limit: float = SHARE_LIMIT) -> list[dict]:
+def own_shares(text: str, directory: str, shares: dict | None = None, limit: float = SHARE_LIMIT) -> list[dict]:
     """plan_share.py for trainer rank 0 and inference rank 0, each in a process of its own, given
-    `limit` seconds each (past it: the seconds it was given, and no figures)."""
+    `limit` seconds each (past it: the seconds it was given, and no figures): from the published
+    plan `text` and, where it was published in shares, each one's share ({role: its share})."""
     path = Path(directory) / "plan.json"
     path.write_text(text)
     out = []
     for role in (TRAINER, INFERENCE):
+        share = (shares or {}).get(role)
+        own = [] if share is None else [str(Path(directory) / f"share-{role}-0.json")]
+        if share is not None:
+            Path(own[0]).write_text(share)
         try:
-            done = subprocess.run([sys.executable, "-m", "weightsync.bench.plan_share", role, "0", str(path)],
+            done = subprocess.run([sys.executable, "-m", "weightsync.bench.plan_share", role, "0", str(path), *own],
                                   capture_output=True, text=True, check=False, timeout=limit, preexec_fn=_bounded)
         except subprocess.TimeoutExpired:
             out.append({"role": role, "rank": 0, "unfinished_after_seconds": limit, "plan_json_bytes": len(text)})
@@ -303,12 +315,22 @@ def _bounded() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (SHARE_MEMORY, SHARE_MEMORY))
 
 
-def published_plan(built: Setup) -> str:
-    """The plan's JSON as the controller publishes it for `built`'s ranks (plan.job.make_job_plan's
-    SlicedPlan, without computing it): what every rank reads and derives its share from."""
+def published_plan(built: Setup) -> tuple[PlanShares, dict]:
+    """The plan as the controller publishes it for `built`'s ranks (plan.job.make_job_plan's
+    SlicedPlan, cut into every rank's share), and what that cost: the controller's seconds for the
+    whole assignment and local layouts (its checks), then for the shares, and the bytes published."""
     holdings = tuple(Holdings.from_json(h) for h in built.holds)
     needs = tuple(needs_from_json(r, n) for r, n in enumerate(built.needs))
-    return SlicedPlan(built.layout, holdings, needs, built.job.transfer.bucket_bytes).to_json()
+    start = time.perf_counter()
+    plan = SlicedPlan(built.layout, holdings, needs, built.job.transfer.bucket_bytes)
+    _ = plan.assignment, plan.local
+    checked = time.perf_counter()
+    shares = share_out(plan)
+    cut = time.perf_counter()
+    sizes = [len(t) for t in shares.trainers + shares.inferences]
+    return shares, {"assignment_seconds": round(checked - start, 2), "shares_seconds": round(cut - checked, 2),
+                    "pieces": len(plan.assignment), "header_bytes": len(shares.header),
+                    "share_bytes_max": max(sizes), "shares_bytes_total": sum(sizes)}
 
 
 def main(argv: list[str]) -> int:
@@ -348,8 +370,9 @@ def main(argv: list[str]) -> int:
             if args.plan_share:
                 if not built.job.layout.sliced:
                     parser.error("--plan-share: give a tensor- or expert-parallel --inference layout")
-                plan_text = published_plan(built)
-                runs.append({"ranks": ranks, "inference": inference, "plan": {"own_share": own_shares(plan_text, directory)}})
+                shares, controller = published_plan(built)
+                own = own_shares(shares.header, directory, {TRAINER: shares.trainers[0], INFERENCE: shares.inferences[0]})
+                runs.append({"ranks": ranks, "inference": inference, "plan": {"controller": controller, "own_share": own}})
                 continue
             figures = run(built, args.versions, args.idle, directory)
             if figures["errors"] or figures["controller_exit"] != 0:

@@ -26,6 +26,7 @@ import xxhash
 from weightsync.job import INFERENCE, TRAINER, Job
 from weightsync.plan.interface import TransferPlan
 from weightsync.rendezvous.messages import RankInfo, Round, SentReport
+from weightsync.rendezvous.plan_shares import own_share
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT
@@ -52,12 +53,13 @@ class Wire:
     receiver_bytes: tuple  # per inference rank: the bytes it receives
 
     @classmethod
-    def of(cls, plan: TransferPlan) -> "Wire":
+    def of(cls, plan: TransferPlan, trainer_plans: list | None = None) -> "Wire":
+        """From the whole plan, or where it was published in shares from every trainer's plan."""
         sends, sent, receives = [], [], {}
         for t in range(plan.trainers):
             mine: dict[int, list[int]] = {}
             total = 0
-            for b in plan.buckets_of(t):
+            for b in (trainer_plans[t] if trainer_plans else plan).buckets_of(t):
                 r = ALL if b.receiver is None else b.receiver
                 mine.setdefault(r, []).append(b.offset)
                 receives.setdefault(r, []).append(b.offset)
@@ -111,6 +113,7 @@ class Sim:
     versions: int
     wire: Wire | None = None
     plan_text: str | None = None  # the plan as the first rank read it
+    shares: dict = field(default_factory=dict)  # {(role, rank): its share of the plan}, where published in shares
     go: threading.Event = field(default_factory=threading.Event)
     times: dict = field(default_factory=dict)  # {(role, rank): Timeline}
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -142,13 +145,16 @@ class Sim:
         member.wait_for(Keys.PLAN_MAC, "the transfer plan", JOIN_TIMEOUT)
         times.plan_seen = time.monotonic()
         text = member.plan_text(JOIN_TIMEOUT)
+        share = own_share(member, text, JOIN_TIMEOUT)
         member.peers(0, JOIN_TIMEOUT)
         times.plan_read = time.monotonic()
-        times.plan_bytes = len(member.get(Keys.PLAN)) + len(member.get(Keys.peers(0)))
+        times.plan_bytes = len(member.get(Keys.PLAN)) + len(member.get(Keys.peers(0))) + len(share or "")
         with self.cond:
             self.planned += 1
             if self.plan_text is None:
                 self.plan_text = text
+            if share is not None:
+                self.shares[(role, rank)] = share
             self.cond.notify_all()
         self.go.wait()
         return member, times

@@ -65,7 +65,7 @@ def make_job_plan(layout: FlatLayout, holdings: Sequence[Holdings], inferences: 
         if len(needs) != inferences:
             raise ValueError(f"{len(needs)} inference ranks said what they need; the job has {inferences}")
         plan = SlicedPlan(layout, tuple(holdings), tuple(needs), bucket_bytes)
-        plan.buckets_of(0)  # the whole plan, computed and checked now
+        _ = plan.assignment, plan.local  # the whole assignment and every local layout, computed and checked now
         return plan
     if all(h.is_whole(layout) for h in holdings):
         return make_plan(layout, len(holdings), inferences, bucket_bytes)

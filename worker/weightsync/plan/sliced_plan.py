@@ -17,10 +17,11 @@ padding sent as zeros), which travel as the flat path's buckets do: offset and b
 receiver's registered staging buffer, each with its checksum. SlicedPlan is an
 interface.TransferPlan, as segments.Plan is: the send pipeline and the receiver take either.
 
-What the controller publishes is the plan's inputs: the global layout, the rows every trainer rank
-holds, the boxes every inference rank needs, the bucket size. The plan is a pure function of
-them, so every rank derives the same one and takes its own share of it; that keeps what travels
-through the rendezvous small whatever the number of pieces. No torch here.
+The plan is a pure function of its inputs (the global layout, the rows every trainer rank holds,
+the boxes every inference rank needs, the bucket size; to_json). The controller computes the whole
+assignment from them, to check it and to print it, and publishes each rank's share of it
+(shares.py): a rank derives its buckets, or what it receives and its local layout, from its own
+share alone (rank_plan.RankPlan), exactly as this whole plan has them. No torch here.
 """
 
 from __future__ import annotations

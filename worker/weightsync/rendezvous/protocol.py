@@ -24,7 +24,6 @@ from typing import Callable, Iterable, Iterator
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
 from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.job.token import mac, same
-from weightsync.plan.sliced_plan import plan_from_json
 from weightsync.rendezvous.keys import Keys
 from weightsync.rendezvous.messages import (
     End,
@@ -38,6 +37,7 @@ from weightsync.rendezvous.messages import (
     cut_from_json,
     peers_from_json,
 )
+from weightsync.rendezvous.plan_shares import own_plan
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused, StoreTimeout
 from weightsync.rendezvous.store.wire import UNSET
@@ -424,7 +424,7 @@ class Member(Channel):
     def plan(self, timeout: float):
         """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
         holder of the token."""
-        return plan_from_json(self.plan_text(timeout)), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+        return own_plan(self, self.plan_text(timeout), timeout), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
     def plan_text(self, timeout: float) -> str:
         """The plan's JSON as the controller published it, checked to come from a holder of the token."""

@@ -22,6 +22,7 @@ from typing import Iterator, Protocol, Sequence
 from weightsync.model import flat
 from weightsync.plan.holders import Holdings
 from weightsync.plan.interface import TransferBucket, TransferPlan
+from weightsync.plan.rank_plan import RankPlan
 from weightsync.plan.segments import Bucket
 from weightsync.plan.sliced_plan import Part, SliceBucket, SlicedPlan
 from weightsync.transport.checksum import CHUNK
@@ -50,7 +51,7 @@ def packer_for(plan: TransferPlan, trainer: int, params: Sequence, starts: Seque
     layout's order, refused (flat.LayoutMismatch, naming the tensor) where they do not match the
     layout: the whole tensors, or with `starts` its shards (as flat.check_sources says). Over
     slices the plan says which rows the rank holds; `starts`, where given, must say the same."""
-    if isinstance(plan, SlicedPlan):
+    if isinstance(plan, (SlicedPlan, RankPlan)):
         held = plan.holdings[trainer]
         if starts is not None and list(starts) != held.starts(plan.layout):
             raise ValueError(f"trainer rank {trainer} sends from other rows than the plan says it holds")

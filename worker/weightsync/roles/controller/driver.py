@@ -30,6 +30,7 @@ from weightsync.job.states import FAILED, SUCCEEDED
 from weightsync.plan.job import bases, delta_in_effect
 from weightsync.rendezvous.join_phase import Deadline, TrainersRestart
 from weightsync.rendezvous.messages import Applied, Reference, Round, SentReport
+from weightsync.rendezvous.plan_shares import publish_shares
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import Keys, control_key, who
 from weightsync.rendezvous.resume import resume
@@ -165,7 +166,7 @@ class Controller:
         ctx, host = self.ctx, self.host
         planned = self.planned = make_plan(ctx.job, host.admit(JOIN_TIMEOUT, self.external))
         joined = {rank: got for (role, rank), got in planned.admitted.items() if role == INFERENCE}
-        host.publish_plan(planned.plan.to_json(), {rank: got.endpoint for rank, got in joined.items()},
+        host.publish_plan(publish_shares(host, host.token, planned.plan), {rank: got.endpoint for rank, got in joined.items()},
                           {rank: got.info for rank, got in joined.items()},
                           check_rejoin=partial(planned.check_rejoin, ctx.job.layout))
         self.say(f"transport {planned.transport}; plan:\n{planned.plan.table()}")
