@@ -15,7 +15,7 @@ from weightsync.model.flat import FlatLayout
 from weightsync.plan.holders import Holdings
 from weightsync.plan.job import fsdp_holdings
 from weightsync.plan.rank_plan import RankPlan, is_shares, pack
-from weightsync.plan.shares import RECEIVER, RECORD, SENDER, TENSOR, decode, share_out
+from weightsync.plan.shares import BOX, NBYTES, OFFSET, PEER, SLOT_END, TENSOR, decode, share_out
 from weightsync.plan.sliced_plan import SlicedPlan, needs_everything, needs_from_json, plan_from_json
 
 MOE = dict(model_type="deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1, hidden_size=64,
@@ -36,28 +36,39 @@ def moe_plan(tmp_path, ranks: int, inference: str, bucket_bytes: int, shard: int
     return SlicedPlan(built.layout, tuple(holdings), needs, bucket_bytes)
 
 
-def pieces_by_rank(plan: SlicedPlan, column: int) -> list[np.ndarray]:
-    """The whole assignment's pieces (sender, receiver, tensor, lo, hi), per sender (column SENDER)
-    or per receiver (RECEIVER), each rank's sorted."""
-    a = plan.assignment
-    ranks = a.senders if column == SENDER else a.receivers
-    out: list[list] = [[] for _ in range(ranks)]
-    for c in a.classes:
-        m, n = len(c.tensors), len(c.sender)
-        rows = np.empty((m, n, 3 + 2 * c.lo.shape[1]), dtype=np.int64)
-        rows[:, :, 0], rows[:, :, 1], rows[:, :, 2] = c.sender, c.receiver, c.tensors[:, None]
-        rows[:, :, 3:3 + c.lo.shape[1]], rows[:, :, 3 + c.lo.shape[1]:] = c.lo, c.hi
-        rows = rows.reshape(m * n, -1)
-        for r in np.unique(rows[:, column]).tolist():
-            out[r].append(rows[rows[:, column] == r])
-    return [_sorted(np.concatenate(p)) if p else np.zeros((0, 3 + 2 * a.classes[0].lo.shape[1]), np.int64) for p in out]
+def pieces_of(plan: SlicedPlan, sender: int) -> np.ndarray:
+    """The whole assignment's pieces `sender` sends, as (sender, receiver, tensor, lo, hi), sorted."""
+    out = []
+    for c in plan.assignment.classes:
+        a, b = np.searchsorted(c.sender, [sender, sender + 1])  # a class's pieces are sorted by sender
+        m, n, nd = len(c.tensors), b - a, c.lo.shape[1]
+        rows = np.empty((m, n, 3 + 2 * nd), dtype=np.int64)
+        rows[:, :, 0], rows[:, :, 1], rows[:, :, 2] = sender, c.receiver[a:b], c.tensors[:, None]
+        rows[:, :, 3:3 + nd], rows[:, :, 3 + nd:] = c.lo[a:b], c.hi[a:b]
+        out.append(rows.reshape(m * n, 3 + 2 * nd))
+    return _sorted(np.concatenate(out))
 
 
-def share_pieces(text: str) -> np.ndarray:
-    """A share's runs as (sender, receiver, tensor, lo, hi), sorted."""
+def trainer_runs(text: str) -> np.ndarray:
+    """A trainer's share's runs as (sender, receiver, tensor, lo, hi, offset, slot end), sorted."""
     s = json.loads(text)
-    runs = decode(s["runs"], RECORD + 2 * s["nd"])
-    return _sorted(np.concatenate([runs[:, [SENDER, RECEIVER, TENSOR]], runs[:, RECORD:]], axis=1))
+    runs = decode(s["runs"], BOX + 2 * s["nd"])
+    sender = np.full((len(runs), 1), s["rank"], dtype=np.int64)
+    return _sorted(np.concatenate([sender, runs[:, [PEER, TENSOR]], runs[:, BOX:], runs[:, [OFFSET, SLOT_END]]], axis=1))
+
+
+def received(plan: SlicedPlan, trainer_texts, receiver: int) -> np.ndarray:
+    """What the trainers' shares send `receiver`: (sender, offset, slot end, bytes), sorted."""
+    items = np.array([it.itemsize for it in plan.assignment.tensors], dtype=np.int64)
+    rows = np.concatenate([runs[runs[:, 1] == receiver] for runs in (trainer_runs(t) for t in trainer_texts)])
+    nd = (rows.shape[1] - 5) // 2
+    nbytes = np.prod(rows[:, 3 + nd:3 + 2 * nd] - rows[:, 3:3 + nd], axis=1) * items[rows[:, 2]]
+    return _sorted(np.stack([rows[:, 0], rows[:, -2], rows[:, -1], nbytes], axis=1))
+
+
+def receiver_runs(text: str) -> np.ndarray:
+    s = json.loads(text)
+    return _sorted(decode(s["runs"], NBYTES + 1))
 
 
 def _sorted(rows: np.ndarray) -> np.ndarray:
@@ -67,11 +78,11 @@ def _sorted(rows: np.ndarray) -> np.ndarray:
 def check_shares(plan: SlicedPlan) -> None:
     shares = share_out(plan)
     assert is_shares(shares.header) and not is_shares(plan.to_json())
-    for column, texts in ((SENDER, shares.trainers), (RECEIVER, shares.inferences)):
-        whole = pieces_by_rank(plan, column)
-        assert len(texts) == len(whole)
-        for rank, text in enumerate(texts):
-            assert np.array_equal(share_pieces(text), whole[rank]), (column, rank)
+    assert len(shares.trainers) == plan.trainers and len(shares.inferences) == plan.inferences
+    for t, text in enumerate(shares.trainers):
+        assert np.array_equal(trainer_runs(text)[:, :-2], pieces_of(plan, t)), t
+    for r, text in enumerate(shares.inferences):
+        assert np.array_equal(receiver_runs(text), received(plan, shares.trainers, r)), r
     for t, text in enumerate(shares.trainers):
         mine = RankPlan.from_json(shares.header, text)
         assert list(mine.buckets_of(t)) == plan.buckets_of(t), t
@@ -142,11 +153,18 @@ def test_kimi_k2_on_384_gpus_each_ranks_share_is_its_part_of_the_whole_assignmen
     needs = tuple(needs_from_json(r, n) for r, n in enumerate(built.needs))
     plan = SlicedPlan(built.layout, holdings, needs, built.job.transfer.bucket_bytes)
     shares = share_out(plan)
-    for column, texts in ((SENDER, shares.trainers), (RECEIVER, shares.inferences)):
-        whole = pieces_by_rank(plan, column)
-        for rank, text in enumerate(texts):
-            assert np.array_equal(share_pieces(text), whole[rank]), (column, rank)
-    assert sum(len(share_pieces(t)) for t in shares.trainers) == len(plan.assignment)
+    pieces = 0
+    for t, text in enumerate(shares.trainers):
+        whole = pieces_of(plan, t)
+        assert np.array_equal(trainer_runs(text)[:, :-2], whole), t
+        pieces += len(whole)
+    # every piece is in its sender's share and in its receiver's, and in no other
+    assert pieces == len(plan.assignment)
+    assert sum(len(receiver_runs(text)) for text in shares.inferences) == len(plan.assignment)
+    want = plan.assignment.bytes_by_receiver()
+    for r, text in enumerate(shares.inferences):
+        assert int(receiver_runs(text)[:, NBYTES].sum()) == want[r], r
+    assert np.array_equal(receiver_runs(shares.inferences[0]), received(plan, shares.trainers, 0))
     # trainer 0's buckets for receiver 0 are the ones receiver 0 expects from it, and each rank's
     # bytes are the assignment's
     trainer = RankPlan.from_json(shares.header, shares.trainers[0])

@@ -22,7 +22,7 @@ from weightsync.model.flat import ALIGN, ITEMSIZE, FlatLayout
 from weightsync.plan.boxes import Box, RankSlices
 from weightsync.plan.holders import Holdings
 from weightsync.plan.segments import size_text
-from weightsync.plan.shares import KIND, OFFSET, RECEIVER, RECORD, SENDER, SLOT_END, TENSOR, decode
+from weightsync.plan.shares import BOX, KIND, NBYTES, OFFSET, PEER, SLOT_END, TENSOR, decode
 from weightsync.plan.sliced_plan import LocalLayout, Part, SliceBucket, needs_from_json
 
 
@@ -65,7 +65,7 @@ def pack(offset: np.ndarray, nbytes: np.ndarray, slot_end: np.ndarray, limit: in
 class Streams:
     """Buckets of runs, as arrays: bucket b is runs first[b] .. first[b + 1] - 1."""
 
-    runs: np.ndarray  # records (shares.RECORD), in bucket order
+    runs: np.ndarray  # a trainer's share's rows (shares.py), in bucket order
     nbytes: np.ndarray  # of each run
     first: np.ndarray  # per bucket, and the end
     nd: int
@@ -81,34 +81,54 @@ class Streams:
         return self.runs[last, OFFSET] + self.nbytes[last] - self.offsets()
 
 
-def streams(runs: np.ndarray, peer_order: Sequence[int], peer: int, items: np.ndarray, limit: int, nd: int,
-            interleave: bool) -> tuple[Streams, np.ndarray]:
-    """The buckets of `runs` (one rank's), stream by stream in `peer_order` (the column `peer`
-    names the other side of each stream), each stream's runs in the order of their offsets; with
-    `interleave`, in turns of one bucket per stream. Returns them and each bucket's peer."""
-    ext = runs[:, RECORD + nd:] - runs[:, RECORD:RECORD + nd]
-    nbytes = np.prod(ext, axis=1) * items[runs[:, TENSOR]]
-    rank_of = {p: i for i, p in enumerate(peer_order)}
-    place = np.array([rank_of[p] for p in runs[:, peer].tolist()], dtype=np.int64) if len(runs) else np.zeros(0, np.int64)
-    order = np.lexsort((runs[:, OFFSET], place))
-    runs, nbytes, place = runs[order], nbytes[order], place[order]
-    bounds = np.searchsorted(place, np.arange(len(peer_order) + 1))
-    firsts, turn, stream = [], [], []
-    for s, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
-        f = pack(runs[a:b, OFFSET], nbytes[a:b], runs[a:b, SLOT_END], limit) + a
-        firsts.append(f)
-        turn.append(np.arange(len(f)))
-        stream.append(np.full(len(f), s))
+def run_bytes(runs: np.ndarray, items: np.ndarray, nd: int) -> np.ndarray:
+    return np.prod(runs[:, BOX + nd:] - runs[:, BOX:BOX + nd], axis=1) * items[runs[:, TENSOR]]
+
+
+def packed(peers: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, slot_end: np.ndarray, peer_order: Sequence[int],
+           limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One rank's runs packed stream by stream (`peers`: the other side of each run's stream, the
+    streams in `peer_order`), each stream's runs in the order of their offsets: the runs' order,
+    the first (sorted) run of each bucket, and each bucket's stream."""
+    table = np.full(max(peer_order, default=0) + 1, len(peer_order), dtype=np.int64)
+    table[list(peer_order)] = np.arange(len(peer_order))
+    place = table[peers]
+    order = np.lexsort((offset, place))
+    offset, nbytes, slot_end, place = offset[order], nbytes[order], slot_end[order], place[order]
+    bounds = np.searchsorted(place, np.arange(len(peer_order) + 1)).tolist()
+    firsts = [pack(offset[a:b], nbytes[a:b], slot_end[a:b], limit) + a for a, b in zip(bounds[:-1], bounds[1:])]
     first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)
+    stream = np.repeat(np.arange(len(firsts)), [len(f) for f in firsts])
+    return order, first, stream
+
+
+def sender_streams(runs: np.ndarray, peer_order: Sequence[int], items: np.ndarray, limit: int,
+                   nd: int) -> tuple[Streams, np.ndarray]:
+    """A trainer's buckets, in turns of one bucket per receiver (receivers in `peer_order`), and
+    each bucket's receiver."""
+    nbytes = run_bytes(runs, items, nd)
+    order, first, stream = packed(runs[:, PEER], runs[:, OFFSET], nbytes, runs[:, SLOT_END], peer_order, limit)
     count = np.diff(np.append(first, len(runs)))
-    if interleave and len(first):
-        by = np.lexsort((np.concatenate(stream), np.concatenate(turn)))
-        first, count = first[by], count[by]
-        take = np.concatenate([np.arange(a, a + n) for a, n in zip(first.tolist(), count.tolist())])
-        runs, nbytes = runs[take], nbytes[take]
+    per_stream = np.bincount(stream, minlength=len(peer_order))
+    turn = np.arange(len(first)) - np.repeat(np.cumsum(per_stream) - per_stream, per_stream)
+    by = np.lexsort((stream, turn))
+    first, count = first[by], count[by]
     starts = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
-    made = Streams(runs, nbytes, starts, nd)
-    return made, runs[starts[:-1], peer] if len(runs) else np.zeros(0, np.int64)
+    take = order[np.arange(starts[-1]) - np.repeat(starts[:-1], count) + np.repeat(first, count)]
+    runs, nbytes = runs[take], nbytes[take]
+    return Streams(runs, nbytes, starts, nd), runs[starts[:-1], PEER] if len(runs) else np.zeros(0, np.int64)
+
+
+def receiver_ranges(runs: np.ndarray, limit: int) -> dict[int, list[tuple[int, int]]]:
+    """An inference rank's buckets from its share's rows: {trainer rank: [(offset, length)]},
+    trainers in order, each one's buckets in the order of their offsets."""
+    senders = np.unique(runs[:, PEER]).tolist()
+    order, first, stream = packed(runs[:, PEER], runs[:, OFFSET], runs[:, NBYTES], runs[:, SLOT_END], senders, limit)
+    offset, nbytes = runs[order, OFFSET], runs[order, NBYTES]
+    last = np.append(first[1:], len(order)) - 1
+    starts, lengths = offset[first].tolist(), (offset[last] + nbytes[last] - offset[first]).tolist()
+    bounds = np.searchsorted(stream, np.arange(len(senders) + 1)).tolist()
+    return {t: list(zip(starts[a:b], lengths[a:b])) for t, a, b in zip(senders, bounds[:-1], bounds[1:])}
 
 
 class ShareBuckets(Sequence):
@@ -147,7 +167,7 @@ class ShareBuckets(Sequence):
                 row = runs[j]
                 t = row[TENSOR]
                 n = dims[t]
-                parts.append(Part(t, Box(tuple(row[RECORD:RECORD + n]), tuple(row[RECORD + nd:RECORD + nd + n])),
+                parts.append(Part(t, Box(tuple(row[BOX:BOX + n]), tuple(row[BOX + nd:BOX + nd + n])),
                                   row[OFFSET] - start, nbytes[j]))
             yield SliceBucket(self.trainer, receiver, start, length, tuple(parts))
 
@@ -183,7 +203,7 @@ class RankPlan:
         rank = int(s["rank"])
         trainer = s["role"] == "trainer"
         return cls(layout, int(h["trainers"]), int(h["inferences"]), int(h["bucket_bytes"]), tuple(h["receiver_bytes"]),
-                   s["role"], rank, decode(s["runs"], RECORD + 2 * nd), nd,
+                   s["role"], rank, decode(s["runs"], BOX + 2 * nd if trainer else NBYTES + 1), nd,
                    {rank: Holdings.from_json(s["holdings"])} if trainer else {},
                    None if trainer else needs_from_json(rank, s["needs"]), tuple(s.get("receivers", ())))
 
@@ -197,7 +217,7 @@ class RankPlan:
 
     @cached_property
     def _buckets(self) -> ShareBuckets:
-        made, receivers = streams(self.runs, self.receivers, RECEIVER, self._items, self.bucket_bytes, self.nd, True)
+        made, receivers = sender_streams(self.runs, self.receivers, self._items, self.bucket_bytes, self.nd)
         return ShareBuckets(self.rank, made, receivers, [len(s.shape) for s in self.layout.slots])
 
     def buckets_of(self, trainer: int) -> ShareBuckets:
@@ -219,12 +239,7 @@ class RankPlan:
 
     def expected_for(self, inference: int) -> dict[int, list[tuple[int, int]]]:
         self._own("inference", inference, "what is received")
-        senders = sorted(set(self.runs[:, SENDER].tolist()))
-        made, peers = streams(self.runs, senders, SENDER, self._items, self.bucket_bytes, self.nd, False)
-        out: dict[int, list[tuple[int, int]]] = {}
-        for t, o, n in zip(peers.tolist(), made.offsets().tolist(), made.lengths().tolist()):
-            out.setdefault(t, []).append((o, n))
-        return out
+        return receiver_ranges(self.runs, self.bucket_bytes)
 
     def scatter_for(self, inference: int) -> dict:
         return {}

@@ -18,8 +18,8 @@ has the later dims of the box it is needed in, or is a part of one of its rows).
 their runs into buckets with the same code (rank_plan.pack), so the buckets a trainer sends are
 exactly the ones its receivers expect, and exactly SlicedPlan's.
 
-Runs are int64 records (RECORD's fields, then the box's lo and hi per dimension), sent as zlib'd
-bytes in base64. No torch here.
+A share's runs are int64 columns (PEER, OFFSET, SLOT_END, and a trainer's TENSOR and BOX, a
+receiver's NBYTES), sent as zlib'd differences in base64 (Share). No torch here.
 """
 
 from __future__ import annotations
@@ -36,8 +36,13 @@ from weightsync.plan.boxes import Slicing
 from weightsync.plan.sliced_plan import SlicedPlan, global_tensors, needs_to_json
 
 KIND = "slices-shares"  # the header's kind (sliced_plan.plan_from_json reads the others)
-SENDER, RECEIVER, TENSOR, OFFSET, SLOT_END = range(5)
-RECORD = 5  # fields before the box's lo and hi
+# a share's columns: the other side of the run's stream (a trainer's receiver, a receiver's
+# trainer), where the run lands in the receiver's buffer and where its slot ends; then a
+# trainer's the tensor and the box (lo, then hi, per dimension), a receiver's the run's bytes
+PEER, OFFSET, SLOT_END, TENSOR, BOX = range(5)
+NBYTES = 3
+# the whole assignment's runs, as class_runs makes them
+SENDER, RECEIVER, _TENSOR, _OFFSET, _SLOT_END, RECORD = range(6)
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,15 @@ class PlanShares:
     inferences: tuple  # per inference rank
 
 
-def encode(records: np.ndarray) -> str:
-    return base64.b64encode(zlib.compress(np.ascontiguousarray(records, dtype="<i8").tobytes(), 1)).decode()
-
-
-def decode(text: str, fields: int) -> np.ndarray:
-    return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<i8").reshape(-1, fields)
+def decode(text: str, columns: int) -> np.ndarray:
+    """A share's runs (rows of its `columns` columns), in the order of their stream's peer, then offset."""
+    data = zlib.decompress(base64.b64decode(text))
+    parts, at = [], 0
+    while at < len(data):
+        n, k = np.frombuffer(data, dtype="<i8", count=2, offset=at).tolist()
+        parts.append(np.cumsum(np.frombuffer(data, dtype="<i8", count=n * k, offset=at + 16).reshape(k, n), axis=1).T)
+        at += 16 + 8 * n * k
+    return np.concatenate(parts) if parts else np.zeros((0, columns), dtype=np.int64)
 
 
 def header(plan: SlicedPlan) -> dict:
@@ -64,32 +72,49 @@ def header(plan: SlicedPlan) -> dict:
 
 
 def share_out(plan: SlicedPlan) -> PlanShares:
-    """Cut `plan` into the header and every rank's share."""
+    """Cut `plan` into the header and every rank's share. Each rank's runs are compressed as they
+    come, class by class: the whole assignment's runs are never held at once."""
     nd = _ndim(plan)
-    per_trainer: list[list] = [[] for _ in range(plan.trainers)]
-    per_receiver: list[list] = [[] for _ in range(plan.inferences)]
+    trainers = [Share() for _ in range(plan.trainers)]
+    receivers = [Share() for _ in range(plan.inferences)]
+    items = np.array([ITEMSIZE[s.dtype] for s in plan.layout.slots], dtype=np.int64)
     for records in class_runs(plan, nd):
-        for column, out in ((SENDER, per_trainer), (RECEIVER, per_receiver)):
-            order = np.argsort(records[:, column], kind="stable")
-            ranks = records[order, column]
-            bounds = np.searchsorted(ranks, np.arange(len(out) + 1))
-            for rank in np.flatnonzero(np.diff(bounds)):
-                out[rank].append(records[order[bounds[rank]:bounds[rank + 1]]])
-    fields = RECORD + 2 * nd
-    empty = np.zeros((0, fields), dtype=np.int64)
+        box = records[:, RECORD:]
+        nbytes = np.prod(box[:, nd:] - box[:, :nd], axis=1) * items[records[:, _TENSOR]]
+        sent = np.concatenate([records[:, [RECEIVER, _OFFSET, _SLOT_END, _TENSOR]], box], axis=1)
+        received = np.stack([records[:, SENDER], records[:, _OFFSET], records[:, _SLOT_END], nbytes], axis=1)
+        for column, out, rows in ((SENDER, trainers, sent), (RECEIVER, receivers, received)):
+            order = np.lexsort((rows[:, OFFSET], rows[:, PEER], records[:, column]))
+            bounds = np.searchsorted(records[order, column], np.arange(len(out) + 1))
+            for rank in np.flatnonzero(np.diff(bounds)).tolist():
+                out[rank].add(rows[order[bounds[rank]:bounds[rank + 1]]])
     position = plan.assignment.position
-    trainers = []
-    for t, parts in enumerate(per_trainer):
-        records = np.concatenate(parts) if parts else empty
-        receivers = sorted(set(np.unique(records[:, RECEIVER]).tolist()), key=lambda r: int(position[t, r]))
-        trainers.append(json.dumps({"role": "trainer", "rank": t, "nd": nd, "runs": encode(records),
-                                    "receivers": receivers, "holdings": plan.holdings[t].to_json()}))
-    inferences = []
-    for r, parts in enumerate(per_receiver):
-        records = np.concatenate(parts) if parts else empty
-        inferences.append(json.dumps({"role": "inference", "rank": r, "nd": nd, "runs": encode(records),
-                                      "needs": needs_to_json(plan.needs[r])}))
-    return PlanShares(json.dumps(header(plan)), tuple(trainers), tuple(inferences))
+    return PlanShares(json.dumps(header(plan)), tuple(
+        json.dumps({"role": "trainer", "rank": t, "nd": nd, "runs": share.text(),
+                    "receivers": sorted(share.peers, key=lambda r: int(position[t, r])),
+                    "holdings": plan.holdings[t].to_json()}) for t, share in enumerate(trainers)), tuple(
+        json.dumps({"role": "inference", "rank": r, "nd": nd, "runs": share.text(), "needs": needs_to_json(plan.needs[r])})
+        for r, share in enumerate(receivers)))
+
+
+class Share:
+    """One rank's runs, compressed as they are added, and the peers of its streams. Each group of
+    rows added (in the order of their peer, then offset) is its count, its columns' count, and
+    each column's differences from the row before (small numbers, which compress well)."""
+
+    def __init__(self):
+        self.zip = zlib.compressobj(6)
+        self.chunks: list[bytes] = []
+        self.peers: set[int] = set()
+
+    def add(self, rows: np.ndarray) -> None:
+        columns = np.diff(rows.T, axis=1, prepend=0)
+        self.chunks.append(self.zip.compress(np.array(rows.shape, dtype="<i8").tobytes()
+                                             + np.ascontiguousarray(columns, dtype="<i8").tobytes()))
+        self.peers.update(np.unique(rows[:, PEER]).tolist())
+
+    def text(self) -> str:
+        return base64.b64encode(b"".join(self.chunks) + self.zip.flush()).decode()
 
 
 def _ndim(plan: SlicedPlan) -> int:
@@ -154,9 +179,9 @@ def _records(group, sender, receiver, offsets, at, box_bytes, lo, hi) -> np.ndar
     out = np.empty((m, n, RECORD + 2 * nd), dtype=np.int64)
     out[:, :, SENDER] = sender
     out[:, :, RECEIVER] = receiver
-    out[:, :, TENSOR] = np.asarray(group, dtype=np.int64)[:, None]
-    out[:, :, OFFSET] = offsets + at
-    out[:, :, SLOT_END] = offsets + box_bytes
+    out[:, :, _TENSOR] = np.asarray(group, dtype=np.int64)[:, None]
+    out[:, :, _OFFSET] = offsets + at
+    out[:, :, _SLOT_END] = offsets + box_bytes
     out[:, :, RECORD:RECORD + nd] = lo
     out[:, :, RECORD + nd:] = hi
     return out.reshape(m * n, -1)
