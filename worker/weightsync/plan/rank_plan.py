@@ -127,6 +127,8 @@ def receiver_ranges(runs: np.ndarray, limit: int) -> dict[int, list[tuple[int, i
     offset, nbytes = runs[order, OFFSET], runs[order, NBYTES]
     last = np.append(first[1:], len(order)) - 1
     starts, lengths = offset[first].tolist(), (offset[last] + nbytes[last] - offset[first]).tolist()
+    same: dict[int, int] = {}
+    lengths = [same.setdefault(n, n) for n in lengths]  # a few sizes, each one object: a few MB less
     bounds = np.searchsorted(stream, np.arange(len(senders) + 1)).tolist()
     return {t: list(zip(starts[a:b], lengths[a:b])) for t, a, b in zip(senders, bounds[:-1], bounds[1:])}
 
