@@ -60,7 +60,7 @@ def test_a_share_not_signed_with_the_jobs_token_is_refused():
     plan, store = halves_plan(), Store("inference", 1)
     header = publish_shares(store, b"u" * 32, plan)
     with pytest.raises(ProofError, match="not signed with this job's token"):
-        own_plan(store, header, 1.0)
+        own_plan(store, header, 1.0, ProofError)
 
 
 def test_a_plan_not_over_slices_is_published_whole():

@@ -27,7 +27,7 @@ from weightsync.job import INFERENCE, TRAINER, Job
 from weightsync.plan.interface import TransferPlan
 from weightsync.rendezvous.messages import RankInfo, Round, SentReport
 from weightsync.rendezvous.plan_shares import own_share
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT
 from weightsync.transfer.receive import ReceivedVersion, version_digest
@@ -145,7 +145,7 @@ class Sim:
         member.wait_for(Keys.PLAN_MAC, "the transfer plan", JOIN_TIMEOUT)
         times.plan_seen = time.monotonic()
         text = member.plan_text(JOIN_TIMEOUT)
-        share = own_share(member, text, JOIN_TIMEOUT)
+        share = own_share(member, text, JOIN_TIMEOUT, ProofError)
         member.peers(0, JOIN_TIMEOUT)
         times.plan_read = time.monotonic()
         times.plan_bytes = len(member.get(Keys.PLAN)) + len(member.get(Keys.peers(0))) + len(share or "")

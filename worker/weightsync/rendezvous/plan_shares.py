@@ -34,23 +34,22 @@ def publish_shares(channel, token: bytes, plan: TransferPlan) -> str:
     return shares.header
 
 
-def own_share(member, text: str, timeout: float) -> str | None:
+def own_share(member, text: str, timeout: float, refused: type[Exception] = ValueError) -> str | None:
     """`member`'s rank's share of the published plan `text`, checked to come from a holder of the
-    token; None where the plan is published whole."""
+    token (`refused` raised where it does not: protocol.ProofError); None where the plan is
+    published whole."""
     if not is_shares(text):
         return None
     key = share_key(member.role, member.rank)
     member.wait_for(key + "/mac", "this rank's share of the transfer plan", timeout)
     share = member.get(key)
     if not same(member.get(key + "/mac").decode(), share_mac(member.token, member.role, member.rank, share)):
-        from weightsync.rendezvous.protocol import ProofError  # protocol imports this module
-
-        raise ProofError("this rank's share of the published plan is not signed with this job's token")
+        raise refused("this rank's share of the published plan is not signed with this job's token")
     return share.decode()
 
 
-def own_plan(member, text: str, timeout: float) -> TransferPlan:
+def own_plan(member, text: str, timeout: float, refused: type[Exception] = ValueError) -> TransferPlan:
     """The plan `member`'s rank uses, from the published plan's `text`: the whole plan, or the
     header and this rank's share."""
-    share = own_share(member, text, timeout)
+    share = own_share(member, text, timeout, refused)
     return plan_from_json(text) if share is None else RankPlan.from_json(text, share)

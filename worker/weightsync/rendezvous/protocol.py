@@ -424,7 +424,8 @@ class Member(Channel):
     def plan(self, timeout: float):
         """The plan and {inference rank: endpoint} as of the given epoch, checked to come from a
         holder of the token."""
-        return own_plan(self, self.plan_text(timeout), timeout), {r: p.endpoint for r, p in self.peers(0, timeout).items()}
+        plan = own_plan(self, self.plan_text(timeout), timeout, ProofError)
+        return plan, {r: p.endpoint for r, p in self.peers(0, timeout).items()}
 
     def plan_text(self, timeout: float) -> str:
         """The plan's JSON as the controller published it, checked to come from a holder of the token."""
