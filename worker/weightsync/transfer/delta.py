@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -46,81 +47,60 @@ import numpy as np
 import xxhash
 import zstandard
 
+from weightsync.transfer import delta_kernels as kernels
+from weightsync.transfer.delta_kernels import ELEMENT, GAP, MAX_GAP, elements  # noqa: F401 - the format's
+from weightsync.transfer.phases import Phases
 from weightsync.transport.checksum import CHUNK
 
 FORMAT = 1
 HEAD = struct.Struct("<4sBB2xQQI")
 RECORD = struct.Struct("<B3xII")
 SAME, SPARSE, RAW = 0, 1, 2
-MAX_GAP = 0xFFFF
-GAP = np.dtype("<u2")
 LEVEL = 1  # zstd level: 3 saved no bytes here and took 30% longer
 # A bucket goes whole when its first chunk's patch, before compression, would be more than this
 # share of the chunk: at float32 every element changes, and encoding would cost time for nothing.
 DENSE = 0.5
-ELEMENT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 class PatchError(ValueError):
     """A patch that cannot be applied here; the message says why."""
 
 
-def _elements(itemsize: int) -> np.dtype:
-    try:
-        return ELEMENT[itemsize]
-    except KeyError:
-        raise ValueError(f"no delta encoding for {itemsize}-byte elements") from None
-
-
-def _with_fillers(idx: np.ndarray, n: int) -> np.ndarray:
-    """`idx` (sorted element indices) with filler indices every MAX_GAP elements where none is,
-    so that no gap exceeds MAX_GAP."""
-    grid = np.arange(MAX_GAP - 1, n, MAX_GAP)
-    at = np.searchsorted(idx, grid)
-    present = np.zeros(len(grid), dtype=bool)
-    inside = at < len(idx)
-    present[inside] = idx[at[inside]] == grid[inside]
-    return np.insert(idx, at[~present], grid[~present])
-
-
-def encode_chunk(old: np.ndarray, new: np.ndarray, itemsize: int, compressor: zstandard.ZstdCompressor) -> tuple[list, int]:
-    """The record of one chunk (its pieces) that makes `new` of `old` (uint8 arrays of one
-    length), and how many elements differ."""
-    dt = _elements(itemsize)
-    ov, nv = old.view(dt), new.view(dt)
-    idx = np.flatnonzero(np.not_equal(ov, nv))
-    if len(idx) == 0:
-        return [RECORD.pack(SAME, 0, 0)], 0
-    changed = len(idx)
-    if changed * (GAP.itemsize + itemsize) < len(new):
-        gaps = np.diff(idx, prepend=-1)
-        if gaps.max() > MAX_GAP:
-            idx = _with_fillers(idx, len(ov))
-            gaps = np.diff(idx, prepend=-1)
-        entries = np.empty(len(idx) * (GAP.itemsize + itemsize), dtype=np.uint8)
-        entries[:len(idx) * GAP.itemsize].view(GAP)[:] = gaps
-        np.bitwise_xor(ov[idx], nv[idx], out=entries[len(idx) * GAP.itemsize:].view(dt))
-        blob = compressor.compress(entries)
-        if len(blob) < len(new):
-            return [RECORD.pack(SPARSE, len(idx), len(blob)), blob], changed
-    return [RECORD.pack(RAW, changed, len(new)), new.tobytes()], changed
-
-
 class Encoders:
-    """Where chunks are encoded: on `threads` threads (each with its own compressor), so that a
-    trainer rank encodes one chunk while it casts the next, and several at once where it has the
-    cores; with one thread, in the caller's."""
+    """Where chunks are encoded: on `threads` threads (each with its own compressor and scratch
+    for a chunk's entries), so that a trainer rank encodes one chunk while it casts the next, and
+    several at once where it has the cores; with one thread, in the caller's. `phases` adds up
+    the seconds spent comparing (and keeping) and encoding."""
 
     def __init__(self, threads: int = 1):
         if threads < 1:
             raise ValueError("encoding needs at least one thread")
         self.local = threading.local()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-encode") if threads > 1 else None
+        self.phases = Phases()
 
-    def compressor(self) -> zstandard.ZstdCompressor:
-        if not hasattr(self.local, "compressor"):
-            self.local.compressor = zstandard.ZstdCompressor(level=LEVEL)
-        return self.local.compressor
+    def encode(self, kept: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[list, int]:
+        """The record of one chunk (its pieces) that makes `new` of `kept` (uint8 arrays of one
+        length), and how many elements differ; `kept` holds the new bytes afterwards."""
+        local = self.local
+        if not hasattr(local, "compressor"):
+            local.compressor, local.scratch = zstandard.ZstdCompressor(level=LEVEL), bytearray()
+        if len(local.scratch) < kernels.scratch_bytes(len(new), itemsize):
+            local.scratch = bytearray(kernels.scratch_bytes(len(new), itemsize))
+        start = time.perf_counter()
+        entries, changed = kernels.diff(kept, new, itemsize, local.scratch)
+        compared = time.perf_counter()
+        self.phases.add("compare", compared - start)
+        if changed == 0:
+            return [RECORD.pack(SAME, 0, 0)], 0
+        try:
+            if entries >= 0 and changed * (GAP.itemsize + itemsize) < len(new):
+                blob = local.compressor.compress(memoryview(local.scratch)[:entries * (GAP.itemsize + itemsize)])
+                if len(blob) < len(new):
+                    return [RECORD.pack(SPARSE, entries, len(blob)), blob], changed
+            return [RECORD.pack(RAW, changed, len(new)), kept.tobytes()], changed
+        finally:
+            self.phases.add("encode", time.perf_counter() - compared)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -149,7 +129,8 @@ class BucketEncoder:
         """The bucket's new bytes [pos, pos + len(new)), a uint8 array; chunks come in order."""
         old = self.kept[pos:pos + len(new)]
         if self.base is None or self.dense:
-            np.copyto(old, new)
+            with self.encoders.phases.timed("keep"):
+                np.copyto(old, new)
             return
         self.compared += len(new) // self.itemsize
         if pos and self.encoders.pool is not None:
@@ -162,9 +143,7 @@ class BucketEncoder:
             self.dense, self.parts = True, []
 
     def _chunk(self, old: np.ndarray, new: np.ndarray) -> tuple[list, int]:
-        got = encode_chunk(old, new, self.itemsize, self.encoders.compressor())
-        np.copyto(old, new)
-        return got
+        return self.encoders.encode(old, new, self.itemsize)
 
     def _too_dense(self, record: bytes, chunk_bytes: int) -> bool:
         kind, entries, _ = RECORD.unpack(record)
@@ -193,7 +172,7 @@ class LastSent:
     then nothing can be a patch against it. Chunks are encoded on `threads` threads."""
 
     def __init__(self, buckets: Sequence, itemsize: int, threads: int = 1):
-        _elements(itemsize)
+        elements(itemsize)
         self.itemsize = itemsize
         self.where: dict[int, tuple[int, int]] = {}  # bucket offset -> (position here, length)
         pos = 0
@@ -219,10 +198,11 @@ class LastSent:
         return BucketEncoder(self.bucket(offset), self.itemsize, base, self.encoders)
 
 
-def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int) -> int:
+def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None) -> int:
     """Write into `target` the new bytes that `payload` (a patch) makes of `base` (version
     base_version, read only; both uint8 arrays of the range's length); returns their xxh3_64.
-    Raises PatchError when the patch is not one of this range against this base."""
+    Raises PatchError when the patch is not one of this range against this base. `phases` adds
+    up the seconds spent applying and hashing."""
     view = memoryview(payload).cast("B")
     if len(view) < HEAD.size:
         raise PatchError(f"a patch of {len(view)} bytes is shorter than its head")
@@ -235,11 +215,12 @@ def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int
         raise PatchError(f"a patch of a {length}-byte range applied to {len(target)} bytes")
     if itemsize not in ELEMENT or chunk <= 0 or chunk % itemsize:
         raise PatchError(f"element size {itemsize} or chunk size {chunk} is not valid")
-    dt = ELEMENT[itemsize]
     decompressor = zstandard.ZstdDecompressor()
     h = xxhash.xxh3_64()
     at = HEAD.size
+    applying = hashing = 0.0
     for pos in range(0, length, chunk):
+        start = time.perf_counter()
         end = min(pos + chunk, length)
         if at + RECORD.size > len(view):
             raise PatchError(f"the patch ends before the chunk at byte {pos}")
@@ -262,15 +243,16 @@ def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int
                 raise PatchError(f"the chunk at byte {pos} does not decompress: {e}") from None
             if len(raw) != want:
                 raise PatchError(f"the chunk at byte {pos} holds {len(raw)} bytes for {entries} entries")
-            idx = np.cumsum(np.frombuffer(raw, dtype=GAP, count=entries), dtype=np.int64) - 1
-            if idx[-1] >= (end - pos) // itemsize:
+            if not kernels.patch(base[pos:end], out, raw, entries, itemsize):
                 raise PatchError(f"the chunk at byte {pos} changes an element beyond its end")
-            np.copyto(out, base[pos:end])
-            elements = out.view(dt)
-            elements[idx] ^= np.frombuffer(raw, dtype=dt, count=entries, offset=entries * GAP.itemsize)
         else:
             raise PatchError(f"the chunk at byte {pos} has a record (kind {kind}, {stored} bytes) this rank cannot read")
+        applied = time.perf_counter()
         h.update(out)
+        applying, hashing = applying + applied - start, hashing + time.perf_counter() - applied
+    if phases is not None:
+        phases.add("apply", applying)
+        phases.add("hash", hashing)
     if at != len(view):
         raise PatchError(f"{len(view) - at} bytes follow the last chunk")
     return h.intdigest()
@@ -284,7 +266,8 @@ class Patcher:
     is applied only when the new bytes' xxh3_64 equals the sender's; `refused` says why the
     others were not (the sender then sends those ranges whole). A range whose offset is in
     `scatter` is the runs (offset, length) it names, in turn (a bucket that bundles runs of several
-    tensors: plan.Bucket). Transports call apply() and refuse() from one thread per sender."""
+    tensors: plan.Bucket). Transports call apply() and refuse() from one thread per sender;
+    `phases` adds up the seconds they spend applying and hashing."""
 
     def __init__(self, base_version: int | None, base=None, target=None, scatter: Mapping | None = None):
         if base_version is not None and (base is None or target is None):
@@ -294,6 +277,7 @@ class Patcher:
         self.applied = 0
         self.refused: list[str] = []
         self.lock = threading.Lock()
+        self.phases = Phases()
 
     def apply(self, offset: int, length: int, payload, checksum: int) -> bool:
         """Apply the patch of the range [offset, offset + length); True when its new bytes are
@@ -311,7 +295,7 @@ class Patcher:
         on_host = target is not None and target.device.type == "cpu"
         out = target.numpy() if on_host else np.empty(length, dtype=np.uint8)
         try:
-            got = apply_patch(payload, base.cpu().numpy(), out, self.base_version)
+            got = apply_patch(payload, base.cpu().numpy(), out, self.base_version, self.phases)
         except PatchError as e:
             self.refuse(offset, length, str(e))
             return False

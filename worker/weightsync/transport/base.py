@@ -198,10 +198,12 @@ class Sender(abc.ABC):
         it completes when the bytes have left `data` (which may then be reused)."""
 
     def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
-                   whole: Callable[[], Any]) -> Future:
+                   whole: Callable[[], Any], trailer: int | None = None) -> Future:
         """Queue a patch (`payload`, a list of byte pieces) of the range [offset, offset + length)
         whose new bytes hash to `checksum`. If the peer cannot apply it, end_version() sends the
-        range whole: `whole()` gives its new bytes then (they must stay valid until then)."""
+        range whole: `whole()` gives its new bytes then (they must stay valid until then).
+        `trailer`: the patch's own xxh3_64 where the caller has it (one patch sent to several
+        peers is hashed once)."""
         raise NotImplementedError(f"the {type(self).__name__} transport carries no patches")
 
     @abc.abstractmethod

@@ -235,7 +235,7 @@ class TcpSender(Sender):
         return self.submit(peer, version, stream)
 
     def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
-                   whole: Callable[[], Any]) -> Future:
+                   whole: Callable[[], Any], trailer: int | None = None) -> Future:
         views = as_views(payload)
         size = sum(len(v) for v in views)
         if size > wire.patch_limit(length):
@@ -246,7 +246,8 @@ class TcpSender(Sender):
 
         def work(conn: Connection) -> int:
             try:
-                send_all(conn.sock, [memoryview(header)] + views + [memoryview(TRAILER.pack(checksum_of(views)))])
+                own = checksum_of(views) if trailer is None else trailer
+                send_all(conn.sock, [memoryview(header)] + views + [memoryview(TRAILER.pack(own))])
             except BaseException:
                 hang_up(conn.sock)
                 raise
