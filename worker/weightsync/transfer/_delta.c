@@ -25,7 +25,7 @@ static inline uint64_t lane(uint64_t x, Py_ssize_t itemsize, Py_ssize_t k) {
     return itemsize == 8 ? x : (x >> (8 * itemsize * k)) & ((UINT64_C(1) << (8 * itemsize)) - 1);
 }
 
-static inline void put_value(unsigned char *values, Py_ssize_t at, uint64_t v, Py_ssize_t itemsize) {
+static inline __attribute__((always_inline)) void put_value(unsigned char *values, Py_ssize_t at, uint64_t v, Py_ssize_t itemsize) {
     memcpy(values + at * itemsize, &v, (size_t)itemsize); /* little-endian: the low bytes */
 }
 
@@ -36,8 +36,9 @@ typedef struct {
 } Entries;
 
 /* An entry for element `i`, whose value is `v`; fillers first where the gap is too long. Past
- * `cap` entries only the count goes on. */
-static inline void entry(Entries *e, Py_ssize_t i, uint64_t v, Py_ssize_t itemsize) {
+ * `cap` entries only the count goes on. Inlined where itemsize is a constant: each entry is then
+ * two stores. */
+static inline __attribute__((always_inline)) void entry(Entries *e, Py_ssize_t i, uint64_t v, Py_ssize_t itemsize) {
     while (i - e->last > MAX_GAP) {
         e->last += MAX_GAP;
         if (e->entries < e->cap) {
@@ -87,9 +88,9 @@ static void diff_loop(unsigned char *kept, const unsigned char *new, Py_ssize_t 
 
 /* The same with AVX-512BW, 64 bytes at a time: one compare gives the mask of the changed
  * elements, and only those are visited. Returns where it stopped (a tail shorter than 64). */
-__attribute__((target("avx512f,avx512bw")))
-static Py_ssize_t diff_avx512(unsigned char *kept, const unsigned char *new, Py_ssize_t n, Py_ssize_t itemsize,
-                              Entries *e) {
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
+Py_ssize_t diff_avx512_of(unsigned char *kept, const unsigned char *new, Py_ssize_t n, const Py_ssize_t itemsize,
+                          Entries *e) {
     Py_ssize_t pos = 0;
     uint64_t x[8];
     for (; pos + 64 <= n; pos += 64) {
@@ -112,6 +113,17 @@ static Py_ssize_t diff_avx512(unsigned char *kept, const unsigned char *new, Py_
         }
     }
     return pos;
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static Py_ssize_t diff_avx512(unsigned char *kept, const unsigned char *new, Py_ssize_t n, Py_ssize_t itemsize,
+                              Entries *e) {
+    switch (itemsize) { /* a loop for each element size, with its constant */
+    case 1: return diff_avx512_of(kept, new, n, 1, e);
+    case 2: return diff_avx512_of(kept, new, n, 2, e);
+    case 4: return diff_avx512_of(kept, new, n, 4, e);
+    default: return diff_avx512_of(kept, new, n, 8, e);
+    }
 }
 
 static int has_avx512bw(void) {
