@@ -198,64 +198,108 @@ class LastSent:
         return BucketEncoder(self.bucket(offset), self.itemsize, base, self.encoders)
 
 
+class Applying:
+    """One patch applied while its bytes arrive, so that a receiver patches a bucket's first
+    chunks while its last ones are on the wire: feed(payload, got) applies every chunk whose
+    record lies within payload[:got] to `base` (version base_version, read only) into `target`
+    (uint8 arrays of the range's length); result(payload), once all of it is there, gives the new
+    bytes' xxh3_64, or raises PatchError where the patch is not one of this range against this base
+    (a PatchError while feeding waits for result()). `phases` adds up the seconds spent applying
+    and hashing. `into`: where the new bytes go once verified, when `target` is not their place
+    (Patcher's)."""
+
+    def __init__(self, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None, into=None):
+        self.base, self.target, self.base_version, self.phases, self.into = base, target, base_version, phases, into
+        self.at = self.pos = 0  # bytes of the payload read, of the range written
+        self.length: int | None = None  # the range's, from the head
+        self.error: PatchError | None = None
+        self.h = xxhash.xxh3_64()
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def feed(self, payload, got: int) -> None:
+        if self.error is None:
+            try:
+                self._feed(memoryview(payload).cast("B"), got)
+            except PatchError as e:
+                self.error = e
+
+    def _head(self, view) -> None:
+        magic, fmt, self.itemsize, against, length, self.chunk = HEAD.unpack_from(view)
+        if magic != b"WSDP" or fmt != FORMAT:
+            raise PatchError("not a weightsync patch of a format this rank reads")
+        if against != self.base_version:
+            raise PatchError(f"a patch against version {against}; this rank holds version {self.base_version}")
+        if length != len(self.target) or len(self.base) != len(self.target):
+            raise PatchError(f"a patch of a {length}-byte range applied to {len(self.target)} bytes")
+        if self.itemsize not in ELEMENT or self.chunk <= 0 or self.chunk % self.itemsize:
+            raise PatchError(f"element size {self.itemsize} or chunk size {self.chunk} is not valid")
+        self.length, self.at = length, HEAD.size
+
+    def _feed(self, view, got: int) -> None:
+        if self.length is None:
+            if got < HEAD.size:
+                return
+            self._head(view)
+        start, hashing = time.perf_counter(), 0.0
+        while self.pos < self.length and self.at + RECORD.size <= got:
+            kind, entries, stored = RECORD.unpack_from(view, self.at)
+            if self.at + RECORD.size + stored > got:
+                break
+            data = view[self.at + RECORD.size:self.at + RECORD.size + stored]
+            self.at += RECORD.size + stored
+            pos, end = self.pos, min(self.pos + self.chunk, self.length)
+            out = self.target[pos:end]
+            if kind == SAME and stored == 0:
+                np.copyto(out, self.base[pos:end])
+            elif kind == RAW and stored == end - pos:
+                out[:] = np.frombuffer(data, dtype=np.uint8)
+            elif kind == SPARSE and entries:
+                self._sparse(data, entries, pos, end, out)
+            else:
+                raise PatchError(f"the chunk at byte {pos} has a record (kind {kind}, {stored} bytes) this rank cannot read")
+            hashed = time.perf_counter()
+            self.h.update(out)
+            hashing += time.perf_counter() - hashed
+            self.pos = end
+        if self.phases is not None:
+            self.phases.add("apply", time.perf_counter() - start - hashing)
+            self.phases.add("hash", hashing)
+
+    def _sparse(self, data, entries: int, pos: int, end: int, out: np.ndarray) -> None:
+        want = entries * (GAP.itemsize + self.itemsize)
+        try:
+            raw = self.decompressor.decompress(data, max_output_size=want)
+        except zstandard.ZstdError as e:
+            raise PatchError(f"the chunk at byte {pos} does not decompress: {e}") from None
+        if len(raw) != want:
+            raise PatchError(f"the chunk at byte {pos} holds {len(raw)} bytes for {entries} entries")
+        if not kernels.patch(self.base[pos:end], out, raw, entries, self.itemsize):
+            raise PatchError(f"the chunk at byte {pos} changes an element beyond its end")
+
+    def result(self, payload) -> int:
+        view = memoryview(payload).cast("B")
+        self.feed(view, len(view))
+        if self.error is not None:
+            raise self.error
+        if self.length is None:
+            raise PatchError(f"a patch of {len(view)} bytes is shorter than its head")
+        if self.pos < self.length:
+            if self.at + RECORD.size > len(view):
+                raise PatchError(f"the patch ends before the chunk at byte {self.pos}")
+            stored = RECORD.unpack_from(view, self.at)[2]
+            raise PatchError(f"the chunk at byte {self.pos} claims {stored} bytes, "
+                             f"{len(view) - self.at - RECORD.size} are left")
+        if self.at != len(view):
+            raise PatchError(f"{len(view) - self.at} bytes follow the last chunk")
+        return self.h.intdigest()
+
+
 def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None) -> int:
     """Write into `target` the new bytes that `payload` (a patch) makes of `base` (version
     base_version, read only; both uint8 arrays of the range's length); returns their xxh3_64.
     Raises PatchError when the patch is not one of this range against this base. `phases` adds
     up the seconds spent applying and hashing."""
-    view = memoryview(payload).cast("B")
-    if len(view) < HEAD.size:
-        raise PatchError(f"a patch of {len(view)} bytes is shorter than its head")
-    magic, fmt, itemsize, against, length, chunk = HEAD.unpack_from(view)
-    if magic != b"WSDP" or fmt != FORMAT:
-        raise PatchError("not a weightsync patch of a format this rank reads")
-    if against != base_version:
-        raise PatchError(f"a patch against version {against}; this rank holds version {base_version}")
-    if length != len(target) or len(base) != len(target):
-        raise PatchError(f"a patch of a {length}-byte range applied to {len(target)} bytes")
-    if itemsize not in ELEMENT or chunk <= 0 or chunk % itemsize:
-        raise PatchError(f"element size {itemsize} or chunk size {chunk} is not valid")
-    decompressor = zstandard.ZstdDecompressor()
-    h = xxhash.xxh3_64()
-    at = HEAD.size
-    applying = hashing = 0.0
-    for pos in range(0, length, chunk):
-        start = time.perf_counter()
-        end = min(pos + chunk, length)
-        if at + RECORD.size > len(view):
-            raise PatchError(f"the patch ends before the chunk at byte {pos}")
-        kind, entries, stored = RECORD.unpack_from(view, at)
-        at += RECORD.size
-        data = view[at:at + stored]
-        if len(data) != stored:
-            raise PatchError(f"the chunk at byte {pos} claims {stored} bytes, {len(data)} are left")
-        at += stored
-        out = target[pos:end]
-        if kind == SAME and stored == 0:
-            np.copyto(out, base[pos:end])
-        elif kind == RAW and stored == end - pos:
-            out[:] = np.frombuffer(data, dtype=np.uint8)
-        elif kind == SPARSE and entries:
-            want = entries * (GAP.itemsize + itemsize)
-            try:
-                raw = decompressor.decompress(data, max_output_size=want)
-            except zstandard.ZstdError as e:
-                raise PatchError(f"the chunk at byte {pos} does not decompress: {e}") from None
-            if len(raw) != want:
-                raise PatchError(f"the chunk at byte {pos} holds {len(raw)} bytes for {entries} entries")
-            if not kernels.patch(base[pos:end], out, raw, entries, itemsize):
-                raise PatchError(f"the chunk at byte {pos} changes an element beyond its end")
-        else:
-            raise PatchError(f"the chunk at byte {pos} has a record (kind {kind}, {stored} bytes) this rank cannot read")
-        applied = time.perf_counter()
-        h.update(out)
-        applying, hashing = applying + applied - start, hashing + time.perf_counter() - applied
-    if phases is not None:
-        phases.add("apply", applying)
-        phases.add("hash", hashing)
-    if at != len(view):
-        raise PatchError(f"{len(view) - at} bytes follow the last chunk")
-    return h.intdigest()
+    return Applying(base, target, base_version, phases).result(payload)
 
 
 class Patcher:
@@ -282,9 +326,13 @@ class Patcher:
     def apply(self, offset: int, length: int, payload, checksum: int) -> bool:
         """Apply the patch of the range [offset, offset + length); True when its new bytes are
         in place and their xxh3_64 is `checksum`."""
+        return self.end(self.begin(offset, length), offset, length, payload, checksum)
+
+    def begin(self, offset: int, length: int) -> Applying | None:
+        """What applies the patch of the range [offset, offset + length) while it arrives (feed
+        it, then give it to end()); None where this rank holds no version (end() refuses it)."""
         if self.base_version is None:
-            self.refuse(offset, length, "this rank holds no version to apply it to")
-            return False
+            return None
         runs = self.scatter.get(offset)
         if runs is None:
             base, target = self.base[offset:offset + length], self.target[offset:offset + length]
@@ -294,8 +342,17 @@ class Patcher:
             base, target = torch.cat([self.base[o:o + n] for o, n in runs]), None
         on_host = target is not None and target.device.type == "cpu"
         out = target.numpy() if on_host else np.empty(length, dtype=np.uint8)
+        return Applying(base.cpu().numpy(), out, self.base_version, self.phases,
+                        into=None if on_host else runs or ((offset, length),))
+
+    def end(self, applying: Applying | None, offset: int, length: int, payload, checksum: int) -> bool:
+        """Finish what begin() started, now that all of `payload` is there: True when the new
+        bytes are in place and their xxh3_64 is `checksum`."""
+        if applying is None:
+            self.refuse(offset, length, "this rank holds no version to apply it to")
+            return False
         try:
-            got = apply_patch(payload, base.cpu().numpy(), out, self.base_version, self.phases)
+            got = applying.result(payload)
         except PatchError as e:
             self.refuse(offset, length, str(e))
             return False
@@ -303,11 +360,11 @@ class Patcher:
             self.refuse(offset, length, f"the patched bytes hash to {got:016x}, the sender's to {checksum:016x} "
                                         f"(this rank's version {self.base_version} differs from the sender's)")
             return False
-        if not on_host:
+        if applying.into is not None:
             import torch
 
-            new, at = torch.from_numpy(out), 0
-            for o, n in runs or ((offset, length),):
+            new, at = torch.from_numpy(applying.target), 0
+            for o, n in applying.into:
                 self.target[o:o + n].copy_(new[at:at + n])
                 at += n
         with self.lock:

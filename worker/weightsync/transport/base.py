@@ -156,8 +156,16 @@ class Patcher(Protocol):
         base; True when they are in place and their xxh3_64 is `checksum`, else False (and the
         range must come whole)."""
 
+    def begin(self, offset: int, length: int) -> Any:
+        """Start applying the patch of the range [offset, offset + length) while its payload
+        arrives: what it returns is fed (payload, bytes there so far) as they come, then given to
+        end(); None where nothing can be fed."""
+
+    def end(self, applying: Any, offset: int, length: int, payload: memoryview, checksum: int) -> bool:
+        """apply() of a patch that begin() started, once all of `payload` is there."""
+
     def refuse(self, offset: int, length: int, reason: str) -> None:
-        """Note a patch the transport refused before applying it (damaged in transit)."""
+        """Note a patch the transport refused (damaged in transit)."""
 
 
 class Sender(abc.ABC):
