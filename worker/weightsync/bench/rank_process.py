@@ -187,6 +187,7 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
             received["weightsync", v] = incoming.receive(v, buffers[v % len(buffers)], case["timeout"])
 
     def delta(v: int) -> None:
+        cpu = time.process_time()  # of every thread of the process
         if trainer:
             sent = patcher.send(v, params, bases={i: v - 1 for i in range(inferences)} if v else None)
             store.set(f"delta/{v}/sums/{rank}", json.dumps(sent.checksums))
@@ -196,6 +197,7 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
             base = (v - 1, buffers[(v - 1) % 2]) if v else None
             got = received["delta", v] = incoming.receive(v, buffers[v % 2], case["timeout"], base)
             phases[v] = dict(got.phases, total=got.seconds)
+        phases[v]["cpu"] = time.process_time() - cpu
 
     def verify(m: str, v: int) -> None:
         """Outside the timed part: the digest and every byte against the trainers' weights."""

@@ -90,7 +90,8 @@ static void diff_loop(unsigned char *kept, const unsigned char *new, Py_ssize_t 
  * elements, and only those are visited. Returns where it stopped (a tail shorter than 64). */
 __attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
 Py_ssize_t diff_avx512_of(unsigned char *kept, const unsigned char *new, Py_ssize_t n, const Py_ssize_t itemsize,
-                          Entries *e) {
+                          Entries *out) {
+    Entries local = *out, *e = &local; /* in registers: the stores of entries cannot alias it */
     Py_ssize_t pos = 0;
     uint64_t x[8];
     for (; pos + 64 <= n; pos += 64) {
@@ -112,6 +113,7 @@ Py_ssize_t diff_avx512_of(unsigned char *kept, const unsigned char *new, Py_ssiz
             mask &= mask - 1;
         }
     }
+    *out = local;
     return pos;
 }
 
