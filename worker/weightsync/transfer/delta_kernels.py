@@ -51,14 +51,13 @@ def diff(kept: np.ndarray, new: np.ndarray, itemsize: int, scratch) -> tuple[int
         idx = _with_fillers(idx, len(kv))
         gaps = np.diff(idx, prepend=-1)
     size = len(idx) * (GAP.itemsize + itemsize)
-    if size > len(scratch):
-        np.copyto(kept, new)
-        return -1, changed
-    out = np.frombuffer(scratch, dtype=np.uint8, count=size)
-    out[:len(idx) * GAP.itemsize].view(GAP)[:] = gaps
-    np.bitwise_xor(kv[idx], nv[idx], out=out[len(idx) * GAP.itemsize:].view(dt))
+    fits = size <= len(scratch)
+    if fits:
+        out = np.frombuffer(scratch, dtype=np.uint8, count=size)
+        out[:len(idx) * GAP.itemsize].view(GAP)[:] = gaps
+        np.bitwise_xor(kv[idx], nv[idx], out=out[len(idx) * GAP.itemsize:].view(dt))
     np.copyto(kept, new)
-    return len(idx), changed
+    return (len(idx) if fits else -1), changed
 
 
 def _with_fillers(idx: np.ndarray, n: int) -> np.ndarray:
