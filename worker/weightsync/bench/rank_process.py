@@ -177,6 +177,7 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
                 recv_into_all(raw[t], target[a:min(a + RECV_CHUNK, offset + length)])
 
     received = {}
+    phases: dict[int, dict] = {}  # delta versions: where this rank's time went (transfer/phases.py)
 
     def weightsync(v: int) -> None:
         if trainer:
@@ -186,13 +187,17 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
             received["weightsync", v] = incoming.receive(v, buffers[v % len(buffers)], case["timeout"])
 
     def delta(v: int) -> None:
+        cpu = time.process_time()  # of every thread of the process
         if trainer:
             sent = patcher.send(v, params, bases={i: v - 1 for i in range(inferences)} if v else None)
             store.set(f"delta/{v}/sums/{rank}", json.dumps(sent.checksums))
             store.set(f"delta/{v}/wire/{rank}", str(sent.wire_bytes))
+            phases[v] = dict(sent.phases, total=sent.seconds)
         else:
             base = (v - 1, buffers[(v - 1) % 2]) if v else None
-            received["delta", v] = incoming.receive(v, buffers[v % 2], case["timeout"], base)
+            got = received["delta", v] = incoming.receive(v, buffers[v % 2], case["timeout"], base)
+            phases[v] = dict(got.phases, total=got.seconds)
+        phases[v]["cpu"] = time.process_time() - cpu
 
     def verify(m: str, v: int) -> None:
         """Outside the timed part: the digest and every byte against the trainers' weights."""
@@ -258,6 +263,8 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
                 store.set(f"{m}/{v}/end/{rank}", repr(end))
             if m in ("weightsync", "delta"):
                 verify(m, v)
+            if m == "delta":
+                store.set(f"delta/{v}/phases/{role}/{rank}", json.dumps(phases.pop(v)))
             if v == 0 and m == "weightsync" and not trainer:
                 # every buffer of the weightsync path is touched by now; the other methods add none
                 result["peak_rss_beyond_model"] = proc_status("VmHWM") - result["rss_after_model"]

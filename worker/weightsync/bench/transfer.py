@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 
+from weightsync.bench import delta_phases
 from weightsync.bench.chart import chart
 from weightsync.bench.fsdp import main as shards_bench
 from weightsync.bench.netns import Links, rate_bits, unavailable
@@ -131,6 +132,8 @@ def summarize(case: dict, store) -> dict:
                               for v in range(1, case["versions"] + 1)]
         d["speedup_over_weightsync"] = out["weightsync"]["seconds_per_version"] / d["seconds_per_version"]
         d["changed"] = case["trained"]["changed"][case["dtype"]][:case["versions"]]
+        d["phases"] = delta_phases.breakdown(store, trainers, inferences, case["versions"],
+                                             case["links"]["bits"] if case.get("links") else None)
         summary["trainer_kept_bytes"] = max(results[("trainer", t)]["kept_bytes"] for t in range(trainers))
     else:
         peak = max(results[("inference", i)]["peak_rss_beyond_model"] for i in range(inferences))
@@ -187,6 +190,7 @@ def render(report: dict) -> str:
                          f"trainer send buffers {mem['trainer_send_buffer_bytes'] / 2**20:.0f} MiB (limit depth x bucket = "
                          f"{mem['trainer_send_buffer_limit'] / 2**20:.0f} MiB); verified: {c['verified']}")
         else:
+            lines += delta_phases.render(c["methods"]["delta"]["phases"])
             lines.append(f"{'':<17}delta: each trainer keeps {c['trainer_kept_bytes'] / 2**20:.0f} MiB of the last version "
                          f"sent; verified (digest and every byte, full and delta): {c['verified']}")
     for t in report["targets"]:

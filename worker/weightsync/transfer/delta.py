@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -46,81 +47,60 @@ import numpy as np
 import xxhash
 import zstandard
 
+from weightsync.transfer import delta_kernels as kernels
+from weightsync.transfer.delta_kernels import ELEMENT, GAP, MAX_GAP, elements  # noqa: F401 - the format's
+from weightsync.transfer.phases import Phases
 from weightsync.transport.checksum import CHUNK
 
 FORMAT = 1
 HEAD = struct.Struct("<4sBB2xQQI")
 RECORD = struct.Struct("<B3xII")
 SAME, SPARSE, RAW = 0, 1, 2
-MAX_GAP = 0xFFFF
-GAP = np.dtype("<u2")
 LEVEL = 1  # zstd level: 3 saved no bytes here and took 30% longer
 # A bucket goes whole when its first chunk's patch, before compression, would be more than this
 # share of the chunk: at float32 every element changes, and encoding would cost time for nothing.
 DENSE = 0.5
-ELEMENT = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 class PatchError(ValueError):
     """A patch that cannot be applied here; the message says why."""
 
 
-def _elements(itemsize: int) -> np.dtype:
-    try:
-        return ELEMENT[itemsize]
-    except KeyError:
-        raise ValueError(f"no delta encoding for {itemsize}-byte elements") from None
-
-
-def _with_fillers(idx: np.ndarray, n: int) -> np.ndarray:
-    """`idx` (sorted element indices) with filler indices every MAX_GAP elements where none is,
-    so that no gap exceeds MAX_GAP."""
-    grid = np.arange(MAX_GAP - 1, n, MAX_GAP)
-    at = np.searchsorted(idx, grid)
-    present = np.zeros(len(grid), dtype=bool)
-    inside = at < len(idx)
-    present[inside] = idx[at[inside]] == grid[inside]
-    return np.insert(idx, at[~present], grid[~present])
-
-
-def encode_chunk(old: np.ndarray, new: np.ndarray, itemsize: int, compressor: zstandard.ZstdCompressor) -> tuple[list, int]:
-    """The record of one chunk (its pieces) that makes `new` of `old` (uint8 arrays of one
-    length), and how many elements differ."""
-    dt = _elements(itemsize)
-    ov, nv = old.view(dt), new.view(dt)
-    idx = np.flatnonzero(np.not_equal(ov, nv))
-    if len(idx) == 0:
-        return [RECORD.pack(SAME, 0, 0)], 0
-    changed = len(idx)
-    if changed * (GAP.itemsize + itemsize) < len(new):
-        gaps = np.diff(idx, prepend=-1)
-        if gaps.max() > MAX_GAP:
-            idx = _with_fillers(idx, len(ov))
-            gaps = np.diff(idx, prepend=-1)
-        entries = np.empty(len(idx) * (GAP.itemsize + itemsize), dtype=np.uint8)
-        entries[:len(idx) * GAP.itemsize].view(GAP)[:] = gaps
-        np.bitwise_xor(ov[idx], nv[idx], out=entries[len(idx) * GAP.itemsize:].view(dt))
-        blob = compressor.compress(entries)
-        if len(blob) < len(new):
-            return [RECORD.pack(SPARSE, len(idx), len(blob)), blob], changed
-    return [RECORD.pack(RAW, changed, len(new)), new.tobytes()], changed
-
-
 class Encoders:
-    """Where chunks are encoded: on `threads` threads (each with its own compressor), so that a
-    trainer rank encodes one chunk while it casts the next, and several at once where it has the
-    cores; with one thread, in the caller's."""
+    """Where chunks are encoded: on `threads` threads (each with its own compressor and scratch
+    for a chunk's entries), so that a trainer rank encodes one chunk while it casts the next, and
+    several at once where it has the cores; with one thread, in the caller's. `phases` adds up
+    the seconds spent comparing (and keeping) and encoding."""
 
     def __init__(self, threads: int = 1):
         if threads < 1:
             raise ValueError("encoding needs at least one thread")
         self.local = threading.local()
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-encode") if threads > 1 else None
+        self.phases = Phases()
 
-    def compressor(self) -> zstandard.ZstdCompressor:
-        if not hasattr(self.local, "compressor"):
-            self.local.compressor = zstandard.ZstdCompressor(level=LEVEL)
-        return self.local.compressor
+    def encode(self, kept: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[list, int]:
+        """The record of one chunk (its pieces) that makes `new` of `kept` (uint8 arrays of one
+        length), and how many elements differ; `kept` holds the new bytes afterwards."""
+        local = self.local
+        if not hasattr(local, "compressor"):
+            local.compressor, local.scratch = zstandard.ZstdCompressor(level=LEVEL), bytearray()
+        if len(local.scratch) < kernels.scratch_bytes(len(new), itemsize):
+            local.scratch = bytearray(kernels.scratch_bytes(len(new), itemsize))
+        start = time.perf_counter()
+        entries, changed = kernels.diff(kept, new, itemsize, local.scratch)
+        compared = time.perf_counter()
+        self.phases.add("compare", compared - start)
+        if changed == 0:
+            return [RECORD.pack(SAME, 0, 0)], 0
+        try:
+            if entries >= 0 and changed * (GAP.itemsize + itemsize) < len(new):
+                blob = local.compressor.compress(memoryview(local.scratch)[:entries * (GAP.itemsize + itemsize)])
+                if len(blob) < len(new):
+                    return [RECORD.pack(SPARSE, entries, len(blob)), blob], changed
+            return [RECORD.pack(RAW, changed, len(new)), kept.tobytes()], changed
+        finally:
+            self.phases.add("encode", time.perf_counter() - compared)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -149,7 +129,8 @@ class BucketEncoder:
         """The bucket's new bytes [pos, pos + len(new)), a uint8 array; chunks come in order."""
         old = self.kept[pos:pos + len(new)]
         if self.base is None or self.dense:
-            np.copyto(old, new)
+            with self.encoders.phases.timed("keep"):
+                np.copyto(old, new)
             return
         self.compared += len(new) // self.itemsize
         if pos and self.encoders.pool is not None:
@@ -162,9 +143,7 @@ class BucketEncoder:
             self.dense, self.parts = True, []
 
     def _chunk(self, old: np.ndarray, new: np.ndarray) -> tuple[list, int]:
-        got = encode_chunk(old, new, self.itemsize, self.encoders.compressor())
-        np.copyto(old, new)
-        return got
+        return self.encoders.encode(old, new, self.itemsize)
 
     def _too_dense(self, record: bytes, chunk_bytes: int) -> bool:
         kind, entries, _ = RECORD.unpack(record)
@@ -193,7 +172,7 @@ class LastSent:
     then nothing can be a patch against it. Chunks are encoded on `threads` threads."""
 
     def __init__(self, buckets: Sequence, itemsize: int, threads: int = 1):
-        _elements(itemsize)
+        elements(itemsize)
         self.itemsize = itemsize
         self.where: dict[int, tuple[int, int]] = {}  # bucket offset -> (position here, length)
         pos = 0
@@ -219,61 +198,108 @@ class LastSent:
         return BucketEncoder(self.bucket(offset), self.itemsize, base, self.encoders)
 
 
-def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int) -> int:
+class Applying:
+    """One patch applied while its bytes arrive, so that a receiver patches a bucket's first
+    chunks while its last ones are on the wire: feed(payload, got) applies every chunk whose
+    record lies within payload[:got] to `base` (version base_version, read only) into `target`
+    (uint8 arrays of the range's length); result(payload), once all of it is there, gives the new
+    bytes' xxh3_64, or raises PatchError where the patch is not one of this range against this base
+    (a PatchError while feeding waits for result()). `phases` adds up the seconds spent applying
+    and hashing. `into`: where the new bytes go once verified, when `target` is not their place
+    (Patcher's)."""
+
+    def __init__(self, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None, into=None):
+        self.base, self.target, self.base_version, self.phases, self.into = base, target, base_version, phases, into
+        self.at = self.pos = 0  # bytes of the payload read, of the range written
+        self.length: int | None = None  # the range's, from the head
+        self.error: PatchError | None = None
+        self.h = xxhash.xxh3_64()
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def feed(self, payload, got: int) -> None:
+        if self.error is None:
+            try:
+                self._feed(memoryview(payload).cast("B"), got)
+            except PatchError as e:
+                self.error = e
+
+    def _head(self, view) -> None:
+        magic, fmt, self.itemsize, against, length, self.chunk = HEAD.unpack_from(view)
+        if magic != b"WSDP" or fmt != FORMAT:
+            raise PatchError("not a weightsync patch of a format this rank reads")
+        if against != self.base_version:
+            raise PatchError(f"a patch against version {against}; this rank holds version {self.base_version}")
+        if length != len(self.target) or len(self.base) != len(self.target):
+            raise PatchError(f"a patch of a {length}-byte range applied to {len(self.target)} bytes")
+        if self.itemsize not in ELEMENT or self.chunk <= 0 or self.chunk % self.itemsize:
+            raise PatchError(f"element size {self.itemsize} or chunk size {self.chunk} is not valid")
+        self.length, self.at = length, HEAD.size
+
+    def _feed(self, view, got: int) -> None:
+        if self.length is None:
+            if got < HEAD.size:
+                return
+            self._head(view)
+        start, hashing = time.perf_counter(), 0.0
+        while self.pos < self.length and self.at + RECORD.size <= got:
+            kind, entries, stored = RECORD.unpack_from(view, self.at)
+            if self.at + RECORD.size + stored > got:
+                break
+            data = view[self.at + RECORD.size:self.at + RECORD.size + stored]
+            self.at += RECORD.size + stored
+            pos, end = self.pos, min(self.pos + self.chunk, self.length)
+            out = self.target[pos:end]
+            if kind == SAME and stored == 0:
+                np.copyto(out, self.base[pos:end])
+            elif kind == RAW and stored == end - pos:
+                out[:] = np.frombuffer(data, dtype=np.uint8)
+            elif kind == SPARSE and entries:
+                self._sparse(data, entries, pos, end, out)
+            else:
+                raise PatchError(f"the chunk at byte {pos} has a record (kind {kind}, {stored} bytes) this rank cannot read")
+            hashed = time.perf_counter()
+            self.h.update(out)
+            hashing += time.perf_counter() - hashed
+            self.pos = end
+        if self.phases is not None:
+            self.phases.add("apply", time.perf_counter() - start - hashing)
+            self.phases.add("hash", hashing)
+
+    def _sparse(self, data, entries: int, pos: int, end: int, out: np.ndarray) -> None:
+        want = entries * (GAP.itemsize + self.itemsize)
+        try:
+            raw = self.decompressor.decompress(data, max_output_size=want)
+        except zstandard.ZstdError as e:
+            raise PatchError(f"the chunk at byte {pos} does not decompress: {e}") from None
+        if len(raw) != want:
+            raise PatchError(f"the chunk at byte {pos} holds {len(raw)} bytes for {entries} entries")
+        if not kernels.patch(self.base[pos:end], out, raw, entries, self.itemsize):
+            raise PatchError(f"the chunk at byte {pos} changes an element beyond its end")
+
+    def result(self, payload) -> int:
+        view = memoryview(payload).cast("B")
+        self.feed(view, len(view))
+        if self.error is not None:
+            raise self.error
+        if self.length is None:
+            raise PatchError(f"a patch of {len(view)} bytes is shorter than its head")
+        if self.pos < self.length:
+            if self.at + RECORD.size > len(view):
+                raise PatchError(f"the patch ends before the chunk at byte {self.pos}")
+            stored = RECORD.unpack_from(view, self.at)[2]
+            raise PatchError(f"the chunk at byte {self.pos} claims {stored} bytes, "
+                             f"{len(view) - self.at - RECORD.size} are left")
+        if self.at != len(view):
+            raise PatchError(f"{len(view) - self.at} bytes follow the last chunk")
+        return self.h.intdigest()
+
+
+def apply_patch(payload, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None) -> int:
     """Write into `target` the new bytes that `payload` (a patch) makes of `base` (version
     base_version, read only; both uint8 arrays of the range's length); returns their xxh3_64.
-    Raises PatchError when the patch is not one of this range against this base."""
-    view = memoryview(payload).cast("B")
-    if len(view) < HEAD.size:
-        raise PatchError(f"a patch of {len(view)} bytes is shorter than its head")
-    magic, fmt, itemsize, against, length, chunk = HEAD.unpack_from(view)
-    if magic != b"WSDP" or fmt != FORMAT:
-        raise PatchError("not a weightsync patch of a format this rank reads")
-    if against != base_version:
-        raise PatchError(f"a patch against version {against}; this rank holds version {base_version}")
-    if length != len(target) or len(base) != len(target):
-        raise PatchError(f"a patch of a {length}-byte range applied to {len(target)} bytes")
-    if itemsize not in ELEMENT or chunk <= 0 or chunk % itemsize:
-        raise PatchError(f"element size {itemsize} or chunk size {chunk} is not valid")
-    dt = ELEMENT[itemsize]
-    decompressor = zstandard.ZstdDecompressor()
-    h = xxhash.xxh3_64()
-    at = HEAD.size
-    for pos in range(0, length, chunk):
-        end = min(pos + chunk, length)
-        if at + RECORD.size > len(view):
-            raise PatchError(f"the patch ends before the chunk at byte {pos}")
-        kind, entries, stored = RECORD.unpack_from(view, at)
-        at += RECORD.size
-        data = view[at:at + stored]
-        if len(data) != stored:
-            raise PatchError(f"the chunk at byte {pos} claims {stored} bytes, {len(data)} are left")
-        at += stored
-        out = target[pos:end]
-        if kind == SAME and stored == 0:
-            np.copyto(out, base[pos:end])
-        elif kind == RAW and stored == end - pos:
-            out[:] = np.frombuffer(data, dtype=np.uint8)
-        elif kind == SPARSE and entries:
-            want = entries * (GAP.itemsize + itemsize)
-            try:
-                raw = decompressor.decompress(data, max_output_size=want)
-            except zstandard.ZstdError as e:
-                raise PatchError(f"the chunk at byte {pos} does not decompress: {e}") from None
-            if len(raw) != want:
-                raise PatchError(f"the chunk at byte {pos} holds {len(raw)} bytes for {entries} entries")
-            idx = np.cumsum(np.frombuffer(raw, dtype=GAP, count=entries), dtype=np.int64) - 1
-            if idx[-1] >= (end - pos) // itemsize:
-                raise PatchError(f"the chunk at byte {pos} changes an element beyond its end")
-            np.copyto(out, base[pos:end])
-            elements = out.view(dt)
-            elements[idx] ^= np.frombuffer(raw, dtype=dt, count=entries, offset=entries * GAP.itemsize)
-        else:
-            raise PatchError(f"the chunk at byte {pos} has a record (kind {kind}, {stored} bytes) this rank cannot read")
-        h.update(out)
-    if at != len(view):
-        raise PatchError(f"{len(view) - at} bytes follow the last chunk")
-    return h.intdigest()
+    Raises PatchError when the patch is not one of this range against this base. `phases` adds
+    up the seconds spent applying and hashing."""
+    return Applying(base, target, base_version, phases).result(payload)
 
 
 class Patcher:
@@ -284,7 +310,8 @@ class Patcher:
     is applied only when the new bytes' xxh3_64 equals the sender's; `refused` says why the
     others were not (the sender then sends those ranges whole). A range whose offset is in
     `scatter` is the runs (offset, length) it names, in turn (a bucket that bundles runs of several
-    tensors: plan.Bucket). Transports call apply() and refuse() from one thread per sender."""
+    tensors: plan.Bucket). Transports call apply() and refuse() from one thread per sender;
+    `phases` adds up the seconds they spend applying and hashing."""
 
     def __init__(self, base_version: int | None, base=None, target=None, scatter: Mapping | None = None):
         if base_version is not None and (base is None or target is None):
@@ -294,13 +321,18 @@ class Patcher:
         self.applied = 0
         self.refused: list[str] = []
         self.lock = threading.Lock()
+        self.phases = Phases()
 
     def apply(self, offset: int, length: int, payload, checksum: int) -> bool:
         """Apply the patch of the range [offset, offset + length); True when its new bytes are
         in place and their xxh3_64 is `checksum`."""
+        return self.end(self.begin(offset, length), offset, length, payload, checksum)
+
+    def begin(self, offset: int, length: int) -> Applying | None:
+        """What applies the patch of the range [offset, offset + length) while it arrives (feed
+        it, then give it to end()); None where this rank holds no version (end() refuses it)."""
         if self.base_version is None:
-            self.refuse(offset, length, "this rank holds no version to apply it to")
-            return False
+            return None
         runs = self.scatter.get(offset)
         if runs is None:
             base, target = self.base[offset:offset + length], self.target[offset:offset + length]
@@ -310,8 +342,17 @@ class Patcher:
             base, target = torch.cat([self.base[o:o + n] for o, n in runs]), None
         on_host = target is not None and target.device.type == "cpu"
         out = target.numpy() if on_host else np.empty(length, dtype=np.uint8)
+        return Applying(base.cpu().numpy(), out, self.base_version, self.phases,
+                        into=None if on_host else runs or ((offset, length),))
+
+    def end(self, applying: Applying | None, offset: int, length: int, payload, checksum: int) -> bool:
+        """Finish what begin() started, now that all of `payload` is there: True when the new
+        bytes are in place and their xxh3_64 is `checksum`."""
+        if applying is None:
+            self.refuse(offset, length, "this rank holds no version to apply it to")
+            return False
         try:
-            got = apply_patch(payload, base.cpu().numpy(), out, self.base_version)
+            got = applying.result(payload)
         except PatchError as e:
             self.refuse(offset, length, str(e))
             return False
@@ -319,11 +360,11 @@ class Patcher:
             self.refuse(offset, length, f"the patched bytes hash to {got:016x}, the sender's to {checksum:016x} "
                                         f"(this rank's version {self.base_version} differs from the sender's)")
             return False
-        if not on_host:
+        if applying.into is not None:
             import torch
 
-            new, at = torch.from_numpy(out), 0
-            for o, n in runs or ((offset, length),):
+            new, at = torch.from_numpy(applying.target), 0
+            for o, n in applying.into:
                 self.target[o:o + n].copy_(new[at:at + n])
                 at += n
         with self.lock:

@@ -65,6 +65,7 @@ class ReceivedVersion:
     digest: str
     patched: int = 0  # buckets that came as patches and were applied
     refused: list = field(default_factory=list)  # why other patches were not (those buckets came again, whole)
+    phases: dict = field(default_factory=dict)  # {phase: seconds} of applying patches (phases.py), of every thread
 
 
 class VersionReceiver:
@@ -101,4 +102,5 @@ class VersionReceiver:
             missing = sorted(want - set(sums))
             raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
         return ReceivedVersion(version, self.nbytes, time.monotonic() - start, sums, version_digest(sums),
-                               patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [])
+                               patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [],
+                               phases=patcher.phases.take() if patcher else {})

@@ -87,6 +87,7 @@ class SentVersion:
     changed: int = 0  # elements that changed since the base, in the buckets sent as patches
     compared: int = 0  # elements compared there
     receiver_checksums: dict = field(default_factory=dict)  # over slices: {peer: {offset: xxh3_64}} of each peer's own
+    phases: dict = field(default_factory=dict)  # delta versions: {phase: seconds} (phases.py), of every thread
 
 
 def end_version(sender: Sender, version: int, lose_peers: bool) -> dict[int, str]:
@@ -254,14 +255,22 @@ class VersionSender:
             h = xxhash.xxh3_64()
             view = memoryview(data.numpy())
             a = 0
+            phases = self.last.encoders.phases if self.last is not None else None
+            clock = time.perf_counter()
             for b in packer.steps(bucket, data):
+                cast = time.perf_counter()
                 h.update(view[a:b])
+                if phases is not None:
+                    hashed = time.perf_counter()
+                    phases.add("cast", cast - clock)
+                    phases.add("hash", hashed - cast)
                 if self.tamper is not None:  # the version's byte at a, where the bucket is one run of it
                     self.tamper(self.version, view[a:b], None if getattr(bucket, "parts", None) else bucket.offset + a)
                 filling.advance(b)
                 if each is not None:
                     each(a, b)
                 a = b
+                clock = time.perf_counter()
             filling.finish(h.intdigest())
         finally:
             torch.set_num_threads(threads)
@@ -285,6 +294,7 @@ class VersionSender:
         patched = [p for p in peers if base is not None and bases.get(p) == base]
         whole = [p for p in peers if p not in patched]
         last.version = None  # being overwritten: a failure now leaves nothing to patch against
+        last.encoders.phases.take()
         ring = BufferRing(self._buffers(params))
         fillings: dict[int, Filling] = {}
         resent: list[int] = []
@@ -316,15 +326,18 @@ class VersionSender:
                     resent.append(b.length)
                     return last.bucket(b.offset)
 
+                trailer = checksum_of(as_views(payload))  # of the patch's bytes: once, whoever gets it
                 for p in patched:
-                    self.sender.send_patch(p, version, b.offset, b.length, payload, filling.result(), again)
+                    self.sender.send_patch(p, version, b.offset, b.length, payload, filling.result(), again, trailer)
                 wire += sum(len(part) for part in payload) * len(patched)
                 changed, compared = changed + encoder.changed, compared + encoder.compared
             if after_bucket is not None:
                 after_bucket(k)
-        lost = end_version(self.sender, version, lose_peers)
+        with last.encoders.phases.timed("wait"):  # for the wire (and the peers' verdicts) after the last bucket
+            lost = end_version(self.sender, version, lose_peers)
         last.version = version  # every bucket was kept, whoever received it
         sums = {offset: filling.result() for offset, filling in fillings.items()}
         total = sum(b.length for b in self.buckets)
         return SentVersion(version, total, time.monotonic() - start, sums, lost, wire_bytes=wire + sum(resent),
-                           patched_peers=len(patched), changed=changed, compared=compared)
+                           patched_peers=len(patched), changed=changed, compared=compared,
+                           phases=last.encoders.phases.take())

@@ -156,8 +156,16 @@ class Patcher(Protocol):
         base; True when they are in place and their xxh3_64 is `checksum`, else False (and the
         range must come whole)."""
 
+    def begin(self, offset: int, length: int) -> Any:
+        """Start applying the patch of the range [offset, offset + length) while its payload
+        arrives: what it returns is fed (payload, bytes there so far) as they come, then given to
+        end(); None where nothing can be fed."""
+
+    def end(self, applying: Any, offset: int, length: int, payload: memoryview, checksum: int) -> bool:
+        """apply() of a patch that begin() started, once all of `payload` is there."""
+
     def refuse(self, offset: int, length: int, reason: str) -> None:
-        """Note a patch the transport refused before applying it (damaged in transit)."""
+        """Note a patch the transport refused (damaged in transit)."""
 
 
 class Sender(abc.ABC):
@@ -198,10 +206,12 @@ class Sender(abc.ABC):
         it completes when the bytes have left `data` (which may then be reused)."""
 
     def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
-                   whole: Callable[[], Any]) -> Future:
+                   whole: Callable[[], Any], trailer: int | None = None) -> Future:
         """Queue a patch (`payload`, a list of byte pieces) of the range [offset, offset + length)
         whose new bytes hash to `checksum`. If the peer cannot apply it, end_version() sends the
-        range whole: `whole()` gives its new bytes then (they must stay valid until then)."""
+        range whole: `whole()` gives its new bytes then (they must stay valid until then).
+        `trailer`: the patch's own xxh3_64 where the caller has it (one patch sent to several
+        peers is hashed once)."""
         raise NotImplementedError(f"the {type(self).__name__} transport carries no patches")
 
     @abc.abstractmethod

@@ -77,9 +77,10 @@ class PeerClosed(ConnectionError):
     """The peer closed the connection."""
 
 
-def recv_into_all(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+def recv_into_all(sock: socket.socket, view: memoryview, deadline: float | None = None,
+                  progress: Callable[[int], None] | None = None) -> None:
     """Fill `view` from the socket (PeerClosed if the peer closes first); with a deadline, all of
-    it before then."""
+    it before then; progress(bytes there so far) after every read, where given."""
     got = 0
     while got < len(view):
         if deadline is not None:
@@ -88,6 +89,8 @@ def recv_into_all(sock: socket.socket, view: memoryview, deadline: float | None 
         if n == 0:
             raise PeerClosed(f"connection closed after {got} of {len(view)} bytes")
         got += n
+        if progress is not None:
+            progress(got)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:

@@ -235,7 +235,7 @@ class TcpSender(Sender):
         return self.submit(peer, version, stream)
 
     def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
-                   whole: Callable[[], Any]) -> Future:
+                   whole: Callable[[], Any], trailer: int | None = None) -> Future:
         views = as_views(payload)
         size = sum(len(v) for v in views)
         if size > wire.patch_limit(length):
@@ -246,7 +246,8 @@ class TcpSender(Sender):
 
         def work(conn: Connection) -> int:
             try:
-                send_all(conn.sock, [memoryview(header)] + views + [memoryview(TRAILER.pack(checksum_of(views)))])
+                own = checksum_of(views) if trailer is None else trailer
+                send_all(conn.sock, [memoryview(header)] + views + [memoryview(TRAILER.pack(own))])
             except BaseException:
                 hang_up(conn.sock)
                 raise
@@ -506,19 +507,22 @@ class TcpReceiver(Receiver):
     def patch(sock: socket.socket, offset: int, size: int, length: int, checksum: int, patcher: Patcher | None,
               bounce: dict) -> bool:
         """Receive a PATCH's `length` payload bytes and its trailer, and apply it to the range
-        [offset, offset + size); False when it is not applied (then the range must come whole)."""
+        [offset, offset + size), chunk by chunk as they arrive; False when it is not applied
+        (then the range must come whole). Only a patch whose bytes match its trailer and whose
+        new bytes match `checksum` counts as applied."""
         scratch = bounce.get("patch")
         if scratch is None or len(scratch) < length:
             scratch = bounce["patch"] = bytearray(length)
         payload = memoryview(scratch)[:length]
-        recv_into_all(sock, payload)
+        applying = patcher.begin(offset, size) if patcher is not None else None
+        recv_into_all(sock, payload, progress=None if applying is None else lambda got: applying.feed(payload, got))
         (trailer,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
         if patcher is None:
             return False
         if xxhash.xxh3_64_intdigest(payload) != trailer:
             patcher.refuse(offset, size, "the patch was damaged in transit (its checksum differs)")
             return False
-        return patcher.apply(offset, size, payload, checksum)
+        return patcher.end(applying, offset, size, payload, checksum)
 
     def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
                        ranges: list[tuple[int, int]]) -> None:
