@@ -31,7 +31,7 @@ from weightsync.local import ports
 from weightsync.local.preflight import CannotRunHere, check_vllm_python
 from weightsync.local.runner import LocalJob
 from weightsync.model.quant import FORMATS, quantization_config
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, FAIL_LOAD_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
 

@@ -31,7 +31,7 @@ LAZY = {
                                             "the controller's pod loads no torch",
     "weightsync.transport": "nccl and uccl load their libraries (torch.distributed's NCCL, uccl) only when chosen",
     "weightsync.model.flat": "the native cast is an optional build (the operator installs without a compiler)",
-    "weightsync.rendezvous.protocol": "the store's client is torch.distributed's Store: the controller and roster load no torch",
+    "weightsync.rendezvous.channel": "the store's client is torch.distributed's Store: the controller and roster load no torch",
     "weightsync.vllm_backend": "vLLM's LoRA resolver (adapter.py) loads only in a server of a LoRA job: the plugin's "
                                "entry point loads no torch",
     "weightsync.plan.simulate": "transformers, for a config named by model type, only when one is named",

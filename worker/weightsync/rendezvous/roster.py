@@ -35,6 +35,7 @@ from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Lay
 from weightsync.job.errors import TimedOut
 from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
+from weightsync.rendezvous.channel import Channel, host_store
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.ending import Ending
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed, TrainersRestart
@@ -55,19 +56,8 @@ from weightsync.rendezvous.messages import (
 )
 from weightsync.rendezvous.parking import Parking
 from weightsync.rendezvous.policy import Policy
-from weightsync.rendezvous.protocol import (
-    HEARTBEAT,
-    Channel,
-    Keys,
-    ProofError,
-    host_store,
-    job_mac,
-    peers_mac,
-    plan_mac,
-    rank_proof,
-    ranks_of,
-    who,
-)
+from weightsync.rendezvous.proofs import job_mac, peers_mac, plan_mac, rank_proof
+from weightsync.rendezvous.protocol import HEARTBEAT, Keys, ProofError, ranks_of, who
 from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING, WAITING, Seat
 
 BLAME_WINDOW = 3.5 * HEARTBEAT  # seconds to look for a rank that stopped before blaming the one that reported
