@@ -20,7 +20,7 @@ PACKAGE = ROOT / "worker" / "weightsync"
 # Low to high. The facade (__init__) and the command (cli) sit on top.
 LAYERS = ["job", "model", "plan", "transport", "transfer", "rendezvous", "runtime", "publisher", "vllm_backend",
           "roles", "local", "bench", "integrations", "cli"]
-MAX_LINES = 600
+MAX_LINES = 450
 MAX_UNITS = 15
 # The imports of weightsync's own modules that stay inside a function, each for a heavy or optional
 # dependency that the module's other callers must not pay for.
