@@ -33,15 +33,7 @@ from typing import Any, Callable
 import xxhash
 
 from weightsync.transport import wire
-from weightsync.transport.base import (
-    Filling,
-    RankContext,
-    Sender,
-    Tally,
-    TransferError,
-    Transport,
-    settle,
-)
+from weightsync.transport.base import Filling, RankContext, Sender, Tally, TransferError, Transport, settle
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.sockets import (
     SOCKET_BUFFER,

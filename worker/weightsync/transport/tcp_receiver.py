@@ -22,23 +22,11 @@ from typing import Any, Mapping, Sequence
 import xxhash
 
 from weightsync.transport import wire
-from weightsync.transport.base import (
-    Capabilities,
-    Patcher,
-    Receiver,
-    TransferError,
-    each_peer,
-)
+from weightsync.transport.base import Capabilities, Patcher, Receiver, TransferError, each_peer
 from weightsync.transport.door import Door
 from weightsync.transport.landing import Landing
 from weightsync.transport.ledger import Ledger
-from weightsync.transport.sockets import (
-    SOCKET_BUFFER,
-    hang_up,
-    recv_exact,
-    recv_into_all,
-    tune,
-)
+from weightsync.transport.sockets import SOCKET_BUFFER, hang_up, recv_exact, recv_into_all, tune
 from weightsync.transport.wire import DATA, END, KIND_NAMES, PATCH, TRAILER
 
 log = logging.getLogger("weightsync.transport")
