@@ -12,7 +12,8 @@ import torch
 
 from weightsync.job import API_VERSION, KIND, Env, load_job
 from weightsync.local.runner import LocalJob, RunFailed
-from weightsync.rendezvous.protocol import connect_store, versions
+from weightsync.rendezvous.channel import connect_store
+from weightsync.rendezvous.protocol import versions
 from weightsync.runtime.faults import DUMP_DIR_ENV
 
 TINY = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "n_positions": 32,

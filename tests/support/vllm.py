@@ -28,9 +28,10 @@ from support.jobs import assert_nothing_left
 from weightsync.job import API_VERSION, KIND, Env, load_job
 from weightsync.job.token import read_token
 from weightsync.local import ports
-from weightsync.local.runner import CannotRunHere, LocalJob, check_vllm_python
+from weightsync.local.preflight import CannotRunHere, check_vllm_python
+from weightsync.local.runner import LocalJob
 from weightsync.model.quant import FORMATS, quantization_config
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.runtime.faults import CORRUPT_ENV, DUMP_DIR_ENV, FAIL_LOAD_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
 

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "worker" / "weightsync"
 # Low to high. The facade (__init__) and the command (cli) sit on top.
 LAYERS = ["job", "model", "plan", "transport", "transfer", "rendezvous", "runtime", "publisher", "vllm_backend",
           "roles", "local", "bench", "integrations", "cli"]
-MAX_LINES = 600
+MAX_LINES = 450
 MAX_UNITS = 15
 # The imports of weightsync's own modules that stay inside a function, each for a heavy or optional
 # dependency that the module's other callers must not pay for.
@@ -31,7 +31,7 @@ LAZY = {
                                             "the controller's pod loads no torch",
     "weightsync.transport": "nccl and uccl load their libraries (torch.distributed's NCCL, uccl) only when chosen",
     "weightsync.model.flat": "the native cast is an optional build (the operator installs without a compiler)",
-    "weightsync.rendezvous.protocol": "the store's client is torch.distributed's Store: the controller and roster load no torch",
+    "weightsync.rendezvous.channel": "the store's client is torch.distributed's Store: the controller and roster load no torch",
     "weightsync.vllm_backend": "vLLM's LoRA resolver (adapter.py) loads only in a server of a LoRA job: the plugin's "
                                "entry point loads no torch",
     "weightsync.plan.simulate": "transformers, for a config named by model type, only when one is named",

@@ -109,7 +109,8 @@ def _run(args) -> int:
     if queue:
         print(f"weightsync run: metadata.labels[{QUEUE_LABEL}] ({queue}): not applicable locally (Kueue admits the "
               "job in a cluster); it runs now", file=sys.stderr)
-    from weightsync.local.runner import CannotRunHere, RunFailed, run
+    from weightsync.local.preflight import CannotRunHere
+    from weightsync.local.runner import RunFailed, run
 
     try:
         summary = run(job, logs=args.logs, timeout=args.timeout, vllm_python=args.vllm_python, share_gpus=args.share_gpus,

@@ -19,7 +19,7 @@ from weightsync.integrations.vllm_job import dtype_of, init_info, init_refusal, 
 from weightsync.job import Env, JoinEnv, SpecError
 from weightsync.job.join import shared_token
 from weightsync.rendezvous.external_rank import JoinError
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.vllm_backend.guard import INIT_ROUTE, ControlGuard, sign
 from weightsync.vllm_backend.place import init_join, waits_for_init
 

@@ -132,7 +132,7 @@ def test_the_rank_comes_from_torchruns_variables_or_a_clear_error(env, expected)
 
 
 def test_weightsync_run_refuses_env_that_only_a_cluster_can_resolve():
-    from weightsync.local.runner import CannotRunHere, check_command_env
+    from weightsync.local.preflight import CannotRunHere, check_command_env
 
     from_secret = {"secretKeyRef": {"name": "hf", "key": "t"}}
     job = command_job("env", ["python", "train.py"], env=[{"name": "A", "value": "1"},

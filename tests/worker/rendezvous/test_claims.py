@@ -10,8 +10,8 @@ import pytest
 
 from weightsync.job import Layout
 from weightsync.model.flat import FlatLayout
+from weightsync.rendezvous.channel import Channel, connect_store, host_store
 from weightsync.rendezvous.claims import Claim, ClaimRefused, Claims, claim
-from weightsync.rendezvous.protocol import Channel, connect_store, host_store
 
 TOKEN = b"0123456789abcdef-job-token"
 JOB = "team/servers"

@@ -13,7 +13,7 @@ from support import roster
 from support.roster import join, make_host
 
 from weightsync.job import Layout, reasons
-from weightsync.rendezvous import protocol
+from weightsync.rendezvous import channel
 from weightsync.rendezvous.messages import Peer, Round
 from weightsync.rendezvous.protocol import Keys, Restarted
 from weightsync.rendezvous.roster import SERVING, WAITING, Deadline, RankFailed
@@ -137,7 +137,7 @@ def test_external_ranks_that_never_come_fail_the_job_by_name_at_their_deadline(h
 
 
 def test_a_joining_rank_says_what_it_waits_for_from_the_controller(host, monkeypatch):
-    monkeypatch.setattr(protocol, "SAY_EVERY", 0.2)
+    monkeypatch.setattr(channel, "SAY_EVERY", 0.2)
     m = member(host, "inference", 0)
     lines = []
     m.say = lines.append

@@ -14,9 +14,10 @@ from support import roster
 from support.roster import make_host
 
 from weightsync.job import Layout, reasons
+from weightsync.rendezvous.following import Dropped
 from weightsync.rendezvous.join_phase import TrainersRestart
 from weightsync.rendezvous.messages import Applied, RankInfo, SentReport
-from weightsync.rendezvous.protocol import Dropped, Keys, Resuming
+from weightsync.rendezvous.protocol import Keys, Resuming
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import RankFailed
 

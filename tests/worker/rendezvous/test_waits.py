@@ -10,7 +10,9 @@ import pytest
 from support.roster import make_host, one_of_each
 
 from weightsync.job import Layout
-from weightsync.rendezvous.protocol import STOPPED_CHECK_EVERY, Dropped, FellBehind, JobEnded, Keys
+from weightsync.rendezvous.channel import STOPPED_CHECK_EVERY
+from weightsync.rendezvous.following import Dropped, FellBehind
+from weightsync.rendezvous.protocol import JobEnded, Keys
 from weightsync.rendezvous.store.table import StoreTimeout
 
 JOB = "default/waits"

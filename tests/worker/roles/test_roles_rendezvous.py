@@ -374,7 +374,7 @@ def test_a_versions_keys_are_forgotten_but_not_its_record():
 def test_an_endless_job_keeps_a_bounded_number_of_keys():
     """Rounds go on for ever (training.steps 0): the store holds the same number of keys at the
     four-hundredth version as at the hundredth, the records of old rounds included."""
-    from weightsync.rendezvous.roster import RECORDS_KEPT
+    from weightsync.rendezvous.rounds import RECORDS_KEPT
 
     host, _ = started()
     counts = {}

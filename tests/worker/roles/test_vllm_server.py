@@ -136,7 +136,7 @@ time.sleep(600)
 
 
 def test_a_server_whose_port_closed_while_its_process_lives_is_ended_as_dead(capsys):
-    from weightsync.rendezvous.protocol import Channel, connect_store
+    from weightsync.rendezvous.channel import Channel, connect_store
     from weightsync.rendezvous.store.server import StoreServer
     from weightsync.roles import vllm_server
     from weightsync.vllm_backend.control import Server

@@ -35,7 +35,7 @@ import xxhash
 
 with atheris.instrument_imports():
     from weightsync.transport import TransferError, sockets, wire
-    from weightsync.transport.tcp import TcpReceiver
+    from weightsync.transport.tcp_receiver import TcpReceiver
 
 TOKEN = b"fuzz-job-token-0123456789abcdef"
 TRAINER, INFERENCE, VERSION = 1, 0, 7

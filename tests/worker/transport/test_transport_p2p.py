@@ -13,7 +13,7 @@ from support.tiers import first_in_unit
 from support.transfer import ODD, send_and_check
 
 from weightsync.runtime.faults import CORRUPT_ENV
-from weightsync.transport import nccl
+from weightsync.transport import nccl, nccl_wait
 
 
 class Backend:
@@ -194,10 +194,10 @@ def test_an_nccl_operation_completes_or_fails_where_torch_cannot_say_its_error_b
     There a completed operation's wait says it, bounded by the deadline."""
     deadline = time.monotonic() + 0.5
     if expected is None:
-        nccl._wait(work, deadline, "trainer rank 1", "a header of version 3", poll=True)
+        nccl_wait.wait_work(work, deadline, "trainer rank 1", "a header of version 3", poll=True)
         return
     with pytest.raises(nccl.TransferError, match=expected) as err:
-        nccl._wait(work, deadline, "trainer rank 1", "a header of version 3", poll=True)
+        nccl_wait.wait_work(work, deadline, "trainer rank 1", "a header of version 3", poll=True)
     assert err.value.peer == "trainer rank 1" and time.monotonic() < deadline + 5
 
 
@@ -210,7 +210,7 @@ def test_an_nccl_operation_is_polled_to_its_deadline_and_never_waited_on_when_it
 
     def run():
         try:
-            nccl._wait(BackendWork(error), time.monotonic() + 0.5, "trainer rank 1", "a header of version 3", poll=True)
+            nccl_wait.wait_work(BackendWork(error), time.monotonic() + 0.5, "trainer rank 1", "a header of version 3", poll=True)
         except nccl.TransferError as e:
             outcome["error"] = e
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from weightsync.job.join import JoinEnv
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.vllm_backend import admission
 from weightsync.vllm_backend.guard import ControlGuard, sign
 

@@ -76,7 +76,7 @@ from weightsync.local.runner import LocalJob
 from weightsync.model.build import meta_layout
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
 from weightsync.rendezvous.external_rank import fetch_job
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.runtime.faults import DUMP_DIR_ENV, PAUSE_DIR_ENV, PAUSE_LIMIT_ENV
 from weightsync.vllm_backend.guard import sign
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from weightsync.job.join import JoinEnv
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.vllm_backend.guard import CLIENT_ROUTES, WINDOW, ControlGuard, job_key, sign
 
 TOKEN = b"t" * 32

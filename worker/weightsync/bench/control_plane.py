@@ -53,7 +53,8 @@ from weightsync.plan.rank_plan import RankPlan
 from weightsync.plan.shares import PlanShares, share_out
 from weightsync.plan.simulate import MODELS, Topology, parse_inference, shapes
 from weightsync.plan.sliced_plan import SlicedPlan, needs_from_json, needs_to_json, plan_from_json
-from weightsync.rendezvous.protocol import HEARTBEAT, Channel, Keys, connect_store
+from weightsync.rendezvous.channel import Channel, connect_store
+from weightsync.rendezvous.protocol import HEARTBEAT, Keys
 from weightsync.roles.controller.driver import Controller
 from weightsync.roles.controller.records import Reporter
 

@@ -46,7 +46,8 @@ import weightsync
 from weightsync.bench.chart import vllm_chart
 from weightsync.job import API_VERSION, KIND, Env, Model, WorkerContext, load_job
 from weightsync.local import ports as leases
-from weightsync.local.runner import LocalJob, check_vllm_python
+from weightsync.local.preflight import check_vllm_python
+from weightsync.local.runner import LocalJob
 from weightsync.model.build import build, parameters
 from weightsync.rendezvous.protocol import Keys
 from weightsync.roles.vllm_server import server_command

@@ -241,7 +241,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             raise ValueError(f"{type(model).__name__} has no transformers config (model.config): give "
                              "WeightsyncTrainerInitInfo(config=...), the model's Hugging Face config: weightsync makes "
                              "the job's model from it, the one the servers serve")
-        device = next(iter(dict(model.named_parameters()).values())).device
+        device = next(p for _, p in model.named_parameters()).device  # a module's, or a source's held tensors'
         job = own_job(name=info.name, config=model_config(config), dtype=dtype_of(config, info.dtype), trainers=world,
                       servers=len(urls), tensor_parallel=info.tensor_parallel_size, on_gpu=device.type == "cuda",
                       min_available=info.min_available, away_grace_seconds=info.away_grace_seconds,

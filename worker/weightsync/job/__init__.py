@@ -2,9 +2,9 @@
 and nothing else. The operator imports only this package; the worker and the local runner read
 from it. No torch, no Kubernetes client.
 
-- spec: reading, defaulting and validating a job (the CRD is the one schema), its typed sections
-  (Model, Trainer, Inference, Training, Transfer, Network, ...; job.transfer.bucket_bytes), the
-  names of its children, labels and annotations;
+- spec: reading, defaulting and validating a job (the CRD is the one schema), the names of its
+  children, labels and annotations; its typed sections in sections (Model, Training, Transfer,
+  Network, ...; job.transfer.bucket_bytes) and role_sections (Pods, Trainer, Inference, ...);
 - topology: the ordinal -> role/rank layout;
 - pod: what a pod receives (pod_env(), ports, mounts, probes) and the WorkerContext read back;
 - schema, sizes: the CRD's schema and CEL rules applied locally, and model size checks;
@@ -50,13 +50,32 @@ from weightsync.job.pod import (
                                 torchrun_env,
 )
 from weightsync.job.podtemplate import SCHEDULING_FIELDS, EnvVar, PodTemplate, pod_template_problems
+from weightsync.job.role_sections import (
+                                BUILTIN,
+                                VLLM,
+                                VLLM_PORT,
+                                Inference,
+                                Pods,
+                                Trainer,
+                                ValueFrom,
+                                Vllm,
+)
+from weightsync.job.sections import (
+                                Delta,
+                                Lora,
+                                Model,
+                                Network,
+                                Rdma,
+                                Tcp,
+                                Training,
+                                Transfer,
+)
 from weightsync.job.spec import (
                                 ANNOTATION_NETWORK_MODE,
                                 ANNOTATION_NETWORK_REASON,
                                 ANNOTATION_TOKEN_SHA256,
                                 ANNOTATION_WORKER_IMAGE,
                                 API_VERSION,
-                                BUILTIN,
                                 GROUP,
                                 KIND,
                                 LABEL_JOB,
@@ -65,23 +84,8 @@ from weightsync.job.spec import (
                                 POD_INDEX_LABEL,
                                 QUEUE_LABEL,
                                 VERSION,
-                                VLLM,
-                                VLLM_PORT,
-                                Delta,
-                                Inference,
                                 Job,
-                                Lora,
-                                Model,
-                                Network,
-                                Pods,
-                                Rdma,
                                 SpecError,
-                                Tcp,
-                                Trainer,
-                                Training,
-                                Transfer,
-                                ValueFrom,
-                                Vllm,
                                 load_job,
                                 read_job_file,
                                 schema,

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from weightsync.job.join import Join, JoinEnv
-from weightsync.job.spec import Job, Network, SpecError, ValueFrom, load_job
+from weightsync.job.role_sections import ValueFrom
+from weightsync.job.sections import Network
+from weightsync.job.spec import Job, SpecError, load_job
 from weightsync.job.token import read_token
 from weightsync.job.topology import CONTROLLER, TRAINER
 

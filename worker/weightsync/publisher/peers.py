@@ -8,7 +8,8 @@ from __future__ import annotations
 from weightsync.job import INFERENCE
 from weightsync.job.token import same
 from weightsync.rendezvous.messages import Peer, RankInfo, Round
-from weightsync.rendezvous.protocol import Keys, Member, ProofError, rank_proof, who
+from weightsync.rendezvous.proofs import rank_proof
+from weightsync.rendezvous.protocol import Keys, Member, ProofError, who
 from weightsync.transport.base import TransferError
 
 

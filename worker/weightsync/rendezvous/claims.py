@@ -35,7 +35,8 @@ from typing import Callable
 
 from weightsync.job import INFERENCE, Layout
 from weightsync.model.flat import FlatLayout, LayoutMismatch
-from weightsync.rendezvous.protocol import Channel, who
+from weightsync.rendezvous.channel import Channel
+from weightsync.rendezvous.protocol import who
 
 CLAIMS = "claims"  # counter: claims posted (claim/<n> is the n-th)
 # seconds a granted rank counts as there before its worker is admitted (its attempt counted: from

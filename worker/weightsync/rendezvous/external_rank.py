@@ -16,7 +16,9 @@ from typing import Callable
 from weightsync.job import ANNOTATION_NETWORK_MODE, Job, SpecError, WorkerContext, load_job
 from weightsync.job.join import Join, JoinEnv
 from weightsync.job.token import same
-from weightsync.rendezvous.protocol import STORE_TIMEOUT, Channel, Keys, connect_store, job_mac
+from weightsync.rendezvous.channel import STORE_TIMEOUT, Channel, connect_store
+from weightsync.rendezvous.proofs import job_mac
+from weightsync.rendezvous.protocol import Keys
 from weightsync.rendezvous.store.table import StoreRefused
 
 CONTROLLER_WAIT = 600.0  # seconds a joining process waits for the controller's store to accept it

@@ -6,19 +6,16 @@ that is not over slices is published whole, as before.
 
 from __future__ import annotations
 
-from weightsync.job.token import mac, same
+from weightsync.job.token import same
 from weightsync.plan.interface import TransferPlan
 from weightsync.plan.rank_plan import RankPlan, is_shares
 from weightsync.plan.shares import share_out
 from weightsync.plan.sliced_plan import SlicedPlan, plan_from_json
+from weightsync.rendezvous.proofs import share_mac
 
 
 def share_key(role: str, rank: int) -> str:
     return f"plan-share/{role}/{rank}"
-
-
-def share_mac(token: bytes, role: str, rank: int, text: str | bytes) -> str:
-    return mac(token, b"plan-share", role, str(rank), text, lengths="<Q").hex()
 
 
 def publish_shares(channel, token: bytes, plan: TransferPlan) -> str:

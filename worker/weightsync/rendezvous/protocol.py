@@ -8,14 +8,12 @@ the job token over it and what it publishes, and only then is it admitted. Each 
 version is a Round that the controller announces with the go: which inference ranks receive it
 and which set of their endpoints (epoch) to use, so that an inference rank whose pod restarted
 is taken back at the next version under its new endpoint (roster.py is the controller's side).
-A store client serves one thread at a time (a blocking call holds it), so every thread that talks
-to the store opens its own client.
+The store's client and the waits on its keys are channel.py's, the proofs of the token
+proofs.py's, and an inference rank's following of the rounds following.py's.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import threading
 import time
 from contextlib import contextmanager
@@ -23,10 +21,11 @@ from typing import Callable, Iterable, Iterator
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
 from weightsync.job.errors import JobFailed, TimedOut
-from weightsync.job.token import mac, same
+from weightsync.job.token import same
+from weightsync.rendezvous.channel import CHECK_EVERY, Channel, JobEnded, connect_store
+from weightsync.rendezvous.following import Following
 from weightsync.rendezvous.keys import Keys
 from weightsync.rendezvous.messages import (
-    End,
     Peer,
     PublishedPlan,
     RankFailure,
@@ -34,46 +33,15 @@ from weightsync.rendezvous.messages import (
     Ready,
     ResumePoint,
     Round,
-    cut_from_json,
     peers_from_json,
 )
 from weightsync.rendezvous.plan_shares import own_plan
-from weightsync.rendezvous.store.server import StoreServer
-from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused, StoreTimeout
-from weightsync.rendezvous.store.wire import UNSET
+from weightsync.rendezvous.proofs import peers_mac, plan_mac, rank_proof
+from weightsync.rendezvous.proofs import update_proof as update_proof  # the vLLM engine imports it from here
+from weightsync.rendezvous.store.table import StoreError, StoreRefused
 
 HEARTBEAT = 1.0  # seconds between heartbeats
-STORE_TIMEOUT = 60.0  # seconds a single store call may block
-CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
-CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
-STOPPED_CHECK_EVERY = 1.0  # the same, for a wait that the job's end (its stops) ends at once
 CUT_POLL = 0.25  # seconds between a sending trainer's looks for receivers counted away
-SAY_EVERY = 5.0  # seconds between two lines of a joining rank that still waits for the controller
-GONE_WAIT = 1.0  # seconds to read a key a wait just saw set, before taking it for deleted meanwhile
-
-
-class JobEnded(RuntimeError):
-    """The controller ended the job while this rank was waiting (the message says why)."""
-
-    def __init__(self, state: str, message: str):
-        self.state = state
-        super().__init__(f"the job ended ({state}): {message}")
-
-
-class FellBehind(RuntimeError):
-    """An inference rank waits for the go of a version the controller sent without it (it was
-    frozen or cut off meanwhile, and counted away): it must start again and rejoin."""
-
-
-class Dropped(RuntimeError):
-    """The controller dropped the round this inference rank receives: a trainer rank stopped while
-    it was on its way and the trainers resume from their checkpoint. Its bytes are half sent, never
-    verified, and the rank goes on to the next version on the weights it serves."""
-
-
-def dropped_on_its_way(version: int, why: bytes) -> Dropped:
-    """What a receiver of `version` raises once the controller dropped it (Keys.dropped says why)."""
-    return Dropped(f"version {version} was dropped on its way: {why.decode()}")
 
 
 class Restarted(RuntimeError):
@@ -104,133 +72,6 @@ def versions(job: Job) -> Iterator[tuple[int, int]]:
         version, step = version + 1, step + every if not steps else min(step + every, steps)
 
 
-def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
-    """The controller's store, on the pod's own address, for the job's ranks and no one else."""
-    return StoreServer(address, port, token, job, Limits(connections=CONNECTIONS_PER_RANK * ranks + 16), STORE_TIMEOUT)
-
-
-def connect_store(host: str, port: int, token: bytes, job: str, timeout: float, call_timeout: float | None = None):
-    """A client of the controller's store; retries until `timeout` while the controller starts.
-    Each of its calls may block `call_timeout` seconds (default: the lesser of `timeout` and
-    STORE_TIMEOUT). StoreRefused if this process's token (or job) is not the store's."""
-    from weightsync.rendezvous.store.client import StoreClient  # torch
-
-    calls = min(STORE_TIMEOUT, timeout) if call_timeout is None else call_timeout
-    try:
-        return StoreClient(host, port, token, job, timeout=calls, connect_timeout=timeout)
-    except StoreRefused:
-        raise
-    except StoreError as e:
-        raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
-
-
-class Channel:
-    """Waiting on keys of one store client, with a callback that may raise while waiting."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def set(self, key: str, value: str | bytes | dict | list) -> None:
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value)
-        self.store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return self.store.get(key)
-
-    def get_json(self, key: str):
-        return json.loads(self.store.get(key))
-
-    def has(self, key: str) -> bool:
-        return self.store.check([key])
-
-    def peek(self, keys: Iterable[str]) -> list[bytes | None]:
-        """The keys' values now (None where not set), in one request: a look at several keys that
-        a waiting rank makes every CHECK_EVERY costs the store one request, not one per key."""
-        return [None if v[:1] == UNSET else v[1:] for v in self.store.peek(list(keys))]
-
-    def end(self) -> End | None:
-        """The controller's end of the job, None while it runs."""
-        return End.from_json(self.store.get(Keys.END)) if self.has(Keys.END) else None
-
-    def wait_for_end(self, timeout: float | None = None, check: Callable[[], None] | None = None,
-                     what: str = "the end of the job") -> End:
-        """Wait for the controller's end of the job (TimeoutError past `timeout`; `check` as for wait)."""
-        self.wait([Keys.END], what, timeout, check)
-        return End.from_json(self.get(Keys.END))
-
-    def cut_off(self, rnd: Round) -> list[int]:
-        """The receivers of `rnd` the controller counted away while it was on its way (Keys.cut)."""
-        key = Keys.cut(rnd.version, rnd.again)
-        return cut_from_json(self.store.get(key)) if self.has(key) else []
-
-    def starts(self, role: str, rank: int) -> int:
-        """How many times (role, rank)'s process started (Keys.join; 0: not yet)."""
-        return self.store.add(Keys.join(role, rank), 0)
-
-    def resumes(self) -> int:
-        """How many times the trainers began to resume from their checkpoint (Keys.RESUMING)."""
-        return self.store.add(Keys.RESUMING, 0)
-
-    def verification_failed(self) -> None:
-        """Count a version that failed verification (Keys.VERIFY_FAILURES)."""
-        self.store.add(Keys.VERIFY_FAILURES, 1)
-
-    def verification_failures(self) -> int:
-        return self.store.add(Keys.VERIFY_FAILURES, 0)
-
-    def close(self) -> None:
-        """Close this client's connection to the store."""
-        self.store.close()
-
-    def held(self) -> Held:
-        """What the store holds and has served so far (all of it in the store's own process, the
-        controller's; elsewhere the keys alone)."""
-        return Held(self.store.num_keys(), getattr(self.store, "bytes_held", None), getattr(self.store, "requests", None))
-
-    def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
-        """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
-        self.set(Keys.failed(role, rank), RankFailure.made(failure).to_json())
-        self.store.add(Keys.FAILURES, 1)
-
-    def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
-             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None,
-             stops: Iterable[str] = ()) -> None:
-        """Wait until every key is set: the store answers as soon as they are (nothing polls).
-        `check` runs every CHECK_EVERY seconds and may raise; with `stops` (keys on which `check`
-        raises: the job's end), it runs as soon as one is set and otherwise every STOPPED_CHECK_EVERY
-        seconds, so that a thousand waiting ranks do not ask the store four times a second each;
-        `say`, where given, is told every SAY_EVERY seconds that this still waits for `what`; past
-        `timeout` seconds a TimeoutError names `what`."""
-        keys, stops = list(keys), list(stops)
-        began = told = time.monotonic()
-        deadline = None if timeout is None else began + timeout
-        while True:
-            every = STOPPED_CHECK_EVERY if stops else CHECK_EVERY
-            step = every if deadline is None else min(every, max(deadline - time.monotonic(), 0.0))
-            stopped = False
-            try:
-                if not stops:
-                    self.store.wait(keys, datetime.timedelta(seconds=step))
-                    return
-                if self.store.wait_or(keys, stops, datetime.timedelta(seconds=step)):
-                    return
-                stopped = True
-            except TimeoutError:  # not yet (a store that stopped answering fails the next call)
-                pass
-            if check:
-                check()
-            if stopped:  # a stop on which `check` did not raise: looked at every CHECK_EVERY from now on
-                stops = []
-            if say is not None and time.monotonic() - told >= SAY_EVERY:
-                told = time.monotonic()
-                say(f"still waiting for {what} ({told - began:.0f}s" +
-                    (f", {max(deadline - told, 0.0):.0f}s left)" if deadline is not None else ")"))
-            if deadline is not None and time.monotonic() >= deadline:
-                missing = [k for k in keys if not self.store.check([k])]
-                raise TimedOut(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
-
-
 def ranks_of(layout: Layout) -> list[tuple[str, int]]:
     return [(TRAINER, r) for r in range(layout.world_size(TRAINER))] + \
            [(INFERENCE, r) for r in range(layout.world_size(INFERENCE))]
@@ -240,45 +81,7 @@ def who(role: str, rank: int) -> str:
     return f"{role} rank {rank}"
 
 
-# The proofs below are hex HMACs (job/token.py) of their parts, each preceded by its length.
-LENGTHS = "<Q"
-
-
-def rank_proof(token: bytes, nonce: bytes, role: str, rank: int, endpoint: str, meta: str, info: str) -> str:
-    """A rank's proof of what it published for an attempt, over the controller's nonce for it."""
-    return mac(token, b"rank", nonce, role, str(rank), endpoint, meta, info, lengths=LENGTHS).hex()
-
-
-def plan_mac(token: bytes, text: str | bytes) -> str:
-    """The controller's signature of the plan it published."""
-    return mac(token, b"plan", text, lengths=LENGTHS).hex()
-
-
-def job_mac(token: bytes, identity: str, text: str | bytes) -> str:
-    """The controller's signature of the job it published for external ranks, bound to the job's
-    identity (namespace/name)."""
-    return mac(token, b"job", identity, text, lengths=LENGTHS).hex()
-
-
-def peers_mac(token: bytes, epoch: int, text: str | bytes) -> str:
-    """The controller's signature of the inference ranks' endpoints as of `epoch`."""
-    return mac(token, b"peers", str(epoch), text, lengths=LENGTHS).hex()
-
-
-def update_proof(token: bytes, job: str, version: int) -> str:
-    """What the controller sends with its request that a vLLM server load `version`: a load
-    proves the job's token even where a server's control routes were open to its clients."""
-    return mac(token, b"vllm-update", job, str(version), lengths=LENGTHS).hex()
-
-
-def control_key(token: bytes, job: str) -> str:
-    """The bearer key of a vLLM server's control routes (vllm_backend/guard.py): the controller
-    and the pod's own process send it, a server of the job compares it; a key, not the token,
-    so that what crosses the wire opens those routes and nothing else."""
-    return mac(token, b"vllm-control", job, lengths=LENGTHS).hex()
-
-
-class Member(Channel):
+class Member(Following, Channel):
     """One trainer or inference rank's side of the rendezvous."""
 
     def __init__(self, host: str, port: int, token: bytes, role: str, rank: int, timeout: float, *, job: str):
@@ -445,119 +248,6 @@ class Member(Channel):
         if not same(self.get(key + "/mac").decode(), peers_mac(self.token, epoch, text)):
             raise ProofError(f"the endpoints of epoch {epoch} are not signed with this job's token")
         return peers_from_json(text)
-
-    def round(self, version: int, again: int = 0, timeout: float | None = None) -> Round:
-        """Wait for the controller's go for that round (TimeoutError past `timeout` seconds). An
-        inference rank that waits for a version whose go the controller has already said, and
-        deleted (it forgets a round's keys two versions on), was left behind: FellBehind, instead
-        of a wait for a key that will never come back."""
-        key = Keys.go(version, again)
-        self.wait([key], f"the controller's go for version {version}", timeout,
-                  self.behind(version, key) if not again else self.check_end,
-                  stops=self.stops(version) if not again else [Keys.END])
-        return Round.from_json(self.seen(key, version))
-
-    def seen(self, key: str, version: int) -> bytes:
-        """The value of `key` of round `version`, which a wait just saw set. Where it is gone
-        meanwhile (an inference rank frozen between the two, the controller forgot the round),
-        FellBehind at once, not a wait for a key that will never come back."""
-        try:
-            return self.store.get(key, wait=GONE_WAIT)
-        except StoreTimeout:
-            self.behind(version, key)()
-            raise
-
-    def behind(self, version: int, key: str) -> Callable[[], None]:
-        """A check for an inference rank's wait for `key` of round `version`: the job's end, and
-        FellBehind once the controller has gone on to a later version and the key is gone (its
-        round's keys are deleted two versions on), so that a rank that was frozen or cut off
-        meanwhile does not wait for a key that will never come back; and FellBehind once the
-        controller counted this start away, whatever it waits for (after the final version no later
-        one comes to tell it, and the controller waits for it to rejoin)."""
-        def check() -> None:
-            if self.role != INFERENCE:
-                self.check_end()
-                return
-            end, dropped, why, latest, there = self.peek([Keys.END, Keys.dropped(version),
-                                                          Keys.away(self.rank, self.attempt), Keys.LATEST, key])
-            if end is not None:
-                ended = End.from_json(end)
-                raise JobEnded(ended.state, ended.message)
-            if dropped is not None:
-                raise dropped_on_its_way(version, dropped)
-            if why is not None:
-                raise FellBehind(f"the controller counted this rank away while it waited for {key} of version "
-                                 f"{version} ({why.decode()})")
-            if latest is not None and int(latest) > version and there is None:
-                raise FellBehind(f"waited for {key} of version {version}, but the controller went on to "
-                                 f"version {int(latest)} without this rank: it was frozen or cut off")
-        return check
-
-    def stops(self, version: int) -> list[str]:
-        """The keys on which behind(version, ...)'s check raises at once (Channel.wait's stops): the
-        job's end, and for an inference rank `version` dropped and this start counted away."""
-        if self.role != INFERENCE:
-            return [Keys.END]
-        return [Keys.END, Keys.dropped(version), Keys.away(self.rank, self.attempt)]
-
-    def check_dropped(self, version: int) -> None:
-        """Dropped where the controller dropped `version` (a trainer rank stopped mid-way)."""
-        if self.has(Keys.dropped(version)):
-            raise dropped_on_its_way(version, self.get(Keys.dropped(version)))
-
-    def verdict(self, rnd: Round, timeout: float) -> None:
-        """An inference rank whose receive of `rnd` failed in a job whose trainers resume: wait up
-        to `timeout` seconds for the controller to say what became of the round, as it may have
-        lost a sender that stopped. Dropped where it dropped the round; returns where it went on
-        without this rank, or said nothing in time (the caller's error stands)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check_end()
-            self.check_dropped(rnd.version)
-            if self.counted_away(rnd):
-                return
-            time.sleep(CHECK_EVERY)
-
-    def away(self) -> str | None:
-        """Why the controller counted this start of an inference rank away; None where it did not."""
-        key = Keys.away(self.rank, self.attempt)
-        return self.get(key).decode() if self.has(key) else None
-
-    def replica_epoch(self, start: int) -> int:
-        """How many times the controller counted the tensor-parallel replica whose first inference
-        rank is `start` away: its ranks form their process group under that number."""
-        return int(self.get(Keys.replica(start))) if self.has(Keys.replica(start)) else 0
-
-    def latest(self) -> int | None:
-        """The latest version the controller announced, None before the first."""
-        return int(self.get(Keys.LATEST)) if self.has(Keys.LATEST) else None
-
-    def counted_away(self, rnd: Round) -> bool:
-        """Whether the controller went on without this inference rank in round `rnd`: it cut it off
-        (the trainers stopped sending to it), or it is at a later version already, which it only
-        is once every receiver of the round applied it or was counted away."""
-        if self.rank in self.cut_off(rnd):
-            return True
-        latest = self.latest()
-        return latest is not None and latest > rnd.version
-
-    def joins_late(self, timeout: float) -> bool:
-        """Whether this inference rank joins the running job, taken in at a later round than the
-        first (its welcome says which): its process started again, or its pod was scaled up to
-        after the ranks joined (the plan's endpoints, epoch 0, do not name it)."""
-        return self.attempt > 1 or self.rank not in self.peers(0, timeout)
-
-    def welcome(self) -> Round:
-        """A rejoined inference rank: the round it receives first (the controller says it at the
-        next version, or at once when the trainers are done)."""
-        key = Keys.welcome(self.rank, self.attempt)
-
-        def check() -> None:  # counted away again meanwhile (frozen, or its replica went): never taken back
-            self.check_end()
-            if (why := self.away()) is not None:
-                raise FellBehind(f"the controller counted this rank away while it waited to be taken back ({why})")
-        self.wait([key], "the controller to take this rank back at the next version", None, check)
-        return Round.from_json(self.get(key))
 
     def fail(self, failure: RankFailure | BaseException | str) -> None:
         """Tell the controller why this rank gives up."""

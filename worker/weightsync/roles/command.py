@@ -36,8 +36,9 @@ import time
 from functools import partial
 
 from weightsync.job import MASTER_PORT, MASTER_PORTS, TRAINER, WorkerContext, master_addr, states, torchrun_env
+from weightsync.rendezvous.channel import Channel, connect_store
 from weightsync.rendezvous.messages import End
-from weightsync.rendezvous.protocol import Channel, Keys, connect_store, who
+from weightsync.rendezvous.protocol import Keys, who
 from weightsync.runtime.health import PodHealth
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end

@@ -35,7 +35,9 @@ from typing import Mapping, Sequence
 
 from weightsync.job import INFERENCE, Env, Lora, Model, SpecError, WorkerContext, states
 from weightsync.model.config import served_config
-from weightsync.rendezvous.protocol import Channel, Keys, connect_store, control_key, who
+from weightsync.rendezvous.channel import Channel, connect_store
+from weightsync.rendezvous.proofs import control_key
+from weightsync.rendezvous.protocol import Keys, who
 from weightsync.runtime import health
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure

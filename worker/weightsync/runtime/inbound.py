@@ -26,9 +26,10 @@ import time
 from typing import Protocol
 
 from weightsync.job import INFERENCE, Job, reasons
-from weightsync.job.spec import FAIL_JOB, ROLL_BACK
+from weightsync.job.role_sections import FAIL_JOB, ROLL_BACK
+from weightsync.rendezvous.following import Dropped, FellBehind
 from weightsync.rendezvous.messages import Applied, End, Reference, Round
-from weightsync.rendezvous.protocol import HEARTBEAT, Dropped, FellBehind, JobEnded, Keys, Member, who
+from weightsync.rendezvous.protocol import HEARTBEAT, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import rank_counters
 from weightsync.runtime.rank import Expected, log

@@ -15,8 +15,9 @@ from typing import Callable
 
 from weightsync.job import INFERENCE, TRAINER, WorkerContext
 from weightsync.job.logline import say
+from weightsync.rendezvous.channel import Channel, connect_store
 from weightsync.rendezvous.messages import End, RankFailure, RankInfo
-from weightsync.rendezvous.protocol import Channel, Keys, Member, Resuming, connect_store, who
+from weightsync.rendezvous.protocol import Keys, Member, Resuming, who
 from weightsync.runtime import health
 from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
 from weightsync.transport.base import Receiver, Sender

@@ -36,7 +36,8 @@ from weightsync.transport.base import (
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.landing import Landing
 from weightsync.transport.sockets import recv_exact, send_all
-from weightsync.transport.tcp import TcpReceiver, TcpSender
+from weightsync.transport.tcp import TcpSender
+from weightsync.transport.tcp_receiver import TcpReceiver
 from weightsync.transport.wire import ADVERT, WRITTEN
 
 ADVERT_MAX = 4096  # bytes of an advertisement: a GPU's UUID and one IPC handle

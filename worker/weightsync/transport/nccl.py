@@ -15,23 +15,13 @@ the job token: an HMAC over a fresh nonce that the receiver published when it st
 so that a proof from an earlier run (or an earlier life of the receiver) does not pass.
 
 Waiting, failing, and why the process survives it:
-- Every send and receive is polled until the time left: a deadline per operation on the
-  sender, per version on the receiver. A timeout, a dead peer, or an error of the backend
-  becomes a TransferError naming the peer. Polling (work.is_completed(), which also picks up the
-  communicator's asynchronous error, such as a peer that exited) rather than work.wait(timeout):
-  NCCL's wait on an operation whose peer died aborts the communicator from inside the wait and
-  can stay there (seen with NCCL 2.28 and torch 2.11 on an H100: the receiver of a killed
-  trainer never returned). Only an operation that completed is waited on, which orders the
-  current stream after it and returns at once; an error it completed with is read from
-  work.exception() where torch can say it (torch 2.11 cannot: its binding fails to convert the
-  answer), else the wait raises it, and since the wait may then hang aborting the communicator,
-  it runs on a helper thread bounded by the deadline.
-- NCCL's own watchdog would end the process on a timeout or error. The group's timeout is set
-  well past the transfer timeout (WATCHDOG_FACTOR), and its error handling to abort the
-  communicators without killing the process; a failed version aborts the group itself, so that
-  no pending operation is left for the watchdog. An aborted group carries no more versions:
-  every later call says so (the job fails, naming the first failure). The abort is bounded
-  (ABORT_SECONDS): where NCCL's own abort hangs, the failure is still reported.
+- Every send and receive is polled until the time left, never waited on inside NCCL (nccl_wait.py):
+  a timeout, a dead peer, or an error of the backend becomes a TransferError naming the peer.
+- NCCL's own watchdog would end the process on a timeout or error: the group is formed so that
+  it does not (nccl_group.py), and a failed version aborts the group itself, so that no pending
+  operation is left for the watchdog. An aborted group carries no more versions: every later call
+  says so (the job fails, naming the first failure). The abort is bounded (ABORT_SECONDS): where
+  NCCL's own abort hangs, the failure is still reported.
 - NCCL creates a communicator for each pair of ranks at their first operation, which blocks
   both until the other arrives and cannot be interrupted; several threads doing it at once on
   one group can hang. So each end meets its peers first on one thread, in one global order
@@ -42,11 +32,7 @@ Waiting, failing, and why the process survives it:
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import logging
-import os
-import re
 import secrets
 import struct
 import threading
@@ -73,23 +59,15 @@ from weightsync.transport.base import (
 )
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.ledger import Ledger
+from weightsync.transport.nccl_group import PREFIX, form_group
+from weightsync.transport.nccl_wait import first_frame, wait_work
 from weightsync.transport.wire import DATA, END
 
 log = logging.getLogger("weightsync.transport")
 
-PREFIX = "weightsync-nccl"
 STORE_PREFIX = "transfer/"  # the transport's keys in a job's store, apart from the rendezvous's
 BACKENDS = ("nccl", "gloo")
 HELLO = 0  # the header kind of the first frame between two ranks (it creates their communicator)
-# The group's own timeout, which NCCL's watchdog acts on, in transfer timeouts: the transport
-# gives up, and aborts the group, long before.
-WATCHDOG_FACTOR = 4
-# TORCH_NCCL_ASYNC_ERROR_HANDLING for the transport's group: on an error, abort the
-# communicators and let the waiting call raise, without tearing the process down.
-CLEAN_UP_ONLY = "2"
-# How often a wait looks at its operation: at first often (a header arrives in microseconds),
-# then less (a bucket takes milliseconds).
-POLL_FIRST, POLL_MOST = 50e-6, 2e-3
 # How long aborting the group may take before the failure is reported without it
 ABORT_SECONDS = 10.0
 
@@ -126,83 +104,6 @@ def _unsigned(s: int) -> int:
 
 def _hello_mac(token: bytes, nonce: bytes, trainer: int, inference: int) -> str:
     return mac(token, b"nccl hello|", nonce, f"|{trainer}->{inference}").hex()
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    """`name` set to `value` while a group is built (the backend reads it then)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _first_line(error: BaseException) -> str:
-    """The backend's message, without the source location it starts with."""
-    text = str(error).strip() or type(error).__name__
-    return re.sub(r"^\[[^\]]*\.(cc|cpp|hpp|h):\d+\]\s*", "", text.splitlines()[0])[:300]
-
-
-def _wait(work, deadline: float, peer: str, what: str, poll: bool) -> None:
-    """Wait for a point-to-point operation until `deadline`; any failure becomes a
-    TransferError naming `peer`. NCCL's operations are polled (see the module's docstring); where
-    torch cannot say whether one that completed failed, its wait, which raises the error but may
-    first hang aborting the communicator, runs on a helper thread bounded by `deadline`. gloo's
-    complete only inside their wait, which keeps its deadline and raises for a dead peer."""
-    said = _poll(work, deadline, peer, what) if poll else True
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransferError(peer, f"{what} did not complete in time")
-    timeout = datetime.timedelta(seconds=left)
-    try:
-        done = work.wait(timeout) if said else bounded(lambda: work.wait(timeout), left, f"{what} with {peer}")
-    except TimeoutError:
-        raise TransferError(peer, f"{what} did not complete in time") from None
-    except Exception as e:  # noqa: BLE001 - the backend's error (timeout, peer gone, group aborted), named below
-        raise TransferError(peer, f"{what} failed: {_first_line(e)}") from None
-    if done is False:
-        raise TransferError(peer, f"{what} did not complete in time")
-
-
-def _poll(work, deadline: float, peer: str, what: str) -> bool:
-    """Until `work` completed, by `deadline`, without entering the backend's wait; an error it
-    completed with is raised here. False where torch cannot say whether it failed: torch 2.11's
-    binding of `Work.exception()` cannot convert its answer to Python (TypeError)."""
-    pause = POLL_FIRST
-    while True:
-        try:
-            if work.is_completed():
-                break
-        except Exception as e:  # noqa: BLE001 - the backend's error (peer gone, group aborted), named below
-            raise TransferError(peer, f"{what} failed: {_first_line(e)}") from None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferError(peer, f"{what} did not complete in time")
-        time.sleep(min(pause, left))
-        pause = min(2 * pause, POLL_MOST)
-    try:
-        error = work.exception()
-    except TypeError:
-        return False
-    if error is not None:
-        raise TransferError(peer, f"{what} failed: {_first_line(error)}")
-    return True
-
-
-def _first_frame(operation: Callable[[], Any], deadline: float, peer: str, poll: bool) -> None:
-    """The first send or receive between two ranks, which creates their communicator: the call
-    itself blocks until the peer gets there too, so it runs on a helper thread, and both the
-    call and its completion are bounded by `deadline`."""
-    try:
-        work = bounded(operation, deadline - time.monotonic(), f"the first frame with {peer}")
-    except TimeoutError:
-        raise TransferError(peer, "did not meet this rank in time (their communicator never formed)") from None
-    _wait(work, deadline, peer, "the first frame", poll)
 
 
 @dataclass(frozen=True)
@@ -257,33 +158,13 @@ class NcclTransport(Transport):
         return not self.host
 
     def _group(self, global_rank: int):
-        import torch.distributed as dist
-
         if self.device is not None and not self.host:
             import torch
 
             torch.cuda.set_device(self.device)
-        if self.group is not None:
-            return self.group
-        prefixed = dist.PrefixStore(PREFIX, self.store)
-        world = self.trainers + self.inferences
-        if self.host:
-            # gloo connects every pair while the group is built: every rank of the job must get here
-            self.store.set(f"{PREFIX}/joined/{global_rank}", "1")
-            try:
-                timeout = datetime.timedelta(seconds=self.timeout)
-                self.group = dist.ProcessGroupGloo(prefixed, global_rank, world, timeout)
-            except RuntimeError as e:
-                missing = [r for r in range(world) if not self.store.check([f"{PREFIX}/joined/{r}"])]
-                names = ", ".join(self._name(r) for r in missing) or "none"
-                raise TransferError(self._name(missing[0]) if missing else "nccl",
-                                    f"the group did not form within {self.timeout:g}s (not joined: {names}): "
-                                    f"{_first_line(e)}") from None
-            return self.group
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=self.timeout * WATCHDOG_FACTOR + 60)
-        with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", CLEAN_UP_ONLY):
-            self.group = dist.ProcessGroupNCCL(prefixed, global_rank, world, options)
+        if self.group is None:
+            self.group = form_group(self.store, global_rank, self.trainers + self.inferences, self.timeout, self.host,
+                                    self._name)
         return self.group
 
     def _name(self, global_rank: int) -> str:
@@ -355,7 +236,7 @@ class NcclSender(Sender):
             self.t.check(name)
             head = torch.tensor([HELLO, 0, 0, 0, 0], dtype=torch.int64, device=self.device)
             try:
-                _first_frame(lambda: self.group.send([head], self.t.trainers + peer, 0),
+                first_frame(lambda: self.group.send([head], self.t.trainers + peer, 0),
                              time.monotonic() + self.t.timeout, name, self.t.polls)
             except TransferError as e:
                 self.t.abort(str(e))
@@ -376,10 +257,10 @@ class NcclSender(Sender):
             deadline = time.monotonic() + self.t.timeout
             head = torch.tensor(fields, dtype=torch.int64, device=self.device)
             try:
-                _wait(self.group.send([head], dst, 0), deadline, name, f"the header of version {version}",
+                wait_work(self.group.send([head], dst, 0), deadline, name, f"the header of version {version}",
                       self.t.polls)
                 if data is not None:
-                    _wait(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}",
+                    wait_work(self.group.send([data], dst, 0), deadline, name, f"bytes at {fields[2]} of version {version}",
                           self.t.polls)
             except TransferError as e:
                 self.t.abort(str(e))
@@ -453,7 +334,7 @@ class NcclReceiver(Receiver):
             peer = f"trainer rank {trainer}"
             self._prove(trainer, deadline)
             head = torch.empty(5, dtype=torch.int64, device=device)
-            _first_frame(lambda: self.group.recv([head], trainer, 0), deadline, peer, self.t.polls)
+            first_frame(lambda: self.group.recv([head], trainer, 0), deadline, peer, self.t.polls)
             if int(head[0]) != HELLO:
                 raise TransferError(peer, f"sent a frame of kind {int(head[0])} before its first frame")
             self.met.add(trainer)
@@ -510,7 +391,7 @@ class NcclReceiver(Receiver):
         while True:
             self.t.check(peer)
             head.zero_()  # a receive that failed unnoticed reads as a frame of kind 0, never as the last header
-            _wait(self.group.recv([head], trainer, 0), deadline, peer, f"a header of version {version}", self.t.polls)
+            wait_work(self.group.recv([head], trainer, 0), deadline, peer, f"a header of version {version}", self.t.polls)
             kind, v, offset, length, digest = (int(x) for x in head.cpu())
             book.check_version(v)
             if kind == END:
@@ -520,7 +401,7 @@ class NcclReceiver(Receiver):
                 raise TransferError(peer, f"sent a frame of kind {kind} for bytes at {offset} of version {version}")
             book.take("DATA", offset, length)
             target = flat[offset:offset + length]
-            _wait(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}",
+            wait_work(self.group.recv([target], trainer, 0), deadline, peer, f"bytes at {offset} of version {version}",
                   self.t.polls)
             got = bucket_checksum(target)  # on the current stream, which the wait ordered after the receive
             book.checksum(offset, length, _unsigned(digest), got)

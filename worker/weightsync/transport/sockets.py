@@ -18,6 +18,9 @@ from typing import Callable
 from weightsync.transport import wire
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) - 1  # one entry left for the header
+# 0 leaves the socket buffers to the kernel's autotuning: a fixed size turns it off, which was
+# slower on loopback and caps the window on long links
+SOCKET_BUFFER = 0
 
 
 def tune(sock: socket.socket, buffer_bytes: int, timeout: float) -> None:

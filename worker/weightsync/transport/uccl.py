@@ -57,7 +57,8 @@ from weightsync.transport.base import (
 from weightsync.transport.checksum import bucket_checksum
 from weightsync.transport.landing import Landing
 from weightsync.transport.sockets import client_handshake, recv_exact, send_all
-from weightsync.transport.tcp import TcpReceiver, TcpSender
+from weightsync.transport.tcp import TcpSender
+from weightsync.transport.tcp_receiver import TcpReceiver
 from weightsync.transport.wire import ADVERT, WRITTEN
 
 log = logging.getLogger("weightsync.transport")

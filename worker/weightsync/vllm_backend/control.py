@@ -85,7 +85,7 @@ class Session:
 @dataclass(frozen=True)
 class Server:
     url: str  # http://host:port
-    # the job's control key (rendezvous/protocol.control_key), which signs every call (guard.sign):
+    # the job's control key (rendezvous/proofs.control_key), which signs every call (guard.sign):
     # a job's server answers its control routes to nothing else (guard.py)
     key: str | None = field(default=None, repr=False)
 

@@ -7,7 +7,7 @@ anyone who reaches it: a client could relabel a request in flight or zero the we
 verified version. ControlGuard, an ASGI middleware that vLLM's API server installs from its own
 `--middleware` argument (the pod's server command has it; a server the user starts is told to
 add it), answers every route that is not a client's only to a request signed with the job's control key
-(rendezvous/protocol.control_key: an HMAC of the job's token); others get 401 (no bearer) or 403
+(rendezvous/proofs.control_key: an HMAC of the job's token); others get 401 (no bearer) or 403
 (another key, an old or replayed request) and reach nothing. The clients' routes are named here
 (CLIENT_ROUTES), and everything else is a control route: a route a newer vLLM adds is closed
 until it is named. A path is judged by the route it resolves to (resolved): dot segments do not
@@ -51,7 +51,7 @@ from typing import Awaitable, Callable, Mapping
 from weightsync.job import Env, SpecError, WorkerContext
 from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.job.token import same
-from weightsync.rendezvous.protocol import control_key
+from weightsync.rendezvous.proofs import control_key
 from weightsync.vllm_backend import admission
 from weightsync.vllm_backend.admission import Admission
 

@@ -36,9 +36,10 @@ from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
 from weightsync.model.quant import VLLM_METHOD, format_of
+from weightsync.rendezvous.channel import Channel
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
 from weightsync.rendezvous.external_rank import JoinError, joined_context
-from weightsync.rendezvous.protocol import Channel, ProofError
+from weightsync.rendezvous.protocol import ProofError
 from weightsync.vllm_backend import joining
 from weightsync.vllm_backend.guard import init_proven
 

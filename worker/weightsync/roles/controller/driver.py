@@ -32,7 +32,8 @@ from weightsync.rendezvous.join_phase import Deadline, TrainersRestart
 from weightsync.rendezvous.messages import Applied, Reference, Round, SentReport
 from weightsync.rendezvous.plan_shares import publish_shares
 from weightsync.rendezvous.policy import Policy
-from weightsync.rendezvous.protocol import Keys, control_key, who
+from weightsync.rendezvous.proofs import control_key
+from weightsync.rendezvous.protocol import Keys, who
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Host
 from weightsync.rendezvous.store.table import StoreError

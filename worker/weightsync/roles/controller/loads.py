@@ -31,8 +31,10 @@ from typing import Callable
 from weightsync.job import CONTROLLER, INFERENCE, WorkerContext, reasons
 from weightsync.job.errors import JobFailed
 from weightsync.rendezvous.messages import Applied, Round
-from weightsync.rendezvous.protocol import HEARTBEAT, Keys, control_key, update_proof, who
-from weightsync.rendezvous.roster import BACK_POLL, Host
+from weightsync.rendezvous.proofs import control_key, update_proof
+from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
+from weightsync.rendezvous.roster import Host
+from weightsync.rendezvous.rounds import BACK_POLL
 from weightsync.runtime.faults import pause_point
 from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
 from weightsync.vllm_backend.guard import MIDDLEWARE

@@ -1,0 +1,163 @@
+"""A client of the controller's store (store/: only the job's processes, proving the job's token,
+can read or write it), and waiting on its keys: what every rendezvous object, the controller's
+Host (roster.py) and a rank's Member (protocol.py) alike, does with its store. Also the
+controller's hosting of that store, and a client's connecting to it.
+
+A store client serves one thread at a time (a blocking call holds it), so every thread that talks
+to the store opens its own client.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Callable, Iterable
+
+from weightsync.job.errors import TimedOut
+from weightsync.rendezvous.keys import Keys
+from weightsync.rendezvous.messages import End, RankFailure, Round, cut_from_json
+from weightsync.rendezvous.store.server import StoreServer
+from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused
+from weightsync.rendezvous.store.wire import UNSET
+
+STORE_TIMEOUT = 60.0  # seconds a single store call may block
+CONNECTIONS_PER_RANK = 8  # store clients a rank may hold at once (main, heartbeat, DDP, transport, restarts)
+CHECK_EVERY = 0.25  # seconds between checks for the job's end while waiting
+STOPPED_CHECK_EVERY = 1.0  # the same, for a wait that the job's end (its stops) ends at once
+SAY_EVERY = 5.0  # seconds between two lines of a joining rank that still waits for the controller
+
+
+class JobEnded(RuntimeError):
+    """The controller ended the job while this rank was waiting (the message says why)."""
+
+    def __init__(self, state: str, message: str):
+        self.state = state
+        super().__init__(f"the job ended ({state}): {message}")
+
+
+def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
+    """The controller's store, on the pod's own address, for the job's ranks and no one else."""
+    return StoreServer(address, port, token, job, Limits(connections=CONNECTIONS_PER_RANK * ranks + 16), STORE_TIMEOUT)
+
+
+def connect_store(host: str, port: int, token: bytes, job: str, timeout: float, call_timeout: float | None = None):
+    """A client of the controller's store; retries until `timeout` while the controller starts.
+    Each of its calls may block `call_timeout` seconds (default: the lesser of `timeout` and
+    STORE_TIMEOUT). StoreRefused if this process's token (or job) is not the store's."""
+    from weightsync.rendezvous.store.client import StoreClient  # torch
+
+    calls = min(STORE_TIMEOUT, timeout) if call_timeout is None else call_timeout
+    try:
+        return StoreClient(host, port, token, job, timeout=calls, connect_timeout=timeout)
+    except StoreRefused:
+        raise
+    except StoreError as e:
+        raise ConnectionError(f"cannot reach the controller's store at {host}:{port} within {timeout:.0f}s: {e}") from None
+
+
+class Channel:
+    """Waiting on keys of one store client, with a callback that may raise while waiting."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def set(self, key: str, value: str | bytes | dict | list) -> None:
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        self.store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def get_json(self, key: str):
+        return json.loads(self.store.get(key))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def peek(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The keys' values now (None where not set), in one request: a look at several keys that
+        a waiting rank makes every CHECK_EVERY costs the store one request, not one per key."""
+        return [None if v[:1] == UNSET else v[1:] for v in self.store.peek(list(keys))]
+
+    def end(self) -> End | None:
+        """The controller's end of the job, None while it runs."""
+        return End.from_json(self.store.get(Keys.END)) if self.has(Keys.END) else None
+
+    def wait_for_end(self, timeout: float | None = None, check: Callable[[], None] | None = None,
+                     what: str = "the end of the job") -> End:
+        """Wait for the controller's end of the job (TimeoutError past `timeout`; `check` as for wait)."""
+        self.wait([Keys.END], what, timeout, check)
+        return End.from_json(self.get(Keys.END))
+
+    def cut_off(self, rnd: Round) -> list[int]:
+        """The receivers of `rnd` the controller counted away while it was on its way (Keys.cut)."""
+        key = Keys.cut(rnd.version, rnd.again)
+        return cut_from_json(self.store.get(key)) if self.has(key) else []
+
+    def starts(self, role: str, rank: int) -> int:
+        """How many times (role, rank)'s process started (Keys.join; 0: not yet)."""
+        return self.store.add(Keys.join(role, rank), 0)
+
+    def resumes(self) -> int:
+        """How many times the trainers began to resume from their checkpoint (Keys.RESUMING)."""
+        return self.store.add(Keys.RESUMING, 0)
+
+    def verification_failed(self) -> None:
+        """Count a version that failed verification (Keys.VERIFY_FAILURES)."""
+        self.store.add(Keys.VERIFY_FAILURES, 1)
+
+    def verification_failures(self) -> int:
+        return self.store.add(Keys.VERIFY_FAILURES, 0)
+
+    def close(self) -> None:
+        """Close this client's connection to the store."""
+        self.store.close()
+
+    def held(self) -> Held:
+        """What the store holds and has served so far (all of it in the store's own process, the
+        controller's; elsewhere the keys alone)."""
+        return Held(self.store.num_keys(), getattr(self.store, "bytes_held", None), getattr(self.store, "requests", None))
+
+    def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
+        """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
+        self.set(Keys.failed(role, rank), RankFailure.made(failure).to_json())
+        self.store.add(Keys.FAILURES, 1)
+
+    def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
+             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None,
+             stops: Iterable[str] = ()) -> None:
+        """Wait until every key is set: the store answers as soon as they are (nothing polls).
+        `check` runs every CHECK_EVERY seconds and may raise; with `stops` (keys on which `check`
+        raises: the job's end), it runs as soon as one is set and otherwise every STOPPED_CHECK_EVERY
+        seconds, so that a thousand waiting ranks do not ask the store four times a second each;
+        `say`, where given, is told every SAY_EVERY seconds that this still waits for `what`; past
+        `timeout` seconds a TimeoutError names `what`."""
+        keys, stops = list(keys), list(stops)
+        began = told = time.monotonic()
+        deadline = None if timeout is None else began + timeout
+        while True:
+            every = STOPPED_CHECK_EVERY if stops else CHECK_EVERY
+            step = every if deadline is None else min(every, max(deadline - time.monotonic(), 0.0))
+            stopped = False
+            try:
+                if not stops:
+                    self.store.wait(keys, datetime.timedelta(seconds=step))
+                    return
+                if self.store.wait_or(keys, stops, datetime.timedelta(seconds=step)):
+                    return
+                stopped = True
+            except TimeoutError:  # not yet (a store that stopped answering fails the next call)
+                pass
+            if check:
+                check()
+            if stopped:  # a stop on which `check` did not raise: looked at every CHECK_EVERY from now on
+                stops = []
+            if say is not None and time.monotonic() - told >= SAY_EVERY:
+                told = time.monotonic()
+                say(f"still waiting for {what} ({told - began:.0f}s" +
+                    (f", {max(deadline - told, 0.0):.0f}s left)" if deadline is not None else ")"))
+            if deadline is not None and time.monotonic() >= deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise TimedOut(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")
