@@ -52,6 +52,7 @@ from weightsync.roles.controller import run as run_controller
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure, wait_for_the_end
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver
+from weightsync.vllm_backend.control import Steps
 
 START_WAIT = 60.0  # seconds for the controller's store to accept connections once its thread started
 TAKE_CHECK = 1.0  # seconds between a staged version's looks for the end of the job while it waits to be taken
@@ -137,8 +138,12 @@ def check_job(job: Job) -> None:
 class LocalController:
     """The job's controller on a thread of this process, as a controller pod runs it."""
 
-    def __init__(self, job: Job, token: bytes, host: str | None = None, check=check_job):
-        """`check`: what refuses a job its ranks cannot hold (None: a job made to fit them)."""
+    def __init__(self, job: Job, token: bytes, host: str | None = None, check=check_job,
+                 driven: Mapping[str, Steps] | None = None):
+        """`check`: what refuses a job its ranks cannot hold (None: a job made to fit them);
+        `driven`: the vLLM servers this process drives, by name, where not over HTTP (a Ray actor's
+        owner drives it: vllm_actor.py)."""
+        self.driven = dict(driven or {})
         if check is not None:
             check(job)
         host = host or os.environ.get(JoinEnv.POD_IP) or socket.gethostbyname(socket.gethostname())
@@ -155,7 +160,7 @@ class LocalController:
 
     def _run(self) -> None:
         try:
-            self.exit = run_controller(self.ctx)
+            self.exit = run_controller(self.ctx, driven=self.driven)
         finally:
             ports.release([self.address.port])
 

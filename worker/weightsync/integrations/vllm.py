@@ -36,6 +36,11 @@ What differs from vLLM's own engines, and why:
   those the job's rules count away (a server that went away: the version goes on with the rest;
   spec.inference.minAvailable and awayGraceSeconds, the init info's min_available and
   away_grace_seconds here, say when that fails the job instead, naming it).
+- A RayVLLMWeightSyncClient's server, an LLM or AsyncLLM hosted by a Ray actor (one actor per
+  client), has no URL: rank 0's process, which holds the client, drives its updates through the
+  actor's methods at its in-process controller's request, with the same verification, digests and
+  label (vllm_actor.py says what differs). So a Ray client needs the run to be its own job: with a
+  job's, whose controller runs elsewhere, it is refused.
 - Everything that cannot work is refused on one line in trainer_init, before any byte moves.
 """
 
@@ -53,6 +58,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync.integrations.ranks import Address, LocalController
+from weightsync.integrations.vllm_actor import ActorServer, refusal, servers_of
 from weightsync.integrations.vllm_job import (
     dtype_of,
     init_info,
@@ -157,6 +163,12 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 trainer_world(init_info.world_size, os.environ, None)
             except SpecError as e:
                 raise ValueError(e.problems[0]) from None
+            unreachable = next((c for c in _clients(client) if not getattr(c, "base_url", None)), None)
+            if unreachable is not None:
+                raise ValueError(f"a {type(unreachable).__name__} names no server a job's controller could reach: with a "
+                                 "job's join variables (or its pod contract) the job's controller drives every server, "
+                                 f"over HTTP: pass HTTPVLLMWeightSyncClient(url) of the job's servers, or unset "
+                                 f"{JoinEnv.CONTROLLER} so that this trainer runs its own job and drives its Ray actors")
             sync = attach(model, rank=init_info.rank)
         else:
             sync, controller = cls._own_job(init_info, model, _clients(client))
@@ -190,11 +202,11 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         except SpecError as e:
             problem = e.problems[0]
         _agree(problem, rank, world if group else 1)
-        urls = [getattr(c, "base_url", None) for c in clients]
-        controller, address, made = None, None, None
+        controller, address, made, names = None, None, None, []
         if rank == 0:
             try:
-                controller = cls._start(info, model, urls, token, world)
+                names, actors = servers_of(clients)
+                controller = cls._start(info, model, names, actors, token, world)
                 address = controller.address
             except Exception as e:  # noqa: BLE001 - said on every rank, which would wait for rank 0 otherwise
                 made = e.problems[0] if isinstance(e, SpecError) else str(e)
@@ -209,9 +221,10 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         threads = []
         if rank == 0:
             controller_at = f"{address.host}:{address.port}"
-            for url, client in zip(urls, clients):
+            for name, client in zip(names, clients):
+                info_for = init_info(token, ctx.job, controller_at, name)
                 thread = threading.Thread(target=cls._init, name="weightsync-init", daemon=True,
-                                          args=(ctx, client, url, init_info(token, ctx.job, controller_at, url), failures))
+                                          args=(ctx, client, name, name in controller.driven, info_for, failures))
                 thread.start()
                 threads.append(thread)
         try:
@@ -227,11 +240,12 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         return sync, controller
 
     @staticmethod
-    def _start(info: WeightsyncTrainerInitInfo, model, urls: list, token: bytes, world: int) -> LocalController:
-        """Rank 0: the job made and its controller started, once every server is seen guarded."""
-        if None in urls:
-            raise ValueError("weightsync drives each server's updates over its HTTP routes: pass "
-                             "HTTPVLLMWeightSyncClient(url), one per server (or a list of them)")
+    def _start(info: WeightsyncTrainerInitInfo, model, names: list[str], actors: dict[str, ActorServer], token: bytes,
+               world: int) -> LocalController:
+        """Rank 0: the job made and its controller started, once every HTTP server is seen guarded
+        (`names`: each client's server's, its URL or an actor's name; `actors`: those driven
+        through their Ray actor)."""
+        urls = [n for n in names if n not in actors]
         if len(set(urls)) != len(urls):
             raise ValueError(f"a server is named twice among the clients ({', '.join(urls)}): one client per server")
         config = info.config if info.config is not None else getattr(model, "config", None)
@@ -243,7 +257,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                              "the job's model from it, the one the servers serve")
         device = next(p for _, p in model.named_parameters()).device  # a module's, or a source's held tensors'
         job = own_job(name=info.name, config=model_config(config), dtype=dtype_of(config, info.dtype), trainers=world,
-                      servers=len(urls), tensor_parallel=info.tensor_parallel_size, on_gpu=device.type == "cuda",
+                      servers=len(names), tensor_parallel=info.tensor_parallel_size, on_gpu=device.type == "cuda",
                       min_available=info.min_available, away_grace_seconds=info.away_grace_seconds,
                       timeout_seconds=info.timeout_seconds, transport=info.transport)
         for url in urls:
@@ -252,21 +266,24 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                     raise ValueError(unguarded(url))
             except Unreachable as e:
                 raise ValueError(f"the vLLM server at {url} does not answer: {e}") from None
-        controller = LocalController(job, token, host=info.host or os.environ.get(JoinEnv.POD_IP), check=None)
+        controller = LocalController(job, token, host=info.host or os.environ.get(JoinEnv.POD_IP), check=None,
+                                     driven=actors)
         log(who(TRAINER, 0), f"runs job {job.identity}'s controller at {controller.address.host}:"
-                             f"{controller.address.port}: {world} trainer ranks, {len(urls)} vLLM servers")
+                             f"{controller.address.port}: {world} trainer ranks, {len(names)} vLLM servers"
+                             + (f" ({len(actors)} of them Ray actors, driven from this process)" if actors else ""))
         return controller
 
     @staticmethod
-    def _init(ctx, client, url: str, info: dict, failures: dict) -> None:
-        """Rank 0's init of one server (vLLM's handshake); a refusal fails the job, in one line."""
+    def _init(ctx, client, name: str, actor: bool, info: dict, failures: dict) -> None:
+        """Rank 0's init of one server (vLLM's handshake), its URL or its actor's `name`; a refusal
+        fails the job, in one line."""
         try:
             client.init_weight_transfer_engine(info)
         except Exception as e:  # noqa: BLE001 - the server's answer, said on one line
             response = getattr(e, "response", None)
-            line = init_refusal(url, getattr(response, "status_code", None),
-                                getattr(response, "text", None) or str(e))
-            failures[url] = line
+            line = refusal(name, e) if actor else init_refusal(name, getattr(response, "status_code", None),
+                                                               getattr(response, "text", None) or str(e))
+            failures[name] = line
             report_failure(ctx, TRAINER, 0, line)
 
     @staticmethod

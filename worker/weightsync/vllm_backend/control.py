@@ -32,6 +32,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
@@ -82,12 +83,94 @@ class Session:
                    keep=bool(staged) and all(s.keep_session for s in staged))
 
 
+class Steps(ABC):
+    """One server's update, step by step (update): each step one call of the server's, answered
+    within `limit` seconds, or ControlError naming the server and the call (Unreachable where it
+    gave no answer). Over its HTTP control routes (Server), or through whatever else drives the
+    server from the controller's process (integrations/vllm_actor.py: a vLLM Ray actor's methods)."""
+
+    name: str  # how errors name the server
+
+    @abstractmethod
+    def pause(self, limit: float) -> None:
+        """No request starts, those in flight finish, and the KV and prefix caches are cleared."""
+
+    @abstractmethod
+    def start(self, limit: float) -> None:
+        """vLLM's start_weight_update: a session opens."""
+
+    @abstractmethod
+    def load(self, version: int, proof: str, limit: float) -> None:
+        """vLLM's update_weights: the workers load `version`, which they hold verified."""
+
+    @abstractmethod
+    def finish(self, label: str, limit: float) -> None:
+        """vLLM's finish_weight_update: the session closes, and the weight version is `label`."""
+
+    @abstractmethod
+    def label(self, label: str, limit: float) -> None:
+        """vLLM's update_weight_version, the session left open."""
+
+    @abstractmethod
+    def resume(self, limit: float) -> None:
+        """Requests run again."""
+
+    def update(self, version: int, proof: str, timeout: float, session: Session = Session()) -> UpdateTimes:
+        """Load `version` (already received and verified by the backend) between two steps; returns
+        how long each call took and how long the server served nothing (pause to resume). The
+        server is resumed also when a step in between fails. `session`: what its workers said of
+        vLLM's update session as they staged the version (the default opens one and closes it)."""
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ControlError(f"{self.name} did not finish the update to version {version} within {timeout:.0f}s")
+            return remaining
+
+        def timed(step, *args) -> float:
+            began = time.monotonic()
+            step(*args)
+            return time.monotonic() - began
+
+        # A session opens while the server pauses, on a thread of its own: weightsync's
+        # start_weight_update changes nothing, so the server serves on while it answers; and
+        # vLLM's pause answers 20 ms after its engine paused, time in which the engine takes the
+        # start. The update waits for both.
+        start = finish = label = None
+        with ThreadPoolExecutor(1) as opener:
+            opening = None if session.open else opener.submit(timed, self.start, left())
+            pause = timed(self.pause, left())
+            paused = time.monotonic()
+            try:
+                if opening is not None:
+                    start = opening.result()
+                update = timed(self.load, version, proof, left())
+                if session.keep:
+                    label = timed(self.label, str(version), left())
+                else:
+                    finish = timed(self.finish, str(version), left())
+            except ControlError as e:  # resumed all the same; what failed first is what the error says
+                try:
+                    timed(self.resume, RESUME_TIMEOUT)
+                except ControlError as also:
+                    raise type(e)(f"{e}; then {also}") from None
+                raise
+        resume = timed(self.resume, max(deadline - time.monotonic(), RESUME_TIMEOUT))
+        return UpdateTimes(pause=pause, start=start, update=update, finish=finish, version=label, resume=resume,
+                           stall=time.monotonic() - paused)
+
+
 @dataclass(frozen=True)
-class Server:
+class Server(Steps):
     url: str  # http://host:port
     # the job's control key (rendezvous/proofs.control_key), which signs every call (guard.sign):
     # a job's server answers its control routes to nothing else (guard.py)
     key: str | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.url
 
     def call(self, route: str, body: dict | None, timeout: float, method: str = "POST") -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -163,52 +246,26 @@ class Server:
     def weight_version(self, timeout: float = 10.0) -> str | None:
         return self.call("/weight_info", None, timeout, method="GET").get("weight_version")
 
-    def update(self, version: int, proof: str, timeout: float, session: Session = Session()) -> UpdateTimes:
-        """Load `version` (already received and verified by the backend) between two steps; returns
-        how long each call took and how long the server served nothing (pause to resume). The
-        server is resumed also when a step in between fails. `session`: what its workers said of
-        vLLM's update session as they staged the version (the default opens one and closes it)."""
-        deadline = time.monotonic() + timeout
+    # the update's steps (Steps), each one of the server's control routes
+    def pause(self, limit: float) -> None:
+        # clear_cache: a prompt cached before the load would otherwise reuse the old version's KV
+        # blocks after it, under the new version's label
+        self.call("/pause?mode=wait&clear_cache=true", None, limit)
 
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ControlError(f"{self.url} did not finish the update to version {version} within {timeout:.0f}s")
-            return remaining
+    def start(self, limit: float) -> None:
+        self.call("/start_weight_update", None, limit)
 
-        def timed(route: str, body: dict | None, limit: float) -> float:
-            began = time.monotonic()
-            self.call(route, body, limit)
-            return time.monotonic() - began
+    def load(self, version: int, proof: str, limit: float) -> None:
+        self.call("/update_weights", {"update_info": {"version": version, "proof": proof}}, limit)
 
-        # A session opens while the server pauses, on a thread of its own: weightsync's
-        # start_weight_update changes nothing, so the server serves on while it answers; and
-        # vLLM's pause answers 20 ms after its engine paused, time in which the engine takes the
-        # start. The update waits for both.
-        start = finish = label = None
-        with ThreadPoolExecutor(1) as opener:
-            opening = None if session.open else opener.submit(timed, "/start_weight_update", None, left())
-            # clear_cache: a prompt cached before the load would otherwise reuse the old
-            # version's KV blocks after it, under the new version's label
-            pause = timed("/pause?mode=wait&clear_cache=true", None, left())
-            paused = time.monotonic()
-            try:
-                if opening is not None:
-                    start = opening.result()
-                update = timed("/update_weights", {"update_info": {"version": version, "proof": proof}}, left())
-                if session.keep:
-                    label = timed("/update_weight_version", {"new_version": str(version)}, left())
-                else:
-                    finish = timed("/finish_weight_update", {"weight_version": str(version)}, left())
-            except ControlError as e:  # resumed all the same; what failed first is what the error says
-                try:
-                    timed("/resume", None, RESUME_TIMEOUT)
-                except ControlError as also:
-                    raise type(e)(f"{e}; then {also}") from None
-                raise
-        resume = timed("/resume", None, max(deadline - time.monotonic(), RESUME_TIMEOUT))
-        return UpdateTimes(pause=pause, start=start, update=update, finish=finish, version=label, resume=resume,
-                           stall=time.monotonic() - paused)
+    def finish(self, label: str, limit: float) -> None:
+        self.call("/finish_weight_update", {"weight_version": label}, limit)
+
+    def label(self, label: str, limit: float) -> None:
+        self.call("/update_weight_version", {"new_version": label}, limit)
+
+    def resume(self, limit: float) -> None:
+        self.call("/resume", None, limit)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,10 @@ MOST_AT_ONCE = 32  # servers told at the same time
 class Admissions:
     """Tells the job's vLLM servers the version the fleet serves and the lag it accepts."""
 
-    def __init__(self, host: Host, key: str, lag: int, say: Callable[[str], None]):
-        self.host, self.key, self.lag, self.say = host, key, lag, say
+    def __init__(self, host: Host, key: str, lag: int, say: Callable[[str], None], driven: frozenset[str] = frozenset()):
+        """`driven`: the servers driven from this process otherwise than over HTTP (a vLLM Ray
+        actor): no client reaches one but through its owner, so none is told."""
+        self.host, self.key, self.lag, self.say, self.driven = host, key, lag, say, driven
         self.current: int | None = None  # the latest version delivered
         self._wake, self._stop = threading.Event(), threading.Event()
         self._warned: set[str] = set()
@@ -64,7 +66,8 @@ class Admissions:
         """Every vLLM server the roster knows of (the control URL its workers told)."""
         for _ in range(3):  # the roster's thread may replace a seat while this one reads
             try:
-                return sorted({s.info.server for s in list(self.host.seats.values()) if s.info and s.info.server})
+                return sorted({s.info.server for s in list(self.host.seats.values())
+                               if s.info and s.info.server and s.info.server not in self.driven})
             except RuntimeError:
                 continue
         return []

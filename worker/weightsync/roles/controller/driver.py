@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import traceback
 from functools import partial
+from typing import Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, TRAINER, Delta, WorkerContext, reasons
 from weightsync.job.errors import JobFailed, failure_of
@@ -49,6 +50,7 @@ from weightsync.runtime.metrics import ControllerMetrics
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log
 from weightsync.transfer.receive import reference_digests
 from weightsync.transport import capabilities_of
+from weightsync.vllm_backend.control import Steps
 
 SILENT_LIMIT = 8.0  # seconds without a heartbeat after which a rank counts as dead or frozen
 # a trainer's: its silence fails the job (an inference rank's only makes it away until it rejoins),
@@ -69,8 +71,10 @@ class RoundDropped(RuntimeError):
         super().__init__(f"{why}, while {rnd.name} was on its way")
 
 
-def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
-    """The job, to its end; `metrics`: where its figures go for the pod's /metrics."""
+def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None, driven: Mapping[str, Steps] | None = None) -> int:
+    """The job, to its end; `metrics`: where its figures go for the pod's /metrics; `driven`: the
+    vLLM servers this process drives otherwise than over HTTP, by the name their workers claimed
+    under (a controller run in its trainer's process: integrations/ranks.LocalController)."""
     reporter = Reporter(ctx.job, ctx.report_to_kubernetes, metrics=metrics or ControllerMetrics())
     status = reporter.status()
     if (status.get("completion") or {}).get("state"):
@@ -79,7 +83,7 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None) -> int:
         return 0
     starts = (status.get("controller") or {}).get("starts", 0) + 1
     reporter.started(starts)
-    return Controller(ctx, reporter).run(starts, status)
+    return Controller(ctx, reporter, driven or {}).run(starts, status)
 
 
 def policy_of(ctx: WorkerContext, external: dict[str, Deadline]) -> Policy:
@@ -109,9 +113,10 @@ class Controller:
     last: tuple[int, int | None] | None  # the last version delivered, and its step
     admissions: Admissions | None  # with vLLM servers: the fleet's version, told to each (admission.py)
     load_failed: dict[int, Applied]  # the last round's receivers whose load failed part-way (onLoadFailure rollBack)
+    driven: Mapping[str, Steps]  # the vLLM servers driven from this process otherwise than over HTTP (run)
 
-    def __init__(self, ctx: WorkerContext, reporter: Reporter):
-        self.ctx, self.reporter, self.metrics = ctx, reporter, reporter.metrics
+    def __init__(self, ctx: WorkerContext, reporter: Reporter, driven: Mapping[str, Steps]):
+        self.ctx, self.reporter, self.metrics, self.driven = ctx, reporter, reporter.metrics, driven
         self.timeout = ctx.job.transfer.timeout
         self.external = external_deadlines(ctx.job)
         self.host = Host(ctx.store_port, ctx.token, ctx.job.layout, policy_of(ctx, self.external), say=self.say,
@@ -126,7 +131,7 @@ class Controller:
         self.admissions, self.load_failed = None, {}
         if ctx.job.inference.runs_vllm:
             self.admissions = Admissions(self.host, control_key(ctx.token, ctx.job.identity),
-                                         ctx.job.inference.max_version_lag, self.say)
+                                         ctx.job.inference.max_version_lag, self.say, frozenset(driven))
 
     def say(self, message: str) -> None:
         log(ME, message)
@@ -259,7 +264,7 @@ class Controller:
                     raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not "
                                     f"the {was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
         verified_at = time.monotonic()
-        loads = load_on_servers(ctx, host, rnd, timeout, self.say) if ctx.job.inference.runs_vllm else None
+        loads = load_on_servers(ctx, host, rnd, timeout, self.say, self.driven) if ctx.job.inference.runs_vllm else None
         loaded_at = time.monotonic()
         applied = host.collect_applied(rnd, timeout)
         seconds = time.monotonic() - start

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, WorkerContext, reasons
 from weightsync.job.errors import JobFailed
@@ -36,7 +36,7 @@ from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
 from weightsync.rendezvous.roster import Host
 from weightsync.rendezvous.rounds import BACK_POLL
 from weightsync.runtime.faults import pause_point
-from weightsync.vllm_backend.control import ControlError, Server, Session, Unreachable, UpdateTimes
+from weightsync.vllm_backend.control import ControlError, Server, Session, Steps, Unreachable, UpdateTimes
 from weightsync.vllm_backend.guard import MIDDLEWARE
 
 # seconds for an external vLLM server that joined (its model loaded) to serve: vLLM profiles, sizes
@@ -53,11 +53,12 @@ class ServerLoads:
     slowest: UpdateTimes  # each call's and the stall's longest over the servers
 
 
-def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float,
-                    say: Callable[[str], None]) -> ServerLoads:
+def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float, say: Callable[[str], None],
+                    driven: Mapping[str, Steps]) -> ServerLoads:
     """Once every receiver of the round has it staged, every vLLM server loads it at once; returns
     how long the staging took and each server's calls (the module's docstring says what a server
-    that fails does)."""
+    that fails does). `driven`: the servers this process drives otherwise than over HTTP, by the
+    name their workers claimed under; every other one's name is its URL."""
     began = time.monotonic()
     staged = host.collect_staged(rnd, timeout)
     staging = time.monotonic() - began
@@ -85,14 +86,19 @@ def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float,
                          f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED)
 
     def load(url: str) -> UpdateTimes | ControlError:
+        session = Session.of([staged[r] for r in servers[url]])
         try:
+            if url in driven:  # a vLLM Ray actor of the trainer's process, its owner (integrations/vllm_actor.py)
+                return driven[url].update(rnd.version, proof, timeout, session)
+            if "://" not in url:
+                raise ControlError(f"{url} is driven from its trainer's process, not from this controller's")
             server = Server(url, key)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
                 if server.open_to_clients():  # its control routes, which relabel and reset, would be any client's
                     raise ControlError(f"{server.url} answers its control routes to any client: start it with "
                                        f"--middleware {MIDDLEWARE} (docs/jobs.md, vLLM)")
-            return server.update(rnd.version, proof, timeout, Session.of([staged[r] for r in servers[url]]))
+            return server.update(rnd.version, proof, timeout, session)
         except ControlError as e:
             return e  # judged on this thread, which keeps the roster: its ranks may be gone, or say why
 
