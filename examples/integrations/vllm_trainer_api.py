@@ -15,6 +15,11 @@ server runs weightsync's backend behind its guard:
     torchrun --standalone --nproc-per-node 2 vllm_trainer_api.py --config '{"model_type": "llama", ...}' \
         --server http://127.0.0.1:8000 --server http://127.0.0.1:8001
 
+Servers that are Ray actors hosting vLLM's LLM (or AsyncLLM), built with
+weight_transfer_config={"backend": "weightsync"} and the secret in their environment, are named
+instead (--ray-actor NAME, each a named actor of the cluster at RAY_ADDRESS): the script passes
+vLLM's RayVLLMWeightSyncClient(handle), and trainer rank 0 drives them through their handles.
+
 Trainer rank 0 runs the job's controller; each server learns where to join from the trainer's
 init. With a job of your own instead (`weightsync run job.yaml --join-env join.env`, its trainers
 and servers external), source join.env in every process, and the script joins that job.
@@ -43,7 +48,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a transformers config as JSON (random init, seeded)")
-    parser.add_argument("--server", action="append", required=True, help="a vLLM server's URL (once per server)")
+    parser.add_argument("--server", action="append", default=[], help="a vLLM server's URL (once per server)")
+    parser.add_argument("--ray-actor", action="append", default=[], help="the name of a Ray actor hosting vLLM's LLM "
+                        "or AsyncLLM (once per actor), in the Ray cluster RAY_ADDRESS names")
+    parser.add_argument("--ray-namespace", default="vllm", help="the Ray namespace of the --ray-actor names")
     parser.add_argument("--backend", choices=["weightsync", "nccl"], default="weightsync")
     parser.add_argument("--master", default="127.0.0.1:29600", help="nccl: the trainer's NCCL rendezvous address")
     parser.add_argument("--workers", type=int, default=1, help="nccl: the server's workers (its tensor-parallel size)")
@@ -55,7 +63,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--min-available", type=int, help="weightsync: the servers' workers the run needs (default all)")
     parser.add_argument("--away-grace", type=int, help="weightsync: seconds a server may be away before it is dropped "
                         "(or, below --min-available, the run fails)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not args.server and not args.ray_actor:
+        parser.error("name the servers: --server URL or --ray-actor NAME, once per server")
+    return args
 
 
 def init_info(args, rank: int, world: int):
@@ -86,7 +97,7 @@ def main() -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    clients = [HTTPVLLMWeightSyncClient(url) for url in args.server]
+    clients = [HTTPVLLMWeightSyncClient(url) for url in args.server] + ray_clients(args)
     engine = WeightTransferTrainerFactory.trainer_init(init_info(args, rank, world),
                                                        client=clients if len(clients) > 1 else clients[0],
                                                        source=ModuleSource(model))
@@ -110,6 +121,18 @@ def main() -> None:
     engine.shutdown()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def ray_clients(args) -> list:
+    """vLLM's Ray client of each --ray-actor: every rank joins the Ray cluster to hold the handles;
+    weightsync's rank 0 drives the actors through them, and each rank sends its rows to their workers."""
+    if not args.ray_actor:
+        return []
+    import ray
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=args.ray_namespace, log_to_driver=False)
+    return [RayVLLMWeightSyncClient(ray.get_actor(name)) for name in args.ray_actor]
 
 
 def save(model, folder: Path, rank: int) -> None:

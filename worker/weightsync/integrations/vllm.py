@@ -210,8 +210,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 address = controller.address
             except Exception as e:  # noqa: BLE001 - said on every rank, which would wait for rank 0 otherwise
                 made = e.problems[0] if isinstance(e, SpecError) else str(e)
+        address = address if address is not None else made  # what rank 0 says: where its controller is, or why not
         if world > 1:
-            box = [address if address is not None else made]
+            box = [address]
             dist.broadcast_object_list(box, src=0)
             address = box[0]
         if not isinstance(address, Address):
