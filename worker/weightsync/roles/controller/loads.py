@@ -2,7 +2,9 @@
 fails does to the round.
 
 Once every receiver of a round has the version received and verified (staged), every server loads
-it at once between two steps (vllm_backend/control.py). A server that stopped answering goes out
+it at once between two steps (vllm_backend/control.py): over its HTTP control routes, or, for a
+vLLM Ray actor held by the trainer that runs this controller in process, through the actor's
+methods (integrations/vllm_actor.py), the same steps. A server that stopped answering goes out
 of the round if its ranks went away with it (killed, preempted: they rejoin and get the next round
 in full); so does one whose ranks went away while its call is still open (its engine died, and its
 API process waits on for the load it will never answer), without waiting for the call's deadline.
@@ -90,8 +92,6 @@ def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float, 
         try:
             if url in driven:  # a vLLM Ray actor of the trainer's process, its owner (integrations/vllm_actor.py)
                 return driven[url].update(rnd.version, proof, timeout, session)
-            if "://" not in url:
-                raise ControlError(f"{url} is driven from its trainer's process, not from this controller's")
             server = Server(url, key)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
