@@ -32,8 +32,9 @@ LAZY = {
     "weightsync.transport": "nccl and uccl load their libraries (torch.distributed's NCCL, uccl) only when chosen",
     "weightsync.model.flat": "the native cast is an optional build (the operator installs without a compiler)",
     "weightsync.rendezvous.channel": "the store's client is torch.distributed's Store: the controller and roster load no torch",
-    "weightsync.vllm_backend": "vLLM's LoRA resolver (adapter.py) loads only in a server of a LoRA job: the plugin's "
-                               "entry point loads no torch",
+    "weightsync.vllm_backend": "vLLM's LoRA resolver (adapter.py) loads only in a server of a LoRA job, and vLLM's "
+                               "internals (internals.py, torch) only where vLLM loads the plugin: importing the "
+                               "package loads no torch",
     "weightsync.plan.simulate": "transformers, for a config named by model type, only when one is named",
 }
 
@@ -197,3 +198,66 @@ def test_nothing_outside_the_rendezvous_reaches_into_its_store():
                   and (name, ast.unparse(node.value)) not in OWN_STORES]
     assert not wrong, "modules outside rendezvous/ that reach into a store client (give the rendezvous a verb):\n" + \
         "\n".join(wrong)
+
+
+DOOR = "weightsync.vllm_backend.internals"
+OWN = {"self", "cls"}  # a class's own attributes, private or not, are its own business
+REACHING = {"__dict__", "__wrapped__"}
+
+
+def reaches_in(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) of every reach into another object's internals: a private attribute read of
+    anything but self or cls, an attribute written on anything but self (a patch), __dict__ or
+    __wrapped__, setattr or delattr, getattr or hasattr of a private name, the heap (gc), and an
+    import of a private module (vllm._custom_ops)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            own = isinstance(node.value, ast.Name) and node.value.id in OWN
+            dunder = node.attr.startswith("__") and node.attr.endswith("__")
+            if node.attr in REACHING or (node.attr.startswith("_") and not dunder and not own):
+                found.append((node.lineno, f"reads .{node.attr}"))
+            elif isinstance(node.ctx, (ast.Store, ast.Del)) and not (isinstance(node.value, ast.Name)
+                                                                      and node.value.id == "self"):
+                found.append((node.lineno, f"writes {ast.unparse(node)}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else ""
+            private = isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+            if node.func.id in ("setattr", "delattr") or (node.func.id in ("getattr", "hasattr") and private):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found += [(node.lineno, f"imports {n}") for n in names
+                      if n == "gc" or any(p.startswith("_") and not p.startswith("__") for p in n.split("."))]
+    return found
+
+
+def test_only_the_door_reaches_into_vllm():
+    """vLLM's private attributes, the patches of its objects and the heap scan the backend relies
+    on are named in vllm_backend/internals.py alone, which probes each on the installed vLLM when
+    the plugin loads: no other module of vllm_backend/ reaches into vLLM (or torch) itself."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} {what}" for name, path in MODULES.items()
+             if name.startswith("weightsync.vllm_backend") and name != DOOR
+             for line, what in reaches_in(ast.parse(path.read_text()))]
+    assert not wrong, "vllm_backend/ modules that reach into vLLM's internals (name them in internals.py):\n" + \
+        "\n".join(wrong)
+
+
+def test_the_check_sees_each_kind_of_reach():
+    """The door's check catches what it looks for (a check that finds nothing proves nothing)."""
+    source = """
+import gc
+from vllm._custom_ops import cpu_prepack_moe_weight
+manager._load_adapter = load
+held = manager._adapter_manager
+twin.__dict__["w"] = w
+setattr(module, "tp_rank", 0)
+kernel.process_weights_for_onednn = keeping
+present = hasattr(mapper, "_map_name_with_shard")
+self._seen = {}
+name = loader.__name__
+"""
+    found = reaches_in(ast.parse(source))
+    assert sorted({line for line, _ in found}) == [2, 3, 4, 5, 6, 7, 8, 9], found
+    assert not [what for line, what in found if line in (10, 11)], found
+    assert reaches_in(ast.parse(MODULES[DOOR].read_text())), "internals.py reaches into nothing: the check is blind"

@@ -16,6 +16,10 @@ minute of the machine):
   metadata lacks, a tensor yielded in another shape, a pass that yields fewer) is refused on one
   line naming what to fix, and one that keeps it fills the rank's tensors. (Two FSDP2 ranks into
   two vLLM servers with no job file: test_external_vllm.py; the decisions that need no vLLM: integrations/test_vllm_no_job.py.)
+- Every internal of vLLM the backend relies on (vllm_backend/internals.py) is there in the vLLM
+  installed, and a vLLM without one of them (here one method taken off the class, as a release
+  without it would be) is refused when the plugin registers, on one line naming it and the release
+  weightsync is tested with.
 """
 
 from __future__ import annotations
@@ -125,8 +129,21 @@ def trainer_engine():
         "send first": sent_first(model),
     }
 
+def door():
+    import weightsync.vllm_backend as backend
+    from vllm.model_executor.models.utils import WeightsMapper
+    from weightsync.vllm_backend.internals import missing
+
+    found = [i.name for i in missing()]
+    del WeightsMapper._map_name_with_shard  # as a vLLM release without it would be
+    try:
+        backend.register()
+    except SystemExit as e:
+        return {"missing": found, "refused": str(e.code)}
+    return {"missing": found, "refused": None}
+
 if __name__ == "__main__":
-    print(json.dumps({"tiles": tiles(), "trainer": trainer_engine()}))
+    print(json.dumps({"tiles": tiles(), "trainer": trainer_engine(), "door": door()}))
 """
 
 
@@ -180,3 +197,13 @@ def test_the_factory_finds_the_trainer_engine_and_refuses_what_cannot_work(found
     assert engine["send first"] == (
         "RuntimeError: send_weights() before trainer_init(): make the engine with WeightTransferTrainerFactory."
         "trainer_init(WeightsyncTrainerInitInfo(rank=...), client=..., source=ModuleSource(model)) on every rank"), engine
+
+
+def test_the_installed_vllm_has_every_internal_and_one_without_is_refused_on_one_line(found):
+    door = found["door"]
+    assert door["missing"] == [], door
+    refused = door["refused"]
+    assert refused is not None and "\n" not in refused, door
+    assert refused.startswith("weightsync: weightsync's vLLM backend is tested with vLLM 0.32.0; this is vLLM "), door
+    assert "it lacks WeightsMapper._map_name_with_shard, which weightsync relies on" in refused, door
+    assert refused.endswith("; use vLLM 0.32.0"), door

@@ -11,7 +11,7 @@ it from disk, and is checksummed, asked its greedy tokens and reset before any v
 loaded over the zeroed weights, holds what that load held (weights compared) and answers its
 tokens; version 1 holds what vLLM's own reload of version 1's checkpoint from disk holds, reloaded
 in the same server once the last version was delivered (weights compared; vLLM's own reload leaves
-its CPU int8 kernel reading freed scales, which weightsync's loads do not, engine.keep_onednn_scales,
+its CPU int8 kernel reading freed scales, which weightsync's loads do not, internals.keep_onednn_scales,
 so only a server's load at its start is asked for tokens). Each worker receives only its slices of
 the int8 weights and of their scales (its rows of the fused qkv and gate/up layers with their rows'
 scales; its columns of o_proj and down_proj with every row's scales), and after every version holds

@@ -3,9 +3,10 @@
 vLLM loads every `vllm.general_plugins` entry point (pyproject.toml names register below) in each
 of its processes before it builds engines, so `--weight-transfer-config '{"backend":
 "weightsync"}'` finds the engine with nothing patched in vLLM. register() only names the engine's
-module: vLLM imports it in its workers, where it is created. It checks the vLLM it runs in first:
-a vLLM without the weight-transfer API, or one whose engine interface changed, is refused with
-what to do, not left to fail at the first update.
+module: vLLM imports it in its workers, where it is created. It checks the vLLM it runs in first,
+in the server's first process: a vLLM without the weight-transfer API, one whose engine interface
+changed, or one that lacks an internal the backend relies on (internals.py) refuses to start on one
+line naming what it lacks and the release weightsync is tested with, not left to fail mid-job.
 
 A server the user started joins a job by itself (place.py): register() checks its join variables
 first, so that one that cannot join is refused with one line before vLLM loads the model.
@@ -40,7 +41,7 @@ from weightsync.job.join import Join, JoinEnv
 from weightsync.runtime.procs import die_with
 
 BACKEND = "weightsync"
-TESTED_VLLM = "0.32.0"  # the release the tests run against
+VLLM_TESTED = "0.32.0"  # the release the tests run against (the Makefile's VLLM_VERSION)
 # What engine.py implements and calls; a vLLM that lacks any is not one this backend works with.
 NEEDED = ("init_transfer_engine", "start_weight_update", "receive_weights", "finish_weight_update", "shutdown",
           "parse_update_info")
@@ -74,21 +75,28 @@ def lora_problem(lora: Lora, enabled: bool, max_rank: int | None) -> str | None:
 
 
 def check_vllm() -> str:
-    """The running vLLM's version, if it has the weight-transfer API this backend needs."""
+    """The running vLLM's version, if it has the weight-transfer API this backend needs and every
+    internal of vLLM it relies on (internals.py)."""
     import vllm
 
     version = getattr(vllm, "__version__", "unknown")
-    advice = (f"weightsync's vLLM backend needs vLLM's weight-transfer API as in vLLM {TESTED_VLLM} "
-              f"(the release it is tested with); this is vLLM {version}: ")
+    advice = (f"weightsync's vLLM backend is tested with vLLM {VLLM_TESTED}; this is vLLM {version}: ")
     try:
         from vllm.distributed.weight_transfer.base import WeightTransferEngine
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError as e:
         raise IncompatibleVllm(advice + f"it has no vllm.distributed.weight_transfer ({e}); "
-                               f"use vLLM {TESTED_VLLM} or later") from None
+                               f"use vLLM {VLLM_TESTED}") from None
     missing = [m for m in NEEDED if not hasattr(WeightTransferEngine, m)]
     if missing or not hasattr(WeightTransferEngineFactory, "register_engine"):
-        raise IncompatibleVllm(advice + f"its WeightTransferEngine lacks {', '.join(missing) or 'register_engine'}")
+        raise IncompatibleVllm(advice + f"its WeightTransferEngine lacks {', '.join(missing) or 'register_engine'}; "
+                               f"use vLLM {VLLM_TESTED}")
+    from weightsync.vllm_backend.internals import missing as missing_internals
+
+    lacking = missing_internals()
+    if lacking:
+        raise IncompatibleVllm(advice + f"it lacks {'; '.join(i.name for i in lacking)}, which weightsync relies on "
+                               f"({'; '.join(i.use for i in lacking)}); use vLLM {VLLM_TESTED}")
     return version
 
 
@@ -157,15 +165,15 @@ def allow_amx_tiles() -> bool:
     one started anew asks again when it loads the plugin. True once granted; False on a CPU without
     tiles, or on a GPU server. Where Linux refuses, it says what follows, and vLLM goes on: a model
     whose kernels need no tiles still serves."""
-    import torch
+    from weightsync.vllm_backend.internals import amx_tiles_supported, request_amx_tiles
 
-    if not torch.cpu._is_amx_tile_supported():
+    if not amx_tiles_supported():
         return False
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
-    if torch.cpu._init_amx():
+    if request_amx_tiles():
         return True
     print("weightsync: this CPU has AMX tiles, and Linux refused this process their state (arch_prctl "
           "ARCH_REQ_XCOMP_PERM; Linux 5.16 or later grants it where the hypervisor enables the tiles): "
@@ -175,7 +183,11 @@ def allow_amx_tiles() -> bool:
 
 def register() -> None:
     """The `vllm.general_plugins` entry point."""
-    check_vllm()
+    if multiprocessing.parent_process() is None:  # the server's first process: its engine and workers run the same vLLM
+        try:
+            check_vllm()
+        except IncompatibleVllm as e:  # the server's start ends here, with the line alone
+            raise SystemExit(f"weightsync: {e}") from None
     allow_amx_tiles()
     try:
         joining()
@@ -184,7 +196,9 @@ def register() -> None:
     follow_server()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:  # vLLM runs plugins once per process; be safe
+    from weightsync.vllm_backend.internals import registered
+
+    if not registered(WeightTransferEngineFactory, BACKEND):  # vLLM runs plugins once per process; be safe
         WeightTransferEngineFactory.register_engine(BACKEND, "weightsync.vllm_backend.engine", "WeightsyncEngine")
     if os.environ.get(Env.VLLM_LORA):  # the server's API process resolves the adapter's name (adapter.py)
         from weightsync.vllm_backend.adapter import register_resolver

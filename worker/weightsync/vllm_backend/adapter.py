@@ -19,7 +19,6 @@ model, whose weights no version touches, are untouched.
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import torch
@@ -27,9 +26,9 @@ from vllm.lora.lora_model import LoRAModel
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver, LoRAResolverRegistry
-from vllm.lora.worker_manager import WorkerLoRAManager
 
 from weightsync.job import Lora
+from weightsync.vllm_backend.internals import adapter_manager, load_adapters_with, worker_lora_manager
 
 LORA_PATH = "weightsync:versions"  # a LoRARequest's path: loaded from the versions weightsync delivered
 RESOLVER = "weightsync"
@@ -57,16 +56,15 @@ class Adapters:
 
     def __init__(self, model: torch.nn.Module, lora: Lora, lora_config):
         self.lora, self.lora_config = lora, lora_config
-        self.manager = worker_manager(model)
+        self.manager = worker_lora_manager(model)
         self.tensors: dict[str, torch.Tensor] | None = None  # the version loaded last, in PEFT's names
         self.ids: set[int] = set()  # the numbers vLLM gave the adapter
         self.lock = threading.Lock()
-        load = self.manager._load_adapter
 
-        def load_adapter(request: LoRARequest) -> LoRAModel:
+        def load_adapter(request: LoRARequest, load) -> LoRAModel:
             return self._model(request.lora_int_id) if request.lora_path == LORA_PATH else load(request)
 
-        self.manager._load_adapter = load_adapter  # this worker's manager alone; others' paths as vLLM loads them
+        load_adapters_with(self.manager, load_adapter)  # this worker's manager alone; others' paths as vLLM loads them
 
     def replace(self, tensors) -> None:
         """The adapter of a version (name, tensor) in place of the one before, under every number."""
@@ -74,7 +72,7 @@ class Adapters:
         with self.lock:
             self.tensors = copies
             ids = sorted(self.ids)
-        held = self.manager._adapter_manager
+        held = adapter_manager(self.manager)
         for lora_id in ids:
             if lora_id in held.list_adapters():
                 model = self._model(lora_id)
@@ -95,7 +93,7 @@ class Adapters:
                                        "target_modules": list(lora.target_modules)})
         helper.validate_legal(self.lora_config)
         manager = self.manager
-        model = manager._adapter_manager.model
+        model = adapter_manager(manager).model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         # copies: vLLM scales B by alpha / rank in place as it makes the model (LoRAModel.optimize)
         copies = {n: t.clone() for n, t in tensors.items()}
@@ -104,16 +102,3 @@ class Adapters:
                                            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
                                            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
 
-
-def worker_manager(model: torch.nn.Module) -> WorkerLoRAManager:
-    """The worker's LoRA manager (its model runner's): the one whose adapter manager is the
-    model's (vLLM sets model.lora_manager when it adds LoRA layers); the weight-transfer engine
-    is handed the model alone."""
-    held = getattr(model, "lora_manager", None)
-    if held is None:
-        raise ValueError("this vLLM server's model has no LoRA layers: start it with --enable-lora")
-    for obj in gc.get_objects():
-        if isinstance(obj, WorkerLoRAManager) and getattr(obj, "_adapter_manager", None) is held:
-            return obj
-    raise ValueError("this vLLM worker's LoRA manager was not found beside its model: weightsync's LoRA versions "
-                     "are tested with vLLM 0.32")

@@ -28,21 +28,27 @@ the live model is untouched until the update call, checked as for any load, comm
 
 from __future__ import annotations
 
-import copy
+import time
 from dataclasses import dataclass
 
 import torch
 from vllm.model_executor.layers.attention import is_deferred_attention_layer
-from vllm.model_executor.model_loader.reload.layerwise import (
-    finalize_layerwise_reload,
-    get_layerwise_info,
-    initialize_layerwise_reload,
-)
-from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
 
-# what a module keeps in tables of its own; the rest of its attributes are shared with the shadow
-# until processing replaces them
-TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+from weightsync.vllm_backend.internals import (
+    as_kind_of,
+    changed_attributes,
+    children,
+    defer_processing,
+    own_reload_record,
+    put_tensor,
+    set_attributes,
+    set_child,
+    swap_storage,
+    tensor_in,
+    tensors_of,
+    twin_of,
+)
 
 
 class CommitError(RuntimeError):
@@ -56,7 +62,7 @@ class Prepared:
     pairs: list[tuple[torch.nn.Module, torch.nn.Module]]  # (live, shadow) for every module
     attention: list[torch.nn.Module]  # the live attention layers, processed at the commit
     clones: dict[int, torch.Tensor]  # id(live kernel tensor): the shadow's, spares for the next prepare
-    seconds: float = 0.0  # how long the prepare took, as its caller timed it
+    seconds: float  # how long the prepare took
 
 
 def shadow_of(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
@@ -68,36 +74,17 @@ def shadow_of(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch
     def shadow(module: torch.nn.Module) -> torch.nn.Module:
         if id(module) in made:  # a module reached twice (tied) stays one module
             return made[id(module)]
-        twin = copy.copy(module)
-        for table in TABLES:
-            twin.__dict__[table] = copy.copy(module.__dict__[table])
+        twin = twin_of(module)
         made[id(module)] = twin
         pairs.append((module, twin))
-        for name, child in module._modules.items():
-            twin._modules[name] = None if child is None else shadow(child)
+        for name, child in children(module):
+            set_child(twin, name, None if child is None else shadow(child))
         return twin
 
     root = shadow(model)
     for live, twin in pairs:  # what vLLM recorded at start-up, to restore the checkpoint format from
-        recorded, mine = get_layerwise_info(live), get_layerwise_info(twin)
-        params, buffers = recorded.restore_metadata
-        mine.restore_metadata = ({n: _meta_copy(t) for n, t in params.items()},
-                                 {n: _meta_copy(t) for n, t in buffers.items()})
-        mine.restore_device = recorded.restore_device
+        own_reload_record(live, twin)
     return root, pairs
-
-
-def _meta_copy(meta: torch.Tensor) -> torch.Tensor:
-    """A recorded meta tensor of the shadow's own. The reload binds the recorded tensor's loader
-    to the layer it restores, and wraps it to buffer the layer's loads: done on the live model's
-    record, the next shadow's loads would go to the last one."""
-    twin = to_meta_tensor(meta)
-    loader = twin.__dict__.get("weight_loader")
-    while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
-        loader = loader.__wrapped__
-    if loader is not None:
-        twin.__dict__["weight_loader"] = loader
-    return twin
 
 
 @torch.no_grad()
@@ -105,28 +92,27 @@ def prepare(model: torch.nn.Module, model_config, tensors, sharded,
             spares: dict[int, torch.Tensor] | None = None) -> Prepared:
     """Load `tensors` ((checkpoint name, tensor), the verified version) through vLLM's layerwise
     reload into a shadow of `model`; `sharded(root)` is the context the loaders run in (a
-    tensor-parallel worker's parts: shards.presharded). `spares` are the clones of the version
+    tensor-parallel worker's parts: internals.presharded). `spares` are the clones of the version
     prepared before (its `clones`): used again, not allocated (fresh memory costs a page fault
     per page, most of a prepare's time on a busy machine), and not refilled from the live tensors
     either: the reload writes every part of them that any version writes, and the parts no version
     writes (padding, buffers such as the rotary tables) hold what the first clone copied, as the
     live tensors do."""
+    began = time.monotonic()
     root, pairs = shadow_of(model)
     attention = []
     spare = spares or {}
     clones: dict[int, torch.Tensor] = {}  # a tensor two modules share (tied embeddings) gets one clone
     for live, twin in pairs:
-        for table in ("_parameters", "_buffers"):  # the kernel tensors vLLM copies the processed values into
-            for name, tensor in twin.__dict__[table].items():
-                if tensor is not None:
-                    if id(tensor) not in clones:
-                        clones[id(tensor)] = _clone(tensor, spare.get(id(tensor)))
-                    twin.__dict__[table][name] = clones[id(tensor)]
+        for table, name, tensor in tensors_of(twin):  # the kernel tensors vLLM copies the processed values into
+            if tensor is not None:
+                if id(tensor) not in clones:
+                    clones[id(tensor)] = _clone(tensor, spare.get(id(tensor)))
+                put_tensor(twin, table, name, clones[id(tensor)])
     initialize_layerwise_reload(root)
     for live, twin in pairs:
         if is_deferred_attention_layer(twin):  # processed on the live layer at the commit, never here
-            get_layerwise_info(twin).reset()
-            get_layerwise_info(twin).load_numel_total = None
+            defer_processing(twin)
             attention.append(live)
     with sharded(root):
         try:
@@ -135,7 +121,7 @@ def prepare(model: torch.nn.Module, model_config, tensors, sharded,
             finalize_layerwise_reload(root, model_config)
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
-    return Prepared(pairs, attention, clones)
+    return Prepared(pairs, attention, clones, time.monotonic() - began)
 
 
 def _clone(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
@@ -147,9 +133,7 @@ def _clone(tensor: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     twin = tensor.detach().clone()
     if isinstance(tensor, torch.nn.Parameter):
         twin = torch.nn.Parameter(twin, requires_grad=False)
-    twin.__class__ = tensor.__class__
-    twin.__dict__.update(tensor.__dict__)
-    return twin
+    return as_kind_of(twin, tensor)
 
 
 @torch.no_grad()
@@ -163,39 +147,28 @@ def commit(prepared: Prepared, model_config, swap: bool = False) -> None:
     for live, twin in prepared.pairs:
         if id(live) in attention:
             continue
-        for table in ("_parameters", "_buffers"):
-            ours, theirs = live.__dict__[table], twin.__dict__[table]
-            for name, tensor in ours.items():
-                new = theirs.get(name)
-                if tensor is None or new is None or new is tensor:
-                    continue
-                if new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
-                    raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to {tuple(new.shape)} "
-                                      f"{new.dtype} on {new.device}, and the model runs on {tuple(tensor.shape)} "
-                                      f"{tensor.dtype} on {tensor.device}: nothing was loaded")
-                if swap and new.stride() != tensor.stride():  # a swap would hand the model another layout
-                    raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to strides {new.stride()}, "
-                                      f"and the model runs on strides {tensor.stride()}: nothing was loaded")
-                if copies.setdefault(id(tensor), (tensor, new))[1] is not new:
-                    raise CommitError(f"{type(live).__name__}.{name}: a tensor the model shares between layers was "
-                                      "processed into two different ones: nothing was loaded")
-        for key in live.__dict__.keys() | twin.__dict__.keys():
-            if key in TABLES or key.startswith("_do_torchao") or key.startswith("_original_do_torchao"):
+        for table, name, tensor in tensors_of(live):
+            new = tensor_in(twin, table, name)
+            if tensor is None or new is None or new is tensor:
                 continue
-            if live.__dict__.get(key, _GONE) is not twin.__dict__.get(key, _GONE):
-                settings.append((live, key, twin.__dict__.get(key, _GONE)))
+            if new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
+                raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to {tuple(new.shape)} "
+                                  f"{new.dtype} on {new.device}, and the model runs on {tuple(tensor.shape)} "
+                                  f"{tensor.dtype} on {tensor.device}: nothing was loaded")
+            if swap and new.stride() != tensor.stride():  # a swap would hand the model another layout
+                raise CommitError(f"{type(live).__name__}.{name}: vLLM processed it to strides {new.stride()}, "
+                                  f"and the model runs on strides {tensor.stride()}: nothing was loaded")
+            if copies.setdefault(id(tensor), (tensor, new))[1] is not new:
+                raise CommitError(f"{type(live).__name__}.{name}: a tensor the model shares between layers was "
+                                  "processed into two different ones: nothing was loaded")
+        settings.append((live, changed_attributes(live, twin)))
     for tensor, new in copies.values():
         if swap:
-            tensor.data, new.data = new.data, tensor.data
+            swap_storage(tensor, new)
         else:
             tensor.data.copy_(new)
-    for live, key, value in settings:
-        if value is _GONE:
-            del live.__dict__[key]
-        else:
-            live.__dict__[key] = value
+    for live, changes in settings:
+        set_attributes(live, changes)
     for layer in prepared.attention:  # as vLLM's reload ends with every attention layer
         layer.process_weights_after_loading(model_config.dtype)
 
-
-_GONE = object()

@@ -59,11 +59,12 @@ from weightsync.vllm_backend import end_server, follow_server, lora_problem
 from weightsync.vllm_backend.adapter import Adapters
 from weightsync.vllm_backend.ahead import Prepared, commit, prepare
 from weightsync.vllm_backend.experts import check_experts, cpu_packed, int8_packed, pack_experts, split_experts
+from weightsync.vllm_backend.internals import keep_onednn_scales, presharded
 from weightsync.vllm_backend.lora_shards import adapter_parts, whole_adapter
 from weightsync.vllm_backend.parts import UnsupportedLayer
 from weightsync.vllm_backend.place import joining, place_of, waits_for_init
 from weightsync.vllm_backend.served import served_parameters
-from weightsync.vllm_backend.shards import presharded, worker_needs, worker_parts
+from weightsync.vllm_backend.shards import worker_needs, worker_parts
 
 STAGED_CHECK = 1.0  # seconds between a staged rank's looks for the end of the job while it waits to be loaded
 
@@ -119,7 +120,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         else:  # versions are the adapter alone: the base weights are the checkpoint's, loaded by vLLM
             self.layout, self.adapters = adapter_layout(ctx.job.model), self._adapters(lora)
         needs = self._needs()
-        keep_onednn_scales(self.model)
+        keep_onednn_scales(self.model, dumping)
         self.local = None if needs is None else LocalLayout.of(self.layout, needs)
         # one staging buffer; with delta versions a second, holding the version loaded (the base);
         # a worker of a job whose receivers hold slices gets every version whole, into its local layout
@@ -199,7 +200,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         first = self.loaded is None  # only this thread's offers lead to loads
         prepared = None
         if self.ahead:
-            began = time.monotonic()
             try:
                 prepared = prepare(self.model, self.model_config,
                                    failing_half(self._tensors(self.staging()), self.rank, version), presharded, self.spares)
@@ -207,7 +207,6 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                 raise LoadFailed(f"version {version} failed part-way as it was loaded ahead ({type(e).__name__}: {e}); "
                                  f"the copy vLLM serves was never touched: the stage is discarded, and the server "
                                  f"serves {self._holding()}", self.loaded) from None
-            prepared.seconds = time.monotonic() - began
         staged = Staged(got.digest, session_open=opened, keep_session=self.keep_session,
                         prepare_seconds=None if prepared is None else round(prepared.seconds, 6))
         with self.cond:
@@ -418,31 +417,3 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
     def shutdown(self) -> None:
         pass  # the receiving thread ends with the job
 
-
-def keep_onednn_scales(model: torch.nn.Module) -> int:
-    """vLLM's CPU int8 kernel (oneDNN, CPUInt8ScaledMMLinearKernel) prepacks a layer's weight into
-    a handler that reads the weight's scales from the tensor it was made with, by address. A
-    layerwise reload makes that handler from the reload's own tensors and then copies them into
-    the layer's and drops them, so the handler reads freed memory (vLLM's own reload_weights from
-    disk does the same: its greedy tokens change while its weight checker sees no difference).
-    Each such kernel keeps the tensors its handler was last made with, so the handler reads
-    the scales it was made from; where the tests dump what a worker serves (runtime/faults.py),
-    also a copy of the int8 weight the handler was made from, which the handler holds packed and
-    the layer no longer has (served.int8_weight). Returns the kernels it keeps tensors for."""
-    count = 0
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "scheme", None), "kernel", None)
-        make = getattr(kernel, "process_weights_for_onednn", None)
-        if make is None or getattr(make, "keeps_tensors", False):
-            continue
-
-        def keeping(layer, make=make, kernel=kernel):
-            loaded = layer.weight.detach().clone() if dumping() else None
-            make(layer)
-            kernel.weightsync_kept = {n: t for n, t in layer.named_parameters(recurse=False)}
-            kernel.weightsync_loaded = loaded
-
-        keeping.keeps_tensors = True
-        kernel.process_weights_for_onednn = keeping
-        count += 1
-    return count

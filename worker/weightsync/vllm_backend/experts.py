@@ -23,6 +23,13 @@ from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt8,
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
 from weightsync.plan.boxes import Box
+from weightsync.vllm_backend.internals import (
+    int8_small_gemm,
+    local_expert,
+    padded_intermediate_size,
+    parameters_of,
+    uses_zentorch,
+)
 from weightsync.vllm_backend.parts import Expert, Part, UnsupportedLayer, checkpoint_param
 
 # the dim of a checkpoint expert weight that vLLM splits by tensor-parallel rank (the intermediate
@@ -53,7 +60,7 @@ def expert_parts(experts: dict, model, name: str, shape: tuple) -> list[Part] | 
         return None  # not an expert weight (vLLM's loader takes nothing from it either)
     param_name, weight_name, _, _ = hits[0]
     attr = mapped.replace(weight_name, param_name).removeprefix(owner + ".")
-    if attr not in layer._parameters:
+    if attr not in parameters_of(layer):
         return [Part(name, None, None, None)]  # a bias the layer has none of: vLLM's loader skips it
     config = layer.moe_config
     if config.moe_parallel_config.enable_eplb or config.num_experts != config.num_logical_experts:
@@ -75,7 +82,7 @@ def expert_parts(experts: dict, model, name: str, shape: tuple) -> list[Part] | 
     tail = "bias" if bias else ("weight" + tail if tail.startswith("_") else tail.lstrip(".") or "weight")
     shards = [h[3] for h in hits if h[1] == weight_name]  # gate and up where both stack in one tensor
     names = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
-    runs = _runs_of([(e, layer._map_global_expert_id_to_local_expert_id(e)) for e in ids])
+    runs = _runs_of([(e, local_expert(layer, e)) for e in ids])
     parts = []
     for half, shard_id in enumerate(shards):
         if not runs:  # another worker's experts (expert parallelism)
@@ -154,7 +161,7 @@ def cpu_packed(layer: torch.nn.Module) -> CPUUnquantizedExperts | None:
     """The grouped-GEMM kernel of vLLM's CPU build that serves a fused-experts layer, which packs
     the layer's w13_weight and w2_weight in place when the model first loads (None: another kernel)."""
     experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-    return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+    return experts if isinstance(experts, CPUUnquantizedExperts) and not uses_zentorch(experts) else None
 
 
 def int8_packed(module: torch.nn.Module, attr: str) -> bool:
@@ -165,7 +172,7 @@ def int8_packed(module: torch.nn.Module, attr: str) -> bool:
         experts = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
         return attr in ("w13_weight", "w2_weight") and isinstance(experts, CPUExpertsInt8)
     kernel = getattr(getattr(module, "scheme", None), "kernel", None)
-    return attr == "weight" and getattr(getattr(kernel, "linear_method", None), "__name__", "") == "_apply_weights_sgl"
+    return attr == "weight" and kernel is not None and int8_small_gemm(kernel)
 
 
 def check_experts(model: torch.nn.Module) -> None:
@@ -173,10 +180,10 @@ def check_experts(model: torch.nn.Module) -> None:
     them in: intermediate sizes it pads (it pads them once, when the model first loads)."""
     for layer in model.modules():
         experts = cpu_packed(layer) if isinstance(layer, RoutedExperts) else None
-        if experts is not None and experts._padded_intermediate_size(layer.moe_config) != \
+        if experts is not None and padded_intermediate_size(experts, layer.moe_config) != \
                 layer.moe_config.intermediate_size_per_partition:
             raise UnsupportedLayer(f"vLLM's {type(experts).__name__} pads the experts of {layer.layer_name} to an "
-                                   f"intermediate size of {experts._padded_intermediate_size(layer.moe_config)} per "
+                                   f"intermediate size of {padded_intermediate_size(experts, layer.moe_config)} per "
                                    "worker when the model loads, which its reload does not do again: serve a model whose "
                                    "intermediate size per worker is a multiple of 32")
 

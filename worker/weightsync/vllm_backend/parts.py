@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from weightsync.plan.boxes import Box
+from weightsync.vllm_backend.internals import parameters_of, recorded_parameters
 
 
 class UnsupportedLayer(ValueError):
@@ -45,8 +45,7 @@ def checkpoint_param(module: torch.nn.Module, attr: str) -> torch.Tensor:
     """The parameter in checkpoint format, with its attributes: what vLLM recorded for its
     layerwise reload (before its CPU build repacked it), else the live one (a bias, which vLLM
     does not record and does not repack)."""
-    recorded, _ = get_layerwise_info(module).restore_metadata
-    return recorded.get(attr, module._parameters[attr])
+    return recorded_parameters(module).get(attr, parameters_of(module)[attr])
 
 
 def loaded_parameters(model: torch.nn.Module) -> list[str]:
@@ -55,9 +54,9 @@ def loaded_parameters(model: torch.nn.Module) -> list[str]:
     all of a layer's where it recorded none."""
     out, seen = [], set()  # a parameter shared by two layers (tied weights) once, as named_parameters lists it
     for path, module in model.named_modules():
-        recorded, _ = get_layerwise_info(module).restore_metadata
-        for name in recorded or [n for n, p in module._parameters.items() if p is not None]:
-            live = module._parameters.get(name)
+        recorded, params = recorded_parameters(module), parameters_of(module)
+        for name in recorded or [n for n, p in params.items() if p is not None]:
+            live = params.get(name)
             if live is not None:
                 if id(live) in seen:
                     continue

@@ -17,20 +17,19 @@ from __future__ import annotations
 import torch
 
 from weightsync.vllm_backend.experts import cpu_packed, int8_packed
+from weightsync.vllm_backend.internals import onednn_loaded, pack_int8, prepack_moe_weight
 
 COMPENSATION = 4  # bytes after each packed int8 row: its int32 compensation, 128 x the row's sum
 
 
 def unpacked(weight: torch.Tensor, experts) -> torch.Tensor:
     """Fused experts' weights as loaded, from the layout vLLM's CPU build packs them in (its
-    grouped-GEMM kernel's; shards.pack_experts): the packing only moves elements, so packing their
+    grouped-GEMM kernel's; experts.pack_experts): the packing only moves elements, so packing their
     indices says where each went."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
     if weight.dtype != torch.float32 or weight.numel() >= 1 << 24:
         raise ValueError(f"reading packed experts back needs float32 weights of fewer than 2**24 elements, not "
                          f"{weight.dtype} {list(weight.shape)}")
-    where = cpu_prepack_moe_weight(torch.arange(weight.numel(), dtype=torch.float32).view(weight.shape), experts.isa)
+    where = prepack_moe_weight(torch.arange(weight.numel(), dtype=torch.float32).view(weight.shape), experts.isa)
     out = torch.empty_like(weight).view(-1)
     out[where.view(-1).long()] = weight.reshape(-1)
     return out.view(weight.shape)
@@ -42,7 +41,7 @@ def unpacked_int8(packed: torch.Tensor) -> torch.Tensor:
     after them). Weights whose rows sum to zero pack with zero compensation, so where a packing of
     them is not zero is where the weights went; packing the bytes of each weight's index says which
     went where. Refused where that is no permutation or a row's compensation is not 128 x its sum."""
-    pack = torch.ops._C.convert_weight_packed
+    pack = pack_int8
     *lead, rows, width = packed.shape
     shape = (*lead, rows, width - COMPENSATION)
     signs = torch.ones(shape, dtype=torch.int8)
@@ -100,9 +99,8 @@ def int8_weight(module: torch.nn.Module) -> torch.Tensor | None:
     per-token activations) was made from for a layer whose parameter it dropped (its handler holds
     it packed, where nothing reads it back: on CPUs without VNNI oneDNN's u8 x s8 products saturate
     in 16 bits, so an identity through the kernel does not give it back), as the engine kept it
-    (engine.keep_onednn_scales); None for any other layer."""
-    kernel = getattr(getattr(module, "scheme", None), "kernel", None)
-    loaded = getattr(kernel, "weightsync_loaded", None)
+    (internals.keep_onednn_scales); None for any other layer."""
+    loaded = onednn_loaded(module)
     if loaded is None or getattr(module, "weight", None) is not None:
         return None
     return loaded.cpu().clone()

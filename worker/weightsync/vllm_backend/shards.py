@@ -36,7 +36,7 @@ init, naming the parameter: a layer class this module does not know (a mixture o
 is refused, never guessed.
 
 Loading: vLLM's loaders narrow a whole checkpoint tensor to the worker's part by tensor-parallel
-rank. `presharded` hands them the part itself: for the reload, every sharded linear layer and its
+rank. `presharded` (internals.py) hands them the part itself: for the reload, every sharded linear layer and its
 parameters load as tensor-parallel rank 0 of the part (as vLLM's own MLA projection loads its
 replicated latents), a vocabulary layer's shard starts at row 0 of the part, and fused experts
 load as if tensor parallelism were 1 (their expert map, which expert parallelism sets, stays); all
@@ -46,8 +46,6 @@ as for any reload.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 
 import torch
@@ -65,8 +63,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from weightsync.model.flat import FlatLayout
 from weightsync.model.quant import Format
 from weightsync.plan.boxes import Box, RankSlices, Slice
-from weightsync.vllm_backend import TESTED_VLLM
+from weightsync.vllm_backend import VLLM_TESTED
 from weightsync.vllm_backend.experts import check_fed_experts, expert_layers, expert_parts, split_experts
+from weightsync.vllm_backend.internals import parameters_of, shard_mapper
 from weightsync.vllm_backend.parts import Part, UnsupportedLayer, checkpoint_param, loaded_parameters
 
 QKV_SHARDS = ("q", "k", "v")
@@ -103,7 +102,7 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout, fmt: Format | None 
         param, shard = found
         module_name, _, attr = param.rpartition(".")
         module = modules.get(module_name)
-        if module is None or attr not in module._parameters:
+        if module is None or attr not in parameters_of(module):
             parts.append(Part(slot.name, None, None, None))  # vLLM has no such parameter and skips the tensor
             continue
         weight = by_tensor.get(fmt.weight_of(slot.name)) if fmt is not None else None
@@ -116,8 +115,8 @@ def worker_parts(model: torch.nn.Module, layout: FlatLayout, fmt: Format | None 
             box = layer_box(module, attr, meta, shard, tuple(slot.shape), slot.name)
         except AttributeError as e:  # a vLLM release whose layers keep their tensor-parallel state elsewhere
             raise UnsupportedLayer(f"{slot.name}: this vLLM's {type(module).__name__} does not say what a worker "
-                                   f"holds as vLLM {TESTED_VLLM}'s does ({e}); serve the model with tensorParallel 1 "
-                                   f"or use vLLM {TESTED_VLLM}") from None
+                                   f"holds as vLLM {VLLM_TESTED}'s does ({e}); serve the model with tensorParallel 1 "
+                                   f"or use vLLM {VLLM_TESTED}") from None
         parts.append(Part(slot.name, param, shard, box))
         by_tensor[slot.name] = parts[-1]
     _check(model, modules, parts)
@@ -153,9 +152,9 @@ def worker_needs(parts: list[Part], rank: int) -> RankSlices:
 def target(model, name: str) -> tuple[str, str | int | None] | None:
     """vLLM's parameter for checkpoint tensor `name`, and the shard of it, as the model maps them
     (None: the model drops the tensor)."""
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is not None and hasattr(mapper, "_map_name_with_shard"):
-        mapped = mapper._map_name_with_shard(name)
+    mapper = shard_mapper(model)
+    if mapper is not None:
+        mapped = mapper(name)
         if mapped is None:
             return None
         param, shard = mapped
@@ -261,43 +260,3 @@ def _check(model, modules: dict, parts: list[Part]) -> None:
             raise UnsupportedLayer(f"vLLM's parameter {param} holds {list(meta.shape)} on this worker, and the parts "
                                    f"read from vLLM's layers do not fill it ({got}); serve this model with tensorParallel 1")
 
-
-def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The layers whose loaders narrow by tensor-parallel rank."""
-    return [m for m in model.modules()
-            if isinstance(m, (LinearBase, VocabParallelEmbedding)) and getattr(m, "tp_size", 1) > 1]
-
-
-@contextlib.contextmanager
-def presharded(model: torch.nn.Module):
-    """For a reload set up by initialize_layerwise_reload: vLLM's loaders take the worker's part
-    as given (see the module's docstring). Everything changed is put back on the way out."""
-    undo = []
-    for module in model.modules():
-        if isinstance(module, RoutedExperts) and module.moe_config.moe_parallel_config.tp_size > 1:
-            # a copy of the module's own: the config object is shared with the kernels and other layers
-            config = module.moe_config
-            module.moe_config = copy.copy(config)
-            module.moe_config.moe_parallel_config = dataclasses.replace(config.moe_parallel_config, tp_size=1, tp_rank=0)
-            undo.append(lambda m=module, c=config: setattr(m, "moe_config", c))
-    for module in sharded_modules(model):
-        if isinstance(module, VocabParallelEmbedding):
-            indices, size = module.shard_indices, module.org_vocab_size
-            rows = indices.org_vocab_end_index - indices.org_vocab_start_index
-            module.shard_indices = dataclasses.replace(indices, org_vocab_start_index=0, org_vocab_end_index=rows)
-            module.org_vocab_size = rows
-            undo.append(lambda m=module, i=indices, s=size: (setattr(m, "shard_indices", i), setattr(m, "org_vocab_size", s)))
-            continue
-        undo.append(lambda m=module, r=module.tp_rank: setattr(m, "tp_rank", r))
-        module.tp_rank = 0
-        # the parameters the reload materializes carry the recorded ones' attributes: v2 loaders
-        # narrow by the parameter's own tp_rank
-        for param in list(module._parameters.values()):
-            if param is not None and "tp_rank" in param.__dict__:
-                undo.append(lambda p=param, r=param.tp_rank: setattr(p, "tp_rank", r))
-                param.tp_rank = 0
-    try:
-        yield
-    finally:
-        for step in reversed(undo):
-            step()
