@@ -94,7 +94,7 @@ def make(args):
     if fmt is not None:
         layout = quantize_layout(layout, QUANTIZED, fmt)
     tensors = global_tensors(layout)
-    # rank = replica * shard + shard index, as holdings.sharded numbers them (a weight's scales: its rows)
+    # rank = replica * shard + shard index, as holders.sharded numbers them (a weight's scales: its rows)
     holdings = tuple(Holdings(tuple(chunk_bounds(s.shape[0], args.shard)[t % args.shard] for s in layout.slots))
                      for t in range(args.shard * args.replicas))
     if args.random_needs is not None:

@@ -3,7 +3,7 @@
 The same model, dtype and ranks, two jobs (`weightsync run`'s local processes) whose trainer
 ranks run this module as their spec.trainer.command:
   ddp   every trainer rank holds the whole model (DistributedDataParallel) and sends its
-        contiguous share of the version (plan.make_plan);
+        contiguous share of the version (segments.make_plan);
   fsdp  every trainer rank holds only its FSDP2 shard (fully_shard on the meta device, then
         to_empty: the whole model is never materialised on any rank) and sends its own rows of
         every tensor (shards.plan_by_holder), nothing gathered.

@@ -2,7 +2,7 @@
 
 Three planners make a version's plan: segments.make_plan (every trainer rank holds every tensor
 whole, every inference rank needs the whole version), holders.plan_by_holder (trainer ranks hold
-FSDP2 shards; both of these make a segments.Plan) and sliced.SlicedPlan (inference ranks hold
+FSDP2 shards; both of these make a segments.Plan) and sliced_plan.SlicedPlan (inference ranks hold
 tensor-parallel slices). The send pipeline, the verifying receiver, the controller and the trainer
 API read any of them through the two Protocols here and nothing else, as torch's distributed
 checkpoint declares its planning vocabulary (SavePlan, LoadPlan, WriteItem) in one module. What a
@@ -83,7 +83,7 @@ class TransferPlan(Protocol):
         """The size of inference rank `inference`'s staging buffer."""
 
     def to_json(self) -> str:
-        """The plan as the controller publishes it (sliced.plan_from_json reads it back)."""
+        """The plan as the controller publishes it (sliced_plan.plan_from_json reads it back)."""
 
     def table(self) -> str:
         """The plan as text, for `weightsync plan`."""

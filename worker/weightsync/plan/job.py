@@ -7,7 +7,7 @@ each version as a delta.
 - Trainer ranks hold shards (FSDP2, HSDP) and every inference rank needs the whole version:
   holders.plan_by_holder, every row sent by a rank that holds it, in buckets that bundle runs of
   several tensors where the transport's receivers scatter a frame (tcp).
-- Some inference ranks hold tensor-parallel slices: sliced.SlicedPlan over what every trainer
+- Some inference ranks hold tensor-parallel slices: sliced_plan.SlicedPlan over what every trainer
   rank holds and every inference rank needs; a whole replica (TP degree 1) beside them needs
   every tensor whole.
 

@@ -14,7 +14,7 @@ The work is done per class of tensors (same shape, same holder placement, same n
 every layer's q_proj is one class): intersected, balanced and cut once with numpy, and kept once
 with the list of the class's tensors. The assignment is still the complete list of pieces:
 pieces_of(sender) lists every one of them, and the tests check them byte by byte.
-sliced.SlicedPlan turns an assignment into the transfer plan: the pieces as buckets of bytes.
+sliced_plan.SlicedPlan turns an assignment into the transfer plan: the pieces as buckets of bytes.
 
 Order: all a sender owes one receiver goes as one stream, and each sender takes its receivers
 in the order linktime.greedy_order finds by playing the transfer forward on the links' model:

@@ -10,7 +10,7 @@ publishes its JSON; each version is then only "go".
 A bucket is one run of the version's bytes, or (holders.plan_by_holder over a transport whose
 receivers scatter) several runs bundled into one frame: a sharded rank holds one run per tensor,
 many of them small, and a frame per run costs more than its bytes. Plan is an
-interface.TransferPlan, as sliced.SlicedPlan is.
+interface.TransferPlan, as sliced_plan.SlicedPlan is.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Plan:
     inferences: int
     bucket_bytes: int
     buckets: list
-    sliced = False  # every inference rank receives the whole version (sliced.SlicedPlan: slices)
+    sliced = False  # every inference rank receives the whole version (sliced_plan.SlicedPlan: slices)
 
     def buckets_of(self, trainer: int) -> list[Bucket]:
         return [b for b in self.buckets if b.trainer == trainer]

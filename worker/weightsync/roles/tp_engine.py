@@ -5,7 +5,7 @@ A replica of TP degree tp is tp consecutive inference ranks (job.Layout.tp_group
 a torch.distributed group (gloo on CPU, nccl on GPUs) through the job's rendezvous, and
 transformers shards the model over it with the model's own plan (model._tp_plan expanded as
 transformers expands it, apply_tensor_parallelism on a DeviceMesh): the parameters become
-DTensors whose local shards are exactly the boxes plan.tp.tp_needs gives the rank (checked
+DTensors whose local shards are exactly the boxes plan.tp_needs gives the rank (checked
 against apply_tensor_parallelism in the tests), which is what the rank declares when it joins. A
 received version lands in the rank's local layout (plan.sliced_plan.LocalLayout) and is copied into the
 local shards between two generations, at the same generation on every rank of the replica: the

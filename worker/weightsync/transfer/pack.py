@@ -5,7 +5,7 @@ bucket of a whole version (segments.Bucket) is one or more runs of the flat layo
 RangePacker casts each run straight from the rank's tensors (whole, or its FSDP2 shards from
 `starts`) into the send buffer, padding zero, and where every tensor already holds the layout's
 bytes in host memory it hands the runs out as views of the tensors themselves (the in-place
-send, no copy at all). A bucket over slices (sliced.SliceBucket) is runs of boxes of the global
+send, no copy at all). A bucket over slices (sliced_plan.SliceBucket) is runs of boxes of the global
 tensors, at their offsets in one receiver's local layout: SlicePacker packs each from the rank's
 dim-0 rows (a row-parallel box is a strided view of them), casting on the way (float32 master
 weights to the transfer dtype), the padding between runs zero.
@@ -105,7 +105,7 @@ def _runs(bucket: Bucket) -> list[tuple[int, int, int]]:
 
 
 class SlicePacker:
-    """Buckets of boxes of the global tensors (sliced.SliceBucket), packed and cast from the
+    """Buckets of boxes of the global tensors (sliced_plan.SliceBucket), packed and cast from the
     rank's local tensors: each the dim-0 rows `held` gives it."""
 
     in_place = False  # a box is packed (a row-parallel one is strided): never sent from the tensors

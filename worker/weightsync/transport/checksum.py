@@ -10,7 +10,7 @@
   (device_checksum on a host tensor: torch's elementwise kernels and one reduction), which is how
   the tests pin it.
 
-It sits below the transports and transfer.py, which all hash the same bytes the same way.
+It sits below the transports and transfer/, which all hash the same bytes the same way.
 
 ws64 of n bytes: pad them with zeros to whole little-endian 64-bit words w_0..w_k-1; then
   h = sum over i of mix(w_i + (i + 1) * GOLDEN)   (mod 2^64)
