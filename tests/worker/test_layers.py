@@ -261,3 +261,18 @@ name = loader.__name__
     assert sorted({line for line, _ in found}) == [2, 3, 4, 5, 6, 7, 8, 9], found
     assert not [what for line, what in found if line in (10, 11)], found
     assert reaches_in(ast.parse(MODULES[DOOR].read_text())), "internals.py reaches into nothing: the check is blind"
+
+
+def test_nothing_outside_the_rendezvous_pairs_a_key_with_a_record():
+    """A store key and the record written or read under it are paired once, in rendezvous/ (a verb
+    of Member, Host or Channel: say_staged, say_applied, reference_of, ...): a module outside it
+    that set or got a value under Keys.<...> would pair them a second time, by hand."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name.startswith("weightsync.rendezvous"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("set", "get")
+                    and node.args and "Keys." in ast.unparse(node.args[0])):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)[:80]}")
+    assert not wrong, "store keys paired with their records outside rendezvous/ (give it a verb):\n" + "\n".join(wrong)

@@ -148,7 +148,7 @@ class Sim:
         share = own_share(member, text, JOIN_TIMEOUT, ProofError)
         member.peers(0, JOIN_TIMEOUT)
         times.plan_read = time.monotonic()
-        times.plan_bytes = len(member.get(Keys.PLAN)) + len(member.get(Keys.peers(0))) + len(share or "")
+        times.plan_bytes = member.plan_bytes(0) + len(share or "")
         with self.cond:
             self.planned += 1
             if self.plan_text is None:
@@ -182,12 +182,12 @@ class Sim:
                 if version:
                     member.wait_for(Keys.done(version - 1), f"the controller to finish version {version - 1}")
                 rnd = member.round(version, timeout=self.job.transfer.timeout)
-                member.set(Keys.sent(rnd.version, rnd.again, rank), wire.sent(rank, rnd, 0.0).to_json())
+                member.say_sent(rnd, wire.sent(rank, rnd, 0.0))
             member.closing(self.versions - 1)
             again = 1
             while True:
                 rnd = member.round(self.versions - 1, again)  # JobEnded at the end
-                member.set(Keys.sent(rnd.version, rnd.again, rank), wire.sent(rank, rnd, 0.0).to_json())
+                member.say_sent(rnd, wire.sent(rank, rnd, 0.0))
                 again += 1
 
         info = RankInfo("tcp", "simulated", "cpu", f"sim-trainer-{rank}", holds=self.holds[rank])

@@ -46,8 +46,8 @@ from weightsync.model.build import build, layout_of
 from weightsync.model.flat import FlatLayout, torch_dtype, views
 from weightsync.publisher.sync import Published, Sync, attach
 from weightsync.rendezvous.external_rank import fetch_job
-from weightsync.rendezvous.messages import End, Ready
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, who
+from weightsync.rendezvous.messages import End
+from weightsync.rendezvous.protocol import JobEnded, Member, who
 from weightsync.roles.controller import run as run_controller
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure, wait_for_the_end
@@ -392,7 +392,7 @@ class RolloutRank:
     def offer(self, version: int, got: ReceivedVersion) -> float:
         """A verified version is in staging: wait until the framework took it (or the job ended);
         returns the seconds from its staging to its taking."""
-        step = Ready.from_json(self.member.get(Keys.ready(version, 0))).step
+        step = self.member.ready_of(version, 0).step
         staged = time.monotonic()
         with self.cond:
             self.staged = (version, step)

@@ -6,10 +6,8 @@ sends its own requests to them (Sync.servers)."""
 from __future__ import annotations
 
 from weightsync.job import INFERENCE
-from weightsync.job.token import same
 from weightsync.rendezvous.messages import Peer, RankInfo, Round
-from weightsync.rendezvous.proofs import rank_proof
-from weightsync.rendezvous.protocol import Keys, Member, ProofError, who
+from weightsync.rendezvous.protocol import Member, who
 from weightsync.transport.base import TransferError
 
 
@@ -49,9 +47,4 @@ class Links:
         return tuple(urls)
 
     def _info(self, rank: int, attempt: int) -> RankInfo:
-        endpoint, meta, info, proof = (self.member.get(Keys.published(what, INFERENCE, rank, attempt)).decode()
-                                       for what in ("endpoint", "meta", "info", "proof"))
-        nonce = self.member.get(Keys.nonce(INFERENCE, rank, attempt))
-        if not same(proof, rank_proof(self.member.token, nonce, INFERENCE, rank, endpoint, meta, info)):
-            raise ProofError(f"{who(INFERENCE, rank)}'s published info is not proven with this job's token")
-        return RankInfo.from_json(info)
+        return self.member.info_of(INFERENCE, rank, attempt)

@@ -172,7 +172,7 @@ class Sync:
         ranks that hold it received). Raises weightsync.JobEnded if the job ended meanwhile."""
         self.member.wait_for(Keys.done(version), f"every inference rank to hold version {version}",
                              self.timeout if timeout is None else timeout)
-        return self.member.get_json(Keys.done(version))
+        return self.member.done_record(version)
 
     def fail(self, error: BaseException) -> None:
         """This rank cannot go on: report `error` as its failure, which ends the job."""
@@ -255,7 +255,7 @@ class Sync:
         report = SentReport(sent.bytes, sent.seconds, sent.checksums, sent.receiver_checksums, step=step, loss=loss,
                             lost=lost, wire_bytes=sent.wire_bytes, changed=sent.changed, compared=sent.compared)
         rank_counters(self.rank).sent(sent.wire_bytes)  # its pod's /metrics
-        self.member.set(Keys.sent(rnd.version, rnd.again, self.rank), report.to_json())
+        self.member.say_sent(rnd, report)
         return sent
 
     def _send_final_again(self) -> JobEnded:

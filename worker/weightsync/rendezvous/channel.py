@@ -14,9 +14,12 @@ import json
 import time
 from typing import Callable, Iterable
 
-from weightsync.job.errors import TimedOut
+from weightsync.job import reasons
+from weightsync.job.errors import JobFailed, TimedOut
+from weightsync.job.token import same
 from weightsync.rendezvous.keys import Keys
-from weightsync.rendezvous.messages import End, RankFailure, Round, cut_from_json
+from weightsync.rendezvous.messages import Admission, End, RankFailure, RankInfo, Round, cut_from_json
+from weightsync.rendezvous.proofs import rank_proof
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused
 from weightsync.rendezvous.store.wire import UNSET
@@ -34,6 +37,12 @@ class JobEnded(RuntimeError):
     def __init__(self, state: str, message: str):
         self.state = state
         super().__init__(f"the job ended ({state}): {message}")
+
+
+class ProofError(JobFailed, RuntimeError):
+    """A rank or the controller could not prove it holds the job's token."""
+
+    reason = reasons.TOKEN_PROOF_FAILED
 
 
 def host_store(address: str, port: int, token: bytes, job: str, ranks: int):
@@ -80,6 +89,22 @@ class Channel:
         """The keys' values now (None where not set), in one request: a look at several keys that
         a waiting rank makes every CHECK_EVERY costs the store one request, not one per key."""
         return [None if v[:1] == UNSET else v[1:] for v in self.store.peek(list(keys))]
+
+    def published_by(self, token: bytes, role: str, rank: int, attempt: int) -> Admission:
+        """What (role, rank) published for `attempt` (Member.join: its endpoint, layout and info),
+        proven with the job's token over the controller's nonce for that attempt; ProofError where
+        the proof fails. The one check of a rank's proof: the controller's as it admits a rank
+        (Host.proven), a trainer's as it reads its receivers' servers (Member.info_of)."""
+        endpoint, meta, info, proof = (self.get(Keys.published(k, role, rank, attempt)).decode()
+                                       for k in ("endpoint", "meta", "info", "proof"))
+        if not same(proof, rank_proof(token, self.get(Keys.nonce(role, rank, attempt)), role, rank, endpoint, meta, info)):
+            raise ProofError(f"{role} rank {rank} failed the job token proof (its token file differs from the job's "
+                             "Secret)")
+        return Admission(endpoint, meta, RankInfo.from_json(info))
+
+    def say_bye(self, role: str, rank: int) -> None:
+        """(role, rank) saw the job's end (its own goodbye, or its pod's process's for it)."""
+        self.set(Keys.bye(role, rank), "1")
 
     def end(self) -> End | None:
         """The controller's end of the job, None while it runs."""

@@ -19,13 +19,14 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline, reasons
-from weightsync.job.errors import JobFailed, TimedOut
+from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline
+from weightsync.job.errors import TimedOut
 from weightsync.job.token import same
-from weightsync.rendezvous.channel import CHECK_EVERY, Channel, JobEnded, connect_store
+from weightsync.rendezvous.channel import CHECK_EVERY, Channel, JobEnded, ProofError, connect_store
 from weightsync.rendezvous.following import Following
 from weightsync.rendezvous.keys import Keys
 from weightsync.rendezvous.messages import (
+    Applied,
     Peer,
     PublishedPlan,
     RankFailure,
@@ -33,6 +34,8 @@ from weightsync.rendezvous.messages import (
     Ready,
     ResumePoint,
     Round,
+    SentReport,
+    Staged,
     peers_from_json,
 )
 from weightsync.rendezvous.plan_shares import own_plan
@@ -51,12 +54,6 @@ class Restarted(RuntimeError):
 class Resuming(RuntimeError):
     """The job's trainers resume from their checkpoint (a trainer rank's process started again): this
     process, of an earlier start, ends so that it starts again and resumes with the others."""
-
-
-class ProofError(JobFailed, RuntimeError):
-    """A rank or the controller could not prove it holds the job's token."""
-
-    reason = reasons.TOKEN_PROOF_FAILED
 
 
 def versions(job: Job) -> Iterator[tuple[int, int]]:
@@ -204,6 +201,38 @@ class Member(Following, Channel):
         """A trainer rank: ready to send `version`, at training step `step`."""
         self.set(Keys.ready(version, self.rank), Ready(step).to_json())
 
+    def ready_of(self, version: int, rank: int) -> Ready:
+        """What trainer rank `rank` said when it was ready to send `version` (it was)."""
+        return Ready.from_json(self.get(Keys.ready(version, rank)))
+
+    def say_sent(self, rnd: Round, report: SentReport) -> None:
+        """A trainer rank: what it sent in `rnd`."""
+        self.set(Keys.sent(rnd.version, rnd.again, self.rank), report.to_json())
+
+    def say_staged(self, version: int, staged: Staged) -> None:
+        """An inference rank of a vLLM server: `version` is verified in its staging, to be loaded."""
+        self.set(Keys.staged(version, self.rank, self.attempt), staged.to_json())
+
+    def unloaded(self, version: int) -> bool:
+        """Whether the controller told this rank its server does not load `version` (Keys.unloaded)."""
+        return self.has(Keys.unloaded(version, self.rank, self.attempt))
+
+    def say_applied(self, version: int, applied: Applied) -> None:
+        """An inference rank: what became of `version` here (verified, loaded or not)."""
+        self.set(Keys.applied(version, self.rank, self.attempt), applied.to_json())
+
+    def done_record(self, version: int) -> dict:
+        """The controller's record of `version`, once done (status.transfer's fields)."""
+        return self.get_json(Keys.done(version))
+
+    def plan_bytes(self, epoch: int = 0) -> int:
+        """The bytes of the plan's header and of the inference ranks' endpoints of `epoch`, as published."""
+        return len(self.get(Keys.PLAN)) + len(self.get(Keys.peers(epoch)))
+
+    def info_of(self, role: str, rank: int, attempt: int) -> RankInfo:
+        """What (role, rank) told about itself for `attempt`, proven with the job's token."""
+        return self.published_by(self.token, role, rank, attempt).info
+
     def closing(self, last: int) -> None:
         """A trainer rank: it publishes no more versions, the last it published being `last`
         (-1: none); the controller counts the trainer ranks that closed."""
@@ -257,7 +286,7 @@ class Member(Following, Channel):
         """Tell the controller this rank saw the job's end; False where the controller had already
         gone (it waits a bounded time for every goodbye, then goes: the job's end stands)."""
         try:
-            self.set(Keys.bye(self.role, self.rank), "1")
+            self.say_bye(self.role, self.rank)
         except StoreError:
             return False
         return True

@@ -31,7 +31,6 @@ import time
 from typing import Callable, Mapping
 
 from weightsync.job import ANNOTATION_NETWORK_MODE, INFERENCE, TRAINER, Job, Layout, reasons
-from weightsync.job.token import same
 from weightsync.model.flat import FlatLayout
 from weightsync.rendezvous.channel import Channel, host_store
 from weightsync.rendezvous.claims import Claims
@@ -40,8 +39,8 @@ from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, 
 from weightsync.rendezvous.messages import Admission, Peer, PublishedPlan, RankInfo, Round, cut_to_json, peers_to_json
 from weightsync.rendezvous.parking import Parking
 from weightsync.rendezvous.policy import Policy
-from weightsync.rendezvous.proofs import job_mac, peers_mac, plan_mac, rank_proof
-from weightsync.rendezvous.protocol import Keys, ProofError, ranks_of, who
+from weightsync.rendezvous.proofs import job_mac, peers_mac, plan_mac
+from weightsync.rendezvous.protocol import Keys, ranks_of, who
 from weightsync.rendezvous.rounds import Rounds
 from weightsync.rendezvous.seats import AWAY, DROPPED, JOINING, PARKED, SERVING, WAITING, Seat
 from weightsync.rendezvous.watch import Beat, Watching
@@ -113,11 +112,7 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         """What the rank published for `attempt`, once it proved the token over it; None before."""
         if not self.has(Keys.published("proof", role, rank, attempt)):
             return None
-        endpoint, meta, info = (self.get(Keys.published(k, role, rank, attempt)).decode() for k in ("endpoint", "meta", "info"))
-        expect = rank_proof(self.token, self.get(Keys.nonce(role, rank, attempt)), role, rank, endpoint, meta, info)
-        if not same(self.get(Keys.published("proof", role, rank, attempt)).decode(), expect):
-            raise ProofError(f"{who(role, rank)} failed the job token proof (its token file differs from the job's Secret)")
-        return Admission(endpoint, meta, RankInfo.from_json(info))
+        return self.published_by(self.token, role, rank, attempt)
 
     def admit(self, timeout: float, external: Mapping[str, Deadline] | None = None,
               every: float = PROGRESS_EVERY) -> dict[tuple[str, int], Admission]:

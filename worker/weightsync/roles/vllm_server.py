@@ -37,7 +37,7 @@ from weightsync.job import INFERENCE, Env, Lora, Model, SpecError, WorkerContext
 from weightsync.model.config import served_config
 from weightsync.rendezvous.channel import Channel, connect_store
 from weightsync.rendezvous.proofs import control_key
-from weightsync.rendezvous.protocol import Keys, who
+from weightsync.rendezvous.protocol import who
 from weightsync.runtime import health
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
 from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
@@ -78,7 +78,7 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
         state = _stand_by(proc, server, channel, me)
         if state is not None:
             for r in ranks:  # this process, not the workers, is the pod's last word
-                channel.set(Keys.bye(INFERENCE, r), "1")
+                channel.say_bye(INFERENCE, r)
             log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
         stop(proc, grace=VLLM_STOP_GRACE)

@@ -205,15 +205,14 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
                 raise
             log(me, f"{e}; spec.inference.onLoadFailure {ROLL_BACK}: the job goes on, and the next version comes "
                     "to this rank whole")
-            member.set(Keys.applied(version, rank, member.attempt),
-                       Applied(got.digest, got.seconds, verify_seconds=round(verified, 6), load_failed=str(e),
-                               holds=e.holds).to_json())
+            member.say_applied(version, Applied(got.digest, got.seconds, verify_seconds=round(verified, 6),
+                                                load_failed=str(e), holds=e.holds))
             continue
         counters.serving(version)
         # seconds: receiving; verify_seconds: waiting for the reference digest and comparing;
         # load_seconds: the engine's load (the controller's round record shows the three)
-        member.set(Keys.applied(version, rank, member.attempt),
-                   Applied(got.digest, got.seconds, got.patched, len(got.refused), got.refused[0] if got.refused else None,
-                           round(verified, 6), None if loaded is None else round(loaded, 6)).to_json())
+        member.say_applied(version, Applied(got.digest, got.seconds, got.patched, len(got.refused),
+                                            got.refused[0] if got.refused else None, round(verified, 6),
+                                            None if loaded is None else round(loaded, 6)))
     raise AssertionError("unreachable")
 

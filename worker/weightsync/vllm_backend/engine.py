@@ -50,7 +50,7 @@ from weightsync.model.lora import adapter_layout
 from weightsync.model.quant import format_of
 from weightsync.plan.sliced_plan import LocalLayout, needs_everything, needs_to_json
 from weightsync.rendezvous.messages import Staged
-from weightsync.rendezvous.protocol import Keys, Member, update_proof, who
+from weightsync.rendezvous.protocol import Member, update_proof, who
 from weightsync.runtime.faults import dump, dumping, failing_half, pause_point
 from weightsync.runtime.inbound import LoadFailed, StartAgain, receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure
@@ -211,7 +211,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                         prepare_seconds=None if prepared is None else round(prepared.seconds, 6))
         with self.cond:
             self.staged, self.prepared = version, prepared
-        self.member.set(Keys.staged(version, self.rank, self.member.attempt), staged.to_json())
+        self.member.say_staged(version, staged)
         while True:
             with self.cond:
                 if self.cond.wait_for(lambda: self.loaded == version or self.load_error is not None, STAGED_CHECK):
@@ -228,7 +228,7 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                     self.staged, self.prepared = None, None
                 raise StartAgain(f"the controller counted this rank away while version {version} waited to be loaded "
                                  f"({why}); ending this process so that it starts again and rejoins")
-            if self.member.has(Keys.unloaded(version, self.rank, self.member.attempt)):
+            if self.member.unloaded(version):
                 with self.cond:
                     self.staged, self.prepared = None, None
                 raise LoadFailed(f"another worker of this server failed to load version {version} ahead, so the "

@@ -34,7 +34,7 @@ from weightsync.rendezvous.messages import Applied, Reference, Round, SentReport
 from weightsync.rendezvous.plan_shares import publish_shares
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.proofs import control_key
-from weightsync.rendezvous.protocol import Keys, who
+from weightsync.rendezvous.protocol import who
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import Host
 from weightsync.rendezvous.store.table import StoreError
@@ -199,7 +199,7 @@ class Controller:
             try:
                 sent, applied = self.round(rnd)
             except RoundDropped as e:
-                host.set(Keys.dropped(version), str(e.why))  # its receivers take none of it
+                host.say_dropped(version, str(e.why))  # its receivers take none of it
                 self.say(f"{e}: {rnd.name} is dropped (its bytes are half sent, none was verified), and the inference "
                          "ranks keep the version they serve")
                 version += 1  # never a number reused for other bytes
@@ -253,11 +253,11 @@ class Controller:
         pause_point(CONTROLLER, 0, "verifying", rnd.version)
         reference = Reference.made(reference_digests(plan, sent, rnd.receivers))
         carried = any(s.checksums or s.receiver_checksums for s in sent)  # nothing: the round reached no one
-        if not host.has(Keys.ref(rnd.version)):
+        first = host.reference_of(rnd.version)
+        if first is None:
             if carried:  # the first sending that reached a rank: what its receivers, and every repeat, check
-                host.set(Keys.ref(rnd.version), reference.to_json())
+                host.say_reference(rnd.version, reference)
         else:
-            first = Reference.from_json(host.get(Keys.ref(rnd.version)))
             for r in rnd.receivers:
                 was, now = first.of(r), reference.of(r)
                 if was is not None and was != now:
@@ -298,7 +298,7 @@ class Controller:
                                    loss, wire_bytes=sum(s.wire_bytes for s in sent), delta_ranks=len(rnd.bases),
                                    version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again,
                                    **extra)
-        host.set(Keys.done(rnd.version, rnd.again), record)
+        host.say_done(rnd, record)
         return sent, len(applied)
 
     def delivered(self, version: int) -> None:

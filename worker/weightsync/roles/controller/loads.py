@@ -78,7 +78,7 @@ def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float, 
         if ahead:  # a worker's load ahead failed: the server serves on its copy, untouched
             del servers[url]
             for r in ranks:
-                host.set(Keys.unloaded(rnd.version, r, host.in_round[r]), "1")
+                host.say_unloaded(rnd.version, r)
             say(f"the vLLM server of {who(INFERENCE, ranks[0])} does not load {rnd.name}: "
                 f"{', '.join(who(INFERENCE, r) for r in ahead)} failed to load it ahead; its other workers discard it")
     seats = {r: host.seats[r] for ranks in servers.values() for r in ranks}
