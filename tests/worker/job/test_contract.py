@@ -80,7 +80,9 @@ def test_the_spec_is_read_once_into_typed_sections():
     assert j.image is None and j.image_pull_policy == "IfNotPresent" and j.image_pull_secrets == ("pull",)
     assert j.layout == Layout(2, 4, 3, 1, (2, 1))
     vllm = load_job(job({"inference": {"engine": "vllm", "vllm": {"port": 8100, "args": ["--x"]}}})).inference
-    assert vllm.runs_vllm and vllm.vllm == Vllm(port=8100, args=("--x",))
+    assert vllm.runs_vllm and vllm.vllm == Vllm(port=8100, args=("--x",), inflight="finish")
+    keep = load_job(job({"inference": {"engine": "vllm", "vllm": {"inflight": "keep", "loadAhead": True}}}))
+    assert keep.inference.vllm.inflight == "keep" and keep.inference.vllm.load_ahead
     assert load_job(job()).inference.vllm.port == VLLM_PORT and not load_job(job()).trainer.argv
     quantized = load_job(job({"model": {"config": {"model_type": "gpt2"}, "quantization": "fp8"}}))
     assert quantized.model.quantization == "fp8" and load_job(job()).model.quantization is None
@@ -140,6 +142,9 @@ def test_defaulting_keeps_what_the_user_set_and_is_idempotent():
     ({"inference": {"engine": "sglang"}}, "demo", "spec.inference.engine: 'sglang' is not one of"),
     ({"inference": {"onLoadFailure": "retry"}}, "demo", "spec.inference.onLoadFailure: 'retry' is not one of"),
     ({"inference": {"vllm": {"port": 9000}}}, "demo", "spec.inference.vllm needs spec.inference.engine vllm"),
+    ({"inference": {"vllm": {"inflight": "keep"}}}, "demo", "spec.inference.vllm needs spec.inference.engine vllm"),
+    ({"inference": {"engine": "vllm", "vllm": {"inflight": "abort"}}}, "demo",
+     "spec.inference.vllm.inflight: 'abort' is not one of"),
     ({"inference": {"engine": "vllm", "procsPerPod": 2}}, "demo", "every inference pod runs one vLLM server"),
     ({"inference": {"engine": "vllm", "vllm": {"args": ["--max-model-len", "512", "--dtype=float16"]}}}, "demo",
      "spec.inference.vllm.args may not set --model, --dtype"),

@@ -5,55 +5,11 @@ test_vllm_engine.py.)"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import pytest
+from support.guarded import JOIN, Answer, ask
 
-from weightsync.job.join import JoinEnv
-from weightsync.rendezvous.proofs import control_key
 from weightsync.vllm_backend import admission
-from weightsync.vllm_backend.guard import ControlGuard, sign
-
-TOKEN = b"t" * 32
-JOB = "default/demo"
-KEY = control_key(TOKEN, JOB)
-JOIN = {JoinEnv.CONTROLLER: "127.0.0.1:29700", JoinEnv.JOB_ID: JOB, JoinEnv.TOKEN: TOKEN.decode()}
-
-
-class Answer:
-    def __init__(self, status: int, headers: dict, body: dict, reached: bool):
-        self.status, self.headers, self.body, self.reached = status, headers, body, reached
-
-
-def ask(guard: ControlGuard, path: str, *, method: str = "POST", body: dict | None = None, signed: bool = False,
-        headers: dict | None = None, server_answers: int = 200) -> Answer:
-    """One request through the guard to a server that answers `server_answers` to whatever reaches it."""
-    reached, sent = [], []
-
-    async def server(scope, receive, send):
-        got = await receive()
-        reached.append((scope["path"], got["body"]))
-        await send({"type": "http.response.start", "status": server_answers, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    async def receive():
-        return {"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    guard.app = server
-    given = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    if signed:
-        given.append((b"authorization", f"Bearer {sign(KEY, method, path)}".encode()))
-    where, _, query = path.partition("?")
-    scope = {"type": "http", "method": method, "path": where, "query_string": query.encode(), "root_path": "",
-             "headers": given}
-    asyncio.run(guard(scope, receive, send))
-    start = sent[0]
-    return Answer(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, json.loads(sent[1]["body"]),
-                  bool(reached))
+from weightsync.vllm_backend.guard import ControlGuard
 
 
 @pytest.fixture()

@@ -3,8 +3,9 @@ in the test that answers as vLLM's routes do and writes down what it was asked: 
 update in their order, the per-call timings it returns, a server resumed when the load fails, and
 the slowest server's timings over several, and an update into a session its workers kept open from
 the version before (no start, and the label set without closing it), the job's control key on
-every call, and a server whose control routes answer anyone. No vLLM here: the tests in test_vllm_engine.py drive
-real servers."""
+every call, and a server whose control routes answer anyone; under spec.inference.vllm.inflight
+keep, the pause that freezes the requests in flight, and the abort of those a failed load froze.
+No vLLM here: the tests in test_vllm_engine.py and test_vllm_inflight.py drive real servers."""
 
 from __future__ import annotations
 
@@ -118,6 +119,25 @@ def test_a_session_opened_to_be_kept_is_opened_as_the_server_pauses_and_left_ope
     paths = [path for path, _ in server.calls]
     assert set(paths[:2]) == {"/start_weight_update", "/pause?mode=wait&clear_cache=true"}
     assert paths[2:] == ["/update_weights", "/update_weight_version", "/resume"]
+
+
+def test_keep_freezes_the_requests_in_flight_and_keeps_the_cache_instead_of_waiting_for_them(routes):
+    server = routes()
+    Server(server.url).update(4, "proof", 30, Session(open=True, keep=True), keep=True)
+    assert [path for path, _ in server.calls] == ["/pause?mode=keep&clear_cache=false", "/update_weights",
+                                                  "/update_weight_version", "/resume"]
+
+
+@pytest.mark.parametrize("failing, aborted", [("/update_weights", True), ("/update_weight_version", True),
+                                              ("/start_weight_update", False)])
+def test_an_update_under_keep_that_fails_once_the_load_began_aborts_the_requests_it_froze(routes, failing, aborted):
+    server = routes(failing=failing)
+    with pytest.raises(ControlError, match=f"{failing} answered 500") as failed:
+        Server(server.url).update(4, "proof", 30, Session(open=failing != "/start_weight_update", keep=True), keep=True)
+    paths = [path for path, _ in server.calls]
+    assert paths[-1] == "/resume" and ("/pause?mode=abort&clear_cache=true" in paths) == aborted, paths
+    # (a session that would not open loaded nothing: the requests frozen resume on the version they ran on)
+    assert ("the requests frozen in flight were aborted" in str(failed.value)) == aborted
 
 
 def test_a_servers_session_is_open_and_kept_only_where_every_worker_says_so():

@@ -73,9 +73,16 @@ class ActorServer(Steps):
         except Exception as e:  # noqa: BLE001 - raised in the actor: its message, on one line
             raise ControlError(f"{self.name}.{method}() failed: {said(e)}") from None
 
-    def pause(self, limit: float) -> None:
+    def pause(self, limit: float, keep: bool = False) -> None:
+        if keep:  # no guard in front of an actor salts its requests' prefix cache by version (inflight.py)
+            raise ControlError(f"{self.name}: spec.inference.vllm.inflight keep needs vLLM's HTTP server, whose guard "
+                               "keys every request's prefix cache by version; a Ray actor is updated with finish")
         if self.pauses:
             self.call("pause_generation", limit, mode="wait", clear_cache=True)
+
+    def abort(self, limit: float) -> None:
+        if self.pauses:
+            self.call("pause_generation", limit, mode="abort", clear_cache=True)
 
     def start(self, limit: float) -> None:
         self.call("start_weight_update", limit)

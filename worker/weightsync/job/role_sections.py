@@ -112,6 +112,7 @@ class Trainer(Pods):
 
 BUILTIN, VLLM = "builtin", "vllm"  # spec.inference.engine
 ROLL_BACK, FAIL_JOB = "rollBack", "failJob"  # spec.inference.onLoadFailure
+FINISH, KEEP = "finish", "keep"  # spec.inference.vllm.inflight
 VLLM_PORT = 8000  # spec.inference.vllm.port's default: vLLM's own
 
 
@@ -130,6 +131,9 @@ class Vllm:
     expert_parallel: bool = False
     """A mixture of experts served with expert parallelism (vLLM's --enable-expert-parallel): each
     of a server's tensor-parallel workers holds whole experts, 1/N of them, and receives only those."""
+    inflight: str = FINISH
+    """What a load does to the requests in flight: finish (they end on their version first) or keep
+    (frozen, then resumed on the new version; vllm_backend/control.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +211,8 @@ class Inference(Pods):
                    tensor_parallel_sizes=tuple(inference.get("tensorParallelSizes") or ()),
                    engine=inference.get("engine", BUILTIN),
                    vllm=Vllm(int(vllm.get("port", VLLM_PORT)), tuple(vllm.get("args", ())),
-                             bool(vllm.get("loadAhead", False)), bool(vllm.get("expertParallel", False))),
+                             bool(vllm.get("loadAhead", False)), bool(vllm.get("expertParallel", False)),
+                             vllm.get("inflight", FINISH)),
                    min_available=inference.get("minAvailable"), away_grace_seconds=inference["awayGraceSeconds"],
                    max_version_lag=inference.get("maxVersionLag", 0),
                    on_load_failure=inference.get("onLoadFailure", ROLL_BACK),

@@ -19,8 +19,9 @@ serve the job's final version.
 A client that needs a version at least N sends `X-Weightsync-Min-Version: N`: a server behind it
 answers 409 with the version it holds, never older tokens. Every refusal carries Retry-After and
 `X-Weightsync-Version` (the version held, or "none"). /inference/v1/generate (vLLM's own field,
-weight_versions) names the version of every token a server answers with; the server loads with
-pause mode=wait, so a request runs on one version.
+weight_versions) names the version of every token a server answers with: one version per request
+under spec.inference.vllm.inflight finish, and where a request ran across a load under keep, the
+version before for its first tokens and the new one for the rest (control.py, inflight.py).
 
 GET ROUTE answers anyone with the server's admission (200 admitted, 503 not): the pod's readiness
 follows it, and so can a load balancer's for a server the user started. Standard library only.

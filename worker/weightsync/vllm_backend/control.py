@@ -10,17 +10,27 @@ workers, the load, as vLLM's own disk reload does. Each of their calls costs mor
 on a busy machine: a vLLM worker busy-polls its message queue for a second after every call it
 answers, so calls that follow one another land while the cores spin.
 
-One update, for weightsync, is: pause, mode=wait (no new request starts, those in flight finish on
-the weights they started on) with the KV and prefix caches cleared (cached blocks were computed
-with the old weights), and at once, where no session is open yet (a server's first version, or
-its first after a failed load, which closes it), start; update (the backend loads the version it
-already received and verified); the version's label, weightsync's version number as vLLM's
-weight version (vLLM reports it with every generation), set by update_weight_version, which only
-the engine core answers; resume. A request therefore runs on exactly one version, and the server
-serves nothing only between the pause and the resume: the load and two short calls. Where a
-worker needs the session closed after every load (where vLLM invalidates a LoRA server's state), the
-label comes with finish_weight_update instead, in the pause as well. Not mode=keep: it freezes the
-requests in flight and resumes them on the new weights, so a request would run on two versions.
+One update, for weightsync, is: pause; and at once, where no session is open yet (a server's first
+version, or its first after a failed load, which closes it), start; update (the backend loads the
+version it already received and verified); the version's label, weightsync's version number as
+vLLM's weight version (vLLM reports it with every generation), set by update_weight_version, which
+only the engine core answers; resume. Where a worker needs the session closed after every load
+(where vLLM invalidates a LoRA server's state), the label comes with finish_weight_update instead,
+in the pause as well. The server serves nothing between the pause and the resume: the load and two
+short calls. What the pause does to the requests in flight is spec.inference.vllm.inflight's:
+- finish: mode=wait. No new request starts, those in flight finish on the weights they started on,
+  and the KV and prefix caches are cleared once they have (clear_cache): a request runs on exactly
+  one version, and the longest one in flight holds the load back. The clearing costs nothing a
+  kept cache would have served: once the requests in flight finished, no request of the old version
+  is left to reuse its blocks.
+- keep: mode=keep, clear_cache=false. The requests in flight are frozen where they are, KV blocks
+  and all, and resume on the new version: none is aborted, none holds the load back, and each
+  names the version of every token it generated (vLLM's weight_versions, from the label the engine
+  core holds at each step). Clearing the cache would preempt them and prefill each again on the new
+  weights (vLLM resets running requests to clear it); instead no new request reuses a block of
+  the old version, since the server's guard salts every request's cache key with the version
+  (inflight.py). An update that fails once the load began aborts the requests it froze (mode=abort,
+  which clears the cache) before the resume: they would resume on weights no version names.
 
 Standard library only: the controller, which has no vLLM, drives the servers with it.
 """
@@ -44,6 +54,11 @@ from weightsync.vllm_backend.guard import sign
 UP_POLL = 0.5  # seconds between looks at a starting server's /health
 RESUME_TIMEOUT = 10.0  # seconds a resume may take at least, even past the update's deadline
 UNGUARDED_PROBE = "/get_world_size"  # a control route that changes nothing (Server.open_to_clients)
+# the pauses of an update (spec.inference.vllm.inflight finish and keep), and the one that aborts
+# the requests a failed update froze
+FINISH_PAUSE = "/pause?mode=wait&clear_cache=true"
+KEEP_PAUSE = "/pause?mode=keep&clear_cache=false"
+ABORT_PAUSE = "/pause?mode=abort&clear_cache=true"
 
 
 class ControlError(RuntimeError):
@@ -92,8 +107,13 @@ class Steps(ABC):
     name: str  # how errors name the server
 
     @abstractmethod
-    def pause(self, limit: float) -> None:
-        """No request starts, those in flight finish, and the KV and prefix caches are cleared."""
+    def pause(self, limit: float, keep: bool = False) -> None:
+        """No request starts; those in flight finish and the KV and prefix caches are cleared, or,
+        with `keep`, they are frozen where they are, the caches kept (spec.inference.vllm.inflight)."""
+
+    @abstractmethod
+    def abort(self, limit: float) -> None:
+        """The requests frozen in flight are aborted, the caches cleared (a kept update that failed)."""
 
     @abstractmethod
     def start(self, limit: float) -> None:
@@ -115,11 +135,13 @@ class Steps(ABC):
     def resume(self, limit: float) -> None:
         """Requests run again."""
 
-    def update(self, version: int, proof: str, timeout: float, session: Session = Session()) -> UpdateTimes:
+    def update(self, version: int, proof: str, timeout: float, session: Session = Session(),
+               keep: bool = False) -> UpdateTimes:
         """Load `version` (already received and verified by the backend) between two steps; returns
         how long each call took and how long the server served nothing (pause to resume). The
         server is resumed also when a step in between fails. `session`: what its workers said of
-        vLLM's update session as they staged the version (the default opens one and closes it)."""
+        vLLM's update session as they staged the version (the default opens one and closes it);
+        `keep`: the requests in flight are frozen and resumed on the version (spec.inference.vllm.inflight)."""
         deadline = time.monotonic() + timeout
 
         def left() -> float:
@@ -138,23 +160,30 @@ class Steps(ABC):
         # vLLM's pause answers 20 ms after its engine paused, time in which the engine takes the
         # start. The update waits for both.
         start = finish = label = None
+        loading = False  # the load was asked for: from here on the weights may be neither version
         with ThreadPoolExecutor(1) as opener:
             opening = None if session.open else opener.submit(timed, self.start, left())
-            pause = timed(self.pause, left())
+            pause = timed(self.pause, left(), keep)
             paused = time.monotonic()
             try:
                 if opening is not None:
                     start = opening.result()
+                loading = True
                 update = timed(self.load, version, proof, left())
                 if session.keep:
                     label = timed(self.label, str(version), left())
                 else:
                     finish = timed(self.finish, str(version), left())
             except ControlError as e:  # resumed all the same; what failed first is what the error says
+                steps = ([self.abort] if keep and loading else []) + [self.resume]
                 try:
-                    timed(self.resume, RESUME_TIMEOUT)
+                    for step in steps:
+                        timed(step, RESUME_TIMEOUT)
                 except ControlError as also:
                     raise type(e)(f"{e}; then {also}") from None
+                if len(steps) > 1:
+                    raise type(e)(f"{e}; the requests frozen in flight were aborted: they would have resumed on "
+                                  f"weights no version names") from None
                 raise
         resume = timed(self.resume, max(deadline - time.monotonic(), RESUME_TIMEOUT))
         return UpdateTimes(pause=pause, start=start, update=update, finish=finish, version=label, resume=resume,
@@ -247,10 +276,11 @@ class Server(Steps):
         return self.call("/weight_info", None, timeout, method="GET").get("weight_version")
 
     # the update's steps (Steps), each one of the server's control routes
-    def pause(self, limit: float) -> None:
-        # clear_cache: a prompt cached before the load would otherwise reuse the old version's KV
-        # blocks after it, under the new version's label
-        self.call("/pause?mode=wait&clear_cache=true", None, limit)
+    def pause(self, limit: float, keep: bool = False) -> None:
+        self.call(KEEP_PAUSE if keep else FINISH_PAUSE, None, limit)
+
+    def abort(self, limit: float) -> None:
+        self.call(ABORT_PAUSE, None, limit)
 
     def start(self, limit: float) -> None:
         self.call("/start_weight_update", None, limit)

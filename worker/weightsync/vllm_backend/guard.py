@@ -32,7 +32,8 @@ answers the control routes to that job's controller, as a job's server does from
 
 The guard also keeps the server out of its job's fleet while it holds no version the fleet accepts
 (admission.py): its generation routes answer 503 (or 409, to a client that asks for a newer
-version) until it does.
+version) until it does. And it sets every generation request's cache salt, keyed by the version
+the server holds, holding new requests back while an update is under way (inflight.py).
 
 Plain ASGI, standard library only: the API server is vLLM's, and the tests drive the middleware
 without it.
@@ -52,7 +53,7 @@ from weightsync.job import Env, SpecError, WorkerContext
 from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.job.token import same
 from weightsync.rendezvous.proofs import control_key
-from weightsync.vllm_backend import admission
+from weightsync.vllm_backend import admission, inflight
 from weightsync.vllm_backend.admission import Admission
 
 MIDDLEWARE = "weightsync.vllm_backend.guard.ControlGuard"  # vLLM's --middleware takes its import path
@@ -74,6 +75,9 @@ CLIENT_ROUTES = frozenset({
     "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
 })
 CLIENT_PREFIXES = ("/v1/responses/",)  # /v1/responses/{id} and its /cancel
+
+# the signed calls whose outcome the guard follows (_watched)
+WATCHED = frozenset({*admission.LABEL_ROUTES, admission.LOAD_ROUTE, inflight.PAUSE_ROUTE, inflight.RESUME_ROUTE})
 
 SCHEME = "ws1"  # a signed bearer: ws1.<unix seconds>.<nonce>.<HMAC-SHA256 hex>
 WINDOW = 120.0  # seconds either side of the server's clock within which a signed request is taken
@@ -187,6 +191,7 @@ class ControlGuard:
                 raise SystemExit(f"weightsync: {e.problems[0]}") from None
         self._seen: dict[str, float] = {}  # nonce -> its stamp, for WINDOW seconds either side
         self.admission = Admission()
+        self.updates = inflight.Updates()
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -197,14 +202,15 @@ class ControlGuard:
         if path == INIT_ROUTE and self.token is not None and scope["type"] == "http":
             return await self._init(scope, receive, send)
         if is_client_route(path):
-            refused = self._admits(scope, path)
-            if refused is not None:
-                return await self._answer(send, *refused)
+            if path in admission.GENERATION_ROUTES and scope["type"] == "http":
+                return await self._generation(path, scope, receive, send)
             return await self.app(scope, receive, send)
         given = _bearer(scope)
         why = "no control key" if given is None else self._refusal(given, scope)
         if why is None:
-            if path in admission.LABEL_ROUTES or path == admission.LOAD_ROUTE:
+            if scope.get("method", "GET") != "GET":  # it may change the weights (inflight.py)
+                self.updates.changed()
+            if scope["type"] == "http" and path in WATCHED:
                 return await self._watched(path, scope, receive, send)
             return await self.app(scope, receive, send)
         await self._refuse(scope, send, 401 if given is None else 403, why)
@@ -279,11 +285,31 @@ class ControlGuard:
 
         await self.app(scope, replay, noted)
 
+    async def _generation(self, path: str, scope: Scope, receive: Callable, send: Callable) -> None:
+        """A client's generation request: held while an update is under way, refused where the
+        server must not serve it, passed on with its cache salt set (inflight.py)."""
+        refused = await self.updates.hold(lambda: self._admits(scope, path)) or self._admits(scope, path)
+        if refused is not None:
+            return await self._answer(send, *refused)
+        why = inflight.spanless(path, self.updates.keep)
+        if why is not None:
+            return await self._answer(send, 400, why, [])
+        try:
+            body = inflight.salted(await _body(receive), self.admission.held, self.updates.epoch)
+        except ValueError as e:
+            return await self._answer(send, 400, f"{path}: {e}", [])
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
+        await self._passed({**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, body,
+                           send, [])
+
     async def _watched(self, path: str, scope: Scope, receive: Callable, send: Callable) -> None:
-        """A signed label or load, passed on, and what it did to the version the server holds:
-        a label answered 2xx names it; a load that fails leaves none whole."""
+        """A signed call the guard follows, passed on, and what it did: a label answered 2xx names
+        the version the server holds; a load that fails leaves none whole; a pause starts an update
+        (unless it failed: the server did not pause), a resume ends it."""
         body = await _body(receive)
         status: list[int] = []
+        if path == inflight.PAUSE_ROUTE:
+            self.updates.pausing(scope.get("query_string") or b"")
         try:
             await self._passed(scope, body, send, status)
         finally:
@@ -293,6 +319,8 @@ class ControlGuard:
                 self.admission.labelled(version, admission.now())
             elif path == admission.LOAD_ROUTE and not ok:
                 self.admission.load_failed()
+            if path == inflight.RESUME_ROUTE or (path == inflight.PAUSE_ROUTE and not ok):
+                self.updates.resumed()
 
     def _refusal(self, given: str, scope: Scope) -> str | None:
         """Why a signed bearer does not open this request (None where it does)."""

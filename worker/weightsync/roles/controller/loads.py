@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 
 from weightsync.job import CONTROLLER, INFERENCE, WorkerContext, reasons
 from weightsync.job.errors import JobFailed
+from weightsync.job.role_sections import KEEP
 from weightsync.rendezvous.messages import Applied, Round
 from weightsync.rendezvous.proofs import control_key, update_proof
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
@@ -87,18 +88,20 @@ def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float, 
         return JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
                          f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED)
 
+    keep = ctx.job.inference.vllm.inflight == KEEP
+
     def load(url: str) -> UpdateTimes | ControlError:
         session = Session.of([staged[r] for r in servers[url]])
         try:
             if url in driven:  # a vLLM Ray actor of the trainer's process, its owner (integrations/vllm_actor.py)
-                return driven[url].update(rnd.version, proof, timeout, session)
+                return driven[url].update(rnd.version, proof, timeout, session, keep)
             server = Server(url, key)
             if ctx.job.inference.external:  # a server the user started joined as vLLM built it, before it served
                 server.wait_up(SERVE_TIMEOUT)
                 if server.open_to_clients():  # its control routes, which relabel and reset, would be any client's
                     raise ControlError(f"{server.url} answers its control routes to any client: start it with "
                                        f"--middleware {MIDDLEWARE} (docs/jobs.md, vLLM)")
-            return server.update(rnd.version, proof, timeout, session)
+            return server.update(rnd.version, proof, timeout, session, keep)
         except ControlError as e:
             return e  # judged on this thread, which keeps the roster: its ranks may be gone, or say why
 

@@ -1,0 +1,123 @@
+"""What a job's vLLM server does with its clients' generation requests around a version's load: its
+guard (guard.py) holds new ones back while an update is under way, keys every request's prefix
+cache by the version the server holds, and, where the requests in flight are kept across loads
+(spec.inference.vllm.inflight keep), serves only the route whose answers name each token's version.
+
+vLLM's prefix cache reuses the KV blocks of a prompt's prefix computed before, keyed by the tokens,
+the LoRA adapter and the request's cache salt (vLLM's `cache_salt`, hashed into the first block's
+key and through the chain into every later block's), never by the weights: a block computed with
+one version and reused by a request on the next would give it the old version's keys and values
+under the new version's label. Rather than clearing the whole cache at every version (which, with
+requests frozen in flight, preempts them to prefill each again: vLLM resets running requests to
+clear it), the guard sets every generation request's cache salt itself, server-side: the job's
+own salt, naming the version the server holds and the update epoch, followed by the client's own
+salt, hashed, where it gave one (clients that keep their caches apart stay apart, and none can
+name another epoch's salt). Every signed control call that may change the weights (a pause, a
+load, a label, vLLM's own reload, a reset of its weights) starts a new epoch, so blocks of an old
+version are never matched again; they age out as vLLM's own eviction decides.
+
+A request salted before an update and run after it would still match old blocks: so from a signed
+pause (an update's start) until its resume the guard holds new generation requests back (vLLM
+would queue them anyway), and salts each as it lets it through, with the version loaded. It cannot
+hold a request that passed it before the pause and reaches vLLM's engine after it (the API
+process's milliseconds of rendering one): under finish the pause clears the cache once the
+requests in flight finished, so such a request finds no old block; under keep it is in flight
+across the update, as those frozen are, and may reuse blocks of the version before as they reuse
+their own KV. vLLM's spans count generated tokens: a request's prompt may have been computed on
+the version before the first one its tokens name.
+
+Under keep an answer must say which version produced which token. vLLM's token-in-token-out route
+(/inference/v1/generate) does: weight_versions, spans of output tokens, each named by the label
+the engine core held as it generated them, which only the job's controller sets. The OpenAI- and
+Anthropic-style routes carry no such field, so a server that keeps requests across loads answers
+them 400, saying where to go. The guard reads the mode from the pause itself (mode=keep): nothing
+to configure, and a server the user started knows it as a pod's does.
+
+Standard library only, as the guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from typing import Callable, TypeVar
+from urllib.parse import parse_qs
+
+SALT = "cache_salt"  # vLLM's field, on every generation route's request
+SPAN_ROUTES = frozenset({"/inference/v1/generate"})  # the generation routes whose answers name each token's version
+PAUSE_ROUTE, RESUME_ROUTE = "/pause", "/resume"
+HOLD_POLL = 0.01  # seconds between a held request's looks at the update and at the server's admission
+
+Refusal = TypeVar("Refusal")
+
+
+def salt(version: int | None, epoch: int, client: str | None = None) -> str:
+    """A request's cache salt: the job's, for the version held and the update epoch, then the
+    client's own, hashed (within vLLM's 128 characters, none of its forbidden ones)."""
+    own = f"weightsync-v{'none' if version is None else version}-e{epoch}"
+    return own if client is None else f"{own}-{hashlib.sha256(client.encode()).hexdigest()[:40]}"
+
+
+def salted(body: bytes, version: int | None, epoch: int) -> bytes:
+    """A generation request's body with its cache salt set (salt); ValueError, one line, where it
+    is not a JSON object or names a cache salt that is not a non-empty string."""
+    try:
+        request = json.loads(body or b"{}")
+    except ValueError:
+        raise ValueError("a generation request's body is a JSON object; this one is not JSON") from None
+    if not isinstance(request, dict):
+        raise ValueError(f"a generation request's body is a JSON object, not {type(request).__name__}")
+    client = request.get(SALT)
+    if client is not None and (not isinstance(client, str) or not client):
+        raise ValueError(f"{SALT}, where a request names one, is a non-empty string")
+    request[SALT] = salt(version, epoch, client)
+    return json.dumps(request).encode()
+
+
+def spanless(path: str, keep: bool) -> str | None:
+    """Why a generation route must not answer on a server that keeps requests across loads (None
+    where it may)."""
+    if not keep or path in SPAN_ROUTES:
+        return None
+    return (f"{path}: this vLLM server keeps requests in flight across versions (spec.inference.vllm.inflight keep), "
+            "so an answer must say which version produced which token, and only /inference/v1/generate says so "
+            "(weight_versions); render a prompt to token ids with /v1/completions/render or "
+            "/v1/chat/completions/render and generate through /inference/v1/generate, or run the job with "
+            "inflight finish")
+
+
+class Updates:
+    """The updates one API process's guard has seen: the epoch (salt), whether the last one kept
+    the requests in flight, and whether one is under way (from its pause to its resume)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.keep = False
+        self.under_way = False
+
+    def changed(self) -> None:
+        """A signed control call that may change the weights: blocks cached until now match nothing more."""
+        self.epoch += 1
+
+    def pausing(self, query: bytes) -> None:
+        """A signed pause: an update starts (a pause that aborts every request, as one after a failed
+        load, says nothing of the mode)."""
+        mode = parse_qs(query.decode("latin-1")).get("mode", [""])[-1]
+        if mode in ("wait", "keep"):
+            self.keep = mode == "keep"
+        self.under_way = True
+        self.changed()
+
+    def resumed(self) -> None:
+        self.under_way = False
+
+    async def hold(self, refusal: Callable[[], Refusal | None]) -> Refusal | None:
+        """Until no update is under way; `refusal()`'s answer at once where it has one meanwhile
+        (the server stopped hearing its controller, or its load failed)."""
+        while self.under_way:
+            refused = refusal()
+            if refused is not None:
+                return refused
+            await asyncio.sleep(HOLD_POLL)
+        return None
