@@ -27,8 +27,10 @@ class Answer:
 
 
 async def asked(guard: ControlGuard, path: str, *, method: str = "POST", body: dict | bytes | None = None,
-                signed: bool = False, headers: dict | None = None, server_answers: int = 200) -> Answer:
-    """One request through the guard to a server that answers `server_answers` to whatever reaches it."""
+                signed: bool = False, headers: dict | None = None, server_answers: int = 200, app=None) -> Answer:
+    """One request through the guard to a server that answers `server_answers` to whatever reaches it;
+    `app`: what vLLM's API server puts in the request's scope (its FastAPI app, whose state holds
+    vLLM's configuration)."""
     passed, sent = [], []
 
     async def receive():
@@ -43,7 +45,7 @@ async def asked(guard: ControlGuard, path: str, *, method: str = "POST", body: d
         given.append((b"authorization", f"Bearer {sign(KEY, method, path)}".encode()))
     where, _, query = path.partition("?")
     scope = {"type": "http", "method": method, "path": where, "query_string": query.encode(), "root_path": "",
-             "headers": given, PASSED: passed, ANSWERS: server_answers}
+             "headers": given, PASSED: passed, ANSWERS: server_answers, **({"app": app} if app else {})}
     guard.app = _server
     await guard(scope, receive, send)
     start = sent[0]

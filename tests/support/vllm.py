@@ -197,9 +197,9 @@ def refused_before_version_0(server: str, job_name: str) -> None:
         raise AssertionError(f"{server} served a client before it held a version of the job's")
 
 
-def generate(server: str, job_name: str, tokens: int = 8) -> dict:
+def generate(server: str, job_name: str, tokens: int = 8, prompt: list[int] = PROMPT) -> dict:
     """vLLM's generate route: its choices name the weight version of every token."""
-    got = post(server, "/inference/v1/generate", {"model": job_name, "token_ids": PROMPT,
+    got = post(server, "/inference/v1/generate", {"model": job_name, "token_ids": prompt,
                                                   "sampling_params": {"max_tokens": tokens, "temperature": 0,
                                                                       "ignore_eos": True}})
     return got["choices"][0]

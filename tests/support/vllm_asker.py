@@ -1,7 +1,7 @@
 """A client of a vLLM server that asks its generate route over time, as a job's users do while
 the server restarts or joins late: what each answer was (the version its tokens name, or the
 refusal's status and X-Weightsync-Version), and the runs of the same answer, for the tests that
-check what clients see."""
+check what clients see; and a long generation streamed from it while the server loads a version."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
-from support.vllm import PROMPT
+from support.vllm import PROMPT, REACH_TIMEOUT
 
 
 def spans(seen: list[tuple[float, int | None, str | None]]) -> list[tuple[float, float, int | None, str | None]]:
@@ -76,3 +76,40 @@ class Asker:
             f"{self.server} answered before it held the fleet's version: {spans(self.seen[:first])}"
         assert all(s == 200 and v == version for _, s, v in self.seen[first:]), spans(self.seen[first:])
         return refusals, first
+
+
+def in_flight(server: str, job_name: str, tokens: int = 200) -> tuple[dict, threading.Thread]:
+    """A long greedy generation on its way: streamed from vLLM's generate route, and returned once
+    its first tokens arrived, so that the engine has taken it whatever the machine's pace (a signal
+    that cannot be missed, unlike a scrape of the running requests, which one may run whole
+    between). (where the answer will be: its token ids, the final chunk's weight versions and
+    finish reason; the thread that reads the rest)."""
+    body = {"model": job_name, "token_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    request = urllib.request.Request(server + "/inference/v1/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=REACH_TIMEOUT)
+    answer: dict = {"token_ids": []}
+
+    def chunks():
+        for line in response:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                choice = json.loads(line[len(b"data: "):])["choices"][0]
+                answer["token_ids"] += choice.get("token_ids") or []
+                for field in ("weight_versions", "finish_reason"):
+                    if choice.get(field):
+                        answer[field] = choice[field]
+                yield choice
+
+    stream = chunks()
+    first = next(stream)
+    assert first.get("token_ids"), f"the stream's first chunk carries no token: {first}"
+
+    def rest():
+        with response:
+            for _ in stream:
+                pass
+
+    flight = threading.Thread(target=rest, daemon=True)
+    flight.start()
+    return answer, flight

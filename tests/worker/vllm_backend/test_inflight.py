@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from support.guarded import JOIN, asked
@@ -142,3 +143,19 @@ def test_a_server_that_keeps_requests_across_loads_serves_only_the_route_that_na
     assert guard.updates.keep
     run(asked(guard, FINISH_PAUSE, signed=True), asked(guard, "/resume", signed=True))
     assert not guard.updates.keep and run(asked(guard, "/v1/completions", body={}))[0].reached
+
+
+def test_a_server_of_several_api_processes_refuses_to_keep_requests_on_one_line(guard):
+    def app(processes: int) -> SimpleNamespace:  # vLLM's API server app, as a request's scope holds it
+        return SimpleNamespace(state=SimpleNamespace(vllm_config=SimpleNamespace(
+            parallel_config=SimpleNamespace(_api_process_count=processes))))
+
+    refused, waited = run(asked(guard, KEEP_PAUSE, signed=True, app=app(2)),
+                          asked(guard, FINISH_PAUSE, signed=True, app=app(2)))
+    assert (refused.status, refused.reached) == (409, False)
+    assert refused.body["error"]["message"].startswith(
+        "/pause?mode=keep: this vLLM server runs 2 API processes (--api-server-count), and the guard of each sees "
+        "only the updates sent to it")
+    assert waited.reached  # finish clears the cache in every process's engine: nothing to keep
+    (kept,) = run(asked(guard, KEEP_PAUSE, signed=True, app=app(1)))
+    assert kept.reached and guard.updates.keep

@@ -23,7 +23,6 @@ server goes on serving the one before, and the job fails naming the rank.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -37,7 +36,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from support.vllm import (
     LLAMA,
-    PROMPT,
     VllmRun,
     as_bytes,
     checker,
@@ -51,7 +49,7 @@ from support.vllm import (
     weight_version,
 )
 from support.vllm import vllm_python as find_vllm_python
-from support.vllm_asker import asked, spans
+from support.vllm_asker import asked, in_flight, spans
 from support.waits import until
 
 from weightsync.job import Env, Model, load_job
@@ -238,42 +236,6 @@ def test_delta_versions_are_loaded_bit_for_bit_and_a_corrupted_version_never_is(
         for name, tensor in want.items():
             assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), \
                 f"version {version}: the vLLM server holds other bytes than the trainer in {name}"
-
-
-def in_flight(server: str, job_name: str, tokens: int = 200) -> tuple[dict, threading.Thread]:
-    """A long generation on its way: streamed from vLLM's generate route, and returned once its
-    first tokens arrived, so that the engine has taken it whatever the machine's pace (a signal
-    that cannot be missed, unlike a scrape of the running requests, which one may run whole
-    between). (where the answer will be: its token ids and the final chunk's weight versions, the
-    thread that reads the rest)."""
-    body = {"model": job_name, "token_ids": PROMPT, "stream": True,
-            "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}
-    request = urllib.request.Request(server + "/inference/v1/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    response = urllib.request.urlopen(request, timeout=REACH_TIMEOUT)
-    answer: dict = {"token_ids": []}
-
-    def chunks():
-        for line in response:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                choice = json.loads(line[len(b"data: "):])["choices"][0]
-                answer["token_ids"] += choice.get("token_ids") or []
-                if choice.get("weight_versions"):
-                    answer["weight_versions"] = choice["weight_versions"]
-                yield choice
-
-    stream = chunks()
-    first = next(stream)
-    assert first.get("token_ids"), f"the stream's first chunk carries no token: {first}"
-
-    def rest():
-        with response:
-            for _ in stream:
-                pass
-
-    flight = threading.Thread(target=rest, daemon=True)
-    flight.start()
-    return answer, flight
 
 
 FROZEN = 30.0  # seconds a server is frozen: far past the 8 s of silence after which it is counted away

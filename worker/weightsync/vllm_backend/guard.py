@@ -309,7 +309,11 @@ class ControlGuard:
         body = await _body(receive)
         status: list[int] = []
         if path == inflight.PAUSE_ROUTE:
-            self.updates.pausing(scope.get("query_string") or b"")
+            query = scope.get("query_string") or b""
+            why = inflight.keep_problem(scope) if inflight.pause_mode(query) == "keep" else None
+            if why is not None:
+                return await self._answer(send, 409, why, [])
+            self.updates.pausing(query)
         try:
             await self._passed(scope, body, send, status)
         finally:

@@ -31,7 +31,8 @@ Under keep an answer must say which version produced which token. vLLM's token-i
 the engine core held as it generated them, which only the job's controller sets. The OpenAI- and
 Anthropic-style routes carry no such field, so a server that keeps requests across loads answers
 them 400, saying where to go. The guard reads the mode from the pause itself (mode=keep): nothing
-to configure, and a server the user started knows it as a pod's does.
+to configure, and a server the user started knows it as a pod's does. A server of several API
+processes refuses such a pause (keep_problem): the controller's update fails, saying so.
 
 Standard library only, as the guard.
 """
@@ -87,6 +88,27 @@ def spanless(path: str, keep: bool) -> str | None:
             "inflight finish")
 
 
+def pause_mode(query: bytes) -> str:
+    """The mode a pause's query names (vLLM's own default, abort, where it names none)."""
+    return parse_qs(query.decode("latin-1")).get("mode", ["abort"])[-1]
+
+
+def keep_problem(scope: dict) -> str | None:
+    """Why this server cannot keep requests across loads (None where it can): each of several API
+    processes (vLLM's --api-server-count, read from the app's state, which vLLM's API server puts
+    in every request's scope) has a guard of its own, and only the one the controller's pause
+    reaches would hold and salt its requests for the update."""
+    state = getattr(scope.get("app"), "state", None)
+    parallel = getattr(getattr(state, "vllm_config", None), "parallel_config", None)
+    count = getattr(parallel, "_api_process_count", 1)
+    if count == 1:
+        return None
+    return (f"{PAUSE_ROUTE}?mode=keep: this vLLM server runs {count} API processes (--api-server-count), and the guard "
+            "of each sees only the updates sent to it, so the others would neither hold their requests for an update "
+            "nor key their cache by the new version: start it with one API process, or run the job with "
+            "spec.inference.vllm.inflight finish")
+
+
 class Updates:
     """The updates one API process's guard has seen: the epoch (salt), whether the last one kept
     the requests in flight, and whether one is under way (from its pause to its resume)."""
@@ -103,7 +125,7 @@ class Updates:
     def pausing(self, query: bytes) -> None:
         """A signed pause: an update starts (a pause that aborts every request, as one after a failed
         load, says nothing of the mode)."""
-        mode = parse_qs(query.decode("latin-1")).get("mode", [""])[-1]
+        mode = pause_mode(query)
         if mode in ("wait", "keep"):
             self.keep = mode == "keep"
         self.under_way = True
