@@ -126,6 +126,37 @@ def vllm_chart(report: dict, order: list[str], path: str | Path) -> Path:
                           f"{report['servers']} vLLM servers", path)
 
 
+def rollout_chart(result: dict, path: str | Path) -> Path:
+    """`weightsync bench --vllm --rollout-load --chart`: per way of updating, the tokens per second
+    and the longest gap between two tokens of one request with a version every few seconds, each
+    against the same load with no update (its bar labelled with the ratio), and the seconds from a
+    version's publication to its first token."""
+    plt = pyplot("weightsync bench --vllm --rollout-load --chart")
+    ways = result["ways"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    for ax, key, title in ((axes[0], "tokens_per_second", "tokens per second"),
+                           (axes[1], "longest_gap", "longest gap between two tokens (s)")):
+        for x, way in enumerate(ways):
+            base, under = way["baseline"][key], way["updates"][key]
+            ax.bar(x - 0.2, base, 0.4, color="#7f7f7f", label="no update" if x == 0 else None)
+            ax.bar(x + 0.2, under, 0.4, color="#1f77b4", label="a version every "
+                   f"{result['every']:g}s" if x == 0 else None)
+            ax.annotate(f"{under / base:.2f}x" if base else "-", (x + 0.2, under), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(ways)), [w["way"] for w in ways])
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    for x, way in enumerate(ways):
+        seen = [s for s in way["publication_to_first_token"].values() if s is not None]
+        axes[2].scatter([x] * len(seen), seen, color="#1f77b4", s=12)
+        if way["stall_seconds"] is not None:
+            axes[2].hlines(way["stall_seconds"], x - 0.3, x + 0.3, colors="black", label="stall (median)" if x == 0 else None)
+    axes[2].set_xticks(range(len(ways)), [w["way"] for w in ways])
+    axes[2].set_title("publication -> first token on the version (s)", fontsize=10)
+    axes[2].legend(fontsize=8)
+    return save(plt, fig, f"weightsync bench --vllm --rollout-load: {result['clients']} generations of "
+                          f"{result['tokens']} tokens at once", path)
+
+
 def fsdp_chart(report: dict, path: str | Path) -> Path:
     """`weightsync bench --fsdp --chart`: per dtype, the seconds per version and the slowest
     trainer's send for DDP replicas and FSDP2 shards, and each trainer rank's peak memory beyond its

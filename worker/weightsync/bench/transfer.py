@@ -39,6 +39,7 @@ from weightsync.bench.chart import chart
 from weightsync.bench.fsdp import main as shards_bench
 from weightsync.bench.netns import Links, rate_bits, unavailable
 from weightsync.bench.rank_process import build_model, run
+from weightsync.bench.rollout import main as rollout_bench
 from weightsync.bench.scrape import main as scrape_bench
 from weightsync.bench.trained import train
 from weightsync.bench.vllm import STEP as VLLM_STEP
@@ -283,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                                                            "seconds and memory per trainer rank (needs matplotlib)")
     parser.add_argument("--vllm", metavar="PYTHON", help="instead: vLLM servers as the receivers, weightsync's backend "
                                                          "against reloading a checkpoint from disk (PYTHON runs vLLM)")
+    parser.add_argument("--rollout-load", action="store_true",
+                        help="with --vllm: instead, what an update costs a server that is generating (inflight "
+                             "finish, keep, keep with loadAhead, a disk reload), against the same load with no update")
     parser.add_argument("--step", type=float, metavar="SECONDS",
                         help=f"with --vllm: seconds between a version served and the next one made, as a training "
                              f"step between versions (default {VLLM_STEP:g})")
@@ -304,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.step is not None and not args.vllm:
         parser.error("--step: only the --vllm bench waits between versions")
+    if args.rollout_load and (not args.vllm or args.step is not None):
+        parser.error("--rollout-load: give it with --vllm PYTHON (and no --step: a version comes every 10 s)")
+    if args.rollout_load:
+        return rollout_bench(args.vllm, args.json, args.chart)
     if args.vllm:
         step = VLLM_STEP if args.step is None else args.step
         if step < 0:

@@ -80,14 +80,17 @@ VERSIONS = 9  # per method; weightsync's first is its warm-up, the disk's first 
 STEP = 2.0  # seconds between a version served and the next made: a training step, past vLLM's polling
 
 
-def bench_job(name: str, trainers: int, servers: int, versions: int, ahead: bool = False, step: float = 0.0):
+def bench_job(name: str, trainers: int, servers: int, versions: int, ahead: bool = False, step: float = 0.0,
+              command: list[str] | None = None, inflight: str = "finish"):
+    """The bench's job; `command`: the trainer ranks' own (publish_versions by default)."""
     return load_job({
         "apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name},
         "spec": {"model": {"config": MODEL, "dtype": "bfloat16"},
                  "trainer": {"replicas": trainers, "gpusPerProc": 0,
-                             "command": [sys.executable, "-m", "weightsync.bench.vllm", str(versions), str(step)]},
+                             "command": command or [sys.executable, "-m", "weightsync.bench.vllm", str(versions),
+                                                    str(step)]},
                  "inference": {"replicas": servers, "gpusPerProc": 0, "engine": "vllm",
-                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead}},
+                               "vllm": {"args": SERVER_ARGS, "loadAhead": ahead, "inflight": inflight}},
                  "transfer": {"transport": "tcp", "timeoutSeconds": 300},
                  "network": {"mode": "tcp"}}})
 
@@ -124,7 +127,7 @@ def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> 
     model = build(bench_job("bench-vllm-disk", 1, servers, versions).model, dtype="float32", seed=0)
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-disk-") as folder:
         first = Path(folder) / "v0"
-        _save(model, first, save_file)
+        save_version(model, first, save_file)
         ports = leases.lease([1] * servers)
         logs = [open(Path(folder) / f"server-{i}.log", "w") for i in range(servers)]  # noqa: SIM115 - closed below
         # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
@@ -149,10 +152,10 @@ def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> 
                 new_version(model, generator)
                 start = time.monotonic()
                 where = Path(folder) / f"v{v}"
-                _save(model, where, save_file)
+                save_version(model, where, save_file)
                 saved = time.monotonic() - start
                 with ThreadPoolExecutor(len(urls)) as pool:
-                    calls = list(pool.map(lambda s: _reload(s, where, v), urls))
+                    calls = list(pool.map(lambda s: reload_version(s, where, v), urls))
                 seconds = time.monotonic() - start
                 slowest = {k: max(c[k] for c in calls) for k in calls[0]}
                 out.append({"seconds": seconds, "stall": slowest["stall"],
@@ -196,7 +199,8 @@ def publish_versions(count: int, step: float) -> int:
     return 0
 
 
-def _save(model, where: Path, save_file) -> None:
+def save_version(model, where: Path, save_file) -> None:
+    """The model's weights at `where` as a bfloat16 safetensors checkpoint with its config."""
     import torch
 
     where.mkdir()
@@ -204,7 +208,7 @@ def _save(model, where: Path, save_file) -> None:
     save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in parameters(model)}, str(where / "model.safetensors"))
 
 
-def _reload(server, where: Path, version: int) -> dict[str, float]:
+def reload_version(server, where: Path, version: int) -> dict[str, float]:
     """One server's reload of the checkpoint: the seconds each call took, and the stall."""
     times = {}
 

@@ -1,0 +1,38 @@
+"""The rollout-load bench's figures (bench/rollout.py), from generations as vLLM's stream gives
+them, without vLLM: tokens per second within a window, the longest gap between two tokens of one
+request, the longest wait for a first token, requests aborted, and a version's first token, found
+through vLLM's weight_versions spans and the arrival of the chunk that carried it."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync.bench.rollout import Generation, figures, first_tokens
+
+
+def crossing() -> Generation:
+    """Started at 10, five chunks of two tokens a second apart from 11 on; version 1 from token 4,
+    frozen from 13 to 16 while it loaded."""
+    return Generation(10.0, [(11.0, 2), (12.0, 2), (13.0, 2), (16.0, 2), (17.0, 2)],
+                      [{"version": "0", "start": 0, "end": 4}, {"version": "1", "start": 4, "end": 10}], "length")
+
+
+def test_a_generation_says_when_the_first_token_of_each_version_arrived():
+    g = crossing()
+    assert g.first_token_of("0") == 11.0 and g.first_token_of("1") == 13.0 and g.first_token_of("2") is None
+
+
+def test_the_figures_count_only_what_falls_in_the_window():
+    aborted = Generation(12.5, [(14.0, 1)], [], "abort")
+    failed = Generation(30.0, error="URLError: refused")
+    got = figures([crossing(), aborted, failed], 10.0, 20.0)
+    assert got["tokens_per_second"] == pytest.approx(11 / 10)
+    assert got["longest_gap"] == 3.0  # the freeze, between two chunks of one request
+    assert got["longest_first_token_wait"] == pytest.approx(1.5)
+    assert (got["requests"], got["aborted"], got["failed"]) == (2, 1, 0)
+    assert figures([crossing()], 12.5, 15.0)["longest_gap"] == 0.0  # no two chunks within it
+
+
+def test_a_versions_first_token_is_timed_from_its_publication_over_every_generation():
+    later = Generation(12.0, [(12.5, 4), (13.5, 4)], [{"version": "1", "start": 0, "end": 8}], "length")
+    assert first_tokens([crossing(), later], {1: 12.0, 2: 20.0}) == {1: 0.5, 2: None}
