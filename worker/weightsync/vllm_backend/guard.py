@@ -325,6 +325,7 @@ class ControlGuard:
                 self.admission.load_failed()
             if path == inflight.RESUME_ROUTE or (path == inflight.PAUSE_ROUTE and not ok):
                 self.updates.resumed()
+            self.updates.looked()  # the requests held see what the call did to the server's admission
 
     def _refusal(self, given: str, scope: Scope) -> str | None:
         """Why a signed bearer does not open this request (None where it does)."""

@@ -48,7 +48,7 @@ from urllib.parse import parse_qs
 SALT = "cache_salt"  # vLLM's field, on every generation route's request
 SPAN_ROUTES = frozenset({"/inference/v1/generate"})  # the generation routes whose answers name each token's version
 PAUSE_ROUTE, RESUME_ROUTE = "/pause", "/resume"
-HOLD_POLL = 0.01  # seconds between a held request's looks at the update and at the server's admission
+HOLD_CHECK = 0.5  # seconds between a held request's looks at the server's admission (the lease)
 
 Refusal = TypeVar("Refusal")
 
@@ -117,6 +117,7 @@ class Updates:
         self.epoch = 0
         self.keep = False
         self.under_way = False
+        self._held: list[asyncio.Future] = []  # a future per request held, done at the resume
 
     def changed(self) -> None:
         """A signed control call that may change the weights: blocks cached until now match nothing more."""
@@ -133,13 +134,29 @@ class Updates:
 
     def resumed(self) -> None:
         self.under_way = False
+        self.looked()
 
     async def hold(self, refusal: Callable[[], Refusal | None]) -> Refusal | None:
-        """Until no update is under way; `refusal()`'s answer at once where it has one meanwhile
-        (the server stopped hearing its controller, or its load failed)."""
+        """Until no update is under way; `refusal()`'s answer where it has one meanwhile (the
+        server stopped hearing its controller, or its load failed), looked at every HOLD_CHECK
+        seconds and at every signed call's end."""
         while self.under_way:
             refused = refusal()
             if refused is not None:
                 return refused
-            await asyncio.sleep(HOLD_POLL)
+            held = asyncio.get_running_loop().create_future()
+            self._held.append(held)
+            try:
+                await asyncio.wait_for(held, HOLD_CHECK)
+            except asyncio.TimeoutError:
+                if held in self._held:  # (unless a call's end took it out meanwhile)
+                    self._held.remove(held)
         return None
+
+    def looked(self) -> None:
+        """A signed call ended: the requests held look at the server's admission again (a load
+        that failed refuses them at once)."""
+        for held in self._held:
+            if not held.done():
+                held.set_result(None)
+        self._held.clear()
