@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.bench.rollout import Generation, figures, first_tokens
+from weightsync.bench.chart import rollout_chart
+from weightsync.bench.rollout import Generation, figures, first_tokens, report, table
 
 
 def crossing() -> Generation:
@@ -30,9 +31,25 @@ def test_the_figures_count_only_what_falls_in_the_window():
     assert got["longest_gap"] == 3.0  # the freeze, between two chunks of one request
     assert got["longest_first_token_wait"] == pytest.approx(1.5)
     assert (got["requests"], got["aborted"], got["failed"]) == (2, 1, 0)
-    assert figures([crossing()], 12.5, 15.0)["longest_gap"] == 0.0  # no two chunks within it
+    assert figures([crossing()], 12.5, 15.0)["longest_gap"] == 1.0  # a gap is counted where it ends
+    assert figures([crossing()], 17.5, 20.0)["longest_gap"] == 0.0
 
 
 def test_a_versions_first_token_is_timed_from_its_publication_over_every_generation():
     later = Generation(12.0, [(12.5, 4), (13.5, 4)], [{"version": "1", "start": 0, "end": 8}], "length")
     assert first_tokens([crossing(), later], {1: 12.0, 2: 20.0}) == {1: 0.5, 2: None}
+
+
+def test_a_ways_report_sets_the_updates_against_its_own_baseline_and_is_drawn(tmp_path):
+    steady = [Generation(float(t), [(t + 0.5 + k, 2) for k in range(3)], [{"version": "0", "start": 0, "end": 6}],
+                         "length") for t in range(0, 16, 4)]
+    crossed = Generation(16.0, [(16.5, 2), (17.5, 2), (20.0, 2)],
+                         [{"version": "0", "start": 0, "end": 4}, {"version": "1", "start": 4, "end": 6}], "length")
+    events = [{"version": 1, "published": 18.0}, {"end": 22.0}]
+    got = report("keep", steady + [crossed], load_started=-5.0, events=events, stalls=[0.02])
+    assert got["baseline"]["tokens_per_second"] == pytest.approx(28 / 18)
+    assert got["updates"]["longest_gap"] == pytest.approx(2.5) and got["gap_ratio"] == pytest.approx(2.5)
+    assert got["publication_to_first_token"] == {"1": 2.0} and got["stall_seconds"] == 0.02
+    result = {"clients": 4, "tokens": 6, "every": 10.0, "window": 60.0, "ways": [got, {**got, "way": "disk"}]}
+    assert table(result).splitlines()[2].startswith("keep")
+    assert rollout_chart(result, tmp_path / "rollout.png").stat().st_size > 10_000

@@ -139,9 +139,10 @@ class Load:
 
 def figures(runs: list[Generation], begin: float, end: float) -> dict:
     """The load's figures over [begin, end): tokens per second, the longest gap between two tokens
-    of one request, the longest wait for a first token, and requests aborted or failed."""
+    of one request (that ended within it), the longest wait for a first token, and requests
+    aborted or failed."""
     tokens = sum(n for g in runs for t, n in g.chunks if begin <= t < end)
-    gaps = [b[0] - a[0] for g in runs for a, b in zip(g.chunks, g.chunks[1:]) if begin <= a[0] and b[0] < end]
+    gaps = [b[0] - a[0] for g in runs for a, b in zip(g.chunks, g.chunks[1:]) if begin <= b[0] < end]
     waits = [g.chunks[0][0] - g.started for g in runs if g.chunks and begin <= g.started < end]
     started = [g for g in runs if begin <= g.started < end]
     return {"tokens_per_second": tokens / (end - begin), "longest_gap": max(gaps, default=0.0),
