@@ -43,6 +43,8 @@ LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "n
 SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4"]
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+# a full KV block of the CPU build's 128 tokens and part of another: what its prefix cache keeps
+LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(200)]
 REACH_TIMEOUT = 600.0  # seconds: two vLLM servers start in about 1-2 minutes each on 2 busy cores
 RUN_TIMEOUT = 900.0
 VOCAB_PADDING = 64  # vLLM pads an embedding's vocabulary to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)

@@ -36,6 +36,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from support.vllm import (
     LLAMA,
+    LONG_PROMPT,
     VllmRun,
     as_bytes,
     checker,
@@ -57,7 +58,6 @@ from weightsync.model.build import build
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
-LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(80)]  # several KV blocks: what vLLM's prefix cache keeps
 REACH_TIMEOUT = 600.0
 
 

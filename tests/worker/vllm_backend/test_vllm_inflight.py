@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.vllm import LLAMA, REACH_TIMEOUT, VllmRun, completion, generate, vllm_job, vllm_python
+from support.vllm import LLAMA, LONG_PROMPT, REACH_TIMEOUT, VllmRun, completion, generate, vllm_job, vllm_python
 from support.vllm_asker import in_flight
 from support.waits import until
 
@@ -32,9 +32,6 @@ pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make un
 
 LONG = 1000  # tokens of the generation in flight: seconds on the CPU build, against the update's tenths
 CONFIG = {**LLAMA, "max_position_embeddings": 1024}
-# full KV blocks of the CPU build's 128 tokens, which its prefix cache keeps (not the last: its
-# final token is always computed)
-LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
 
 
