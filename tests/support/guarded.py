@@ -33,7 +33,12 @@ async def asked(guard: ControlGuard, path: str, *, method: str = "POST", body: d
     vLLM's configuration)."""
     passed, sent = [], []
 
-    async def receive():
+    read = []
+
+    async def receive():  # the body, then the client's disconnect, as a connection says them
+        if read:
+            return {"type": "http.disconnect"}
+        read.append(True)
         data = body if isinstance(body, bytes) else json.dumps(body).encode() if body else b""
         return {"type": "http.request", "body": data, "more_body": False}
 
@@ -60,8 +65,12 @@ def ask(guard: ControlGuard, path: str, **how) -> Answer:
 
 async def _server(scope, receive, send) -> None:
     """The server behind the guard: it notes the body it got in the request's own list (the
-    requests of one event loop reach it at once) and answers as the request says."""
+    requests of one event loop reach it at once), then listens for the client's disconnect as
+    vLLM's generation routes do (a body given again would spin that listener: it answers 500), and
+    answers as the request says."""
     got = await receive()
     scope[PASSED].append(got["body"])
-    await send({"type": "http.response.start", "status": scope[ANSWERS], "headers": []})
+    after = await receive()
+    status = scope[ANSWERS] if after["type"] == "http.disconnect" else 500
+    await send({"type": "http.response.start", "status": status, "headers": []})
     await send({"type": "http.response.body", "body": b"{}"})

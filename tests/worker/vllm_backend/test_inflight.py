@@ -49,6 +49,7 @@ def test_every_generation_request_is_salted_with_the_version_and_a_clients_salt_
         asked(guard, GENERATE, body={"token_ids": [1], "cache_salt": "bob"}),
         asked(guard, "/v1/chat/completions", body={"messages": [], "cache_salt": "alice"}))
     assert salt_of(plain) == salt_of(again) == inflight.salt(1, 0)  # one version, one epoch: one cache
+    assert plain.status == 200, "the server got the request's body twice (its disconnect listener would spin)"
     assert salt_of(plain).startswith("weightsync-v1-")
     assert json.loads(plain.passed)["token_ids"] == [1, 2]  # the rest of the request as the client sent it
     assert salt_of(alice) == salt_of(alice_again) == inflight.salt(1, 0, "alice")

@@ -268,14 +268,21 @@ class ControlGuard:
                                                  f"carried {why}; give the trainer and this server the same secret "
                                                  f"({JoinEnv.TOKEN} or {JoinEnv.TOKEN_FILE})", [])
         status: list[int] = []
-        await self._passed(scope, body, send, status)
+        await self._passed(scope, body, receive, send, status)
         if status and 200 <= status[0] < 300:
             self.job, self.key = job, key
 
-    async def _passed(self, scope: Scope, body: bytes, send: Callable, status: list[int]) -> None:
-        """Pass a request whose body was read on to the server, noting the status it answers in `status`."""
+    async def _passed(self, scope: Scope, body: bytes, receive: Callable, send: Callable, status: list[int]) -> None:
+        """Pass a request whose body was read on to the server, noting the status it answers in `status`.
+        The server gets `body` once, then what the connection says next (the client's disconnect:
+        vLLM's generation routes listen for it while they generate, and a body given again at once
+        would spin that listener, holding the event loop for ever)."""
+        given = []
 
         async def replay() -> dict:
+            if given:
+                return await receive()
+            given.append(True)
             return {"type": "http.request", "body": body, "more_body": False}
 
         async def noted(message: dict) -> None:
@@ -300,7 +307,7 @@ class ControlGuard:
             return await self._answer(send, 400, f"{path}: {e}", [])
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
         await self._passed({**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, body,
-                           send, [])
+                           receive, send, [])
 
     async def _watched(self, path: str, scope: Scope, receive: Callable, send: Callable) -> None:
         """A signed call the guard follows, passed on, and what it did: a label answered 2xx names
@@ -315,7 +322,7 @@ class ControlGuard:
                 return await self._answer(send, 409, why, [])
             self.updates.pausing(query)
         try:
-            await self._passed(scope, body, send, status)
+            await self._passed(scope, body, receive, send, status)
         finally:
             ok = bool(status) and 200 <= status[0] < 300
             version = admission.label_of(path, body)
