@@ -1,7 +1,7 @@
 """spec.inference.vllm.inflight keep, for real: one job (one trainer, one vLLM server of its CPU
 build, each version loaded ahead), run once for the module: one vLLM start for every check here.
 
-What is checked: a long greedy generation (1000 tokens) is running when version 1 arrives; vLLM's
+What is checked: a long greedy generation (8000 tokens) is running when version 1 arrives; vLLM's
 pause freezes it, the version is committed, and it resumes on it and completes, not aborted and
 never preempted (vLLM prefills a preempted request again: a cleared cache would have done that).
 Its tokens before the bump are the ones the server gave the same request while it held version 0
@@ -30,8 +30,10 @@ from weightsync.job import load_job
 
 pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make unit`
 
-LONG = 1000  # tokens of the generation in flight: seconds on the CPU build, against the update's tenths
-CONFIG = {**LLAMA, "max_position_embeddings": 1024}
+# tokens of the generation in flight: seconds on the CPU build (the tests' model generates 1000 in
+# well under a second on an idle machine), against the update's hundredths after the release
+LONG = 8000
+CONFIG = {**LLAMA, "max_position_embeddings": LONG + 192}
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
 
 
@@ -44,6 +46,7 @@ class KeepRun:
     cache: dict[str, list[dict]] = field(default_factory=dict)  # "v0", "v1": each ask's counter deltas, in order
     preemptions: float = -1.0  # vLLM's preemptions while the long generation crossed the bump
     refused: tuple[int, str] = (0, "")  # what the OpenAI completions route answered
+    released_after: int = 0  # the tokens of the generation in flight that had arrived as the version was released
 
 
 def counters(server: str) -> dict[str, float]:
@@ -83,7 +86,7 @@ def keep_run(tmp_path_factory) -> KeepRun:
     obj = vllm_job("vllm-keep", trainers=1, servers=1, steps=2, ahead=True, config=CONFIG).to_object()  # versions 0, 1
     obj["spec"]["inference"]["vllm"]["inflight"] = "keep"
     args = obj["spec"]["inference"]["vllm"]["args"]
-    args[args.index("--max-model-len") + 1] = "1024"
+    args[args.index("--max-model-len") + 1] = str(LONG + 192)
     job = load_job(obj)
     run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v1", "controller-0-staged-v1"],
                   pause_limit=REACH_TIMEOUT)
@@ -103,6 +106,7 @@ def keep_run(tmp_path_factory) -> KeepRun:
         before = counters(server)
         out.crossed, flight = in_flight(server, job.name, tokens=LONG)
         run.release("controller-0-staged-v1")  # the update pauses the server while the generation runs
+        out.released_after = len(out.crossed["token_ids"])
         flight.join(REACH_TIMEOUT)
         assert not flight.is_alive(), "the generation in flight never completed"
         out.preemptions = counters(server)["vllm:num_preemptions"] - before["vllm:num_preemptions"]
@@ -128,7 +132,8 @@ def test_a_long_generation_running_when_a_version_arrives_completes_on_it_withou
     assert keep_run.preemptions == 0, "the request in flight was preempted (prefilled again) by the update"
     assert alone["weight_versions"] == [{"version": "0", "start": 0, "end": LONG}]
     spans = crossed["weight_versions"]
-    assert [s["version"] for s in spans] == ["0", "1"], spans
+    assert [s["version"] for s in spans] == ["0", "1"], \
+        f"{spans}: version 1 was released after {keep_run.released_after} tokens had arrived"
     bump = spans[0]["end"]
     assert spans == [{"version": "0", "start": 0, "end": bump}, {"version": "1", "start": bump, "end": LONG}]
     assert 0 < bump < LONG
@@ -136,7 +141,8 @@ def test_a_long_generation_running_when_a_version_arrives_completes_on_it_withou
         "the tokens before the bump are not those of the server holding version 0 alone"
     assert crossed["token_ids"][bump:] != alone["token_ids"][bump:], \
         "the tokens after the bump are version 0's own continuation: the new weights were not used"
-    print(f"version 1 arrived after {bump} of {LONG} tokens; the request resumed on it, none aborted or preempted")
+    print(f"version 1 released after {keep_run.released_after} tokens had arrived, loaded after {bump} of {LONG}; "
+          "the request resumed on it, none aborted or preempted")
 
 
 def test_a_prompt_repeated_within_a_version_hits_the_prefix_cache_and_across_a_bump_is_prefilled_again(keep_run):
