@@ -1,9 +1,10 @@
 """spec.inference.vllm.inflight keep, for real: one job (one trainer, one vLLM server of its CPU
 build, each version loaded ahead), run once for the module: one vLLM start for every check here.
 
-What is checked: a long greedy generation (8000 tokens) is running when version 1 arrives; vLLM's
-pause freezes it, the version is committed, and it resumes on it and completes, not aborted and
-never preempted (vLLM prefills a preempted request again: a cleared cache would have done that).
+What is checked: a long greedy generation (2000 tokens) is running when version 1 arrives (the test
+freezes it with vLLM's keep pause first, so that it is mid-way whatever the machine's pace); the
+update's keep pause finds it frozen, the version is committed, and it resumes on it and completes,
+not aborted and never preempted (vLLM prefills a preempted request again: a cleared cache would have done that).
 Its tokens before the bump are the ones the server gave the same request while it held version 0
 alone; its weight versions name version 0 for those and version 1 for the rest; and the rest are
 not version 0's own continuation: the new weights generated them. The prefix cache, read from
@@ -22,17 +23,28 @@ from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.vllm import LLAMA, LONG_PROMPT, REACH_TIMEOUT, VllmRun, completion, generate, vllm_job, vllm_python
+from support.vllm import (
+    LLAMA,
+    LONG_PROMPT,
+    REACH_TIMEOUT,
+    VllmRun,
+    completion,
+    generate,
+    post,
+    vllm_job,
+    vllm_python,
+)
 from support.vllm_asker import in_flight
 from support.waits import until
 
 from weightsync.job import load_job
+from weightsync.vllm_backend.control import KEEP_PAUSE
 
 pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make unit`
 
-# tokens of the generation in flight: seconds on the CPU build (the tests' model generates 1000 in
-# well under a second on an idle machine), against the update's hundredths after the release
-LONG = 8000
+# tokens of the generation in flight: about 4 s of the CPU build's 500 tokens a second (longer, the
+# busy worker misses its heartbeats: its rank is counted away)
+LONG = 2000
 CONFIG = {**LLAMA, "max_position_embeddings": LONG + 192}
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
 
@@ -46,7 +58,7 @@ class KeepRun:
     cache: dict[str, list[dict]] = field(default_factory=dict)  # "v0", "v1": each ask's counter deltas, in order
     preemptions: float = -1.0  # vLLM's preemptions while the long generation crossed the bump
     refused: tuple[int, str] = (0, "")  # what the OpenAI completions route answered
-    released_after: int = 0  # the tokens of the generation in flight that had arrived as the version was released
+    released_after: int = 0  # the tokens of the generation in flight that had arrived once it was frozen
 
 
 def counters(server: str) -> dict[str, float]:
@@ -105,8 +117,12 @@ def keep_run(tmp_path_factory) -> KeepRun:
         run.reach("controller-0-staged-v1")  # version 1 verified and loaded ahead; the server not paused yet
         before = counters(server)
         out.crossed, flight = in_flight(server, job.name, tokens=LONG)
-        run.release("controller-0-staged-v1")  # the update pauses the server while the generation runs
+        # frozen here with vLLM's own keep pause, so that the version arrives mid-generation whatever
+        # the machine's pace; the update's keep pause finds it frozen, loads and resumes it on the
+        # version (an update that waited for it, finish, would let it end on version 0 first)
+        post(server, KEEP_PAUSE, {}, key=run.key)
         out.released_after = len(out.crossed["token_ids"])
+        run.release("controller-0-staged-v1")
         flight.join(REACH_TIMEOUT)
         assert not flight.is_alive(), "the generation in flight never completed"
         out.preemptions = counters(server)["vllm:num_preemptions"] - before["vllm:num_preemptions"]
@@ -133,7 +149,7 @@ def test_a_long_generation_running_when_a_version_arrives_completes_on_it_withou
     assert alone["weight_versions"] == [{"version": "0", "start": 0, "end": LONG}]
     spans = crossed["weight_versions"]
     assert [s["version"] for s in spans] == ["0", "1"], \
-        f"{spans}: version 1 was released after {keep_run.released_after} tokens had arrived"
+        f"{spans}: frozen after {keep_run.released_after} tokens had arrived"
     bump = spans[0]["end"]
     assert spans == [{"version": "0", "start": 0, "end": bump}, {"version": "1", "start": bump, "end": LONG}]
     assert 0 < bump < LONG
@@ -141,7 +157,7 @@ def test_a_long_generation_running_when_a_version_arrives_completes_on_it_withou
         "the tokens before the bump are not those of the server holding version 0 alone"
     assert crossed["token_ids"][bump:] != alone["token_ids"][bump:], \
         "the tokens after the bump are version 0's own continuation: the new weights were not used"
-    print(f"version 1 released after {keep_run.released_after} tokens had arrived, loaded after {bump} of {LONG}; "
+    print(f"frozen after {keep_run.released_after} tokens had arrived; version 1 loaded after {bump} of {LONG}; "
           "the request resumed on it, none aborted or preempted")
 
 
