@@ -100,8 +100,10 @@ def keep_run(tmp_path_factory) -> KeepRun:
     args = obj["spec"]["inference"]["vllm"]["args"]
     args[args.index("--max-model-len") + 1] = str(LONG + 192)
     job = load_job(obj)
-    run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v1", "controller-0-staged-v1"],
-                  pause_limit=REACH_TIMEOUT)
+    # the controller holds once version 1, the last, is delivered: the job's end stops its server, which
+    # the generation in flight and the checks on version 1 still need
+    run = VllmRun(tmp, job, python, pauses=["trainer-0-before-go-v1", "controller-0-staged-v1",
+                                            "controller-0-delivered-v1"], pause_limit=REACH_TIMEOUT)
     out = KeepRun(run)
     server = run.servers[0]
     try:
@@ -133,6 +135,7 @@ def keep_run(tmp_path_factory) -> KeepRun:
         out.preemptions = counters(server)["vllm:num_preemptions"] - before["vllm:num_preemptions"]
         run.serving(server, 1)
         out.cache["v1"] = asked_twice(server, job.name)
+        run.release("controller-0-delivered-v1")
         out.end = run.finish()
     finally:
         run.local.stop()
