@@ -119,8 +119,12 @@ class Kubelet:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "weightsync.cli", "worker"], env=pod.env, cwd=pod.cwd or self.cwd,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pod.read_stdout else log, stderr=log,
-                # nothing outlives the run, even if this process is killed
-                start_new_session=True, preexec_fn=functools.partial(procs.die_with_parent, os.getpid()))
+                # nothing outlives the run, even if this process is killed. A process group of its
+                # own (stopped whole), in the run's session: the kernel shares the CPU between
+                # sessions (autogroup), and a vLLM server's engine core, which spins on sched_yield
+                # while its worker generates, yields only within its session: in a session of its
+                # own it left the other pods (and the run) waiting for seconds on 2 cores
+                process_group=0, preexec_fn=functools.partial(procs.die_with_parent, os.getpid()))
         with pod.lock:
             pod.proc, pod.started_at, pod.restart_at, pod.killed_for = proc, time.monotonic(), None, None
         if pod.read_stdout:

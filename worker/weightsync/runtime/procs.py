@@ -32,7 +32,7 @@ def stop(*procs: Proc, grace: float, group: bool = False) -> None:
     """Stop `procs` (subprocess.Popen or multiprocessing.Process objects): SIGTERM to each that
     runs, SIGKILL to each that outlasts `grace` seconds from then; returns once every one is
     reaped. group: signal each one's whole process group instead (a process started with
-    start_new_session), whose leftovers get SIGKILL even where its leader ended in time."""
+    process_group=0 or start_new_session), whose leftovers get SIGKILL even where its leader ended in time."""
     for p in procs:
         _signal(p, signal.SIGTERM, group)
     deadline = time.monotonic() + grace
