@@ -1,10 +1,10 @@
 """spec.inference.vllm.inflight keep, for real: one job (one trainer, one vLLM server of its CPU
 build, each version loaded ahead), run once for the module: one vLLM start for every check here.
 
-What is checked: a long greedy generation (2000 tokens) is running when version 1 arrives (the test
-freezes it with vLLM's keep pause first, so that it is mid-way whatever the machine's pace); the
-update's keep pause finds it frozen, the version is committed, and it resumes on it and completes,
-not aborted and never preempted (vLLM prefills a preempted request again: a cleared cache would have done that).
+What is checked: a long greedy generation (2000 tokens, seconds of the CPU build) is running when
+version 1 arrives (the controller is released once vLLM's engine reports it running); the update's
+keep pause freezes it mid-way, the version is committed, and it resumes on it and completes, not
+aborted and never preempted (vLLM prefills a preempted request again: a cleared cache would have done that).
 Its tokens before the bump are the ones the server gave the same request while it held version 0
 alone; its weight versions name version 0 for those and version 1 for the rest; and the rest are
 not version 0's own continuation: the new weights generated them. The prefix cache, read from
@@ -31,19 +31,17 @@ from support.vllm import (
     VllmRun,
     completion,
     generate,
-    post,
     vllm_job,
     vllm_python,
 )
 from support.waits import until
 
 from weightsync.job import load_job
-from weightsync.vllm_backend.control import KEEP_PAUSE
 
 pytestmark = pytest.mark.slow  # a whole job with a vLLM server: not in `make unit`
 
-# tokens of the generation in flight: about 4 s of the CPU build's 500 tokens a second (longer, the
-# busy worker misses its heartbeats: its rank is counted away)
+# tokens of the generation in flight: about 4 s of the CPU build's 500 tokens a second, which the
+# controller, released once the engine runs it, pauses within a fraction of
 LONG = 2000
 CONFIG = {**LLAMA, "max_position_embeddings": LONG + 192}
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
@@ -118,17 +116,13 @@ def keep_run(tmp_path_factory) -> KeepRun:
         run.release("trainer-0-before-go-v1")
         run.reach("controller-0-staged-v1")  # version 1 verified and loaded ahead; the server not paused yet
         before = counters(server)
-        # not streamed: the API server, which vLLM's engine outruns on two cores, would serve the
-        # pause only once the stream's chunks were out, the generation long over
         flight = threading.Thread(target=lambda: out.crossed.update(generate(server, job.name, tokens=LONG)),
                                   daemon=True)
         flight.start()
         until("the generation running in vLLM's engine", lambda: counters(server)["vllm:num_requests_running"], 60,
               every=0.02)
-        # frozen here with vLLM's own keep pause, so that the version arrives mid-generation whatever
-        # the machine's pace; the update's keep pause finds it frozen, loads and resumes it on the
-        # version (an update that waited for it, finish, would let it end on version 0 first)
-        post(server, KEEP_PAUSE, {}, key=run.key)
+        # the update's keep pause freezes it where it is, the version is committed, and it resumes on
+        # it (an update that waited for it, finish, would let it end on version 0 first)
         run.release("controller-0-staged-v1")
         flight.join(REACH_TIMEOUT)
         assert not flight.is_alive(), "the generation in flight never completed"
