@@ -36,6 +36,8 @@ LAZY = {
                                "internals (internals.py, torch) only where vLLM loads the plugin: importing the "
                                "package loads no torch",
     "weightsync.plan.simulate": "transformers, for a config named by model type, only when one is named",
+    "weightsync.vllm_backend.inflight": "vLLM's internals (internals.py, torch) only at a keep pause, in vLLM's API "
+                                        "server: the controller, which signs its calls with the guard, loads no torch",
 }
 
 

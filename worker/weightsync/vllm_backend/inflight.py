@@ -34,7 +34,8 @@ them 400, saying where to go. The guard reads the mode from the pause itself (mo
 to configure, and a server the user started knows it as a pod's does. A server of several API
 processes refuses such a pause (keep_problem): the controller's update fails, saying so.
 
-Standard library only, as the guard.
+Standard library only, as the guard (but for the door to vLLM's internals, asked for the number of API processes
+at a keep pause, in vLLM's API server).
 """
 
 from __future__ import annotations
@@ -100,7 +101,12 @@ def keep_problem(scope: dict) -> str | None:
     reaches would hold and salt its requests for the update."""
     state = getattr(scope.get("app"), "state", None)
     parallel = getattr(getattr(state, "vllm_config", None), "parallel_config", None)
-    count = getattr(parallel, "_api_process_count", 1)
+    if parallel is None:  # an app that is not vLLM's API server: one process
+        return None
+    # here, not at the top: the door imports torch (loaded in vLLM's API server), the controller loads none
+    from weightsync.vllm_backend.internals import api_process_count
+
+    count = api_process_count(parallel)
     if count == 1:
         return None
     return (f"{PAUSE_ROUTE}?mode=keep: this vLLM server runs {count} API processes (--api-server-count), and the guard "

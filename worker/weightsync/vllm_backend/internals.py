@@ -143,6 +143,8 @@ INTERNALS = (
     Internal("vllm._custom_ops.cpu_prepack_moe_weight and torch.ops._C.convert_weight_packed",
              "the tests' dumps of packed weights (served.py)",
              lambda: _attr("vllm._custom_ops", "cpu_prepack_moe_weight")() and _cpu_op()),
+    Internal("ParallelConfig._api_process_count", "a keep pause refused by a server of several API processes "
+             "(inflight.py)", _fields("vllm.config.parallel", "ParallelConfig", "_api_process_count")),
 )
 
 
@@ -157,6 +159,11 @@ def missing() -> list[Internal]:
         if not ok:
             out.append(internal)
     return out
+
+
+def api_process_count(parallel_config) -> int:
+    """How many API processes vLLM's server runs (its --api-server-count), from its ParallelConfig."""
+    return parallel_config._api_process_count
 
 
 # the plugin (__init__.py)
