@@ -116,7 +116,8 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         lora = ctx.job.model.lora
         self.group = ctx.job.layout.tp_group(self.rank)
         if lora is None:
-            self.layout, self.adapters = meta_layout(ctx.job.model), None
+            built = self.place.model_layout  # where joining checked the server against it; built once
+            self.layout, self.adapters = meta_layout(ctx.job.model) if built is None else built, None
         else:  # versions are the adapter alone: the base weights are the checkpoint's, loaded by vLLM
             self.layout, self.adapters = adapter_layout(ctx.job.model), self._adapters(lora)
         needs = self._needs()

@@ -53,6 +53,7 @@ class Place:
     server: str  # the server's URL, where the controller asks it to load a version
     external: bool  # a server the user started (it says goodbye at the job's end itself)
     by_init: bool = False  # joined at its trainer's init (a server of no job until then)
+    model_layout: FlatLayout | None = None  # spec.model's version layout, where joining built it (to check the server)
 
 
 def waits_for_init(environ=os.environ) -> None:
@@ -118,6 +119,7 @@ def place_of(parallel_config, model_config, init=None) -> Place:
 
 def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> Place:
     claimed: list[int] = []
+    built: list[FlatLayout] = []
 
     def rank_of(job: Job, channel: Channel) -> int:
         """The inference rank the controller gives this worker, once this server is seen to serve
@@ -126,8 +128,9 @@ def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> P
         if problem is not None:
             raise JoinError(problem)
         layout = served_layout(model_config)
+        built[:] = [meta_layout(job.model)]
         try:
-            meta_layout(job.model).check_matches(layout, what="this server")
+            built[0].check_matches(layout, what="this server")
         except LayoutMismatch as e:
             raise JoinError(f"this server serves another model than job {job.identity}: {e}; serve spec.model (its "
                             "config or checkpoint) in spec.model.dtype (--dtype)") from None
@@ -142,7 +145,8 @@ def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> P
 
     ctx, channel = joined_context(join, INFERENCE, rank_of)
     channel.close()
-    return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], url, external=True)
+    return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], url, external=True,
+                 model_layout=built[0])
 
 
 def served_quantization(model_config) -> str | None:
