@@ -47,6 +47,6 @@ def test_each_server_once_in_rank_order(trainer):
 
 def test_an_info_that_is_not_what_the_rank_proved_is_refused(trainer):
     forged = RankInfo("tcp", engine="vllm", server="http://10.0.0.99:8000")
-    trainer.member.set(Keys.published("info", "inference", 2, 1), forged.to_json())
+    trainer.member.set(Keys.published("info", "inference", 2, 1), forged)
     with pytest.raises(ProofError, match="inference rank 2"):
         trainer.servers()

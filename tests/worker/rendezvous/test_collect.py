@@ -30,7 +30,7 @@ def test_a_receivers_record_set_while_the_controller_looks_at_it_is_read_not_los
     def has(k: str) -> bool:
         there = looked(k)
         if k == key and not there:  # the record lands right after this look
-            inference.set(key, Applied("digest-0").to_json())
+            inference.set(key, Applied("digest-0"))
         return there
 
     monkeypatch.setattr(host, "has", has)

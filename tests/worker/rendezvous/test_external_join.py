@@ -4,13 +4,14 @@ wrong token, a wrong job id, a controller that is not there, a forged job, a rol
 pods hold and a rank outside the job are each refused with one line that says what to fix; a
 second process claiming an external trainer's rank is refused while the job goes on."""
 
+import json
 import socket
 
 import pytest
 
 from weightsync.job import API_VERSION, KIND, Join, external_roles, join_env, load_job
 from weightsync.rendezvous.external_rank import JoinError, fetch_job, joined_context
-from weightsync.rendezvous.messages import RankInfo
+from weightsync.rendezvous.messages import RankInfo, Text
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import Keys, Member, Restarted
 from weightsync.rendezvous.roster import Host, RankFailed
@@ -76,7 +77,7 @@ def test_a_controller_that_is_not_there_is_waited_for_then_named():
 
 
 def test_a_job_not_signed_with_the_token_is_refused(host):
-    host.set(Keys.JOB, make_job(name="forged").to_object())
+    host.set(Keys.JOB, Text(json.dumps(make_job(name="forged").to_object())))
     with pytest.raises(JoinError, match="the job published at .* is not signed with the token in WEIGHTSYNC_TOKEN"):
         fetch_job(join_of(host), timeout=10)
 

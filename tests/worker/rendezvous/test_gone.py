@@ -13,6 +13,7 @@ from support import roster
 from support.roster import join, make_host
 
 from weightsync.job import Layout
+from weightsync.rendezvous.messages import Ready
 from weightsync.rendezvous.protocol import Keys
 from weightsync.roles.controller.loads import calls
 from weightsync.vllm_backend.control import ControlError, Server, Unreachable
@@ -35,7 +36,7 @@ def host(said):
         join(m, f"127.0.0.1:{1000 + len(m.role)}")
     admitted = host.admit(timeout=10)
     host.publish_plan("{}", {0: admitted[("inference", 0)].endpoint})
-    members["trainer"].set(Keys.ready(1, 0), {"step": 10})
+    members["trainer"].set(Keys.ready(1, 0), Ready(10))
     assert host.next_version(1)
     host.start_round(1)
     yield host

@@ -48,7 +48,7 @@ def test_a_receiver_that_refused_corrupted_bytes_fails_the_job_with_its_reason_t
     host, members = job
     rnd = host.start_round(0)
     assert rnd.receivers == (0, 1)
-    members[("trainer", 0)].set(Keys.sent(0, 0, 0), SentReport(0, 0.0, lost={1: LOST}).to_json())
+    members[("trainer", 0)].set(Keys.sent(0, 0, 0), SentReport(0, 0.0, lost={1: LOST}))
     mismatch = ChecksumMismatch("trainer rank 0", "checksum mismatch for bytes [0, 1048576) of version 0: "
                                                   "sent 6dee5613f5cfc0ad, received d51c13e05b1e2a16")
     later = threading.Timer(0.2, members[("inference", 1)].rank_failed, ("inference", 1, mismatch))
@@ -72,7 +72,7 @@ def test_a_lost_receiver_that_says_nothing_is_counted_away_once_its_grace_ran_ou
     monkeypatch.setattr(last_word, "LOST_GRACE", 0.5)
     host, members = job
     rnd = host.start_round(0)
-    members[("trainer", 0)].set(Keys.sent(0, 0, 0), SentReport(0, 0.0, lost={1: LOST}).to_json())
+    members[("trainer", 0)].set(Keys.sent(0, 0, 0), SentReport(0, 0.0, lost={1: LOST}))
     began = time.monotonic()
     assert len(host.collect_sent(rnd, timeout=10)) == 1
     assert 0.5 <= time.monotonic() - began < 5.0
@@ -84,7 +84,7 @@ def test_a_lost_receiver_that_says_nothing_is_counted_away_once_its_grace_ran_ou
 def test_a_receiver_no_trainer_lost_costs_the_round_no_grace(job):
     host, members = job
     rnd = host.start_round(0)
-    members[("trainer", 0)].set(Keys.sent(0, 0, 0), SentReport(0, 0.0).to_json())
+    members[("trainer", 0)].set(Keys.sent(0, 0, 0), SentReport(0, 0.0))
     began = time.monotonic()
     host.collect_sent(rnd, timeout=10)
     assert time.monotonic() - began < 0.5

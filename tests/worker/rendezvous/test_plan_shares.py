@@ -24,8 +24,8 @@ class Store:
         self.keys: dict[str, bytes] = {}
         self.role, self.rank, self.token = role, rank, token
 
-    def set(self, key, value):
-        self.keys[key] = value.encode() if isinstance(value, str) else value
+    def set(self, key, record):  # a record, as Channel.set takes it
+        self.keys[key] = record.to_json().encode()
 
     def get(self, key):
         return self.keys[key]

@@ -16,7 +16,7 @@ from support.roster import make_host
 from weightsync.job import Layout, reasons
 from weightsync.rendezvous.following import Dropped
 from weightsync.rendezvous.join_phase import TrainersRestart
-from weightsync.rendezvous.messages import Applied, RankInfo, SentReport
+from weightsync.rendezvous.messages import Applied, RankInfo, Ready, SentReport, Text
 from weightsync.rendezvous.protocol import Keys, Resuming
 from weightsync.rendezvous.resume import resume
 from weightsync.rendezvous.roster import RankFailed
@@ -67,7 +67,7 @@ def started(host):
 def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_resumes(resuming, said):
     host = resuming
     old = started(host)
-    old[("trainer", 0)].set(Keys.ready(2, 0), {"step": 20})  # ready with version 2 when its peer went
+    old[("trainer", 0)].set(Keys.ready(2, 0), Ready(20))  # ready with version 2 when its peer went
     again = member(host, "trainer", 1)
     assert again.arrive(resumes=True) == 2
     host.last_watch = 0.0
@@ -122,8 +122,8 @@ def test_a_trainer_that_starts_again_fails_the_job_where_the_trainers_do_not_res
 
 def test_trainer_ranks_ready_at_different_steps_fail_the_job_naming_them(host):
     members = started(host)
-    members[("trainer", 0)].set(Keys.ready(0, 0), {"step": 30})
-    members[("trainer", 1)].set(Keys.ready(0, 1), {"step": 20})
+    members[("trainer", 0)].set(Keys.ready(0, 0), Ready(30))
+    members[("trainer", 1)].set(Keys.ready(0, 1), Ready(20))
     with pytest.raises(RankFailed, match="trainer rank 0 at step 30, trainer rank 1 at step 20") as e:
         host.next_version(0)
     assert e.value.reason == reasons.TRAINERS_DISAGREE
@@ -132,7 +132,7 @@ def test_trainer_ranks_ready_at_different_steps_fail_the_job_naming_them(host):
 def ready_round(host, members, version: int):
     """Every trainer rank ready with `version`, and its round said."""
     for t in (0, 1):
-        members[("trainer", t)].set(Keys.ready(version, t), {"step": version * 10})
+        members[("trainer", t)].set(Keys.ready(version, t), Ready(version * 10))
     assert host.next_version(version)
     return host.start_round(version)
 
@@ -141,7 +141,7 @@ def test_a_trainer_that_stops_before_the_round_is_sent_stops_it_and_its_receiver
     host = resuming
     members = started(host)
     rnd = ready_round(host, members, 1)
-    members[("trainer", 0)].set(Keys.sent(1, 0, 0), SentReport(bytes=8, seconds=0.1).to_json())
+    members[("trainer", 0)].set(Keys.sent(1, 0, 0), SentReport(bytes=8, seconds=0.1))
     member(host, "trainer", 1).arrive(resumes=True)  # its share not sent: it started again
     host.last_watch = 0.0
     with pytest.raises(TrainersRestart, match="trainer rank 1 started again"):
@@ -149,7 +149,7 @@ def test_a_trainer_that_stops_before_the_round_is_sent_stops_it_and_its_receiver
 
     receiver = members[("inference", 0)]
     receiver.verdict(rnd, 0.3)  # nothing said yet: the caller's error stands
-    host.set(Keys.dropped(1), "trainer rank 1 started again (start 2)")
+    host.set(Keys.dropped(1), Text("trainer rank 1 started again (start 2)"))
     with pytest.raises(Dropped, match=r"version 1 was dropped on its way: trainer rank 1 started again \(start 2\)"):
         receiver.verdict(rnd, 5)
     with pytest.raises(Dropped):  # a rank that waits for the version's reference digest leaves it too
@@ -163,11 +163,11 @@ def test_a_trainer_that_stops_once_the_round_is_sent_is_seen_at_the_next_version
     members = started(host)
     rnd = ready_round(host, members, 1)
     for t in (0, 1):
-        members[("trainer", t)].set(Keys.sent(1, 0, t), SentReport(bytes=8, seconds=0.1).to_json())
+        members[("trainer", t)].set(Keys.sent(1, 0, t), SentReport(bytes=8, seconds=0.1))
     assert len(host.collect_sent(rnd, timeout=10)) == 2
     members[("trainer", 0)].fail("its collective lost a peer")  # trainer rank 1 died: it starts again
     member(host, "trainer", 1).arrive(resumes=True)
-    members[("inference", 0)].set(Keys.applied(1, 0, 1), {"digest": "d"})
+    members[("inference", 0)].set(Keys.applied(1, 0, 1), Applied("d"))
     host.last_watch = 0.0
     assert host.collect_applied(rnd, timeout=10) == {0: Applied("d")}  # the round ends as sent
     with pytest.raises(TrainersRestart, match="trainer rank 1 stopped .its process started again., and trainer rank 0 "
@@ -179,7 +179,7 @@ def test_without_resuming_trainers_a_trainer_that_stops_once_the_round_is_sent_f
     members = started(host)
     rnd = ready_round(host, members, 1)
     for t in (0, 1):
-        members[("trainer", t)].set(Keys.sent(1, 0, t), SentReport(bytes=8, seconds=0.1).to_json())
+        members[("trainer", t)].set(Keys.sent(1, 0, t), SentReport(bytes=8, seconds=0.1))
     host.collect_sent(rnd, timeout=10)
     members[("trainer", 1)].fail("out of memory")
     with pytest.raises(RankFailed, match="trainer rank 1 failed: out of memory"):

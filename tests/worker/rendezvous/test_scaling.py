@@ -100,7 +100,7 @@ def test_the_ranks_of_pods_scaled_away_leave_the_round_on_its_way_without_failin
     assert [s.state for s in host.seats.values()] == [SERVING, PARKED, PARKED]
     assert members[("trainer", 0)].get_json(Keys.cut(0, 0)) == [1]  # the trainers stop sending to it
     assert any("inference rank 1 leaves the job: its pod was scaled away" in line for line in said), said
-    host.set(Keys.applied(0, 0, 1), {"digest": "d"})
+    host.set(Keys.applied(0, 0, 1), Applied("d"))
     assert host.collect_applied(rnd, timeout=5) == {0: Applied("d")}  # not waited for
     assert host.start_round(1).receivers == (0,)
     assert host.needed == 1 and host.behind(1) == [0]

@@ -12,6 +12,7 @@ from support.roster import make_host, one_of_each
 from weightsync.job import Layout
 from weightsync.rendezvous.channel import STOPPED_CHECK_EVERY
 from weightsync.rendezvous.following import Dropped, FellBehind
+from weightsync.rendezvous.messages import Text
 from weightsync.rendezvous.protocol import JobEnded, Keys
 from weightsync.rendezvous.store.table import StoreTimeout
 
@@ -67,9 +68,9 @@ def test_an_inference_rank_waiting_for_its_go_asks_the_store_twice_a_second_and_
     if stop == "end":
         host.end("Failed", "ended by the test", "RankFailed")
     elif stop == "dropped":
-        host.set(Keys.dropped(1), "a trainer rank stopped")
+        host.set(Keys.dropped(1), Text("a trainer rank stopped"))
     else:
-        host.set(Keys.away(0, inference.attempt), "silent for the test")
+        host.set(Keys.away(0, inference.attempt), Text("silent for the test"))
     thread.join(10.0)
     assert caught and isinstance(caught[0][0], raised), caught
     assert caught[0][1] - set_at < STOPPED_CHECK_EVERY, "the stop did not end the wait before its next look"

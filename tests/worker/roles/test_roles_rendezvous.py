@@ -11,7 +11,19 @@ import pytest
 
 from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
 from weightsync.rendezvous import protocol as rendezvous
-from weightsync.rendezvous.messages import Admission, Applied, Peer, RankInfo, Round, SentReport
+from weightsync.rendezvous.messages import (
+    Admission,
+    Applied,
+    Done,
+    Mark,
+    Peer,
+    RankInfo,
+    Ready,
+    Reference,
+    Round,
+    SentReport,
+    Text,
+)
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError, Restarted
 from weightsync.rendezvous.roster import AWAY, DROPPED, JOINING, SERVING, WAITING, Host, RankFailed
@@ -88,7 +100,7 @@ def test_a_rank_with_another_token_is_refused_naming_it(host):
 
 def test_a_forged_proof_for_changed_data_is_refused(host):
     join_all(host)
-    host.set(Keys.published("endpoint", "trainer", 0, 1), "10.0.0.66:1")  # rewritten after the proof
+    host.set(Keys.published("endpoint", "trainer", 0, 1), Text("10.0.0.66:1"))  # rewritten after the proof
     with pytest.raises(ProofError, match="trainer rank 0"):
         host.admit(timeout=5)
 
@@ -101,10 +113,10 @@ def test_members_accept_only_a_plan_and_endpoints_signed_with_the_token(host):
     host.publish_plan(plan.to_json(), {0: "127.0.0.1:5"})
     got, endpoints = member(host).plan(timeout=5)
     assert got == plan and endpoints == {0: "127.0.0.1:5"}
-    host.set(Keys.PLAN, host.get(Keys.PLAN) + b" ")  # the plan rewritten after it was signed
+    host.set(Keys.PLAN, Text(host.get(Keys.PLAN).decode() + " "))  # the plan rewritten after it was signed
     with pytest.raises(ProofError, match="not signed with this job's token"):
         member(host).plan(timeout=5)
-    host.set(Keys.peers(0), json.dumps({"0": {"endpoint": "10.0.0.66:1", "attempt": 1}}))  # rewritten after it was signed
+    host.set(Keys.peers(0), Text(json.dumps({"0": {"endpoint": "10.0.0.66:1", "attempt": 1}})))  # rewritten after it was signed
     with pytest.raises(ProofError, match="endpoints of epoch 0 are not signed"):
         member(host).peers(0, timeout=5)
 
@@ -158,7 +170,7 @@ def test_a_rejoining_rank_must_prove_the_token_over_its_new_challenge():
     first = {what: host.get(Keys.published(what, "inference", 0, 1)) for what in ("endpoint", "meta", "info", "proof")}
     assert replay.store.add(Keys.join("inference", 0), 1) == 2
     for what, value in first.items():
-        replay.set(Keys.published(what, "inference", 0, 2), value)
+        replay.set(Keys.published(what, "inference", 0, 2), Text(value.decode()))
     with pytest.raises(ProofError, match="inference rank 0 failed the job token proof"):
         host.wait_ranks(["never"], "nothing", timeout=10)
 
@@ -167,10 +179,10 @@ def test_receivers_a_trainer_lost_are_away_and_not_in_the_next_round():
     host, _ = started()
     rnd = host.start_round(0)
     for t in range(2):
-        host.set(Keys.sent(0, 0, t), SentReport(0, 0.0, lost={1: "connection reset"} if t == 1 else {}).to_json())
+        host.set(Keys.sent(0, 0, t), SentReport(0, 0.0, lost={1: "connection reset"} if t == 1 else {}))
     host.collect_sent(rnd, timeout=5)
     assert host.seats[1].state == AWAY
-    host.set(Keys.applied(0, 0, 1), {"digest": "d"})
+    host.set(Keys.applied(0, 0, 1), Applied("d"))
     assert host.collect_applied(rnd, timeout=5) == {0: Applied("d")}  # the round goes on without it
     assert host.start_round(1).receivers == (0,)
 
@@ -366,7 +378,7 @@ def test_a_versions_keys_are_forgotten_but_not_its_record():
     keys = [Keys.go(0), Keys.ref(0), Keys.ready(0, 1), Keys.sent(0, 0, 1), Keys.applied(0, 0, 1),
             Keys.applied(0, 1, 1), Keys.applied(0, 1, 2), Keys.done(0), Keys.go(1), Keys.ready(1, 0)]
     for key in keys:
-        host.set(key, "1")
+        host.set(key, Mark())
     host.forget(0)
     assert [host.has(k) for k in keys] == [False] * 7 + [True] * 3
 
@@ -381,12 +393,12 @@ def test_an_endless_job_keeps_a_bounded_number_of_keys():
     for version in range(400):
         rnd = host.start_round(version)
         for t in range(2):
-            host.set(Keys.ready(version, t), "1")
-            host.set(Keys.sent(version, 0, t), "{}")
-        host.set(Keys.ref(version), "{}")
+            host.set(Keys.ready(version, t), Ready())
+            host.set(Keys.sent(version, 0, t), SentReport(0, 0.0))
+        host.set(Keys.ref(version), Reference(receivers={}))
         for r in rnd.receivers:
-            host.set(Keys.applied(version, r, 1), "{}")
-        host.set(Keys.done(version), "{}")
+            host.set(Keys.applied(version, r, 1), Applied(""))
+        host.set(Keys.done(version), Done({}))
         if version >= 2:
             host.forget(version - 2)
         counts[version] = host.store.num_keys()
@@ -421,7 +433,7 @@ def test_the_versions_end_once_every_trainer_closed_and_go_on_while_all_are_read
     host, members = started()
     trainers = [members[("trainer", t)] for t in range(2)]
     for m in trainers:
-        m.set(Keys.ready(0, m.rank), "1")
+        m.set(Keys.ready(0, m.rank), Ready())
     assert host.next_version(0) is True
     trainers[0].closing(0)
     result = []
@@ -438,7 +450,7 @@ def test_trainers_that_publish_different_versions_fail_the_job_naming_them():
     host, members = started()
     trainers = [members[("trainer", t)] for t in range(2)]
     trainers[0].closing(0)
-    trainers[1].set(Keys.ready(1, 1), "1")
+    trainers[1].set(Keys.ready(1, 1), Ready())
     with pytest.raises(RankFailed, match=r"trainer rank 0 closed after version 0, but trainer rank 1 is ready for "
                                          r"version 1: every trainer rank must publish the same versions") as err:
         host.next_version(1)

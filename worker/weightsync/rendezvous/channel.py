@@ -18,7 +18,7 @@ from weightsync.job import reasons
 from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.job.token import same
 from weightsync.rendezvous.keys import Keys
-from weightsync.rendezvous.messages import Admission, End, RankFailure, RankInfo, Round, cut_from_json
+from weightsync.rendezvous.messages import Admission, End, Mark, RankFailure, RankInfo, Record, Round, cut_from_json
 from weightsync.rendezvous.proofs import rank_proof
 from weightsync.rendezvous.store.server import StoreServer
 from weightsync.rendezvous.store.table import Held, Limits, StoreError, StoreRefused
@@ -71,10 +71,9 @@ class Channel:
     def __init__(self, store):
         self.store = store
 
-    def set(self, key: str, value: str | bytes | dict | list) -> None:
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value)
-        self.store.set(key, value)
+    def set(self, key: str, record: Record) -> None:
+        """`record` under `key`: a message (messages.py), never a bare value."""
+        self.store.set(key, record.to_json())
 
     def get(self, key: str) -> bytes:
         return self.store.get(key)
@@ -104,7 +103,7 @@ class Channel:
 
     def say_bye(self, role: str, rank: int) -> None:
         """(role, rank) saw the job's end (its own goodbye, or its pod's process's for it)."""
-        self.set(Keys.bye(role, rank), "1")
+        self.set(Keys.bye(role, rank), Mark())
 
     def end(self) -> End | None:
         """The controller's end of the job, None while it runs."""
@@ -147,7 +146,7 @@ class Channel:
 
     def rank_failed(self, role: str, rank: int, failure: RankFailure | BaseException | str) -> None:
         """Tell the controller why (role, rank) gave up (RankFailure.made), then bump the counter it watches."""
-        self.set(Keys.failed(role, rank), RankFailure.made(failure).to_json())
+        self.set(Keys.failed(role, rank), RankFailure.made(failure))
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,

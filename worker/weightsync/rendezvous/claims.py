@@ -96,7 +96,7 @@ def claim(channel: Channel, request: Claim, timeout: float, check: Callable[[], 
     """Post `request` and wait (at most `timeout` seconds; `check` runs meanwhile and may raise,
     e.g. at the job's end) for the controller's answer: the inference rank, or ClaimRefused."""
     number = channel.store.add(CLAIMS, 1)
-    channel.set(claim_key(number), request.to_json())
+    channel.set(claim_key(number), request)
     channel.wait([answer_key(number)], f"the controller to answer the claim of {request.name}", timeout, check)
     answer = Answer.from_json(channel.get(answer_key(number)))
     if answer.refused:
@@ -128,7 +128,7 @@ class Claims:
             self.pending.discard(number)
             request = Claim.from_json(channel.get(claim_key(number)))
             answer = self.decide(request, there)
-            channel.set(answer_key(number), answer.to_json())
+            channel.set(answer_key(number), answer)
             if answer.refused:
                 self.say(f"refused {request.name}: {answer.refused}")
             else:

@@ -17,7 +17,7 @@ class Ending:
     heartbeats it reads."""
 
     def end(self, state: str, message: str, reason: str = "") -> None:
-        self.set(Keys.END, End(state, message, reason).to_json())
+        self.set(Keys.END, End(state, message, reason))
 
     def wait_byes(self, timeout: float) -> list[str]:
         """Wait (a bounded time) for every rank that can still answer (not away, not silent) to

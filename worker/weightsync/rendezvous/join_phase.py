@@ -21,7 +21,7 @@ from typing import Mapping, Protocol
 from weightsync.job import INFERENCE, TRAINER, reasons
 from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.rendezvous.claims import Claims
-from weightsync.rendezvous.messages import Admission
+from weightsync.rendezvous.messages import Admission, Text
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
 
@@ -176,7 +176,7 @@ class Joining:
                 if role == TRAINER:
                     host.trainer_started(rank, started, now)
                     continue
-                host.set(Keys.nonce(role, rank, started), secrets.token_hex(16))
+                host.set(Keys.nonce(role, rank, started), Text(secrets.token_hex(16)))
                 admitted.pop((role, rank), None)
                 host.beats.pop((role, rank), None)
                 if started > 1:  # else a rank parked at first, its pod scaled up to: its first start

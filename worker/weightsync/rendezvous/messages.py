@@ -10,9 +10,60 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 from weightsync.job import reasons
+
+
+class Record(Protocol):
+    """What the store holds under a key: a message of this module, written as its to_json says."""
+
+    def to_json(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A word whose key says it all (a goodbye, the controller's word that a server does not load a
+    version, a count's key touched): "1"."""
+
+    def to_json(self) -> str:
+        return "1"
+
+
+@dataclass(frozen=True)
+class Number:
+    """One number: the last version a trainer rank published, the latest version, a replica's departures."""
+
+    value: int
+
+    def to_json(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Number:
+        return cls(int(text))
+
+
+@dataclass(frozen=True)
+class Text:
+    """Text kept byte for byte, as signed or proven: what a rank published (its endpoint, layout and
+    info) and its proof, a nonce, the job and the plan as published and their MACs; or a line that
+    says why (a rank counted away, a version dropped)."""
+
+    value: str
+
+    def to_json(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Done:
+    """The controller's record of a round once done (Keys.done): status.transfer's fields."""
+
+    fields: Mapping[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps(dict(self.fields))
 
 
 @dataclass(frozen=True)
@@ -64,6 +115,16 @@ def cut_to_json(receivers: Iterable[int]) -> str:
     """The receivers of a round the controller counted away while it was on its way (Keys.cut),
     in rank order."""
     return json.dumps(sorted(receivers))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The receivers of a round the controller counted away while it was on its way (Keys.cut)."""
+
+    receivers: Iterable[int]
+
+    def to_json(self) -> str:
+        return cut_to_json(self.receivers)
 
 
 def cut_from_json(text: str | bytes) -> list[int]:

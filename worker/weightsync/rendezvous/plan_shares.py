@@ -11,6 +11,7 @@ from weightsync.plan.interface import TransferPlan
 from weightsync.plan.rank_plan import RankPlan, is_shares
 from weightsync.plan.shares import share_out
 from weightsync.plan.sliced_plan import SlicedPlan, plan_from_json
+from weightsync.rendezvous.messages import Text
 from weightsync.rendezvous.proofs import share_mac
 
 
@@ -26,8 +27,8 @@ def publish_shares(channel, token: bytes, plan: TransferPlan) -> str:
     shares = share_out(plan)
     for role, texts in (("trainer", shares.trainers), ("inference", shares.inferences)):
         for rank, text in enumerate(texts):
-            channel.set(share_key(role, rank), text)
-            channel.set(share_key(role, rank) + "/mac", share_mac(token, role, rank, text))
+            channel.set(share_key(role, rank), Text(text))
+            channel.set(share_key(role, rank) + "/mac", Text(share_mac(token, role, rank, text)))
     return shares.header
 
 

@@ -27,6 +27,7 @@ from weightsync.rendezvous.following import Following
 from weightsync.rendezvous.keys import Keys
 from weightsync.rendezvous.messages import (
     Applied,
+    Number,
     Peer,
     PublishedPlan,
     RankFailure,
@@ -36,6 +37,7 @@ from weightsync.rendezvous.messages import (
     Round,
     SentReport,
     Staged,
+    Text,
     peers_from_json,
 )
 from weightsync.rendezvous.plan_shares import own_plan
@@ -199,7 +201,7 @@ class Member(Following, Channel):
 
     def ready(self, version: int, step: int | None) -> None:
         """A trainer rank: ready to send `version`, at training step `step`."""
-        self.set(Keys.ready(version, self.rank), Ready(step).to_json())
+        self.set(Keys.ready(version, self.rank), Ready(step))
 
     def ready_of(self, version: int, rank: int) -> Ready:
         """What trainer rank `rank` said when it was ready to send `version` (it was)."""
@@ -207,11 +209,11 @@ class Member(Following, Channel):
 
     def say_sent(self, rnd: Round, report: SentReport) -> None:
         """A trainer rank: what it sent in `rnd`."""
-        self.set(Keys.sent(rnd.version, rnd.again, self.rank), report.to_json())
+        self.set(Keys.sent(rnd.version, rnd.again, self.rank), report)
 
     def say_staged(self, version: int, staged: Staged) -> None:
         """An inference rank of a vLLM server: `version` is verified in its staging, to be loaded."""
-        self.set(Keys.staged(version, self.rank, self.attempt), staged.to_json())
+        self.set(Keys.staged(version, self.rank, self.attempt), staged)
 
     def unloaded(self, version: int) -> bool:
         """Whether the controller told this rank its server does not load `version` (Keys.unloaded)."""
@@ -219,7 +221,7 @@ class Member(Following, Channel):
 
     def say_applied(self, version: int, applied: Applied) -> None:
         """An inference rank: what became of `version` here (verified, loaded or not)."""
-        self.set(Keys.applied(version, self.rank, self.attempt), applied.to_json())
+        self.set(Keys.applied(version, self.rank, self.attempt), applied)
 
     def done_record(self, version: int) -> dict:
         """The controller's record of `version`, once done (status.transfer's fields)."""
@@ -236,7 +238,7 @@ class Member(Following, Channel):
     def closing(self, last: int) -> None:
         """A trainer rank: it publishes no more versions, the last it published being `last`
         (-1: none); the controller counts the trainer ranks that closed."""
-        self.set(Keys.closed(self.rank), str(last))
+        self.set(Keys.closed(self.rank), Number(last))
         self.store.add(Keys.CLOSED, 1)
 
     def join(self, endpoint: str, meta: str, about: RankInfo, timeout: float) -> int:
@@ -248,9 +250,9 @@ class Member(Following, Channel):
                       "(it issues one as soon as it sees this start)", timeout, say=True)
         nonce = self.get(Keys.nonce(self.role, self.rank, attempt))
         for what, value in (("endpoint", endpoint), ("meta", meta), ("info", info)):
-            self.set(Keys.published(what, self.role, self.rank, attempt), value)
+            self.set(Keys.published(what, self.role, self.rank, attempt), Text(value))
         self.set(Keys.published("proof", self.role, self.rank, attempt),
-                 rank_proof(self.token, nonce, self.role, self.rank, endpoint, meta, info))
+                 Text(rank_proof(self.token, nonce, self.role, self.rank, endpoint, meta, info)))
         return attempt
 
     def plan(self, timeout: float):

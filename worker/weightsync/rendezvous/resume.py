@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 
 from weightsync.job import TRAINER, reasons
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, RankFailed, named
-from weightsync.rendezvous.messages import Admission, ResumePoint
+from weightsync.rendezvous.messages import Admission, ResumePoint, Text
 from weightsync.rendezvous.protocol import Keys, who
 
 POLL = 0.05  # seconds between looks at the trainers' starts and proofs
@@ -63,7 +63,7 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
     for t in range(trainers):
         host.store.delete_key(Keys.ready(version, t))  # what processes of earlier starts said
         if host.attempts[(TRAINER, t)] > before[t]:  # a start seen already: its challenge
-            host.set(Keys.nonce(TRAINER, t, host.attempts[(TRAINER, t)]), secrets.token_hex(16))
+            host.set(Keys.nonce(TRAINER, t, host.attempts[(TRAINER, t)]), Text(secrets.token_hex(16)))
     back: dict[int, int] = {}
     start = said = time.monotonic()
     while len(back) < trainers:
@@ -72,7 +72,7 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
         for t in range(trainers):
             started = host.started_again(TRAINER, t)
             if started is not None:  # (again): it joins with its latest start
-                host.set(Keys.nonce(TRAINER, t, started), secrets.token_hex(16))
+                host.set(Keys.nonce(TRAINER, t, started), Text(secrets.token_hex(16)))
                 back.pop(t, None)
             attempt = host.attempts[(TRAINER, t)]
             if t not in back and attempt > before[t]:
@@ -97,7 +97,7 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
     for t in range(trainers):
         host.beats.pop((TRAINER, t), None)  # their silence counts from now
     host.trainers_run, host.resumes = back, resumes
-    host.set(Keys.RESUME, ResumePoint(resumes, version, delivered, step, back).to_json())
+    host.set(Keys.RESUME, ResumePoint(resumes, version, delivered, step, back))
     return back
 
 

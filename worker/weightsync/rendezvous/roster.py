@@ -36,7 +36,17 @@ from weightsync.rendezvous.channel import Channel, host_store
 from weightsync.rendezvous.claims import Claims
 from weightsync.rendezvous.ending import Ending
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, Deadline, Joining, RankFailed
-from weightsync.rendezvous.messages import Admission, Peer, PublishedPlan, RankInfo, Round, cut_to_json, peers_to_json
+from weightsync.rendezvous.messages import (
+    Admission,
+    Cut,
+    Number,
+    Peer,
+    PublishedPlan,
+    RankInfo,
+    Round,
+    Text,
+    peers_to_json,
+)
 from weightsync.rendezvous.parking import Parking
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.proofs import job_mac, peers_mac, plan_mac
@@ -84,7 +94,7 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         self.last_watch = 0.0
         for role, rank in self.ranks:
             if self.attempts[(role, rank)]:  # a parked rank's challenge is made when it starts
-                self.set(Keys.nonce(role, rank, 1), secrets.token_hex(16))
+                self.set(Keys.nonce(role, rank, 1), Text(secrets.token_hex(16)))
 
     @property
     def resuming(self) -> bool:
@@ -105,8 +115,8 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         obj = job.to_object()
         obj["metadata"]["annotations"] = {ANNOTATION_NETWORK_MODE: network_mode}
         text = json.dumps(obj, sort_keys=True)
-        self.set(Keys.JOB, text)
-        self.set(Keys.JOB_MAC, job_mac(self.token, job.identity, text))  # last: a reader waits for it
+        self.set(Keys.JOB, Text(text))
+        self.set(Keys.JOB_MAC, Text(job_mac(self.token, job.identity, text)))  # last: a reader waits for it
 
     def proven(self, role: str, rank: int, attempt: int) -> Admission | None:
         """What the rank published for `attempt`, once it proved the token over it; None before."""
@@ -140,8 +150,8 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
             self.check_rejoin = check_rejoin
         self.published = True
         text = PublishedPlan(plan_json).to_json()
-        self.set(Keys.PLAN, text)
-        self.set(Keys.PLAN_MAC, plan_mac(self.token, text))
+        self.set(Keys.PLAN, Text(text))
+        self.set(Keys.PLAN_MAC, Text(plan_mac(self.token, text)))
         now = time.monotonic()
         # a rank admitted with a later start (its process started again while the ranks joined) is
         # a rejoined one: it waits for its welcome, which the first round says
@@ -158,8 +168,8 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
 
     def _publish_peers(self) -> None:
         text = peers_to_json({r: Peer(s.endpoint, s.attempt) for r, s in self.seats.items() if s.state != PARKED})
-        self.set(Keys.peers(self.epoch), text)
-        self.set(Keys.peers(self.epoch) + "/mac", peers_mac(self.token, self.epoch, text))
+        self.set(Keys.peers(self.epoch), Text(text))
+        self.set(Keys.peers(self.epoch) + "/mac", Text(peers_mac(self.token, self.epoch, text)))
 
     def trainer_layout(self) -> FlatLayout | None:
         """The layout trainer rank 0 joined with (proven), None before it joined: what an external
@@ -181,9 +191,9 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
             if replica and all(self.seats[r].state not in (AWAY, JOINING) for r in replica if r != rank):
                 # the first of its replica to go: the group its ranks form when they start again is a new one
                 self.departures[replica.start] = self.departures.get(replica.start, 0) + 1
-                self.set(Keys.replica(replica.start), str(self.departures[replica.start]))
+                self.set(Keys.replica(replica.start), Number(self.departures[replica.start]))
             seat.state, seat.since = AWAY, time.monotonic()
-            self.set(Keys.away(rank, seat.attempt), why)  # a start that is alive learns it from there
+            self.set(Keys.away(rank, seat.attempt), Text(why))  # a start that is alive learns it from there
             self.say(f"{who(INFERENCE, rank)} is away: {why}; the job goes on without it until it rejoins "
                      f"(within {self.policy.away_limit:.0f}s)")
             if self.in_round.get(rank) == seat.attempt:
@@ -216,7 +226,7 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         vanished may leave their sends to it hanging (no reset ever comes) until their timeout."""
         if self.round is not None and rank in self.in_round and rank not in self.cut:
             self.cut.add(rank)
-            self.set(Keys.cut(self.round.version, self.round.again), cut_to_json(self.cut))
+            self.set(Keys.cut(self.round.version, self.round.again), Cut(self.cut))
 
     def _restarted(self, rank: int, attempt: int) -> None:
         seat = self.seats.get(rank)
@@ -226,7 +236,7 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         if seat.state in (DROPPED, PARKED):  # back after it was dropped, or its pod scaled up to: away_limit to join in
             seat.since = time.monotonic()
         seat.attempt, seat.state, seat.holds = attempt, JOINING, None
-        self.set(Keys.nonce(INFERENCE, rank, attempt), secrets.token_hex(16))
+        self.set(Keys.nonce(INFERENCE, rank, attempt), Text(secrets.token_hex(16)))
 
     def _readmit(self, rank: int) -> None:
         """Take the rank back once its latest start proved the token: a rank of a tensor-parallel

@@ -16,7 +16,18 @@ from weightsync.job import INFERENCE, TRAINER, reasons
 from weightsync.job.errors import TimedOut
 from weightsync.rendezvous.join_phase import RankFailed
 from weightsync.rendezvous.last_word import hear_out
-from weightsync.rendezvous.messages import Applied, Ready, Reference, Round, SentReport, Staged
+from weightsync.rendezvous.messages import (
+    Applied,
+    Done,
+    Mark,
+    Number,
+    Ready,
+    Reference,
+    Round,
+    SentReport,
+    Staged,
+    Text,
+)
 from weightsync.rendezvous.protocol import Keys, who
 from weightsync.rendezvous.seats import DROPPED, PARKED, SERVING, WAITING
 
@@ -48,16 +59,16 @@ class Rounds:
         for r in receivers:
             seat = self.seats[r]
             if seat.state == WAITING:
-                self.set(Keys.welcome(r, seat.attempt), rnd.to_json())
+                self.set(Keys.welcome(r, seat.attempt), rnd)
                 seat.state, seat.since = SERVING, time.monotonic()
-        self.set(Keys.go(version, again), rnd.to_json())
+        self.set(Keys.go(version, again), rnd)
         if not again:
-            self.set(Keys.LATEST, str(version))
+            self.set(Keys.LATEST, Number(version))
         return rnd
 
     def say_dropped(self, version: int, why: str) -> None:
         """`version` is dropped on its way: its receivers take none of it (Following.check_dropped)."""
-        self.set(Keys.dropped(version), why)
+        self.set(Keys.dropped(version), Text(why))
 
     def reference_of(self, version: int) -> Reference | None:
         """The digests the first sending of `version` that reached a rank carried; None before one."""
@@ -65,15 +76,15 @@ class Rounds:
 
     def say_reference(self, version: int, reference: Reference) -> None:
         """What the receivers of `version`, and every repeat of it, check what they got against."""
-        self.set(Keys.ref(version), reference.to_json())
+        self.set(Keys.ref(version), reference)
 
     def say_unloaded(self, version: int, rank: int) -> None:
         """Inference rank `rank`'s server does not load `version`: the rank discards what it staged."""
-        self.set(Keys.unloaded(version, rank, self.in_round[rank]), "1")
+        self.set(Keys.unloaded(version, rank, self.in_round[rank]), Mark())
 
     def say_done(self, rnd: Round, record: dict) -> None:
         """`rnd` is done: the controller's record of it (status.transfer's fields), what a trainer waits for."""
-        self.set(Keys.done(rnd.version, rnd.again), record)
+        self.set(Keys.done(rnd.version, rnd.again), Done(record))
 
     def next_version(self, version: int) -> bool:
         """Wait until every trainer rank is ready for `version` (True) or has closed after
