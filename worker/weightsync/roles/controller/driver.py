@@ -83,7 +83,7 @@ def run(ctx: WorkerContext, metrics: ControllerMetrics | None = None, driven: Ma
         return 0
     starts = (status.get("controller") or {}).get("starts", 0) + 1
     reporter.started(starts)
-    return Controller(ctx, reporter, driven or {}).run(starts, status)
+    return Controller(ctx, reporter, driven).run(starts, status)
 
 
 def policy_of(ctx: WorkerContext, external: dict[str, Deadline]) -> Policy:
@@ -115,8 +115,8 @@ class Controller:
     load_failed: dict[int, Applied]  # the last round's receivers whose load failed part-way (onLoadFailure rollBack)
     driven: Mapping[str, Steps]  # the vLLM servers driven from this process otherwise than over HTTP (run)
 
-    def __init__(self, ctx: WorkerContext, reporter: Reporter, driven: Mapping[str, Steps]):
-        self.ctx, self.reporter, self.metrics, self.driven = ctx, reporter, reporter.metrics, driven
+    def __init__(self, ctx: WorkerContext, reporter: Reporter, driven: Mapping[str, Steps] | None = None):
+        self.ctx, self.reporter, self.metrics, self.driven = ctx, reporter, reporter.metrics, driven or {}
         self.timeout = ctx.job.transfer.timeout
         self.external = external_deadlines(ctx.job)
         self.host = Host(ctx.store_port, ctx.token, ctx.job.layout, policy_of(ctx, self.external), say=self.say,
