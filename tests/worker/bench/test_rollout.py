@@ -6,9 +6,14 @@ through vLLM's weight_versions spans and the arrival of the chunk that carried i
 from __future__ import annotations
 
 import pytest
+from safetensors.torch import save_file
 
 from weightsync.bench.chart import rollout_chart
 from weightsync.bench.rollout import Generation, figures, first_tokens, report, table
+from weightsync.bench.vllm import save_version
+from weightsync.job import Model
+from weightsync.model.build import build
+from weightsync.model.config import served_config
 
 
 def crossing() -> Generation:
@@ -53,3 +58,14 @@ def test_a_ways_report_sets_the_updates_against_its_own_baseline_and_is_drawn(tm
     result = {"clients": 4, "tokens": 6, "every": 10.0, "window": 60.0, "ways": [got, {**got, "way": "disk"}]}
     assert table(result).splitlines()[2].startswith("keep")
     assert rollout_chart(result, tmp_path / "rollout.png").stat().st_size > 10_000
+
+
+def test_a_saved_version_names_its_architecture_as_a_vllm_server_needs(tmp_path):
+    """The disk way's checkpoints (bench/vllm.save_version): their config names the model's causal LM,
+    without which a vLLM server refuses the checkpoint before it starts."""
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 128, "max_position_embeddings": 64}
+    model = build(Model(config=config, dtype="float32"), dtype="float32", seed=0)
+    save_version(model, tmp_path / "v0", save_file)
+    assert served_config(Model(path=str(tmp_path / "v0"))).architectures == ["LlamaForCausalLM"]
+    assert (tmp_path / "v0" / "model.safetensors").exists()

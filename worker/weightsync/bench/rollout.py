@@ -271,7 +271,7 @@ def run(python: str) -> dict:
     ways = []
     for name, how in WAYS.items():
         ways.append(disk_way(python) if how is None else job_way(python, name, how["inflight"], how.get("ahead", False)))
-        print(f"bench: {name}: {json.dumps(ways[-1]['updates'])}", file=sys.stderr, flush=True)
+        print(f"bench: {name}: {json.dumps(ways[-1])}", file=sys.stderr, flush=True)  # whole, should a later way fail
     return {"clients": CLIENTS, "tokens": TOKENS, "every": EVERY, "window": WINDOW, "ways": ways}
 
 

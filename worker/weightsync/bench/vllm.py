@@ -200,11 +200,16 @@ def publish_versions(count: int, step: float) -> int:
 
 
 def save_version(model, where: Path, save_file) -> None:
-    """The model's weights at `where` as a bfloat16 safetensors checkpoint with its config."""
+    """The model's weights at `where` as a bfloat16 safetensors checkpoint with its config, which
+    names the model's class as its architecture (a vLLM server refuses a checkpoint that names none)."""
+    import copy
+
     import torch
 
     where.mkdir()
-    model.config.save_pretrained(where)
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(where)
     save_file({n: p.detach().to(torch.bfloat16).contiguous() for n, p in parameters(model)}, str(where / "model.safetensors"))
 
 
