@@ -2,8 +2,10 @@
  *
  * diff() compares a chunk of new bytes with the kept ones in one pass, 64 bytes at a time with
  * AVX-512BW, else 8: a block that did not change is only read; a block that did is written into
- * the kept bytes, and each of its changed elements becomes an entry (the u16 gap from the one before, the XOR of its values),
- * with a filler entry (value 0) wherever a gap would exceed 65535. patch() copies a chunk of the
+ * the kept bytes, and each of its changed elements becomes an entry (the u16 gap from the one
+ * before, the XOR of its values), with a filler entry (value 0) wherever a gap would exceed 65535.
+ * The entries are written as byte planes (byte 0 of every gap, byte 1 of every gap, then each byte
+ * of every value), the layout that zstd compresses best and fastest. patch() copies a chunk of the
  * base and XORs the entries into it. numpy needs a dozen passes and temporary arrays for either;
  * this is one pass over memory that is in cache.
  */
@@ -25,32 +27,34 @@ static inline uint64_t lane(uint64_t x, Py_ssize_t itemsize, Py_ssize_t k) {
     return itemsize == 8 ? x : (x >> (8 * itemsize * k)) & ((UINT64_C(1) << (8 * itemsize)) - 1);
 }
 
-static inline __attribute__((always_inline)) void put_value(unsigned char *values, Py_ssize_t at, uint64_t v, Py_ssize_t itemsize) {
-    memcpy(values + at * itemsize, &v, (size_t)itemsize); /* little-endian: the low bytes */
-}
-
 typedef struct {
-    uint16_t *gaps;
-    unsigned char *values;
+    unsigned char *planes; /* byte plane p of entry i at planes[p * cap + i]: gap bytes, then value bytes */
     Py_ssize_t cap, entries, changed, last; /* last: index of the last entry, -1 before the first */
 } Entries;
 
+/* Entry `at`: its gap and value, one byte into each plane (little-endian: byte 0 first). */
+static inline __attribute__((always_inline)) void put_entry(Entries *e, Py_ssize_t at, Py_ssize_t gap, uint64_t v,
+                                                            Py_ssize_t itemsize) {
+    unsigned char *p = e->planes + at;
+    Py_ssize_t cap = e->cap;
+    p[0] = (unsigned char)gap;
+    p[cap] = (unsigned char)(gap >> 8);
+    for (Py_ssize_t k = 0; k < itemsize; k++)
+        p[(2 + k) * cap] = (unsigned char)(v >> (8 * k));
+}
+
 /* An entry for element `i`, whose value is `v`; fillers first where the gap is too long. Past
  * `cap` entries only the count goes on. Inlined where itemsize is a constant: each entry is then
- * two stores. */
+ * a store into each plane. */
 static inline __attribute__((always_inline)) void entry(Entries *e, Py_ssize_t i, uint64_t v, Py_ssize_t itemsize) {
     while (i - e->last > MAX_GAP) {
         e->last += MAX_GAP;
-        if (e->entries < e->cap) {
-            e->gaps[e->entries] = MAX_GAP;
-            put_value(e->values, e->entries, 0, itemsize);
-        }
+        if (e->entries < e->cap)
+            put_entry(e, e->entries, MAX_GAP, 0, itemsize);
         e->entries++;
     }
-    if (e->entries < e->cap) {
-        e->gaps[e->entries] = (uint16_t)(i - e->last);
-        put_value(e->values, e->entries, v, itemsize);
-    }
+    if (e->entries < e->cap)
+        put_entry(e, e->entries, i - e->last, v, itemsize);
     e->entries++;
     e->changed++;
     e->last = i;
@@ -166,13 +170,13 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     } else {
         Entries e = {0};
         e.cap = scratch.len / (2 + itemsize);
-        e.gaps = (uint16_t *)scratch.buf;
-        e.values = (unsigned char *)scratch.buf + 2 * e.cap;
+        e.planes = (unsigned char *)scratch.buf;
         e.last = -1;
         Py_BEGIN_ALLOW_THREADS
         diff_any((unsigned char *)kept.buf, (const unsigned char *)new.buf, new.len, itemsize, &e);
-        if (e.entries <= e.cap) /* the values right behind the gaps: the record's layout */
-            memmove((unsigned char *)scratch.buf + 2 * e.entries, e.values, (size_t)(e.entries * itemsize));
+        if (e.entries <= e.cap) /* each plane right behind the one before: the record's layout */
+            for (Py_ssize_t p = 1; p < 2 + itemsize; p++)
+                memmove(e.planes + p * e.entries, e.planes + p * e.cap, (size_t)e.entries);
         Py_END_ALLOW_THREADS
         result = Py_BuildValue("nn", e.entries <= e.cap ? e.entries : (Py_ssize_t)-1, e.changed);
     }
@@ -182,32 +186,36 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     return result;
 }
 
-#define XOR_INTO(type, dst, src) do { type d_, s_; memcpy(&d_, dst, sizeof d_); memcpy(&s_, src, sizeof s_); \
-                                        d_ ^= s_; memcpy(dst, &d_, sizeof d_); } while (0)
-
-/* out = base, then element (sum of the first i+1 gaps) - 1 XOR value i; -1 when an entry names an
- * element beyond the end (out is then partly written). */
-static Py_ssize_t patch_loop(const unsigned char *base, unsigned char *out, Py_ssize_t n, const unsigned char *raw,
-                             Py_ssize_t entries, Py_ssize_t itemsize) {
+/* out = base, then element (sum of the first i+1 gaps) - 1 XOR value i, the entries' bytes in
+ * planes; -1 when an entry names an element beyond the end (out is then partly written). */
+static inline __attribute__((always_inline)) Py_ssize_t patch_of(const unsigned char *base, unsigned char *out,
+                                                                 Py_ssize_t n, const unsigned char *raw,
+                                                                 Py_ssize_t entries, const Py_ssize_t itemsize) {
     memcpy(out, base, (size_t)n);
-    const unsigned char *values = raw + 2 * entries;
+    const unsigned char *hi = raw + entries, *values = raw + 2 * entries;
     Py_ssize_t elements = n / itemsize, at = -1;
     for (Py_ssize_t i = 0; i < entries; i++) {
-        uint16_t gap;
-        memcpy(&gap, raw + 2 * i, 2);
-        at += gap;
+        at += raw[i] | (Py_ssize_t)hi[i] << 8;
         if (at >= elements || at < 0)
             return -1;
-        unsigned char *e = out + at * itemsize;
-        const unsigned char *v = values + i * itemsize;
-        switch (itemsize) { /* fixed sizes: each a load, an XOR and a store */
-        case 1: XOR_INTO(uint8_t, e, v); break;
-        case 2: XOR_INTO(uint16_t, e, v); break;
-        case 4: XOR_INTO(uint32_t, e, v); break;
-        default: XOR_INTO(uint64_t, e, v); break;
-        }
+        uint64_t v = 0, d = 0;
+        for (Py_ssize_t k = 0; k < itemsize; k++)
+            v |= (uint64_t)values[k * entries + i] << (8 * k);
+        memcpy(&d, out + at * itemsize, (size_t)itemsize);
+        d ^= v;
+        memcpy(out + at * itemsize, &d, (size_t)itemsize); /* little-endian: the low bytes */
     }
     return 0;
+}
+
+static Py_ssize_t patch_loop(const unsigned char *base, unsigned char *out, Py_ssize_t n, const unsigned char *raw,
+                             Py_ssize_t entries, Py_ssize_t itemsize) {
+    switch (itemsize) { /* a loop for each element size, with its constant */
+    case 1: return patch_of(base, out, n, raw, entries, 1);
+    case 2: return patch_of(base, out, n, raw, entries, 2);
+    case 4: return patch_of(base, out, n, raw, entries, 4);
+    default: return patch_of(base, out, n, raw, entries, 8);
+    }
 }
 
 static PyObject *py_patch(PyObject *self, PyObject *args) {
@@ -237,7 +245,8 @@ static PyObject *py_patch(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"diff", py_diff, METH_VARARGS,
      "diff(kept, new, itemsize, scratch) -> (entries, changed): the entries that make `new` of `kept` into scratch "
-     "(u16 gaps, then the XOR values), `kept` made equal to `new`; entries is -1 when they do not fit scratch."},
+     "(byte planes of the u16 gaps, then of the XOR values), `kept` made equal to `new`; entries is -1 when they do not "
+     "fit scratch."},
     {"patch", py_patch, METH_VARARGS,
      "patch(base, out, raw, entries, itemsize) -> bool: out = base with the entries in raw applied; False when an "
      "entry names an element beyond the end."},

@@ -23,13 +23,14 @@ that chunk. The chunks are 1 MiB so that each is compared, copied and hashed whi
 
 Patch format (little-endian; the one place it is defined)
 ---------------------------------------------------------
-  HEAD     b"WSDP" | u8 format (1) | u8 element size | 2 zero bytes | u64 base version |
+  HEAD     b"WSDP" | u8 format (2) | u8 element size | 2 zero bytes | u64 base version |
            u64 range length | u32 chunk bytes                                              28 bytes
   then, for every chunk of the range in order (the last one may be shorter):
   RECORD   u8 kind | 3 zero bytes | u32 entries | u32 stored bytes, then `stored` bytes  12 bytes
     SAME   (0) the chunk equals the base's; entries 0, stored 0
-    SPARSE (1) zstd of u16 gaps[entries] then XOR values[entries] (element size each): element
-               i = (sum of the first i+1 gaps) - 1 of the chunk becomes base XOR value. Gaps are
+    SPARSE (1) zstd of the entries' byte planes: byte 0 of gaps[entries], byte 1 of gaps[entries]
+               (u16 each), then byte k of values[entries] for k = 0 .. element size - 1: element
+               (sum of the first i+1 gaps) - 1 of the chunk becomes base XOR value i. Gaps are
                at most 65535: a longer run gets filler entries whose value is 0
     RAW    (2) the chunk's new bytes (a chunk where too much changed for SPARSE to be smaller)
 """
@@ -52,7 +53,7 @@ from weightsync.transfer.delta_kernels import ELEMENT, GAP, MAX_GAP, elements  #
 from weightsync.transfer.phases import Phases
 from weightsync.transport.checksum import CHUNK
 
-FORMAT = 1
+FORMAT = 2  # 2: SPARSE entries as byte planes (1 had u16 gaps, then whole values)
 HEAD = struct.Struct("<4sBB2xQQI")
 RECORD = struct.Struct("<B3xII")
 SAME, SPARSE, RAW = 0, 1, 2

@@ -1,8 +1,8 @@
 """The two inner loops of delta versions (delta.py defines the patch they make and read).
 
-diff() compares a chunk of new bytes with the kept ones, writes the chunk's entries (u16 gaps,
-then the XOR values) and makes the kept bytes the new ones; patch() makes a chunk's new bytes of
-the base and its entries. Both run in one pass in C (_delta.c, built with the package, without the
+diff() compares a chunk of new bytes with the kept ones, writes the chunk's entries (u16 gaps and
+XOR values, as byte planes) and makes the kept bytes the new ones; patch() makes a chunk's new
+bytes of the base and its entries. Both run in one pass in C (_delta.c, built with the package, without the
 GIL) where it was built, and in numpy otherwise: numpy needs a dozen passes and temporary arrays
 for either, about 4x the time (docs/benchmarks.md, "Where a delta's time goes").
 """
@@ -38,8 +38,10 @@ def diff(kept: np.ndarray, new: np.ndarray, itemsize: int, scratch) -> tuple[int
     """(entries, changed elements) of the chunk `new` against `kept` (uint8 arrays of one length,
     whole elements), the entries in scratch[:entries * (2 + itemsize)]: the u16 gap of each from
     the one before (the first from -1; a filler entry of value 0 wherever a gap would exceed
-    MAX_GAP), then the XOR values. entries is -1 where they do not fit `scratch`. `kept` holds
-    the new bytes afterwards."""
+    MAX_GAP) and its XOR value, as byte planes: byte 0 of every gap, byte 1 of every gap, then
+    byte k of every value for k = 0 .. itemsize - 1 (the high planes are nearly all zeros, which
+    zstd compresses to almost nothing, and fast). entries is -1 where they do not fit `scratch`.
+    `kept` holds the new bytes afterwards."""
     if native is not None:
         return native.diff(kept, new, itemsize, scratch)
     dt = elements(itemsize)
@@ -53,9 +55,10 @@ def diff(kept: np.ndarray, new: np.ndarray, itemsize: int, scratch) -> tuple[int
     size = len(idx) * (GAP.itemsize + itemsize)
     fits = size <= len(scratch)
     if fits:
-        out = np.frombuffer(scratch, dtype=np.uint8, count=size)
-        out[:len(idx) * GAP.itemsize].view(GAP)[:] = gaps
-        np.bitwise_xor(kv[idx], nv[idx], out=out[len(idx) * GAP.itemsize:].view(dt))
+        out = np.frombuffer(scratch, dtype=np.uint8, count=size).reshape(GAP.itemsize + itemsize, len(idx))
+        out[:GAP.itemsize] = gaps.astype(GAP).view(np.uint8).reshape(len(idx), GAP.itemsize).T
+        values = np.bitwise_xor(kv[idx], nv[idx])
+        out[GAP.itemsize:] = values.view(np.uint8).reshape(len(idx), itemsize).T
     np.copyto(kept, new)
     return (len(idx) if fits else -1), changed
 
@@ -74,14 +77,16 @@ def _with_fillers(idx: np.ndarray, n: int) -> np.ndarray:
 
 
 def patch(base: np.ndarray, out: np.ndarray, raw, entries: int, itemsize: int) -> bool:
-    """out = base (uint8 arrays of one length, whole elements) with the `entries` in `raw` (as
-    diff() writes them) applied; False where one names an element beyond the end."""
+    """out = base (uint8 arrays of one length, whole elements) with the `entries` in `raw` (byte
+    planes, as diff() writes them) applied; False where one names an element beyond the end."""
     if native is not None:
         return native.patch(base, out, raw, entries, itemsize)
     dt = elements(itemsize)
-    idx = np.cumsum(np.frombuffer(raw, dtype=GAP, count=entries), dtype=np.int64) - 1
-    if entries and idx[-1] >= len(out) // itemsize:
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(GAP.itemsize + itemsize, entries)
+    gaps = np.ascontiguousarray(planes[:GAP.itemsize].T).view(GAP).ravel()
+    idx = np.cumsum(gaps, dtype=np.int64) - 1
+    if entries and (idx[-1] >= len(out) // itemsize or idx[0] < 0):
         return False
     np.copyto(out, base)
-    out.view(dt)[idx] ^= np.frombuffer(raw, dtype=dt, count=entries, offset=entries * GAP.itemsize)
+    out.view(dt)[idx] ^= np.ascontiguousarray(planes[GAP.itemsize:].T).view(dt).ravel()
     return True
