@@ -51,6 +51,7 @@ import zstandard
 from weightsync.transfer import delta_kernels as kernels
 from weightsync.transfer.delta_kernels import ELEMENT, GAP, MAX_GAP, elements  # noqa: F401 - the format's
 from weightsync.transfer.phases import Phases
+from weightsync.transport.base import Pieces
 from weightsync.transport.checksum import CHUNK
 
 FORMAT = 2  # 2: SPARSE entries as byte planes (1 had u16 gaps, then whole values)
@@ -113,8 +114,9 @@ class BucketEncoder:
     """Takes one bucket's new bytes chunk by chunk as they are produced: compares each with what
     this rank sent last (`kept`), records what changed (when `base` is not None), and keeps the new
     bytes for next time. `dense` turns True after the first chunk when the bucket should go whole;
-    then later chunks are only kept. The caller must not change a chunk it added until finish()
-    or wait() has returned."""
+    then later chunks are only kept. stream() hands the patch's pieces to a Pieces as each chunk is
+    encoded, in order, so they can go out while the rest is encoded. The caller must not change a
+    chunk it added until finish() or wait() has returned."""
 
     kept: np.ndarray  # uint8: this bucket's bytes of the last version sent; becomes the new one
     itemsize: int
@@ -125,6 +127,8 @@ class BucketEncoder:
     compared: int = 0  # elements compared
     parts: list = field(default_factory=list)
     pending: list = field(default_factory=list)  # futures of (pieces, changed), in chunk order
+    out: Pieces | None = None  # where the pieces go as they are made (stream())
+    lock: threading.Lock = field(default_factory=threading.Lock)  # over parts, pending and out
 
     def add(self, pos: int, new: np.ndarray) -> None:
         """The bucket's new bytes [pos, pos + len(new)), a uint8 array; chunks come in order."""
@@ -135,36 +139,62 @@ class BucketEncoder:
             return
         self.compared += len(new) // self.itemsize
         if pos and self.encoders.pool is not None:
-            self.pending.append(self.encoders.pool.submit(self._chunk, old, new))
+            future = self.encoders.pool.submit(self._chunk, old, new)
+            with self.lock:
+                self.pending.append(future)
+            future.add_done_callback(lambda _: self._flush())
             return
         pieces, changed = self._chunk(old, new)
-        self.parts += pieces
-        self.changed += changed
+        with self.lock:
+            self._take(pieces, changed)
         if pos == 0 and self._too_dense(pieces[0], len(new)):
             self.dense, self.parts = True, []
 
     def _chunk(self, old: np.ndarray, new: np.ndarray) -> tuple[list, int]:
         return self.encoders.encode(old, new, self.itemsize)
 
+    def _take(self, pieces: list, changed: int) -> None:
+        self.parts += pieces
+        self.changed += changed
+        if self.out is not None:
+            self.out.put(pieces)
+
+    def _flush(self) -> None:
+        """Take the chunks encoded on the pool, in order, as far as they are done (one that
+        failed stays for wait() to raise)."""
+        with self.lock:
+            while self.pending and self.pending[0].done() and self.pending[0].exception() is None:
+                self._take(*self.pending.pop(0).result())
+
     def _too_dense(self, record: bytes, chunk_bytes: int) -> bool:
         kind, entries, _ = RECORD.unpack(record)
         return kind == RAW or (kind == SPARSE and entries * (GAP.itemsize + self.itemsize) > DENSE * chunk_bytes)
 
+    def stream(self, length: int) -> Pieces:
+        """Where the patch of this `length`-byte bucket goes piece by piece from now on (after
+        the first chunk, when the bucket is not dense): its head and the chunks so far at once;
+        finish() closes it."""
+        if self.base is None or self.dense:
+            raise ValueError("this bucket is not being encoded as a patch")
+        with self.lock:
+            self.out = Pieces()
+            self.out.put([HEAD.pack(b"WSDP", FORMAT, self.itemsize, self.base, length, CHUNK)] + self.parts)
+        return self.out
+
     def wait(self) -> None:
         """Until every chunk added is compared, encoded and kept."""
-        for future in self.pending:
-            pieces, changed = future.result()
-            self.parts += pieces
-            self.changed += changed
-        self.pending = []
+        for future in list(self.pending):
+            future.result()
+        self._flush()
 
     def finish(self, length: int) -> list[bytes]:
         """The patch: its pieces, in order (send them as they are, without joining)."""
         self.wait()
         if self.base is None or self.dense:
             raise ValueError("this bucket is not being encoded as a patch")
+        if self.out is not None:
+            self.out.close()
         return [HEAD.pack(b"WSDP", FORMAT, self.itemsize, self.base, length, CHUNK)] + self.parts
-
 
 class LastSent:
     """What this trainer rank sent last: its buckets of that version, in the layout's dtype, in

@@ -305,30 +305,32 @@ class VersionSender:
             futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in whole)
             encoder = last.encoder(b.offset, base if patched else None)
 
+            def again(b=b):  # the peer could not apply the patch: the bucket whole, as kept
+                resent.append(b.length)
+                return last.bucket(b.offset)
+
             def keep(a: int, e: int, encoder=encoder, futures=futures, data=data, filling=filling, b=b,
-                     host=data.numpy()) -> None:
+                     host=data.numpy(), again=again) -> None:
                 encoder.add(a, host[a:e])
                 if a == 0 and patched and encoder.dense:  # too much changed: whole, right behind the cast
                     futures.extend(self.sender.send(p, version, b.offset, data, filling) for p in patched)
+                elif a == 0 and patched:  # the patch goes out piece by piece as it is encoded
+                    pieces = encoder.stream(b.length)
+                    for p in patched:
+                        self.sender.send_patch(p, version, b.offset, b.length, pieces, filling, again)
 
             try:
                 self._fill(packer, b, data, filling, keep)
+                payload = encoder.finish(b.length) if patched and not encoder.dense else None
             except BaseException as e:
                 filling.fail(e)
+                if encoder.out is not None:
+                    encoder.out.fail(e)
                 raise
             wire += b.length * len(whole)
             if patched and encoder.dense:
                 wire += b.length * len(patched)
             elif patched:
-                payload = encoder.finish(b.length)
-
-                def again(b=b):  # the peer could not apply the patch: the bucket whole, as kept
-                    resent.append(b.length)
-                    return last.bucket(b.offset)
-
-                trailer = checksum_of(as_views(payload))  # of the patch's bytes: once, whoever gets it
-                for p in patched:
-                    self.sender.send_patch(p, version, b.offset, b.length, payload, filling.result(), again, trailer)
                 wire += sum(len(part) for part in payload) * len(patched)
                 changed, compared = changed + encoder.changed, compared + encoder.compared
             if after_bucket is not None:

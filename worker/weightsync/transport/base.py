@@ -130,6 +130,43 @@ class Filling:
             raise RuntimeError(f"the send buffer was abandoned: {self.error}") from self.error
 
 
+class Pieces:
+    """A patch handed to Sender.send_patch while it is being made: put() adds its next pieces
+    (bytes-like, in order), close() says that no more come, fail(error) abandons it (a wait for
+    more then raises that error)."""
+
+    def __init__(self):
+        self.items: list = []
+        self.closed = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+
+    def put(self, pieces: list) -> None:
+        with self.cond:
+            self.items += pieces
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if not self.closed:
+                self.error = error
+                self.cond.notify_all()
+
+    def wait(self, have: int) -> list:
+        """Block until there is a piece beyond the first `have`, or no more will come; returns
+        the pieces beyond them (none once it is closed and they were all taken)."""
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.items) > have or self.closed or self.error is not None)
+            if self.error is not None:
+                raise RuntimeError(f"the patch was abandoned: {self.error}") from self.error
+            return self.items[have:]
+
+
 class Tally:
     """What a sender has sent each peer for each version: the END frame that closes a version
     carries it, and the receiver checks it against what arrived."""
@@ -205,13 +242,15 @@ class Sender(abc.ABC):
         the producer gives the checksum. The future's result is the checksum the peer was sent;
         it completes when the bytes have left `data` (which may then be reused)."""
 
-    def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
-                   whole: Callable[[], Any], trailer: int | None = None) -> Future:
-        """Queue a patch (`payload`, a list of byte pieces) of the range [offset, offset + length)
-        whose new bytes hash to `checksum`. If the peer cannot apply it, end_version() sends the
-        range whole: `whole()` gives its new bytes then (they must stay valid until then).
-        `trailer`: the patch's own xxh3_64 where the caller has it (one patch sent to several
-        peers is hashed once)."""
+    def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list | Pieces,
+                   checksum: int | Filling, whole: Callable[[], Any], trailer: int | None = None) -> Future:
+        """Queue a patch of the range [offset, offset + length): `payload`, a list of byte pieces,
+        or a Pieces while it is being made (its pieces go out as they come, so the wire carries
+        the first while the last are encoded), whose new bytes hash to `checksum` (or to what
+        that Filling gives once it is whole). If the peer cannot apply it, end_version() sends
+        the range whole: `whole()` gives its new bytes then (they must stay valid until then).
+        `trailer`: the patch's own xxh3_64 where the caller has it (a patch made whole before it
+        is sent to several peers is hashed once)."""
         raise NotImplementedError(f"the {type(self).__name__} transport carries no patches")
 
     @abc.abstractmethod

@@ -11,8 +11,10 @@ silent peer becomes a TransferError naming its rank, never a hang.
 The receiver, the inference rank's side, is tcp_receiver.py (what it lets a trainer send, and how
 it lands the bytes); this module is the transport and its sender, the trainer rank's side.
 
-A range may also go as a PATCH against bytes the receiver holds (delta versions): the receiver
-applies it with the caller's Patcher, and after the version's END it tells the sender which
+A range may also go as a patch against bytes the receiver holds (delta versions): a PATCH frame
+where the patch was all made when its connection got to it, else a STREAM frame that carries its
+pieces as they are made, so the wire overlaps the encoding. The receiver applies it with the
+caller's Patcher while it arrives, and after the version's END it tells the sender which
 patches it could not apply (NEED); the sender sends those ranges whole from the bytes the caller
 kept, so a refused patch costs one round trip and never a wrong byte.
 
@@ -33,7 +35,7 @@ from typing import Any, Callable
 import xxhash
 
 from weightsync.transport import wire
-from weightsync.transport.base import Filling, RankContext, Sender, Tally, TransferError, Transport, settle
+from weightsync.transport.base import Filling, Pieces, RankContext, Sender, Tally, TransferError, Transport, settle
 from weightsync.transport.checksum import CHUNK, as_views, checksum_of
 from weightsync.transport.sockets import (
     SOCKET_BUFFER,
@@ -46,7 +48,7 @@ from weightsync.transport.sockets import (
     send_all,
 )
 from weightsync.transport.tcp_receiver import TcpReceiver
-from weightsync.transport.wire import DATA, END, KIND_NAMES, NEED, PATCH, TRAILER
+from weightsync.transport.wire import DATA, END, KIND_NAMES, NEED, PATCH, PIECE, STREAM, STREAM_TRAILER, TRAILER
 
 log = logging.getLogger("weightsync.transport")
 
@@ -205,26 +207,51 @@ class TcpSender(Sender):
 
         return self.submit(peer, version, stream)
 
-    def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list, checksum: int,
-                   whole: Callable[[], Any], trailer: int | None = None) -> Future:
-        views = as_views(payload)
-        size = sum(len(v) for v in views)
-        if size > wire.patch_limit(length):
-            raise ValueError(f"a {size}-byte patch of a {length}-byte range: send the range whole")
+    def send_patch(self, peer: int, version: int, offset: int, length: int, payload: list | Pieces,
+                   checksum: int | Filling, whole: Callable[[], Any], trailer: int | None = None) -> Future:
+        pieces, filling = ready(payload, checksum, length)
         self.tally.add(version, peer, length)
         self.patched.setdefault((version, peer), {})[offset] = (length, whole)
-        header = wire.header(PATCH, version, offset, size, checksum)
+        limit = wire.patch_limit(length)
 
         def work(conn: Connection) -> int:
             try:
-                own = checksum_of(views) if trailer is None else trailer
-                send_all(conn.sock, [memoryview(header)] + views + [memoryview(TRAILER.pack(own))])
+                got = pieces.wait(0)
+                if pieces.closed and len(got) == len(pieces.items):  # all made already: one PATCH frame
+                    views = as_views(got)
+                    size, checksum = sum(len(v) for v in views), filling.result()
+                    if size > limit:
+                        raise ValueError(f"a {size}-byte patch of a {length}-byte range: send the range whole")
+                    own = checksum_of(views) if trailer is None else trailer
+                    send_all(conn.sock, [memoryview(wire.header(PATCH, version, offset, size, checksum))] + views
+                             + [memoryview(TRAILER.pack(own))])
+                    return checksum
+                return self._stream(conn, version, offset, limit, pieces, filling, got)
             except BaseException:
-                hang_up(conn.sock)
+                hang_up(conn.sock)  # the frame is cut short: the peer must not wait for the rest
                 raise
-            return checksum
 
         return self.submit(peer, version, work)
+
+    @staticmethod
+    def _stream(conn: Connection, version: int, offset: int, limit: int, pieces: Pieces, filling: Filling,
+                got: list) -> int:
+        """A STREAM frame: each piece of the patch as soon as it is made, then its trailer."""
+        h, size, have = xxhash.xxh3_64(), 0, 0
+        out = [memoryview(wire.header(STREAM, version, offset, 0))]
+        while got:
+            for piece in as_views(got):
+                out += [memoryview(PIECE.pack(len(piece))), piece]
+                h.update(piece)
+                size += len(piece)
+            if size > limit:
+                raise ValueError(f"a patch of more than {limit} bytes: send the range whole")
+            send_all(conn.sock, out)
+            have += len(got)
+            out, got = [], pieces.wait(have)
+        checksum = filling.result()
+        send_all(conn.sock, [memoryview(PIECE.pack(0) + STREAM_TRAILER.pack(checksum, h.intdigest()))])
+        return checksum
 
     def end_version(self, version: int) -> None:
         for peer in self.conns:
@@ -271,3 +298,17 @@ class TcpSender(Sender):
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
+
+
+def ready(payload: list | Pieces, checksum: int | Filling, length: int) -> tuple[Pieces, Filling]:
+    """send_patch()'s patch and checksum as a Pieces and a Filling, also where they are ready."""
+    if not isinstance(payload, Pieces):
+        pieces = Pieces()
+        pieces.put(list(payload))
+        pieces.close()
+        payload = pieces
+    if not isinstance(checksum, Filling):
+        filling = Filling(length)
+        filling.finish(checksum)
+        checksum = filling
+    return payload, checksum

@@ -6,8 +6,9 @@ times them out; only a connection that proves the token gets a thread. After tha
 may send exactly the ranges the plan gives it, once each (ledger.py keeps the count), and an END
 that counts them: any other frame cuts its connection off and fails the version, naming the
 trainer rank. Each DATA frame lands straight in place in the staging buffer (recv_into), in the
-runs of the plan's bucket where it bundles several; a PATCH is applied with the caller's Patcher,
-and after the version's END the receiver tells the sender which patches it could not apply (NEED).
+runs of the plan's bucket where it bundles several; a patch (PATCH, or STREAM while it is made) is
+applied with the caller's Patcher as it arrives, and after the version's END the receiver tells
+the sender which patches it could not apply (NEED).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from weightsync.transport.door import Door
 from weightsync.transport.landing import Landing
 from weightsync.transport.ledger import Ledger
 from weightsync.transport.sockets import SOCKET_BUFFER, hang_up, recv_exact, recv_into_all, tune
-from weightsync.transport.wire import DATA, END, KIND_NAMES, PATCH, TRAILER
+from weightsync.transport.wire import DATA, END, KIND_NAMES, PATCH, PIECE, STREAM, STREAM_TRAILER, TRAILER
 
 log = logging.getLogger("weightsync.transport")
 
@@ -213,12 +214,20 @@ class TcpReceiver(Receiver):
                 book.again(need)
                 patches, need = 0, []
                 continue
-            if kind == PATCH:
+            if kind in (PATCH, STREAM):
                 if not self.capabilities.patches:
-                    raise TransferError(book.peer, f"sent a PATCH for bytes at {offset} of version {version}: a sender "
-                                                   f"never sends PATCH over the {self.name} transport")
+                    raise TransferError(book.peer, f"sent a {KIND_NAMES[kind]} for bytes at {offset} of version "
+                                                   f"{version}: a sender never sends patches over the {self.name} "
+                                                   "transport")
+                if kind == STREAM and length:
+                    raise TransferError(book.peer, f"sent a STREAM of {length} bytes for bytes at {offset} of version "
+                                                   f"{version}: a STREAM's length is 0, its pieces count its bytes")
                 size = book.take_patch(offset, length, wire.patch_limit)
-                if self.patch(sock, offset, size, length, digest, patcher, bounce):
+                if kind == STREAM:
+                    applied, digest = self.stream(sock, offset, size, patcher, bounce, book)
+                else:
+                    applied = self.patch(sock, offset, size, length, digest, patcher, bounce)
+                if applied:
                     sums[offset] = digest
                 else:
                     need.append(offset)
@@ -251,12 +260,36 @@ class TcpReceiver(Receiver):
         applying = patcher.begin(offset, size) if patcher is not None else None
         recv_into_all(sock, payload, progress=None if applying is None else lambda got: applying.feed(payload, got))
         (trailer,) = TRAILER.unpack(recv_exact(sock, TRAILER.size))
-        if patcher is None:
-            return False
-        if xxhash.xxh3_64_intdigest(payload) != trailer:
-            patcher.refuse(offset, size, "the patch was damaged in transit (its checksum differs)")
-            return False
-        return patcher.end(applying, offset, size, payload, checksum)
+        return verdict(patcher, applying, offset, size, payload, trailer, checksum)
+
+    @staticmethod
+    def stream(sock: socket.socket, offset: int, size: int, patcher: Patcher | None, bounce: dict,
+               book: Ledger) -> tuple[bool, int]:
+        """Receive a STREAM's pieces and trailer, applying the patch to the range [offset, offset
+        + size) as they arrive; (applied, the new bytes' checksum), as patch() decides. More than
+        patch_limit(size) bytes of patch is refused before they are read."""
+        limit = wire.patch_limit(size)
+        scratch = bounce.get("patch")
+        applying = patcher.begin(offset, size) if patcher is not None else None
+        at = 0
+        while True:
+            (n,) = PIECE.unpack(recv_exact(sock, PIECE.size))
+            if n == 0:
+                break
+            if at + n > limit:
+                raise TransferError(book.peer, f"sent more than {limit} bytes of patch for bytes at {offset} of "
+                                               f"version {book.version}")
+            if scratch is None or len(scratch) < at + n:  # grows to the largest patch, then is kept
+                grown = bytearray(min(limit, max(at + n, 2 * len(scratch or b""), 1 << 20)))
+                grown[:at] = memoryview(scratch)[:at] if scratch is not None else b""
+                scratch = bounce["patch"] = grown
+            view = memoryview(scratch)
+            recv_into_all(sock, view[at:at + n],
+                          progress=None if applying is None else lambda got, at=at: applying.feed(view, at + got))
+            at += n
+        checksum, trailer = STREAM_TRAILER.unpack(recv_exact(sock, STREAM_TRAILER.size))
+        return verdict(patcher, applying, offset, size, memoryview(scratch)[:at] if at else b"", trailer,
+                       checksum), checksum
 
     def before_receive(self, sock: socket.socket, trainer: int, version: int, landing: Landing,
                        ranges: list[tuple[int, int]]) -> None:
@@ -278,3 +311,14 @@ class TcpReceiver(Receiver):
             self.cond.notify_all()
         for s in socks:
             hang_up(s)
+
+
+def verdict(patcher: Patcher | None, applying, offset: int, size: int, payload, trailer: int, checksum: int) -> bool:
+    """Whether a patch that has all arrived is applied: its bytes match their trailer, and the new
+    bytes theirs (`checksum`); else the patcher notes why not, and the range must come whole."""
+    if patcher is None:
+        return False
+    if xxhash.xxh3_64_intdigest(payload) != trailer:
+        patcher.refuse(offset, size, "the patch was damaged in transit (its checksum differs)")
+        return False
+    return patcher.end(applying, offset, size, payload, checksum)

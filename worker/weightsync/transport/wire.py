@@ -35,6 +35,12 @@ Then frames, each a 40-byte header
                frames: offset = the number of patched ranges it could not apply, length = 8 x
                that, followed by their u64 offsets. The sender then sends those ranges as DATA
                frames and a second END that counts them (no NEED follows that one).
+  STREAM   (7) sender -> receiver: a patch as PATCH carries, sent while it is being made (its
+               size and the new bytes' checksum are not known yet): length = 0, checksum = 0;
+               then pieces, each a u32 byte count and that many bytes of the patch, until a
+               piece of 0 bytes; then a 16-byte trailer: u64 xxh3_64 of the range's new bytes,
+               u64 xxh3_64 of the patch (its pieces' bytes, joined). At most patch_limit(range
+               length) bytes of patch, like PATCH; otherwise it is read and answered like one.
 """
 
 from __future__ import annotations
@@ -52,8 +58,11 @@ VERDICT = struct.Struct("<4s32s")
 HEADER = struct.Struct("<4sB3xQQQQ")
 TRAILER = struct.Struct("<Q")
 MAGIC = b"WSYN"
-DATA, END, WRITTEN, ADVERT, PATCH, NEED = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT", PATCH: "PATCH", NEED: "NEED"}
+PIECE = struct.Struct("<I")  # a STREAM's piece: its byte count
+STREAM_TRAILER = struct.Struct("<QQ")  # a STREAM's end: the new bytes' checksum, the patch's
+DATA, END, WRITTEN, ADVERT, PATCH, NEED, STREAM = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {DATA: "DATA", END: "END", WRITTEN: "WRITTEN", ADVERT: "ADVERT", PATCH: "PATCH", NEED: "NEED",
+              STREAM: "STREAM"}
 
 
 class WireError(ConnectionError):
