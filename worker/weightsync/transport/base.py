@@ -137,13 +137,16 @@ class Pieces:
 
     def __init__(self):
         self.items: list = []
+        self.ends: list[int] = []  # bytes in the pieces up to and including each
         self.closed = False
         self.error: BaseException | None = None
         self.cond = threading.Condition()
 
     def put(self, pieces: list) -> None:
         with self.cond:
-            self.items += pieces
+            for piece in pieces:
+                self.items.append(piece)
+                self.ends.append((self.ends[-1] if self.ends else 0) + len(memoryview(piece).cast("B")))
             self.cond.notify_all()
 
     def close(self) -> None:
@@ -157,11 +160,14 @@ class Pieces:
                 self.error = error
                 self.cond.notify_all()
 
-    def wait(self, have: int) -> list:
-        """Block until there is a piece beyond the first `have`, or no more will come; returns
-        the pieces beyond them (none once it is closed and they were all taken)."""
+    def wait(self, have: int, least: int = 1) -> list:
+        """Block until the pieces beyond the first `have` hold at least `least` bytes, or no more
+        will come; returns those pieces (none once it is closed and they were all taken)."""
+        def beyond() -> int:
+            return (self.ends[-1] if self.ends else 0) - (self.ends[have - 1] if have else 0)
+
         with self.cond:
-            self.cond.wait_for(lambda: len(self.items) > have or self.closed or self.error is not None)
+            self.cond.wait_for(lambda: beyond() >= least or self.closed or self.error is not None)
             if self.error is not None:
                 raise RuntimeError(f"the patch was abandoned: {self.error}") from self.error
             return self.items[have:]

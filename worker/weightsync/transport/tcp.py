@@ -52,6 +52,10 @@ from weightsync.transport.wire import DATA, END, KIND_NAMES, NEED, PATCH, PIECE,
 
 log = logging.getLogger("weightsync.transport")
 
+# A STREAM's pieces go out once this many bytes of them are at hand (or the patch is done): a
+# bucket's patch in tens of calls rather than two per 1 MiB chunk, a few chunks' encoding behind.
+STREAM_BATCH = 256 << 10
+
 
 @dataclass(frozen=True)
 class TcpOptions:
@@ -236,19 +240,22 @@ class TcpSender(Sender):
     @staticmethod
     def _stream(conn: Connection, version: int, offset: int, limit: int, pieces: Pieces, filling: Filling,
                 got: list) -> int:
-        """A STREAM frame: each piece of the patch as soon as it is made, then its trailer."""
+        """A STREAM frame: the patch's pieces as they are made, those at hand sent as one counted
+        piece once they hold STREAM_BATCH bytes (fewer wake-ups and calls on both sides), then
+        its trailer."""
         h, size, have = xxhash.xxh3_64(), 0, 0
         out = [memoryview(wire.header(STREAM, version, offset, 0))]
         while got:
-            for piece in as_views(got):
-                out += [memoryview(PIECE.pack(len(piece))), piece]
-                h.update(piece)
-                size += len(piece)
+            views = as_views(got)
+            n = sum(len(v) for v in views)
+            for v in views:
+                h.update(v)
+            size += n
             if size > limit:
                 raise ValueError(f"a patch of more than {limit} bytes: send the range whole")
-            send_all(conn.sock, out)
+            send_all(conn.sock, out + [memoryview(PIECE.pack(n))] + views)
             have += len(got)
-            out, got = [], pieces.wait(have)
+            out, got = [], pieces.wait(have, STREAM_BATCH)
         checksum = filling.result()
         send_all(conn.sock, [memoryview(PIECE.pack(0) + STREAM_TRAILER.pack(checksum, h.intdigest()))])
         return checksum
