@@ -131,7 +131,7 @@ class Controller:
         self.admissions, self.load_failed = None, {}
         if ctx.job.inference.runs_vllm:
             self.admissions = Admissions(self.host, control_key(ctx.token, ctx.job.identity),
-                                         ctx.job.inference.max_version_lag, self.say, frozenset(driven))
+                                         ctx.job.inference.max_version_lag, self.say, frozenset(self.driven))
 
     def say(self, message: str) -> None:
         log(ME, message)
