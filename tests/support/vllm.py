@@ -416,8 +416,7 @@ class PlainServer:
 
         model = Model(path=str(checkpoint), dtype=dtype, quantization=quantization, lora=lora)
         cmd = server_command(python, model, "plain", tuple(SERVER_ARGS), "127.0.0.1", port, tensor_parallel=tp, cpu=True,
-                             expert_parallel=expert_parallel, guarded=False)
-        cmd = [a for a in cmd if a != "--weight-transfer-config" and not a.startswith('{"backend"')]
+                             expert_parallel=expert_parallel, guarded=False, backend=False)
         env = {**os.environ, **SERVER_ENV, **server_env(tp, True, os.environ), "VLLM_SERVER_DEV_MODE": "1",
                **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora is not None else {})}
         self.url = f"http://127.0.0.1:{port}"

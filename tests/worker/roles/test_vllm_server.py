@@ -170,3 +170,11 @@ def test_a_server_whose_port_closed_while_its_process_lives_is_ended_as_dead(cap
             proc.kill()
         proc.wait(10)
         store.close()
+
+
+def test_a_plain_server_runs_no_weightsync_backend():
+    """The benches' and the tests' plain vLLM servers (vLLM's own reloads from disk) are started
+    without weightsync's backend, which refuses to start a server of no job without its trainer's secret."""
+    plain = server_command("python", MODEL, "demo", (), "10.0.0.5", 8000, guarded=False, backend=False)
+    assert "--weight-transfer-config" not in plain and "--middleware" not in plain
+    assert "--weight-transfer-config" in server_command("python", MODEL, "demo", (), "10.0.0.5", 8000)

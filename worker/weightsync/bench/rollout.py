@@ -223,7 +223,8 @@ def disk_way(python: str) -> dict:
         (port,) = leases.lease([1])
         log = open(Path(folder) / "server.log", "w")  # noqa: SIM115 - closed below
         proc = subprocess.Popen(server_command(python, Model(path=str(Path(folder) / "v0"), dtype="bfloat16"), "bench",
-                                               (*SERVER_ARGS, "--skip-tokenizer-init"), "127.0.0.1", port, guarded=False),
+                                               (*SERVER_ARGS, "--skip-tokenizer-init"), "127.0.0.1", port,
+                                               guarded=False, backend=False),
                                 env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT)
         server = Server(f"http://127.0.0.1:{port}")

