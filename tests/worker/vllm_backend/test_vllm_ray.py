@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from support.vllm import LLAMA, save_checkpoint, vllm_python
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -48,8 +49,10 @@ def ray_in(python: str) -> None:
 def test_a_trainer_on_vllms_api_drives_a_vllm_ray_actor_through_vllms_ray_client(tmp_path):
     python = vllm_python()
     ray_in(python)
-    start = save_checkpoint(dict(AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA)).state_dict()), LLAMA,
-                            tmp_path / "start")  # the actor starts on other weights than any version
+    with torch.random.fork_rng():  # whatever this process's generator was seeded with before (the trainers seed 0)
+        torch.manual_seed(1)  # the actor starts on other weights than any version
+        start = save_checkpoint(dict(AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA)).state_dict()),
+                                LLAMA, tmp_path / "start")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_") and k not in TORCHRUN_VARS}
     env.update({JoinEnv.TOKEN: secrets.token_hex(32), "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_USAGE_STATS_ENABLED": "0"})
     run = subprocess.run([python, "-P", str(HARNESS), str(start), str(tmp_path), json.dumps(LLAMA)], env=env, cwd=tmp_path,
