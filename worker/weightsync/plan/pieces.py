@@ -191,7 +191,9 @@ def _check_same_tensors(holders: Slicing, needs: Slicing) -> None:
         raise ValueError(f"trainers hold {len(holders.tensors)} tensors, inference ranks need {len(needs.tensors)}")
 
 
-def _arrays(boxes, nd):
+def box_arrays(boxes, nd):
+    """The boxes' starts and stops as two (boxes, nd) int64 arrays, a box of fewer dims padded
+    with [0, 1)."""
     lo = np.zeros((len(boxes), nd), dtype=np.int64)
     hi = np.ones((len(boxes), nd), dtype=np.int64)
     for i, b in enumerate(boxes):
@@ -201,8 +203,8 @@ def _arrays(boxes, nd):
 
 def _class_pieces(t, held, needed, nd, sets):
     """One tensor's pieces for its class: intersections of needed and held boxes, one per receiver."""
-    hlo, hhi = _arrays(held.boxes, nd)
-    nlo, nhi = _arrays(needed.boxes, nd)
+    hlo, hhi = box_arrays(held.boxes, nd)
+    nlo, nhi = box_arrays(needed.boxes, nd)
     _check_disjoint(t, hlo, hhi, None, "trainer ranks hold overlapping but different boxes")
     _check_disjoint(t, nlo, nhi, needed.ranks, "an inference rank needs overlapping boxes")
     lo = np.maximum(hlo[:, None], nlo[None])

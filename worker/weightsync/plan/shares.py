@@ -33,6 +33,7 @@ import numpy as np
 
 from weightsync.model.flat import ITEMSIZE
 from weightsync.plan.boxes import Slicing
+from weightsync.plan.pieces import box_arrays
 from weightsync.plan.sliced_plan import SlicedPlan, global_tensors, needs_to_json
 
 KIND = "slices-shares"  # the header's kind (sliced_plan.plan_from_json reads the others)
@@ -137,7 +138,7 @@ def class_runs(plan: SlicedPlan, nd: int):
             continue
         placement = needs.placements[int(c.tensors[0])]
         lo, hi = _padded(c.lo, nd, 0), _padded(c.hi, nd, 1)
-        blo, bhi = _box_arrays(placement.boxes, nd)
+        blo, bhi = box_arrays(placement.boxes, nd)
         member = np.zeros((len(placement.boxes), plan.inferences), dtype=bool)
         for k, ranks in enumerate(placement.ranks):
             member[k, list(ranks)] = True
@@ -193,14 +194,6 @@ def _padded(a: np.ndarray, nd: int, fill: int) -> np.ndarray:
     out = np.full((len(a), nd), fill, dtype=np.int64)
     out[:, :a.shape[1]] = a[:, :nd]
     return out
-
-
-def _box_arrays(boxes, nd):
-    lo = np.zeros((len(boxes), nd), dtype=np.int64)
-    hi = np.ones((len(boxes), nd), dtype=np.int64)
-    for i, b in enumerate(boxes):
-        lo[i, :len(b.start)], hi[i, :len(b.stop)] = b.start, b.stop
-    return lo, hi
 
 
 def _strides(shape: np.ndarray) -> np.ndarray:
