@@ -30,6 +30,8 @@ LAZY = {
     "weightsync.roles.controller.planning": "spec.model is built (torch) only to name the rank whose model is wrong: "
                                             "the controller's pod loads no torch",
     "weightsync.transport": "nccl and uccl load their libraries (torch.distributed's NCCL, uccl) only when chosen",
+    "weightsync.transport.ws64_kernels": "the kernels' module imports Triton, which only a GPU checksum needs: "
+                                          "the controller, and every host range, load no Triton",
     "weightsync.model.flat": "the native cast is an optional build (the operator installs without a compiler)",
     "weightsync.rendezvous.channel": "the store's client is torch.distributed's Store: the controller and roster load no torch",
     "weightsync.vllm_backend": "vLLM's LoRA resolver (adapter.py) loads only in a server of a LoRA job, and vLLM's "

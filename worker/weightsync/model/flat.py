@@ -306,16 +306,26 @@ def fill_range(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int
     `starts`: as for check_sources (a shard is read only where it holds the range)."""
     if dest.numel() != end - start:
         raise ValueError(f"destination holds {dest.numel()} bytes for a range of {end - start}")
-    pos = start
+    pos = 0
+    for at, nbytes, src, dtype in range_parts(layout, sources, start, end, starts):
+        if at > pos:
+            dest[pos:at].zero_()
+        cast_into(dest[at:at + nbytes], src, dtype)
+        pos = at + nbytes
+    if pos < end - start:
+        dest[pos:].zero_()
+
+
+def range_parts(layout: FlatLayout, sources: Sequence["torch.Tensor"], start: int, end: int,
+                starts: Sequence[int] | None = None):
+    """(byte in the range, bytes, the source's elements there as a 1-d view, the slot's dtype) of
+    every slot the version's bytes [start, end) overlap, in order: what fill_range casts into
+    place (the GPU's fused cast and checksum takes the same parts); the bytes between are padding.
+    `starts`: as for check_sources."""
     for i, slot, a, b in layout.overlapping(start, end):
-        dtype, item = torch_dtype(slot.dtype), ITEMSIZE[slot.dtype]
-        lo = slot.offset + a - start
-        if slot.offset + a > pos:
-            dest[pos - start:lo].zero_()
+        item = ITEMSIZE[slot.dtype]
         if a % item or b % item:
             raise ValueError(f"range [{start}, {end}) cuts tensor {slot.name} inside an element")
         skip = starts[i] if starts is not None else 0
-        cast_into(dest[lo:lo + b - a], sources[i].detach().reshape(-1)[a // item - skip:b // item - skip], dtype)
-        pos = slot.offset + b
-    if pos < end:
-        dest[pos - start:].zero_()
+        yield (slot.offset + a - start, b - a, sources[i].detach().reshape(-1)[a // item - skip:b // item - skip],
+               torch_dtype(slot.dtype))

@@ -12,7 +12,10 @@ weights to the transfer dtype), the padding between runs zero.
 
 A packer fills a bucket's buffer in one go (a GPU buffer, on the pipeline's side stream) or step
 by step in pieces of about CHUNK bytes (a host buffer: the pipeline hashes each piece while it is
-still in cache and lets the transport send it at once).
+still in cache and lets the transport send it at once). On a GPU it fills the buffer and gives
+the bucket's ws64 in one pass (fill_checksummed): each contiguous float32 run that becomes
+bfloat16 is cast by the checksum's kernel, which adds the run's words while they are in
+registers (ws64_kernels.bucket_ws64); other runs are cast by torch and read back once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from weightsync.plan.rank_plan import RankPlan
 from weightsync.plan.segments import Bucket
 from weightsync.plan.sliced_plan import Part, SliceBucket, SlicedPlan
 from weightsync.transport.checksum import CHUNK
+from weightsync.transport.ws64_kernels import Piece, bucket_ws64, castable
 
 
 class Packer(Protocol):
@@ -44,6 +48,10 @@ class Packer(Protocol):
     def steps(self, bucket: TransferBucket, data) -> Iterator[int]:
         """Write the bucket's bytes into `data` front to back, yielding after each piece of about
         CHUNK bytes how many bytes are written."""
+
+    def fill_checksummed(self, bucket: TransferBucket, data):
+        """fill() and the bucket's ws64 (a 0-dim int64 tensor on data's device), on the current
+        stream, in one pass over the bytes where the kernel casts."""
 
 
 def packer_for(plan: TransferPlan, trainer: int, params: Sequence, starts: Sequence[int] | None = None) -> Packer:
@@ -79,6 +87,19 @@ class RangePacker:
         for offset, length, at in _runs(bucket):
             flat.fill_range(self.layout, self.params, offset, offset + length, data[at:at + length], self.starts)
 
+    def fill_checksummed(self, bucket: Bucket, data):
+        pieces, pos = [], 0
+        for offset, length, at in _runs(bucket):
+            for lo, nbytes, src, dtype in flat.range_parts(self.layout, self.params, offset, offset + length,
+                                                           self.starts):
+                if at + lo > pos:
+                    data[pos:at + lo].zero_()
+                pieces.append(_piece(data, at + lo, nbytes, src, dtype))
+                pos = at + lo + nbytes
+        if pos < bucket.length:
+            data[pos:bucket.length].zero_()
+        return bucket_ws64(data, pieces)
+
     def steps(self, bucket: Bucket, data) -> Iterator[int]:
         """Chunks of exactly CHUNK bytes of the bucket (the last one shorter): delta versions
         compare and keep a bucket chunk by chunk."""
@@ -93,6 +114,17 @@ class RangePacker:
                     break
                 r += 1
             yield b
+
+
+def _piece(data, at: int, nbytes: int, src, dtype) -> Piece:
+    """The bucket's bytes [at, at + nbytes) from the contiguous `src` in `dtype`: cast by the
+    checksum's kernel where it casts them (float32 to bfloat16), else cast here and read back."""
+    import torch
+
+    if dtype == torch.bfloat16 and castable(data, at, src):
+        return Piece(at, nbytes, src)
+    flat.cast_into(data[at:at + nbytes], src, dtype)
+    return Piece(at, nbytes)
 
 
 def _runs(bucket: Bucket) -> list[tuple[int, int, int]]:
@@ -127,6 +159,22 @@ class SlicePacker:
             self._pack(part.tensor, part.box, data[part.at:part.at + part.nbytes])
             pos = part.at + part.nbytes
 
+    def fill_checksummed(self, bucket: SliceBucket, data):
+        pieces, pos = [], 0
+        for part in bucket.parts:
+            if part.at > pos:
+                data[pos:part.at].zero_()
+            src, dtype = self._source(part.tensor, part.box), self.dtypes[part.tensor]
+            if src.is_contiguous():
+                pieces.append(_piece(data, part.at, part.nbytes, src.reshape(-1), dtype))
+            else:  # a strided box: gathered and cast by torch, then read back
+                self._pack(part.tensor, part.box, data[part.at:part.at + part.nbytes])
+                pieces.append(Piece(part.at, part.nbytes))
+            pos = part.at + part.nbytes
+        if pos < bucket.length:
+            data[pos:bucket.length].zero_()
+        return bucket_ws64(data, pieces)
+
     def steps(self, bucket: SliceBucket, data) -> Iterator[int]:
         """Run by run, a large run in pieces of about CHUNK bytes."""
         pos = 0
@@ -138,14 +186,19 @@ class SlicePacker:
                 pos = at + n
                 yield pos
 
-    def _pack(self, tensor: int, box, dest) -> None:
-        """Cast the elements `box` of the global tensor #tensor from this rank's shard into `dest`."""
+    def _source(self, tensor: int, box):
+        """The elements `box` of the global tensor #tensor in this rank's shard (a view)."""
         src = self.params[tensor].detach()
         if box.start:
             first = self.first[tensor]
             index = ((slice(box.start[0] - first, box.stop[0] - first),)
                      + tuple(slice(a, b) for a, b in zip(box.start[1:], box.stop[1:])))
             src = src[index]
+        return src
+
+    def _pack(self, tensor: int, box, dest) -> None:
+        """Cast the elements `box` of the global tensor #tensor from this rank's shard into `dest`."""
+        src = self._source(tensor, box)
         dtype = self.dtypes[tensor]
         if src.is_contiguous():
             flat.cast_into(dest, src.reshape(-1), dtype)

@@ -7,9 +7,10 @@ goes to the one receiver whose slices it holds): each bucket is packed into a se
 and over slices gathered, by pack.py) chunk by chunk and streamed to its peers right behind the
 packing, while earlier buckets are still on the wire (`depth` buffers of one bucket each,
 allocated once and registered with the transport once). A host buffer is hashed chunk by chunk
-while the chunk is in cache; a GPU buffer is packed and hashed (ws64) on a side stream of its
-own, after what the caller's stream did to the parameters, with no device-wide synchronize, so
-the transport's own stream keeps sending the previous bucket meanwhile. Where no cast is needed
+while the chunk is in cache; a GPU buffer is packed and hashed (ws64) in one pass (pack.py's
+fill_checksummed) on a side stream of its own, after what the caller's stream did to the
+parameters, with no device-wide synchronize, so the transport's own stream keeps sending the
+previous bucket meanwhile. Where no cast is needed
 (host tensors in the transfer dtype, a transport that takes them) a whole version's bytes go
 straight from the parameters.
 
@@ -34,7 +35,7 @@ from weightsync.plan.interface import TransferBucket, TransferPlan
 from weightsync.transfer.delta import LastSent
 from weightsync.transfer.pack import Packer, packer_for
 from weightsync.transport.base import Filling, PeersFailed, Sender
-from weightsync.transport.checksum import as_views, bucket_checksum, checksum_of
+from weightsync.transport.checksum import U64, as_views, checksum_of
 
 
 def send_buffers(sender: Sender, params, size: int, count: int) -> list:
@@ -235,14 +236,15 @@ class VersionSender:
         import torch
 
         if data.device.type == "cuda":
-            # the cast and the checksum (ws64, on the GPU) on a stream of their own, after what the
-            # caller's stream did to the parameters; waiting for the checksum waits for that
-            # stream alone, while the transport's own stream still sends the previous bucket
+            # the cast and the checksum (ws64, on the GPU) in one pass (the kernel casts float32
+            # runs to bfloat16 and sums their words while they are in registers), on a stream of
+            # their own, after what the caller's stream did to the parameters; waiting for the
+            # checksum waits for that stream alone, while the transport's own stream still sends
+            # the previous bucket
             stream = self._stream(data.device)
             stream.wait_stream(torch.cuda.current_stream(data.device))
             with torch.cuda.stream(stream):
-                packer.fill(bucket, data)
-                checksum = bucket_checksum(data)
+                checksum = int(packer.fill_checksummed(bucket, data)) & U64
             if self.tamper is not None:
                 first = data[:1].cpu()
                 self.tamper(self.version, memoryview(first.numpy()))

@@ -1,0 +1,43 @@
+"""Buckets for checking the GPU's fused cast and checksum (ws64_kernels.bucket_ws64, through the
+packers' fill_checksummed) against the definition, small enough for Triton's interpreter: a
+layout whose slots sit at offsets that are no word's boundary (4-byte alignment, uint8 slots of
+odd lengths, a float32 slot the kernel does not cast), float32 sources with NaNs, infinities,
+subnormals and rounding ties, and buckets of one run, of several runs, and of a run that starts at
+an odd byte (its bfloat16 runs then land at odd offsets, which torch casts and the kernel reads
+back)."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.segments import Bucket
+
+SHAPES = [("a", (37,)), ("u", (5,), "uint8"), ("b", (300,)), ("c", (3,)), ("q", (7,), "uint8"), ("d", (1000,)),
+          ("s", (2,), "float32"), ("f", (513,)), ("g", (1,))]
+
+
+def layout() -> FlatLayout:
+    return FlatLayout.from_shapes(SHAPES, "bfloat16", align=4)
+
+
+def params(flat: FlatLayout) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for slot in flat.slots:
+        if slot.dtype == "uint8":
+            out.append(torch.randint(0, 256, slot.shape, dtype=torch.uint8, generator=g))
+            continue
+        x = torch.randn(slot.shape, generator=g) * 1e3
+        special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-40, -3e-39, 0.0, -0.0,
+                                1.00390625, 1.01171875])  # the last two: ties, rounded to even down and up
+        x.view(-1)[:min(x.numel(), special.numel())] = special[:x.numel()]
+        out.append(x)
+    return out
+
+
+def buckets(flat: FlatLayout) -> list[Bucket]:
+    total = flat.total_bytes
+    return [Bucket(0, 0, 0, total),  # every slot
+            Bucket(1, 0, 78, 608 + 708, parts=((78, 608), (2000, 708))),  # from inside u; from inside d
+            Bucket(2, 0, 75, 1001)]  # from the odd byte 75 (padding): the bfloat16 runs at odd offsets
