@@ -37,7 +37,12 @@ def params(flat: FlatLayout) -> list[torch.Tensor]:
 
 
 def buckets(flat: FlatLayout) -> list[Bucket]:
-    total = flat.total_bytes
-    return [Bucket(0, 0, 0, total),  # every slot
-            Bucket(1, 0, 78, 608 + 708, parts=((78, 608), (2000, 708))),  # from inside u; from inside d
-            Bucket(2, 0, 75, 1001)]  # from the odd byte 75 (padding): the bfloat16 runs at odd offsets
+    """A bucket of every slot; one of two runs, each from inside one slot to inside another; one
+    from an odd byte (inside u), whose bfloat16 runs then lie at odd offsets."""
+    at = {s.name: s.offset for s in flat.slots}
+    first = (at["u"] + 2, at["c"] + 2 - at["u"] - 2)
+    second = (at["d"] + 1300, at["s"] + 8 - at["d"] - 1300)
+    odd = at["u"] + 1
+    return [Bucket(0, 0, 0, flat.total_bytes),
+            Bucket(1, 0, first[0], first[1] + second[1], parts=(first, second)),
+            Bucket(2, 0, odd, at["d"] + 376 - odd)]

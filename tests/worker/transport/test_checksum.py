@@ -4,7 +4,10 @@ one; it sees a changed, moved or swapped word."""
 
 import pytest
 import torch
+from support import ws64_cases
 
+from weightsync.model.flat import FlatLayout
+from weightsync.transfer.pack import RangePacker
 from weightsync.transport.checksum import GOLDEN, MIX, bucket_checksum, checksum_of, device_checksum
 
 M = (1 << 64) - 1
@@ -68,3 +71,32 @@ def test_ws64_on_a_gpu_equals_ws64_on_the_host(n):
     """Larger than one batch of words (WORDS_AT_ONCE) in the last case."""
     t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     assert int(device_checksum(t.cuda())) == int(device_checksum(t))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none on this machine)")
+@pytest.mark.parametrize("start", [0, 3, 8])
+def test_ws64_on_a_gpu_by_words_and_by_bytes_equals_the_host(start):
+    """Start 0: 64-bit word loads, two at a time; 8: one at a time; 3: bytes."""
+    n = (16 << 20) + 77
+    t = torch.randint(0, 256, (start + n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(start))
+    assert int(device_checksum(t.cuda()[start:])) == int(device_checksum(t[start:].clone()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none on this machine)")
+@pytest.mark.parametrize("scale", [1, 4096])
+def test_a_bucket_cast_and_hashed_on_a_gpu_holds_the_host_casts_bytes_and_their_ws64(scale):
+    """The packer's one pass on the GPU (the fused cast and checksum) against its fill on the
+    host: the same bytes, and their ws64; at scale 4096 its runs span many programs."""
+    small = ws64_cases.layout()
+    layout = FlatLayout.from_shapes([(s.name, (s.shape[0] * scale,), s.dtype) for s in small.slots], "bfloat16", align=4)
+    params = ws64_cases.params(layout)
+    host, gpu = RangePacker(layout, params), RangePacker(layout, [p.cuda() for p in params])
+    for bucket in ws64_cases.buckets(layout):
+        expected = torch.full((bucket.length,), 0xA5, dtype=torch.uint8)
+        host.fill(bucket, expected)
+        got = torch.full((bucket.length,), 0xA5, dtype=torch.uint8, device="cuda")
+        checksum = int(gpu.fill_checksummed(bucket, got))
+        assert torch.equal(got.cpu(), expected), bucket
+        assert checksum == int(device_checksum(expected)), bucket

@@ -7,8 +7,13 @@ Three measurements, each against a baseline taken in the same run, between the s
             most RL frameworks do);
   ipc       the colocated transport (CUDA IPC) moving a version from a trainer to an inference
             process against a device-to-device copy of the same bytes in one process (its ceiling);
-  cast      the GPU cast float32 -> bfloat16 plus the ws64 checksum, as a trainer rank fills a
-            send buffer, against a plain device copy of the bytes it writes.
+  cast      the GPU cast float32 -> bfloat16 plus the ws64 checksum in one pass (the packer's
+            fill_checksummed, as a trainer rank fills a send buffer) against a plain device copy
+            of the bytes it writes;
+  ws64      ws64 of the bytes alone (the receivers' verify, one read of them) against the same
+            device copy.
+--shape takes several shapes (2x2,1x1): each nccl line is against its broadcast, and a last line
+puts the first shape's time per delivered byte against the second's.
 Each line prints the median seconds, the GB/s and the ratio to its baseline. On one GPU every
 process shares it (NCCL then runs over its socket transport, each process naming a host of its
 own): the ratios say what the code costs, not what a cluster's links give. --backend gloo runs
@@ -28,8 +33,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from weightsync.model.flat import FlatLayout, fill_range
-from weightsync.plan.segments import make_plan
+from weightsync.model.flat import FlatLayout
+from weightsync.plan.segments import Bucket, make_plan
+from weightsync.transfer.pack import RangePacker
 from weightsync.transfer.receive import VersionReceiver
 from weightsync.transfer.send import VersionSender
 from weightsync.transport import make_transport
@@ -225,17 +231,21 @@ def _timed(work, reps: int) -> float:
 
 
 def bench_cast(nbytes: int, reps: int) -> tuple[float, float]:
-    """(the GPU cast float32 -> bfloat16 plus ws64 of `nbytes` output bytes, a device copy of them)."""
+    """(the GPU cast float32 -> bfloat16 plus ws64 of `nbytes` output bytes in one pass, a
+    device copy of them)."""
     layout = FlatLayout.from_shapes([("w", (nbytes // 2,))], "bfloat16")
-    src = torch.randn(nbytes // 2, device="cuda")
+    packer = RangePacker(layout, [torch.randn(nbytes // 2, device="cuda")])
+    bucket = Bucket(0, 0, 0, layout.total_bytes)
     dst = torch.empty(layout.total_bytes, dtype=torch.uint8, device="cuda")
     plain = torch.empty_like(dst)
+    return _timed(lambda: packer.fill_checksummed(bucket, dst), reps), _timed(lambda: plain.copy_(dst), reps)
 
-    def cast() -> None:
-        fill_range(layout, [src], 0, layout.total_bytes, dst)
-        device_checksum(dst)
 
-    return _timed(cast, reps), _timed(lambda: plain.copy_(dst), reps)
+def bench_ws64(nbytes: int, reps: int) -> tuple[float, float]:
+    """(ws64 of `nbytes` bytes on the GPU, a device copy of them)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return _timed(lambda: device_checksum(src), reps), _timed(lambda: dst.copy_(src), reps)
 
 
 def line(name: str, nbytes: int, ours: float, baseline: float, against: str) -> str:
@@ -248,12 +258,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mb", type=int, default=1024, help="MiB of one version (default 1024)")
-    p.add_argument("--shape", default="2x2", help="trainers x inference ranks of the nccl measurement (default 2x2)")
+    p.add_argument("--shape", default="2x2", help="trainers x inference ranks of the nccl measurement, or several "
+                                                  "(2x2,1x1: the last line puts the first against the second; "
+                                                  "default 2x2)")
     p.add_argument("--reps", type=int, default=5, help="versions timed per measurement (default 5)")
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                    help="the nccl measurement's backend (gloo: on host tensors, without a GPU)")
     args = p.parse_args(argv)
-    trainers, inferences = (int(x) for x in args.shape.split("x"))
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shape.split(",")]
     nbytes = args.mb << 20
     gpu = torch.cuda.is_available()
     if args.backend == "nccl" and not gpu:
@@ -261,15 +273,24 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name(0) if gpu else "CPU"
-    print(f"GPU data plane, {args.mb} MiB a version, median of {args.reps}, on {where} (torch {torch.__version__})")
-    ours, theirs = bench_nccl(trainers, inferences, nbytes, args.reps, args.backend)
-    print(line(f"nccl {args.shape}" if args.backend == "nccl" else f"gloo {args.shape}", nbytes * inferences, ours, theirs,
-               "broadcast from trainer rank 0"))
+    print(f"GPU data plane, {args.mb} MiB a version, median of {args.reps}, on {where} (torch {torch.__version__})",
+          flush=True)
+    per_byte = []
+    for trainers, inferences in shapes:
+        ours, theirs = bench_nccl(trainers, inferences, nbytes, args.reps, args.backend)
+        per_byte.append(ours / inferences)
+        print(line(f"{args.backend} {trainers}x{inferences}", nbytes * inferences, ours, theirs,
+                   "broadcast from trainer rank 0"), flush=True)
+    if len(shapes) > 1:
+        (m, n), (m1, n1) = shapes[:2]
+        print(f"{args.backend} {m}x{n} against {m1}x{n1}, per byte delivered: ratio {per_byte[1] / per_byte[0]:5.2f}x",
+              flush=True)
     if not gpu:
-        print("ipc and cast need a CUDA GPU: not measured")
+        print("ipc, cast and ws64 need a CUDA GPU: not measured")
         return 0
-    print(line("ipc", nbytes, *bench_ipc(nbytes, args.reps), "device-to-device copy"))
-    print(line("cast", nbytes, *bench_cast(nbytes, args.reps), "device copy"))
+    print(line("ipc", nbytes, *bench_ipc(nbytes, args.reps), "device-to-device copy"), flush=True)
+    print(line("cast", nbytes, *bench_cast(nbytes, args.reps), "device copy"), flush=True)
+    print(line("ws64", nbytes, *bench_ws64(nbytes, args.reps), "device copy"), flush=True)
     return 0
 
 
