@@ -7,9 +7,18 @@
 #
 #   bash tests/gpu/run.sh [all|tests|bench]    # from the repository root (default all)
 #
-# tests and bench run apart where one call may not last long enough for both.
+# tests and bench run apart where one call may not last long enough for both. The whole run keeps
+# within RUN_BUDGET seconds (default 470, under 8 minutes): each step's bound is cut to what the
+# steps after it leave.
 set -uo pipefail
 WHAT=${1:-all}
+START=$(date +%s)
+BUDGET=${RUN_BUDGET:-470}
+# bound WANT SECONDS cut so that KEEP seconds stay for the steps after it (10 at least)
+bound() { local want=$1 left=$(( START + BUDGET - $(date +%s) - $2 )); [ "$left" -lt "$want" ] && want=$left; [ "$want" -lt 10 ] && want=10; echo "$want"; }
+UCCL_DEADLINE=${UCCL_DEADLINE:-60}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
+after_tests=0; [ "$WHAT" = all ] && after_tests=$BENCH_TIMEOUT
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-.gpu/out}
 PY=${PYTHON:-python3}
@@ -46,7 +55,7 @@ $V -c 'from weightsync.model.flat import cast_name; print("host float32 -> bfloa
 
 step "uccl: what loads"
 for mode in rdma tcp; do
-UCCL_P2P_TRANSPORT=${mode/rdma/} timeout 60 $V - <<'PY' 2>&1 | tee -a "$OUT/uccl.txt"
+UCCL_P2P_TRANSPORT=${mode/rdma/} timeout 30 $V - <<'PY' 2>&1 | tee -a "$OUT/uccl.txt"
 import os
 from weightsync.transport import uccl
 reason = uccl.unavailable_reason()
@@ -68,25 +77,26 @@ GPU_TESTS=${GPU_TESTS:-tests/worker/transport/test_checksum.py tests/worker/mode
 # it still writes the JUnit XML of what ran; pytest-xdist, where the machine has it, runs
 # GPU_WORKERS tests at a time (they share the one GPU)
 parallel=$($V -c 'import xdist' 2>/dev/null && echo "-n ${GPU_WORKERS:-4}")
-timeout -s INT -k 30 "${TESTS_DEADLINE:-600}" $V -m pytest -v -ra -m gpu -p no:cacheprovider $parallel \
+timeout -s INT -k 15 "$(bound "${TESTS_DEADLINE:-210}" $(( UCCL_DEADLINE + after_tests + 20 )))" $V -m pytest -v -ra -m gpu -p no:cacheprovider $parallel \
   --timeout "${TEST_TIMEOUT:-120}" --junitxml "$OUT/gpu-tests.xml" $GPU_TESTS 2>&1 | tee "$OUT/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 
 step "uccl in its TCP mode (over NCCL, which it loads itself)"
 export UCCL_NCCL_SO=$($V -c 'import glob, site; print((glob.glob(site.getsitepackages()[0] + "/nvidia/nccl/lib/libnccl.so*") or [""])[0])')
 echo "UCCL_NCCL_SO=$UCCL_NCCL_SO"
-UCCL_P2P_TRANSPORT=tcp timeout -s INT -k 10 "${UCCL_DEADLINE:-180}" $V -m pytest -v -ra -m gpu -p no:cacheprovider \
+UCCL_P2P_TRANSPORT=tcp timeout -s INT -k 10 "$(bound "$UCCL_DEADLINE" $(( after_tests + 10 )))" $V -m pytest -v -ra -m gpu -p no:cacheprovider \
   --timeout "${TEST_TIMEOUT:-120}" \
   tests/worker/transport/test_transports_gpu.py -k uccl 2>&1 | tee "$OUT/uccl-tcp.log"
 fi
 
 if [ "$WHAT" != tests ]; then
 step "GPU benchmark"
-for shape in 2x2 1x1; do
-  timeout "${BENCH_TIMEOUT:-240}" $V -m weightsync.cli bench --gpu --mb "${BENCH_MB:-1024}" --shape $shape --reps 5 2>&1 \
-    | tee "$OUT/bench-gpu-$shape.txt"
-done
+# one run, so that every ratio has its baseline from the same processes: nccl 2x2 and 1x1 each
+# against a broadcast, 2x2 against 1x1, ipc against a device-to-device copy, the fused cast and
+# checksum and ws64 alone against a device copy
+timeout "$(bound "$BENCH_TIMEOUT" 5)" $V -m weightsync.cli bench --gpu --mb "${BENCH_MB:-512}" --shape 2x2,1x1 --reps 5 2>&1 \
+  | tee "$OUT/bench-gpu.txt"
 fi
 
-step "done: GPU tests exited $tests; logs in $OUT"
+step "done in $(( $(date +%s) - START )) s: GPU tests exited $tests; logs in $OUT"
 exit "$tests"
