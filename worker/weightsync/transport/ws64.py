@@ -59,11 +59,15 @@ def definition(data):
     return finish(total, n)
 
 
-def word_terms(words, first: int):
-    """mix(w_i + (i + 1) * GOLDEN) of int64 words at positions first, first + 1, ... (a tensor)."""
+def word_terms(words, first):
+    """mix(w_i + (i + 1) * GOLDEN) of int64 words at positions first, first + 1, ... (a tensor);
+    or, where `first` is an int64 tensor, at the positions it holds."""
     import torch
 
-    position = torch.arange(first + 1, first + 1 + words.numel(), dtype=torch.int64, device=words.device)
+    if isinstance(first, int):
+        position = torch.arange(first + 1, first + 1 + words.numel(), dtype=torch.int64, device=words.device)
+    else:
+        position = first + 1
     position *= signed64(GOLDEN)
     return mix(position.add_(words))
 

@@ -131,9 +131,9 @@ def bucket_ws64(bucket, pieces: Sequence[Piece]):
             kernels()["byte_sums"][(count,)](bucket, sums[at:], first, owned_end, limit,
                                              block_words=BLOCK_WORDS, **CONSTANTS)
     total = sums.sum()
-    zero = _untouched(touched, -(-n // 8))
-    if zero:  # words of zeros alone: their terms, on the host
-        total += signed64(sum(int(word_terms(torch.zeros(e - f, dtype=torch.int64), f).sum()) for f, e in zero))
+    zero = [w for first, end in _untouched(touched, -(-n // 8)) for w in range(first, end)]
+    if zero:  # words of zeros alone (padding): their terms, at once on the host
+        total += signed64(int(word_terms(torch.zeros(len(zero), dtype=torch.int64), torch.tensor(zero)).sum()))
     return finish(total, n)
 
 
