@@ -46,3 +46,15 @@ def buckets(flat: FlatLayout) -> list[Bucket]:
     return [Bucket(0, 0, 0, flat.total_bytes),
             Bucket(1, 0, first[0], first[1] + second[1], parts=(first, second)),
             Bucket(2, 0, odd, at["d"] + 376 - odd)]
+
+
+def sliced():
+    """(packer, buckets) of trainer rank 0 of a version over slices (slice_peer's model in
+    bfloat16 from float32 rows, two trainer shards, TP 2 and 1): boxes of rows (contiguous, the
+    kernel casts them) and of columns (strided, gathered by torch), at the receivers' offsets."""
+    from support import slice_peer
+    from weightsync.transfer.pack import packer_for
+
+    _, plan = slice_peer.make(slice_peer.parser().parse_args(["--shard", "2", "--dtype", "bfloat16"]))
+    local = [t[a:b].clone() for t, (a, b) in zip(slice_peer.full_tensors(1), plan.holdings[0].rows)]
+    return packer_for(plan, 0, local), plan.buckets_of(0)

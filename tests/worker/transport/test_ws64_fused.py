@@ -1,8 +1,9 @@
 """The fused ws64 kernels (transport/ws64_kernels.py) give the definition's value (ws64.definition,
 pinned to the definition's text in test_checksum.py), run by Triton's interpreter on CPU tensors:
 a whole range of any length and start address, by 64-bit word loads where the start is 8-byte
-aligned and by bytes elsewhere; and a trainer's bucket cast and hashed in one pass (the packer's
-fill_checksummed), whose bytes are the host cast's and whose ws64 is that of those bytes. The
+aligned and by bytes elsewhere; and a trainer's bucket cast and hashed in one pass (the packers'
+fill_checksummed, of runs of the flat layout and of boxes over slices), whose bytes are the host
+cast's and whose ws64 is that of those bytes. The
 kernels compile for the GPUs they are for (sm_90: H100, H200) on this machine, GPU-less, with the
 compiler Triton ships, and the word path's machine code loads 64-bit words. On a GPU,
 test_checksum.py and the transports' GPU tests compare them with the host's values.
@@ -55,6 +56,11 @@ packer = RangePacker(layout, ws64_cases.params(layout))
 for b in ws64_cases.buckets(layout):
     bucket = torch.full((b.length,), 0xA5, dtype=torch.uint8)  # what a send buffer held before
     out[f"bucket {b.index}"] = [int(packer.fill_checksummed(b, bucket)) & U64, xxhash.xxh3_64_intdigest(bucket.numpy())]
+packer, buckets = ws64_cases.sliced()
+out["sliced"] = []
+for b in buckets:
+    bucket = torch.full((b.length,), 0xA5, dtype=torch.uint8)
+    out["sliced"].append([int(packer.fill_checksummed(b, bucket)) & U64, xxhash.xxh3_64_intdigest(bucket.numpy())])
 print(json.dumps(out))
 """
 
@@ -132,6 +138,18 @@ def test_a_bucket_cast_and_hashed_in_one_pass_holds_the_host_casts_bytes_and_the
     checksum, content = interpreted[f"bucket {index}"]
     assert content == xxhash.xxh3_64_intdigest(host.numpy())
     assert checksum == value(host)
+
+
+def test_buckets_over_slices_cast_and_hashed_in_one_pass_hold_the_host_casts_bytes_and_their_ws64(interpreted):
+    """Boxes of rows, which the kernel casts, and strided boxes of columns, which torch gathers and
+    the kernel reads back."""
+    packer, buckets = ws64_cases.sliced()
+    expected = []
+    for b in buckets:
+        host = torch.full((b.length,), 0xA5, dtype=torch.uint8)
+        packer.fill(b, host)
+        expected.append([value(host), xxhash.xxh3_64_intdigest(host.numpy())])
+    assert interpreted["sliced"] == expected
 
 
 def test_the_fused_kernels_compile_for_the_gpus_they_are_for_with_word_loads(tmp_path):
