@@ -55,10 +55,12 @@ def test_the_gpu_bench_runs_its_point_to_point_measurement_over_gloo_and_says_wh
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the GPU run measures it (tests/gpu/run.sh)")
     assert command("bench", "--gpu").returncode == 2  # without a GPU, only --backend gloo
-    out = command("bench", "--gpu", "--backend", "gloo", "--mb", "4", "--reps", "1", "--shape", "2x1")
+    out = command("bench", "--gpu", "--backend", "gloo", "--mb", "4", "--reps", "1", "--shape", "2x1,1x1")
     assert out.returncode == 0, out.stderr
-    assert re.search(r"gloo 2x1 .* ms .* broadcast from trainer rank 0: .* ratio +[0-9.]+x", out.stdout), out.stdout
-    assert "ipc and cast need a CUDA GPU: not measured" in out.stdout
+    for shape in ("2x1", "1x1"):
+        assert re.search(rf"gloo {shape} .* ms .* broadcast from trainer rank 0: .* ratio +[0-9.]+x", out.stdout), out.stdout
+    assert re.search(r"gloo 2x1 against 1x1, per byte delivered: ratio +[0-9.]+x", out.stdout), out.stdout
+    assert "ipc, cast and ws64 need a CUDA GPU: not measured" in out.stdout
 
 
 def test_bench_refuses_a_link_rate_it_cannot_read():
