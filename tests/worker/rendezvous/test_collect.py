@@ -25,13 +25,21 @@ def test_a_receivers_record_set_while_the_controller_looks_at_it_is_read_not_los
     assert host.next_version(1)
     rnd = host.start_round(1)
     key = Keys.applied(1, 0, inference.attempt)
-    looked = host.has
+    watch_of = host.store.arrivals
 
-    def has(k: str) -> bool:
-        there = looked(k)
-        if k == key and not there:  # the record lands right after this look
-            inference.set(key, Applied("digest-0"))
-        return there
+    def arrivals(keys):
+        watch = watch_of(keys)
+        take = watch.take
 
-    monkeypatch.setattr(host, "has", has)
+        def look(timeout: float) -> list[str]:
+            come = take(timeout)
+            if key not in come and not host.has(key):  # the record lands right after this look, before the roster's
+                inference.set(key, Applied("digest-0"))
+            return come
+
+        watch.take = look
+        return watch
+
+    monkeypatch.setattr(host.store, "arrivals", arrivals)
     assert host.collect_applied(rnd, 10.0) == {0: Applied("digest-0")}
+    assert not host.store._arrivals  # the controller's watch of the round's keys is gone with the round

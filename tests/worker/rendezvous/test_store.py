@@ -99,6 +99,25 @@ def test_waits_end_at_their_deadline_naming_the_keys(server):
     c.wait(["soon"], datetime.timedelta(seconds=5))
 
 
+def test_the_hosts_watch_hands_out_each_key_once_as_it_is_set(server):
+    c = client(server)
+    c.set("r/0", b"early")
+    with server.arrivals(["r/0", "r/1", "r/2"]) as watch:
+        assert watch.take(0.0) == ["r/0"]  # set before the watch: handed out first
+        assert watch.take(0.05) == []  # nothing more: the wait ends at its deadline
+        threading.Timer(0.1, lambda: c.set("r/2", b"late")).start()
+        assert watch.take(5.0 + SLACK) == ["r/2"]  # the wait ends as a key is set, not at its deadline
+        c.set("other", b"x")
+        c.set("r/1", b"1")
+        c.set("r/1", b"1 again")
+        assert watch.take(0.0) == ["r/1"]  # once, however often it was set since the last take
+    assert not server._arrivals  # closed: nothing watched any more
+    c.set("r/0", b"after")
+    server.close()
+    with server.arrivals(["r/9"]) as closed:
+        assert closed.take(5.0 + SLACK) == []  # a closing store ends the wait at once
+
+
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), float("-inf")])
 def test_a_wait_of_no_number_of_seconds_is_refused_at_once(server, seconds):
     """A token holder's get or wait with a NaN or infinite timeout is an error, not a server thread

@@ -98,10 +98,12 @@ class Host(Protocol):
     def check_failures(self, trainers: bool = True) -> None: ...
     def there(self, rank: int) -> bool: ...
     def proven(self, role: str, rank: int, attempt: int) -> Admission | None: ...
-    def started_again(self, role: str, rank: int) -> int | None: ...
+    def peek(self, keys: list[str]) -> list[bytes | None]: ...
+    def look(self, ranks: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int | None]]: ...
+    def started_since(self, role: str, rank: int, started: int) -> int | None: ...
     def trainer_started(self, rank: int, started: int, now: float) -> None: ...
     def follow_scale(self) -> None: ...
-    def silent_for(self, role: str, rank: int, now: float) -> float: ...
+    def silence(self, role: str, rank: int, count: int | None, now: float) -> float: ...
 
 
 class Joining:
@@ -133,8 +135,10 @@ class Joining:
                 host.last_watch = now
                 host.follow_scale()
                 self._follow(now)
-            for role, rank in self.expected():
-                if (role, rank) not in admitted:
+            waiting = [r for r in self.expected() if r not in admitted]
+            proofs = host.peek([Keys.published("proof", *r, host.attempts[r]) for r in waiting])
+            for (role, rank), proof in zip(waiting, proofs):  # every proof looked for in one read of the store
+                if proof is not None:
                     got = host.proven(role, rank, host.attempts[(role, rank)])
                     if got is not None:
                         admitted[(role, rank)] = got
@@ -170,8 +174,10 @@ class Joining:
         that went silent, joined or not, fails the job within its limit, naming it; an inference
         rank that has not joined has away_limit to start again)."""
         host, admitted, notes = self.host, self.admitted, self.notes
-        for role, rank in self.expected():
-            started = host.started_again(role, rank)
+        expected = self.expected()
+        looked = host.look(expected)  # every rank's starts and heartbeats in one read of the store
+        for role, rank in expected:
+            started = host.started_since(role, rank, looked[(role, rank)][0])
             if started is not None:
                 if role == TRAINER:
                     host.trainer_started(rank, started, now)
@@ -184,7 +190,7 @@ class Joining:
                     host.say(f"{who(role, rank)} {notes[(role, rank)]}")
             if (role, rank) in admitted and role != TRAINER:
                 continue  # an inference rank that stops now is seen by its start again, or in the first round
-            silent = host.silent_for(role, rank, now)
+            silent = host.silence(role, rank, looked[(role, rank)][1], now)
             if silent > host.limit_for(role):
                 when = "after it joined, while the others join" if (role, rank) in admitted else "while joining"
                 why = f"no heartbeat for {silent:.0f}s {when} (its process died, froze, or lost the network)"

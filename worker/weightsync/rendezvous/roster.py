@@ -90,6 +90,7 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         self.failures_seen = 0
         self.deferred = False  # a trainer rank's failure seen while only the inference ranks were checked
         self.beats: dict[tuple[str, int], Beat] = {}
+        self._looks: dict[tuple, list[str]] = {}  # the keys Watching.look reads, by the ranks it looks at
         self.departures: dict[int, int] = {}  # {a TP replica's first rank: the times it went away} (Keys.replica)
         self.last_watch = 0.0
         for role, rank in self.ranks:
@@ -132,7 +133,10 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
     def started_again(self, role: str, rank: int) -> int | None:
         """The rank's start count where its process started again since the last look (recorded
         as its attempt), else None."""
-        started = self.store.add(Keys.join(role, rank), 0)
+        return self.started_since(role, rank, self.store.add(Keys.join(role, rank), 0))
+
+    def started_since(self, role: str, rank: int, started: int) -> int | None:
+        """As started_again, the rank's starts read as `started` (Watching.look)."""
         if started <= self.counted(role, rank):
             return None
         self.attempts[(role, rank)] = started

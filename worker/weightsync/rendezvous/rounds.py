@@ -146,31 +146,41 @@ class Rounds:
         return self._collect(rnd, Keys.staged, Staged.from_json, "receive and verify", timeout)
 
     def _collect(self, rnd: Round, key_of, read, what: str, timeout: float) -> dict:
-        """Each pending receiver's key, read as it is set: the wait blocks in the store until one of
-        them is (at most COLLECT_WAIT, to keep the roster), never polling every rank's key in a loop,
-        which at a thousand receivers took the CPU the store needs to serve them."""
+        """Each pending receiver's record, read once as it is set: the store hands the controller
+        the keys set since its last look (Table.arrivals), and the wait blocks in the store until one
+        is (at most COLLECT_WAIT, to keep the roster). Neither every rank's key polled in a loop,
+        which at a thousand receivers took the CPU the store needs to serve them, nor every pending
+        key looked at again at each record's arrival, which made a round's collection grow with the
+        square of its receivers."""
         pending = dict(self.in_round)
+        records = {key_of(rnd.version, r, attempt): r for r, attempt in pending.items()}
+        # staged: a load ahead that failed says so as applied, which ends the wait for that rank
+        ahead = {} if key_of is Keys.applied else \
+            {Keys.applied(rnd.version, r, attempt): r for r, attempt in pending.items()}
         got = {}
-        start = time.monotonic()
-        while True:
-            for r, attempt in list(pending.items()):
-                key = key_of(rnd.version, r, attempt)
-                if self.has(key):
-                    got[r] = read(self.get(key))
-                    del pending[r]
-                elif self.seats[r].attempt != attempt or self.seats[r].state != SERVING or \
-                        (key_of is not Keys.applied and self.has(Keys.applied(rnd.version, r, attempt))):
-                    del pending[r]  # staged: its load ahead failed (an applied key set meanwhile is read next)
-            if not pending:
-                return got
-            self.check_ranks(trainers=not self.resuming)  # sent: the round needs them no more
-            if time.monotonic() - start > timeout:
-                raise TimedOut(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
+        start = looked = time.monotonic()
+        with self.store.arrivals([*records, *ahead]) as arrivals:
+            come = arrivals.take(0.0)
+            while True:
+                for key in come:
+                    if (r := records.get(key)) is not None and r in pending:
+                        got[r] = read(self.get(key))
+                        del pending[r]
+                for key in come:  # after the records: a rank's staged record stands where both came
+                    if (r := ahead.get(key)) is not None:
+                        pending.pop(r, None)  # (its applied record is read next)
+                if pending and (not come or time.monotonic() - looked >= COLLECT_WAIT):
+                    looked = time.monotonic()  # the roster, at most every COLLECT_WAIT while records come
+                    for r, attempt in list(pending.items()):
+                        if self.seats[r].attempt != attempt or self.seats[r].state != SERVING:
+                            del pending[r]  # a record set since the take above stays pending: read at the next
+                if not pending:
+                    return got
+                self.check_ranks(trainers=not self.resuming)  # sent: the round needs them no more
+                if time.monotonic() - start > timeout:
+                    raise TimedOut(f"waited {timeout:.0f}s for the inference ranks to {what} {rnd.name} "
                                    f"({', '.join(who(INFERENCE, r) for r in sorted(pending))} did not)")
-            keys = [key_of(rnd.version, r, attempt) for r, attempt in pending.items()]
-            if key_of is not Keys.applied:  # (staged: a load ahead that failed says so as applied)
-                keys += [Keys.applied(rnd.version, r, attempt) for r, attempt in pending.items()]
-            self.store.wait_any(keys, COLLECT_WAIT)
+                come = arrivals.take(COLLECT_WAIT)
 
     def gone(self, ranks: Iterable[int], within: float) -> bool:
         """Whether every inference rank of `ranks` left the round on its way (counted away, or

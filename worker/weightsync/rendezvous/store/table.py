@@ -87,6 +87,7 @@ class Table:
         # for its keys alone. One condition for all would wake every waiting client at every set,
         # and a job's every heartbeat is a set: N ranks waiting, N beats a second, N^2 wake-ups.
         self._waiting: dict[bytes, set[threading.Condition]] = {}
+        self._arrivals: dict[bytes, set[Arrivals]] = {}  # the in-process watches of keys' sets, by key
         self._closing = False
 
     @property
@@ -124,6 +125,8 @@ class Table:
             self._data[key] = value
             for waiter in self._waiting.get(key, ()):
                 waiter.notify()
+            for watch in self._arrivals.get(key, ()):
+                watch.arrived(key)
 
     def _await(self, keys: list[bytes], timeout, what: str, stops: list[bytes] = ()) -> None:
         """Wait, holding the lock, until every key is set, or one of `stops` is; StoreTimeout past
@@ -167,6 +170,28 @@ class Table:
         with self._lock:
             return self._wait_for(keys, min(max(timeout, 0.0), MAX_WAIT), every=False) and any(k in self._data for k in keys)
 
+    def arrivals(self, keys) -> Arrivals:
+        """A watch of `keys` that hands out each of them once it is set (those set already first):
+        for the store's own process (the controller collecting a round's records from a thousand
+        ranks), which reads each record as it comes, never every key again at each one's arrival.
+        Close it (or use it as a context manager) once done."""
+        watch = Arrivals(self, [as_bytes(k) for k in keys])
+        with self._lock:
+            for k in watch.keys:
+                self._arrivals.setdefault(k, set()).add(watch)
+                if k in self._data:
+                    watch.come.append(k)
+        return watch
+
+    def _unwatch(self, watch: Arrivals) -> None:
+        with self._lock:
+            for k in watch.keys:
+                watches = self._arrivals.get(k)
+                if watches is not None:
+                    watches.discard(watch)
+                    if not watches:
+                        del self._arrivals[k]
+
     def end_waits(self) -> None:
         """The store is closing: every wait ends now (and every later one at once)."""
         with self._lock:
@@ -174,6 +199,9 @@ class Table:
             for waiters in self._waiting.values():
                 for waiter in waiters:
                     waiter.notify_all()
+            for watches in self._arrivals.values():
+                for watch in watches:
+                    watch.ready.notify_all()
 
     @property
     def waits(self) -> int:
@@ -264,3 +292,35 @@ class Table:
             raise StoreError(f"multi_set: {len(keys)} keys but {len(values)} values")
         with self._lock:
             self._put([(as_bytes(k), as_bytes(v)) for k, v in zip(keys, values)])
+
+
+class Arrivals:
+    """Keys of a Table handed out as they are set (Table.arrivals), each once."""
+
+    def __init__(self, table: Table, keys: list[bytes]):
+        self.table, self.keys = table, keys
+        self.come: list[bytes] = []  # set since the last take
+        self.ready = threading.Condition(table._lock)
+
+    def arrived(self, key: bytes) -> None:
+        """`key` was set (the table's lock held)."""
+        self.come.append(key)
+        self.ready.notify()
+
+    def take(self, timeout: float) -> list[str]:
+        """The keys set since the last take (each once), waiting up to `timeout` seconds for one;
+        [] past it, or once the store closes."""
+        with self.ready:
+            if not self.come and not self.table._closing:
+                self.ready.wait(min(max(timeout, 0.0), MAX_WAIT))
+            come, self.come = self.come, []
+        return [k.decode() for k in dict.fromkeys(come)]
+
+    def close(self) -> None:
+        self.table._unwatch(self)
+
+    def __enter__(self) -> Arrivals:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
