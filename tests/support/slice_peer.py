@@ -30,8 +30,9 @@ from weightsync.plan.boxes import Box, RankSlices, Slice, Slicing, chunk_bounds,
 from weightsync.plan.holders import Holdings
 from weightsync.plan.sliced_plan import SlicedPlan, global_tensors
 from weightsync.plan.tp_needs import tp_needs
-from weightsync.transfer.receive import VersionReceiver, version_digest
+from weightsync.transfer.receive import VersionReceiver
 from weightsync.transfer.send import VersionSender
+from weightsync.transfer.sums import version_digest
 from weightsync.transport import TransferError, make_transport
 
 # A small model's tensors under a TP plan of every style that shards: uneven sizes throughout

@@ -29,8 +29,9 @@ from weightsync.model.flat import FlatLayout, byte_view, torch_dtype, views
 from weightsync.plan.holders import Holdings, plan_by_holder
 from weightsync.plan.segments import make_plan
 from weightsync.runtime.faults import tamper_hook
-from weightsync.transfer.receive import VersionReceiver, version_digest
+from weightsync.transfer.receive import VersionReceiver
 from weightsync.transfer.send import VersionSender
+from weightsync.transfer.sums import version_digest
 from weightsync.transport import RankContext, TransferError, make_transport, options_for
 
 

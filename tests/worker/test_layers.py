@@ -269,7 +269,7 @@ name = loader.__name__
 
 def test_nothing_outside_the_rendezvous_pairs_a_key_with_a_record():
     """A store key and the record written or read under it are paired once, in rendezvous/ (a verb
-    of Member, Host or Channel: say_staged, say_applied, reference_of, ...): a module outside it
+    of Member, Host or Channel: say_staged, say_applied, publish_reference, ...): a module outside it
     that set or got a value under Keys.<...> would pair them a second time, by hand."""
     wrong = []
     for name, path in MODULES.items():

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from weightsync.job import API_VERSION, KIND, Layout, load_job, reasons
+from weightsync.job.errors import JobFailed
 from weightsync.rendezvous import protocol as rendezvous
 from weightsync.rendezvous.messages import (
     Admission,
@@ -375,12 +376,12 @@ def test_waiting_times_out_naming_what_it_waited_for(host):
 def test_a_versions_keys_are_forgotten_but_not_its_record():
     host, _ = started()
     host.seats[1].attempt = 2  # inference rank 1 restarted once: both its attempts' keys go
-    keys = [Keys.go(0), Keys.ref(0), Keys.ready(0, 1), Keys.sent(0, 0, 1), Keys.applied(0, 0, 1),
-            Keys.applied(0, 1, 1), Keys.applied(0, 1, 2), Keys.done(0), Keys.go(1), Keys.ready(1, 0)]
+    keys = [Keys.go(0), Keys.ref(0), Keys.ref_of(0, 1), Keys.ready(0, 1), Keys.sent(0, 0, 1), Keys.applied(0, 0, 1),
+            Keys.applied(0, 1, 1), Keys.applied(0, 1, 2), Keys.done(0), Keys.go(1), Keys.ref_of(1, 1), Keys.ready(1, 0)]
     for key in keys:
         host.set(key, Mark())
     host.forget(0)
-    assert [host.has(k) for k in keys] == [False] * 7 + [True] * 3
+    assert [host.has(k) for k in keys] == [False] * 8 + [True] * 4
 
 
 def test_an_endless_job_keeps_a_bounded_number_of_keys():
@@ -395,7 +396,7 @@ def test_an_endless_job_keeps_a_bounded_number_of_keys():
         for t in range(2):
             host.set(Keys.ready(version, t), Ready())
             host.set(Keys.sent(version, 0, t), SentReport(0, 0.0))
-        host.set(Keys.ref(version), Reference(receivers={}))
+        host.publish_reference(rnd, Reference("0" * 64), carried=True)
         for r in rnd.receivers:
             host.set(Keys.applied(version, r, 1), Applied(""))
         host.set(Keys.done(version), Done({}))
@@ -477,3 +478,19 @@ def test_a_trainer_that_attached_another_model_is_the_rank_blamed_not_the_infere
         same_models(job, {("trainer", 0): Admission("t", right, info), ("inference", 0): Admission("i", wrong, info)})
     assert same_models(job, {("trainer", 0): Admission("t", right, info), ("inference", 0): Admission("i", right, info)}) \
         .to_json() == right
+
+
+def test_each_receiver_reads_its_own_reference_and_a_repeat_must_carry_the_same_digests():
+    host, _ = started()
+    rnd = host.start_round(0)
+    assert host.publish_reference(rnd, Reference(receivers={0: "a" * 64}), carried=False) is None
+    assert not host.has(Keys.ref(0)) and not host.has(Keys.ref_of(0, 0))  # the round reached no one
+    host.publish_reference(rnd, Reference(receivers={0: "a" * 64, 1: "b" * 64}), carried=True)
+    assert [host.get(Keys.ref_of(0, r)) for r in (0, 1)] == [b"a" * 64, b"b" * 64]
+    assert Reference.from_json(host.get(Keys.ref(0))).receivers == {0: "a" * 64, 1: "b" * 64}
+    again = dataclasses.replace(rnd, again=1, receivers=(1,))
+    host.publish_reference(again, Reference(receivers={1: "b" * 64}), carried=True)
+    with pytest.raises(JobFailed, match="inference rank 1 with digest cccc.* not the bbbb") as failed:
+        host.publish_reference(again, Reference(receivers={1: "c" * 64}), carried=True)
+    assert failed.value.reason == reasons.VERIFICATION_FAILED
+    assert host.get(Keys.ref_of(0, 1)) == b"b" * 64

@@ -24,8 +24,9 @@ from weightsync.bench.trained import TrainedVersions
 from weightsync.model.flat import FlatLayout, fill_range, views
 from weightsync.plan.segments import make_plan
 from weightsync.runtime.rank import without_triton
-from weightsync.transfer.receive import VersionReceiver, settle_heap, version_digest
+from weightsync.transfer.receive import VersionReceiver, settle_heap
 from weightsync.transfer.send import VersionSender
+from weightsync.transfer.sums import version_digest
 from weightsync.transport import make_transport
 from weightsync.transport.checksum import CHUNK
 from weightsync.transport.landing import RECV_CHUNK

@@ -30,7 +30,8 @@ from weightsync.rendezvous.plan_shares import own_share
 from weightsync.rendezvous.protocol import JobEnded, Keys, Member, ProofError
 from weightsync.runtime.inbound import receive_rounds
 from weightsync.runtime.rank import JOIN_TIMEOUT
-from weightsync.transfer.receive import ReceivedVersion, version_digest
+from weightsync.transfer.receive import ReceivedVersion
+from weightsync.transfer.sums import version_digest
 
 ALL = -1  # the receiver of a bucket every inference rank receives (a plan of whole versions)
 

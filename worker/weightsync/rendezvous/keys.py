@@ -84,6 +84,12 @@ class Keys:
         return f"ref/{version}"
 
     @staticmethod
+    def ref_of(version: int, rank: int) -> str:
+        """controller: the digest inference rank `rank` must have for `version`, its own entry of
+        Keys.ref: a receiver reads it, not every receiver's digests."""
+        return f"ref/{version}/{rank}"
+
+    @staticmethod
     def applied(version: int, rank: int, attempt: int) -> str:
         """inference: received, verified and switched to `version` (in that attempt)."""
         return f"applied/{version}/{rank}/{attempt}"

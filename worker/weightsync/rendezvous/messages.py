@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Protocol
 
 from weightsync.job import reasons
+from weightsync.transfer.sums import Sums
 
 
 class Record(Protocol):
@@ -169,8 +170,8 @@ class SentReport:
 
     bytes: int  # its share of the version
     seconds: float
-    checksums: Mapping[int, int] = field(default_factory=dict)  # {offset: xxh3_64} of its buckets
-    # over slices: {receiver: {offset: xxh3_64}} of each receiver's own buckets
+    checksums: Mapping[int, int] = field(default_factory=dict)  # {offset: xxh3_64} of its buckets (Sums once read)
+    # over slices: {receiver: {offset: xxh3_64}} of each receiver's own buckets (Sums once read)
     receiver_checksums: Mapping[int, Mapping[int, int]] = field(default_factory=dict)
     step: int | None = None  # the training step of the version (None: a training script that did not say)
     loss: float | None = None
@@ -181,16 +182,17 @@ class SentReport:
 
     def to_json(self) -> str:
         return json.dumps({"bytes": self.bytes, "seconds": self.seconds, "step": self.step, "loss": self.loss,
-                           "checksums": _keyed(self.checksums),
-                           "receiver_checksums": {str(r): _keyed(by) for r, by in self.receiver_checksums.items()},
+                           "checksums": Sums.of(self.checksums).to_text(),
+                           "receiver_checksums": {str(r): Sums.of(by).to_text()
+                                                  for r, by in self.receiver_checksums.items()},
                            "lost": _keyed(self.lost), "wire_bytes": self.wire_bytes, "changed": self.changed,
                            "compared": self.compared})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> SentReport:
         obj = json.loads(text)
-        return cls(obj["bytes"], obj["seconds"], _unkeyed(obj["checksums"]),
-                   {int(r): _unkeyed(by) for r, by in obj["receiver_checksums"].items()}, obj["step"], obj["loss"],
+        return cls(obj["bytes"], obj["seconds"], Sums.from_text(obj["checksums"]),
+                   {int(r): Sums.from_text(by) for r, by in obj["receiver_checksums"].items()}, obj["step"], obj["loss"],
                    _unkeyed(obj["lost"]), obj["wire_bytes"], obj["changed"], obj["compared"])
 
 

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Iterable, Mapping
 
 from weightsync.job import INFERENCE, TRAINER, reasons
-from weightsync.job.errors import TimedOut
+from weightsync.job.errors import JobFailed, TimedOut
 from weightsync.rendezvous.join_phase import RankFailed
 from weightsync.rendezvous.last_word import hear_out
 from weightsync.rendezvous.messages import (
@@ -69,14 +69,6 @@ class Rounds:
     def say_dropped(self, version: int, why: str) -> None:
         """`version` is dropped on its way: its receivers take none of it (Following.check_dropped)."""
         self.set(Keys.dropped(version), Text(why))
-
-    def reference_of(self, version: int) -> Reference | None:
-        """The digests the first sending of `version` that reached a rank carried; None before one."""
-        return Reference.from_json(self.get(Keys.ref(version))) if self.has(Keys.ref(version)) else None
-
-    def say_reference(self, version: int, reference: Reference) -> None:
-        """What the receivers of `version`, and every repeat of it, check what they got against."""
-        self.set(Keys.ref(version), reference)
 
     def say_unloaded(self, version: int, rank: int) -> None:
         """Inference rank `rank`'s server does not load `version`: the rank discards what it staged."""
@@ -227,6 +219,25 @@ class Rounds:
     def rejoins(self) -> int:
         return sum(s.rejoins for s in self.seats.values())
 
+    def publish_reference(self, rnd: Round, reference: Reference, carried: bool) -> None:
+        """Publish what `rnd`'s receivers check their digests against: each receiver's own digest
+        under a key of its own (Keys.ref_of), the whole reference (Keys.ref) for the controller's
+        repeats. The first sending that reached a rank (carried) sets it; a repeat must carry the
+        same digest to every receiver that had one, and gives theirs to the others.
+        JobFailed (VERIFICATION_FAILED) where a repeat carries another digest."""
+        first = Reference.from_json(self.get(Keys.ref(rnd.version))) if self.has(Keys.ref(rnd.version)) else None
+        if first is None and not carried:
+            return
+        for r in rnd.receivers if first is not None else ():
+            was, now = first.of(r), reference.of(r)
+            if was is not None and was != now:
+                raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not "
+                                f"the {was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
+        own = [(r, reference.of(r)) for r in rnd.receivers if reference.of(r) is not None]
+        self.store.multi_set([Keys.ref_of(rnd.version, r) for r, _ in own], [d for _, d in own])
+        if first is None:
+            self.set(Keys.ref(rnd.version), reference)
+
     def forget(self, version: int) -> None:
         """Delete the keys of `version`'s first sending but its record (done), and the record of
         the version RECORDS_KEPT before it: the store bounds what it holds, and an endless job must
@@ -237,6 +248,7 @@ class Rounds:
         keys += [k for t in range(trainers) for k in (Keys.ready(version, t), Keys.sent(version, 0, t))]
         keys += [key(version, r, a) for r, seat in self.seats.items() for a in range(1, seat.attempt + 1)
                  for key in (Keys.staged, Keys.applied, Keys.unloaded)]
+        keys += [Keys.ref_of(version, r) for r in self.seats]
         if version >= RECORDS_KEPT:  # a record is read by the trainers the version after it, by a bench later
             keys.append(Keys.done(version - RECORDS_KEPT))
         for key in keys:

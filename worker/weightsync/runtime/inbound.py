@@ -28,7 +28,7 @@ from typing import Protocol
 from weightsync.job import INFERENCE, Job, reasons
 from weightsync.job.role_sections import FAIL_JOB, ROLL_BACK
 from weightsync.rendezvous.following import Dropped, FellBehind
-from weightsync.rendezvous.messages import Applied, End, Reference, Round
+from weightsync.rendezvous.messages import Applied, End, Round
 from weightsync.rendezvous.protocol import HEARTBEAT, JobEnded, Keys, Member, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.metrics import rank_counters
@@ -183,9 +183,10 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
         received = time.monotonic()
         if transfer.verify_digest:
             try:
-                member.wait([Keys.ref(version)], f"the reference digest of version {version}", timeout,
-                            member.behind(version, Keys.ref(version)), stops=member.stops(version))
-                reference = Reference.from_json(member.seen(Keys.ref(version), version)).of(rank)
+                own = Keys.ref_of(version, rank)
+                member.wait([own], f"the reference digest of version {version}", timeout,
+                            member.behind(version, own), stops=member.stops(version))
+                reference = member.seen(own, version).decode()
             except FellBehind as e:
                 raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
             except Dropped as dropped:

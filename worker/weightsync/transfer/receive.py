@@ -16,24 +16,13 @@ whole one.
 from __future__ import annotations
 
 import gc
-import hashlib
-import struct
 import time
 from dataclasses import dataclass, field
 
 from weightsync.plan.interface import TransferPlan
 from weightsync.transfer.delta import Patcher
+from weightsync.transfer.sums import digest_of, version_digest
 from weightsync.transport.base import Receiver, TransferError
-
-
-def version_digest(checksums: dict[int, int]) -> str:
-    """The digest of a whole version from its per-bucket checksums ({offset: xxh3_64}); the
-    controller computes it from what the trainers report, every inference rank from what it
-    received, and the two must be equal."""
-    h = hashlib.sha256()
-    for offset in sorted(checksums):
-        h.update(struct.pack("<QQ", offset, checksums[offset]))
-    return h.hexdigest()
 
 
 def reference_digests(plan: TransferPlan, sent: list, receivers) -> str | dict[int, str]:
@@ -42,9 +31,8 @@ def reference_digests(plan: TransferPlan, sent: list, receivers) -> str | dict[i
     receiver_checksums {receiver: {offset: xxh3_64}}, as SentVersion has them): the version's
     digest, or over slices {receiver: its own digest}."""
     if not plan.sliced:
-        return version_digest({o: c for s in sent for o, c in s.checksums.items()})
-    return {r: version_digest({o: c for s in sent for o, c in s.receiver_checksums.get(r, {}).items()})
-            for r in receivers}
+        return digest_of(s.checksums for s in sent)
+    return {r: digest_of(s.receiver_checksums.get(r, {}) for s in sent) for r in receivers}
 
 
 def settle_heap() -> None:

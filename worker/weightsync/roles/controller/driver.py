@@ -253,16 +253,7 @@ class Controller:
         pause_point(CONTROLLER, 0, "verifying", rnd.version)
         reference = Reference.made(reference_digests(plan, sent, rnd.receivers))
         carried = any(s.checksums or s.receiver_checksums for s in sent)  # nothing: the round reached no one
-        first = host.reference_of(rnd.version)
-        if first is None:
-            if carried:  # the first sending that reached a rank: what its receivers, and every repeat, check
-                host.say_reference(rnd.version, reference)
-        else:
-            for r in rnd.receivers:
-                was, now = first.of(r), reference.of(r)
-                if was is not None and was != now:
-                    raise JobFailed(f"the trainers sent {rnd.name} to {who(INFERENCE, r)} with digest {now[:16]}, not "
-                                    f"the {was[:16]} they sent the first time", reasons.VERIFICATION_FAILED)
+        host.publish_reference(rnd, reference, carried)
         verified_at = time.monotonic()
         loads = load_on_servers(ctx, host, rnd, timeout, self.say, self.driven) if ctx.job.inference.runs_vllm else None
         loaded_at = time.monotonic()
