@@ -32,7 +32,11 @@ def reference_digests(plan: TransferPlan, sent: list, receivers) -> str | dict[i
     digest, or over slices {receiver: its own digest}."""
     if not plan.sliced:
         return digest_of(s.checksums for s in sent)
-    return {r: digest_of(s.receiver_checksums.get(r, {}) for s in sent) for r in receivers}
+    by_receiver: dict[int, list] = {}  # each report's part for each receiver, in the trainers' order
+    for s in sent:  # (once over the reports: not every report looked at for every receiver)
+        for r, sums in s.receiver_checksums.items():
+            by_receiver.setdefault(r, []).append(sums)
+    return {r: digest_of(by_receiver.get(r, ())) for r in receivers}
 
 
 def settle_heap() -> None:
