@@ -15,6 +15,7 @@ import collections
 import logging
 import secrets
 import socket
+import struct
 import threading
 import time
 
@@ -24,20 +25,22 @@ from weightsync.rendezvous.store.wire import (
     ERROR,
     FULL,
     HELLO,
+    LENGTH,
     MAGIC,
     OK,
     OPS,
     PROOF,
     TIMEOUT,
     VERDICT,
+    frame_length,
     handshake_macs,
+    open_frame,
     pack,
-    read_frame,
     seal,
     tags,
     unpack,
 )
-from weightsync.transport.sockets import hang_up, recv_exact, send_all
+from weightsync.transport.sockets import PeerClosed, hang_up, recv_exact, send_all
 
 log = logging.getLogger("weightsync.rendezvous.store")
 
@@ -45,6 +48,7 @@ HANDSHAKE_SECONDS = 5.0  # a connection must prove the token within this
 IO_SECONDS = 60.0  # the server's limit for receiving the rest of a frame, and for sending one
 DRAIN_SECONDS = 2.0  # a closing server's wait for the answers it is sending
 LOG_EVERY = 1.0  # seconds between two log lines about refused connections
+RECV_BYTES = 8 << 10  # a connection's buffer for requests (larger for a larger frame, while it comes)
 
 
 class StoreServer(Table):
@@ -197,29 +201,35 @@ class StoreServer(Table):
         return key
 
     def _requests(self, sock: socket.socket, who: str, key: bytes) -> None:
+        """Answer the connection's requests, one frame at a time, until it closes. The socket blocks,
+        with the kernel's own timeouts (SO_RCVTIMEO, SO_SNDTIMEO: IO_SECONDS for the rest of a frame
+        once its first bytes came, and for an answer): a request then gives up the GIL about twice
+        (one receive, one send), not at every poll, receive and send, which with a thread per
+        connection and a thousand ranks was much of what the controller's process spent per request."""
         if hasattr(socket, "TCP_KEEPIDLE"):  # find clients that vanished without closing
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.settimeout(None)
+        frames = _Frames(sock, key, self.limits.frame_bytes)
+        _kernel_timeout(sock, socket.SO_SNDTIMEO, IO_SECONDS)
         seq = 0
         while True:
             seq += 1
-            sock.settimeout(None)  # an authenticated client may stay idle as long as it likes
             try:
-                head = sock.recv(1, socket.MSG_PEEK)
-                if not head:
-                    return
-                payload = read_frame(sock, key, b"C", seq, self.limits.frame_bytes, time.monotonic() + IO_SECONDS)
+                payload = frames.next(seq)  # an authenticated client may stay idle as long as it likes
             except ValueError as e:
                 log.warning("rendezvous store: closed %s after %s", who, e)
+                return
+            if payload is None:
                 return
             with self._lock:
                 self._answering += 1
                 self.requests += 1
             try:
                 status, results = self._dispatch(payload)
-                send_all(sock, [seal(key, b"S", seq, bytes([status]) + pack(results))], time.monotonic() + IO_SECONDS)
+                sock.sendall(seal(key, b"S", seq, bytes([status]) + pack(results)))
             finally:
                 with self._idle:
                     self._answering -= 1
@@ -241,3 +251,65 @@ class StoreServer(Table):
             return FULL, [str(e)]
         except (StoreError, ValueError, IndexError) as e:
             return ERROR, [str(e)]
+
+
+def _kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """The kernel's timeout `option` (SO_RCVTIMEO, SO_SNDTIMEO) of a blocking socket: 0, none."""
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+
+
+class _Frames:
+    """A connection's requests as they come: one receive usually brings a whole frame (a client
+    sends one request and waits for its answer); what comes beyond a frame is kept for the next."""
+
+    def __init__(self, sock: socket.socket, key: bytes, max_bytes: int):
+        self.sock, self.key, self.max_bytes = sock, key, max_bytes
+        self.buf = bytearray(RECV_BYTES)
+        self.have = 0  # bytes of buf received and not yet handed out
+        self.limit: float | None = None  # the receive timeout the socket has (0: none)
+
+    def _more(self) -> bool:
+        """Receive what is there (blocking); False once the client closed."""
+        if self.have == len(self.buf):
+            self.buf += bytearray(len(self.buf))
+        n = self.sock.recv_into(memoryview(self.buf)[self.have:])
+        self.have += n
+        return n > 0
+
+    def next(self, seq: int) -> bytes | None:
+        """The payload of request `seq`, None where the client closed between two requests;
+        ValueError for a frame too long, out of sequence or forged, OSError for a connection
+        that failed or a frame that did not come whole within IO_SECONDS."""
+        if not self.have:
+            self._limit(0.0)  # idle between two requests: no limit
+            if not self._more():
+                return None
+        deadline = time.monotonic() + IO_SECONDS
+        while self.have < LENGTH.size:
+            self._receive(deadline)
+        need = LENGTH.size + frame_length(bytes(self.buf[:LENGTH.size]), self.max_bytes)
+        if need > len(self.buf):
+            self.buf += bytearray(need - len(self.buf))
+        while self.have < need:
+            self._receive(deadline)
+        body = bytes(self.buf[LENGTH.size:need])
+        rest = self.buf[need:self.have]
+        if len(self.buf) > RECV_BYTES and len(rest) <= RECV_BYTES:  # a large frame's buffer is not kept
+            self.buf = bytearray(RECV_BYTES)
+        self.buf[:len(rest)] = rest
+        self.have = len(rest)
+        return open_frame(body, self.key, b"C", seq)
+
+    def _receive(self, deadline: float) -> None:
+        """More of a frame whose first bytes came, within what is left until `deadline`."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"a frame did not come whole within {IO_SECONDS:.0f}s")
+        self._limit(left)
+        if not self._more():
+            raise PeerClosed(f"the connection closed within a frame ({self.have} bytes of it)")
+
+    def _limit(self, seconds: float) -> None:
+        if seconds != self.limit:
+            _kernel_timeout(self.sock, socket.SO_RCVTIMEO, seconds)
+            self.limit = seconds
