@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.job import Layout
-from weightsync.publisher.peers import Links
+from weightsync.publisher.peers import Connections
 from weightsync.rendezvous.messages import RankInfo
 from weightsync.rendezvous.policy import Policy
 from weightsync.rendezvous.protocol import Keys, Member, ProofError
@@ -37,7 +37,7 @@ def trainer():
         join("inference", rank, RankInfo("tcp", engine="vllm", server=server))
     admitted = host.admit(timeout=10)
     host.publish_plan("{}", {r: admitted[("inference", r)].endpoint for r in range(3)})
-    yield Links(None, me, {r: p.endpoint for r, p in me.peers(0, 10).items()}, 10)  # no sender: servers() sends nothing
+    yield Connections(None, me, {r: p.endpoint for r, p in me.peers(0, 10).items()}, 10)  # no sender: servers() sends nothing
     host.store.close()
 
 

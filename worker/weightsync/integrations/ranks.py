@@ -47,10 +47,11 @@ from weightsync.model.flat import FlatLayout, torch_dtype, views
 from weightsync.publisher.sync import Published, Sync, attach
 from weightsync.rendezvous.external_rank import fetch_job
 from weightsync.rendezvous.messages import End
-from weightsync.rendezvous.protocol import JobEnded, Member, who
+from weightsync.rendezvous.protocol import JobEnded, who
 from weightsync.roles.controller import run as run_controller
 from weightsync.runtime.inbound import receive_rounds
-from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure, wait_for_the_end
+from weightsync.runtime.life import RankLife
+from weightsync.runtime.rank import log
 from weightsync.transfer.receive import ReceivedVersion, VersionReceiver
 from weightsync.vllm_backend.control import Steps
 
@@ -345,10 +346,10 @@ class RolloutRank:
         self.refused: BaseException | None = None  # why the framework will not take the staged version
         self.end: End | None = None
         self.failed: BaseException | None = None
-        self.member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, rank, JOIN_TIMEOUT,
-                             job=ctx.job.identity)
-        self.member.arrive()
-        joined = join_job(ctx, self.member, INFERENCE, rank, self.buffer.device, self.layout.to_json())
+        self.life = RankLife(ctx, INFERENCE, rank)
+        self.member = self.life.member
+        self.life.arrive()
+        joined = self.life.join(self.buffer.device, self.layout.to_json())
         self.receiver = joined.end
         log(self.me, f"rollout worker on {self.buffer.device}, {joined.transport} transport ({joined.why}); listening on "
                      f"{joined.endpoint}")
@@ -358,26 +359,23 @@ class RolloutRank:
     def _rounds(self) -> None:
         """The receiving thread: the plan, then every round until the job ends. A failure here is
         handed to the framework at once, and reported: the controller fails the job naming this rank."""
-        member = self.member
+        life = self.life
         try:
             current(self.buffer.device)
-            member.start_heartbeat()
-            plan, _ = member.plan(JOIN_TIMEOUT)
-            end = receive_rounds(member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job, self)
+            life.heartbeat()
+            plan, _ = life.plan()
+            end = receive_rounds(life.member, VersionReceiver(self.receiver, plan, self.rank), self.ctx.job, self)
         except JobEnded as e:
             end = End(e.state, str(e))
         except BaseException as e:  # noqa: BLE001 - the controller fails the job naming this rank
             with self.cond:
                 self.failed = e
                 self.cond.notify_all()
-            log(self.me, f"failed: {e}")
-            report_failure(self.ctx, INFERENCE, self.rank, f"{type(e).__name__}: {e}", member)
-            end = wait_for_the_end(member, self.me)
+            life.fail(e, trace=False, wait=False, said=f"{type(e).__name__}: {e}")
+            end = life.wait_for_end()
         if end is not None:
             log(self.me, f"the job ended: {end.message}")
-        member.bye()
-        member.stop_heartbeat()
-        self.receiver.close()
+        life.bye()
         with self.cond:
             self.end = end
             self.cond.notify_all()

@@ -73,7 +73,8 @@ from weightsync.job import TRAINER, Env, Join, JoinEnv, SpecError
 from weightsync.job.join import shared_token
 from weightsync.publisher.sync import Sync, attach
 from weightsync.rendezvous.protocol import who
-from weightsync.runtime.rank import log, report_failure
+from weightsync.runtime.life import Farewell
+from weightsync.runtime.rank import log
 from weightsync.vllm_backend import BACKEND
 from weightsync.vllm_backend.control import Server, Unreachable
 
@@ -285,7 +286,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             line = refusal(name, e) if actor else init_refusal(name, getattr(response, "status_code", None),
                                                                getattr(response, "text", None) or str(e))
             failures[name] = line
-            report_failure(ctx, TRAINER, 0, line)
+            Farewell(ctx, TRAINER, (0,), who(TRAINER, 0)).report(line)
 
     @staticmethod
     def _check_servers(sync: Sync, urls: list[str]) -> None:

@@ -11,7 +11,7 @@ from weightsync.rendezvous.protocol import Member, who
 from weightsync.transport.base import TransferError
 
 
-class Links:
+class Connections:
     def __init__(self, sender, member: Member, endpoints: dict[int, str], timeout: float):
         self.sender, self.member, self.timeout = sender, member, timeout
         self.peers, self.epoch = {r: Peer(e, 1) for r, e in endpoints.items()}, 0

@@ -38,22 +38,22 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from weightsync.job import TRAINER, Env, Job, Join, JoinEnv, SpecError, WorkerContext, states
 from weightsync.model.lora import Adapter
 from weightsync.plan.job import delta_in_effect
-from weightsync.publisher.peers import Links
+from weightsync.publisher.peers import Connections
 from weightsync.publisher.sources import Sources, local_tensors, sources_of
 from weightsync.rendezvous.external_rank import JoinError, joined_context
 from weightsync.rendezvous.messages import Round, SentReport
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Resuming, who
+from weightsync.rendezvous.protocol import JobEnded, Keys, Restarted, Resuming
 from weightsync.runtime import health
 from weightsync.runtime.faults import pause_point, tamper_hook
+from weightsync.runtime.life import RankLife
 from weightsync.runtime.metrics import rank_counters
-from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, join_job, log, report_failure, wait_for_the_end
+from weightsync.runtime.rank import Expected, log
 from weightsync.transfer.send import SentVersion, VersionSender
 
 
@@ -80,52 +80,50 @@ class Resumed:
 
 
 class Sync:
-    """One trainer rank's link to its job (attach() makes it)."""
+    """One trainer rank's link to its job (attach() makes it; the built-in trainer, whose rank
+    process lives its `life` already, makes it with that)."""
 
-    def __init__(self, model, ctx: WorkerContext, rank: int):
+    def __init__(self, model, ctx: WorkerContext, rank: int, life: RankLife | None = None):
         self.model, self.ctx, self.rank = model, ctx, rank
-        self.me = who(TRAINER, rank)
+        self.life = life or RankLife(ctx, TRAINER, rank, resumes=ctx.job.trainer.resumes)
+        self.member, self.me = self.life.member, self.life.me
         self.version = -1  # the last one published
         self.step: int | None = None  # its training step
         self.closed = False
         self.resumed: Resumed | None = None  # set where this process started again and the trainers resumed
         transfer = ctx.job.transfer
         self.timeout = transfer.timeout
-        self.member = Member(ctx.controller_host, ctx.store_port, ctx.token, TRAINER, rank, JOIN_TIMEOUT, job=ctx.job.identity)
         self.sender = None
-        try:
-            self.member.arrive(resumes=ctx.job.trainer.resumes)
-        except Restarted as e:
-            self._restarted(e)
-        self.member.start_heartbeat()
-        pause_point(TRAINER, rank, "joining", 0)  # its start counted, its heartbeat going, not joined yet
         try:
             adapter = Adapter.of(ctx.job.model) if ctx.job.model.lora is not None else None
             self.sources: Sources = sources_of(model, ctx.job.model.dtype, adapter, ctx.job.model.quantization)
             device = self.sources.device
             holds = {"holds": self.sources.holdings.to_json()} if self.sources.holdings is not None else {}
-            joined = join_job(ctx, self.member, TRAINER, rank, device, self.sources.layout.to_json(), **holds)
-            name, why, self.sender = joined.transport, joined.why, joined.end
-            if ctx.job.trainer.resumes:
-                self.member.watch_resumes()
-            plan, endpoints = self.member.plan(JOIN_TIMEOUT)
+            # its start counted (Restarted: a trainer's process that started again and does not
+            # resume), its heartbeat, its join, the plan: the life every rank lives (runtime/life.py)
+            started = self.life.start(device, self.sources.layout.to_json(), **holds)
+            name, why, self.sender = started.joined.transport, started.joined.why, started.joined.end
+            plan, endpoints = started.plan, started.endpoints
             if self.member.attempt > 1:
                 self._resume(ctx.job.trainer.attach_timeout_seconds)
             health.ready()
-            self.links = Links(self.sender, self.member, endpoints, self.timeout)
+            self.links = Connections(self.sender, self.member, endpoints, self.timeout)
             self.links.follow(Round(0, receivers=tuple(endpoints)))
             # over slices (the inference ranks hold tensor-parallel slices) each gets only its own
             delta, _ = delta_in_effect(transfer.delta, name, self.sender.capabilities.patches, plan.sliced)
             self.mover = VersionSender(self.sender, plan, rank, transfer.bucket_bytes, delta=delta,
                                        starts=self.sources.starts, tamper=tamper_hook())
+        except Restarted as e:
+            self._restarted(e)
         except BaseException as e:
             self._fail(e)
             raise
         held = "its shards" if self.sources.holdings is not None else "its replica"
         if adapter is not None:
             held += f" (the LoRA adapter alone, rank {adapter.lora.rank} on {len(adapter.layers)} layers)"
-        kept = f"; keeps the last {self.mover.kept_bytes} sent for delta versions" if self.mover.kept_bytes else ""
-        log(self.me, f"attached on {device}, {name} transport ({why}); sends {sum(b.length for b in plan.buckets_of(rank))} "
+        kept = self.mover.kept_bytes
+        kept = f"; keeps the last {kept} sent for delta versions" if kept else ""
+        log(self.me, f"attached on {device}, {name} transport ({why}); sends {sum(b.length for b in self.mover.buckets)} "
                      f"of {plan.version_bytes} bytes per version, from {held}, to {len(endpoints)} inference ranks{kept}")
         _open.append(self)
 
@@ -282,7 +280,7 @@ class Sync:
     def _leave(self) -> None:
         """Stop the heartbeat and the transport, tell the controller this rank saw the end."""
         self._stop()
-        self.member.bye()
+        self.life.bye()
 
     def _stop(self) -> None:
         """Stop the heartbeat and the transport (a process of an earlier start, as the trainers
@@ -290,9 +288,7 @@ class Sync:
         self.closed = True
         if self in _open:
             _open.remove(self)
-        self.member.stop_heartbeat()
-        if self.sender is not None:
-            self.sender.close()
+        self.life.stop()
 
     def _resume(self, timeout: float) -> None:
         """This process started again: wait until every trainer rank is back, then go on from the
@@ -311,12 +307,8 @@ class Sync:
         if self.closed:
             return
         if not isinstance(error, Resuming):
-            if trace and not isinstance(error, (Expected, SpecError, KeyboardInterrupt)):
-                traceback.print_exception(error)
-            log(self.me, f"failed: {error}")
-            report_failure(self.ctx, TRAINER, self.rank, error, self.member)
             try:
-                wait_for_the_end(self.member, self.me, check=self.member.check_resuming)
+                self.life.fail(error, trace=trace, check=self.member.check_resuming)
             except Resuming as e:
                 error = e
         if isinstance(error, Resuming):
@@ -336,8 +328,8 @@ class Sync:
                             f"each trainer process needs its own RANK (0..{world - 1}), and trainers do not rejoin a "
                             "running job") from None
         log(self.me, f"{error}; waiting for the controller to end the job")
-        wait_for_the_end(self.member, self.me)
-        self.member.bye()
+        self.life.wait_for_end()
+        self.life.bye()
         raise error
 
 

@@ -40,8 +40,9 @@ from weightsync.rendezvous.channel import Channel, connect_store
 from weightsync.rendezvous.messages import End
 from weightsync.rendezvous.protocol import Keys, who
 from weightsync.runtime.health import PodHealth
+from weightsync.runtime.life import Farewell
 from weightsync.runtime.procs import STOP_GRACE, die_with_parent, exit_status, stop
-from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure, wait_for_the_end
+from weightsync.runtime.rank import JOIN_TIMEOUT, log
 
 TICK = 1.0  # seconds between two looks at the command and the rendezvous
 # seconds a command gets to exit on its own when its pod is deleted after the job succeeded (the
@@ -58,6 +59,7 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
     for slot in slots:  # alive while this process runs; the command's ranks beat to the controller
         slot.start()
     channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
+    life = Farewell(ctx, TRAINER, ranks, me, channel)  # the end of its ranks' lives, which the command lives
     resumes = channel.resumes()  # the trainers' resumes begun before this command
     started = {r: channel.starts(TRAINER, r) for r in ranks}  # its ranks' starts before it
     port = int(os.environ.get("MASTER_PORT") or MASTER_PORT)
@@ -70,8 +72,8 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=partial(die_with_parent, os.getpid()))
     except OSError as e:
         for r in ranks:
-            report_failure(ctx, TRAINER, r, f"the trainer command {command} cannot be started: {e.strerror or e}", channel)
-        return _end(ctx, channel, me, None)
+            life.report(f"the trainer command {command} cannot be started: {e.strerror or e}", r)
+        return _end(life, None)
     succeeded = threading.Event()  # set once the job is seen to have succeeded
     signal.signal(signal.SIGTERM, partial(_stop_on_sigterm, proc, succeeded))
     watch = Watch(ctx, channel, ranks, me, slots)
@@ -108,11 +110,11 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
             stop(proc, grace=STOP_GRACE)  # torchrun passes the SIGTERM on to its workers
         elif late and time.monotonic() > deadline and code is None:
             for r in late:
-                report_failure(ctx, TRAINER, r, f"the trainer command has not called weightsync.attach() within "
-                                                f"{ctx.job.trainer.attach_timeout_seconds}s of its start "
-                                                f"(spec.trainer.attachTimeoutSeconds): {command}", channel)
+                life.report(f"the trainer command has not called weightsync.attach() within "
+                            f"{ctx.job.trainer.attach_timeout_seconds}s of its start "
+                            f"(spec.trainer.attachTimeoutSeconds): {command}", r)
             stop(proc, grace=STOP_GRACE)
-            return _end(ctx, channel, me, proc.wait())
+            return _end(life, proc.wait())
     resuming = False
     if end is None and not gone:
         try:
@@ -129,12 +131,12 @@ def run(ctx: WorkerContext, health: PodHealth) -> int:
         how = exit_status(code)
         open_ranks = [r for r in ranks if not channel.has(Keys.closed(r))]
         for r in open_ranks:
-            report_failure(ctx, TRAINER, r, f"the trainer command {how} before this rank closed its weightsync.attach() "
-                                            f"(sync.close()): {command}", channel)
+            life.report(f"the trainer command {how} before this rank closed its weightsync.attach() "
+                        f"(sync.close()): {command}", r)
         log(me, f"the command {how}" + (f" before {', '.join(who(TRAINER, r) for r in open_ranks)} closed" if open_ranks else ""))
     elif gone:  # close() returns only once the job succeeded: a command that exits 0 after it is done
         end = End(states.SUCCEEDED if code == 0 else states.FAILED)
-    return _end(ctx, channel, me, code, end)
+    return _end(life, code, end)
 
 
 def _behind_a_resume(ctx: WorkerContext, channel: Channel, resumes: int, started: dict[int, int]) -> bool:
@@ -171,12 +173,12 @@ class Watch:
         return [r for r in self.ranks if r not in self.attached]
 
 
-def _end(ctx: WorkerContext, channel: Channel, me: str, code: int | None, end: End | None = None) -> int:
+def _end(life: Farewell, code: int | None, end: End | None = None) -> int:
     """The command is over: wait (bounded) for the job's end, then stay in a cluster."""
     if end is None:
-        end = wait_for_the_end(channel, me)
+        end = life.wait_for_end()
     state = end.state if end else states.FAILED
-    linger(ctx, me)
+    life.linger()
     return states.exit_code(state) if code == 0 else 1
 
 

@@ -19,8 +19,8 @@ import torch
 from weightsync.job import INFERENCE, WorkerContext
 from weightsync.model.build import greedy, logits, parameters, point_at, prompt
 from weightsync.model.flat import views
-from weightsync.rendezvous.protocol import Member, who
-from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, run_rank, serving_model
+from weightsync.rendezvous.protocol import who
+from weightsync.roles.builtin import GENERATE_EVERY, NEW_TOKENS, device_for, serving_model
 from weightsync.roles.sharded import ShardedInference
 from weightsync.runtime import health
 from weightsync.runtime.faults import (
@@ -31,18 +31,19 @@ from weightsync.runtime.faults import (
     generating,
     half_of,
     load_fails,
-    pause_point,
 )
 from weightsync.runtime.inbound import GenerationHandover
-from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log
-from weightsync.transfer.receive import VersionReceiver, settle_heap
+from weightsync.runtime.life import RankLife
+from weightsync.runtime.rank import log
+from weightsync.transfer.receive import VersionReceiver
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
     """An inference rank of the built-in engine, to the job's end: a rank of a tensor-parallel
     replica holds a shard of it (sharded.py), any other the whole model."""
     body = ShardedInference if len(ctx.job.layout.tp_group(rank)) > 1 else Inference
-    return run_rank(ctx, INFERENCE, rank, local_rank, body)
+    life = RankLife(ctx, INFERENCE, rank)
+    return life.run(body(ctx, life, local_rank).run)
 
 
 class Generations(GenerationHandover):
@@ -101,35 +102,33 @@ class Generations(GenerationHandover):
 
 
 class Inference:
-    def __init__(self, ctx: WorkerContext, member: Member, rank: int, local_rank: int):
-        self.ctx, self.member, self.rank, self.local_rank = ctx, member, rank, local_rank
+    def __init__(self, ctx: WorkerContext, life: RankLife, local_rank: int):
+        self.ctx, self.life, self.rank, self.local_rank = ctx, life, life.rank, local_rank
         self.transfer = ctx.job.transfer
-        self.me = who(INFERENCE, rank)
+        self.me = who(INFERENCE, self.rank)
 
     def run(self) -> str:
-        member = self.member
-        model, layout, device, params = serving_model(self.ctx, member, self.local_rank)
+        life = self.life
+        device = device_for(self.ctx, INFERENCE, self.local_rank)
+        life.heartbeat()
+        model, layout, params = serving_model(self.ctx, device)
         buffers = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         # the weights the model was built with are dropped here
         gens = Generations(params, buffers, layout, self.ctx.job.model.quantization, self.rank)
-        # `before`: its start counted, its model built, not joined yet
-        joined = join_job(self.ctx, member, INFERENCE, self.rank, device, layout.to_json(),
-                          port=self.ctx.data_port + self.local_rank,
-                          before=lambda: pause_point(INFERENCE, self.rank, "joining", 0))
+        started = life.start(device, layout.to_json(), port=self.ctx.data_port + self.local_rank)  # its model built
+        joined, plan = started.joined, started.plan
         name, why, receiver, endpoint, attempt = joined.transport, joined.why, joined.end, joined.endpoint, joined.attempt
-        plan, _ = member.plan(JOIN_TIMEOUT)
         again = f" (start {attempt}: rejoining the running job)" if attempt > 1 else ""
         log(self.me, f"on {device}, {name} transport ({why}); listening on {endpoint}; {plan.bytes_for(self.rank)} "
                      f"bytes per version from {len(plan.expected_for(self.rank))} trainer ranks{again}")
 
-        settle_heap()
-        mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.ctx.job)
+        life.settle()
+        mover = gens.start_receiving(life.member, VersionReceiver(receiver, plan, self.rank), self.ctx.job)
         try:
             self._generate(model, gens, device)
         finally:
             mover.join(timeout=5.0)
-            member.stop_heartbeat()
-            receiver.close()
+            life.stop()
         return gens.end.state
 
     def _generate(self, model, gens: Generations, device) -> None:

@@ -24,14 +24,15 @@ import torch
 from weightsync.job import INFERENCE, WorkerContext
 from weightsync.model.build import greedy, logits, prompt
 from weightsync.plan.sliced_plan import needs_to_json
-from weightsync.rendezvous.protocol import Member, who
-from weightsync.roles.common import GENERATE_EVERY, NEW_TOKENS, serving_model
+from weightsync.rendezvous.protocol import who
+from weightsync.roles.builtin import GENERATE_EVERY, NEW_TOKENS, device_for, serving_model
 from weightsync.roles.tp_engine import TensorParallel, load, local_shards, needs_of
 from weightsync.runtime import health
 from weightsync.runtime.faults import dump, dumping, generating
 from weightsync.runtime.inbound import VERDICT_WAIT, GenerationHandover, StartAgain
-from weightsync.runtime.rank import JOIN_TIMEOUT, Expected, join_job, log
-from weightsync.transfer.receive import VersionReceiver, settle_heap
+from weightsync.runtime.life import RankLife
+from weightsync.runtime.rank import Expected, log
+from weightsync.transfer.receive import VersionReceiver
 
 
 class ShardedGenerations(GenerationHandover):
@@ -55,21 +56,24 @@ class ShardedGenerations(GenerationHandover):
 
 
 class ShardedInference:
-    def __init__(self, ctx: WorkerContext, member: Member, rank: int, local_rank: int):
-        self.ctx, self.member, self.rank, self.local_rank = ctx, member, rank, local_rank
+    def __init__(self, ctx: WorkerContext, life: RankLife, local_rank: int):
+        self.ctx, self.life, self.rank, self.local_rank = ctx, life, life.rank, local_rank
+        self.member = life.member
         self.transfer = ctx.job.transfer
-        self.me = who(INFERENCE, rank)
-        self.group = ctx.job.layout.tp_group(rank)
+        self.me = who(INFERENCE, self.rank)
+        self.group = ctx.job.layout.tp_group(self.rank)
 
     def run(self) -> str:
-        member = self.member
-        model, layout, device, _ = serving_model(self.ctx, member, self.local_rank)  # no LoRA here: the CRD refuses it with TP
+        life, member = self.life, self.member
+        device = device_for(self.ctx, INFERENCE, self.local_rank)
+        life.heartbeat()
+        model, layout, _ = serving_model(self.ctx, device)  # no LoRA here: the CRD refuses it with TP
         try:
             needs = needs_of(model, layout, self.group, self.rank)
         except ValueError as e:
             raise Expected(f"tensor-parallel degree {len(self.group)} (spec.inference): {e}") from None
-        joined = join_job(self.ctx, member, INFERENCE, self.rank, device, layout.to_json(),
-                          port=self.ctx.data_port + self.local_rank, needs=needs_to_json(needs))
+        joined = life.join(device, layout.to_json(), port=self.ctx.data_port + self.local_rank,
+                           needs=needs_to_json(needs))
         name, why, receiver, endpoint = joined.transport, joined.why, joined.end, joined.endpoint
         try:
             # after the join: a start that rejoins forms the replica's group anew with its peers, which
@@ -78,7 +82,7 @@ class ShardedInference:
                                 member.replica_epoch(self.group.start))
             try:
                 tp.shard(model)
-                plan, _ = member.plan(JOIN_TIMEOUT)
+                plan, _ = life.plan()
                 if not getattr(plan, "sliced", False):
                     raise Expected("the controller planned whole versions for a tensor-parallel replica")
                 local = plan.local_of(self.rank)
@@ -87,17 +91,17 @@ class ShardedInference:
                              f"{self.rank - self.group.start} of {len(self.group)} (inference ranks {self.group.start}.."
                              f"{self.group.stop - 1}); {local.total_bytes} of {plan.version_bytes} bytes per version "
                              f"from {len(plan.expected_for(self.rank))} trainer ranks")
-                settle_heap()
+                life.settle()
                 mover = gens.start_receiving(member, VersionReceiver(receiver, plan, self.rank), self.ctx.job)
                 try:
                     self._generate(model, tp, layout, local, gens, device)
                 finally:
                     mover.join(timeout=5.0)
-                    member.stop_heartbeat()
+                    life.stop()
             finally:
                 tp.close()
         finally:
-            receiver.close()
+            life.close()
         return gens.end.state
 
     def _generate(self, model, tp: TensorParallel, layout, local, gens: ShardedGenerations, device) -> None:

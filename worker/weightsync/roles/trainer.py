@@ -5,7 +5,6 @@ trainer API (weightsync.publisher.sync) exactly as a user's own training script 
 from __future__ import annotations
 
 import datetime
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -16,42 +15,26 @@ from weightsync.model.build import as_served, build, check_fits, logits, paramet
 from weightsync.model.lora import add_adapters
 from weightsync.model.markov import MarkovTokens, rank_generator
 from weightsync.publisher.sources import local_tensors
-from weightsync.publisher.sync import Sync, attach
-from weightsync.rendezvous.protocol import JobEnded, Restarted, versions, who
-from weightsync.roles.common import device_for
+from weightsync.publisher.sync import Sync
+from weightsync.rendezvous.protocol import versions, who
+from weightsync.roles.builtin import device_for
 from weightsync.runtime.faults import dump, dumping
-from weightsync.runtime.rank import Expected, linger, log, report_failure
-from weightsync.transfer.receive import settle_heap
+from weightsync.runtime.life import RankLife
+from weightsync.runtime.rank import log
 
 
 def run(ctx: WorkerContext, rank: int, local_rank: int) -> int:
-    """Run the built-in trainer rank to the job's end. A failure before the model is attached is
-    reported here; the API reports the others."""
-    me = who(TRAINER, rank)
-    try:
-        state = BuiltIn(ctx, rank, local_rank).run()
-    except JobEnded as e:
-        log(me, str(e))
-        state = e.state
-    except Restarted:
-        state = states.FAILED  # the API said so and waited for the controller's end
-    except Exception as e:  # noqa: BLE001 - reported to the controller, which fails the job
-        if not isinstance(e, Expected):
-            traceback.print_exc()
-        log(me, f"failed: {e}")
-        report_failure(ctx, TRAINER, rank, e)  # unless the API did
-        state = states.FAILED
-    if state != states.SUCCEEDED:
-        log(me, "the job failed")
-    linger(ctx, me)
-    return states.exit_code(state)
+    """Run the built-in trainer rank to the job's end: its life is every rank's (runtime/life.py),
+    and the trainer API lives it once the model is attached."""
+    life = RankLife(ctx, TRAINER, rank)
+    return life.run(BuiltIn(ctx, life, local_rank).run)
 
 
 class BuiltIn:
-    def __init__(self, ctx: WorkerContext, rank: int, local_rank: int):
-        self.ctx, self.rank, self.local_rank = ctx, rank, local_rank
+    def __init__(self, ctx: WorkerContext, life: RankLife, local_rank: int):
+        self.ctx, self.life, self.rank, self.local_rank = ctx, life, life.rank, local_rank
         self.job = ctx.job
-        self.me = who(TRAINER, rank)
+        self.me = who(TRAINER, self.rank)
 
     def run(self) -> str:
         job, training = self.job, self.job.training
@@ -61,13 +44,13 @@ class BuiltIn:
         if job.model.lora is not None:  # train the adapter alone, as PEFT does: the base is frozen
             add_adapters(model, job.model.lora)
         model.train()
-        with attach(model, rank=self.rank, context=self.ctx) as sync:
+        with Sync(model, self.ctx, self.rank, self.life) as sync:
             ddp = self._ddp(sync, model, device)
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=training.learning_rate)
             data = MarkovTokens(vocab_size(model), training.seed)
             generator = rank_generator(training.seed, self.rank)
             step, losses = 0, []
-            settle_heap()
+            self.life.settle()
             for version, at_step in versions(job):
                 while step < at_step:
                     tokens = data.batch(training.batch_size, training.seq_len, generator).to(device)

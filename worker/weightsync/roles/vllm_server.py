@@ -39,8 +39,9 @@ from weightsync.rendezvous.channel import Channel, connect_store
 from weightsync.rendezvous.proofs import control_key
 from weightsync.rendezvous.protocol import who
 from weightsync.runtime import health
+from weightsync.runtime.life import Farewell
 from weightsync.runtime.procs import VLLM_STOP_GRACE, die_with_parent, stop
-from weightsync.runtime.rank import JOIN_TIMEOUT, linger, log, report_failure
+from weightsync.runtime.rank import JOIN_TIMEOUT, log
 from weightsync.vllm_backend import BACKEND, lora_problem, max_lora_rank
 from weightsync.vllm_backend.control import ControlError, Server, Unreachable
 from weightsync.vllm_backend.guard import MIDDLEWARE
@@ -69,30 +70,30 @@ def run(ctx: WorkerContext, ranks: Sequence[int]) -> int:
     log(me, f"starting the vLLM server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(os.getppid()))
     server = Server(url, control_key(ctx.token, ctx.job.identity))
-    channel = None
+    life = Farewell(ctx, INFERENCE, ranks, me)  # the end of its workers' lives: the pod speaks for them
     try:
         server.wait_up(JOIN_TIMEOUT, alive=lambda: proc.poll() is None)
         server.init_transfer(INIT_TIMEOUT)
         log(me, f"the vLLM server is up at {url} and its {'workers' if tp > 1 else 'worker'} joined the job")
-        channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity, JOIN_TIMEOUT))
-        state = _stand_by(proc, server, channel, me)
+        life.channel = Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity,
+                                             JOIN_TIMEOUT))
+        state = _stand_by(proc, server, life.channel, me)
         if state is not None:
-            for r in ranks:  # this process, not the workers, is the pod's last word
-                channel.say_bye(INFERENCE, r)
+            life.bye()  # this process, not the workers, is the pod's last word
             log(me, f"the job ended ({state}); the vLLM server serves version {_served(server)}")
     except ControlError as e:
         stop(proc, grace=VLLM_STOP_GRACE)
-        if _served_before(ctx, rank, channel):  # a restart that failed: restarted again, as any other
+        if _served_before(ctx, rank, life.channel):  # a restart that failed: restarted again, as any other
             log(me, f"{e}; its workers had joined the job before, so the pod starts it again")
             return 1
-        report_failure(ctx, INFERENCE, rank, str(e), channel)
+        life.report(str(e))
         return 1
     if state is None:  # the server died while the job ran: its workers' heartbeats stopped with it
         log(me, f"the vLLM server exited with code {proc.returncode}; ending the pod so that it starts again "
                 "and its new workers rejoin the job")
         return 1
     stop(proc, grace=VLLM_STOP_GRACE)
-    linger(ctx, me)
+    life.linger()
     return states.exit_code(state)
 
 

@@ -1,7 +1,8 @@
 """What every rank process shares, whoever started it (a worker pod's rank process, or a user's
-training script through weightsync.attach): logging, its end of the job's transport, what it
-tells the controller about itself, how a failure reaches the controller, the end of the job in a
-cluster. Below roles/ and the trainer API, which both use it; the tests' hooks are faults.py's."""
+training script through weightsync.attach), and its pod's other processes too: logging, its end of
+the job's transport, what it tells the controller about itself, how a failure reaches the
+controller, the end of the job in a cluster. The pieces of one rank's life, which life.py puts
+together for every role; the tests' hooks are faults.py's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ from weightsync.transport.base import Receiver, Sender
 JOIN_TIMEOUT = 1800.0  # seconds for the whole job to come up (pods may wait for nodes and images)
 FAILED_WAIT = 30.0  # seconds a failed rank waits for the controller to end the job
 REPORT_CONNECT = 60.0  # seconds to reach the controller's store to report a failure
+# seconds a pod whose job ended waits at most for the operator to remove it (it scales a finished
+# job's pods down at once; past this the process exits, and a pod started again after its job's
+# end only lingers again)
+LINGER = 3600.0
 
 
 def without_triton() -> None:
@@ -47,21 +52,23 @@ class Expected(RuntimeError):
 
 
 def report_failure(ctx: WorkerContext, role: str, rank: int, failure: RankFailure | BaseException | str,
-                   channel: Channel | None = None) -> bool:
-    """Tell the controller that `rank` failed and why (the error, classified by its kind, or the
-    rank's own words: RankFailure.made), unless the job has ended or the rank said why already (its
-    own words are the better ones); True if this reported it. A controller that cannot be reached
-    is logged: the job's deadlines and heartbeats find the rank then."""
+                   channel: Channel | None = None) -> RankFailure | None:
+    """Tell the controller that `rank` failed and why, as a typed record (RankFailure.made: the
+    error, classified by its kind, or the rank's own words), unless the job has ended or the rank
+    said why already (its own words are the better ones); the record if this reported it. A
+    controller that cannot be reached is logged: the job's deadlines and heartbeats find the rank
+    then."""
+    record = RankFailure.made(failure)
     try:
         channel = channel or Channel(connect_store(ctx.controller_host, ctx.store_port, ctx.token, ctx.job.identity,
                                                    REPORT_CONNECT))
         if channel.has(Keys.END) or channel.has(Keys.failed(role, rank)):
-            return False
-        channel.rank_failed(role, rank, failure)
-        return True
+            return None
+        channel.rank_failed(role, rank, record)
+        return record
     except Exception as e:  # noqa: BLE001 - the store is gone or refuses: nothing more to tell
         log(who(role, rank), f"could not report its failure to the controller: {e}")
-        return False
+        return None
 
 
 def wait_for_the_end(channel: Channel, me: str, timeout: float = FAILED_WAIT, check=None) -> End | None:
@@ -83,9 +90,10 @@ def in_cluster(ctx: WorkerContext) -> bool:
     return ctx.report_to_kubernetes or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
 
-def linger(ctx: WorkerContext, who: str) -> None:
-    """After the job's end: in a cluster, wait for the operator to scale the pod down; a pod that a
-    Prometheus scrapes then waits (health.FINAL_SCRAPE at most) until its final figures were read once."""
+def linger(ctx: WorkerContext, who: str, deadline: float = LINGER) -> None:
+    """After the job's end: in a cluster, wait (`deadline` seconds at most) for the operator to
+    scale the pod down; a pod that a Prometheus scrapes then waits (health.FINAL_SCRAPE at most)
+    until its final figures were read once."""
     if not in_cluster(ctx) or threading.current_thread() is not threading.main_thread():
         return  # (a controller on a thread of another program's process, integrations/ranks.py, leaves with it)
     ended = time.monotonic()
@@ -94,8 +102,10 @@ def linger(ctx: WorkerContext, who: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # Timed waits: Python runs a signal's handler on the main thread only once it wakes, and a
     # SIGTERM the kernel hands to another thread (health, store) would not wake an untimed wait.
-    while not stop.wait(1.0):
-        pass
+    while not stop.wait(min(1.0, max(0.0, ended + deadline - time.monotonic()))):
+        if time.monotonic() >= ended + deadline:
+            log(who, f"the operator did not remove this pod within {deadline:g}s of the job's end; exiting")
+            return
     health.final_scrape(ended, lambda line: log(who, line))
 
 
