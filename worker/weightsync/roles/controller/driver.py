@@ -115,12 +115,16 @@ class Controller:
     load_failed: dict[int, Applied]  # the last round's receivers whose load failed part-way (onLoadFailure rollBack)
     driven: Mapping[str, Steps]  # the vLLM servers driven from this process otherwise than over HTTP (run)
 
-    def __init__(self, ctx: WorkerContext, reporter: Reporter, driven: Mapping[str, Steps] | None = None):
+    def __init__(self, ctx: WorkerContext, reporter: Reporter, driven: Mapping[str, Steps] | None = None,
+                 host: Host | None = None):
+        """`host`: the rendezvous to run the job on, built for ctx's job; None (a controller's pod):
+        one on ctx's store port, with the rules its spec gives (policy_of), saying its lines here."""
         self.ctx, self.reporter, self.metrics, self.driven = ctx, reporter, reporter.metrics, driven or {}
         self.timeout = ctx.job.transfer.timeout
         self.external = external_deadlines(ctx.job)
-        self.host = Host(ctx.store_port, ctx.token, ctx.job.layout, policy_of(ctx, self.external), say=self.say,
-                         address=ctx.pod_ip, job=ctx.job.identity)
+        self.host = host if host is not None else Host(ctx.store_port, ctx.token, ctx.job.layout,
+                                                       policy_of(ctx, self.external), say=self.say,
+                                                       address=ctx.pod_ip, job=ctx.job.identity)
         self.host.publish_job(ctx.job, ctx.network_mode)  # what external ranks read instead of a spec file
         self.watch = Receivers(self.host, reporter.receivers)
         self.scale = None
