@@ -70,7 +70,7 @@ class Spec:
     min_available: int | None = None
     on_load_failure: str = "rollBack"
     starts: int = 1  # the controller's start (a later one finds the job's earlier start)
-    silent: float = 2.0  # seconds without a heartbeat that count a rank as silent (HEARTBEAT is 1 s)
+    silent: float = 3.0  # seconds without a heartbeat that count a rank as silent (HEARTBEAT is 1 s)
     away: float = 1.0  # seconds an inference rank may be away before it is dropped
 
 
@@ -106,6 +106,13 @@ def job_of(spec: Spec):
                               "network": {"mode": "tcp"}}})
 
 
+def context(job, port: int) -> WorkerContext:
+    """The controller's context for `job`, its store on loopback at `port`."""
+    return WorkerContext(job=job, ordinal=0, role=CONTROLLER, pod_ip="127.0.0.1", controller_host="127.0.0.1",
+                         store_port=port, data_port=0, network_mode="tcp", token=TOKEN, report_to_kubernetes=False,
+                         health_port=0)
+
+
 class Scene:
     """One job: its controller, over a Host built here (the rules its spec gives, with short
     times), and its ranks, each doing what `acts` say at their versions."""
@@ -114,9 +121,7 @@ class Scene:
         self.spec, self.acts, self.folder = spec, {(a.role, a.rank, a.version): a.what for a in acts}, folder
         self.job = job_of(spec)
         self.said: list[str] = []
-        rules = WorkerContext(job=self.job, ordinal=0, role=CONTROLLER, pod_ip="127.0.0.1", controller_host="127.0.0.1",
-                              store_port=0, data_port=0, network_mode="tcp", token=TOKEN, report_to_kubernetes=False,
-                              health_port=0)
+        rules = context(self.job, 0)
         policy = dataclasses.replace(policy_of(rules, external_deadlines(self.job)), silent_limit=spec.silent,
                                      trainer_silent_limit=spec.silent, away_limit=spec.away)
         self.host = Host(0, TOKEN, self.job.layout, policy, say=self.said.append, address="127.0.0.1",

@@ -21,10 +21,16 @@ from support.controller_scene import (
     Act,
     Scene,
     Spec,
+    context,
+    job_of,
 )
+from support.roster import make_host
 
-from weightsync.job import INFERENCE, TRAINER, reasons
+from weightsync.job import INFERENCE, TRAINER, Layout, reasons
 from weightsync.job.states import FAILED, SUCCEEDED
+from weightsync.rendezvous.protocol import Keys
+from weightsync.roles.controller.driver import Controller
+from weightsync.roles.controller.records import Reporter
 
 
 @dataclass(frozen=True)
@@ -117,3 +123,15 @@ def test_the_controller_decides(case: Case, tmp_path):
         assert fields.items() <= record.items(), record
     if case.rounds:  # status.transfer: the last round's record
         assert got.status["transfer"]["version"] == case.rounds[-1][0]
+
+
+def test_a_host_laid_out_for_another_job_is_refused_at_once():
+    job = job_of(Spec())
+    host = make_host(Layout(trainers=1, trainer_procs=1, inferences=1, inference_procs=1), job.identity, [],
+                     silent_limit=3.0, away_limit=1.0)
+    try:
+        with pytest.raises(ValueError, match="laid out for .*inferences=1.*not for the job's .*inferences=2"):
+            Controller(context(job, host.store.port), Reporter(job, False), host=host)
+        assert not host.has(Keys.JOB), "the refused controller published the job"
+    finally:
+        host.store.close()

@@ -119,6 +119,9 @@ class Controller:
                  host: Host | None = None):
         """`host`: the rendezvous to run the job on, built for ctx's job; None (a controller's pod):
         one on ctx's store port, with the rules its spec gives (policy_of), saying its lines here."""
+        if host is not None and host.layout != ctx.job.layout:
+            raise ValueError(f"the Host given to the controller is laid out for {host.layout}, not for the job's "
+                             f"{ctx.job.layout}: build it with the job's layout")
         self.ctx, self.reporter, self.metrics, self.driven = ctx, reporter, reporter.metrics, driven or {}
         self.timeout = ctx.job.transfer.timeout
         self.external = external_deadlines(ctx.job)
