@@ -117,7 +117,7 @@ def test_a_second_process_claiming_a_live_external_trainers_rank_is_refused_and_
                 assert said == ["a second process claimed trainer rank 0 (start 2) while the one that holds it is "
                                 "alive; it was refused, and the job goes on"]
                 assert first.join("127.0.0.1", "{}", RankInfo("tcp"), timeout=10) == 1
-                admitted = host.proven("trainer", 0, host.attempts[("trainer", 0)])
+                admitted = host.proven("trainer", 0, host.attempt("trainer", 0))
                 assert admitted is not None and admitted.endpoint == "127.0.0.1"
                 host.check_ranks()  # the refused start is not seen again
                 assert len(said) == 1

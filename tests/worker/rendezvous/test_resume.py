@@ -90,7 +90,7 @@ def test_a_trainer_that_starts_again_stops_the_versions_and_every_trainer_rank_r
     where = zero.resumed(timeout=5)
     assert (where.version, where.delivered, where.step, where.resumes) == (2, 1, 10, 1)
     assert again.resumed(timeout=5).attempts == {0: 2, 1: 2}
-    assert host.resumes == 1 and host.trainers_run == {0: 2, 1: 2}
+    assert host.resumes == 1 and host.trainers_running() == {0: 2, 1: 2}
     assert "trainer rank 1 is back (start 2, at 127.0.0.1:2001)" in said
     assert any(line.startswith("the trainers resume: ") and "to start again (" in line
                for line in said), said

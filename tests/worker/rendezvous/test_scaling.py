@@ -160,7 +160,12 @@ def test_the_watch_reads_the_pods_count_into_the_roster_and_says_once_when_it_ca
     said, counts = [], iter([2, RuntimeError("403 Forbidden"), RuntimeError("403 Forbidden"), 3])
 
     class Roster:
+        """The part of the controller's Host that ScaleWatch tells."""
+
         wanted = None
+
+        def scaled_to(self, ranks: int) -> None:
+            self.wanted = ranks
 
     def read():
         got = next(counts)

@@ -21,6 +21,9 @@ class Roster:
 
     seats: dict[int, Seat] = field(default_factory=dict)
 
+    def seats_now(self) -> dict[int, Seat]:
+        return dict(self.seats)
+
 
 def seats(n: int) -> dict[int, Seat]:
     return {r: Seat(state=SERVING, info=RankInfo("tcp", pod=f"job-inference-{r}")) for r in range(n)}

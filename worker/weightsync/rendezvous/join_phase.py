@@ -13,17 +13,15 @@ spec.inference.replicas, roster.py) are not waited for: they join once the job r
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
-from weightsync.job import INFERENCE, TRAINER, reasons
+from weightsync.job import TRAINER, reasons
 from weightsync.job.errors import JobFailed, TimedOut
-from weightsync.rendezvous.claims import Claims
-from weightsync.rendezvous.messages import Admission, Text
+from weightsync.rendezvous.messages import Admission
 from weightsync.rendezvous.policy import Policy
-from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
+from weightsync.rendezvous.protocol import Keys, who
 
 PROGRESS_EVERY = 5.0  # seconds between two lines, while the ranks join, about the ones still missing
 
@@ -81,22 +79,20 @@ def progress(ranks: list[tuple[str, int]], admitted: Mapping, limits: Mapping[st
 
 
 class Host(Protocol):
-    """What the join phase needs of the controller's Host (roster.py)."""
+    """What the join phase asks of the controller's Host (roster.py): its verbs, and the rules and
+    ranks it was built with, never the state it keeps."""
 
     ranks: list[tuple[str, int]]
-    parked: set[int]  # inference ranks not waited for (their pods beyond spec.inference.replicas)
-    attempts: dict[tuple[str, int], int]  # each rank's latest start
-    beats: dict
-    claims: Claims | None
-    last_watch: float  # when the ranks' starts and heartbeats were last looked at
     policy: Policy
 
     def say(self, line: str) -> None: ...
-
+    def waits_for(self) -> list[tuple[str, int]]: ...
+    def attempt(self, role: str, rank: int) -> int: ...
+    def challenge(self, role: str, rank: int, attempt: int) -> None: ...
+    def look_due(self, now: float) -> bool: ...
+    def serve_claims(self) -> None: ...
     def limit_for(self, role: str) -> float: ...
-    def set(self, key: str, value) -> None: ...
     def check_failures(self, trainers: bool = True) -> None: ...
-    def there(self, rank: int) -> bool: ...
     def proven(self, role: str, rank: int, attempt: int) -> Admission | None: ...
     def peek(self, keys: list[str]) -> list[bytes | None]: ...
     def look(self, ranks: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[int, int | None]]: ...
@@ -128,22 +124,20 @@ class Joining:
         pause = 0.001
         while not all(r in admitted for r in self.expected()):
             host.check_failures()
-            if host.claims is not None:
-                host.claims.serve(host, host.there)
+            host.serve_claims()
             now = time.monotonic()
-            if now - host.last_watch >= HEARTBEAT / 4:
-                host.last_watch = now
+            if host.look_due(now):
                 host.follow_scale()
                 self._follow(now)
             waiting = [r for r in self.expected() if r not in admitted]
-            proofs = host.peek([Keys.published("proof", *r, host.attempts[r]) for r in waiting])
+            proofs = host.peek([Keys.published("proof", *r, host.attempt(*r)) for r in waiting])
             for (role, rank), proof in zip(waiting, proofs):  # every proof looked for in one read of the store
                 if proof is not None:
-                    got = host.proven(role, rank, host.attempts[(role, rank)])
+                    got = host.proven(role, rank, host.attempt(role, rank))
                     if got is not None:
                         admitted[(role, rank)] = got
                         if role in external or (role, rank) in notes:
-                            attempt = host.attempts[(role, rank)]
+                            attempt = host.attempt(role, rank)
                             host.say(f"{who(role, rank)} joined ({'external, ' if role in external else ''}"
                                      f"{f'start {attempt}, ' if attempt > 1 else ''}at {got.endpoint})")
             now = time.monotonic()
@@ -165,7 +159,7 @@ class Joining:
 
     def expected(self) -> list[tuple[str, int]]:
         """The ranks the job waits for: all but the parked inference ranks."""
-        return [(role, rank) for role, rank in self.host.ranks if not (role == INFERENCE and rank in self.host.parked)]
+        return self.host.waits_for()
 
     def _follow(self, now: float) -> None:
         """While the ranks join: follow each rank's starts (its process started again: an inference
@@ -182,9 +176,8 @@ class Joining:
                 if role == TRAINER:
                     host.trainer_started(rank, started, now)
                     continue
-                host.set(Keys.nonce(role, rank, started), Text(secrets.token_hex(16)))
+                host.challenge(role, rank, started)
                 admitted.pop((role, rank), None)
-                host.beats.pop((role, rank), None)
                 if started > 1:  # else a rank parked at first, its pod scaled up to: its first start
                     notes[(role, rank)] = f"started again (start {started}) while the ranks joined: it joins with that start"
                     host.say(f"{who(role, rank)} {notes[(role, rank)]}")

@@ -23,6 +23,11 @@ class Parking:
     """The roster's part that follows the inference pods' count: mixed into roster.Host, whose
     seats, ranks and store it keeps (`running`, `wanted` and `parked` are Host's)."""
 
+    def scaled_to(self, ranks: int) -> None:
+        """The job's inference pods run `ranks` ranks now, as last read from the job (scaling.py,
+        on a thread of its own): the roster follows at its next look (follow_scale)."""
+        self.wanted = ranks
+
     def follow_scale(self) -> None:
         """Park the ranks of the pods scaled away since the last look (`wanted`, the running
         ranks as last read from the job); take back the parked ranks of pods scaled up to whose

@@ -21,33 +21,33 @@ version, when the round has ended."""
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Callable, Protocol
 
-from weightsync.job import TRAINER, reasons
+from weightsync.job import TRAINER, Layout, reasons
 from weightsync.rendezvous.join_phase import PROGRESS_EVERY, RankFailed, named
-from weightsync.rendezvous.messages import Admission, ResumePoint, Text
-from weightsync.rendezvous.protocol import Keys, who
+from weightsync.rendezvous.messages import Admission, ResumePoint
+from weightsync.rendezvous.protocol import who
 
 POLL = 0.05  # seconds between looks at the trainers' starts and proofs
 
 
 class Host(Protocol):
-    """What resuming needs of the controller's Host (roster.py)."""
+    """What resuming asks of the controller's Host (roster.py): its verbs, and the layout it was
+    built for, never the state it keeps."""
 
-    layout: object
-    store: object
-    attempts: dict[tuple[str, int], int]
-    beats: dict
-    trainers_run: dict[int, int]  # {trainer rank: the start the job runs}
-    resumes: int
+    layout: Layout
 
     def say(self, line: str) -> None: ...
-    def set(self, key: str, value) -> None: ...
+    def begin_resume(self, version: int) -> int: ...
+    def trainers_running(self) -> dict[int, int]: ...
+    def attempt(self, role: str, rank: int) -> int: ...
+    def challenge(self, role: str, rank: int, attempt: int) -> None: ...
     def started_again(self, role: str, rank: int) -> int | None: ...
     def proven(self, role: str, rank: int, attempt: int) -> Admission | None: ...
     def check_ranks(self, trainers: bool = True) -> None: ...
+    def forget_failures(self, role: str) -> None: ...
+    def resumed(self, point: ResumePoint) -> None: ...
 
 
 def resume(host: Host, timeout: float, version: int, delivered: int | None, step: int | None,
@@ -58,23 +58,22 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
     a trainer comes back with another model or transport. RankFailed naming the ranks that did not
     start again within `timeout` seconds."""
     trainers = host.layout.world_size(TRAINER)
-    resumes = host.store.add(Keys.RESUMING, 1)  # before any challenge: a process of this start must not see it
-    before = dict(host.trainers_run)
+    resumes = host.begin_resume(version)  # before any challenge: a process of this start must not see it
+    before = host.trainers_running()
     for t in range(trainers):
-        host.store.delete_key(Keys.ready(version, t))  # what processes of earlier starts said
-        if host.attempts[(TRAINER, t)] > before[t]:  # a start seen already: its challenge
-            host.set(Keys.nonce(TRAINER, t, host.attempts[(TRAINER, t)]), Text(secrets.token_hex(16)))
+        if host.attempt(TRAINER, t) > before[t]:  # a start seen already: its challenge
+            host.challenge(TRAINER, t, host.attempt(TRAINER, t))
     back: dict[int, int] = {}
     start = said = time.monotonic()
     while len(back) < trainers:
-        _forget_failures(host, trainers)  # the earlier processes' last words: they were to stop
+        host.forget_failures(TRAINER)  # the earlier processes' last words: they were to stop
         host.check_ranks(trainers=False)  # the inference ranks' roster goes on
         for t in range(trainers):
             started = host.started_again(TRAINER, t)
             if started is not None:  # (again): it joins with its latest start
-                host.set(Keys.nonce(TRAINER, t, started), Text(secrets.token_hex(16)))
+                host.challenge(TRAINER, t, started)
                 back.pop(t, None)
-            attempt = host.attempts[(TRAINER, t)]
+            attempt = host.attempt(TRAINER, t)
             if t not in back and attempt > before[t]:
                 got = host.proven(TRAINER, t, attempt)
                 if got is not None:
@@ -93,14 +92,6 @@ def resume(host: Host, timeout: float, version: int, delivered: int | None, step
             host.say(f"the trainers resume: {named(TRAINER, sorted(back)) if back else 'no trainer rank'} back, "
                      f"{named(TRAINER, missing)} to start again ({max(timeout - (now - start), 0):.0f}s left)")
         time.sleep(POLL)
-    _forget_failures(host, trainers)
-    for t in range(trainers):
-        host.beats.pop((TRAINER, t), None)  # their silence counts from now
-    host.trainers_run, host.resumes = back, resumes
-    host.set(Keys.RESUME, ResumePoint(resumes, version, delivered, step, back))
+    host.forget_failures(TRAINER)
+    host.resumed(ResumePoint(resumes, version, delivered, step, back))  # their silence counts from now
     return back
-
-
-def _forget_failures(host: Host, trainers: int) -> None:
-    for t in range(trainers):
-        host.store.delete_key(Keys.failed(TRAINER, t))

@@ -24,6 +24,7 @@ this module admits the ranks, publishes the plan and keeps the seats of the infe
 
 from __future__ import annotations
 
+import copy
 import json
 import secrets
 import sys
@@ -43,6 +44,7 @@ from weightsync.rendezvous.messages import (
     Peer,
     PublishedPlan,
     RankInfo,
+    ResumePoint,
     Round,
     Text,
     peers_to_json,
@@ -108,6 +110,29 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         """Inference ranks the job cannot go on without: minAvailable, or every running one."""
         return self.running if self.policy.min_available is None else self.policy.min_available
 
+    # ------------------------------------------------------------ the trainers' resumes (resume.py)
+
+    def begin_resume(self, version: int) -> int:
+        """The trainers begin to resume, `version` next: the processes of their earlier starts
+        that still wait on weightsync end (Keys.RESUMING), and what those said they were ready
+        with is forgotten. Returns the resumes begun so far."""
+        resumes = self.store.add(Keys.RESUMING, 1)  # before any challenge: a process of this start must not see it
+        for t in range(self.layout.world_size(TRAINER)):
+            self.store.delete_key(Keys.ready(version, t))
+        return resumes
+
+    def trainers_running(self) -> dict[int, int]:
+        """{trainer rank: the start the job runs}."""
+        return dict(self.trainers_run)
+
+    def resumed(self, point: ResumePoint) -> None:
+        """Every trainer rank is back, at the starts `point` names: the job runs those, their
+        silence counts from now, and the trainers read where they resume."""
+        self.trainers_run, self.resumes = dict(point.attempts), point.resumes
+        for t in point.attempts:
+            self.beats.pop((TRAINER, t), None)
+        self.set(Keys.RESUME, point)
+
     # ------------------------------------------------------------ admission
 
     def publish_job(self, job: Job, network_mode: str) -> None:
@@ -141,6 +166,20 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
             return None
         self.attempts[(role, rank)] = started
         return started
+
+    def attempt(self, role: str, rank: int) -> int:
+        """The rank's latest start, as seen so far (the one admitted, or awaited)."""
+        return self.attempts[(role, rank)]
+
+    def challenge(self, role: str, rank: int, attempt: int) -> None:
+        """A fresh challenge for the rank's start `attempt` to prove the token over; its silence
+        counts anew from the next look (the new process beats on its own)."""
+        self.set(Keys.nonce(role, rank, attempt), Text(secrets.token_hex(16)))
+        self.beats.pop((role, rank), None)
+
+    def waits_for(self) -> list[tuple[str, int]]:
+        """The ranks the job waits for: all but the parked inference ranks."""
+        return [(role, rank) for role, rank in self.ranks if not (role == INFERENCE and rank in self.parked)]
 
     def counted(self, role: str, rank: int) -> int:
         """The starts of the rank seen so far: its attempt's, or a refused later one's."""
@@ -180,6 +219,20 @@ class Host(Ending, Rounds, Watching, Channel, Parking):  # Ending's end() says t
         vLLM server's claim is checked against (claims.py)."""
         got = self.proven(TRAINER, 0, 1)
         return None if got is None else FlatLayout.from_json(got.meta)
+
+    def seats_now(self) -> dict[int, Seat]:
+        """A copy of every inference rank's seat as it is now: what the controller's threads read
+        while the roster's thread changes the seats."""
+        return {r: copy.copy(seat) for r, seat in list(self.seats.items())}
+
+    def rank_info(self, rank: int) -> RankInfo | None:
+        """What inference rank `rank`'s latest admitted start told about itself."""
+        return self.seats[rank].info
+
+    def fell_back(self, rank: int, holds: int | None) -> None:
+        """Inference rank `rank`'s load failed part-way, and it went back to `holds` (None: no whole
+        version): it is behind, and the next version comes to it whole (onLoadFailure rollBack)."""
+        self.seats[rank].holds = holds
 
     def there(self, rank: int) -> bool:
         """Whether the worker holding inference rank `rank` is there: admitted (or, before the plan,

@@ -137,6 +137,16 @@ class Rounds:
         version received and verified, waiting for its vLLM server to load it."""
         return self._collect(rnd, Keys.staged, Staged.from_json, "receive and verify", timeout)
 
+    def applied_of(self, rnd: Round, rank: int) -> Applied | None:
+        """What receiver `rank` of the round on its way said became of it (applied, or its load
+        failed), with the start it receives with; None before it said."""
+        key = Keys.applied(rnd.version, rank, self.in_round[rank])
+        return Applied.from_json(self.get(key)) if self.has(key) else None
+
+    def receiving(self) -> dict[int, int]:
+        """{receiver of the round on its way: the start it receives with}."""
+        return dict(self.in_round)
+
     def _collect(self, rnd: Round, key_of, read, what: str, timeout: float) -> dict:
         """Each pending receiver's record, read once as it is set: the store hands the controller
         the keys set since its last look (Table.arrivals), and the wait blocks in the store until one

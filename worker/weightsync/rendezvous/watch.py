@@ -45,11 +45,9 @@ class Watching:
         self.check_failures(trainers)
         self.follow_scale()
         now = time.monotonic()
-        if now - self.last_watch < HEARTBEAT / 4:
+        if not self.look_due(now):
             return
-        self.last_watch = now
-        if self.claims is not None:
-            self.claims.serve(self, self.there)
+        self.serve_claims()
         looked = self.look(self.ranks)
         for role, rank in self.ranks:
             if role == TRAINER and not trainers:
@@ -77,6 +75,20 @@ class Watching:
                 if seat is None:
                     raise RankFailed(f"{who(role, rank)} is silent: {why}", reasons.TRAINER_STOPPED)
                 self._away(rank, why)
+
+    def look_due(self, now: float) -> bool:
+        """Whether the ranks' starts and heartbeats are due a look (every HEARTBEAT / 4); if so,
+        they count as looked at `now`."""
+        if now - self.last_watch < HEARTBEAT / 4:
+            return False
+        self.last_watch = now
+        return True
+
+    def serve_claims(self) -> None:
+        """Answer the claims of external vLLM servers' workers to inference ranks (claims.py), in a
+        job whose inference ranks are external."""
+        if self.claims is not None:
+            self.claims.serve(self, self.there)
 
     def trainer_started(self, rank: int, started: int, now: float) -> None:
         """A trainer rank's process started again (start `started`): RankFailed, trainers do not
@@ -135,6 +147,12 @@ class Watching:
                         self.deferred = True
                         continue
                     raise self.blame(role, rank, RankFailure.from_json(self.get(Keys.failed(role, rank))))
+
+    def forget_failures(self, role: str) -> None:
+        """Forget the failures the ranks of `role` reported: the last words of processes that were
+        to stop (the trainers' earlier starts, as they resume)."""
+        for rank in range(self.layout.world_size(role)):
+            self.store.delete_key(Keys.failed(role, rank))
 
     def blame(self, role: str, rank: int, failure: RankFailure) -> RankFailed:
         """The failure to report when (role, rank) reported `failure`, with its reason: another

@@ -64,13 +64,8 @@ class Admissions:
 
     def servers(self) -> list[str]:
         """Every vLLM server the roster knows of (the control URL its workers told)."""
-        for _ in range(3):  # the roster's thread may replace a seat while this one reads
-            try:
-                return sorted({s.info.server for s in list(self.host.seats.values())
-                               if s.info and s.info.server and s.info.server not in self.driven})
-            except RuntimeError:
-                continue
-        return []
+        return sorted({s.info.server for s in self.host.seats_now().values()
+                       if s.info and s.info.server and s.info.server not in self.driven})
 
     def tell(self, lease: float | None = LEASE) -> None:
         if self.current is None:  # nothing delivered yet: no server serves a version of the job's

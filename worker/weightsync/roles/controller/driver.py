@@ -278,10 +278,10 @@ class Controller:
         self.load_failed = {r: got for r, got in applied.items() if got.load_failed is not None}
         for r, got in self.load_failed.items():  # onLoadFailure rollBack: behind, and sent the next version whole
             self.say(f"{who(INFERENCE, r)} failed to load {rnd.name}: {got.load_failed}")
-            host.seats[r].holds = got.holds
+            host.fell_back(r, got.holds)
         applied = {r: got for r, got in applied.items() if r not in self.load_failed}
         host.holding(rnd.version, applied)
-        self.metrics.states(counts(states(host.seats, rnd.version)))
+        self.metrics.states(counts(states(host.seats_now(), rnd.version)))
         if rnd.again or host.rejoins():
             reporter.rejoins({INFERENCE: host.rejoins(), TRAINER: host.resumes})
         loss, step = sent[0].loss, sent[0].step

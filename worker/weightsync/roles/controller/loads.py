@@ -35,7 +35,7 @@ from weightsync.job.errors import JobFailed
 from weightsync.job.role_sections import KEEP
 from weightsync.rendezvous.messages import Applied, Round
 from weightsync.rendezvous.proofs import control_key, update_proof
-from weightsync.rendezvous.protocol import HEARTBEAT, Keys, who
+from weightsync.rendezvous.protocol import HEARTBEAT, who
 from weightsync.rendezvous.roster import Host
 from weightsync.rendezvous.rounds import BACK_POLL
 from weightsync.runtime.faults import pause_point
@@ -72,20 +72,18 @@ def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float, 
     # has every worker load its own staged version; {server: its ranks}
     servers: dict[str, list[int]] = {}
     for rank in sorted(staged):
-        servers.setdefault(host.seats[rank].info.server, []).append(rank)
+        servers.setdefault(host.rank_info(rank).server, []).append(rank)
     for url, ranks in list(servers.items()):
-        ahead = [r for r, attempt in host.in_round.items() if r not in staged and host.seats[r].info is not None
-                 and host.seats[r].info.server == url and host.has(Keys.applied(rnd.version, r, attempt))]
+        ahead = [r for r in host.receiving() if r not in staged and host.rank_info(r) is not None
+                 and host.rank_info(r).server == url and host.applied_of(rnd, r) is not None]
         if ahead:  # a worker's load ahead failed: the server serves on its copy, untouched
             del servers[url]
             for r in ranks:
                 host.say_unloaded(rnd.version, r)
             say(f"the vLLM server of {who(INFERENCE, ranks[0])} does not load {rnd.name}: "
                 f"{', '.join(who(INFERENCE, r) for r in ahead)} failed to load it ahead; its other workers discard it")
-    seats = {r: host.seats[r] for ranks in servers.values() for r in ranks}
-
     def failed(rank: int, e: ControlError) -> JobFailed:
-        return JobFailed(f"{who(INFERENCE, rank)} (pod {seats[rank].info.pod}) did not load {rnd.name} "
+        return JobFailed(f"{who(INFERENCE, rank)} (pod {host.rank_info(rank).pod}) did not load {rnd.name} "
                          f"into its vLLM server: {e}", reasons.SERVER_LOAD_FAILED)
 
     keep = ctx.job.inference.vllm.inflight == KEEP
@@ -109,15 +107,15 @@ def load_on_servers(ctx: WorkerContext, host: Host, rnd: Round, timeout: float, 
     for url, got in loads.items():
         ranks = servers[url]
         if isinstance(got, Unreachable):
-            if not host.gone(ranks, 2 * host.policy.silent_limit + 2 * HEARTBEAT):
+            if not host.gone(ranks, 2 * host.limit_for(INFERENCE) + 2 * HEARTBEAT):
                 raise failed(ranks[0], ControlError(f"{got}; its workers beat on, so the server is alive")) from None
             say(f"the vLLM server of {who(INFERENCE, ranks[0])} stopped answering while it loaded {rnd.name} "
                 f"({got}) and its ranks went away: {rnd.name} goes on without them")
         elif isinstance(got, ControlError):
-            said = ranks_word(host, rnd, ranks, host.policy.silent_limit)
+            said = ranks_word(host, rnd, ranks, host.limit_for(INFERENCE))
             if said is None or all(a.load_failed is None for a in said.values()):
                 raise failed(ranks[0], got) from None
-            say(f"the vLLM server of {who(INFERENCE, ranks[0])} (pod {seats[ranks[0]].info.pod}) failed to load "
+            say(f"the vLLM server of {who(INFERENCE, ranks[0])} (pod {host.rank_info(ranks[0]).pod}) failed to load "
                 f"{rnd.name} part-way ({got}); spec.inference.onLoadFailure rollBack: it answers its clients 503 until "
                 "the next version loads whole, and the job goes on")
     times = [t for t in loads.values() if isinstance(t, UpdateTimes)]
@@ -156,9 +154,9 @@ def ranks_word(host: Host, rnd: Round, ranks: list[int], within: float) -> dict[
     A rank that reports a failure instead (failJob: LoadFailed) fails the job from here (check_ranks)."""
     deadline = time.monotonic() + within
     while True:
-        keys = {r: Keys.applied(rnd.version, r, host.in_round[r]) for r in ranks}
-        if all(host.has(k) for k in keys.values()):
-            return {r: Applied.from_json(host.get(k)) for r, k in keys.items()}
+        said = {r: host.applied_of(rnd, r) for r in ranks}
+        if all(got is not None for got in said.values()):
+            return said
         if time.monotonic() > deadline:
             return None
         host.check_ranks(trainers=not host.resuming)

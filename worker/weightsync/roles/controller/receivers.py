@@ -86,9 +86,10 @@ class Receivers:
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def record(self) -> dict:
-        """status.receivers now (each rank's `since` kept from when its state last changed)."""
-        seats = {r: s for r, s in self.host.seats.items() if s.state != PARKED}
+    def record(self, seats: dict[int, Seat] | None = None) -> dict:
+        """status.receivers now, from `seats` (None: the roster's now), each rank's `since` kept
+        from when its state last changed."""
+        seats = {r: s for r, s in (self.host.seats_now() if seats is None else seats).items() if s.state != PARKED}
         held = [s.holds for s in seats.values() if s.holds is not None]
         latest = max(held) if held else None
         by_rank = states(seats, latest)
@@ -114,9 +115,10 @@ class Receivers:
         """Write status.receivers if it changed (a `since` alone is no change) and the last write
         was WRITE_EVERY ago, or `force`; True if it wrote."""
         with self.lock:
-            if not self.host.seats:
+            seats = self.host.seats_now()
+            if not seats:  # before the plan
                 return False
-            record = self.record()
+            record = self.record(seats)
             if _without_since(record) == _without_since(self.written):
                 return False
             # (the monotonic clock counts from the machine's boot: 0.0 would hold back a first write

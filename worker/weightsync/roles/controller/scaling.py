@@ -17,8 +17,8 @@ POLL_SECONDS = 2.0
 
 
 class ScaleWatch:
-    """Reads the pods' count with `read` (None: it cannot be read here) and sets `host.wanted` to
-    their ranks (`ranks_of_pods`)."""
+    """Reads the pods' count with `read` (None: it cannot be read here) and tells the Host their
+    ranks (`ranks_of_pods`: Host.scaled_to)."""
 
     def __init__(self, host, read: Callable[[], int | None], ranks_of_pods: Callable[[int], int],
                  say: Callable[[str], None], every: float = POLL_SECONDS):
@@ -38,7 +38,7 @@ class ScaleWatch:
             return
         self.failing = False
         if pods is not None:
-            self.host.wanted = self.ranks_of_pods(pods)
+            self.host.scaled_to(self.ranks_of_pods(pods))
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._watch, name="scale", daemon=True)
