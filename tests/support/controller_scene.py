@@ -131,7 +131,7 @@ class Scene:
         self.reporter = Reporter(self.job, False, out=self.out, status_file=str(folder / "status.json"))
         self.controller = _Heard(ctx, self.reporter, host=self.host)
         self.controller.heard = self.said
-        self.done = set()  # the acts done, by (role, rank, version): each is done once
+        self.done: set[tuple[str, int, int]] = set()  # the acts done, by (role, rank, version): each is done once
         self.errors: list[str] = []  # what a simulated rank did not expect
 
     def run(self) -> Outcome:
@@ -151,6 +151,7 @@ class Scene:
         finally:
             self.host.store.close()
         assert not self.errors, self.errors
+        assert self.done == set(self.acts), f"acts that never came to pass: {sorted(set(self.acts) - self.done)}"
         status = json.loads((self.folder / "status.json").read_text())
         return Outcome(code[0], status, [json.loads(line) for line in self.out.getvalue().splitlines()], self.said)
 
