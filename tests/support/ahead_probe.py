@@ -34,7 +34,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 from weightsync.runtime.faults import FAIL_LOAD_ENV, LoadFault, failing_half  # noqa: E402
 from weightsync.vllm_backend.ahead import commit, prepare  # noqa: E402
-from weightsync.vllm_backend.engine import served_parameters  # noqa: E402
+from weightsync.vllm_backend.served import served_parameters  # noqa: E402
 
 VERSIONS = 4
 FAILS_AHEAD = 2  # before this version, another one's load ahead fails part-way

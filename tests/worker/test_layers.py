@@ -236,15 +236,19 @@ def reaches_in(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
+BEHIND_THE_DOOR = ("weightsync.vllm_backend", "weightsync.integrations")  # the server's side and the trainers'
+
+
 def test_only_the_door_reaches_into_vllm():
-    """vLLM's private attributes, the patches of its objects and the heap scan the backend relies
-    on are named in vllm_backend/internals.py alone, which probes each on the installed vLLM when
-    the plugin loads: no other module of vllm_backend/ reaches into vLLM (or torch) itself."""
+    """vLLM's private attributes, the patches of its objects and the heap scan the backend and the
+    trainer engine rely on are named in vllm_backend/internals.py alone, which probes each on the
+    installed vLLM (the server's when the plugin loads, the trainer engine's as it is imported): no
+    other module of vllm_backend/ or integrations/ reaches into vLLM (or torch) itself."""
     wrong = [f"{path.relative_to(ROOT)}:{line} {what}" for name, path in MODULES.items()
-             if name.startswith("weightsync.vllm_backend") and name != DOOR
+             if name.startswith(BEHIND_THE_DOOR) and name != DOOR
              for line, what in reaches_in(ast.parse(path.read_text()))]
-    assert not wrong, "vllm_backend/ modules that reach into vLLM's internals (name them in internals.py):\n" + \
-        "\n".join(wrong)
+    assert not wrong, "vllm_backend/ and integrations/ modules that reach into vLLM's internals (name them in " \
+        "internals.py):\n" + "\n".join(wrong)
 
 
 def test_the_check_sees_each_kind_of_reach():

@@ -19,7 +19,8 @@ minute of the machine):
 - Every internal of vLLM the backend relies on (vllm_backend/internals.py) is there in the vLLM
   installed, and a vLLM without one of them (here one method taken off the class, as a release
   without it would be) is refused when the plugin registers, on one line naming it and the release
-  weightsync is tested with.
+  weightsync is tested with; likewise the trainer engine's internals, refused as its module is
+  imported.
 """
 
 from __future__ import annotations
@@ -142,8 +143,21 @@ def door():
         return {"missing": found, "refused": str(e.code)}
     return {"missing": found, "refused": None}
 
+def trainer_door():
+    import weightsync.integrations.vllm as trainer
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from weightsync.vllm_backend.internals import TRAINER, missing
+
+    found = [i.name for i in missing(TRAINER)]
+    del WeightTransferTrainerFactory._registry  # as a vLLM release without it would be
+    try:
+        importlib.reload(trainer)
+    except Exception as e:
+        return {"missing": found, "refused": f"{type(e).__name__}: {e}"}
+    return {"missing": found, "refused": None}
+
 if __name__ == "__main__":
-    print(json.dumps({"tiles": tiles(), "trainer": trainer_engine(), "door": door()}))
+    print(json.dumps({"tiles": tiles(), "trainer": trainer_engine(), "door": door(), "trainer door": trainer_door()}))
 """
 
 
@@ -206,4 +220,15 @@ def test_the_installed_vllm_has_every_internal_and_one_without_is_refused_on_one
     assert refused is not None and "\n" not in refused, door
     assert refused.startswith("weightsync: weightsync's vLLM backend is tested with vLLM 0.32.0; this is vLLM "), door
     assert "it lacks WeightsMapper._map_name_with_shard, which weightsync relies on" in refused, door
+    assert refused.endswith("; use vLLM 0.32.0"), door
+
+
+def test_the_trainer_engine_is_refused_on_one_line_by_a_vllm_without_an_internal_it_reads(found):
+    door = found["trainer door"]
+    assert door["missing"] == [], door
+    refused = door["refused"]
+    assert refused is not None and "\n" not in refused, door
+    assert refused.startswith("IncompatibleVllm: weightsync's vLLM trainer engine is tested with vLLM 0.32.0; this is "
+                              "vLLM "), door
+    assert "it lacks WeightTransferTrainerFactory._registry, which weightsync relies on" in refused, door
     assert refused.endswith("; use vLLM 0.32.0"), door

@@ -75,8 +75,9 @@ from weightsync.publisher.sync import Sync, attach
 from weightsync.rendezvous.protocol import who
 from weightsync.runtime.life import Farewell
 from weightsync.runtime.rank import log
-from weightsync.vllm_backend import BACKEND
+from weightsync.vllm_backend import BACKEND, check_trainer_vllm
 from weightsync.vllm_backend.control import Server, Unreachable
+from weightsync.vllm_backend.internals import registered
 
 END_WAIT = 120.0  # seconds rank 0 waits for its controller to end the job once every rank shut down
 
@@ -333,5 +334,6 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 self.controller.wait(END_WAIT)
 
 
-if BACKEND not in WeightTransferTrainerFactory._registry:  # imported again under another name: registered once
+check_trainer_vllm()  # a vLLM without an internal the engine relies on is refused here, on one line
+if not registered(WeightTransferTrainerFactory, BACKEND):  # imported again under another name: registered once
     WeightTransferTrainerFactory.register_engine(BACKEND, WeightsyncTrainerEngine)

@@ -18,6 +18,7 @@ import torch
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 
 from weightsync.publisher.sources import NamedTensors
+from weightsync.vllm_backend.internals import source_module
 
 
 class SourceTensors(NamedTensors):
@@ -62,7 +63,7 @@ def weights_of(source) -> tuple[object, SourceTensors | None]:
     """What the rank publishes from (`source`'s module, or its tensors) and, for a source that is
     no ModuleSource, the tensors to fill before each version."""
     if isinstance(source, ModuleSource):
-        return source._module, None
+        return source_module(source), None
     if not isinstance(source, WeightSource):
         raise TypeError(f"weightsync's trainer engine sends from a vLLM WeightSource (ModuleSource(model), or one of "
                         f"your own), not {type(source).__name__}")

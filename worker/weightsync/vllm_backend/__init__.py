@@ -91,13 +91,30 @@ def check_vllm() -> str:
     if missing or not hasattr(WeightTransferEngineFactory, "register_engine"):
         raise IncompatibleVllm(advice + f"its WeightTransferEngine lacks {', '.join(missing) or 'register_engine'}; "
                                f"use vLLM {VLLM_TESTED}")
-    from weightsync.vllm_backend.internals import missing as missing_internals
+    from weightsync.vllm_backend.internals import INTERNALS
 
-    lacking = missing_internals()
+    _check_internals(INTERNALS, advice)
+    return version
+
+
+def check_trainer_vllm() -> None:
+    """The trainer engine's check (integrations/vllm.py, as it is imported): every internal of
+    vLLM it relies on (internals.TRAINER); IncompatibleVllm, one line naming what the vLLM lacks."""
+    import vllm
+
+    from weightsync.vllm_backend.internals import TRAINER
+
+    _check_internals(TRAINER, f"weightsync's vLLM trainer engine is tested with vLLM {VLLM_TESTED}; this is vLLM "
+                              f"{getattr(vllm, '__version__', 'unknown')}: ")
+
+
+def _check_internals(internals, advice: str) -> None:
+    from weightsync.vllm_backend.internals import missing
+
+    lacking = missing(internals)
     if lacking:
         raise IncompatibleVllm(advice + f"it lacks {'; '.join(i.name for i in lacking)}, which weightsync relies on "
                                f"({'; '.join(i.use for i in lacking)}); use vLLM {VLLM_TESTED}")
-    return version
 
 
 def joining(environ=os.environ) -> tuple[Join, str] | None:

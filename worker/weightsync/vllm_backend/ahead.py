@@ -1,7 +1,7 @@
 """Loading a version ahead of the pause (spec.inference.vllm.loadAhead): vLLM's layerwise reload
 run into a shadow of the model while the server serves, so that the pause holds only a copy.
 
-vLLM's reload (engine.py's load) does all its work on the live model between two scheduler steps:
+vLLM's reload (loading.py's load) does all its work on the live model between two scheduler steps:
 each layer's checkpoint-format tensors are loaded into fresh tensors, processed as vLLM processes
 weights after loading (fused, repacked for the CPU's GEMM kernels, and on GPUs whatever the
 kernels need), and copied into the tensors the model runs on. The server serves nothing for all of

@@ -3,15 +3,16 @@
 The backend works through vLLM's public weight-transfer API and its layers' own loaders; where
 vLLM offers no public way, it reads some of vLLM's private attributes, patches some of its objects
 for a while, and relies on the layout of its layers and of its reload's records. Each of those is
-named here and nowhere else in vllm_backend/ (tests/worker/test_layers.py checks that no other
-module of it reads a private attribute, writes an attribute of an object not its own, or uses
-setattr, __dict__ or the heap), so that a vLLM upgrade is checked in one place. torch's module
-tables (_parameters, _buffers, _modules) and its AMX request are here too: torch's internals,
-reached into on vLLM's layers.
+named here and nowhere else in vllm_backend/ or integrations/ (tests/worker/test_layers.py checks
+that no other module of them reads a private attribute, writes an attribute of an object not its
+own, or uses setattr, __dict__ or the heap), so that a vLLM upgrade is checked in one place. torch's
+module tables (_parameters, _buffers, _modules) and its AMX request are here too: torch's
+internals, reached into on vLLM's layers.
 
-INTERNALS lists them, each with a probe of the installed vLLM; register() runs them when vLLM
-loads the plugin (missing()), so that a vLLM that lacks one refuses to start on one line naming it
-and the release weightsync is tested with, and never fails a job mid-way.
+INTERNALS lists the server's, each with a probe of the installed vLLM; register() runs them when
+vLLM loads the plugin (missing()), so that a vLLM that lacks one refuses to start on one line
+naming it and the release weightsync is tested with, and never fails a job mid-way. TRAINER lists
+the trainer engine's (integrations/vllm.py), probed likewise as it is imported.
 
 vLLM 0.32 creates the weight-transfer engine with the model alone (WeightTransferEngine(config,
 vllm_config, device, model), in its worker's load_model): its model runner's LoRA manager (the
@@ -146,12 +147,18 @@ INTERNALS = (
     Internal("ParallelConfig._api_process_count", "a keep pause refused by a server of several API processes "
              "(inflight.py)", _fields("vllm.config.parallel", "ParallelConfig", "_api_process_count")),
 )
+TRAINER = (
+    Internal("WeightTransferTrainerFactory._registry", "the trainer engine registered once per process",
+             _attr("vllm.distributed.weight_transfer.factory", "WeightTransferTrainerFactory._registry")),
+    Internal("ModuleSource._module", "a ModuleSource's module read as it is, never gathered (vllm_source.py)",
+             _sets("vllm.distributed.weight_transfer.base", "ModuleSource", "_module")),
+)
 
 
-def missing() -> list[Internal]:
-    """The internals the installed vLLM lacks (an import that fails counts as lacking)."""
+def missing(internals: tuple[Internal, ...] = INTERNALS) -> list[Internal]:
+    """The `internals` the installed vLLM lacks (an import that fails counts as lacking)."""
     out = []
-    for internal in INTERNALS:
+    for internal in internals:
         try:
             ok = internal.present()
         except (ImportError, AttributeError, TypeError, OSError):
@@ -166,9 +173,14 @@ def api_process_count(parallel_config) -> int:
     return parallel_config._api_process_count
 
 
-# the plugin (__init__.py)
+# the plugin (__init__.py) and the trainer engine (integrations/vllm.py)
 def registered(factory, name: str) -> bool:
     return name in factory._registry
+
+
+def source_module(source) -> torch.nn.Module:
+    """The module a vLLM ModuleSource reads (it keeps it, and names no way to it)."""
+    return source._module
 
 
 def amx_tiles_supported() -> bool:

@@ -1,4 +1,5 @@
-"""Where a vLLM worker's place in its job comes from: its context, its inference rank, its server.
+"""Where a vLLM worker's place in its job comes from: its context, its inference rank, its server,
+and what a version of the job is (its layout, built once: version_layout).
 
 A worker of one of the job's own pods (spec.inference.engine vllm) reads the pod's contract: its
 rank is its pod's ordinal's, at vLLM's worker rank, and its server's URL is the one the pod's
@@ -35,6 +36,7 @@ from weightsync.job import INFERENCE, Env, Job, Model, SpecError, WorkerContext
 from weightsync.job.join import Join, JoinEnv, shared_token
 from weightsync.model.build import layout_of, meta_layout
 from weightsync.model.flat import ITEMSIZE, FlatLayout, LayoutMismatch
+from weightsync.model.lora import adapter_layout
 from weightsync.model.quant import VLLM_METHOD, format_of
 from weightsync.rendezvous.channel import Channel
 from weightsync.rendezvous.claims import Claim, ClaimRefused, claim
@@ -52,8 +54,17 @@ class Place:
     rank: int
     server: str  # the server's URL, where the controller asks it to load a version
     external: bool  # a server the user started (it says goodbye at the job's end itself)
+    layout: FlatLayout  # a version's layout (version_layout), built once
     by_init: bool = False  # joined at its trainer's init (a server of no job until then)
-    model_layout: FlatLayout | None = None  # spec.model's version layout, where joining built it (to check the server)
+
+
+def version_layout(model: Model, checked: FlatLayout | None = None) -> FlatLayout:
+    """What a version of the job is: spec.model's tensors (`checked`, where the join already built
+    them to check the server against), or, where versions are a LoRA adapter, the adapter's alone
+    (the base weights are the checkpoint's, loaded by vLLM). Built once per worker, here."""
+    if model.lora is not None:
+        return adapter_layout(model)
+    return meta_layout(model) if checked is None else checked
 
 
 def waits_for_init(environ=os.environ) -> None:
@@ -106,18 +117,20 @@ def place_of(parallel_config, model_config, init=None) -> Place:
         problem = quantization_problem(ctx.job.model, model_config)
         if problem is not None:
             raise ValueError(problem)
-        return Place(ctx, ctx.job.layout.ranks_of(ctx.ordinal)[worker], os.environ[Env.VLLM_SERVER], external=False)
+        return Place(ctx, ctx.job.layout.ranks_of(ctx.ordinal)[worker], os.environ[Env.VLLM_SERVER], external=False,
+                     layout=version_layout(ctx.job.model))
     join, url = found
     try:
-        place = _claimed(join, url, worker, parallel_config.world_size, model_config)
+        ctx, rank, checked = _claimed(join, url, worker, parallel_config.world_size, model_config)
     except (JoinError, ClaimRefused, SpecError, ProofError, TimeoutError) as e:
         problem = "; ".join(e.problems) if isinstance(e, SpecError) else str(e)
         print(f"[vLLM server {url}] cannot join job {join.job_id}: {problem}", file=sys.stderr, flush=True)
         raise JoinError(problem) from None
-    return replace(place, by_init=by_init)
+    return Place(ctx, rank, url, external=True, layout=version_layout(ctx.job.model, checked), by_init=by_init)
 
 
-def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> Place:
+def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> tuple[WorkerContext, int, FlatLayout]:
+    """This worker's context, its claimed rank, and spec.model's layout the server was checked against."""
     claimed: list[int] = []
     built: list[FlatLayout] = []
 
@@ -145,8 +158,7 @@ def _claimed(join: Join, url: str, worker: int, workers: int, model_config) -> P
 
     ctx, channel = joined_context(join, INFERENCE, rank_of)
     channel.close()
-    return Place(replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], url, external=True,
-                 model_layout=built[0])
+    return replace(ctx, data_port=int(os.environ.get(Env.DATA_PORT) or 0)), claimed[0], built[0]
 
 
 def served_quantization(model_config) -> str | None:
