@@ -93,14 +93,14 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
             raise RuntimeError(f"{held.me} is a rank of job {held.ctx.job.identity} until that job ends: a server takes "
                                "one trainer's job at a time")
         placement = placement_of(self.vllm_config, self.model, init_info)
-        self.loader = Loader(placement, self.model, self.model_config, getattr(self.vllm_config, "lora_config", None),
-                             self.device)
+        loader = Loader(placement, self.model, self.model_config, getattr(self.vllm_config, "lora_config", None),
+                        self.device)
         buffers = staging_buffers(placement, self.device)
         self.session = False
         member, receiver = join_rank(placement, self.device, self.parallel_config.rank)
-        self.stage = Stage(placement, buffers, member, self.model, self.model_config, lambda: self.session)
-        self.placement = placement
-        self.thread = threading.Thread(target=run_rounds, args=(placement, member, receiver, self.stage),
+        stage = Stage(placement, buffers, member, self.model, self.model_config, lambda: self.session)
+        self.placement, self.loader, self.stage = placement, loader, stage
+        self.thread = threading.Thread(target=run_rounds, args=(placement, member, receiver, stage),
                                        name="weightsync-receive", daemon=True)
         self.thread.start()
 
