@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from weightsync.bench.chart import rollout_chart
 from weightsync.bench.rollout import Generation, figures, first_tokens, report, table
+from weightsync.bench.rollout_path import medians, paths, round_marks, timeline
 from weightsync.bench.vllm import save_version
 from weightsync.job import Model
 from weightsync.model.build import build
@@ -69,3 +70,24 @@ def test_a_saved_version_names_its_architecture_as_a_vllm_server_needs(tmp_path)
     save_version(model, tmp_path / "v0", save_file)
     assert served_config(Model(path=str(tmp_path / "v0"))).architectures == ["LlamaForCausalLM"]
     assert (tmp_path / "v0" / "model.safetensors").exists()
+
+
+def test_a_versions_path_is_laid_from_its_publication_through_the_round_to_its_first_token():
+    """The controller's round record (its go as the epoch's seconds, then its phases) and the tokens'
+    arrival give each mark after the publication; the clients' silence runs from the last token of
+    any request before the version's first."""
+    record = {"version": 1, "began": 12.25, "stall_seconds": 0.0625,
+              "phases": {"transfer": 0.25, "verify": 0.125, "staging": 0.125, "pause": 0.125, "stall": 0.0625}}
+    marks = round_marks(record)
+    assert marks == {"go": 12.25, "staged": 12.75, "paused": 12.875, "resumed": 12.9375}
+    other = Generation(10.0, [(12.5, 1), (12.9, 1)], [{"version": "0", "start": 0, "end": 2}], "length")
+    got = paths([crossing(), other], {1: 12.0, 2: 20.0}, {1: marks})
+    assert got[1] == {"go": 0.25, "staged": 0.75, "paused": 0.875, "resumed": 0.9375, "first_token": 1.0,
+                      "staged_to_first_token": 0.25, "resume_to_first_token": 0.0625, "silence": 0.1}
+    assert got[2] == {}
+    assert medians(got.values())["staged"] == 0.75
+
+
+def test_the_timeline_counts_tokens_per_second_in_bins():
+    assert timeline([crossing()], 11.0, 15.0) == [2.0, 2.0, 2.0, 0.0]
+    assert timeline([crossing()], 11.0, 15.0, width=2.0) == [2.0, 1.0]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import weightsync
 from weightsync.bench.chart import rollout_chart
+from weightsync.bench.rollout_path import first_token, medians, paths, round_marks, timeline
 from weightsync.bench.vllm import (
     SERVER_ARGS,
     SERVER_ENV,
@@ -152,11 +154,7 @@ def figures(runs: list[Generation], begin: float, end: float) -> dict:
 
 def first_tokens(runs: list[Generation], published: dict[int, float]) -> dict[int, float | None]:
     """Per version: seconds from its publication to the first token generated on it."""
-    out = {}
-    for version, at in published.items():
-        seen = [t for g in runs if (t := g.first_token_of(str(version))) is not None]
-        out[version] = min(seen) - at if seen else None
-    return out
+    return {version: None if (t := first_token(runs, version)) is None else t - at for version, at in published.items()}
 
 
 def publish_on_cadence(versions: int, every: float, window: float, record: str) -> int:
@@ -187,8 +185,9 @@ def publish_on_cadence(versions: int, every: float, window: float, record: str) 
     return 0
 
 
-def job_way(python: str, name: str, inflight: str, ahead: bool = False) -> dict:
-    """One way's run in a job of one trainer rank and one vLLM server."""
+def job_way(python: str, name: str, inflight: str, ahead: bool = False, logs: str | None = None) -> dict:
+    """One way's run in a job of one trainer rank and one vLLM server; `logs`: a folder the job's
+    logs are copied into (under the way's name)."""
     versions = int(WINDOW / EVERY) + 1
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-rollout-") as folder:
         record = str(Path(folder) / "published.jsonl")
@@ -207,8 +206,11 @@ def job_way(python: str, name: str, inflight: str, ahead: bool = False) -> dict:
             local.wait(RUN_TIMEOUT)
         finally:
             local.stop()
-    stalls = [t["stall_seconds"] for t in local.transfers[1:]]
-    return report(name, runs, load.started, events, stalls)
+            if logs:
+                shutil.copytree(Path(folder) / "run" / "logs", Path(logs) / name, dirs_exist_ok=True)
+    rounds = local.transfers[1:]
+    return report(name, runs, load.started, events, [t["stall_seconds"] for t in rounds],
+                  {t["version"]: round_marks(t) for t in rounds})
 
 
 def disk_way(python: str) -> dict:
@@ -228,7 +230,7 @@ def disk_way(python: str) -> dict:
                                 env={**os.environ, **SERVER_ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT)
         server = Server(f"http://127.0.0.1:{port}")
-        stalls, events = [], []
+        stalls, events, marks = [], [], {}
         try:
             server.wait_up(UP_TIMEOUT, alive=lambda: proc.poll() is None)
             server.call("/update_weight_version", {"new_version": "0"}, 60)
@@ -240,7 +242,11 @@ def disk_way(python: str) -> dict:
                 new_version(model, generator)
                 events.append({"version": v, "published": time.time()})
                 save_version(model, Path(folder) / f"v{v}", save_file)
-                stalls.append(reload_version(server, Path(folder) / f"v{v}", v)["stall"])
+                saved = time.time()  # the checkpoint is there to load: the disk's "staged"
+                times = reload_version(server, Path(folder) / f"v{v}", v)
+                stalls.append(times["stall"])
+                marks[v] = {"staged": saved, "paused": saved + times["pause"],
+                            "resumed": saved + times["pause"] + times["stall"]}
             time.sleep(EVERY)
             events.append({"end": time.time()})
             runs = load.stop()
@@ -248,10 +254,14 @@ def disk_way(python: str) -> dict:
             stop(proc, grace=VLLM_STOP_GRACE)
             log.close()
             leases.release([port])
-    return report("disk", runs, load.started, events, stalls)
+    return report("disk", runs, load.started, events, stalls, marks)
 
 
-def report(name: str, runs: list[Generation], load_started: float, events: list[dict], stalls: list[float]) -> dict:
+def report(name: str, runs: list[Generation], load_started: float, events: list[dict], stalls: list[float],
+           marks: dict[int, dict[str, float]] | None = None) -> dict:
+    """A way's figures: the baseline's and the updates', their ratios, and per version the path from
+    its publication to its first token (rollout_path.py; `marks`: each version's times as the
+    epoch's seconds, from the controller's round records or the disk way's own calls)."""
     published = {e["version"]: e["published"] for e in events if "version" in e}
     first = min(published.values())
     end = next(e["end"] for e in events if "end" in e)
@@ -259,19 +269,27 @@ def report(name: str, runs: list[Generation], load_started: float, events: list[
     under = figures(runs, first, end)
     latency = first_tokens(runs, published)
     seen = [s for s in latency.values() if s is not None]
+    path = paths(runs, published, marks or {})
     return {"way": name, "baseline": base, "updates": under, "versions": len(published),
             "stall_seconds": statistics.median(stalls) if stalls else None,
             "publication_to_first_token": {str(v): s for v, s in latency.items()},
             "publication_to_first_token_median": statistics.median(seen) if seen else None,
             "throughput_ratio": under["tokens_per_second"] / base["tokens_per_second"],
-            "gap_ratio": under["longest_gap"] / base["longest_gap"] if base["longest_gap"] else None}
+            "gap_ratio": under["longest_gap"] / base["longest_gap"] if base["longest_gap"] else None,
+            "path": {str(v): row for v, row in path.items()}, "path_median": medians(path.values()),
+            "timeline": {"begin": round(load_started + WARMUP - first, 3), "published": [
+                round(t - first, 3) for t in published.values()], "tokens_per_second": timeline(
+                runs, load_started + WARMUP, end)}}
 
 
-def run(python: str) -> dict:
+def run(python: str, names: list[str] | None = None, logs: str | None = None) -> dict:
+    """The ways `names` (every way by default) one after another; `logs`: where the jobs' logs go."""
     check_vllm_python(python)
     ways = []
-    for name, how in WAYS.items():
-        ways.append(disk_way(python) if how is None else job_way(python, name, how["inflight"], how.get("ahead", False)))
+    for name in names or list(WAYS):
+        how = WAYS[name]
+        ways.append(disk_way(python) if how is None else
+                    job_way(python, name, how["inflight"], how.get("ahead", False), logs))
         print(f"bench: {name}: {json.dumps(ways[-1])}", file=sys.stderr, flush=True)  # whole, should a later way fail
     return {"clients": CLIENTS, "tokens": TOKENS, "every": EVERY, "window": WINDOW, "ways": ways}
 
@@ -290,8 +308,9 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(python: str, as_json: bool, chart: str | None = None) -> int:
-    result = run(python)
+def main(python: str, as_json: bool, chart: str | None = None, names: list[str] | None = None,
+         logs: str | None = None) -> int:
+    result = run(python, names, logs)
     print(json.dumps(result, indent=2) if as_json else table(result), flush=True)
     if chart:
         print(f"bench: chart in {rollout_chart(result, chart)}", file=sys.stderr, flush=True)

@@ -39,6 +39,7 @@ from weightsync.bench.chart import chart
 from weightsync.bench.fsdp import main as shards_bench
 from weightsync.bench.netns import Links, rate_bits, unavailable
 from weightsync.bench.rank_process import build_model, run
+from weightsync.bench.rollout import WAYS
 from weightsync.bench.rollout import main as rollout_bench
 from weightsync.bench.scrape import main as scrape_bench
 from weightsync.bench.trained import train
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollout-load", action="store_true",
                         help="with --vllm: instead, what an update costs a server that is generating (inflight "
                              "finish, keep, keep with loadAhead, a disk reload), against the same load with no update")
+    parser.add_argument("--ways", help=f"with --rollout-load: comma-separated ways to run (default {','.join(WAYS)})")
+    parser.add_argument("--logs", metavar="DIR", help="with --rollout-load: keep each job's logs under DIR/WAY")
     parser.add_argument("--step", type=float, metavar="SECONDS",
                         help=f"with --vllm: seconds between a version served and the next one made, as a training "
                              f"step between versions (default {VLLM_STEP:g})")
@@ -310,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--step: only the --vllm bench waits between versions")
     if args.rollout_load and (not args.vllm or args.step is not None):
         parser.error("--rollout-load: give it with --vllm PYTHON (and no --step: a version comes every 10 s)")
+    ways = args.ways.split(",") if args.ways else None
+    if (ways or args.logs) and not args.rollout_load or any(w not in WAYS for w in ways or []):
+        parser.error(f"--ways, --logs: with --rollout-load only, the ways among {', '.join(WAYS)}")
     if args.rollout_load:
-        return rollout_bench(args.vllm, args.json, args.chart)
+        return rollout_bench(args.vllm, args.json, args.chart, ways, args.logs)
     if args.vllm:
         step = VLLM_STEP if args.step is None else args.step
         if step < 0:

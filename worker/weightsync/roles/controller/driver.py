@@ -249,7 +249,7 @@ class Controller:
         and how many inference ranks applied the version."""
         ctx, host, reporter, timeout = self.ctx, self.host, self.reporter, self.timeout
         plan, transport = self.planned.plan, self.planned.transport
-        start = time.monotonic()
+        start, began = time.monotonic(), time.time()
         # A trainer may spend its timeout dialling a receiver and its timeout again on a send that
         # makes no progress before it reports the receiver lost: wait for that report, not past it.
         try:
@@ -292,6 +292,7 @@ class Controller:
         if self.load_failed:
             extra["load_failed"] = sorted(self.load_failed)
         extra["phases"] = phases(sent_at - start, verified_at - sent_at, loads, applied, start + seconds - loaded_at)
+        extra["began"] = round(began, 4)  # the go, as the epoch's seconds: the phases laid against other clocks' events
         record = reporter.transfer(rnd.version, step, sum(plan.bytes_for(r) for r in applied), seconds, transport,
                                    loss, wire_bytes=sum(s.wire_bytes for s in sent), delta_ranks=len(rnd.bases),
                                    version_bytes=plan.version_bytes, inference_ranks=len(applied), again=rnd.again,
