@@ -129,11 +129,13 @@ def vllm_chart(report: dict, order: list[str], path: str | Path) -> Path:
 def rollout_chart(result: dict, path: str | Path) -> Path:
     """`weightsync bench --vllm --rollout-load --chart`: per way of updating, the tokens per second
     and the longest gap between two tokens of one request with a version every few seconds, each
-    against the same load with no update (its bar labelled with the ratio), and the seconds from a
-    version's publication to its first token."""
+    against the same load with no update (its bar labelled with the ratio); the seconds from a
+    version's publication, and from its staging (ready to commit), to its first token, against the
+    stall; and the tokens per second over the run, the publications marked."""
     plt = pyplot("weightsync bench --vllm --rollout-load --chart")
     ways = result["ways"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    axes = axes.flatten()
     for ax, key, title in ((axes[0], "tokens_per_second", "tokens per second"),
                            (axes[1], "longest_gap", "longest gap between two tokens (s)")):
         for x, way in enumerate(ways):
@@ -146,13 +148,27 @@ def rollout_chart(result: dict, path: str | Path) -> Path:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     for x, way in enumerate(ways):
-        seen = [s for s in way["publication_to_first_token"].values() if s is not None]
-        axes[2].scatter([x] * len(seen), seen, color="#1f77b4", s=12)
+        rows = list(way.get("path", {}).values())
+        for dx, key, color, label in ((-0.12, "first_token", "#1f77b4", "publication -> first token"),
+                                      (0.12, "staged_to_first_token", "#ff7f0e", "staged -> first token")):
+            seen = [r[key] for r in rows if r.get(key) is not None]
+            axes[2].scatter([x + dx] * len(seen), seen, color=color, s=12, label=label if x == 0 else None)
         if way["stall_seconds"] is not None:
             axes[2].hlines(way["stall_seconds"], x - 0.3, x + 0.3, colors="black", label="stall (median)" if x == 0 else None)
+    axes[2].set_yscale("log")
     axes[2].set_xticks(range(len(ways)), [w["way"] for w in ways])
-    axes[2].set_title("publication -> first token on the version (s)", fontsize=10)
+    axes[2].set_title("seconds to the first token on the version", fontsize=10)
     axes[2].legend(fontsize=8)
+    for way in ways:
+        line = way.get("timeline")
+        if line:
+            rates = line["tokens_per_second"]
+            axes[3].plot([line["begin"] + k + 0.5 for k in range(len(rates))], rates, lw=1, label=way["way"])
+    for t in (ways[0].get("timeline") or {}).get("published", []):
+        axes[3].axvline(t, color="#7f7f7f", lw=0.5, ls=":")
+    axes[3].set_xlabel("seconds from the first publication (dotted: publications)", fontsize=8)
+    axes[3].set_title("tokens per second, each second", fontsize=10)
+    axes[3].legend(fontsize=8)
     return save(plt, fig, f"weightsync bench --vllm --rollout-load: {result['clients']} generations of "
                           f"{result['tokens']} tokens at once", path)
 
