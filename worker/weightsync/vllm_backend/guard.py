@@ -315,14 +315,19 @@ class ControlGuard:
         (unless it failed: the server did not pause), a resume ends it."""
         body = await _body(receive)
         status: list[int] = []
+        keep = path == inflight.PAUSE_ROUTE and inflight.pause_mode(scope.get("query_string") or b"") == "keep"
         if path == inflight.PAUSE_ROUTE:
-            query = scope.get("query_string") or b""
-            why = inflight.keep_problem(scope) if inflight.pause_mode(query) == "keep" else None
+            why = inflight.keep_problem(scope) if keep else None
             if why is not None:
                 return await self._answer(send, 409, why, [])
-            self.updates.pausing(query)
+            self.updates.pausing(scope.get("query_string") or b"")
         try:
-            await self._passed(scope, body, receive, send, status)
+            kept = await inflight.pause_kept(scope) if keep else None  # (inflight.py)
+            if kept is None:
+                await self._passed(scope, body, receive, send, status)
+            else:
+                status.append(kept[0])
+                await _json(send, *kept)
         finally:
             ok = bool(status) and 200 <= status[0] < 300
             version = admission.label_of(path, body)

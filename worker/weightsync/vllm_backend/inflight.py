@@ -115,6 +115,27 @@ def keep_problem(scope: dict) -> str | None:
             "spec.inference.vllm.inflight finish")
 
 
+async def pause_kept(scope: dict) -> tuple[int, dict] | None:
+    """A keep pause that keeps the caches (the controller's) sent straight to vLLM's engine:
+    (status, answer) as vLLM's route gives them, or None for any other pause, and where the app is
+    not vLLM's API server (vLLM's route takes it, as it comes). vLLM's route
+    (AsyncLLM.pause_generation) sleeps 20 ms once the engine paused, so that the last outputs of
+    the requests a pause finishes reach their clients before it answers; a keep pause finishes
+    none (they are frozen, their last step's outputs sent before the engine's answer), and the
+    engine serves nothing in those 20 ms: the clients' stall of every update."""
+    query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+    client = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    if client is None or query.get("mode", [""])[-1] != "keep" or query.get("clear_cache", [""])[-1] != "false":
+        return None
+    from weightsync.vllm_backend.internals import pause_engine  # (torch: see keep_problem)
+
+    try:
+        await pause_engine(client, "keep")
+    except Exception as e:  # noqa: BLE001 - answered as vLLM's route answers it
+        return 500, {"error": f"Failed to pause generation: {e}"}
+    return 200, {"status": "paused"}
+
+
 class Updates:
     """The updates one API process's guard has seen: the epoch (salt), whether the last one kept
     the requests in flight, and whether one is under way (from its pause to its resume)."""

@@ -146,6 +146,9 @@ INTERNALS = (
              lambda: _attr("vllm._custom_ops", "cpu_prepack_moe_weight")() and _cpu_op()),
     Internal("ParallelConfig._api_process_count", "a keep pause refused by a server of several API processes "
              "(inflight.py)", _fields("vllm.config.parallel", "ParallelConfig", "_api_process_count")),
+    Internal("AsyncLLM.engine_core's pause_scheduler_async", "a keep pause straight to the engine (inflight.py)",
+             lambda: _sets("vllm.v1.engine.async_llm", "AsyncLLM", "engine_core")()
+             and _attr("vllm.v1.engine.core_client", "AsyncMPClient.pause_scheduler_async")()),
 )
 TRAINER = (
     Internal("WeightTransferTrainerFactory._registry", "the trainer engine registered once per process",
@@ -171,6 +174,11 @@ def missing(internals: tuple[Internal, ...] = INTERNALS) -> list[Internal]:
 def api_process_count(parallel_config) -> int:
     """How many API processes vLLM's server runs (its --api-server-count), from its ParallelConfig."""
     return parallel_config._api_process_count
+
+
+async def pause_engine(engine_client, mode: str) -> None:
+    """vLLM's pause as its AsyncLLM.pause_generation makes it, less the 20 ms it then sleeps."""
+    await engine_client.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
 
 
 # the plugin (__init__.py) and the trainer engine (integrations/vllm.py)
