@@ -19,7 +19,10 @@ between two tokens of one request; the longest a request waited for its first to
 aborted (vLLM's finish reason abort) or failed; and per version, the seconds from its publication
 (the trainer's publish call; the disk's save) to the first token generated on it, read from vLLM's
 own weight_versions spans and the arrival of each generation's chunks. The figures under updates
-are also given as ratios to the baseline.
+are also given as ratios to the baseline. Per version also the path between the two
+(rollout_path.py): the controller's go, the version staged (ready to commit), the pause and the
+resume answered, the seconds from staged to the first token, and the clients' silence before it;
+and tokens per second second by second. --ways runs some of the ways; --logs keeps the jobs' logs.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ class Steps(ABC):
         # A session opens while the server pauses, on a thread of its own: weightsync's
         # start_weight_update changes nothing, so the server serves on while it answers; and
         # vLLM's pause answers 20 ms after its engine paused, time in which the engine takes the
-        # start. The update waits for both.
+        # start (a job's guard answers a keep pause without them: inflight.pause_kept). The
+        # update waits for both.
         start = finish = label = None
         loading = False  # the load was asked for: from here on the weights may be neither version
         with ThreadPoolExecutor(1) as opener:
