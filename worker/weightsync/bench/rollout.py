@@ -50,7 +50,6 @@ from weightsync.bench.vllm import (
     SERVER_ENV,
     UP_TIMEOUT,
     bench_job,
-    new_version,
     reload_version,
     save_version,
 )
@@ -58,7 +57,7 @@ from weightsync.job import Env, Model, WorkerContext
 from weightsync.local import ports as leases
 from weightsync.local.preflight import check_vllm_python
 from weightsync.local.runner import LocalJob
-from weightsync.model.build import build
+from weightsync.model.build import build, parameters
 from weightsync.roles.vllm_server import server_command
 from weightsync.runtime.procs import VLLM_STOP_GRACE, stop
 from weightsync.vllm_backend.admission import ROUTE as ADMISSION
@@ -160,6 +159,26 @@ def first_tokens(runs: list[Generation], published: dict[int, float]) -> dict[in
     return {version: None if (t := first_token(runs, version)) is None else t - at for version, at in published.items()}
 
 
+def steps_of(model, generator) -> dict:
+    """What every version adds to each weight: noise as the --vllm bench's versions add
+    (bench/vllm.new_version), drawn once, before the load starts. Drawn at every version, its 50 M
+    numbers took a core for 0.2 s (on an idle one) just before each publication, where adding a
+    step drawn before takes 0.03 s: the trainer's arithmetic, which on a cluster runs on the
+    trainer's own machine, was charged to the update it precedes."""
+    import torch
+
+    return {name: torch.randn(p.shape, generator=generator) * 1e-3 for name, p in parameters(model)}
+
+
+def next_version(model, step: dict) -> None:
+    """The next version: every weight moved by its step (steps_of)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in parameters(model):
+            p.add_(step[name])
+
+
 def publish_on_cadence(versions: int, every: float, window: float, record: str) -> int:
     """The trainer rank's command in a way's job (one rank): version 0, then, once the bench's load ran
     `window` seconds on it, a version every `every` seconds; each publication's time in `record`
@@ -168,7 +187,7 @@ def publish_on_cadence(versions: int, every: float, window: float, record: str) 
 
     ctx = WorkerContext.from_environ()
     model = build(ctx.job.model, dtype="float32", seed=0)
-    generator = torch.Generator().manual_seed(1)
+    step = steps_of(model, torch.Generator().manual_seed(1))
     with weightsync.attach(model) as sync, open(record, "a") as out:
         sync.publish(step=0)
         sync.wait_done(0)
@@ -176,7 +195,7 @@ def publish_on_cadence(versions: int, every: float, window: float, record: str) 
         began = time.time()
         for v in range(1, versions):
             time.sleep(max(0.0, began + (v - 1) * every - time.time()))
-            new_version(model, generator)
+            next_version(model, step)
             print(json.dumps({"version": v, "published": time.time()}), file=out, flush=True)
             sync.publish(step=v)
         sync.wait_done(versions - 1)
@@ -222,7 +241,7 @@ def disk_way(python: str) -> dict:
     from safetensors.torch import save_file
 
     model = build(bench_job("rollout-disk", 1, 1, 2).model, dtype="float32", seed=0)
-    generator = torch.Generator().manual_seed(1)
+    step = steps_of(model, torch.Generator().manual_seed(1))
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-rollout-disk-") as folder:
         save_version(model, Path(folder) / "v0", save_file)
         (port,) = leases.lease([1])
@@ -242,7 +261,7 @@ def disk_way(python: str) -> dict:
             began = time.time()
             for v in range(1, int(WINDOW / EVERY) + 1):
                 time.sleep(max(0.0, began + (v - 1) * EVERY - time.time()))
-                new_version(model, generator)
+                next_version(model, step)
                 events.append({"version": v, "published": time.time()})
                 save_version(model, Path(folder) / f"v{v}", save_file)
                 saved = time.time()  # the checkpoint is there to load: the disk's "staged"
