@@ -13,12 +13,6 @@ INTERNALS lists the server's, each with a probe of the installed vLLM; register(
 vLLM loads the plugin (missing()), so that a vLLM that lacks one refuses to start on one line
 naming it and the release weightsync is tested with, and never fails a job mid-way. TRAINER lists
 the trainer engine's (integrations/vllm.py), probed likewise as it is imported.
-
-vLLM 0.32 creates the weight-transfer engine with the model alone (WeightTransferEngine(config,
-vllm_config, device, model), in its worker's load_model): its model runner's LoRA manager (the
-runner's lora_manager, a WorkerLoRAManager) is not handed to it, and the model knows only the
-adapter manager inside it (model.lora_manager), which holds no way back. worker_lora_manager
-therefore finds the worker's manager among the process's objects, once, at init.
 """
 
 from __future__ import annotations
@@ -255,16 +249,14 @@ def onednn_loaded(module: torch.nn.Module) -> torch.Tensor | None:
 
 
 def keep_onednn_scales(model: torch.nn.Module, dumping: Callable[[], bool]) -> int:
-    """vLLM's CPU int8 kernel (oneDNN, CPUInt8ScaledMMLinearKernel) prepacks a layer's weight into
-    a handler that reads the weight's scales from the tensor it was made with, by address. A
-    layerwise reload makes that handler from the reload's own tensors and then copies them into
-    the layer's and drops them, so the handler reads freed memory (vLLM's own reload_weights from
-    disk does the same: its greedy tokens change while its weight checker sees no difference).
-    Each such kernel keeps the tensors its handler was last made with, so the handler reads
-    the scales it was made from; where `dumping()` (the tests dump what a worker serves,
-    runtime/faults.py), also a copy of the int8 weight the handler was made from, which the handler
-    holds packed and the layer no longer has (served.int8_weight). Returns the kernels it keeps
-    tensors for."""
+    """vLLM's CPU int8 kernel (oneDNN, CPUInt8ScaledMMLinearKernel) prepacks a layer's weight into a
+    handler that reads the weight's scales by address from the tensor it was made with. A layerwise
+    reload makes it from the reload's own tensors, copies them into the layer's and drops them, so the
+    handler reads freed memory (vLLM's reload_weights from disk too: its greedy tokens change while its
+    weight checker sees no difference). Each such kernel keeps the tensors its handler was last made
+    with; where `dumping()` (the tests dump what a worker serves, runtime/faults.py), also a copy of the
+    int8 weight, which the handler holds packed and the layer no longer has (served.int8_weight).
+    Returns the kernels it keeps tensors for."""
     count = 0
     for layer in model.modules():
         kernel = getattr(getattr(layer, "scheme", None), "kernel", None)
@@ -287,8 +279,9 @@ def keep_onednn_scales(model: torch.nn.Module, dumping: Callable[[], bool]) -> i
 # LoRA (adapter.py)
 def worker_lora_manager(model: torch.nn.Module):
     """The worker's LoRA manager (its model runner's): the one whose adapter manager is the
-    model's (vLLM sets model.lora_manager when it adds LoRA layers). vLLM hands the engine no way
-    to its model runner (see the module's docstring): found among the process's objects."""
+    model's (vLLM sets model.lora_manager when it adds LoRA layers). vLLM 0.32 creates the engine
+    with the model alone, and the model's adapter manager holds no way back to the runner's
+    WorkerLoRAManager: so it is found among the process's objects, once, at init."""
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     held = getattr(model, "lora_manager", None)
