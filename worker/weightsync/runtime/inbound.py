@@ -1,7 +1,7 @@
 """An inference rank's side of every round, whatever engine runs its model: receive the version
 into staging, verify it, hand it to the engine, report it applied.
 
-The built-in engine (roles/inference.py) and vLLM's workers (vllm/engine.py) differ only in how a
+The built-in engine (roles/inference.py) and vLLM's workers (vllm_backend/staging.py) differ only in how a
 verified version reaches the model: the built-in one points its parameters at the staging buffer
 between two generations, vLLM loads it between two scheduler steps when the controller says so.
 Both take it through the same Handover, so a version that fails verification never reaches either
