@@ -315,12 +315,13 @@ class ControlGuard:
         (unless it failed: the server did not pause), a resume ends it."""
         body = await _body(receive)
         status: list[int] = []
-        keep = path == inflight.PAUSE_ROUTE and inflight.pause_mode(scope.get("query_string") or b"") == "keep"
+        query = scope.get("query_string") or b""
+        keep = path == inflight.PAUSE_ROUTE and inflight.pause_mode(query) == "keep"
         if path == inflight.PAUSE_ROUTE:
             why = inflight.keep_problem(scope) if keep else None
             if why is not None:
                 return await self._answer(send, 409, why, [])
-            self.updates.pausing(scope.get("query_string") or b"")
+            self.updates.pausing(query)
         try:
             kept = await inflight.pause_kept(scope) if keep else None  # (inflight.py)
             if kept is None:
