@@ -132,7 +132,10 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
     # loading version 3 (paused, its update call in), starts again; each as long as the test takes.
     # (With the default limit, faults.PAUSE_LIMIT, version 1 once went on by itself while the refused
     # servers started, and version 3's load waited in its pause past the update call's deadline.)
-    for point in ("trainer-0-before-ready-v1", "inference-0-loading-v3", "trainer-0-before-go-v4"):
+    # The trainer holds once more before version 5 is ready until the restarted server's client was
+    # refused: a server whose API came up only after version 5 reached it would show no refusal.
+    for point in ("trainer-0-before-ready-v1", "inference-0-loading-v3", "trainer-0-before-go-v4",
+                  "trainer-0-before-ready-v5"):
         (pause / f"{point}.arm").touch()
     progress = io.StringIO()
     local = LocalJob(job, tmp_path / "run", {DUMP_DIR_ENV: str(dump), PAUSE_DIR_ENV: str(pause),
@@ -208,6 +211,10 @@ def test_an_external_server_joins_by_itself_and_servers_that_cannot_join_exit_sa
         until("the restarted server rejoining",
               lambda: "inference rank 0 rejoined (start 2" in controller_log.read_text(errors="replace"), UP_TIMEOUT)
         (pause / "trainer-0-before-go-v4.release").touch()
+        reach(pause, "trainer-0-before-ready-v5", local)
+        until("the restarted server refusing its client before it holds the fleet's version",
+              lambda: any(status == 503 for _, status, _ in client.seen), UP_TIMEOUT)
+        (pause / "trainer-0-before-ready-v5.release").touch()
         summary = local.wait(RUN_TIMEOUT)
         # version 3 was loading in the killed server and version 4 went while it was away, so they
         # reached no one; the restarted one has the next in full

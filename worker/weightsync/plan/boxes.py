@@ -166,10 +166,15 @@ def chunk_bounds(size: int, chunks: int) -> list[tuple[int, int]]:
     """[start, stop) of each of `chunks` pieces of `size` elements as torch.chunk cuts them, padded
     with empty pieces at the end (as FSDP2 and DTensor's Shard do): pieces of ceil(size / chunks)
     elements, the last shorter, and ranks past the end empty."""
+    return [chunk_bound(size, chunks, i) for i in range(chunks)]
+
+
+def chunk_bound(size: int, chunks: int, index: int) -> tuple[int, int]:
+    """[start, stop) of the index-th of chunk_bounds(size, chunks), without cutting the others."""
     if chunks < 1:
         raise ValueError(f"cannot cut into {chunks} chunks")
     step = -(-size // chunks) if size else 0
-    return [(min(size, i * step), min(size, (i + 1) * step)) for i in range(chunks)]
+    return min(size, index * step), min(size, (index + 1) * step)
 
 
 def dim_chunks(shape: Sequence[int], dim: int, chunks: int) -> list[Box | None]:

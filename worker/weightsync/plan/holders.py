@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, Union
 
 from weightsync.model.flat import ALIGN, FlatLayout, TensorSlot
-from weightsync.plan.boxes import GlobalTensor, Placement, Slicing, chunk_bounds, dim_chunks
+from weightsync.plan.boxes import GlobalTensor, Placement, Slicing, chunk_bound, dim_chunks
 from weightsync.plan.segments import Bucket, Plan
 
 ShardDim = Union[int, Callable[[GlobalTensor], int]]
@@ -58,7 +58,7 @@ class Holdings:
     @classmethod
     def fsdp(cls, layout: FlatLayout, shard: int, index: int) -> "Holdings":
         """The rows the index-th of `shard` ranks holds under FSDP2's fully_shard (torch.chunk on dim 0)."""
-        return cls(tuple(chunk_bounds(rows_of(s), shard)[index] for s in layout.slots))
+        return cls(tuple(chunk_bound(rows_of(s), shard, index) for s in layout.slots))
 
     def is_whole(self, layout: FlatLayout) -> bool:
         return self == Holdings.whole(layout)
