@@ -315,15 +315,15 @@ class ControlGuard:
         (unless it failed: the server did not pause), a resume ends it."""
         body = await _body(receive)
         status: list[int] = []
-        query = scope.get("query_string") or b""
-        keep = path == inflight.PAUSE_ROUTE and inflight.pause_mode(query) == "keep"
-        if path == inflight.PAUSE_ROUTE:
+        pause = inflight.Pause.of(scope.get("query_string") or b"") if path == inflight.PAUSE_ROUTE else None
+        keep = pause is not None and pause.mode == "keep"
+        if pause is not None:
             why = inflight.keep_problem(scope) if keep else None
             if why is not None:
                 return await self._answer(send, 409, why, [])
-            self.updates.pausing(query)
+            self.updates.pausing(pause)
         try:
-            kept = await inflight.pause_kept(scope) if keep else None  # (inflight.py)
+            kept = await inflight.pause_kept(scope, pause) if keep else None  # (inflight.py)
             if kept is None:
                 await self._passed(scope, body, receive, send, status)
             else:

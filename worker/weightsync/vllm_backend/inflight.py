@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 from urllib.parse import parse_qs
 
@@ -89,9 +90,18 @@ def spanless(path: str, keep: bool) -> str | None:
             "inflight finish")
 
 
-def pause_mode(query: bytes) -> str:
-    """The mode a pause's query names (vLLM's own default, abort, where it names none)."""
-    return parse_qs(query.decode("latin-1")).get("mode", ["abort"])[-1]
+@dataclass(frozen=True)
+class Pause:
+    """What a pause's query asks, read once: its mode (vLLM's own default, abort, where it names
+    none) and whether it keeps the caches (clear_cache=false)."""
+
+    mode: str
+    keeps_caches: bool
+
+    @classmethod
+    def of(cls, query: bytes) -> "Pause":
+        asked = parse_qs(query.decode("latin-1"))
+        return cls(asked.get("mode", ["abort"])[-1], asked.get("clear_cache", [""])[-1] == "false")
 
 
 def keep_problem(scope: dict) -> str | None:
@@ -115,17 +125,16 @@ def keep_problem(scope: dict) -> str | None:
             "spec.inference.vllm.inflight finish")
 
 
-async def pause_kept(scope: dict) -> tuple[int, dict] | None:
-    """A keep pause that keeps the caches (the controller's) sent straight to vLLM's engine:
-    (status, answer) as vLLM's route gives them, or None for any other pause, and where the app is
-    not vLLM's API server (vLLM's route takes it, as it comes). vLLM's route
+async def pause_kept(scope: dict, pause: Pause) -> tuple[int, dict] | None:
+    """A keep pause (`pause`, its mode keep) that keeps the caches (the controller's) sent straight
+    to vLLM's engine: (status, answer) as vLLM's route gives them, or None where it clears them, and
+    where the app is not vLLM's API server (vLLM's route takes it, as it comes). vLLM's route
     (AsyncLLM.pause_generation) sleeps 20 ms once the engine paused, so that the last outputs of
     the requests a pause finishes reach their clients before it answers; a keep pause finishes
     none (they are frozen, their last step's outputs sent before the engine's answer), and the
     engine serves nothing in those 20 ms: the clients' stall of every update."""
-    query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
     client = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
-    if client is None or query.get("mode", [""])[-1] != "keep" or query.get("clear_cache", [""])[-1] != "false":
+    if client is None or not pause.keeps_caches:
         return None
     from weightsync.vllm_backend.internals import pause_engine  # (torch: see keep_problem)
 
@@ -150,12 +159,11 @@ class Updates:
         """A signed control call that may change the weights: blocks cached until now match nothing more."""
         self.epoch += 1
 
-    def pausing(self, query: bytes) -> None:
+    def pausing(self, pause: Pause) -> None:
         """A signed pause: an update starts (a pause that aborts every request, as one after a failed
         load, says nothing of the mode)."""
-        mode = pause_mode(query)
-        if mode in ("wait", "keep"):
-            self.keep = mode == "keep"
+        if pause.mode in ("wait", "keep"):
+            self.keep = pause.mode == "keep"
         self.under_way = True
         self.changed()
 
