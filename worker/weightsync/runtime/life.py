@@ -19,26 +19,27 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from weightsync.job import SpecError, WorkerContext, states
-from weightsync.rendezvous.channel import Channel
-from weightsync.rendezvous.messages import End, RankFailure
-from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, who
+from weightsync.job import INFERENCE, TRAINER, SpecError, WorkerContext, states
+from weightsync.rendezvous.channel import Channel, connect_store
+from weightsync.rendezvous.messages import End, RankFailure, RankInfo
+from weightsync.rendezvous.protocol import JobEnded, Keys, Member, Restarted, Resuming, who
 from weightsync.runtime.faults import pause_point
 from weightsync.runtime.inbound import StartAgain
-from weightsync.runtime.rank import (
-    FAILED_WAIT,
-    JOIN_TIMEOUT,
-    LINGER,
-    Expected,
-    Joined,
-    join_job,
-    linger,
-    log,
-    report_failure,
-    wait_for_the_end,
-)
+from weightsync.runtime.rank import FAILED_WAIT, JOIN_TIMEOUT, LINGER, REPORT_CONNECT, Expected, linger, log
 from weightsync.transfer.receive import settle_heap
+from weightsync.transport import RankContext, make_transport, options_for, resolve_transport
 from weightsync.transport.base import Receiver, Sender
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A rank that joined the job: its end of the transport and what it told the controller."""
+
+    transport: str  # the transport's name
+    why: str  # why that one (resolve_transport's words)
+    end: Sender | Receiver  # a trainer's Sender, an inference rank's Receiver
+    endpoint: str  # where the trainers reach an inference rank (it listens there); a trainer's pod address
+    attempt: int  # the start it joined with (above 1: its process started again)
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,32 @@ class Farewell:
         words), or None where the job has ended, the rank said why already (its own words are the
         better ones), or the controller cannot be reached (logged: the job's deadlines and
         heartbeats find the rank then)."""
-        return report_failure(self.ctx, self.role, self.ranks[0] if rank is None else rank, failure, self.channel)
+        rank = self.ranks[0] if rank is None else rank
+        record = RankFailure.made(failure)
+        try:
+            if self.channel is None:
+                self.channel = Channel(connect_store(self.ctx.controller_host, self.ctx.store_port, self.ctx.token,
+                                                     self.ctx.job.identity, REPORT_CONNECT))
+            if self.channel.has(Keys.END) or self.channel.has(Keys.failed(self.role, rank)):
+                return None
+            self.channel.rank_failed(self.role, rank, record)
+            return record
+        except Exception as e:  # noqa: BLE001 - the store is gone or refuses: nothing more to tell
+            log(who(self.role, rank), f"could not report its failure to the controller: {e}")
+            return None
 
     def wait_for_end(self, check: Callable[[], None] | None = None, timeout: float = FAILED_WAIT) -> End | None:
         """After a failure: wait (at most `timeout`) for the controller to end the job; its end
         record, or None. `check` runs meanwhile, and what it raises ends the wait (Resuming)."""
-        return wait_for_the_end(self.channel, self.me, timeout, check)
+        try:
+            return self.channel.wait_for_end(timeout, check, "the controller to end the job")
+        except Resuming:
+            raise
+        except TimeoutError:
+            log(self.me, f"the controller did not end the job within {timeout:.0f}s")
+        except Exception as e:  # noqa: BLE001 - the controller's store is gone
+            log(self.me, f"lost the controller while waiting for the end of the job: {e}")
+        return None
 
     def bye(self) -> None:
         """Tell the controller that every one of the ranks saw the job's end (a pod's process
@@ -128,12 +149,26 @@ class RankLife(Farewell):
         controller about itself (`more`: RankInfo's other fields), proving the job token. `before`
         runs just before the join (a pause point of the fault tests). A rank that cannot join leaves
         no end of the transport open."""
-        joined = join_job(self.ctx, self.member, self.role, self.rank, device, layout, port=port, before=before,
-                          **more)
-        self.end = joined.end
+        ctx, role = self.ctx, self.role
+        name, why = resolve_transport(ctx.job.transfer.transport, ctx.network_mode, ctx.colocated)
+        layout_of = ctx.job.layout
+        context = RankContext(layout_of.world_size(TRAINER), layout_of.world_size(INFERENCE), device,
+                              self.member.c10d_store)
+        transport = make_transport(name, token=ctx.token, timeout=ctx.job.transfer.timeout,
+                                   options=options_for(name, context))
+        end = transport.receiver(self.rank) if role == INFERENCE else transport.sender(self.rank)
+        try:
+            endpoint = end.listen(ctx.pod_ip, port) if role == INFERENCE else ctx.pod_ip
+            before()
+            attempt = self.member.join(endpoint, layout, RankInfo(name, why, str(device), ctx.pod_name, **more),
+                                       JOIN_TIMEOUT)
+        except BaseException:
+            end.close()
+            raise
+        self.end = end
         if self.resumes:
             self.member.watch_resumes()
-        return joined
+        return Joined(name, why, end, endpoint, attempt)
 
     def plan(self):
         """(the controller's plan, {inference rank: endpoint}), once every rank joined."""

@@ -18,7 +18,7 @@ concern, that it builds in order at init and delegates to:
 The staging buffer is allocated and the loading side set up before the worker joins the job, so
 that a server that cannot take the job is refused before the controller counts it.
 
-The worker's life as a rank of the job, the same as any inference rank's (runtime/rank.py), is
+The worker's life as a rank of the job, the same as any inference rank's (runtime/life.py), is
 here, in join_rank and run_rounds: its join, with its layout and needs; then on a thread of its
 own the plan, every round (runtime/inbound.py, the built-in engine's code, handing each verified
 version to the Stage), and its end: a failure reported to the controller, or a server the user
@@ -35,10 +35,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from weightsync.job import INFERENCE
 from weightsync.plan.sliced_plan import needs_to_json
-from weightsync.rendezvous.protocol import Member
 from weightsync.runtime.inbound import StartAgain, receive_rounds
-from weightsync.runtime.rank import JOIN_TIMEOUT, join_job, log, report_failure
-from weightsync.transfer.receive import VersionReceiver, settle_heap
+from weightsync.runtime.life import RankLife
+from weightsync.runtime.rank import log
+from weightsync.transfer.receive import VersionReceiver
 from weightsync.transport.base import Receiver
 from weightsync.vllm_backend import end_server, follow_server
 from weightsync.vllm_backend.loading import Loader
@@ -97,10 +97,10 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
                         self.device)
         buffers = staging_buffers(placement, self.device)
         self.session = False
-        member, receiver = join_rank(placement, self.device, self.parallel_config.rank)
-        stage = Stage(placement, buffers, member, self.model, self.model_config, lambda: self.session)
+        life, receiver = join_rank(placement, self.device, self.parallel_config.rank)
+        stage = Stage(placement, buffers, life.member, self.model, self.model_config, lambda: self.session)
         self.placement, self.loader, self.stage = placement, loader, stage
-        self.thread = threading.Thread(target=run_rounds, args=(placement, member, receiver, stage),
+        self.thread = threading.Thread(target=run_rounds, args=(placement, life, receiver, stage),
                                        name="weightsync-receive", daemon=True)
         self.thread.start()
 
@@ -127,40 +127,37 @@ class WeightsyncEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdate
         pass  # the receiving thread ends with the job
 
 
-# The worker's life as a rank of its job (runtime/rank.py): every call into it is here.
-def join_rank(placement: Placement, device: torch.device, worker: int) -> tuple[Member, Receiver]:
+# The worker's life as a rank of its job (runtime/life.py): every call into it is here.
+def join_rank(placement: Placement, device: torch.device, worker: int) -> tuple[RankLife, Receiver]:
     """Join the job as `placement` says, proving the job token, declaring the version's layout and
-    what the worker needs of it; returns its member of the job and its end of the transport,
+    what the worker needs of it; returns its life as a rank and its end of the transport,
     listening (on the data port plus vLLM's worker rank, where the job sets one)."""
     ctx, rank = placement.ctx, placement.rank
-    member = Member(ctx.controller_host, ctx.store_port, ctx.token, INFERENCE, rank, JOIN_TIMEOUT, job=ctx.job.identity)
-    member.arrive()
+    life = RankLife(ctx, INFERENCE, rank)
+    life.arrive()
     extra = {} if placement.needs is None else {"needs": needs_to_json(placement.needs)}
-    joined = join_job(ctx, member, INFERENCE, rank, device, placement.layout.to_json(),
-                      port=ctx.data_port + worker if ctx.data_port else 0, engine="vllm",
-                      server=placement.place.server, **extra)
+    joined = life.join(device, placement.layout.to_json(), port=ctx.data_port + worker if ctx.data_port else 0,
+                       engine="vllm", server=placement.place.server, **extra)
     log(placement.me, f"vLLM worker on {device}, {joined.transport} transport ({joined.why}); listening on "
                       f"{joined.endpoint}")
-    return member, joined.end
+    return life, joined.end
 
 
-def run_rounds(placement: Placement, member: Member, receiver: Receiver, stage: Stage) -> None:
+def run_rounds(placement: Placement, life: RankLife, receiver: Receiver, stage: Stage) -> None:
     """The receiving thread: the plan, then every round until the job ends."""
     try:
-        member.start_heartbeat()
-        plan, _ = member.plan(JOIN_TIMEOUT)
+        life.heartbeat()
+        plan, _ = life.plan()
         placement.check_plan(plan)
-        settle_heap()
-        end = receive_rounds(member, VersionReceiver(receiver, plan, placement.rank), placement.ctx.job, stage)
+        life.settle()
+        end = receive_rounds(life.member, VersionReceiver(receiver, plan, placement.rank), placement.ctx.job, stage)
         log(placement.me, f"the job ended: {end.message}")
         if placement.place.external:  # a pod's server process says goodbye for it; here nobody else does
-            member.bye()
+            life.bye()
     except BaseException as e:  # noqa: BLE001 - the controller fails the job naming this rank
         stage.fail(e)
         if isinstance(e, StartAgain) and end_server(str(e)):  # counted away (frozen, cut off): rejoin
             return
-        log(placement.me, f"failed: {e}")
-        report_failure(placement.ctx, INFERENCE, placement.rank, e)
+        life.fail(e, trace=False, wait=False)
     finally:
-        member.stop_heartbeat()
-        receiver.close()
+        life.stop()
