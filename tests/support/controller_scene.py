@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from support.jobs import TINY
+from support.paths import Path as Traced
+from support.paths import holding
 from support.roster import TOKEN
 from weightsync.bench.sim_ranks import Wire
 from weightsync.job import API_VERSION, CONTROLLER, INFERENCE, KIND, TRAINER, WorkerContext, load_job, reasons
@@ -34,6 +36,7 @@ from weightsync.roles.controller.planning import external_deadlines
 from weightsync.roles.controller.records import Reporter
 from weightsync.runtime.inbound import LoadFailed, ReceivedVersion, StartAgain, receive_rounds
 
+DRIVER = Controller.__module__
 WAIT = 30.0  # seconds any one wait of a simulated rank, or the whole scene, may take
 LAYOUT = FlatLayout.from_shapes([("w", (16, 16)), ("b", (16,))], "bfloat16")
 
@@ -117,7 +120,7 @@ class Scene:
     """One job: its controller, over a Host built here (the rules its spec gives, with short
     times), and its ranks, each doing what `acts` say at their versions."""
 
-    def __init__(self, spec: Spec, acts: tuple[Act, ...], folder: Path):
+    def __init__(self, spec: Spec, acts: tuple[Act, ...], folder: Path, traced: Traced | None = None):
         self.spec, self.acts, self.folder = spec, {(a.role, a.rank, a.version): a.what for a in acts}, folder
         self.job = job_of(spec)
         self.said: list[str] = []
@@ -129,7 +132,8 @@ class Scene:
         ctx = dataclasses.replace(rules, store_port=self.host.store.port)
         self.out = io.StringIO()
         self.reporter = Reporter(self.job, False, out=self.out, status_file=str(folder / "status.json"))
-        self.controller = _Heard(ctx, self.reporter, host=self.host)
+        self.traced, self.ctx = traced, ctx  # with `traced`: the context's path through the controller, followed
+        self.controller = self._followed(lambda: _Heard(ctx, self.reporter, host=self.host), "Controller.__init__")
         self.controller.heard = self.said
         self.done: set[tuple[str, int, int]] = set()  # the acts done, by (role, rank, version): each is done once
         self.errors: list[str] = []  # what a simulated rank did not expect
@@ -140,7 +144,8 @@ class Scene:
         for t in ranks:
             t.start()
         code = []
-        controller = threading.Thread(target=lambda: code.append(self.controller.run(self.spec.starts, {})), daemon=True)
+        controller = threading.Thread(target=lambda: code.append(self._followed(
+            lambda: self.controller.run(self.spec.starts, {}), "Controller.run")), daemon=True)
         controller.start()
         try:
             controller.join(WAIT)
@@ -154,6 +159,10 @@ class Scene:
         assert self.done == set(self.acts), f"acts that never came to pass: {sorted(set(self.acts) - self.done)}"
         status = json.loads((self.folder / "status.json").read_text())
         return Outcome(code[0], status, [json.loads(line) for line in self.out.getvalue().splitlines()], self.said)
+
+    def _followed(self, run, function: str):
+        """run(), the controller's context followed from its `function` on where the scene is traced."""
+        return run() if self.traced is None else self.traced.traced(run, DRIVER, function, holding(self.ctx))
 
     # ------------------------------------------------------------ a rank's processes
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import support
 from support.jobs import outcome_of
 from support.user_script import CONFIG, EXAMPLE, check_final_version, example_args
 
@@ -25,6 +26,7 @@ from weightsync.local.runner import LocalJob, RunFailed
 from weightsync.runtime.faults import DUMP_DIR_ENV
 
 RUN_TIMEOUT = 300
+SUPPORT = Path(support.__file__).parent
 
 pytestmark = pytest.mark.slow  # whole jobs or engines as processes: not in `make unit`
 
@@ -98,21 +100,32 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 import weightsync
 
+sys.path.insert(0, sys.argv[3])  # the tests' support: the rank's path through attach(), traced
+from support.paths import Path, rank_of
+
 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**json.loads(sys.argv[1])))
-sync = weightsync.attach(model)
+path = Path()
+sync = path.traced(lambda: weightsync.attach(model, rank=0), "weightsync.publisher.sync", "attach", rank_of(0))
+with open(sys.argv[2], "w") as f:
+    json.dump({"steps": path.steps, "up": path.up, "calls": path.calls, "said": str(path)}, f)
 sync.publish(step=0)
 raise RuntimeError("the data loader ran dry")
 """
 
 
 def test_an_exception_in_the_script_after_it_attached_fails_the_job_with_its_message(tmp_path):
-    script = tmp_path / "fails.py"
+    """Besides: the rank given to attach() takes at most 20 steps between modules, none back up a
+    layer (support/paths.py), traced in the script's process."""
+    script, traced = tmp_path / "fails.py", tmp_path / "attach-path.json"
     script.write_text(FAILS_AFTER_ATTACHING)
-    job = command_job("user-raises", [sys.executable, str(script), json.dumps(CONFIG)])
+    job = command_job("user-raises", [sys.executable, str(script), json.dumps(CONFIG), str(traced), str(SUPPORT.parent)])
     local, failure = run(tmp_path, job)
     assert isinstance(failure, RunFailed)
     completion = status(local)["completion"]
     assert completion["message"] == "trainer rank 0 failed: RuntimeError: the data loader ran dry", completion
+    path = json.loads(traced.read_text())
+    print(path["said"])
+    assert path["steps"] and len(path["steps"]) <= 20 and not path["up"], path["said"]
 
 
 @pytest.mark.parametrize("env,expected", [

@@ -24,6 +24,7 @@ from support.controller_scene import (
     context,
     job_of,
 )
+from support.paths import Path as Traced
 from support.roster import make_host
 
 from weightsync.job import INFERENCE, TRAINER, Layout, reasons
@@ -135,3 +136,13 @@ def test_a_host_laid_out_for_another_job_is_refused_at_once():
         assert not host.has(Keys.JOB), "the refused controller published the job"
     finally:
         host.store.close()
+
+
+def test_the_controllers_context_takes_few_steps_between_modules(tmp_path):
+    """The context given to the controller, followed through its construction and its run while
+    every rank does its part: at most 20 steps between modules, none back up a layer."""
+    path = Traced()
+    got = Scene(CASES[0].spec, (), tmp_path, traced=path).run()
+    assert got.code == 0
+    assert path.steps and len(path.steps) <= 20 and not path.up, str(path)
+    print(path)
