@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+# The worker's packages, low to high (test_layers checks that none imports one above it). The facade
+# (__init__) and the command (cli) sit on top.
 LAYERS = ["job", "model", "plan", "transport", "transfer", "rendezvous", "runtime", "publisher", "vllm_backend",
           "roles", "local", "bench", "integrations", "cli"]
 

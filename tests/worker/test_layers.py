@@ -12,14 +12,12 @@ import ast
 from pathlib import Path
 
 import pytest
+from support.paths import LAYERS
 
 from weightsync.job import states
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "worker" / "weightsync"
-# Low to high. The facade (__init__) and the command (cli) sit on top.
-LAYERS = ["job", "model", "plan", "transport", "transfer", "rendezvous", "runtime", "publisher", "vllm_backend",
-          "roles", "local", "bench", "integrations", "cli"]
 MAX_LINES = 450
 MAX_UNITS = 15
 # The imports of weightsync's own modules that stay inside a function, each for a heavy or optional
