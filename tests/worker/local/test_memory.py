@@ -51,6 +51,10 @@ def test_delta_versions_keep_a_share_of_the_last_version_and_send_through_buffer
     assert "share of the last version sent" in trainer.why
     _, on_gpu, _ = memory.needs(job(gpus=1, delta=True), layout("bfloat16"))  # kept in host memory
     assert on_gpu.each == memory.RANK_RUNTIME + -(-layout("bfloat16").total_bytes // 2)
+    # an inference rank keeps the last version's patch entries, at most a quarter of a version
+    version = layout("bfloat16").total_bytes
+    _, _, inference = memory.needs(job(delta=True), layout("bfloat16"))
+    assert inference.each == 3 * version + version // 4 + memory.RANK_RUNTIME and "patch entries" in inference.why
 
 
 def test_a_gpu_process_counts_only_its_runtime_on_the_host():

@@ -1,6 +1,7 @@
 """The native loops of delta versions (transfer/_delta.c) make exactly the entries numpy makes,
-and read them back the same: every element size, long unchanged runs (fillers), entries that do
-not fit the scratch, and an entry beyond the chunk's end."""
+and read them back the same, into a copy of the base or in place: every element size, long
+unchanged runs (fillers), entries that do not fit the scratch, and an entry beyond the chunk's
+end."""
 
 import numpy as np
 import pytest
@@ -47,6 +48,8 @@ def test_native_diff_and_patch_are_numpys(itemsize, share):
     raw = bytes(scratch_n[:size])
     for ok, (_, out, _, _, _) in both(kernels.patch, kept, np.zeros_like(kept), raw, entries, itemsize):
         assert ok and np.array_equal(out, new)
+    for ok, (_, out, _, _, _) in both(kernels.patch, None, kept, raw, entries, itemsize):  # in place
+        assert ok and np.array_equal(out, new)
 
 
 def test_fillers_where_a_gap_is_longer_than_a_u16():
@@ -63,6 +66,8 @@ def test_an_entry_beyond_the_end_is_refused():
     base = np.zeros(64, dtype=np.uint8)
     raw = np.array([40, 0], dtype="<u2").tobytes()  # element 39 of 32
     for ok, _ in both(kernels.patch, base, np.zeros_like(base), raw, 1, 2):
+        assert ok is False
+    for ok, _ in both(kernels.patch, None, base, raw, 1, 2):
         assert ok is False
 
 

@@ -162,10 +162,14 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
             s, _ = listener.accept()
             raw[int.from_bytes(s.recv(4, socket.MSG_WAITALL), "little")] = s
         listener.close()
-        # weightsync lands version v in buffers[v % 2], and with delta versions so does the delta
-        # (on the other as its base); the ceiling and the broadcast land in the buffer not in use
+        # weightsync lands version v in buffers[v % 2]; the ceiling and the broadcast land in the
+        # buffer not in use. Delta versions have buffers of their own, as an engine's two: version
+        # v lands in deltas[v % 2], patched against v - 1 in the other, and that one still holds
+        # v - 2 when v + 1 comes (the receiver patches it in place: transfer/held.py)
         buffers = [torch.empty(layout.total_bytes, dtype=torch.uint8) for _ in range(2 if trained else 1)]
+        deltas = [torch.empty(layout.total_bytes, dtype=torch.uint8) for _ in range(2 if "delta" in methods else 0)]
         incoming = VersionReceiver(receiver, plan, rank)
+        incoming_delta = VersionReceiver(receiver, plan, rank) if deltas else None
         pool = ThreadPoolExecutor(max_workers=max(1, len(ranges)))
     torch_dtype = getattr(torch, dtype)
 
@@ -195,8 +199,8 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
             store.set(f"delta/{v}/wire/{rank}", str(sent.wire_bytes))
             phases[v] = dict(sent.phases, total=sent.seconds)
         else:
-            base = (v - 1, buffers[(v - 1) % 2]) if v else None
-            got = received["delta", v] = incoming.receive(v, buffers[v % 2], case["timeout"], base)
+            base = (v - 1, deltas[(v - 1) % 2]) if v else None
+            got = received["delta", v] = incoming_delta.receive(v, deltas[v % 2], case["timeout"], base)
             phases[v] = dict(got.phases, total=got.seconds)
         phases[v]["cpu"] = time.process_time() - cpu
 
@@ -208,9 +212,11 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
         sums = {}
         for t in range(trainers):
             sums.update({int(k): s for k, s in json.loads(store.get(f"{m}/{v}/sums/{t}")).items()})
+        if got.refused:  # every rank holds each base: a refused patch is a fault, not a fallback to time
+            raise RuntimeError(f"{m} version {v}: {len(got.refused)} patches refused, the first: {got.refused[0]}")
         if got.digest != version_digest(sums):
             raise RuntimeError(f"{m} version {v}: digest {got.digest} differs from the trainers' {version_digest(sums)}")
-        landed = buffers[v % len(buffers)]
+        landed = deltas[v % 2] if m == "delta" else buffers[v % len(buffers)]
         if trained is None:
             same = all(torch.equal(mine.view(torch.uint8), there.view(torch.uint8))
                        for mine, there in zip(params, views(landed, layout)))
@@ -252,8 +258,6 @@ def _run(role: str, rank: int, case: dict, store_port: int) -> None:
         if trained is not None and trainer:
             trained.load(v, params)  # what the optimizer step would have left, outside the timed part
         for m in methods:
-            if m == "delta" and not trainer:
-                buffers[v % 2].zero_()  # a delta that wrote nothing must not pass for the full method's bytes
             barrier(f"{m}/{v}")
             start = time.monotonic()
             timed[m](v)

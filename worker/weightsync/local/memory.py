@@ -14,6 +14,7 @@ from pathlib import Path
 
 from weightsync.job import INFERENCE, TRAINER, Job
 from weightsync.model.flat import ITEMSIZE, FlatLayout
+from weightsync.transfer.held import KEPT_SHARE
 
 MiB, GiB = 1 << 20, 1 << 30
 # Private memory (RssAnon) of a process beyond the weights and state counted below, as measured on
@@ -62,8 +63,10 @@ def needs(job: Job, layout: FlatLayout) -> list[Need]:
     trainer_state = params * per_param + cast
     trainer_why = f"{_count(params)} parameters x {per_param} bytes for float32 {what}" + (", send buffers" if cast else "")
     trainer_why += f", its share of the last version sent ({_size(kept)})" if kept else ""
-    inference_state = INFERENCE_VERSIONS * version
+    entries = int(version * KEPT_SHARE) if delta else 0  # at most, the last version's entries (transfer/held.py)
+    inference_state = INFERENCE_VERSIONS * version + entries
     inference_why = f"{INFERENCE_VERSIONS} versions of {_size(version)} in {layout.dtype}"
+    inference_why += f", the last version's patch entries (up to {_size(entries)})" if entries else ""
     out = [Need("controller", 1, CONTROLLER_RUNTIME, "runtime")]
     for role, state, why in ((TRAINER, trainer_state, trainer_why), (INFERENCE, inference_state, inference_why)):
         on_gpu = job.pods(role).gpus_per_proc > 0

@@ -8,8 +8,10 @@
  * of every value), the layout that zstd compresses best and fastest. 2-byte elements (bfloat16,
  * float16) with AVX512-VBMI2 pack a block's entries at once. Which loop runs is decided at run
  * time: the extension is built for any x86-64 (and any other CPU, where the portable loop runs).
- * patch() copies a chunk of the base and XORs the entries into it. numpy needs a dozen passes and
- * temporary arrays for either; this is one pass over memory that is in cache.
+ * patch() copies a chunk of the base and XORs the entries into it; with no base it XORs them into
+ * the chunk in place (a receiver whose staging buffer holds the version before the base: delta.py).
+ * numpy needs a dozen passes and temporary arrays for either; this is one pass over memory that is
+ * in cache.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -251,12 +253,14 @@ static PyObject *py_diff(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* out = base, then element (sum of the first i+1 gaps) - 1 XOR value i, the entries' bytes in
- * planes; -1 when an entry names an element beyond the end (out is then partly written). */
+/* out = base (where base is not NULL; else out as it is), then element (sum of the first i+1 gaps)
+ * - 1 XOR value i, the entries' bytes in planes; -1 when an entry names an element beyond the end
+ * (out is then partly written). */
 static inline __attribute__((always_inline)) Py_ssize_t patch_of(const unsigned char *base, unsigned char *out,
                                                                  Py_ssize_t n, const unsigned char *raw,
                                                                  Py_ssize_t entries, const Py_ssize_t itemsize) {
-    memcpy(out, base, (size_t)n);
+    if (base)
+        memcpy(out, base, (size_t)n);
     const unsigned char *hi = raw + entries, *values = raw + 2 * entries;
     Py_ssize_t elements = n / itemsize, at = -1;
     for (Py_ssize_t i = 0; i < entries; i++) {
@@ -284,24 +288,29 @@ static Py_ssize_t patch_loop(const unsigned char *base, unsigned char *out, Py_s
 }
 
 static PyObject *py_patch(PyObject *self, PyObject *args) {
-    Py_buffer base, out, raw;
+    PyObject *base_arg;
+    Py_buffer base = {0}, out, raw;
     Py_ssize_t entries, itemsize;
-    if (!PyArg_ParseTuple(args, "y*w*y*nn:patch", &base, &out, &raw, &entries, &itemsize))
+    if (!PyArg_ParseTuple(args, "Ow*y*nn:patch", &base_arg, &out, &raw, &entries, &itemsize))
         return NULL;
     PyObject *result = NULL;
-    if (!valid_itemsize(itemsize)) {
-    } else if (base.len != out.len || out.len % itemsize || entries < 0 || raw.len != entries * (2 + itemsize)) {
+    int in_place = base_arg == Py_None;
+    if (!in_place && PyObject_GetBuffer(base_arg, &base, PyBUF_SIMPLE) < 0) {
+    } else if (!valid_itemsize(itemsize)) {
+    } else if ((!in_place && base.len != out.len) || out.len % itemsize || entries < 0 ||
+               raw.len != entries * (2 + itemsize)) {
         PyErr_Format(PyExc_ValueError, "patch: %zd entries in %zd bytes, %zd base bytes into %zd", entries, raw.len,
-                     base.len, out.len);
+                     in_place ? out.len : base.len, out.len);
     } else {
         Py_ssize_t got;
         Py_BEGIN_ALLOW_THREADS
-        got = patch_loop((const unsigned char *)base.buf, (unsigned char *)out.buf, out.len,
+        got = patch_loop(in_place ? NULL : (const unsigned char *)base.buf, (unsigned char *)out.buf, out.len,
                          (const unsigned char *)raw.buf, entries, itemsize);
         Py_END_ALLOW_THREADS
         result = PyBool_FromLong(got == 0);
     }
-    PyBuffer_Release(&base);
+    if (!in_place && base.obj != NULL)
+        PyBuffer_Release(&base);
     PyBuffer_Release(&out);
     PyBuffer_Release(&raw);
     return result;
@@ -313,8 +322,8 @@ static PyMethodDef methods[] = {
      "(byte planes of the u16 gaps, then of the XOR values), `kept` made equal to `new`; entries is -1 when they do not "
      "fit scratch."},
     {"patch", py_patch, METH_VARARGS,
-     "patch(base, out, raw, entries, itemsize) -> bool: out = base with the entries in raw applied; False when an "
-     "entry names an element beyond the end."},
+     "patch(base, out, raw, entries, itemsize) -> bool: out = base with the entries in raw applied (with base None, "
+     "out with them applied in place); False when an entry names an element beyond the end."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,10 +6,11 @@ when that crosses a rounding boundary). A trainer rank keeps its share of the la
 (LastSent: one share of a version in the layout's dtype, the memory this costs) and sends each
 bucket to an inference rank that holds that version as a patch: which elements changed and how.
 The receiver applies it to its copy of the base (read only; the model may be running on it),
-writing the new bytes into its staging buffer, and checks them against the xxh3_64 of the new
-bytes that the sender computed while producing them, so a patched bucket is verified exactly like
-a bucket sent whole. A patch that cannot be applied (another base, damaged bytes) is refused, and
-the sender then sends that bucket whole (the transport's NEED frame).
+writing the new bytes into its staging buffer (in place where staging holds the version before
+the base: held.py), and checks them against the xxh3_64 of the new bytes that the sender computed
+while producing them, so a patched bucket is verified exactly like a bucket sent whole. A patch
+that cannot be applied (another base, damaged bytes) is refused, and the sender then sends that
+bucket whole (the transport's NEED frame).
 
 Why this encoding. Measured on versions from real training (GPT-2 124M, the built-in trainer's
 data, AdamW at lr 1e-6, one optimizer step per version; 4.2% and 3.5% of bfloat16 elements
@@ -18,12 +19,12 @@ values, zstd level 1 per 1 MiB chunk: 3.2% of the bytes, 156 ms to encode, 64 ms
 XOR of everything through zstd level 1: 4.6%, 194 ms and 113 ms; through lz4: 9.5%, 101 ms and
 84 ms; u32 index + value without compression: 10.5%. The entries go to zstd as byte planes
 (the format below): the high bytes of gaps and values are nearly all zero, and zstd makes a few
-matches of them and entropy-codes the low bytes alone; per 64 MiB of a version `weightsync bench` trains (3.7%
-changed), 8.1 ms to compress instead of 16.6 ms, and 2.42% of the bytes instead of 3.06% for
-u16 gaps then values. At float32 every element changes every step
-(the XOR through zstd still takes 55% of the bytes, at 270 ms per 64 MiB): the first chunk of a
-bucket shows that at once, and the bucket goes whole (`dense`), at the cost of one compare of
-that chunk. The chunks are 1 MiB so that each is compared, copied and hashed while in cache.
+matches of them and entropy-codes the low bytes alone; per 64 MiB of a version `weightsync bench`
+trains (3.7% changed), 8.1 ms to compress instead of 16.6 ms, and 2.42% of the bytes instead of
+3.06% for u16 gaps then values. At float32 every element changes every step (the XOR through
+zstd still takes 55% of the bytes, at 270 ms per 64 MiB): the first chunk of a bucket shows that
+at once, and the bucket goes whole (`dense`), at the cost of one compare of that chunk. The
+chunks are 1 MiB so that each is compared, patched and hashed while in cache.
 
 Patch format (little-endian; the one place it is defined)
 ---------------------------------------------------------
@@ -54,6 +55,7 @@ import zstandard
 
 from weightsync.transfer import delta_kernels as kernels
 from weightsync.transfer.delta_kernels import ELEMENT, GAP, MAX_GAP, elements  # noqa: F401 - the format's
+from weightsync.transfer.held import KEPT_SHARE, Applied
 from weightsync.transfer.phases import Phases
 from weightsync.transport.base import Pieces
 from weightsync.transport.checksum import CHUNK
@@ -241,10 +243,15 @@ class Applying:
     bytes' xxh3_64, or raises PatchError where the patch is not one of this range against this base
     (a PatchError while feeding waits for result()). `phases` adds up the seconds spent applying
     and hashing. `into`: where the new bytes go once verified, when `target` is not their place
-    (Patcher's)."""
+    (Patcher's). `redo` (held.Applied): the entries that make `target`, as it is, the base, so
+    that each chunk is patched in place rather than copied from the base first (held.py says
+    when); `applied` (with keep): the entries applied to each chunk, for the next version's redo."""
 
-    def __init__(self, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None, into=None):
+    def __init__(self, base: np.ndarray, target: np.ndarray, base_version: int, phases: Phases | None = None, into=None,
+                 redo: Applied | None = None, keep: bool = False):
         self.base, self.target, self.base_version, self.phases, self.into = base, target, base_version, phases, into
+        self.redo = redo
+        self.applied: list | None = [] if keep else None
         self.at = self.pos = 0  # bytes of the payload read, of the range written
         self.length: int | None = None  # the range's, from the head
         self.error: PatchError | None = None
@@ -269,6 +276,8 @@ class Applying:
         if self.itemsize not in ELEMENT or self.chunk <= 0 or self.chunk % self.itemsize:
             raise PatchError(f"element size {self.itemsize} or chunk size {self.chunk} is not valid")
         self.length, self.at = length, HEAD.size
+        if self.redo is not None and (self.redo.chunk != self.chunk or self.redo.itemsize != self.itemsize):
+            self.redo = None
 
     def _feed(self, view, got: int) -> None:
         if self.length is None:
@@ -285,13 +294,17 @@ class Applying:
             pos, end = self.pos, min(self.pos + self.chunk, self.length)
             out = self.target[pos:end]
             if kind == SAME and stored == 0:
-                np.copyto(out, self.base[pos:end])
+                self._as_base(pos, end, out)
+                raw = b""
             elif kind == RAW and stored == end - pos:
                 out[:] = np.frombuffer(data, dtype=np.uint8)
+                raw = None
             elif kind == SPARSE and entries:
-                self._sparse(data, entries, pos, end, out)
+                raw = self._sparse(data, entries, pos, end, out)
             else:
                 raise PatchError(f"the chunk at byte {pos} has a record (kind {kind}, {stored} bytes) this rank cannot read")
+            if self.applied is not None:
+                self.applied.append(raw if raw is None or len(raw) <= (end - pos) * KEPT_SHARE else None)
             hashed = time.perf_counter()
             self.h.update(out)
             hashing += time.perf_counter() - hashed
@@ -300,7 +313,20 @@ class Applying:
             self.phases.add("apply", time.perf_counter() - start - hashing)
             self.phases.add("hash", hashing)
 
-    def _sparse(self, data, entries: int, pos: int, end: int, out: np.ndarray) -> None:
+    def _prior(self, pos: int):
+        """The entries that make the target's chunk at `pos` the base's as it is; None: copy it."""
+        i = pos // self.chunk
+        return self.redo.entries[i] if self.redo is not None and i < len(self.redo.entries) else None
+
+    def _as_base(self, pos: int, end: int, out: np.ndarray) -> None:
+        """Make `out`, the target's chunk at `pos`, the base's."""
+        prior = self._prior(pos)
+        if prior is None:
+            np.copyto(out, self.base[pos:end])
+        elif prior and not kernels.patch(None, out, prior, len(prior) // (GAP.itemsize + self.itemsize), self.itemsize):
+            raise PatchError(f"the last version's entries of the chunk at byte {pos} do not fit it")
+
+    def _sparse(self, data, entries: int, pos: int, end: int, out: np.ndarray) -> bytes:
         want = entries * (GAP.itemsize + self.itemsize)
         try:
             raw = self.decompressor.decompress(data, max_output_size=want)
@@ -308,8 +334,11 @@ class Applying:
             raise PatchError(f"the chunk at byte {pos} does not decompress: {e}") from None
         if len(raw) != want:
             raise PatchError(f"the chunk at byte {pos} holds {len(raw)} bytes for {entries} entries")
-        if not kernels.patch(self.base[pos:end], out, raw, entries, self.itemsize):
+        if in_place := self._prior(pos) is not None:
+            self._as_base(pos, end, out)
+        if not kernels.patch(None if in_place else self.base[pos:end], out, raw, entries, self.itemsize):
             raise PatchError(f"the chunk at byte {pos} changes an element beyond its end")
+        return raw
 
     def result(self, payload) -> int:
         view = memoryview(payload).cast("B")
@@ -346,13 +375,18 @@ class Patcher:
     others were not (the sender then sends those ranges whole). A range whose offset is in
     `scatter` is the runs (offset, length) it names, in turn (a bucket that bundles runs of several
     tensors: plan.Bucket). Transports call apply() and refuse() from one thread per sender;
-    `phases` adds up the seconds they spend applying and hashing."""
+    `phases` adds up the seconds they spend applying and hashing. `redo` ({offset: held.Applied}):
+    what makes the target's ranges the base's as they are, to patch them in place (held.Trail);
+    `entries` gets the same of this version's ranges patched in a target in host memory."""
 
-    def __init__(self, base_version: int | None, base=None, target=None, scatter: Mapping | None = None):
+    def __init__(self, base_version: int | None, base=None, target=None, scatter: Mapping | None = None,
+                 redo: Mapping | None = None):
         if base_version is not None and (base is None or target is None):
             raise ValueError("a patcher with a base version needs the base and the target buffer")
         self.base_version, self.base, self.target = base_version, base, target
         self.scatter = scatter or {}
+        self.redo = redo or {}
+        self.entries: dict[int, Applied] = {}
         self.applied = 0
         self.refused: list[str] = []
         self.lock = threading.Lock()
@@ -378,7 +412,8 @@ class Patcher:
         on_host = target is not None and target.device.type == "cpu"
         out = target.numpy() if on_host else np.empty(length, dtype=np.uint8)
         return Applying(base.cpu().numpy(), out, self.base_version, self.phases,
-                        into=None if on_host else runs or ((offset, length),))
+                        into=None if on_host else runs or ((offset, length),),
+                        redo=self.redo.get(offset) if on_host else None, keep=on_host)
 
     def end(self, applying: Applying | None, offset: int, length: int, payload, checksum: int) -> bool:
         """Finish what begin() started, now that all of `payload` is there: True when the new
@@ -392,9 +427,13 @@ class Patcher:
             self.refuse(offset, length, str(e))
             return False
         if got != checksum:
+            why = ", or the staging buffer from the version before it" if applying.redo is not None else ""
             self.refuse(offset, length, f"the patched bytes hash to {got:016x}, the sender's to {checksum:016x} "
-                                        f"(this rank's version {self.base_version} differs from the sender's)")
+                                        f"(this rank's version {self.base_version} differs from the sender's{why})")
             return False
+        if applying.applied is not None:
+            with self.lock:
+                self.entries[offset] = Applied(applying.chunk, applying.itemsize, applying.applied)
         if applying.into is not None:
             import torch
 

@@ -76,9 +76,10 @@ def _with_fillers(idx: np.ndarray, n: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def patch(base: np.ndarray, out: np.ndarray, raw, entries: int, itemsize: int) -> bool:
+def patch(base: np.ndarray | None, out: np.ndarray, raw, entries: int, itemsize: int) -> bool:
     """out = base (uint8 arrays of one length, whole elements) with the `entries` in `raw` (byte
-    planes, as diff() writes them) applied; False where one names an element beyond the end."""
+    planes, as diff() writes them) applied; with base None, the entries applied to `out` in place.
+    False where one names an element beyond the end."""
     if native is not None:
         return native.patch(base, out, raw, entries, itemsize)
     dt = elements(itemsize)
@@ -87,6 +88,7 @@ def patch(base: np.ndarray, out: np.ndarray, raw, entries: int, itemsize: int) -
     idx = np.cumsum(gaps, dtype=np.int64) - 1
     if entries and (idx[-1] >= len(out) // itemsize or idx[0] < 0):
         return False
-    np.copyto(out, base)
+    if base is not None:
+        np.copyto(out, base)
     out.view(dt)[idx] ^= np.ascontiguousarray(planes[GAP.itemsize:].T).view(dt).ravel()
     return True

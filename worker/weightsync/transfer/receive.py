@@ -8,7 +8,8 @@ the reference that digest is checked against from what the trainers report (refe
 so a version is only taken when every byte of it is the trainers'.
 
 With delta versions on (delta.py), a bucket may come as a patch against the version this rank
-holds; the receiver applies it into the staging buffer, reading the base only. The checksums,
+holds; the receiver applies it into the staging buffer, reading the base only (and patching
+staging in place where it holds the version before the base, held.py). The checksums,
 and so the digest, are of the new bytes either way: a patched version is verified exactly like a
 whole one.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from weightsync.plan.interface import TransferPlan
 from weightsync.transfer.delta import Patcher
+from weightsync.transfer.held import Trail
 from weightsync.transfer.sums import digest_of, version_digest
 from weightsync.transport.base import Receiver, TransferError
 
@@ -65,7 +67,8 @@ class VersionReceiver:
     least plan.bytes_for(rank): the whole version, or over slices this rank's local layout;
     registered once with the transport by the caller or on first use), verifying every bucket.
     A version may come as patches against `base`, (the version this rank holds, its buffer),
-    which is only read."""
+    which is only read; `trail` keeps the entries of the last version's patches, with which the
+    next one patches its staging buffer in place where it can (held.py)."""
 
     def __init__(self, receiver: Receiver, plan: TransferPlan, inference_rank: int):
         self.receiver, self.plan, self.rank = receiver, plan, inference_rank
@@ -73,6 +76,7 @@ class VersionReceiver:
         self.scatter = plan.scatter_for(inference_rank)
         self.nbytes = plan.bytes_for(inference_rank)
         self.registered: set[int] = set()
+        self.trail = Trail()
         receiver.expect_trainers(plan.trainers)
 
     def receive(self, version: int, staging, timeout: float, base: tuple[int, object] | None = None) -> ReceivedVersion:
@@ -83,16 +87,19 @@ class VersionReceiver:
             self.receiver.register([staging])
             self.registered.add(staging.data_ptr())
         patcher = None
+        redo = self.trail.redo(staging, base)
         if self.receiver.capabilities.patches:
             if base is not None and base[1].data_ptr() == staging.data_ptr():
                 raise ValueError("the base of a delta version must be another buffer than the staging buffer")
-            patcher = Patcher(base[0], base[1], staging, self.scatter) if base is not None else Patcher(None)
+            patcher = Patcher(base[0], base[1], staging, self.scatter, redo) if base is not None else Patcher(None)
         start = time.monotonic()
         sums = self.receiver.receive(version, staging, self.expected, timeout, patcher, self.scatter)
         want = {o for ranges in self.expected.values() for o, _ in ranges}
         if set(sums) != want:
             missing = sorted(want - set(sums))
             raise TransferError(f"inference rank {self.rank}", f"version {version} is missing buckets at {missing[:5]}")
+        if patcher is not None:
+            self.trail.keep(version, staging, base, patcher.entries)
         return ReceivedVersion(version, self.nbytes, time.monotonic() - start, sums, version_digest(sums),
                                patched=patcher.applied if patcher else 0, refused=patcher.refused if patcher else [],
                                phases=patcher.phases.take() if patcher else {})
