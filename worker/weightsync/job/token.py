@@ -13,7 +13,6 @@ never pass for another.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import struct
@@ -38,14 +37,14 @@ def mac(key: bytes, *parts: str | bytes, lengths: str | None = None) -> bytes:
     struct format such as "<Q", each part is preceded by its length in that format, so that no two
     lists of parts are signed as the same bytes; without it the parts are joined as they are (for
     parts of fixed size, or fixed parts that end in a separator)."""
-    h = hmac.new(key, digestmod=hashlib.sha256)
-    prefix = None if lengths is None else struct.Struct(lengths)
-    for part in parts:
-        b = part.encode() if isinstance(part, str) else part
-        if prefix is not None:
-            h.update(prefix.pack(len(b)))
-        h.update(b)
-    return h.digest()
+    # One call into OpenSSL over the joined bytes, not an HMAC object fed part by part: the store
+    # signs and checks every request and answer with this, and the object's Python layers cost
+    # a fifth of what the controller's process spent per request.
+    blobs = [part.encode() if isinstance(part, str) else part for part in parts]
+    if lengths is not None:
+        prefix = struct.Struct(lengths)
+        blobs = [b for blob in blobs for b in (prefix.pack(len(blob)), blob)]
+    return hmac.digest(key, b"".join(blobs), "sha256")
 
 
 def same(proof: str | bytes, expected: str | bytes) -> bool:

@@ -9,7 +9,6 @@ to the store opens its own client.
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from typing import Callable, Iterable
@@ -150,31 +149,31 @@ class Channel:
         self.store.add(Keys.FAILURES, 1)
 
     def wait(self, keys: Iterable[str], what: str, timeout: float | None = None,
-             check: Callable[[], None] | None = None, say: Callable[[str], None] | None = None,
-             stops: Iterable[str] = ()) -> None:
-        """Wait until every key is set: the store answers as soon as they are (nothing polls).
-        `check` runs every CHECK_EVERY seconds and may raise; with `stops` (keys on which `check`
-        raises: the job's end), it runs as soon as one is set and otherwise every STOPPED_CHECK_EVERY
-        seconds, so that a thousand waiting ranks do not ask the store four times a second each;
-        `say`, where given, is told every SAY_EVERY seconds that this still waits for `what`; past
-        `timeout` seconds a TimeoutError names `what`."""
-        keys, stops = list(keys), list(stops)
+             check: Callable[..., None] | None = None, say: Callable[[str], None] | None = None,
+             stops: Iterable[str] = (), looks: Iterable[str] | None = None) -> list[bytes]:
+        """Wait until every key is set, and return their values: the store answers as soon as
+        they are, with them (nothing polls, and nothing is read again after the wait). `check`
+        runs every CHECK_EVERY seconds and may raise; with `stops` (keys on which `check` raises:
+        the job's end), it runs as soon as one is set and otherwise every STOPPED_CHECK_EVERY
+        seconds, so that a thousand waiting ranks do not ask the store four times a second each.
+        With `looks`, the store answers each step with the values of the keys, the stops and the
+        looks, and `check` is given them ({key: value, None where not set}) to look at instead of
+        asking the store again. `say`, where given, is told every SAY_EVERY seconds that this
+        still waits for `what`; past `timeout` seconds a TimeoutError names `what`."""
+        keys, stops, looks = list(keys), list(stops), None if looks is None else list(looks)
         began = told = time.monotonic()
         deadline = None if timeout is None else began + timeout
         while True:
             every = STOPPED_CHECK_EVERY if stops else CHECK_EVERY
             step = every if deadline is None else min(every, max(deadline - time.monotonic(), 0.0))
-            stopped = False
-            try:
-                if not stops:
-                    self.store.wait(keys, datetime.timedelta(seconds=step))
-                    return
-                if self.store.wait_or(keys, stops, datetime.timedelta(seconds=step)):
-                    return
-                stopped = True
-            except TimeoutError:  # not yet (a store that stopped answering fails the next call)
-                pass
-            if check:
+            asked = keys + stops + (looks or [])
+            values = [None if v[:1] == UNSET else v[1:] for v in self.store.wait_get(keys, stops, looks or [], step)]
+            if all(v is not None for v in values[:len(keys)]):
+                return values[:len(keys)]
+            stopped = any(v is not None for v in values[len(keys):len(keys) + len(stops)])
+            if check and looks is not None:
+                check(dict(zip(asked, values)))
+            elif check:
                 check()
             if stopped:  # a stop on which `check` did not raise: looked at every CHECK_EVERY from now on
                 stops = []
@@ -183,5 +182,5 @@ class Channel:
                 say(f"still waiting for {what} ({told - began:.0f}s" +
                     (f", {max(deadline - told, 0.0):.0f}s left)" if deadline is not None else ")"))
             if deadline is not None and time.monotonic() >= deadline:
-                missing = [k for k in keys if not self.store.check([k])]
+                missing = [k for k, v in zip(keys, values) if v is None]
                 raise TimedOut(f"waited {timeout:.0f}s for {what} ({', '.join(missing[:4])} not set)")

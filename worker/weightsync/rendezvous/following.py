@@ -9,15 +9,12 @@ takes it back (roster.py is the controller's side).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 from weightsync.job import INFERENCE
 from weightsync.rendezvous.channel import CHECK_EVERY, JobEnded
 from weightsync.rendezvous.keys import Keys
 from weightsync.rendezvous.messages import End, Round
-from weightsync.rendezvous.store.table import StoreTimeout
-
-GONE_WAIT = 1.0  # seconds to read a key a wait just saw set, before taking it for deleted meanwhile
 
 
 class FellBehind(RuntimeError):
@@ -45,35 +42,35 @@ class Following:
         inference rank that waits for a version whose go the controller has already said, and
         deleted (it forgets a round's keys two versions on), was left behind: FellBehind, instead
         of a wait for a key that will never come back."""
-        key = Keys.go(version, again)
-        self.wait([key], f"the controller's go for version {version}", timeout,
-                  self.behind(version, key) if not again else self.check_end,
-                  stops=self.stops(version) if not again else [Keys.END])
-        return Round.from_json(self.seen(key, version))
+        return Round.from_json(self.awaited(version, Keys.go(version, again), f"the controller's go for version {version}",
+                                            timeout, again))
 
-    def seen(self, key: str, version: int) -> bytes:
-        """The value of `key` of round `version`, which a wait just saw set. Where it is gone
-        meanwhile (an inference rank frozen between the two, the controller forgot the round),
-        FellBehind at once, not a wait for a key that will never come back."""
-        try:
-            return self.store.get(key, wait=GONE_WAIT)
-        except StoreTimeout:
-            self.behind(version, key)()
-            raise
+    def awaited(self, version: int, key: str, what: str, timeout: float | None = None, again: int = 0) -> bytes:
+        """The value of `key` of round `version` (of its repeat `again`), once the controller set
+        it: handed over with the end of the wait, and what the wait's check looks at with each of
+        its steps (Channel.wait's looks), so that a waiting rank asks the store once a second and
+        once more for the value. A repeat's wait ends at the job's end; a first sending's as
+        behind(version, key) says."""
+        if again:
+            return self.wait([key], what, timeout, self.check_end, stops=[Keys.END], looks=[])[0]
+        return self.wait([key], what, timeout, self.behind(version, key), stops=self.stops(version),
+                         looks=[Keys.LATEST] if self.role == INFERENCE else [])[0]
 
-    def behind(self, version: int, key: str) -> Callable[[], None]:
+    def behind(self, version: int, key: str) -> Callable[..., None]:
         """A check for an inference rank's wait for `key` of round `version`: the job's end, and
         FellBehind once the controller has gone on to a later version and the key is gone (its
         round's keys are deleted two versions on), so that a rank that was frozen or cut off
         meanwhile does not wait for a key that will never come back; and FellBehind once the
         controller counted this start away, whatever it waits for (after the final version no later
-        one comes to tell it, and the controller waits for it to rejoin)."""
-        def check() -> None:
+        one comes to tell it, and the controller waits for it to rejoin). Given what the wait just
+        read (`seen`, Channel.wait's looks), it looks there instead of asking the store again."""
+        def check(seen: Mapping[str, bytes | None] | None = None) -> None:
             if self.role != INFERENCE:
-                self.check_end()
+                self.check_end(seen)
                 return
-            end, dropped, why, latest, there = self.peek([Keys.END, Keys.dropped(version),
-                                                          Keys.away(self.rank, self.attempt), Keys.LATEST, key])
+            wanted = [Keys.END, Keys.dropped(version), Keys.away(self.rank, self.attempt), Keys.LATEST, key]
+            folded = seen is not None and all(k in seen for k in wanted)
+            end, dropped, why, latest, there = [seen[k] for k in wanted] if folded else self.peek(wanted)
             if end is not None:
                 ended = End.from_json(end)
                 raise JobEnded(ended.state, ended.message)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 from weightsync.job import INFERENCE, TRAINER, Job, Layout, logline
 from weightsync.job.errors import TimedOut
@@ -27,6 +27,7 @@ from weightsync.rendezvous.following import Following
 from weightsync.rendezvous.keys import Keys
 from weightsync.rendezvous.messages import (
     Applied,
+    End,
     Number,
     Peer,
     PublishedPlan,
@@ -141,8 +142,13 @@ class Member(Following, Channel):
             stop.set()
             thread.join()
 
-    def check_end(self) -> None:
-        end = self.end()
+    def check_end(self, seen: Mapping[str, bytes | None] | None = None) -> None:
+        """JobEnded once the controller ended the job (Resuming for a trainer of an earlier start);
+        where a wait just read Keys.END (`seen`, Channel.wait's looks), looked at there."""
+        if seen is not None and Keys.END in seen:
+            end = None if seen[Keys.END] is None else End.from_json(seen[Keys.END])
+        else:
+            end = self.end()
         if end is not None:
             raise JobEnded(end.state, end.message)
         if self.role == TRAINER:
@@ -152,7 +158,7 @@ class Member(Following, Channel):
         """Wait for `keys` until the job's end; `say`: a line every SAY_EVERY seconds says what
         this rank still waits for (while it joins: a rank that waits silently looks hung)."""
         self.wait([keys] if isinstance(keys, str) else keys, what, timeout, self.check_end, self.say if say else None,
-                  stops=[Keys.END])
+                  stops=[Keys.END], looks=[])
 
     def say(self, message: str) -> None:
         logline.say(self.name, message)

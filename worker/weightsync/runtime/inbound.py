@@ -183,10 +183,8 @@ def receive_rounds(member: Member, receiver: VersionReceiver, job: Job, engine: 
         received = time.monotonic()
         if transfer.verify_digest:
             try:
-                own = Keys.ref_of(version, rank)
-                member.wait([own], f"the reference digest of version {version}", timeout,
-                            member.behind(version, own), stops=member.stops(version))
-                reference = member.seen(own, version).decode()
+                reference = member.awaited(version, Keys.ref_of(version, rank),
+                                           f"the reference digest of version {version}", timeout).decode()
             except FellBehind as e:
                 raise StartAgain(f"{e}; ending this process so that it starts again and rejoins") from None
             except Dropped as dropped:

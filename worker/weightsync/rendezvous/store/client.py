@@ -203,6 +203,12 @@ class StoreClient(dist.Store):
         """Wait until every key is set (True) or one of `stops` is (False); StoreTimeout past `timeout`."""
         return self._call("wait_or", [as_bytes(k) for k in keys], [as_bytes(k) for k in stops], wait=timeout)
 
+    def wait_get(self, keys, stops, looks, timeout=None) -> list[bytes]:
+        """Table.wait_get: wait until every key or one of `stops` is set (at most `timeout`), then
+        the values of the keys, the stops and `looks` in peek's form, in one round trip."""
+        return self._call("wait_get", [as_bytes(k) for k in keys], [as_bytes(k) for k in stops],
+                          [as_bytes(k) for k in looks], wait=timeout)
+
     def compare_set(self, key, expected, desired) -> bytes:
         return self._call("compare_set", as_bytes(key), as_bytes(expected), as_bytes(desired))
 

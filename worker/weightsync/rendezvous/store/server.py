@@ -37,8 +37,7 @@ from weightsync.rendezvous.store.wire import (
     open_frame,
     pack,
     seal,
-    tags,
-    unpack,
+    unpack_tagged,
 )
 from weightsync.transport.sockets import PeerClosed, hang_up, recv_exact, send_all
 
@@ -233,15 +232,16 @@ class StoreServer(Table):
             finally:
                 with self._idle:
                     self._answering -= 1
-                    self._idle.notify_all()
+                    if self._closed:  # only a closing server waits for the answers under way
+                        self._idle.notify_all()
 
     def _dispatch(self, payload: bytes) -> tuple[int, list]:
         try:
             name, wanted = OPS.get(payload[0], (None, ""))
             if name is None:
                 raise StoreError(f"unknown operation {payload[0]}")
-            args = unpack(payload[1:])
-            if tags(args) != wanted:
+            args, given = unpack_tagged(payload[1:])
+            if given != wanted:
                 raise StoreError(f"{name}: malformed arguments")
             result = getattr(self, name)(*args)
             return OK, [] if result is None else [result]

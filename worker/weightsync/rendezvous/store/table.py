@@ -128,13 +128,17 @@ class Table:
             for watch in self._arrivals.get(key, ()):
                 watch.arrived(key)
 
+    def _limit(self, timeout, what: str) -> float:
+        """A client's timeout (None: the store's own) as the seconds a wait may take."""
+        seconds = as_seconds(self.timeout if timeout is None else timeout)
+        if not math.isfinite(seconds):  # NaN would make a wait spin for ever
+            raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
+        return min(max(seconds, 0.0), MAX_WAIT)
+
     def _await(self, keys: list[bytes], timeout, what: str, stops: list[bytes] = ()) -> None:
         """Wait, holding the lock, until every key is set, or one of `stops` is; StoreTimeout past
         `timeout` seconds."""
-        seconds = as_seconds(self.timeout if timeout is None else timeout)
-        if not math.isfinite(seconds):  # NaN would make the wait below spin for ever
-            raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
-        limit = min(max(seconds, 0.0), MAX_WAIT)
+        limit = self._limit(timeout, what)
         if not self._wait_for(keys, limit, stops=stops):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
@@ -237,6 +241,19 @@ class Table:
         with self._lock:
             self._await(keys, timeout, "wait_or", stops)
             return all(k in self._data for k in keys)
+
+    def wait_get(self, keys, stops, looks, timeout=None) -> list[bytes]:
+        """Wait until every key is set or one of `stops` is, at most `timeout` seconds; then the
+        values of the keys, the stops and `looks`, in that order, as peek gives them (past the
+        timeout too, with a key unset and no stop set). A rank's wait, the read of what it waited
+        for and the look of its check in one request, where they were three: a wait, a get, and
+        a peek or check every second it waited."""
+        keys, stops, looks = ([as_bytes(k) for k in ks] for ks in (keys, stops, looks))
+        with self._lock:
+            self._wait_for(keys, self._limit(timeout, "wait_get"), stops=stops)
+            if self._closing and not all(k in self._data for k in keys) and not any(k in self._data for k in stops):
+                raise StoreError("wait_get: the store is closing (its process is ending)")
+            return [UNSET if v is None else SET + v for v in (self._data.get(k) for k in keys + stops + looks)]
 
     def check(self, keys) -> bool:
         with self._lock:

@@ -15,8 +15,8 @@ Wire format (big-endian; this is the one place it is defined)
   is b"C" (requests) or b"S" (responses); the client numbers its requests 1, 2, 3, ... and the
   server answers request k with sequence k. A request's payload is u8 op | arguments, a response's
   u8 status | results, each value tagged: b"b" u32 length | bytes, b"i" i64, b"f" f64, b"?" u8,
-  b"l" u32 count | (u32 length | bytes) per item; peek answers a list whose items are SET | value or
-  UNSET, one per key asked. A frame out of sequence or with a wrong HMAC
+  b"l" u32 count | (u32 length | bytes) per item; peek and wait_get answer a list whose items are
+  SET | value or UNSET, one per key asked. A frame out of sequence or with a wrong HMAC
   closes the connection. The handshake's HMACs are over their parts each preceded by its u32
   length, the frames' over the parts as they are (job/token.py).
 """
@@ -40,9 +40,10 @@ MAC_BYTES = 32
 # op code: (name, argument tags)
 OPS = {1: ("set", "bb"), 2: ("get", "bf"), 3: ("add", "bi"), 4: ("check", "l"), 5: ("wait", "lf"),
        6: ("compare_set", "bbb"), 7: ("delete_key", "b"), 8: ("num_keys", ""), 9: ("append", "bb"),
-       10: ("multi_get", "lf"), 11: ("multi_set", "ll"), 12: ("peek", "l"), 13: ("wait_or", "llf")}
+       10: ("multi_get", "lf"), 11: ("multi_set", "ll"), 12: ("peek", "l"), 13: ("wait_or", "llf"),
+       14: ("wait_get", "lllf")}
 CODES = {name: code for code, (name, _) in OPS.items()}
-BLOCKING = {"get", "wait", "multi_get", "wait_or"}  # their last argument is how long the server may wait
+BLOCKING = {"get", "wait", "multi_get", "wait_or", "wait_get"}  # their last argument is how long the server may wait
 OK, ERROR, TIMEOUT, FULL = 0, 1, 2, 3  # a response's status
 SET, UNSET = b"\x01", b"\x00"  # what peek puts before each key's value: set (the value follows), or not set
 
@@ -79,38 +80,62 @@ def pack(values) -> bytes:
 
 
 def unpack(data: bytes) -> list:
-    view, at, out = memoryview(data), 0, []
-
-    def take(n: int) -> bytes:
-        nonlocal at
-        if at + n > len(view):
-            raise ValueError("a value runs past the end of the message")
-        at += n
-        return bytes(view[at - n:at])
-
-    while at < len(view):
-        tag = take(1)
-        if tag == b"?":
-            out.append(take(1) != b"\0")
-        elif tag == b"i":
-            out.append(struct.unpack(">q", take(8))[0])
-        elif tag == b"f":
-            out.append(struct.unpack(">d", take(8))[0])
-        elif tag == b"b":
-            out.append(take(LENGTH.unpack(take(4))[0]))
-        elif tag == b"l":
-            count = LENGTH.unpack(take(4))[0]
-            if count > len(view) - at:
-                raise ValueError("a list longer than the message")
-            out.append([take(LENGTH.unpack(take(4))[0]) for _ in range(count)])
-        else:
-            raise ValueError(f"unknown value tag {tag!r}")
-    return out
+    return unpack_tagged(data)[0]
 
 
-def tags(values) -> str:
-    """The tags of unpacked values, as OPS names an operation's arguments."""
-    return "".join({bool: "?", int: "i", float: "f", bytes: "b", list: "l"}[type(v)] for v in values)
+_FIXED = {b"i"[0]: (8, ">q", "i"), b"f"[0]: (8, ">d", "f")}
+
+
+def _blob(data: bytes, at: int, end: int) -> tuple[bytes, int]:
+    """The bytes whose u32 length is at `at`, and where what follows them begins."""
+    n = LENGTH.unpack_from(data, at)[0]
+    at += 4
+    if at + n > end:
+        raise ValueError("a value runs past the end of the message")
+    return bytes(data[at:at + n]), at + n
+
+
+def unpack_tagged(data: bytes) -> tuple[list, str]:
+    """The values of a payload, and their tags (as OPS names an operation's arguments), in one
+    pass: the server reads every request of every rank with it."""
+    out, seen, at, end = [], [], 0, len(data)
+    try:
+        while at < end:
+            tag = data[at]
+            at += 1
+            if tag == 98:  # b"b"
+                value, at = _blob(data, at, end)
+                out.append(value)
+                seen.append("b")
+            elif tag in _FIXED:
+                size, fmt, name = _FIXED[tag]
+                if at + size > end:
+                    raise ValueError("a value runs past the end of the message")
+                out.append(struct.unpack_from(fmt, data, at)[0])
+                at += size
+                seen.append(name)
+            elif tag == 63:  # b"?"
+                if at >= end:
+                    raise ValueError("a value runs past the end of the message")
+                out.append(data[at] != 0)
+                at += 1
+                seen.append("?")
+            elif tag == 108:  # b"l"
+                count = LENGTH.unpack_from(data, at)[0]
+                at += 4
+                if count > end - at:
+                    raise ValueError("a list longer than the message")
+                items = []
+                for _ in range(count):
+                    value, at = _blob(data, at, end)
+                    items.append(value)
+                out.append(items)
+                seen.append("l")
+            else:
+                raise ValueError(f"unknown value tag {bytes([tag])!r}")
+    except struct.error:
+        raise ValueError("a value runs past the end of the message") from None
+    return out, "".join(seen)
 
 
 # ---------------------------------------------------------------- frames
