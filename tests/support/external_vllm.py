@@ -21,6 +21,8 @@ VLLM_API_EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "integ
 # vLLM's CPU backend: head size 64 (LLAMA), a small share of memory, a small KV cache (the env below)
 SERVER_ARGS = ("--enforce-eager", "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-seqs", "4")
 UP_TIMEOUT = 600.0  # seconds: a vLLM server starts in about 1-2 minutes on 2 busy cores
+# its sitecustomize traces the engine's init in the server's own processes (support/paths.py)
+TRACED_INIT = Path(__file__).resolve().parent / "traced_init"
 
 
 def read_join_file(path: Path, timeout: float = 300.0) -> dict[str, str]:
@@ -30,6 +32,13 @@ def read_join_file(path: Path, timeout: float = 300.0) -> dict[str, str]:
         assert time.monotonic() < deadline, f"{path} was not written within {timeout:.0f}s"
         time.sleep(0.1)
     return dict(shlex.split(line)[0].split("=", 1) for line in path.read_text().splitlines() if line.strip())
+
+
+def traced_init(out: Path) -> dict[str, str]:
+    """The environment of a server whose engine's init is traced, each init into `out` as JSON
+    (traced_init/sitecustomize.py): that folder first on its PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(TRACED_INIT), os.environ.get("PYTHONPATH")])),
+            "WEIGHTSYNC_TEST_TRACE_INIT": str(out)}
 
 
 class ExternalServer:

@@ -1,6 +1,6 @@
 """How far an entry point's parameter travels: the modules a value given to one of weightsync's
-entry points (the controller's context, a trainer's rank in attach) passes through, traced as the
-code runs rather than read off the imports.
+entry points (the controller's context, a trainer's rank in attach, the vLLM engine's init info)
+passes through, traced as the code runs rather than read off the imports.
 
 From the entry point's frame on, a call that hands the value on (`carries` says which arguments
 do: the value itself, or an object holding it) is followed, and so are the calls those make in
@@ -110,5 +110,20 @@ def rank_of(rank: int) -> Callable[[str, Any], bool]:
             return True
         held = getattr(arg, "__dict__", {}).get("rank")
         return isinstance(held, int) and held == rank
+
+    return carries
+
+
+def init_of(init: Any) -> Callable[[str, Any], bool]:
+    """Arguments that carry the vLLM engine's init info (engine.WeightsyncInitInfo): the init
+    itself, one of the values it names (its job, its controller, this server's URL, its proof),
+    or an object holding either as an attribute (the join it is made into, a Place, a store client)."""
+    named = {v for v in vars(init).values() if isinstance(v, str) and v}
+
+    def carried(value: Any) -> bool:
+        return value is init or (isinstance(value, str) and value in named)
+
+    def carries(name: str, arg: Any) -> bool:
+        return carried(arg) or any(carried(v) for v in getattr(arg, "__dict__", {}).values())
 
     return carries

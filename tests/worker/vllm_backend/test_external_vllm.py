@@ -54,6 +54,7 @@ from support.external_vllm import (
     assert_served_bit_for_bit,
     free_port,
     read_join_file,
+    traced_init,
     vllm_python,
 )
 from support.vllm import (
@@ -286,7 +287,10 @@ def test_a_trainer_on_vllms_own_api_runs_its_own_job_into_two_vllm_servers_with_
     checksummed with the other first, then reloads the checkpoint and compares; the servers start
     on a checkpoint, so that they have vLLM's loader from disk) and answer its greedy tokens; each
     rank sent about half of every version. One server killed between two sends: the next version
-    goes on with the other (the run's rules, --min-available 1), and the run ends well."""
+    goes on with the other (the run's rules, --min-available 1), and the run ends well.
+    Besides: the init info each server's engine is given (WeightsyncEngine.init_transfer_engine),
+    and what it names, takes at most 20 steps between modules, none back up a layer
+    (support/paths.py), traced in the vLLM process that runs the init (support/traced_init)."""
     python = vllm_python()
     token = secrets.token_hex(32)
     secret = {JoinEnv.TOKEN: token}
@@ -298,7 +302,9 @@ def test_a_trainer_on_vllms_own_api_runs_its_own_job_into_two_vllm_servers_with_
     start = save_checkpoint(dict(AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA)).state_dict()), LLAMA,
                             tmp_path / "start")  # the servers start on other weights than any version
     model = Model(path=str(start), dtype="bfloat16")
-    servers = [ExternalServer(python, model, NO_JOB, secret, tmp_path / f"server-{i}.log", url=None) for i in range(2)]
+    inits = [tmp_path / f"init-{i}.json" for i in range(2)]
+    servers = [ExternalServer(python, model, NO_JOB, secret, tmp_path / f"server-{i}.log", url=None,
+                              env=traced_init(inits[i])) for i in range(2)]
     trainers = None
     reloads: dict[int, float] = {}
     try:
@@ -349,8 +355,15 @@ def test_a_trainer_on_vllms_own_api_runs_its_own_job_into_two_vllm_servers_with_
     shares = {int(rank): int(sent) / int(total) for rank, sent, total in
               re.findall(r"trainer rank (\d+)\] attached on cpu.*; sends (\d+) of (\d+) bytes per version", log)}
     assert sorted(shares) == [0, 1] and all(0.35 < share < 0.65 for share in shares.values()), (shares, log[-3000:])
-    for server in servers:
+    for server, init in zip(servers, inits):
         assert f"the vLLM server at {server.url} claimed inference rank" in log, server.text()[-3000:]
+        assert init.exists(), f"no init of {server.url}'s engine was traced:\n{server.text()[-3000:]}"
+        traced = json.loads(init.read_text())
+        assert len(traced) == 1 and traced[0]["failed"] is None, traced
+        path = traced[0]
+        print(f"{server.url}: its engine's init info, from init_transfer_engine on, {path['said']}")
+        assert path["steps"][:1] == [["weightsync.vllm_backend.engine", "weightsync.vllm_backend.placement"]], path["said"]
+        assert len(path["steps"]) <= 20 and not path["up"], path["said"]
     # the benchmark: a version's time (the controller's record: sent, verified, loaded into both
     # servers) against vLLM's own reload of the same weights from disk, on this machine
     for r in records:
