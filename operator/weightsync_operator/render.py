@@ -32,7 +32,6 @@ from weightsync.job import (
     TOKEN_KEY,
     TOKEN_MOUNT,
     TRAINER,
-    WORKER_UID,
     WRITABLE_ENV,
     Job,
     PodSite,
@@ -47,6 +46,7 @@ from weightsync.job import (
 )
 from weightsync.job.join import external_roles, join_env
 from weightsync_operator.queueing import Placement
+from weightsync_operator.security import container_security, pod_security
 
 GPU_RESOURCE = "nvidia.com/gpu"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
@@ -363,24 +363,6 @@ def spec_hash(job: Job) -> str:
         if any(read.values()):
             section["podTemplate"] = {"spec": {k: v for k, v in read.items() if v}}
     return hashlib.sha256(dump_document(spec).encode()).hexdigest()[:16]
-
-
-def pod_security(rdma: bool) -> dict:
-    """Every pod but an rdma job's trainers and inference ranks passes Pod Security `restricted`:
-    the worker image's own non-root user, the runtime's default seccomp profile. Registering RDMA
-    buffers pins memory past the default locked-memory limit; IPC_LOCK lifts that limit only for
-    root (Kubernetes gives a non-root user no ambient capabilities), so those pods run as root."""
-    if rdma:
-        return {"runAsUser": 0, "runAsGroup": 0, "seccompProfile": {"type": "RuntimeDefault"}}
-    return {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
-            "fsGroup": WORKER_UID, "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def container_security(rdma: bool) -> dict:
-    """No capability but IPC_LOCK for RDMA, no privilege escalation, and a read-only root
-    filesystem: the worker writes only under /tmp (WRITABLE_ENV)."""
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if rdma else {})}}
 
 
 def env(job: Job, role: str, mode: str) -> list[dict]:
