@@ -199,10 +199,6 @@ class StoreClient(dist.Store):
     def wait(self, keys, timeout=None) -> None:
         self._call("wait", [as_bytes(k) for k in keys], wait=timeout)
 
-    def wait_or(self, keys, stops, timeout=None) -> bool:
-        """Wait until every key is set (True) or one of `stops` is (False); StoreTimeout past `timeout`."""
-        return self._call("wait_or", [as_bytes(k) for k in keys], [as_bytes(k) for k in stops], wait=timeout)
-
     def wait_get(self, keys, stops, looks, timeout=None) -> list[bytes]:
         """Table.wait_get: wait until every key or one of `stops` is set (at most `timeout`), then
         the values of the keys, the stops and `looks` in peek's form, in one round trip."""

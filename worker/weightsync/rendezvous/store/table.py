@@ -135,14 +135,13 @@ class Table:
             raise StoreError(f"{what}: a timeout of {seconds} seconds is no number of seconds")
         return min(max(seconds, 0.0), MAX_WAIT)
 
-    def _await(self, keys: list[bytes], timeout, what: str, stops: list[bytes] = ()) -> None:
-        """Wait, holding the lock, until every key is set, or one of `stops` is; StoreTimeout past
-        `timeout` seconds."""
+    def _await(self, keys: list[bytes], timeout, what: str) -> None:
+        """Wait, holding the lock, until every key is set; StoreTimeout past `timeout` seconds."""
         limit = self._limit(timeout, what)
-        if not self._wait_for(keys, limit, stops=stops):
+        if not self._wait_for(keys, limit):
             missing = ", ".join(_shown(k) for k in keys if k not in self._data)
             raise StoreTimeout(f"{what}: {missing} not set within {limit:.1f}s")
-        if not all(k in self._data for k in keys) and not any(k in self._data for k in stops):
+        if not all(k in self._data for k in keys):
             raise StoreError(f"{what}: the store is closing (its process is ending)")
 
     def _wait_for(self, keys: list[bytes], limit: float, every: bool = True, stops: list[bytes] = ()) -> bool:
@@ -233,14 +232,6 @@ class Table:
                 raise StoreError(f"add: {_shown(key)!r} holds {old[:32]!r}, not a number") from None
             self._put([(key, str(value).encode())])
             return value
-
-    def wait_or(self, keys, stops, timeout=None) -> bool:
-        """Wait until every key is set (True), or until one of `stops` is (False): a rank's wait that
-        ends at once on what would end it (the job's end), instead of looking for it every so often."""
-        keys, stops = [as_bytes(k) for k in keys], [as_bytes(k) for k in stops]
-        with self._lock:
-            self._await(keys, timeout, "wait_or", stops)
-            return all(k in self._data for k in keys)
 
     def wait_get(self, keys, stops, looks, timeout=None) -> list[bytes]:
         """Wait until every key is set or one of `stops` is, at most `timeout` seconds; then the

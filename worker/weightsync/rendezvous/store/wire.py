@@ -40,10 +40,10 @@ MAC_BYTES = 32
 # op code: (name, argument tags)
 OPS = {1: ("set", "bb"), 2: ("get", "bf"), 3: ("add", "bi"), 4: ("check", "l"), 5: ("wait", "lf"),
        6: ("compare_set", "bbb"), 7: ("delete_key", "b"), 8: ("num_keys", ""), 9: ("append", "bb"),
-       10: ("multi_get", "lf"), 11: ("multi_set", "ll"), 12: ("peek", "l"), 13: ("wait_or", "llf"),
+       10: ("multi_get", "lf"), 11: ("multi_set", "ll"), 12: ("peek", "l"),
        14: ("wait_get", "lllf")}
 CODES = {name: code for code, (name, _) in OPS.items()}
-BLOCKING = {"get", "wait", "multi_get", "wait_or", "wait_get"}  # their last argument is how long the server may wait
+BLOCKING = {"get", "wait", "multi_get", "wait_get"}  # their last argument is how long the server may wait
 OK, ERROR, TIMEOUT, FULL = 0, 1, 2, 3  # a response's status
 SET, UNSET = b"\x01", b"\x00"  # what peek puts before each key's value: set (the value follows), or not set
 
